@@ -1,0 +1,148 @@
+"""Benchmark `qlm convert hf2mcore` against the physical floor: reading the same source bytes and writing as many
+bytes as the converted checkpoint holds, measured in the same run on the same (page-cached) files.
+
+    python bench/convert.py                       # random bf16 Qwen2-1.5B, hf2mcore --tp 4 --pp 2
+    python bench/convert.py --shape qwen2-7b      # the 15 GB case
+
+Prints the time ratio convert / floor and the peak RSS of each (measured in child processes, so generating the
+checkpoint does not count), next to the budget "one output file + two largest tensors" above an idle interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from qlm_core.checkpoint.hf import plan_hf_shards, shard_file_names, write_hf_index, write_hf_shard
+from qlm_core.checkpoint.layout import ModelLayout
+from qlm_core.models import load_model_spec
+
+CHUNK = 64 << 20
+
+
+def make_random_checkpoint(path: Path, shape: str, max_shard_gb: float = 4.0):
+    """A random bf16 HF checkpoint written tensor by tensor (no model is instantiated)."""
+    spec = load_model_spec(shape)
+    layout = ModelLayout(spec)
+    shapes = {name: layout.hf_shape(name) for name in layout.hf_tensors}
+    sizes = {name: torch.Size(s).numel() * 2 for name, s in shapes.items()}
+    shards = plan_hf_shards(sizes, int(max_shard_gb * 2**30))
+    files = shard_file_names(len(shards))
+    path.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for names, file in zip(shards, files):
+        tensors = {n: (torch.randn(shapes[n], generator=generator) * 0.02).to(torch.bfloat16) for n in names}
+        write_hf_shard(path / file, tensors)
+        weight_map.update({n: file for n in names})
+        del tensors
+    if len(files) > 1:
+        write_hf_index(path, weight_map, sum(sizes.values()))
+    (path / "config.json").write_text(json.dumps(spec.to_hf_config("bfloat16"), indent=2))
+    (path / "DONE").write_text("ok")
+
+
+def raw_copy(src: Path, dst: Path, write_bytes: int | None = None) -> int:
+    """Read every source byte and write `write_bytes` bytes (default: as many as read): the floor any converter
+    pays to produce an output of that size."""
+    dst.mkdir(parents=True, exist_ok=True)
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    files = sorted(src.glob("*.safetensors"))
+    to_write = write_bytes if write_bytes is not None else sum(f.stat().st_size for f in files)
+    written = 0
+    with open(dst / "raw.bin", "wb", buffering=0) as fout:
+        for file in files:
+            with open(file, "rb", buffering=0) as fin:
+                while n := fin.readinto(buffer):
+                    n = min(n, to_write - written)
+                    fout.write(view[:n])
+                    written += n
+        while written < to_write:
+            n = min(CHUNK, to_write - written)
+            fout.write(view[:n])
+            written += n
+    return written
+
+
+def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 0) -> dict:
+    """Run one measurement in a fresh process; returns its timing and peak RSS."""
+    code = (
+        "import json, resource, sys, time, shutil\n"
+        "from pathlib import Path\n"
+        "sys.path.insert(0, %r)\n"
+        "import convert as bench\n"
+        "from qlm_core.checkpoint.convert import hf_to_mcore\n"
+        "src, dst = Path(%r), Path(%r)\n"
+        "shutil.rmtree(dst, ignore_errors=True)\n"
+        "idle = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "start = time.perf_counter()\n"
+        "if %r == 'raw':\n"
+        "    nbytes = bench.raw_copy(src, dst, %d)\n"
+        "else:\n"
+        "    nbytes = hf_to_mcore(src, dst, tp=%d, pp=%d, verify=False).bytes_written\n"
+        "seconds = time.perf_counter() - start\n"
+        "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(json.dumps({'seconds': seconds, 'bytes': nbytes, 'idle_rss_kb': idle, 'peak_rss_kb': peak}))\n"
+    ) % (str(Path(__file__).parent), str(src), str(dst), mode, write_bytes, tp, pp)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen2-1.5b", help="model preset to build (default qwen2-1.5b)")
+    parser.add_argument("--tp", type=int, default=4)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "qlm-bench")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each; the best is reported")
+    args = parser.parse_args()
+
+    src = args.workdir / f"{args.shape}-hf"
+    if not (src / "DONE").exists():
+        print(f"building random bf16 {args.shape} checkpoint in {src} ...", flush=True)
+        make_random_checkpoint(src, args.shape)
+    source_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+
+    layout = ModelLayout(load_model_spec(args.shape), args.tp, args.pp)
+    tensor_bytes = sorted(torch.Size(t.shape).numel() * 2 for t in layout.global_tensors)
+    stage_bytes = [  # one (tp, pp) output file's tensors, per stage
+        sum(torch.Size(t.shard_shape(args.tp)).numel() * 2 for c in range(layout.vpp)
+            for _, t in layout.shard_entries(stage, c) if t is not None)
+        for stage in range(args.pp)
+    ]
+    file_bytes, output_bytes = max(stage_bytes), sum(stage_bytes) * args.tp
+    raw_copy(src, args.workdir / "warm")  # bring the source into the page cache for both contenders
+
+    runs = {"raw": [], "convert": []}
+    for i in range(args.repeats):
+        # Alternate the order and flush dirty pages before each run, so neither pays for the other's writeback.
+        for mode in ("raw", "convert") if i % 2 == 0 else ("convert", "raw"):
+            os.sync()
+            runs[mode].append(child(mode, src, args.workdir / f"{mode}-out", args.tp, args.pp, output_bytes))
+    best = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items()}
+    ratios = sorted(c["seconds"] / r["seconds"] for c, r in zip(runs["convert"], runs["raw"]))
+    peak = {k: max(r["peak_rss_kb"] for r in v) * 1024 for k, v in runs.items()}
+    idle = min(r["idle_rss_kb"] for v in runs.values() for r in v) * 1024
+    budget = file_bytes + sum(tensor_bytes[-2:])
+    gib = 2**30
+    print(f"shape {args.shape}: source {source_bytes / gib:.2f} GiB, hf2mcore --tp {args.tp} --pp {args.pp}")
+    print(f"  raw read+write   {best['raw']['seconds']:7.2f} s  ({best['raw']['bytes'] / gib:.2f} GiB written)")
+    print(f"  qlm hf2mcore     {best['convert']['seconds']:7.2f} s  ({best['convert']['bytes'] / gib:.2f} GiB written)")
+    print(f"  time ratio convert / raw = {best['convert']['seconds'] / best['raw']['seconds']:.2f} best-of-each, "
+          f"{ratios[len(ratios) // 2]:.2f} median of paired runs  (target <= 1.3)")
+    print(f"  peak RSS above idle: convert {(peak['convert'] - idle) / gib:.2f} GiB, raw {(peak['raw'] - idle) / gib:.2f}"
+          f" GiB; budget (largest output file {file_bytes / gib:.2f} + two largest tensors "
+          f"{sum(tensor_bytes[-2:]) / gib:.2f}) = {budget / gib:.2f} GiB -> "
+          f"{'within' if peak['convert'] - idle <= budget else 'OVER'} budget")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""qlm's command line: parse, call qlm_core, render with rich."""

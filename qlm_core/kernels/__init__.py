@@ -1,0 +1,1 @@
+"""Numerical building blocks. Torch-native first; fused CUDA kernels (flash-attn, apex) are used only when installed."""

@@ -1,0 +1,238 @@
+"""The one decoder definition used by every verb (train, eval, convert --verify, profile --probe).
+
+Parameter names and layouts are Megatron-Core's local spec exactly (DESIGN.md §4), and a model built for TP rank r
+and pipeline stage p holds exactly Megatron's shard for (r, p). So a legacy Megatron checkpoint shard IS this
+module's state_dict, and no verb ever translates names.
+
+Activations are [seq, batch, hidden] as in Megatron; under sequence parallelism the seq dim is this rank's shard.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.attention import core_attention
+from ..kernels.norm import RMSNorm
+from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from ..parallel.comm import group_rank, group_size
+from ..parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_last_dim,
+    gather_last_dim_sum_grad,
+    vocab_parallel_cross_entropy,
+)
+from .spec import ModelSpec, padded_vocab_size
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, tp_group, sequence_parallel: bool, dtype):
+        super().__init__()
+        tp = group_size(tp_group)
+        if spec.num_query_groups % tp and tp % spec.num_query_groups:
+            raise ValueError(
+                f"tensor-parallel size {tp} must divide, or be a multiple of, num_query_groups {spec.num_query_groups}"
+            )
+        if spec.num_attention_heads % tp:
+            raise ValueError(f"tensor-parallel size {tp} must divide num_attention_heads {spec.num_attention_heads}")
+        self.spec = spec
+        self.tp_group = tp_group
+        # Registration order matches Megatron-Core's SelfAttention (linear_proj before linear_qkv).
+        self.linear_proj = RowParallelLinear(
+            spec.num_attention_heads * spec.kv_channels, spec.hidden_size,
+            tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
+        )
+        self.linear_qkv = ColumnParallelLinear(
+            spec.hidden_size, spec.qkv_rows, bias=spec.qkv_bias,
+            tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
+        )
+
+    def _split_qkv(self, mixed: torch.Tensor):
+        """mixed [s, b, local qkv rows] -> q [s, b, local heads, d], k and v [s, b, local groups, d]."""
+        spec, tp, d = self.spec, group_size(self.tp_group), self.spec.kv_channels
+        per_group = spec.heads_per_group
+        if spec.num_query_groups >= tp:
+            groups = spec.num_query_groups // tp
+        else:
+            # Fewer query groups than TP ranks: each rank's qkv rows are a contiguous chunk of the grouped layout
+            # that does not align with groups. Gather the whole projection, keep this rank's group, and then only
+            # this rank's query heads of it (Megatron-Core does the same).
+            mixed = gather_last_dim_sum_grad(mixed, self.tp_group)
+            ranks_per_group = tp // spec.num_query_groups
+            group = group_rank(self.tp_group) // ranks_per_group
+            size = mixed.shape[-1] // spec.num_query_groups
+            mixed = mixed[..., group * size : (group + 1) * size]
+            groups = 1
+        s, b = mixed.shape[:2]
+        mixed = mixed.view(s, b, groups, (per_group + 2) * d)
+        q, k, v = torch.split(mixed, [per_group * d, d, d], dim=-1)
+        q = q.reshape(s, b, groups * per_group, d)
+        if spec.num_query_groups < tp:
+            heads = spec.num_attention_heads // tp
+            first = (group_rank(self.tp_group) % (tp // spec.num_query_groups)) * heads
+            q = q[:, :, first : first + heads]
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._split_qkv(self.linear_qkv(x))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # [s, b, heads, d] -> [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        out = core_attention(
+            q, k, v, causal=True, softmax_scale=1.0 / math.sqrt(self.spec.kv_channels),
+            sliding_window=self.spec.sliding_window,
+        )
+        s, b = out.shape[2], out.shape[0]
+        return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: linear_fc1 holds [gate_r; up_r] on TP rank r, so a local chunk(2) splits gate from up."""
+
+    def __init__(self, spec: ModelSpec, tp_group, sequence_parallel: bool, dtype):
+        super().__init__()
+        self.linear_fc1 = ColumnParallelLinear(
+            spec.hidden_size, 2 * spec.ffn_hidden_size, tp_group=tp_group, sequence_parallel=sequence_parallel,
+            dtype=dtype,
+        )
+        self.linear_fc2 = RowParallelLinear(
+            spec.ffn_hidden_size, spec.hidden_size, tp_group=tp_group, sequence_parallel=sequence_parallel,
+            dtype=dtype,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
+        return self.linear_fc2(F.silu(gate) * up)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, tp_group, sequence_parallel: bool, dtype):
+        super().__init__()
+        sp = sequence_parallel and group_size(tp_group) > 1
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype, sequence_parallel=sp)
+        self.self_attention = SelfAttention(spec, tp_group, sequence_parallel, dtype)
+        self.pre_mlp_layernorm = RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype, sequence_parallel=sp)
+        self.mlp = MLP(spec, tp_group, sequence_parallel, dtype)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attention(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, spec, num_layers, post_process, tp_group, sequence_parallel, dtype):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            TransformerLayer(spec, tp_group, sequence_parallel, dtype) for _ in range(num_layers)
+        )
+        sp = sequence_parallel and group_size(tp_group) > 1
+        self.final_layernorm = (
+            RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype, sequence_parallel=sp) if post_process else None
+        )
+
+    def forward(self, x, cos, sin):
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.final_layernorm(x) if self.final_layernorm is not None else x
+
+
+class LanguageModelEmbedding(nn.Module):
+    def __init__(self, spec, padded_vocab, tp_group, sequence_parallel, dtype):
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(
+            padded_vocab, spec.hidden_size, tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype
+        )
+
+    def forward(self, input_ids):
+        return self.word_embeddings(input_ids)
+
+
+class GPTModel(nn.Module):
+    """One pipeline stage (or the whole model) of a decoder-only LM.
+
+    `layer_offset`/`num_layers` select the global layers this module holds (numbered locally from 0, as in
+    Megatron's per-stage files); `pre_process` adds the embedding, `post_process` the final norm and output layer.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        tp_group=None,
+        sequence_parallel: bool = False,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_offset: int = 0,
+        num_layers: int | None = None,
+        padded_vocab: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.spec = spec
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_offset = layer_offset
+        self.padded_vocab = padded_vocab or padded_vocab_size(spec.vocab_size, 128, group_size(tp_group))
+        num_layers = spec.num_layers - layer_offset if num_layers is None else num_layers
+        self.tied_in_stage = spec.tie_word_embeddings and pre_process
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(spec, self.padded_vocab, tp_group, sequence_parallel, dtype)
+        self.decoder = TransformerBlock(spec, num_layers, post_process, tp_group, sequence_parallel, dtype)
+        if post_process:
+            # With tied embeddings the output layer borrows the embedding weight when both live in this stage;
+            # a last stage without the embedding keeps its own copy (synchronised by the pipeline code).
+            self.output_layer = ColumnParallelLinear(
+                spec.hidden_size, self.padded_vocab, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                skip_weight=self.tied_in_stage, dtype=dtype,
+            )
+        self._inv_freq = rope_inv_freq(spec.kv_channels, spec.rope_theta, spec.rope_scaling)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None):
+        """Megatron's default init: N(0, std) for weights, std/sqrt(2L) for the layers feeding the residual."""
+        out_std = std / math.sqrt(2.0 * self.spec.num_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("layernorm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                scale = out_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * scale)
+
+    def output_weight(self) -> torch.Tensor:
+        if self.tied_in_stage:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        hidden_states: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Returns hidden states [s, b, h] (not the last stage), else per-token loss [b, s] if `labels` are given,
+        else logits [b, s, vocab_size] gathered over TP with Megatron's padding columns removed."""
+        x = self.embedding(input_ids) if self.pre_process else hidden_states
+        seq_len = x.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=x.device)[None, :].expand(x.shape[1], seq_len)
+        self._inv_freq = self._inv_freq.to(x.device)
+        cos, sin = rope_cos_sin(position_ids, self._inv_freq, x.dtype)
+        x = self.decoder(x, cos, sin)
+        if not self.post_process:
+            return x
+        logits = self.output_layer(x, self.output_weight())
+        if labels is None:
+            return gather_last_dim(logits, self.tp_group)[..., : self.spec.vocab_size].transpose(0, 1)
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group, self.spec.vocab_size)
+        return loss.transpose(0, 1)

@@ -1,0 +1,47 @@
+"""Architecture numbers of well-known models, copied from their published config.json files (numbers only)."""
+
+from .spec import ModelSpec, RopeScaling
+
+
+def _qwen2(hidden, ffn, layers, heads, groups, vocab, tied, max_pos=131072, eps=1e-6) -> ModelSpec:
+    return ModelSpec(
+        model_type="qwen2", vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
+        num_attention_heads=heads, num_query_groups=groups, kv_channels=hidden // heads,
+        max_position_embeddings=max_pos, rope_theta=1_000_000.0, norm_epsilon=eps, qkv_bias=True,
+        tie_word_embeddings=tied, bos_token_id=151643, eos_token_id=151643,
+    )
+
+
+def _llama(hidden, ffn, layers, heads, groups, vocab, max_pos, theta, scaling=None, bos=128000, eos=128001):
+    return ModelSpec(
+        model_type="llama", vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
+        num_attention_heads=heads, num_query_groups=groups, kv_channels=hidden // heads,
+        max_position_embeddings=max_pos, rope_theta=theta, norm_epsilon=1e-5, qkv_bias=False,
+        tie_word_embeddings=False, rope_scaling=scaling, bos_token_id=bos, eos_token_id=eos,
+    )
+
+
+_LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+PRESETS: dict[str, ModelSpec] = {
+    "qwen2-0.5b": _qwen2(896, 4864, 24, 14, 2, 151936, tied=True),
+    "qwen2-1.5b": _qwen2(1536, 8960, 28, 12, 2, 151936, tied=True),
+    "qwen2-7b": _qwen2(3584, 18944, 28, 28, 4, 152064, tied=False),
+    "qwen2-72b": _qwen2(8192, 29568, 80, 64, 8, 152064, tied=False),
+    "qwen2.5-0.5b": _qwen2(896, 4864, 24, 14, 2, 151936, tied=True, max_pos=32768),
+    "qwen2.5-7b": _qwen2(3584, 18944, 28, 28, 4, 152064, tied=False),
+    "qwen2.5-72b": _qwen2(8192, 29568, 80, 64, 8, 152064, tied=False),
+    "llama2-7b": _llama(4096, 11008, 32, 32, 32, 32000, 4096, 10000.0, bos=1, eos=2),
+    "llama2-13b": _llama(5120, 13824, 40, 40, 40, 32000, 4096, 10000.0, bos=1, eos=2),
+    "llama2-70b": _llama(8192, 28672, 80, 64, 8, 32000, 4096, 10000.0, bos=1, eos=2),
+    "llama3-8b": _llama(4096, 14336, 32, 32, 8, 128256, 8192, 500000.0),
+    "llama3-70b": _llama(8192, 28672, 80, 64, 8, 128256, 8192, 500000.0),
+    "llama3.1-8b": _llama(4096, 14336, 32, 32, 8, 128256, 131072, 500000.0, _LLAMA31),
+    "llama3.1-70b": _llama(8192, 28672, 80, 64, 8, 128256, 131072, 500000.0, _LLAMA31),
+    "mistral-7b": ModelSpec(
+        model_type="mistral", vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
+        num_attention_heads=32, num_query_groups=8, kv_channels=128, max_position_embeddings=32768,
+        rope_theta=10000.0, norm_epsilon=1e-5, qkv_bias=False, tie_word_embeddings=False, sliding_window=4096,
+        bos_token_id=1, eos_token_id=2,
+    ),
+}

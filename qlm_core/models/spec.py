@@ -1,0 +1,210 @@
+"""ModelSpec: the architecture numbers of one decoder, from an HF config.json or a preset name.
+
+Only numbers live here. How the numbers become tensors is gpt.py; how tensors are named and sharded on disk is
+checkpoint/layout.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import QlmError
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
+HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1-style frequency scaling (`rope_type: llama3`), the one scaling Megatron-Core also implements."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int  # rows of the HF embedding (unpadded); Megatron pads further, see checkpoint/layout.py
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int  # head dim
+    max_position_embeddings: int
+    rope_theta: float
+    norm_epsilon: float
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise QlmError(
+                f"unsupported model_type {self.model_type!r}",
+                f"qlm supports {', '.join(SUPPORTED_MODEL_TYPES)}",
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise QlmError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_query_groups}",
+                "fix the config",
+            )
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+
+    def num_parameters(self) -> int:
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.kv_channels
+        attn = h * self.qkv_rows + (self.qkv_rows if self.qkv_bias else 0) + self.num_attention_heads * d * h
+        layer = attn + 3 * h * f + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+    def replace(self, **changes) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+    # ---- Hugging Face config.json ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> "ModelSpec":
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise QlmError(
+                f"unsupported model_type {model_type!r} in config.json",
+                f"qlm supports {', '.join(SUPPORTED_MODEL_TYPES)}",
+            )
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise QlmError(f"hidden_act {act!r} is not supported", "qlm's MLP is SwiGLU (hidden_act 'silu')")
+        for flag in ("attention_bias", "mlp_bias"):
+            if model_type != "qwen2" and config.get(flag):
+                raise QlmError(f"{flag}=true is not supported for {model_type}", "use a checkpoint without biases")
+        heads = config["num_attention_heads"]
+        theta, scaling = _read_rope(config)
+        sliding = None
+        if model_type == "mistral":
+            sliding = config.get("sliding_window")
+        elif model_type == "qwen2" and config.get("use_sliding_window"):
+            raise QlmError("Qwen2 use_sliding_window=true is not supported", "set use_sliding_window to false")
+        return cls(
+            model_type=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            ffn_hidden_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_query_groups=config.get("num_key_value_heads") or heads,
+            kv_channels=config.get("head_dim") or config["hidden_size"] // heads,
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            rope_theta=theta,
+            norm_epsilon=config.get("rms_norm_eps", 1e-6),
+            qkv_bias=model_type == "qwen2",
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            rope_scaling=scaling,
+            sliding_window=sliding,
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_id=config.get("eos_token_id"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelSpec":
+        return cls.from_hf_config(read_hf_config(path))
+
+    def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
+        """A config.json transformers loads (4.x `rope_theta`/`rope_scaling` keys, which 5.x also reads)."""
+        config: dict[str, Any] = {
+            "architectures": [HF_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.ffn_hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_query_groups,
+            "head_dim": self.kv_channels,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.norm_epsilon,
+            "hidden_act": "silu",
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": torch_dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+        if self.rope_scaling is not None:
+            config["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        if self.model_type == "mistral":
+            config["sliding_window"] = self.sliding_window
+        if self.model_type == "qwen2":
+            config["use_sliding_window"] = False
+        if self.model_type == "llama":
+            config.update(attention_bias=False, mlp_bias=False)
+        return config
+
+
+def _read_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """transformers 4.x keeps `rope_theta` + `rope_scaling`; 5.x folds both into `rope_parameters`."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    if "rope_type" in params or "type" in params:
+        scaling = params
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise QlmError(f"rope scaling type {kind!r} is not supported", "qlm supports no scaling or 'llama3'")
+    return float(theta), RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise QlmError(f"no config.json in {path}", "point at a Hugging Face model directory")
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise QlmError(f"cannot read {file}: {exc}", "restore a valid config.json") from None
+
+
+def load_model_spec(name_or_path: str | Path) -> ModelSpec:
+    """A preset name (see presets.py) or an HF model directory / config.json path."""
+    from .presets import PRESETS
+
+    key = str(name_or_path).lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    if Path(name_or_path).exists():
+        return ModelSpec.from_hf_dir(name_or_path)
+    raise QlmError(
+        f"{name_or_path!r} is neither a model preset nor a directory",
+        f"use one of {', '.join(sorted(PRESETS))} or a path to an HF config",
+    )
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> int:
+    """Megatron's rule: round the vocabulary up to a multiple of divisible_by * TP (pad rows go at the end)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple

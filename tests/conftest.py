@@ -1,0 +1,103 @@
+"""Shared fixtures: tiny random HF models built with transformers (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = dict(
+    vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+MODEL_KINDS = {
+    "qwen2": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "llama3": ("llama", dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)),
+    "mistral": ("mistral", dict(sliding_window=8)),
+}
+
+
+def make_tokenizer(path: Path, vocab_size: int = 280):
+    """A small byte-level BPE trained on a few sentences, saved as an HF fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
+
+
+def make_hf_model(path: Path, kind: str, dtype=torch.float32, seed: int = 0, **overrides):
+    """Save a tiny random HF model of `kind` (see MODEL_KINDS) with a tokenizer; returns the model (eval)."""
+    import transformers
+
+    model_type, extra = MODEL_KINDS[kind]
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # HF zero-inits biases; give them values so a misplaced bias shows
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.to(dtype).save_pretrained(path)
+    make_tokenizer(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory) -> dict[str, Path]:
+    """One saved tiny model per MODEL_KINDS entry (fp32)."""
+    root = tmp_path_factory.mktemp("hf")
+    paths = {}
+    for kind in MODEL_KINDS:
+        make_hf_model(root / kind, kind)
+        paths[kind] = root / kind
+    return paths
+
+
+@pytest.fixture
+def run_qlm(monkeypatch):
+    """Run the `qlm` console entry point in-process: returns (exit code, stdout, stderr)."""
+    from qlm_cli.main import main
+
+    def run(*args):
+        out, err = io.StringIO(), io.StringIO()
+        monkeypatch.setattr(sys, "argv", ["qlm", *map(str, args)])
+        monkeypatch.setenv("COLUMNS", "200")
+        code = 0
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        return code, out.getvalue(), err.getvalue()
+
+    return run
+
+
+def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors

@@ -1,0 +1,100 @@
+"""torchrun worker: load qlm-written legacy checkpoints into REAL megatron-core at their TP/PP and compare the
+logits with transformers' (saved by the test). Run as: torchrun --nproc-per-node N megatron_logits.py CASES.json
+
+Each case: {"ckpt": dir, "ids": file, "expected": file, "result": file}. Megatron runs on CPU with the small
+monkeypatches DESIGN.md §7 lists.
+"""
+
+import json
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+torch.cuda.current_device = lambda: "cpu"
+torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings with PP>1 call .cuda() during setup
+
+
+def build_model(args, pre, post):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, add_bias_linear=False, add_qkv_bias=args.add_qkv_bias,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
+        layernorm_epsilon=args.norm_epsilon, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=torch.float32,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    return GPTModel(
+        config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre, post_process=post,
+        position_embedding_type="rope", rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, parallel_output=False,
+    ).eval()
+
+
+def run_case(case, rank):
+    import megatron.core  # noqa: F401  registers Megatron's safe globals (argparse.Namespace, ...)
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    from qlm_core.checkpoint.mcore import SHARD_FILE, resolve_iteration_dir, shard_dir_name
+    from pathlib import Path
+
+    iteration_dir, _ = resolve_iteration_dir(Path(case["ckpt"]))
+    peek = torch.load(next(iteration_dir.glob(f"mp_rank_*/{SHARD_FILE}")), weights_only=True, map_location="cpu")
+    args = peek["args"]
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ps.initialize_model_parallel(tp, pp)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    file = iteration_dir / shard_dir_name(tp_rank, pp_rank, pp) / SHARD_FILE
+    # Plain torch.load with weights_only=True, as Megatron-LM loads it, once megatron.core is imported.
+    state = torch.load(file, weights_only=True, map_location="cpu")
+    pre, post = pp_rank == 0, pp_rank == pp - 1
+    model = build_model(args, pre, post)
+    model.load_state_dict(state["model"], strict=True)
+
+    ids = torch.load(case["ids"], weights_only=True)
+    b, s = ids.shape
+    position_ids = torch.arange(s)[None].expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    prev, nxt = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
+    with torch.no_grad():
+        if not pre:
+            hidden = torch.empty(s, b, args.hidden_size)
+            dist.recv(hidden, src=prev)
+            model.set_input_tensor(hidden)
+        out = model(ids if pre else None, position_ids, mask)
+        if not post:
+            dist.send(out.contiguous(), dst=nxt)
+        elif tp_rank == 0:
+            expected = torch.load(case["expected"], weights_only=True)
+            logits = out[..., : expected.shape[-1]]
+            diff = (logits - expected).abs().max().item()
+            Path(case["result"]).write_text(json.dumps({"max_abs_diff": diff, "shape": list(logits.shape)}))
+    dist.barrier()
+    ps.destroy_model_parallel()
+
+
+def main():
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    cases = json.loads(open(sys.argv[1]).read())
+    for case in cases:
+        run_case(case, dist.get_rank())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

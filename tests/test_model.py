@@ -1,0 +1,66 @@
+"""The one decoder against transformers, and its state_dict against the checkpoint layout."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from qlm_core.checkpoint.hf import HFCheckpoint
+from qlm_core.checkpoint.layout import HFTensorSource, ModelLayout, build_shard
+from qlm_core.models.gpt import GPTModel
+
+from conftest import MODEL_KINDS
+
+
+def qlm_from_hf(path):
+    ckpt = HFCheckpoint(path)
+    layout = ModelLayout(ckpt.spec)
+    model = GPTModel(ckpt.spec, padded_vocab=layout.padded_vocab)
+    model.load_state_dict(build_shard(layout, 0, 0, 0, HFTensorSource(ckpt)), strict=True)
+    return model.eval(), ckpt.spec
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_logits_and_loss_equal_transformers(hf_models, kind):
+    model, spec = qlm_from_hf(hf_models[kind])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_models[kind], dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, spec.vocab_size, (2, 40), generator=generator)  # 40 > mistral's window of 8
+    labels = torch.randint(0, spec.vocab_size, (2, 40), generator=generator)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        assert (model(ids) - expected).abs().max().item() <= 1e-5
+        expected_loss = F.cross_entropy(expected.flatten(0, 1), labels.flatten(), reduction="none").view(2, 40)
+        assert (model(ids, labels=labels) - expected_loss).abs().max().item() <= 1e-5
+
+
+def test_loss_gradient_matches_transformers(hf_models):
+    model, spec = qlm_from_hf(hf_models["qwen2"])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_models["qwen2"], dtype=torch.float32)
+    ids = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(ids[:, :-1], labels=ids[:, 1:]).mean().backward()
+    F.cross_entropy(reference(ids[:, :-1]).logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+    ours = model.decoder.layers[0].mlp.linear_fc2.weight.grad
+    theirs = reference.model.layers[0].mlp.down_proj.weight.grad
+    assert torch.allclose(ours, theirs, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2_tied"])
+@pytest.mark.parametrize("pp,vpp,first,last", [(1, 1, None, None), (2, 1, None, None), (2, 2, None, None),
+                                               (3, 1, 2, None), (2, 1, 1, None)])
+def test_stage_state_dict_is_the_megatron_shard(hf_models, kind, pp, vpp, first, last):
+    """Names, order and shapes of every stage model's state_dict equal the layout's shard entries."""
+    spec = HFCheckpoint(hf_models[kind]).spec
+    layout = ModelLayout(spec, 1, pp, vpp, first, last)
+    for stage in range(pp):
+        for chunk in range(vpp):
+            layers = layout.chunk_layers(stage, chunk)
+            model = GPTModel(spec, pre_process=layout.is_first(stage, chunk), post_process=layout.is_last(stage, chunk),
+                             layer_offset=layers.start, num_layers=len(layers), padded_vocab=layout.padded_vocab)
+            state = model.state_dict()
+            entries = layout.shard_entries(stage, chunk)
+            assert list(state) == [name for name, _ in entries]
+            for name, tensor in entries:
+                assert (state[name] is None) == (tensor is None)
+                if tensor is not None:
+                    assert tuple(state[name].shape) == tensor.shard_shape(1)

@@ -1,0 +1,65 @@
+"""ModelSpec from HF configs (transformers 4.x and 5.x shapes) and presets."""
+
+import json
+
+import pytest
+import transformers
+
+from qlm_core.errors import QlmError
+from qlm_core.models import ModelSpec, load_model_spec
+from qlm_core.models.presets import PRESETS
+
+from conftest import MODEL_KINDS, TINY
+
+# Parameter counts published on the models' cards / config-derived totals.
+PUBLISHED = {
+    "qwen2-0.5b": 494_032_768, "qwen2-1.5b": 1_543_714_304, "qwen2-7b": 7_615_616_512,
+    "qwen2-72b": 72_706_203_648, "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496, "mistral-7b": 7_241_732_096,
+}
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_spec_from_transformers_config_counts_parameters(kind):
+    model_type, extra = MODEL_KINDS[kind]
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    spec = ModelSpec.from_hf_config(config.to_dict())
+    assert spec.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert spec.qkv_bias == (model_type == "qwen2")
+    assert spec.num_query_groups == 2 and spec.kv_channels == 16
+
+
+def test_rope_theta_read_from_4x_and_5x_configs():
+    legacy = {**TINY, "model_type": "llama", "intermediate_size": 96, "num_hidden_layers": 4,
+              "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                       "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 8192}}
+    new = {k: v for k, v in legacy.items() if k not in ("rope_theta", "rope_scaling")}
+    new["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    a, b = ModelSpec.from_hf_config(legacy), ModelSpec.from_hf_config(new)
+    assert a == b and a.rope_theta == 500000.0 and a.rope_scaling.factor == 8.0
+
+
+def test_to_hf_config_round_trips_through_transformers(tmp_path):
+    spec = PRESETS["llama3.1-8b"]
+    (tmp_path / "config.json").write_text(json.dumps(spec.to_hf_config()))
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert ModelSpec.from_hf_config(config.to_dict()) == spec
+
+
+@pytest.mark.parametrize("name,count", PUBLISHED.items())
+def test_presets_match_published_parameter_counts(name, count):
+    assert load_model_spec(name).num_parameters() == count
+
+
+def test_unsupported_model_type_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(QlmError, match="qwen2, llama, mistral"):
+        load_model_spec(tmp_path)
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(QlmError, match="qwen2-7b"):
+        load_model_spec("qwen3-1000b")
