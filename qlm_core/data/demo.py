@@ -1,0 +1,120 @@
+"""A CPU demo that needs no download: synthetic chat tasks a ~1-3M-parameter model learns in a few hundred steps.
+
+Three tasks over short lists of one-token symbols (letters a-h, digits 0-9, written space-separated so the
+byte-level BPE gives each symbol its own token):
+    reverse   "Reverse: c a f b"          -> "b f a c"
+    sort      "Sort: d a h b"             -> "a b d h"
+    largest   "Largest of: 3 7 2 5"       -> "7"
+Why a tiny transformer learns them quickly: every answer token is a copy of a prompt token chosen by a fixed rule
+(by position for reverse, by rank for sort and largest), which is what attention does best; the prompts are ~10
+tokens, the answer alphabet 18 symbols, and the tasks repeat thousands of times in a few hundred steps. The answers
+are exact strings, so correctness is checkable, and the held-out eval prompts never occur in training: a model that
+scores well has learnt the rule, not the examples.
+
+Files written by build_demo:
+    tokenizer/    byte-level BPE (vocab 512) with the chatml template (see tokenizer.build_demo_tokenizer)
+    train.jsonl   {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} per line (OpenAI format)
+    eval.jsonl    {"task", "question", "answer", "choices" (4 strings), "label" (index of the answer)} per line;
+                  the wrong choices are near misses (another order of the same symbols, another symbol of the list)
+    corpus.txt    pretraining text: paragraphs (blank-line separated) of "question\\nanswer" pairs
+Everything is a deterministic function of the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from .tokenizer import build_demo_tokenizer
+
+LETTERS = "abcdefgh"
+DIGITS = "0123456789"
+TASKS = ("reverse", "sort", "largest")
+LIST_LENGTH = 4
+
+
+@dataclass
+class DemoPaths:
+    root: Path
+    tokenizer: Path
+    train: Path
+    eval: Path
+    corpus: Path
+
+
+@dataclass
+class Example:
+    task: str
+    question: str
+    answer: str
+    wrong: list[str]  # three plausible wrong answers
+
+
+def make_example(task: str, rng: random.Random) -> Example:
+    if task == "largest":
+        items = rng.sample(DIGITS, LIST_LENGTH)
+        answer = max(items)
+        return Example(task, f"Largest of: {' '.join(items)}", answer, [d for d in items if d != answer])
+    items = rng.sample(LETTERS, LIST_LENGTH)
+    answer = list(reversed(items)) if task == "reverse" else sorted(items)
+    wrong: list[str] = []
+    while len(wrong) < 3:  # other orders of the same letters
+        order = rng.sample(items, LIST_LENGTH)
+        if order != answer and " ".join(order) not in wrong:
+            wrong.append(" ".join(order))
+    prompt = "Reverse" if task == "reverse" else "Sort"
+    return Example(task, f"{prompt}: {' '.join(items)}", " ".join(answer), wrong)
+
+
+def generate(seed: int, num_train: int, num_eval: int) -> tuple[list[Example], list[Example]]:
+    """(train, eval) examples; eval questions are distinct and never appear in train; tasks take turns."""
+    rng = random.Random(seed)
+    evals, held_out = [], set()
+    while len(evals) < num_eval:
+        example = make_example(TASKS[len(evals) % len(TASKS)], rng)
+        if example.question not in held_out:
+            held_out.add(example.question)
+            evals.append(example)
+    train = []
+    while len(train) < num_train:
+        example = make_example(TASKS[len(train) % len(TASKS)], rng)
+        if example.question not in held_out:
+            train.append(example)
+    return train, evals
+
+
+def messages(example: Example) -> list[dict]:
+    return [{"role": "user", "content": example.question}, {"role": "assistant", "content": example.answer}]
+
+
+def build_demo(out_dir: str | os.PathLike, seed: int = 0, num_train: int = 3000, num_eval: int = 150,
+               corpus_paragraphs: int = 500, pairs_per_paragraph: int = 6) -> DemoPaths:
+    """Write the demo tokenizer, train.jsonl, eval.jsonl and corpus.txt under out_dir."""
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    paths = DemoPaths(root, root / "tokenizer", root / "train.jsonl", root / "eval.jsonl", root / "corpus.txt")
+    train, evals = generate(seed, num_train + corpus_paragraphs * pairs_per_paragraph, num_eval)
+    sft, pretrain = train[:num_train], train[num_train:]
+
+    with open(paths.train, "w") as out:
+        for example in sft:
+            out.write(json.dumps({"messages": messages(example)}) + "\n")
+    rng = random.Random(seed + 1)
+    with open(paths.eval, "w") as out:
+        for example in evals:
+            choices = [example.answer, *example.wrong]
+            rng.shuffle(choices)
+            record = dict(task=example.task, question=example.question, answer=example.answer, choices=choices,
+                          label=choices.index(example.answer))
+            out.write(json.dumps(record) + "\n")
+    paragraphs = ["\n".join(f"{e.question}\n{e.answer}" for e in pretrain[i:i + pairs_per_paragraph])
+                  for i in range(0, len(pretrain), pairs_per_paragraph)]
+    paths.corpus.write_text("\n\n".join(paragraphs) + "\n")
+
+    # the tokenizer sees the corpus and the chat roles, so "user" / "assistant" become single tokens
+    chats = [f"user\n{e.question}\nassistant\n{e.answer}\nsystem\n" for e in sft[:500]]
+    build_demo_tokenizer(paths.tokenizer, paragraphs + chats)
+    return paths

@@ -1,0 +1,116 @@
+"""Tokenizers: load a local Hugging Face tokenizer, name a chat template, train a tiny BPE for the CPU demo.
+
+The named chat templates mark each assistant turn with `{% generation %}...{% endgeneration %}` around its content and
+its end-of-turn token, so `apply_chat_template(..., return_assistant_tokens_mask=True, return_dict=True)` returns
+exactly the tokens SFT trains on. They write the family's special tokens literally (`<|im_start|>`, `<|eot_id|>`):
+the tokenizer should know them as special tokens, or they are encoded as ordinary text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..errors import QlmError
+
+CHATML = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+LLAMA3 = (
+    "{{- '<|begin_of_text|>' }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}"
+    "{%- else %}"
+    "{{- message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+CHAT_TEMPLATES = {"chatml": CHATML, "qwen": CHATML, "llama3": LLAMA3}
+LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+DEMO_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """A Hugging Face tokenizer from a local directory (nothing is downloaded)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise QlmError(f"tokenizer directory {path} does not exist",
+                       "point to a directory holding tokenizer.json or tokenizer_config.json")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ... for unreadable files
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise QlmError(f"cannot read a tokenizer from {path} ({reason})",
+                       "point to a directory holding a Hugging Face tokenizer (tokenizer.json or "
+                       "tokenizer_config.json with its vocabulary files)") from None
+
+
+def chat_template(name_or_template: str) -> str:
+    """A named template (chatml, qwen, llama3) or, when the text is already Jinja, that text."""
+    if "{%" in name_or_template or "{{" in name_or_template:
+        return name_or_template
+    try:
+        return CHAT_TEMPLATES[name_or_template.lower()]
+    except KeyError:
+        raise QlmError(f"unknown chat template {name_or_template!r}",
+                       f"use one of {', '.join(CHAT_TEMPLATES)}, or a Jinja template string") from None
+
+
+def resolve_chat_template(tokenizer, name_or_template: str | None) -> str:
+    """The template to render with: the named one, else the tokenizer's own."""
+    if name_or_template:
+        return chat_template(name_or_template)
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one is the chat template
+        template = template.get("default")
+    if not template:
+        raise QlmError("the tokenizer has no chat template",
+                       f"name one with chat_template = one of {', '.join(CHAT_TEMPLATES)}")
+    return template
+
+
+def has_generation_markers(template: str) -> bool:
+    return re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+
+
+def build_demo_tokenizer(out_dir: str | os.PathLike, corpus: Iterable[str], vocab_size: int = 512) -> Path:
+    """Train a byte-level BPE on `corpus` and save it as an HF fast tokenizer with the chatml template.
+
+    Specials: <|endoftext|> (eos and pad), <|im_start|>, <|im_end|>. Any byte sequence stays encodable."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=DEMO_SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        additional_special_tokens=DEMO_SPECIAL_TOKENS[1:],
+    )
+    fast.chat_template = CHATML
+    out_dir = Path(out_dir)
+    fast.save_pretrained(out_dir)
+    return out_dir
