@@ -10,15 +10,18 @@ Activations are [seq, batch, hidden] as in Megatron; under sequence parallelism 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..kernels.attention import core_attention
 from ..kernels.norm import RMSNorm
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..parallel.comm import group_rank, group_size
+from ..parallel.context import CP_COMM_TYPES, context_parallel_attention, cp_token_indices
 from ..parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -29,10 +32,45 @@ from ..parallel.tensor import (
 )
 from .spec import ModelSpec, padded_vocab_size
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How this rank's model is parallelised and recomputed. Groups of None mean size 1."""
+
+    tp_group: object = None
+    sequence_parallel: bool = False
+    cp_group: object = None
+    cp_comm_type: str = "p2p"
+    recompute: str = "none"  # none | selective (core attention only) | full (whole layers)
+    recompute_num_layers: int | None = None  # with full: the first N layers of this module (None: all)
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and group_size(self.tp_group) > 1
+
+
+@dataclass
+class AttentionInputs:
+    """Per-forward facts every attention layer needs besides q, k, v."""
+
+    token_index: torch.Tensor | None  # global sequence index of each local token (context parallelism)
+    segment_ids: torch.Tensor | None  # [b, s_local] document id of each token in a packed sequence
+
+
+def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] document ids -> [b, 1, s, s] bool mask, True = may attend (same document, not in the future)."""
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    causal = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
+    return (same & causal)[:, None]
+
 
 class SelfAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, tp_group, sequence_parallel: bool, dtype):
+    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype):
         super().__init__()
+        tp_group, sequence_parallel = parallel.tp_group, parallel.sequence_parallel
+        self.parallel = parallel
         tp = group_size(tp_group)
         if spec.num_query_groups % tp and tp % spec.num_query_groups:
             raise ValueError(
@@ -78,15 +116,28 @@ class SelfAttention(nn.Module):
             q = q[:, :, first : first + heads]
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _core_attention(self, q, k, v, inputs: AttentionInputs) -> torch.Tensor:
+        scale = 1.0 / math.sqrt(self.spec.kv_channels)
+        if group_size(self.parallel.cp_group) > 1:
+            return context_parallel_attention(
+                q, k, v, group=self.parallel.cp_group, comm_type=self.parallel.cp_comm_type, scale=scale,
+                positions=inputs.token_index, segment_ids=inputs.segment_ids,
+            )
+        if inputs.segment_ids is not None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=segment_mask(inputs.segment_ids), scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
+        return core_attention(q, k, v, causal=True, softmax_scale=scale, sliding_window=self.spec.sliding_window)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         q, k, v = self._split_qkv(self.linear_qkv(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        out = core_attention(
-            q, k, v, causal=True, softmax_scale=1.0 / math.sqrt(self.spec.kv_channels),
-            sliding_window=self.spec.sliding_window,
-        )
+        if self.parallel.recompute == "selective" and torch.is_grad_enabled():
+            out = checkpoint(self._core_attention, q, k, v, inputs, use_reentrant=False)
+        else:
+            out = self._core_attention(q, k, v, inputs)
         s, b = out.shape[2], out.shape[0]
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
@@ -94,8 +145,9 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: linear_fc1 holds [gate_r; up_r] on TP rank r, so a local chunk(2) splits gate from up."""
 
-    def __init__(self, spec: ModelSpec, tp_group, sequence_parallel: bool, dtype):
+    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype):
         super().__init__()
+        tp_group, sequence_parallel = parallel.tp_group, parallel.sequence_parallel
         self.linear_fc1 = ColumnParallelLinear(
             spec.hidden_size, 2 * spec.ffn_hidden_size, tp_group=tp_group, sequence_parallel=sequence_parallel,
             dtype=dtype,
@@ -111,41 +163,43 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, tp_group, sequence_parallel: bool, dtype):
+    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype):
         super().__init__()
-        sp = sequence_parallel and group_size(tp_group) > 1
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype, sequence_parallel=sp)
-        self.self_attention = SelfAttention(spec, tp_group, sequence_parallel, dtype)
-        self.pre_mlp_layernorm = RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype, sequence_parallel=sp)
-        self.mlp = MLP(spec, tp_group, sequence_parallel, dtype)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype, sequence_parallel=parallel.sp)
+        self.self_attention = SelfAttention(spec, parallel, dtype)
+        self.pre_mlp_layernorm = RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype, sequence_parallel=parallel.sp)
+        self.mlp = MLP(spec, parallel, dtype)
 
-    def forward(self, x, cos, sin):
-        x = x + self.self_attention(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, inputs: AttentionInputs):
+        x = x + self.self_attention(self.input_layernorm(x), cos, sin, inputs)
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, spec, num_layers, post_process, tp_group, sequence_parallel, dtype):
+    def __init__(self, spec, num_layers, post_process, parallel: ParallelOptions, dtype):
         super().__init__()
-        self.layers = nn.ModuleList(
-            TransformerLayer(spec, tp_group, sequence_parallel, dtype) for _ in range(num_layers)
-        )
-        sp = sequence_parallel and group_size(tp_group) > 1
+        self.parallel = parallel
+        self.layers = nn.ModuleList(TransformerLayer(spec, parallel, dtype) for _ in range(num_layers))
         self.final_layernorm = (
-            RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype, sequence_parallel=sp) if post_process else None
+            RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype, sequence_parallel=parallel.sp) if post_process else None
         )
 
-    def forward(self, x, cos, sin):
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+    def forward(self, x, cos, sin, inputs: AttentionInputs):
+        full = len(self.layers) if self.parallel.recompute_num_layers is None else self.parallel.recompute_num_layers
+        for index, layer in enumerate(self.layers):
+            if self.parallel.recompute == "full" and index < full and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, inputs, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, inputs)
         return self.final_layernorm(x) if self.final_layernorm is not None else x
 
 
 class LanguageModelEmbedding(nn.Module):
-    def __init__(self, spec, padded_vocab, tp_group, sequence_parallel, dtype):
+    def __init__(self, spec, padded_vocab, parallel: ParallelOptions, dtype):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(
-            padded_vocab, spec.hidden_size, tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype
+            padded_vocab, spec.hidden_size, tp_group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
+            dtype=dtype,
         )
 
     def forward(self, input_ids):
@@ -163,8 +217,7 @@ class GPTModel(nn.Module):
         self,
         spec: ModelSpec,
         *,
-        tp_group=None,
-        sequence_parallel: bool = False,
+        parallel: ParallelOptions | None = None,
         pre_process: bool = True,
         post_process: bool = True,
         layer_offset: int = 0,
@@ -173,22 +226,29 @@ class GPTModel(nn.Module):
         dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
+        parallel = parallel or ParallelOptions()
+        if parallel.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {parallel.recompute!r}")
+        if parallel.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, not {parallel.cp_comm_type!r}")
+        tp_group = parallel.tp_group
         self.spec = spec
+        self.parallel = parallel
         self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        self.sequence_parallel = parallel.sp
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_offset = layer_offset
         self.padded_vocab = padded_vocab or padded_vocab_size(spec.vocab_size, 128, group_size(tp_group))
         num_layers = spec.num_layers - layer_offset if num_layers is None else num_layers
         self.tied_in_stage = spec.tie_word_embeddings and pre_process
         if pre_process:
-            self.embedding = LanguageModelEmbedding(spec, self.padded_vocab, tp_group, sequence_parallel, dtype)
-        self.decoder = TransformerBlock(spec, num_layers, post_process, tp_group, sequence_parallel, dtype)
+            self.embedding = LanguageModelEmbedding(spec, self.padded_vocab, parallel, dtype)
+        self.decoder = TransformerBlock(spec, num_layers, post_process, parallel, dtype)
         if post_process:
             # With tied embeddings the output layer borrows the embedding weight when both live in this stage;
             # a last stage without the embedding keeps its own copy (synchronised by the pipeline code).
             self.output_layer = ColumnParallelLinear(
-                spec.hidden_size, self.padded_vocab, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                spec.hidden_size, self.padded_vocab, tp_group=tp_group, sequence_parallel=parallel.sequence_parallel,
                 skip_weight=self.tied_in_stage, dtype=dtype,
             )
         self._inv_freq = rope_inv_freq(spec.kv_channels, spec.rope_theta, spec.rope_scaling)
@@ -219,20 +279,47 @@ class GPTModel(nn.Module):
         *,
         hidden_states: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        local_logits: bool = False,
     ) -> torch.Tensor:
-        """Returns hidden states [s, b, h] (not the last stage), else per-token loss [b, s] if `labels` are given,
-        else logits [b, s, vocab_size] gathered over TP with Megatron's padding columns removed."""
+        """One pass over this module's layers.
+
+        Inputs are this rank's tokens: with context parallelism, its two load-balanced chunks of each sequence
+        (qlm_core.parallel.context.split_for_cp). `position_ids` [b, s] are RoPE positions (default: the tokens'
+        global indices; packed sequences restart them per document) and `segment_ids` [b, s] the document of each
+        token in a packed sequence (attention stays within a document).
+
+        Returns hidden states [s, b, h] when this is not the last stage; else the per-token loss [b, s] if
+        `labels` are given (label -100 = ignored, loss 0); else, with `local_logits`, this TP rank's vocabulary
+        slice of the logits [s, b, V_padded/tp]; else logits [b, s, vocab_size] gathered over TP, padding removed.
+        """
         x = self.embedding(input_ids) if self.pre_process else hidden_states
-        seq_len = x.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
+        local_tokens = x.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
+        cp_group = self.parallel.cp_group
+        token_index = None
+        if group_size(cp_group) > 1:
+            cp = group_size(cp_group)
+            token_index = cp_token_indices(local_tokens * cp, cp, group_rank(cp_group), device=x.device)
         if position_ids is None:
-            position_ids = torch.arange(seq_len, device=x.device)[None, :].expand(x.shape[1], seq_len)
+            index = token_index if token_index is not None else torch.arange(local_tokens, device=x.device)
+            position_ids = index[None, :].expand(x.shape[1], local_tokens)
         self._inv_freq = self._inv_freq.to(x.device)
         cos, sin = rope_cos_sin(position_ids, self._inv_freq, x.dtype)
-        x = self.decoder(x, cos, sin)
+        x = self.decoder(x, cos, sin, AttentionInputs(token_index, segment_ids))
         if not self.post_process:
             return x
         logits = self.output_layer(x, self.output_weight())
-        if labels is None:
-            return gather_last_dim(logits, self.tp_group)[..., : self.spec.vocab_size].transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group, self.spec.vocab_size)
-        return loss.transpose(0, 1)
+        if labels is not None:
+            return self.token_loss(logits, labels)
+        if local_logits:
+            return logits
+        return gather_last_dim(logits, self.tp_group)[..., : self.spec.vocab_size].transpose(0, 1)
+
+    def token_loss(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel cross entropy: local logits [s, b, V_padded/tp], labels [b, s] -> loss [b, s] (fp32),
+        zero where the label is negative (ignored)."""
+        keep = labels >= 0
+        loss = vocab_parallel_cross_entropy(
+            local_logits, labels.clamp(min=0).transpose(0, 1), self.tp_group, self.spec.vocab_size
+        ).transpose(0, 1)
+        return loss * keep

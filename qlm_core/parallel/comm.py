@@ -69,3 +69,41 @@ def split_dim(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
     if world == 1:
         return tensor
     return tensor.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+# ---- launch-and-wait flat collectives (data parallelism) -----------------------------------------------------------
+# Each returns the Work to wait on, or None when the group has size 1 (nothing to do). In-place use is allowed:
+# the reduce-scatter output and the all-gather input may be this rank's slice of the other tensor.
+
+
+def start_all_reduce(tensor: torch.Tensor, group, async_op: bool = True):
+    if group_size(group) == 1:
+        return None
+    return dist.all_reduce(tensor, group=group, async_op=async_op)
+
+
+def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = True):
+    if group_size(group) == 1:
+        return None
+    return _reduce_scatter_flat(output, input, group=group, async_op=async_op)
+
+
+def start_all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = True):
+    if group_size(group) == 1:
+        return None
+    return _all_gather_flat(output, input, group=group, async_op=async_op)
+
+
+def wait(work) -> None:
+    if work is not None:
+        work.wait()
+
+
+def all_to_all_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Cut dim 0 into `world` equal parts and send part j to rank j; returns the parts received, in rank order."""
+    if group_size(group) == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    out = torch.empty_like(tensor)
+    dist.all_to_all_single(out, tensor, group=group)
+    return out

@@ -165,6 +165,15 @@ class _SPGatherLinear(Function):
 # ---- layers ---------------------------------------------------------------------------------------------------------
 
 
+def mark_tp_split(param):
+    """Flag a parameter whose tensor is split across the TP group (each rank holds a different part). Parameters
+    without the flag are replicated across TP: their gradient norm counts once, and under sequence parallelism
+    their gradients need a TP all-reduce (see `sequence_parallel`)."""
+    if param is not None:
+        param.tp_split = True
+    return param
+
+
 class _MegatronLinearState:
     """Megatron-Core linear layers carry an `_extra_state` entry (None) in their state_dict; so do ours, so that a
     rank's state_dict is exactly a Megatron checkpoint shard."""
@@ -192,8 +201,8 @@ class ColumnParallelLinear(_MegatronLinearState, nn.Module):
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         self.gather_output = gather_output
         local_out = _divide(out_features, group_size(tp_group), "output features")
-        self.weight = None if skip_weight else nn.Parameter(torch.empty(local_out, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(local_out, dtype=dtype)) if bias else None
+        self.weight = None if skip_weight else mark_tp_split(nn.Parameter(torch.empty(local_out, in_features, dtype=dtype)))
+        self.bias = mark_tp_split(nn.Parameter(torch.zeros(local_out, dtype=dtype))) if bias else None
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
@@ -213,7 +222,7 @@ class RowParallelLinear(_MegatronLinearState, nn.Module):
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         local_in = _divide(in_features, group_size(tp_group), "input features")
-        self.weight = nn.Parameter(torch.empty(out_features, local_in, dtype=dtype))
+        self.weight = mark_tp_split(nn.Parameter(torch.empty(out_features, local_in, dtype=dtype)))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         if self.bias is not None:
             self.bias.sequence_parallel = self.sequence_parallel
@@ -236,7 +245,7 @@ class VocabParallelEmbedding(nn.Module):
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         local = _divide(num_embeddings, group_size(tp_group), "padded vocabulary size")
         self.vocab_start = group_rank(tp_group) * local
-        self.weight = nn.Parameter(torch.empty(local, embedding_dim, dtype=dtype))
+        self.weight = mark_tp_split(nn.Parameter(torch.empty(local, embedding_dim, dtype=dtype)))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.tp_group) == 1:

@@ -1,0 +1,244 @@
+"""Recipes: TOML files mapped 1:1 onto dataclasses, dotted `--set section.key=value` overrides, and validation
+that names the bad key and the nearest valid one. The resolved recipe is written back as TOML into the run."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import QlmError
+
+
+@dataclass
+class ParallelConfig:
+    """[parallel]: the layout. Key names are fixed: scripts rely on them."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    dp: int | None = None  # None: world / (tp * pp * cp)
+    sp: bool = False
+    cp_comm_type: str = "p2p"
+    pp_schedule: str = "1f1b"
+    zero_stage: int = 0
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    recompute: str = "none"
+    recompute_num_layers: int | None = None
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    bucket_size_mb: float = 40.0
+
+
+@dataclass
+class OptimConfig:
+    """[optim]: AdamW (decoupled weight decay; none on biases and norms) and gradient clipping."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class ModelConfig:
+    spec: str = "qwen2-0.5b"  # a preset name or an HF model directory / config.json
+    load: str = ""  # weights: an HF directory, a Megatron checkpoint or a qlm run directory; empty = random init
+    tokenizer: str = ""  # default: the HF directory given in spec/load (or load's hf/ side directory)
+    dtype: str = "bf16"  # compute dtype: bf16 (fp32 master weights and gradients) or fp32
+
+
+@dataclass
+class DataConfig:
+    kind: str = "sft"  # sft | pretrain
+    train: list[str] = field(default_factory=list)  # sft: json/jsonl files; pretrain: indexed-dataset prefixes
+    weights: list[float] = field(default_factory=list)  # pretrain blend weights (default: equal)
+    valid: list[str] = field(default_factory=list)  # validation files/prefixes (default: split off train)
+    split: str = "98,2"  # pretrain: train,valid shares of the documents when `valid` is empty
+    valid_fraction: float = 0.05  # sft: share of the examples held out when `valid` is empty
+    format: str = "auto"  # sft: auto | alpaca | sharegpt | messages
+    chat_template: str = ""  # sft: empty = the tokenizer's own; or chatml (qwen) | llama3
+    seq_length: int = 2048
+    packing: bool = True  # sft: pack several samples per sequence (positions restart, attention per sample)
+    truncation: str = "right"  # sft: right | drop
+    reset_position_ids: bool = False  # pretrain: restart positions (and attention) at each document boundary
+    workers: int = 1  # tokenisation processes
+    seed: int = 1234
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    train_iters: int = 0  # one of train_iters / train_samples
+    train_samples: int = 0
+    eval_interval: int = 0  # validation loss every N steps (0: only at the end)
+    eval_iters: int = 4
+    max_skipped_steps: int = 3  # stop after this many consecutive non-finite steps
+    seed: int = 1234
+    output: str = "runs/qlm"
+
+
+@dataclass
+class ScheduleConfig:
+    lr_schedule: str = "cosine"  # constant | cosine | wsd
+    warmup_iters: int = 0
+    min_lr: float = 0.0
+    wsd_decay_fraction: float = 0.1  # wsd: the final share of steps that decays to min_lr
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int = 0  # 0: only at the end
+    keep_last: int = 2
+    format: str = "torch"  # torch (legacy, per-rank files) | torch_dist
+    resume: bool = True  # continue from the run directory's latest checkpoint if there is one
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1
+    tensorboard: bool = True  # when the tensorboard package is installed
+    plot: bool = True  # loss-curve PNG at the end (matplotlib when installed)
+    peak_tflops: float = 0.0  # per device, for MFU; 0: a GPU preset or a CPU matmul probe
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0  # 0: LoRA off
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+
+
+@dataclass
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
+
+
+def _nearest(name: str, options) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f"did you mean {match[0]!r}?" if match else f"valid keys: {', '.join(sorted(options))}"
+
+
+def _field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(where: str, value: Any, kind) -> Any:
+    """Check a TOML value against a dataclass field type (ints are accepted for floats)."""
+    origin = typing.get_origin(kind)
+    args = typing.get_args(kind)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        kinds = [a for a in args if a is not type(None)]
+        return _coerce(where, value, kinds[0])
+    if origin is list:
+        if not isinstance(value, list):
+            raise QlmError(f"{where} must be a list, got {value!r}", f"write {where.split('.')[-1]} = [...]")
+        return [_coerce(f"{where}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise QlmError(f"{where} must be true or false, got {value!r}", "use a TOML boolean")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise QlmError(f"{where} must be an integer, got {value!r}", "use a whole number")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise QlmError(f"{where} must be a number, got {value!r}", "use a number")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise QlmError(f"{where} must be a string, got {value!r}", "quote the value")
+        return value
+    return value
+
+
+def recipe_from_dict(data: dict[str, Any]) -> Recipe:
+    recipe = Recipe()
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise QlmError(f"unknown section [{section}]", _nearest(section, SECTIONS))
+        if not isinstance(values, dict):
+            raise QlmError(f"[{section}] must be a table", f"write [{section}] followed by key = value lines")
+        target = getattr(recipe, section)
+        types = _field_types(type(target))
+        for key, value in values.items():
+            if key not in types:
+                raise QlmError(f"unknown key {section}.{key}", _nearest(key, types))
+            setattr(target, key, _coerce(f"{section}.{key}", value, types[key]))
+    return recipe
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.key=value`; the value is read as TOML (numbers, true/false, lists, quoted strings), else a string."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise QlmError(f"--set {text!r} is not section.key=value", "e.g. --set parallel.tp=2")
+    path, raw = text.split("=", 1)
+    section, key = path.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, key, value
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise QlmError(f"recipe {path} does not exist", "pass the path of a .toml recipe")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise QlmError(f"{path} is not valid TOML ({exc})", "fix the syntax at the position shown") from None
+    for text in overrides:
+        section, key, value = parse_override(text)
+        data.setdefault(section, {})[key] = value
+    return recipe_from_dict(data)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def recipe_to_toml(recipe: Recipe) -> str:
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        for key, value in dataclasses.asdict(getattr(recipe, section)).items():
+            if value is not None:  # TOML has no null: an absent key means the default (None)
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,26 @@
+"""The model as pipeline stages: GPTModel with torch.distributed.pipelining's positional I/O.
+
+A stage receives (input_ids or hidden states, position_ids[, segment_ids]) and, unless it is the last stage,
+returns the hidden states followed by the same position_ids[, segment_ids], so that every stage knows the RoPE
+positions and documents of the microbatch it is running. The last stage returns this TP rank's vocabulary slice
+of the logits; the loss is computed by the schedule's loss function (GPTModel.token_loss).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gpt import GPTModel
+
+
+class StageModel(GPTModel):
+    """Same parameters and state_dict as GPTModel (it adds no modules), pipeline-friendly forward."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor | None = None):
+        out = super().forward(
+            x if self.pre_process else None, position_ids,
+            hidden_states=None if self.pre_process else x, segment_ids=segment_ids, local_logits=True,
+        )
+        if self.post_process:
+            return out
+        return (out, position_ids) if segment_ids is None else (out, position_ids, segment_ids)

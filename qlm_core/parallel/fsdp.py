@@ -1,0 +1,125 @@
+"""ZeRO-3: FSDP2 `fully_shard` over the data x context group, composed with qlm's hand-written TP (FSDP only
+sees each TP rank's local shards) and with pipelining (torch's schedules drive FSDP's gradient sync).
+
+Same interface as the ZeRO 0-2 path (GradientBuffers + DistributedOptimizer): zero_grad, finish_grad_sync,
+clip_grad_norm, step, set_lr, state_dict / load_state_dict.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from .comm import all_reduce, group_rank
+
+_FLAGS = ("tp_split", "sequence_parallel", "shared_embedding", "tied_copy")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class FullyShardedState:
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        units: list[list[nn.Module]],
+        param_groups: list[dict],
+        *,
+        dp_cp_group,
+        tp_group,
+        pp_group,
+        embedding_group,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+    ):
+        """`units`: per chunk, the submodules to shard separately (the transformer layers); each chunk itself is
+        the root unit. `param_groups`: [{"params": [...], "weight_decay": wd}, ...] over the chunks' params."""
+        flags = {id(p): {f: getattr(p, f) for f in _FLAGS if hasattr(p, f)} for c in chunks for p in c.parameters()}
+        group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
+        names = [(c, n, id(p)) for c in chunks for n, p in c.named_parameters()]
+        mesh = DeviceMesh.from_group(dp_cp_group, device.type)
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        for chunk, chunk_units in zip(chunks, units):
+            for unit in chunk_units:
+                fully_shard(unit, mesh=mesh, mp_policy=policy)
+            fully_shard(chunk, mesh=mesh, mp_policy=policy)
+        # FSDP averages over its mesh; qlm's loss is pre-normalised so gradients must be summed. (Setting FSDP's
+        # divide factor to 1 would need ReduceOp.PREMUL_SUM, which gloo lacks: rescale after the reduction.)
+        self.dp_cp_size = mesh.size()
+        # fully_shard replaces parameters by DTensor parameters: carry qlm's flags and optimizer groups over.
+        self.params: list[nn.Parameter] = []
+        groups: list[list[nn.Parameter]] = [[] for _ in param_groups]
+        for chunk, name, old_id in names:
+            param = chunk.get_parameter(name)
+            for flag, value in flags[old_id].items():
+                setattr(param, flag, value)
+            if old_id in group_of:
+                groups[group_of[old_id]].append(param)
+            self.params.append(param)
+        self.tp_group, self.pp_group, self.dp_cp_group = tp_group, pp_group, dp_cp_group
+        self.embedding_group = embedding_group
+        self.optimizer = torch.optim.AdamW(
+            [{"params": ps, "weight_decay": g["weight_decay"]} for ps, g in zip(groups, param_groups)],
+            lr=lr, betas=betas, eps=eps, fused=device.type == "cuda", foreach=device.type != "cuda" or None,
+        )
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def finish_grad_sync(self):
+        """FSDP has reduce-scattered over dp x cp; add the TP sum for sequence-parallel replicated params and the
+        first/last-stage sum for tied embeddings (local shards correspond: same shapes, same sharding)."""
+        for param in self.params:
+            if param.grad is None:
+                continue
+            if self.dp_cp_size > 1:
+                _local(param.grad).mul_(self.dp_cp_size)
+            if getattr(param, "sequence_parallel", False):
+                all_reduce(_local(param.grad), self.tp_group)
+            if getattr(param, "shared_embedding", False):
+                all_reduce(_local(param.grad), self.embedding_group)
+
+    def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's whole (TP-local) gradient of `param`, gathered over the data ranks (for inspection)."""
+        grad = param.grad
+        return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        total = torch.zeros((), dtype=torch.float32, device=self.params[0].device if self.params else "cpu")
+        first_tp = group_rank(self.tp_group) == 0
+        for param in self.params:
+            if param.grad is None or getattr(param, "tied_copy", False):
+                continue
+            if not getattr(param, "tp_split", False) and not first_tp:
+                continue
+            total += _local(param.grad).float().pow(2).sum()
+        for group in (self.dp_cp_group, self.tp_group, self.pp_group):
+            all_reduce(total, group)
+        norm = math.sqrt(total.item())
+        if math.isfinite(norm) and max_norm > 0 and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for param in self.params:
+                if param.grad is not None:
+                    _local(param.grad).mul_(scale)
+        return norm
+
+    def step(self):
+        self.optimizer.step()
+
+    def set_lr(self, lr: float):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict):
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,275 @@
+"""AdamW over fp32 master weights with Megatron-style ZeRO sharding (the "distributed optimizer") and a global
+gradient-norm clip. Works on the buckets of a GradientBuffers (parallel/data.py).
+
+Master weights and Adam states:
+  ZeRO 0  one master per param: the param itself when it is fp32, an fp32 copy otherwise (bf16 params);
+          its gradient is `param.main_grad`.
+  ZeRO 1/2  one master per FRAGMENT = the part of a param inside this dp rank's shard of its bucket (so a param
+          has at most one fragment per rank, and its fragments may be spread over several ranks); an fp32 copy
+          whose gradient is a view into the bucket's reduced grad shard.
+After the AdamW update each rank casts its masters into its slices of the bucket param buffers and all-gathers
+every bucket over the dp group, so every rank again holds the full params.
+
+Bytes per param element (bf16 params; fp32 params add 2 to the param and, under ZeRO 0, need no master copy):
+  ZeRO 0  2 param + 4 grad + 12 master/exp_avg/exp_avg_sq
+  ZeRO 1  2 param + 4 grad + 12/dp
+  ZeRO 2  2 param + 4/dp grad shard + 12/dp, plus a few transient fp32 buckets (parallel/data.py)
+
+Param all-gather overlap (`overlap_param_gather`): step() launches one async all-gather per bucket, in forward
+order, and returns. A forward pre-hook on each module that owns params (register_param_gather_hooks) waits for
+just the buckets holding that module's own params, so gathering overlaps the next forward. A param must be read
+first by its owning module (or after it runs). Anything reading params before the next forward (checkpoint save,
+eval) calls wait_param_gather() first; step(), state_dict() and load_state_dict() do so themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from .comm import all_reduce, group_rank, start_all_gather, wait
+from .data import GradientBuffers
+
+
+_IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+@dataclass
+class _Fragment:
+    param_index: int  # position of the param in GradientBuffers.params
+    param: nn.Parameter
+    start: int  # [start, end) of the param's flattened elements held by this fragment
+    end: int
+    master: torch.Tensor  # fp32; the param itself for an fp32 param under ZeRO 0
+    grad: torch.Tensor  # fp32 reduced gradient, same shape as master
+    counts_in_norm: bool  # unique across TP and not the pipeline's tied copy
+
+    @property
+    def master_is_param(self) -> bool:
+        return self.master is self.param
+
+
+class DistributedOptimizer:
+    """torch.optim.AdamW (decoupled weight decay) over fp32 masters of the params in `grad_buffers`.
+
+    `param_groups`: [{"params": [...], "weight_decay": wd, ...}] covering every param of grad_buffers exactly
+    once; extra keys go to torch's param group as they are. With `overlap_param_gather`, pass `model_chunks` (or
+    call register_param_gather_hooks once) so that forward waits for the gathered params.
+    """
+
+    def __init__(
+        self,
+        param_groups,
+        grad_buffers: GradientBuffers,
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        overlap_param_gather: bool = False,
+        tp_group=None,
+        pp_group=None,
+        model_chunks=None,
+    ):
+        self.buffers = grad_buffers
+        self.zero_stage = grad_buffers.zero_stage
+        self.dp_group, self.tp_group, self.pp_group = grad_buffers.dp_group, tp_group, pp_group
+        self.overlap_param_gather = overlap_param_gather and self.zero_stage >= 1
+        self._gather_work: dict[int, object] = {}
+        self._gather_hooks: list = []
+        index_of = {id(p): i for i, p in enumerate(grad_buffers.params)}
+        seen: set[int] = set()
+        torch_groups, self._fragments = [], []
+        for group in param_groups:
+            group = dict(group)
+            params = list(group.pop("params"))
+            masters = []
+            for p in params:
+                if id(p) not in index_of:
+                    raise ValueError(f"a param of shape {tuple(p.shape)} is in param_groups, not in GradientBuffers")
+                if id(p) in seen:
+                    raise ValueError(f"param {index_of[id(p)]} appears in two param groups")
+                seen.add(id(p))
+                for fragment in self._make_fragments(index_of[id(p)], p):
+                    self._fragments.append(fragment)
+                    masters.append(fragment.master)
+            torch_groups.append({"params": masters, **group})
+        if len(seen) != len(index_of):
+            missing = sorted(i for i, p in enumerate(grad_buffers.params) if id(p) not in seen)
+            raise ValueError(f"params {missing} of GradientBuffers are in no param group")
+        fused = grad_buffers.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(
+            torch_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            fused=True if fused else None, foreach=None if fused else True,
+        )
+        if self.overlap_param_gather and model_chunks is not None:
+            self.register_param_gather_hooks(model_chunks)
+
+    def _make_fragments(self, index: int, param: nn.Parameter) -> list[_Fragment]:
+        counts = not getattr(param, "tied_copy", False) and (
+            getattr(param, "tp_split", False) or group_rank(self.tp_group) == 0
+        )
+        if self.zero_stage == 0:
+            if param.dtype == torch.float32:
+                master = param
+            else:
+                master = param.detach().float().clone()
+                master.grad = param.main_grad
+            return [_Fragment(index, param, 0, param.numel(), master, param.main_grad, counts)]
+        bucket = self.buffers.bucket_of[id(param)]
+        lo, hi = bucket.param_range(param)
+        shard_lo, shard_hi = bucket.layout.shard_range(self.buffers.dp_rank, self.buffers.dp_size)
+        start, end = max(lo, shard_lo), min(hi, shard_hi)
+        if start >= end:
+            return []
+        master = param.detach().reshape(-1)[start - lo : end - lo].float().clone()
+        master.grad = bucket.grad_shard[start - shard_lo : end - shard_lo]
+        return [_Fragment(index, param, start - lo, end - lo, master, master.grad, counts)]
+
+    # ---- gradient norm -----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """L2 norm over every unique gradient element of the model (all dp/tp/pp ranks)."""
+        grads = [f.grad for f in self._fragments if f.counts_in_norm]
+        squares = torch.zeros((), dtype=torch.float32, device=self.buffers.device)
+        if grads:
+            squares = torch.stack(torch._foreach_norm(grads)).square().sum()
+        if self.zero_stage >= 1:
+            all_reduce(squares, self.dp_group)
+        all_reduce(squares, self.tp_group)
+        all_reduce(squares, self.pp_group)
+        return squares.sqrt().item()
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale every held gradient by max_norm / (norm + 1e-6) when the global norm exceeds max_norm (> 0; 0
+        only measures); returns the norm before clipping. A non-finite norm is returned unclipped: skip step()
+        and call zero_grad()."""
+        norm = self.grad_norm()
+        if math.isfinite(norm) and 0 < max_norm < norm:
+            torch._foreach_mul_([f.grad for f in self._fragments], max_norm / (norm + 1e-6))
+        return norm
+
+    # ---- update ------------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self):
+        """AdamW on the masters, then the updated values go into the model params (and are all-gathered)."""
+        if self.overlap_param_gather and not self._gather_hooks:
+            raise RuntimeError(
+                "overlap_param_gather needs forward pre-hooks that wait for the gathered params: pass "
+                "model_chunks= to DistributedOptimizer or call register_param_gather_hooks(model_chunks) once"
+            )
+        self.wait_param_gather()
+        as_params = [f for f in self._fragments if f.master_is_param]
+        for f in as_params:
+            f.param.grad = f.grad
+        self.optimizer.step()
+        for f in as_params:
+            f.param.grad = None
+        self._copy_masters_to_params(async_gather=self.overlap_param_gather)
+
+    def _copy_masters_to_params(self, async_gather: bool):
+        for f in self._fragments:
+            if not f.master_is_param:
+                f.param.detach().view(-1)[f.start : f.end].copy_(f.master.view(-1))
+        if self.zero_stage == 0:
+            return
+        rank, world = self.buffers.dp_rank, self.buffers.dp_size
+        for bucket in reversed(self.buffers.buckets):  # forward order: the last bucket holds the first params
+            lo, hi = bucket.layout.shard_range(rank, world)
+            work = start_all_gather(bucket.param_data, bucket.param_data[lo:hi], self.dp_group)
+            if work is not None:
+                self._gather_work[bucket.index] = work
+        if not async_gather:
+            self.wait_param_gather()
+
+    def wait_param_gather(self, bucket_indices=None):
+        """Wait for the all-gathers of these buckets (default: all) launched by the last step()."""
+        for index in list(self._gather_work) if bucket_indices is None else bucket_indices:
+            wait(self._gather_work.pop(index, None))
+
+    def register_param_gather_hooks(self, model_chunks) -> list:
+        """Forward pre-hooks that wait, module by module, for the buckets holding the module's own params.
+        `model_chunks`: a module or a list of them (virtual pipeline chunks). Returns the hook handles."""
+        chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+        for chunk in chunks:
+            for module in chunk.modules():
+                owned = {self.buffers.bucket_of[id(p)].index for p in module.parameters(recurse=False)
+                         if id(p) in self.buffers.bucket_of}
+                if owned:
+                    hook = partial(self._wait_before_forward, tuple(sorted(owned)))
+                    self._gather_hooks.append(module.register_forward_pre_hook(hook))
+        return self._gather_hooks
+
+    @property
+    def pending_param_gathers(self) -> int:
+        """Buckets whose all-gather was launched by step() and not yet waited for."""
+        return len(self._gather_work)
+
+    def _wait_before_forward(self, bucket_indices, module, args):
+        if self._gather_work:
+            self.wait_param_gather(bucket_indices)
+
+    def set_lr(self, lr: float):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def zero_grad(self):
+        self.buffers.zero_grad()
+
+    # ---- checkpoint --------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This rank's masters and Adam states, one entry per fragment, keyed by the param's index in
+        GradientBuffers.params and the [start, end) range of its flattened elements. Tensors are references
+        (save them before the next step)."""
+        self.wait_param_gather()
+        fragments = []
+        for f in self._fragments:
+            entry = {"param_index": f.param_index, "param_shape": tuple(f.param.shape), "start": f.start,
+                     "end": f.end, "master": f.master.detach().reshape(-1)}
+            state = self.optimizer.state.get(f.master, {})
+            if state:
+                entry.update(step=state["step"], exp_avg=state["exp_avg"].reshape(-1),
+                             exp_avg_sq=state["exp_avg_sq"].reshape(-1))
+            fragments.append(entry)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"format": "qlm-distributed-optimizer-1", "zero_stage": self.zero_stage,
+                "dp_rank": self.buffers.dp_rank, "dp_size": self.buffers.dp_size,
+                "param_groups": groups, "fragments": fragments}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict):
+        """Restore masters and Adam states saved by state_dict() with the same layout, and write the masters into
+        the model params (an all-gather over dp under ZeRO 1/2: every dp rank must call it)."""
+        self.wait_param_gather()
+        mine = [(f.param_index, f.start, f.end) for f in self._fragments]
+        saved = [(e["param_index"], e["start"], e["end"]) for e in state["fragments"]]
+        if (state["zero_stage"], state["dp_size"]) != (self.zero_stage, self.buffers.dp_size) or mine != saved:
+            raise ValueError(
+                f"optimizer state layout differs (saved ZeRO {state['zero_stage']} dp {state['dp_size']}, "
+                f"{len(saved)} fragments; here ZeRO {self.zero_stage} dp {self.buffers.dp_size}, {len(mine)}): "
+                "re-shard it offline from the saved param_index/start/end ranges"
+            )
+        torch_state = {}
+        for k, (f, entry) in enumerate(zip(self._fragments, state["fragments"])):
+            f.master.detach().copy_(entry["master"].view_as(f.master))
+            if "exp_avg" in entry:
+                torch_state[k] = {"step": entry["step"], "exp_avg": entry["exp_avg"].view_as(f.master),
+                                  "exp_avg_sq": entry["exp_avg_sq"].view_as(f.master)}
+        sizes = [len(g["params"]) for g in self.optimizer.param_groups]
+        if len(state["param_groups"]) != len(sizes):
+            raise ValueError(f"saved {len(state['param_groups'])} param groups, this optimizer has {len(sizes)}")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        groups = [  # hyperparameters from the file, implementation flags (fused/foreach) from this device
+            {**stored, **{k: live[k] for k in _IMPLEMENTATION_FLAGS if k in live}, "params": list(range(s, s + n))}
+            for stored, live, s, n in zip(state["param_groups"], self.optimizer.param_groups, starts, sizes)
+        ]
+        self.optimizer.load_state_dict({"state": torch_state, "param_groups": groups})
+        self._copy_masters_to_params(async_gather=False)

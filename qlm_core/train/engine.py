@@ -1,0 +1,270 @@
+"""One training step of the hybrid-parallel model.
+
+The engine builds this rank's stage models (its TP shard of its pipeline stage's chunks), fills them from any
+TensorSource (random init, an HF or a Megatron checkpoint), and runs a step: split the rank's rows of the global
+batch into microbatches and its context-parallel chunks, run them (through the pipeline schedule when pp > 1),
+reduce gradients over data x context ranks (ZeRO 0-2: GradientBuffers; ZeRO 3: FSDP2), clip by the global norm
+and update with AdamW on fp32 master weights.
+
+The loss of a step is the mean over every non-ignored label of the global batch, whatever the layout: each
+microbatch's summed token loss is divided by the global token count, and gradients are summed, never averaged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..checkpoint.init import RandomInitSource
+from ..config import OptimConfig, ParallelConfig
+from ..checkpoint.layout import ModelLayout, TensorSource, build_shard
+from ..errors import QlmError
+from ..models.gpt import CP_COMM_TYPES, RECOMPUTE_MODES, ParallelOptions
+from ..models.spec import ModelSpec
+from ..models.stage import StageModel
+from ..parallel.comm import all_reduce, group_size
+from ..parallel.context import split_for_cp
+from ..parallel.pipeline import SCHEDULES, PipelineRunner, validate_schedule
+from ..parallel.state import Grid
+
+
+@dataclass
+class Batch:
+    """This data-parallel rank's rows of the global batch: [rows, seq]; labels -100 are ignored."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    segment_ids: torch.Tensor | None = None
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    tokens: int
+    skipped: bool = False
+
+
+def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes, seq_length: int, micro_batch_size: int,
+                    global_batch_size: int):
+    """Everything that can be checked before a process group exists (ModelLayout checks heads/layers)."""
+    cp, tp = config.cp, config.tp
+    if config.zero_stage not in (0, 1, 2, 3):
+        raise QlmError(f"zero_stage {config.zero_stage} is not one of 0, 1, 2, 3", "set parallel.zero_stage")
+    if config.recompute not in RECOMPUTE_MODES:
+        raise QlmError(f"recompute {config.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}",
+                       "set parallel.recompute")
+    if config.cp_comm_type not in CP_COMM_TYPES:
+        raise QlmError(f"cp_comm_type {config.cp_comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}",
+                       "set parallel.cp_comm_type")
+    if config.pp_schedule not in SCHEDULES:
+        raise QlmError(f"pp_schedule {config.pp_schedule!r} is not one of {', '.join(SCHEDULES)}",
+                       "set parallel.pp_schedule")
+    if config.vpp > 1 and config.pp == 1:
+        raise QlmError("vpp > 1 needs pp > 1", "raise parallel.pp or set vpp = 1")
+    if cp > 1 and seq_length % (2 * cp):
+        raise QlmError(f"seq_length {seq_length} is not divisible by 2*cp = {2 * cp}",
+                       "context parallelism cuts each sequence into 2*cp equal chunks")
+    if config.sp and tp > 1 and (seq_length // cp) % tp:
+        raise QlmError(f"seq_length/cp = {seq_length // cp} is not divisible by tp = {tp}",
+                       "sequence parallelism shards each rank's tokens over the TP group")
+    if cp > 1 and config.cp_comm_type == "a2a" and (spec.num_attention_heads // tp) % cp:
+        raise QlmError(f"cp_comm_type a2a needs heads per TP rank ({spec.num_attention_heads // tp}) divisible by "
+                       f"cp = {cp}", "use p2p or allgather, or change tp/cp")
+    if cp > 1 and spec.sliding_window is not None and seq_length > spec.sliding_window:
+        raise QlmError("sliding-window attention is not supported with context parallelism", "set cp = 1")
+    if config.overlap_param_gather and config.zero_stage not in (1, 2):
+        raise QlmError("overlap_param_gather needs zero_stage 1 or 2", "set parallel.zero_stage or turn it off")
+    rows = micro_batch_size * sizes.dp
+    if global_batch_size % rows:
+        raise QlmError(f"global_batch_size {global_batch_size} is not divisible by micro_batch_size*dp = {rows}",
+                       "make the global batch a multiple of micro_batch_size * dp")
+    validate_schedule_or_raise(config, global_batch_size // rows)
+
+
+def validate_schedule_or_raise(config: ParallelConfig, num_microbatches: int):
+    if config.pp == 1:
+        return
+    try:
+        validate_schedule(config.pp_schedule, config.pp, config.vpp, num_microbatches)
+    except ValueError as exc:
+        raise QlmError(str(exc), "adjust parallel.pp_schedule, parallel.vpp or the batch sizes") from None
+
+
+def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """No weight decay on biases and norm weights (every 1-D parameter)."""
+    decay = [p for p in params if p.dim() > 1]
+    no_decay = [p for p in params if p.dim() <= 1]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@dataclass
+class Engine:
+    spec: ModelSpec
+    config: ParallelConfig
+    grid: Grid
+    micro_batch_size: int
+    global_batch_size: int
+    seq_length: int
+    dtype: torch.dtype = torch.float32
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    source: TensorSource | None = None
+    seed: int = 1234
+
+    def __post_init__(self):
+        c, g = self.config, self.grid
+        validate_layout(self.spec, c, g.sizes, self.seq_length, self.micro_batch_size, self.global_batch_size)
+        self.layout = ModelLayout(self.spec, c.tp, c.pp, c.vpp, c.num_layers_in_first_pipeline_stage,
+                                  c.num_layers_in_last_pipeline_stage)
+        self.num_microbatches = self.global_batch_size // (self.micro_batch_size * g.sizes.dp)
+        self.chunks = self._build_chunks()
+        self._load_weights(self.source or RandomInitSource(self.layout, seed=self.seed))
+        self.params = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
+        self._build_optimizer()
+        self.runner = None
+        if c.pp > 1:
+            self.runner = PipelineRunner(
+                self.chunks, pp_rank=g.pp_rank, pp_size=c.pp, pp_group=g.pp_group, device=g.device,
+                schedule=c.pp_schedule, num_microbatches=self.num_microbatches, loss_fn=self._loss_fn,
+            )
+        self._num_tokens = 1.0
+
+    # ---- construction ----------------------------------------------------------------------------------------------
+
+    def _build_chunks(self) -> list[StageModel]:
+        c, g = self.config, self.grid
+        options = ParallelOptions(
+            tp_group=g.tp_group, sequence_parallel=c.sp, cp_group=g.cp_group, cp_comm_type=c.cp_comm_type,
+            recompute=c.recompute, recompute_num_layers=c.recompute_num_layers,
+        )
+        # ZeRO-3 keeps fp32 parameters (FSDP's sharded master weights) and computes in self.dtype.
+        param_dtype = torch.float32 if c.zero_stage == 3 else self.dtype
+        chunks = []
+        for chunk in range(c.vpp):
+            layers = self.layout.chunk_layers(g.pp_rank, chunk)
+            model = StageModel(
+                self.spec, parallel=options, pre_process=self.layout.is_first(g.pp_rank, chunk),
+                post_process=self.layout.is_last(g.pp_rank, chunk), layer_offset=layers.start,
+                num_layers=len(layers), padded_vocab=self.layout.padded_vocab, dtype=param_dtype,
+            ).to(g.device)
+            chunks.append(model)
+        if self.spec.tie_word_embeddings and c.pp > 1:
+            if g.is_first_stage:
+                chunks[0].embedding.word_embeddings.weight.shared_embedding = True
+            if g.is_last_stage:
+                chunks[-1].output_layer.weight.shared_embedding = True
+                chunks[-1].output_layer.weight.tied_copy = True  # counted once in the gradient norm
+        return chunks
+
+    @torch.no_grad()
+    def _load_weights(self, source: TensorSource):
+        g = self.grid
+        for index, chunk in enumerate(self.chunks):
+            state = build_shard(self.layout, g.tp_rank, g.pp_rank, index, source, next(chunk.parameters()).dtype)
+            chunk.load_state_dict({k: v if v is None else v.to(g.device) for k, v in state.items()}, strict=True)
+
+    def _build_optimizer(self):
+        c, g, o = self.config, self.grid, self.optim
+        groups = param_groups(self.params, o.weight_decay)
+        if c.zero_stage == 3:
+            from ..parallel.fsdp import FullyShardedState
+
+            self.optimizer = FullyShardedState(
+                self.chunks, [list(chunk.decoder.layers) for chunk in self.chunks], groups,
+                dp_cp_group=g.dp_cp_group, tp_group=g.tp_group, pp_group=g.pp_group,
+                embedding_group=g.embedding_group, device=g.device, compute_dtype=self.dtype, lr=o.lr,
+                betas=(o.beta1, o.beta2), eps=o.eps,
+            )
+            self.grads = self.optimizer
+            self.params = self.optimizer.params
+            return
+        from ..parallel.data import GradientBuffers
+        from ..parallel.optimizer import DistributedOptimizer
+
+        self.grads = GradientBuffers(
+            self.params, dp_group=g.dp_cp_group, zero_stage=c.zero_stage, bucket_size_mb=c.bucket_size_mb,
+            overlap_grad_reduce=c.overlap_grad_reduce, num_microbatches=self.num_microbatches,
+            tp_group=g.tp_group, embedding_group=g.embedding_group,
+        )
+        self.optimizer = DistributedOptimizer(
+            groups, self.grads, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+            overlap_param_gather=c.overlap_param_gather, tp_group=g.tp_group, pp_group=g.pp_group,
+            model_chunks=self.chunks,
+        )
+
+    # ---- the step --------------------------------------------------------------------------------------------------
+
+    def _loss_fn(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.chunks[-1].token_loss(local_logits, labels).sum() / self._num_tokens
+
+    def _local_inputs(self, batch: Batch):
+        """Split this rank's rows into its context-parallel chunks; positions default to global token indices."""
+        g, cp = self.grid, self.config.cp
+        rows, seq = batch.input_ids.shape
+        position_ids = batch.position_ids
+        if position_ids is None:
+            position_ids = torch.arange(seq)[None, :].expand(rows, seq)
+
+        def local(t):
+            t = t.to(self.grid.device)
+            return split_for_cp(t, cp, g.cp_rank, dim=1).contiguous() if cp > 1 else t.contiguous()
+
+        segment = None if batch.segment_ids is None else local(batch.segment_ids)
+        return local(batch.input_ids), local(batch.labels), local(position_ids), segment
+
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        """Forward and backward over every microbatch; gradients are reduced and final when this returns.
+        Returns this rank's share of the step loss (the sum over ranks is the global mean)."""
+        g = self.grid
+        rows = batch.input_ids.shape[0]
+        if rows != self.micro_batch_size * self.num_microbatches:
+            raise ValueError(f"expected {self.micro_batch_size * self.num_microbatches} rows, got {rows}")
+        input_ids, labels, position_ids, segment_ids = self._local_inputs(batch)
+        tokens = torch.tensor(float((labels >= 0).sum()), device=g.device)
+        all_reduce(tokens, g.dp_cp_group)
+        self._num_tokens = max(tokens.item(), 1.0)
+        self.grads.zero_grad()
+        for chunk in self.chunks:
+            chunk.train()
+        loss_sum = torch.zeros((), device=g.device)
+        if self.runner is not None:
+            inputs = (input_ids, position_ids) if segment_ids is None else (input_ids, position_ids, segment_ids)
+            for loss in self.runner.step(inputs, labels):
+                loss_sum += loss.detach().float()
+        else:
+            model, mbs = self.chunks[0], self.micro_batch_size
+            for i in range(self.num_microbatches):
+                rows_i = slice(i * mbs, (i + 1) * mbs)
+                seg = None if segment_ids is None else segment_ids[rows_i]
+                loss = self._loss_fn(model(input_ids[rows_i], position_ids[rows_i], seg), labels[rows_i])
+                loss.backward()
+                loss_sum += loss.detach().float()
+        self.grads.finish_grad_sync()
+        return loss_sum
+
+    def update(self, lr: float | None = None) -> tuple[float, bool]:
+        """Clip by the global gradient norm and apply AdamW; a non-finite norm skips the update.
+        Returns (norm before clipping, skipped)."""
+        if lr is not None:
+            self.optimizer.set_lr(lr)
+        grad_norm = self.optimizer.clip_grad_norm(self.optim.clip_grad)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        return grad_norm, skipped
+
+    def global_loss(self, loss_sum: torch.Tensor) -> float:
+        g = self.grid
+        loss_sum = loss_sum.clone()
+        all_reduce(loss_sum, g.dp_cp_group)
+        if group_size(g.pp_group) > 1:  # only the rank holding the last stage computed it
+            all_reduce(loss_sum, g.pp_group)
+        return loss_sum.item()
+
+    def train_step(self, batch: Batch, lr: float | None = None) -> StepResult:
+        loss_sum = self.forward_backward(batch)
+        grad_norm, skipped = self.update(lr)
+        return StepResult(self.global_loss(loss_sum), grad_norm, int(self._num_tokens), skipped)

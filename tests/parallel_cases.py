@@ -1,0 +1,59 @@
+"""The layouts the parity suite checks against one process (shared by the pytest module and its torchrun worker)."""
+
+import torch
+
+from qlm_core.models.spec import ModelSpec
+
+# Tiny Qwen2: GQA (4 heads, 2 query groups) and qkv bias; vocabulary 300 exercises Megatron's padding.
+SPEC = ModelSpec(
+    model_type="qwen2", vocab_size=300, hidden_size=64, ffn_hidden_size=96, num_layers=4, num_attention_heads=4,
+    num_query_groups=2, kv_channels=16, max_position_embeddings=256, rope_theta=10000.0, norm_epsilon=1e-6,
+    qkv_bias=True, tie_word_embeddings=False,
+)
+SEQ, GLOBAL_BATCH, STEPS, WORLD = 32, 8, 5, 8
+
+# name -> (world size, parallel config, micro batch size, packed documents)
+CASES = {
+    "tp2": (2, dict(tp=2), 2, False),
+    "tp2_sp": (2, dict(tp=2, sp=True), 2, False),
+    "tp4_two_groups": (4, dict(tp=4, sp=True), 2, False),
+    "cp2_p2p": (2, dict(cp=2, cp_comm_type="p2p"), 2, False),
+    "cp2_allgather": (2, dict(cp=2, cp_comm_type="allgather"), 2, False),
+    "cp2_a2a": (2, dict(cp=2, cp_comm_type="a2a"), 2, False),
+    "cp2_packed": (2, dict(cp=2, cp_comm_type="p2p"), 2, True),
+    "pp2_1f1b": (2, dict(pp=2, pp_schedule="1f1b"), 2, False),
+    "pp2_interleaved": (2, dict(pp=2, vpp=2, pp_schedule="interleaved_1f1b"), 2, False),
+    "pp2_zero_bubble": (2, dict(pp=2, pp_schedule="zero_bubble"), 2, False),
+    "pp2_uneven": (2, dict(pp=2, num_layers_in_first_pipeline_stage=1), 2, False),
+    "dp2_zero0": (2, dict(zero_stage=0, overlap_grad_reduce=True), 2, False),
+    "dp2_zero1": (2, dict(zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True), 2, False),
+    "dp2_zero2": (2, dict(zero_stage=2, overlap_grad_reduce=True), 2, False),
+    "dp2_zero3": (2, dict(zero_stage=3), 2, False),
+    "dp2_accum4": (2, dict(zero_stage=1), 1, False),
+    "recompute_selective": (2, dict(tp=2, sp=True, recompute="selective"), 2, False),
+    "recompute_full": (2, dict(tp=2, recompute="full", recompute_num_layers=1), 2, False),
+    "tp2_pp2_dp2": (8, dict(tp=2, pp=2, sp=True, zero_stage=1, overlap_grad_reduce=True), 1, False),
+    "tp2_cp2": (4, dict(tp=2, cp=2, sp=True), 2, False),
+    "packed_tp2": (2, dict(tp=2, sp=True), 2, True),
+}
+
+
+def make_batch(packed: bool):
+    """Global batch: input_ids, labels (-100 across document boundaries), position_ids and segment_ids (packed)."""
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, SPEC.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=generator)
+    input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    if not packed:
+        return input_ids, labels, None, None
+    segment_ids = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long)
+    position_ids = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long)
+    for row in range(GLOBAL_BATCH):
+        cuts = sorted(torch.randperm(SEQ - 1, generator=generator)[:3].add(1).tolist())
+        start = 0
+        for doc, stop in enumerate(cuts + [SEQ]):
+            segment_ids[row, start:stop] = doc
+            position_ids[row, start:stop] = torch.arange(stop - start)
+            if stop < SEQ:
+                labels[row, stop - 1] = -100  # the last token of a document does not predict the next document
+            start = stop
+    return input_ids, labels, position_ids, segment_ids

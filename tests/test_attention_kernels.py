@@ -1,0 +1,134 @@
+"""The attention kernels with log-sum-exp against a float64 math reference (forward, and backward through autograd)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qlm_core.kernels import attention as attn
+from qlm_core.kernels.attention import attention, attention_backward, attention_forward_with_lse
+
+TOL = 1e-5
+
+
+def reference(q, k, v, scale, causal, mask):
+    """softmax(q k^T * scale + mask) v in float64; rows with no visible key give 0 and lse = -inf."""
+    q, k, v = (t.double() for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    allowed = torch.ones(s.shape[-2:], dtype=torch.bool)
+    if causal:
+        allowed = allowed.tril()
+    if mask is not None:
+        allowed = allowed & mask
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ v, lse
+
+
+def make(b, hq, hk, sq, sk, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, s, d, generator=g) for h, s in ((hq, sq), (hk, sk), (hk, sk)))
+
+
+def random_mask(b, sq, sk, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(b, 1, sq, sk, generator=g) > 0.5
+    mask[0, 0, 1] = False  # fully masked rows
+    mask[-1, 0, -1] = False
+    return mask
+
+
+CASES = {
+    "causal": dict(b=2, hq=3, hk=3, sq=9, sk=9, causal=True, mask=False),
+    "non_causal": dict(b=2, hq=3, hk=3, sq=9, sk=9, causal=False, mask=False),
+    "gqa_causal": dict(b=2, hq=4, hk=2, sq=8, sk=8, causal=True, mask=False),
+    "gqa_rect": dict(b=1, hq=4, hk=2, sq=5, sk=11, causal=False, mask=False),
+    "rect": dict(b=2, hq=2, hk=2, sq=12, sk=5, causal=False, mask=False),
+    "mask": dict(b=2, hq=4, hk=2, sq=7, sk=10, causal=False, mask=True),
+    "mask_causal": dict(b=2, hq=2, hk=1, sq=8, sk=8, causal=True, mask=True),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("backend", ["default", "math"])
+def test_forward_backward_match_reference(name, backend, monkeypatch):
+    c = CASES[name]
+    if backend == "math":
+        monkeypatch.setattr(attn, "_CPU_FLASH", None)
+        monkeypatch.setattr(attn, "_CPU_FLASH_BWD", None)
+    d, scale = 16, 1 / math.sqrt(16)
+    q, k, v = make(c["b"], c["hq"], c["hk"], c["sq"], c["sk"], d)
+    mask = random_mask(c["b"], c["sq"], c["sk"]) if c["mask"] else None
+
+    out, lse = attention_forward_with_lse(q, k, v, scale=scale, causal=c["causal"], mask=mask)
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    ref_q, ref_k, ref_v = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = reference(ref_q, ref_k, ref_v, scale, c["causal"], mask)
+    assert (out.double() - ref_out).abs().max() <= TOL
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert (lse.double() - ref_lse)[finite].abs().max() <= TOL
+    if mask is not None:
+        assert torch.isneginf(lse).any() and (out[torch.isneginf(lse)] == 0).all()
+
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    grads = attention_backward(grad, q, k, v, out, lse, scale=scale, causal=c["causal"], mask=mask)
+    ref_out.backward(grad.double())
+    for got, ref_t in zip(grads, (ref_q, ref_k, ref_v)):
+        assert got.shape == ref_t.shape and torch.isfinite(got).all()
+        assert (got.double() - ref_t.grad).abs().max() <= TOL
+
+
+def test_backward_with_merged_lse_over_key_blocks():
+    """Per-block backward with the final (merged) out/lse, summed over blocks, equals the full backward."""
+    q, k, v = make(2, 4, 2, 6, 10, 8)
+    scale = 0.3
+    out, lse = attention_forward_with_lse(q, k, v, scale=scale, causal=False)
+    grad = torch.randn_like(out)
+    full = attention_backward(grad, q, k, v, out, lse, scale=scale, causal=False)
+    dq = torch.zeros_like(q)
+    dks, dvs = [], []
+    for cols in (slice(0, 3), slice(3, 10)):
+        bq, bk, bv = attention_backward(grad, q, k[:, :, cols], v[:, :, cols], out, lse, scale=scale, causal=False)
+        dq += bq
+        dks.append(bk)
+        dvs.append(bv)
+    assert (dq - full[0]).abs().max() <= TOL
+    assert (torch.cat(dks, 2) - full[1]).abs().max() <= TOL
+    assert (torch.cat(dvs, 2) - full[2]).abs().max() <= TOL
+
+
+def test_differentiable_attention_and_empty_keys():
+    q, k, v = make(1, 4, 2, 6, 6, 8)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    mask[2] = False
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, scale=0.5, causal=False, mask=mask)
+    out.sum().backward()
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference(*ref, 0.5, False, mask)
+    ref_out.sum().backward()
+    assert (out.double() - ref_out).abs().max() <= TOL
+    for a, b in zip(leaves, ref):
+        assert (a.grad.double() - b.grad).abs().max() <= TOL
+
+    # No keys at all: out 0, lse -inf, zero grads (the CPU op would crash on this).
+    out, lse = attention_forward_with_lse(q, k[:, :, :0], v[:, :, :0], scale=0.5, causal=False)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    empty_k = k[:, :, :0]
+    dq, dk, dv = attention_backward(torch.ones_like(out), q, empty_k, empty_k, out, lse, scale=0.5, causal=False)
+    assert (dq == 0).all() and dk.shape == (1, 2, 0, 8)
+
+
+def test_bad_arguments():
+    q, k, v = make(1, 3, 2, 4, 4, 8)
+    with pytest.raises(ValueError, match="multiple"):
+        attention_forward_with_lse(q, k, v, scale=1.0, causal=False)
+    q, k, v = make(1, 2, 2, 4, 5, 8)
+    with pytest.raises(ValueError, match="equal"):
+        attention_forward_with_lse(q, k, v, scale=1.0, causal=True)

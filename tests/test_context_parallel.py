@@ -1,0 +1,96 @@
+"""Context parallelism: layout helpers in-process, and p2p / allgather / a2a attention against full attention on 4
+gloo ranks (one torchrun launch for the whole module, see DESIGN §7)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qlm_core.parallel.context import context_parallel_attention, cp_token_indices, gather_from_cp, split_for_cp
+
+TOL = 1e-5
+WORKER = Path(__file__).parent / "peers" / "cp_worker.py"
+CHECKS = [
+    f"cp{cp}-{comm}-hq{hq}-hk{hk}-{kind}"
+    for cp, comm, (hq, hk), kind in itertools.product(
+        (2, 4), ("p2p", "allgather", "a2a"), ((4, 2), (4, 4), (4, 1)), ("plain", "packed")
+    )
+]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_token_indices_and_split(cp):
+    seq = 8 * cp
+    held = [cp_token_indices(seq, cp, r) for r in range(cp)]
+    assert torch.equal(torch.sort(torch.cat(held)).values, torch.arange(seq))
+    c = seq // (2 * cp)
+    for r, idx in enumerate(held):
+        if cp == 1:
+            assert torch.equal(idx, torch.arange(seq))
+        else:
+            assert idx.tolist() == list(range(r * c, (r + 1) * c)) + list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
+        x = torch.randn(3, seq, 2)
+        assert torch.equal(split_for_cp(x, cp, r, 1), x.index_select(1, idx))
+        assert torch.equal(split_for_cp(x, cp, r, -2), x.index_select(1, idx))
+    assert cp_token_indices(6, 1, 0).tolist() == list(range(6))  # cp = 1 needs no even split
+
+
+def test_layout_errors():
+    with pytest.raises(ValueError, match="divisible"):
+        cp_token_indices(10, 2, 0)
+    with pytest.raises(ValueError, match="divisible"):
+        split_for_cp(torch.zeros(1, 10), 4, 0, 1)
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="comm_type"):
+        context_parallel_attention(q, q, q, group=None, comm_type="ring", scale=1.0, positions=torch.arange(4))
+
+
+def test_no_group_is_plain_attention():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 10, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    segments = torch.tensor([[0] * 3 + [1] * 7, [0] * 10])
+    x = torch.randn(2, 10)
+    assert gather_from_cp(x, None, 1) is x
+    for seg in (None, segments):
+        got = context_parallel_attention(q, k, v, group=None, comm_type="p2p", scale=0.3, positions=torch.arange(10),
+                                         segment_ids=seg)
+        mask = torch.ones(10, 10, dtype=torch.bool).tril()
+        if seg is not None:
+            mask = mask & (seg[:, :, None] == seg[:, None, :])[:, None]
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+        assert (got - want).abs().max() <= TOL
+
+
+@pytest.fixture(scope="module")
+def cp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(WORKER), str(out)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    for r, result in enumerate(ranks):
+        assert "error" not in result, f"rank {r}:\n{result['error']}"
+    return ranks
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_context_parallel_attention_matches_full(cp_results, name):
+    for rank, result in enumerate(cp_results):
+        diffs = result["checks"][name]
+        assert max(diffs.values()) <= TOL, (name, rank, diffs)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_gather_round_trip_and_a2a_errors(cp_results, cp):
+    for result in cp_results:
+        assert result["gather"][f"cp{cp}"] == {"value": 0.0, "grad": 0.0}
+        assert result["a2a_errors"][f"cp{cp}"] is True

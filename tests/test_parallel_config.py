@@ -1,0 +1,59 @@
+"""The grid's rank arithmetic and the layout checks that run before any process group exists."""
+
+import pytest
+
+from qlm_core.checkpoint.layout import ModelLayout
+from qlm_core.errors import QlmError
+from qlm_core.parallel.state import ParallelSizes, resolve_sizes
+from qlm_core.config import ParallelConfig
+from qlm_core.train.engine import validate_layout
+
+from parallel_cases import SPEC
+
+
+def test_tp_is_fastest_then_cp_pp_dp():
+    sizes = ParallelSizes(tp=2, pp=2, cp=2, dp=2)
+    assert [sizes.coords(r)["tp"] for r in range(4)] == [0, 1, 0, 1]
+    assert sizes.coords(2) == {"dp": 0, "pp": 0, "cp": 1, "tp": 0}
+    assert sizes.coords(4) == {"dp": 0, "pp": 1, "cp": 0, "tp": 0}
+    assert sizes.coords(8) == {"dp": 1, "pp": 0, "cp": 0, "tp": 0}
+    assert all(sizes.rank_of(**sizes.coords(r)) == r for r in range(16))
+
+
+def test_dp_is_derived_and_checked():
+    assert resolve_sizes(16, tp=2, pp=2, cp=2).dp == 2
+    with pytest.raises(QlmError, match="not divisible by tp\\*pp\\*cp"):
+        resolve_sizes(6, tp=4)
+    with pytest.raises(QlmError, match="world size 8 != dp\\*pp\\*cp\\*tp"):
+        resolve_sizes(8, tp=2, dp=2)
+
+
+@pytest.mark.parametrize("config,seq,message", [
+    (dict(cp=3), 32, "not divisible by 2\\*cp"),
+    (dict(tp=4, sp=True, cp=2), 36, "seq_length/cp = 18 is not divisible by tp = 4"),
+    (dict(tp=2, sp=True), 33, "not divisible by tp"),
+    (dict(tp=2, cp=4, cp_comm_type="a2a"), 32, "a2a needs heads"),
+    (dict(zero_stage=4), 32, "zero_stage 4"),
+    (dict(vpp=2), 32, "vpp > 1 needs pp > 1"),
+    (dict(recompute="some"), 32, "recompute 'some'"),
+    (dict(pp=2, vpp=2, pp_schedule="1f1b"), 32, "needs an interleaved schedule"),
+    (dict(overlap_param_gather=True), 32, "needs zero_stage 1 or 2"),
+])
+def test_bad_layouts_are_named(config, seq, message):
+    sizes = resolve_sizes(ParallelConfig(**config).tp * ParallelConfig(**config).cp * ParallelConfig(**config).pp,
+                          tp=config.get("tp", 1), pp=config.get("pp", 1), cp=config.get("cp", 1))
+    with pytest.raises(QlmError, match=message):
+        validate_layout(SPEC, ParallelConfig(**config), sizes, seq, 1, 8)
+
+
+def test_global_batch_must_split_into_microbatches():
+    with pytest.raises(QlmError, match="global_batch_size 6 is not divisible by micro_batch_size\\*dp = 4"):
+        validate_layout(SPEC, ParallelConfig(), resolve_sizes(2), 32, 2, 6)
+
+
+def test_heads_groups_and_layers_must_divide():
+    with pytest.raises(QlmError, match="--tp 3"):
+        ModelLayout(SPEC, tp=3)
+    with pytest.raises(QlmError, match="4 layers cannot be split over 3"):
+        ModelLayout(SPEC, pp=3)
+    assert ModelLayout(SPEC, pp=3, first_stage_layers=2).stage_layer_counts == (2, 1, 1)
