@@ -57,3 +57,45 @@ def test_heads_groups_and_layers_must_divide():
     with pytest.raises(QlmError, match="4 layers cannot be split over 3"):
         ModelLayout(SPEC, pp=3)
     assert ModelLayout(SPEC, pp=3, first_stage_layers=2).stage_layer_counts == (2, 1, 1)
+
+
+def test_launch_environment_from_torchrun_and_slurm(monkeypatch):
+    from qlm_core.parallel.state import first_slurm_host, launch_env
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    assert launch_env() == (0, 1, 0)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert launch_env() == (5, 8, 1)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert launch_env() == (2, 4, 2)  # torchrun's variables win
+    assert first_slurm_host("gpu[03-05,07],cpu1") == "gpu03"
+    assert first_slurm_host("node7,node8") == "node7"
+    assert first_slurm_host("a[1,3]") == "a1"
+
+
+def test_bf16_engine_keeps_fp32_master_weights_and_tracks_fp32():
+    """bf16 compute with fp32 master weights and fp32 gradient accumulation stays close to the fp32 run."""
+    import torch
+
+    from parallel_cases import GLOBAL_BATCH, SEQ, make_batch
+    from qlm_core.parallel.state import Grid
+    from qlm_core.train.engine import Batch, Engine
+
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = Engine(SPEC, ParallelConfig(), Grid.single(), micro_batch_size=2, global_batch_size=GLOBAL_BATCH,
+                        seq_length=SEQ, dtype=dtype)
+        batch = Batch(*make_batch(False))
+        losses[dtype] = [engine.train_step(batch).loss for _ in range(3)]
+        if dtype == torch.bfloat16:
+            assert all(p.dtype == torch.bfloat16 for p in engine.params)
+            assert all(p.main_grad.dtype == torch.float32 for p in engine.params)
+            masters = [t for group in engine.optimizer.optimizer.param_groups for t in group["params"]]
+            assert masters and all(t.dtype == torch.float32 for t in masters)
+    assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], rel=2e-2)
+    assert losses[torch.bfloat16][-1] < losses[torch.bfloat16][0]

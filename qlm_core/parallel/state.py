@@ -70,6 +70,15 @@ def launch_env() -> tuple[int, int, int]:
     return rank, world, local or 0
 
 
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list such as "gpu[03-05,07],cpu1" -> "gpu03"."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist[: nodelist.index("]") + 1]
+    if "[" not in head:
+        return head
+    prefix, ranges = head[:-1].split("[", 1)
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
 def init_distributed(timeout_s: float = 1800.0) -> tuple[int, int]:
     """Initialise the default process group if launched by torchrun / srun; returns (rank, world size)."""
     rank, world, local = launch_env()
@@ -79,7 +88,8 @@ def init_distributed(timeout_s: float = 1800.0) -> tuple[int, int]:
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(local % torch.cuda.device_count())
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+        os.environ.setdefault("MASTER_ADDR", first_slurm_host(nodelist) if nodelist else "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         dist.init_process_group(
             backend="nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
