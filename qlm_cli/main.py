@@ -8,7 +8,7 @@ import typer
 
 from qlm_core.errors import QlmError
 
-from .commands import convert
+from .commands import convert, data, train
 from .render import err_console
 
 app = typer.Typer(
@@ -19,6 +19,8 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(convert.app, name="convert")
+app.add_typer(data.app, name="data")
+app.command("train")(train.train)
 
 
 def main():

@@ -72,6 +72,7 @@ class DataConfig:
     reset_position_ids: bool = False  # pretrain: restart positions (and attention) at each document boundary
     workers: int = 1  # tokenisation processes
     seed: int = 1234
+    cache_dir: str = ""  # tokenised-data and demo cache; empty = RUN/cache
 
 
 @dataclass
@@ -83,6 +84,7 @@ class TrainConfig:
     eval_interval: int = 0  # validation loss every N steps (0: only at the end)
     eval_iters: int = 4
     max_skipped_steps: int = 3  # stop after this many consecutive non-finite steps
+    exit_interval: int = 0  # save and exit when the step count is a multiple of this (e.g. job time slots)
     seed: int = 1234
     output: str = "runs/qlm"
 

@@ -14,6 +14,7 @@ OPTIONS = {
     "mcore2hf": ["--mcore", "--out", "--iteration", "--dtype", "--max-shard-size", "--force", "--verify"],
     "mcore2mcore": ["--mcore", "--out", "--tp", "--pp", "--vpp", "--num-layers-in-first-pipeline-stage",
                     "--num-layers-in-last-pipeline-stage", "--iteration", "--dtype", "--force", "--verify"],
+    "mcore2peft": ["--mcore", "--out", "--iteration", "--force"],
     "inspect": ["--iteration", "--tensors", "--json"],
 }
 

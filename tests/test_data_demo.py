@@ -39,7 +39,8 @@ def test_demo_builds_deterministically(tmp_path):
 
     tokenizer = load_tokenizer(a.tokenizer)
     assert tokenizer.eos_token == tokenizer.pad_token == "<|endoftext|>" and len(tokenizer) <= 512
-    assert len(tokenizer.tokenize(" a b c 7")) == 4  # one token per symbol
+    assert len(tokenizer.tokenize(" a b c")) == 3  # one token per letter (with its leading space)
+    assert len(tokenizer.tokenize(" 7 3")) == 4  # Qwen2's split: each digit alone, spaces apart
     dataset = build_sft_dataset(a.train, tokenizer, SFTConfig(seq_length=128), cache_dir=str(tmp_path / "cache"))
     assert 0 < len(dataset) < 300 and (dataset[0]["labels"] != -100).sum() > 0
     stats = preprocess([a.corpus], a.tokenizer, tmp_path / "corpus", append_eod=True, cache_dir=str(tmp_path / "c"))
@@ -49,3 +50,23 @@ def test_demo_builds_deterministically(tmp_path):
                                             eod_token_id=tokenizer.eos_token_id), train_samples=100)
     assert len(train_set) == 100 and valid_set is not None
     assert np.all(train_set[0]["position_ids"] >= 0)
+
+
+def test_demo_tokenizer_tokenises_the_same_beside_a_qwen2_config(tmp_path):
+    """An exported model directory holds config.json (model_type qwen2): AutoTokenizer then builds
+    Qwen2Tokenizer around the vocabulary. It must split text exactly as the tokenizer qlm trained with."""
+    import json
+    import shutil
+
+    from qlm_core.data.demo import build_demo
+    from qlm_core.data.tokenizer import load_tokenizer
+    from qlm_core.models.presets import PRESETS
+
+    paths = build_demo(tmp_path / "demo", num_train=50, num_eval=5, corpus_paragraphs=20)
+    exported = tmp_path / "exported"
+    shutil.copytree(paths.tokenizer, exported)
+    (exported / "config.json").write_text(json.dumps(PRESETS["qlm-tiny"].to_hf_config()))
+    plain, beside_config = load_tokenizer(paths.tokenizer), load_tokenizer(exported)
+    assert type(beside_config).__name__ == "Qwen2Tokenizer"
+    for line in paths.train.read_text().splitlines()[:50] + ["  Mixed CASE, digits 12 345\nand\ttabs! é"]:
+        assert plain(line)["input_ids"] == beside_config(line)["input_ids"]

@@ -47,14 +47,14 @@ ITERATION = Annotated[Optional[int], typer.Option(
     "--iteration", help="Iteration to read (default: latest_checkpointed_iteration.txt).")]
 
 
-def _report(result: core.ConvertResult):
+def _report(result: core.ConvertResult, verifiable: bool = True):
     console.print(
         f"[green]wrote[/] {result.out}  ({result.files} files, {result.bytes_written / 2**20:.1f} MiB, "
         f"{result.seconds:.1f} s)"
     )
     if result.verify is not None:
         console.print(f"[green]verified[/] {result.verify.summary()}")
-    else:
+    elif verifiable:
         console.print("[yellow]not verified[/] (pass --verify to check the result)")
 
 
@@ -102,7 +102,9 @@ def mcore2hf(
     force: FORCE = False,
     verify: VERIFY = None,
 ):
-    """Megatron-Core -> HF (config.json, safetensors, tokenizer files), loadable with AutoModelForCausalLM."""
+    """Megatron-Core -> HF (config.json, safetensors, tokenizer files), loadable with AutoModelForCausalLM.
+
+    A LoRA run's checkpoint (adapters + args naming the base) is written merged: W + alpha/r * B A."""
     with progress_bar("mcore2hf") as progress:
         result = core.mcore_to_hf(
             mcore, out, iteration=iteration, dtype=_dtype(dtype), max_shard_size_gb=max_shard_size, force=force,
@@ -136,6 +138,20 @@ def mcore2mcore(
             verify=verify, progress=progress,
         )
     _report(result)
+
+
+@app.command("mcore2peft")
+def mcore2peft(
+    mcore: Annotated[Path, typer.Option("--mcore", help="Checkpoint root of a LoRA run (RUN/checkpoints).")],
+    out: Annotated[Path, typer.Option("--out", help="Output directory for the PEFT adapter.")],
+    iteration: ITERATION = None,
+    force: FORCE = False,
+):
+    """LoRA adapters -> PEFT (adapter_model.safetensors + adapter_config.json with HF module names), for
+    peft.PeftModel.from_pretrained on the base transformers model. For a merged model use mcore2hf."""
+    with progress_bar("mcore2peft") as progress:
+        result = core.mcore_to_peft(mcore, out, iteration=iteration, force=force, progress=progress)
+    _report(result, verifiable=False)
 
 
 @app.command("inspect")

@@ -19,12 +19,14 @@ from ..errors import QlmError
 from .hf import (
     HFCheckpoint,
     copy_side_files,
+    is_hf_dir,
     plan_hf_shards,
     shard_file_names,
     write_hf_index,
     write_hf_shard,
 )
 from .layout import HFTensorSource, ModelLayout, TensorSource, assemble_hf_tensor, build_shard
+from .lora import merged_source
 from .mcore import (
     HF_SIDE_DIR,
     SHARD_FILE,
@@ -166,17 +168,46 @@ def mcore_to_hf(
     out = Path(out)
     check_output_dir(out, force, src.root)
     dtype = parse_dtype(dtype) or src.dtype
+    source, side_dir = src, src.root / HF_SIDE_DIR
+    if src.lora is not None:  # a LoRA run: write the base weights merged with the adapters
+        source, side_dir = _merged_lora_source(src)
     report = None
     with staged_output(out, force) as tmp:
-        write_hf(tmp, src.layout, src, dtype, int(max_shard_size_gb * 2**30), progress)
-        _write_hf_config(tmp, src.root / HF_SIDE_DIR, src.spec, dtype)
+        write_hf(tmp, src.layout, source, dtype, int(max_shard_size_gb * 2**30), progress)
+        _write_hf_config(tmp, side_dir, src.spec, dtype)
         if _should_verify(verify, src.spec):
             report = VerifyReport()
             written = HFCheckpoint(tmp)
-            compare_tensors(report, (src.layout, src), (src.layout, HFTensorSource(written)), dtype)
-            compare_logits(report, qlm_logits_fn(src.layout, src, dtype), hf_logits_fn(tmp, dtype), src.spec)
+            compare_tensors(report, (src.layout, source), (src.layout, HFTensorSource(written)), dtype)
+            compare_logits(report, qlm_logits_fn(src.layout, source, dtype), hf_logits_fn(tmp, dtype), src.spec)
             _finish(report)
     return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report)
+
+
+def _merged_lora_source(src: MegatronTorchCheckpoint) -> tuple[TensorSource, Path]:
+    """The merged weights of a LoRA run's checkpoint, and where the HF config/tokenizer come from. The base is the
+    checkpoint itself when it holds the base weights too, else the HF or Megatron checkpoint its args name."""
+    if src.holds_base:
+        return merged_source(src, src, src.layout, src.lora), src.root / HF_SIDE_DIR
+    if not src.lora.base:
+        raise QlmError(f"{src.root} holds only LoRA adapters and its args do not name the base (qlm_lora_base)",
+                       "set args.qlm_lora_base to the base model's HF or Megatron checkpoint")
+    path = Path(src.lora.base)
+    if not path.exists() and not path.is_absolute():
+        path = src.root / path
+    if not path.exists():
+        raise QlmError(f"the LoRA base {src.lora.base} does not exist", "put the base checkpoint back at that path")
+    if is_hf_dir(path):
+        hf = HFCheckpoint(path)
+        base, base_spec, side_dir = HFTensorSource(hf), hf.spec, path
+    else:
+        base = MegatronTorchCheckpoint(path)
+        base_spec, side_dir = base.spec, path / HF_SIDE_DIR
+    shape = ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "vocab_size")
+    if any(getattr(base_spec, f) != getattr(src.spec, f) for f in shape):
+        raise QlmError(f"the LoRA base {path} is not the model the adapters were trained on",
+                       "point args.qlm_lora_base at the right base checkpoint")
+    return merged_source(base, src, src.layout, src.lora), side_dir
 
 
 def mcore_to_mcore(
@@ -207,3 +238,22 @@ def mcore_to_mcore(
                            src.spec)
             _finish(report)
     return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report)
+
+
+def mcore_to_peft(mcore: str | Path, out: str | Path, *, iteration: int | None = None, force: bool = False,
+                  progress: Progress = _no_progress) -> ConvertResult:
+    """A LoRA run's adapters (any TP/PP) -> PEFT's adapter_model.safetensors + adapter_config.json, with HF module
+    names, for peft.PeftModel.from_pretrained(base transformers model, OUT)."""
+    from .peft import export_peft
+
+    started = time.perf_counter()
+    src = MegatronTorchCheckpoint(mcore, iteration)
+    if src.lora is None:
+        raise QlmError(f"{src.dir} holds no LoRA adapters", "export full models with mcore2hf")
+    out = Path(out)
+    check_output_dir(out, force, src.root)
+    with staged_output(out, force) as tmp:
+        progress(0, 1, "adapters")
+        export_peft(src.layout, src, src.lora, tmp, base_model_name_or_path=src.lora.base)
+        progress(1, 1, "done")
+    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, None)

@@ -14,7 +14,7 @@ one HF tensor or of Megatron's vocabulary padding; a TP shard is a list of range
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol
 
@@ -36,6 +36,8 @@ _LAYER_TENSORS = (
     ("mlp.linear_fc2.weight", COLS),
 )
 _LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+# LoRA target name (LoraConfig.target_modules) -> the linear it adapts; in state_dict order.
+LORA_TARGETS = {linear.rsplit(".", 1)[1]: linear for linear in _LINEARS}
 
 # Transformer-Engine spec fuses the norms into the following linear; torch_dist always uses these names.
 TE_NORM_NAMES = {
@@ -274,33 +276,87 @@ class ModelLayout:
             entries.append(("output_layer._extra_state", None))
         return entries
 
+    # ---- LoRA adapters ---------------------------------------------------------------------------------------------
+
+    def lora_tensors(self, layer: int, rank: int, targets) -> list[TensorLayout]:
+        """lora_A and lora_B of each targeted linear of `layer` (names `<linear>.lora_A.weight`), in state_dict
+        order. Column-parallel linears (qkv, fc1): A [r, in] replicated, B [out, r] split like the weight's rows.
+        Row-parallel linears (proj, fc2): A [r, in] split like the weight's columns, B [out, r] replicated."""
+        unknown = set(targets) - set(LORA_TARGETS)
+        if unknown:
+            raise QlmError(f"unknown LoRA target modules {sorted(unknown)}", f"choose from {', '.join(LORA_TARGETS)}")
+        weights = {t.name: t for t in self.layer_tensors(layer)}
+        out = []
+        for target, linear in LORA_TARGETS.items():
+            if target in targets:
+                out += _lora_pair(weights[f"decoder.layers.{layer}.{linear}.weight"], rank)
+        return out
+
+    def lora_shard_entries(self, pp_rank: int, chunk: int, rank: int, targets) -> list[tuple[str, TensorLayout]]:
+        """(local name, global tensor) of the adapters of one chunk, in the order of its state_dict."""
+        entries = []
+        for local, layer in enumerate(self.chunk_layers(pp_rank, chunk)):
+            for tensor in self.lora_tensors(layer, rank, targets):
+                suffix = tensor.name.split(f"decoder.layers.{layer}.", 1)[1]
+                entries.append((f"decoder.layers.{local}.{suffix}", tensor))
+        return entries
+
     # ---- HF view ---------------------------------------------------------------------------------------------------
 
     @cached_property
     def hf_tensors(self) -> dict[str, list[tuple[TensorLayout, Segment]]]:
         """HF name -> the (global tensor, segment) pieces it is made of, in HF order."""
-        pieces: dict[str, list[tuple[TensorLayout, Segment]]] = {}
-        for tensor in self.global_tensors:
-            if not tensor.hf_primary:
-                continue
-            for seg in tensor.segments:
-                if seg.hf_name is not None:
-                    pieces.setdefault(seg.hf_name, []).append((tensor, seg))
-        for name in pieces:
-            pieces[name].sort(key=lambda p: p[1].hf_start)
-        return pieces
+        return hf_pieces(t for t in self.global_tensors if t.hf_primary)
 
     def hf_shape(self, hf_name: str) -> tuple[int, ...]:
-        parts = self.hf_tensors[hf_name]
-        tensor = parts[0][0]
-        shape = list(tensor.shape)
-        shape[tensor.axis] = sum(seg.stop - seg.start for _, seg in parts)
-        return tuple(shape)
+        return pieces_shape(self.hf_tensors[hf_name])
+
+
+def hf_pieces(tensors) -> dict[str, list[tuple[TensorLayout, Segment]]]:
+    """HF name -> the (global tensor, segment) pieces of `tensors` it is made of, in HF order."""
+    pieces: dict[str, list[tuple[TensorLayout, Segment]]] = {}
+    for tensor in tensors:
+        for seg in tensor.segments:
+            if seg.hf_name is not None:
+                pieces.setdefault(seg.hf_name, []).append((tensor, seg))
+    for parts in pieces.values():
+        parts.sort(key=lambda p: p[1].hf_start)
+    return pieces
+
+
+def pieces_shape(parts: list[tuple[TensorLayout, Segment]]) -> tuple[int, ...]:
+    tensor = parts[0][0]
+    shape = list(tensor.shape)
+    shape[tensor.axis] = sum(seg.stop - seg.start for _, seg in parts)
+    return tuple(shape)
 
 
 def _last_param_of(linear: str, by_suffix: dict) -> str:
     """`_extra_state` follows a linear's last parameter in Megatron's state_dict order."""
     return "bias" if f"{linear}.bias" in by_suffix else "weight"
+
+
+def _lora_pair(weight: TensorLayout, rank: int) -> tuple[TensorLayout, TensorLayout]:
+    """A and B of the adapter of `weight`. HF names follow PEFT: `...q_proj.weight` -> `...q_proj.lora_A.weight`.
+    The replicated factor of a fused weight is the same tensor for each HF projection it holds (q, k and v share
+    linear_qkv's A): its segments all cover [0, extent) and point at each projection's copy."""
+    prefix = weight.name[: -len("weight")]
+    out_features, in_features = weight.shape
+
+    def renamed(factor):
+        return tuple(replace(s, hf_name=s.hf_name[: -len("weight")] + f"lora_{factor}.weight") for s in weight.segments)
+
+    def copies(factor, extent):
+        names = dict.fromkeys(s.hf_name[: -len("weight")] + f"lora_{factor}.weight" for s in weight.segments)
+        return tuple(Segment(0, extent, name) for name in names)
+
+    if weight.split == COLS:
+        a = TensorLayout(prefix + "lora_A.weight", (rank, in_features), COLS, renamed("A"))
+        b = TensorLayout(prefix + "lora_B.weight", (out_features, rank), REPLICATED, copies("B", out_features))
+    else:
+        a = TensorLayout(prefix + "lora_A.weight", (rank, in_features), REPLICATED, copies("A", rank))
+        b = TensorLayout(prefix + "lora_B.weight", (out_features, rank), weight.split, renamed("B"))
+    return a, b
 
 
 def _range_shape(tensor: TensorLayout, length: int) -> list[int]:
@@ -343,8 +399,13 @@ def build_shard(layout: ModelLayout, tp_rank: int, pp_rank: int, chunk: int, sou
 def assemble_hf_tensor(layout: ModelLayout, hf_name: str, source: TensorSource,
                        dtype: torch.dtype | None = None) -> torch.Tensor:
     """One full HF tensor, in `dtype` (default: the dtype the source stores)."""
-    parts = layout.hf_tensors[hf_name]
-    out = torch.empty(layout.hf_shape(hf_name), dtype=dtype or source.stored_dtype(parts[0][0]))
+    return assemble_pieces(layout.hf_tensors[hf_name], source, dtype)
+
+
+def assemble_pieces(parts: list[tuple[TensorLayout, Segment]], source: TensorSource,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The HF tensor made of `parts` (one entry of hf_pieces), read from `source`."""
+    out = torch.empty(pieces_shape(parts), dtype=dtype or source.stored_dtype(parts[0][0]))
     offset = 0
     for tensor, seg in parts:
         source.read_into(tensor, seg.start, seg.stop, out.narrow(tensor.axis, offset, seg.stop - seg.start))

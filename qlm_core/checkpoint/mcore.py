@@ -12,12 +12,16 @@ import torch
 from ..errors import QlmError
 from ..models.spec import ModelSpec, read_hf_config
 from .layout import REPLICATED, ModelLayout, TensorLayout, normalize_megatron_name
+from .lora import adapter_args
 from .megatron_args import dtype_from_args, spec_from_args
 from .safe_load import safe_torch_load
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"
 HF_SIDE_DIR = "hf"  # config + tokenizer of the source HF model, kept so the way back is lossless
+# qlm's trainer stores, per file, {"step": n, "master": [chunk dicts], "exp_avg": [...], "exp_avg_sq": [...]}: fp32
+# optimizer state per parameter, named and sharded exactly like the weights (so any reshard can carry it).
+OPTIMIZER_KEY = "qlm_optimizer"
 CHECKPOINT_VERSION = 3.0
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
@@ -66,7 +70,11 @@ def is_mcore_torch_dir(iteration_dir: Path) -> bool:
 class MegatronTorchCheckpoint:
     """A legacy-format checkpoint opened for lazy (mmap) reads of any global tensor range."""
 
-    def __init__(self, root: str | Path, iteration: int | None = None, spec: ModelSpec | None = None):
+    def __init__(self, root: str | Path, iteration: int | None = None, spec: ModelSpec | None = None,
+                 view: str = "model"):
+        """`view`: "model" reads the weights; "master", "exp_avg" or "exp_avg_sq" read the per-parameter optimizer
+        states qlm's trainer stores beside them (OPTIMIZER_KEY), laid out exactly like the weights."""
+        self.view = view
         self.root = Path(root)
         if not self.root.is_dir():
             raise QlmError(f"{self.root} is not a directory", "point at a Megatron checkpoint directory")
@@ -93,6 +101,7 @@ class MegatronTorchCheckpoint:
         self.spec = spec or self._spec()
         self.dtype = dtype_from_args(self.args)
         self.layout = self._layout()
+        self.lora = adapter_args(self.args, self.chunk_state(0, 0, 0))  # None unless it holds LoRA adapters
         self._index = self._build_index()
 
     # ---- discovery -------------------------------------------------------------------------------------------------
@@ -122,11 +131,22 @@ class MegatronTorchCheckpoint:
             return ModelSpec.from_hf_config(read_hf_config(side))
         return spec_from_args(self.args)
 
+    def extra_state(self, key: str, tp_rank: int = 0, pp_rank: int = 0):
+        """A top-level entry other than the weights (e.g. qlm's optimizer or train state), or None."""
+        return self._state(tp_rank, pp_rank).get(key)
+
     def chunk_state(self, tp_rank: int, pp_rank: int, chunk: int) -> dict[str, torch.Tensor]:
         """One chunk's tensors under local-spec names (TE norm names mapped, _extra_state dropped)."""
         key = (tp_rank, pp_rank, chunk)
         if key not in self._chunks:
-            raw = self._state(tp_rank, pp_rank)[self.chunk_keys[chunk]]
+            state = self._state(tp_rank, pp_rank)
+            if self.view == "model":
+                raw = state[self.chunk_keys[chunk]]
+            elif OPTIMIZER_KEY in state:
+                raw = state[OPTIMIZER_KEY][self.view][chunk]
+            else:
+                raise QlmError(f"{self.files[(tp_rank, pp_rank)]} holds no optimizer state",
+                               "it was not written by qlm's trainer (or was saved without the optimizer)")
             self._chunks[key] = {
                 local: value for name, value in raw.items() if (local := normalize_megatron_name(name)) is not None
             }
@@ -151,9 +171,9 @@ class MegatronTorchCheckpoint:
                 "the checkpoint is incomplete or mixed",
             )
         embed = self.chunk_state(0, 0, 0).get("embedding.word_embeddings.weight")
-        if embed is None:
+        padded = embed.shape[0] * self.tp if embed is not None else getattr(self.args, "padded_vocab_size", None)
+        if padded is None:
             raise QlmError(f"{self.files[(0, 0)]} has no embedding.word_embeddings.weight", "is it a GPT checkpoint?")
-        padded = embed.shape[0] * self.tp
         divisible = getattr(self.args, "make_vocab_size_divisible_by", 128) or 128
         candidates = [(None, None), (counts[0], None), (None, counts[-1]), (counts[0], counts[-1])]
         for first, last in candidates if self.pp > 1 else [(None, None)]:
@@ -169,10 +189,18 @@ class MegatronTorchCheckpoint:
         index = {}
         for pp_rank in range(self.pp):
             for chunk in range(self.vpp):
-                for local, tensor in self.layout.shard_entries(pp_rank, chunk):
+                entries = self.layout.shard_entries(pp_rank, chunk)
+                if self.lora is not None:
+                    entries += self.layout.lora_shard_entries(pp_rank, chunk, self.lora.rank, self.lora.target_modules)
+                for local, tensor in entries:
                     if tensor is not None and tensor.name not in index:
                         index[tensor.name] = (pp_rank, chunk, local, tensor)
         return index
+
+    @property
+    def holds_base(self) -> bool:
+        """False for a LoRA run's checkpoint, which holds only the adapters."""
+        return "embedding.word_embeddings.weight" in self.chunk_state(0, 0, 0)
 
     # ---- reads -----------------------------------------------------------------------------------------------------
 
@@ -223,9 +251,10 @@ def fast_torch_save(obj, path: Path):
         save_config.compute_crc32 = previous
 
 
-def write_shard_file(path: Path, chunks: list[dict], args, iteration: int | None):
-    """One mp_rank folder's model_optim_rng.pt: `model`, or `model0`, `model1`, ... with virtual pipelining."""
-    state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0}
+def write_shard_file(path: Path, chunks: list[dict], args, iteration: int | None, extra: dict | None = None):
+    """One mp_rank folder's model_optim_rng.pt: `model`, or `model0`, `model1`, ... with virtual pipelining, and
+    any `extra` top-level entries (qlm's optimizer state, scheduler, RNG, data position)."""
+    state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0, **(extra or {})}
     if len(chunks) == 1:
         state["model"] = chunks[0]
     else:

@@ -91,15 +91,27 @@ def has_generation_markers(template: str) -> bool:
     return re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
 
 
+QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
 def build_demo_tokenizer(out_dir: str | os.PathLike, corpus: Iterable[str], vocab_size: int = 512) -> Path:
     """Train a byte-level BPE on `corpus` and save it as an HF fast tokenizer with the chatml template.
 
-    Specials: <|endoftext|> (eos and pad), <|im_start|>, <|im_end|>. Any byte sequence stays encodable."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    Specials: <|endoftext|> (eos and pad), <|im_start|>, <|im_end|>. Any byte sequence stays encodable.
+    The pipeline (NFC, Qwen2's split regex, byte level) is exactly the one transformers' Qwen2Tokenizer rebuilds
+    around a vocabulary: a directory that also holds a qwen2 config.json (an exported model) then loads as
+    Qwen2Tokenizer and must tokenise identically."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=DEMO_SPECIAL_TOKENS, show_progress=False,

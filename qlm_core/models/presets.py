@@ -38,6 +38,12 @@ PRESETS: dict[str, ModelSpec] = {
     "llama3-70b": _llama(8192, 28672, 80, 64, 8, 128256, 8192, 500000.0),
     "llama3.1-8b": _llama(4096, 14336, 32, 32, 8, 128256, 131072, 500000.0, _LLAMA31),
     "llama3.1-70b": _llama(8192, 28672, 80, 64, 8, 128256, 131072, 500000.0, _LLAMA31),
+    # For CPU demos and tests: a Qwen2-style model of ~0.9M parameters (vocabulary 512 fits qlm's demo tokenizer).
+    "qlm-tiny": ModelSpec(
+        model_type="qwen2", vocab_size=512, hidden_size=128, ffn_hidden_size=352, num_layers=4,
+        num_attention_heads=4, num_query_groups=2, kv_channels=32, max_position_embeddings=4096,
+        rope_theta=10000.0, norm_epsilon=1e-6, qkv_bias=True, tie_word_embeddings=False,
+    ),
     "mistral-7b": ModelSpec(
         model_type="mistral", vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
         num_attention_heads=32, num_query_groups=8, kv_channels=128, max_position_embeddings=32768,

@@ -194,6 +194,9 @@ class GradientBuffers:
         self._allocate()
         self._in_flight: list[Bucket] = []  # ZeRO 2: reductions issued but not yet folded into their shard
         self._transient_numel = 0
+        # Params whose persistent main_grad holds this step's values: the first gradient is copied in, so the
+        # buffers need no zero-fill per step (unwritten ones are zeroed in finish_grad_sync).
+        self._written: set[int] = set()
         self.peak_transient_grad_numel = 0
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, self.bucket_of[id(p)]))
                        for p in self.params]
@@ -272,8 +275,7 @@ class GradientBuffers:
             return
         if self._sharded_accumulation(bucket):
             self._acquire_grad_storage(bucket)
-        param.main_grad.add_(param.grad)
-        param.grad = None
+        self._accumulate(bucket, param)
         bucket.grads_seen += 1
         if bucket.layout.deferred:
             return
@@ -288,6 +290,21 @@ class GradientBuffers:
                     self._fold_microbatch(self._in_flight[0])
         elif self.overlap_grad_reduce and bucket.grads_seen == len(bucket.params) * self.num_microbatches:
             self._start_reduction(bucket, async_op=True)
+
+    def _accumulate(self, bucket: Bucket, param: torch.nn.Parameter):
+        if self._sharded_accumulation(bucket) or id(param) in self._written:
+            param.main_grad.add_(param.grad)
+        else:
+            param.main_grad.copy_(param.grad)
+            self._written.add(id(param))
+        param.grad = None
+
+    def _zero_unwritten(self, bucket: Bucket):
+        if not self._sharded_accumulation(bucket):
+            for p in bucket.params:
+                if id(p) not in self._written:
+                    p.main_grad.zero_()
+                    self._written.add(id(p))
 
     def _start_reduction(self, bucket: Bucket, async_op: bool):
         self._all_reduce_sequence_parallel_grads(bucket)
@@ -332,8 +349,7 @@ class GradientBuffers:
             if self._sharded_accumulation(bucket):
                 self._acquire_grad_storage(bucket)
             for p in late:
-                p.main_grad.add_(p.grad)
-                p.grad = None
+                self._accumulate(bucket, p)
             late_buckets.add(bucket.index)
         return late_buckets
 
@@ -341,6 +357,9 @@ class GradientBuffers:
     def finish_grad_sync(self):
         """Issue what backward did not, then wait for every reduction. Afterwards the gradients are final."""
         late_buckets = self._collect_unhooked_grads()
+        for bucket in self.buckets:
+            if not bucket.reduce_started:
+                self._zero_unwritten(bucket)
         for bucket in self.buckets:
             if bucket.layout.deferred:
                 continue
@@ -381,7 +400,8 @@ class GradientBuffers:
             bucket.grads_seen = 0
             bucket.reduce_started = False
         self._in_flight.clear()
-        for buffer in (*self.grad_buffers.values(), *self.shard_buffers.values()):
+        self._written.clear()
+        for buffer in self.shard_buffers.values():  # ZeRO 2 accumulates into these: they must start at zero
             buffer.zero_()
         for bucket in self.buckets:
             if bucket.layout.deferred and self.zero_stage == 2:

@@ -118,8 +118,50 @@ class FullyShardedState:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+    STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
-    def load_state_dict(self, state: dict):
-        self.optimizer.load_state_dict(state)
+    @torch.no_grad()
+    def full_param_states(self) -> tuple[list[dict[str, torch.Tensor]], int]:
+        """Per param: whole fp32 master / exp_avg / exp_avg_sq (gathered over dp x cp: a collective), and the step."""
+        states, step = [], 0
+        for param in self.params:
+            state = self.optimizer.state.get(param, {})
+            entry = {"master": _full(param.detach())}
+            for key in ("exp_avg", "exp_avg_sq"):
+                entry[key] = _full(state[key]) if key in state else torch.zeros_like(entry["master"])
+            if state:
+                step = int(state["step"])
+            states.append(entry)
+        return states, step
+
+    @torch.no_grad()
+    def load_full_param_states(self, states: list[dict[str, torch.Tensor]], step: int):
+        for param, entry in zip(self.params, states):
+            _local(param).copy_(_shard_like(param, entry["master"]))
+            if step > 0:
+                state = self.optimizer.state[param]
+                fused = self.optimizer.defaults.get("fused")
+                state["step"] = torch.tensor(float(step), device=_local(param).device if fused else "cpu")
+                state["exp_avg"] = _dtensor_like(param, entry["exp_avg"])
+                state["exp_avg_sq"] = _dtensor_like(param, entry["exp_avg_sq"])
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).float()
+
+
+def _shard_like(param, full: torch.Tensor) -> torch.Tensor:
+    """This rank's local shard of `full`, sharded as the DTensor `param` is."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if not hasattr(param, "device_mesh"):
+        return full.to(param.device)
+    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements).to_local()
+
+
+def _dtensor_like(param, full: torch.Tensor):
+    from torch.distributed.tensor import distribute_tensor
+
+    if not hasattr(param, "device_mesh"):
+        return full.to(param.device).clone()
+    return distribute_tensor(full.to(param.device).float(), param.device_mesh, param.placements)

@@ -225,6 +225,54 @@ class DistributedOptimizer:
 
     # ---- checkpoint --------------------------------------------------------------------------------------------------
 
+    STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+    @torch.no_grad()
+    def full_param_states(self) -> tuple[list[dict[str, torch.Tensor]], int]:
+        """Per param of GradientBuffers.params: its whole fp32 master, exp_avg and exp_avg_sq, shaped like the
+        param (ZeRO 1/2: assembled over the dp group, a collective every dp rank must call), and the step count.
+        This is layout-independent: a checkpoint of it can be re-sharded to any TP/PP/DP."""
+        self.wait_param_gather()
+        device = self.buffers.device
+        full = [{key: torch.zeros(p.numel(), dtype=torch.float32, device=device) for key in self.STATE_KEYS}
+                for p in self.buffers.params]
+        step = 0
+        for f in self._fragments:
+            state = self.optimizer.state.get(f.master, {})
+            values = {"master": f.master, "exp_avg": state.get("exp_avg"), "exp_avg_sq": state.get("exp_avg_sq")}
+            for key, value in values.items():
+                if value is not None:
+                    full[f.param_index][key][f.start:f.end] = value.reshape(-1)
+            if state:
+                step = int(state["step"])
+        if self.zero_stage >= 1:  # fragments are disjoint across dp ranks: a sum assembles them
+            for entry in full:
+                for value in entry.values():
+                    all_reduce(value, self.dp_group)
+            step_tensor = torch.tensor(float(step), device=device)
+            all_reduce(step_tensor, self.dp_group, op=torch.distributed.ReduceOp.MAX)
+            step = int(step_tensor.item())
+        return [{k: v.view(p.shape) for k, v in entry.items()} for entry, p in zip(full, self.buffers.params)], step
+
+    @torch.no_grad()
+    def load_full_param_states(self, states: list[dict[str, torch.Tensor]], step: int):
+        """Inverse of full_param_states (whole tensors per param, in GradientBuffers.params order): each rank
+        keeps its fragments, and the masters are written into the model params (gathered over dp)."""
+        self.wait_param_gather()
+        step_device = None if self.optimizer.defaults.get("fused") else torch.device("cpu")  # torch's convention
+
+        def piece(f, tensor):
+            return tensor.reshape(-1)[f.start:f.end].to(f.master.device).clone().view_as(f.master)
+
+        for f in self._fragments:
+            entry = states[f.param_index]
+            f.master.view(-1).copy_(entry["master"].reshape(-1)[f.start:f.end])
+            if step > 0:
+                state = self.optimizer.state[f.master]
+                state["step"] = torch.tensor(float(step), device=step_device or f.master.device)
+                state["exp_avg"], state["exp_avg_sq"] = piece(f, entry["exp_avg"]), piece(f, entry["exp_avg_sq"])
+        self._copy_masters_to_params(async_gather=False)
+
     def state_dict(self) -> dict:
         """This rank's masters and Adam states, one entry per fragment, keyed by the param's index in
         GradientBuffers.params and the [start, end) range of its flattened elements. Tensors are references

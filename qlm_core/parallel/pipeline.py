@@ -74,3 +74,11 @@ class PipelineRunner:
         args = inputs if self.has_first else ()
         self.schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False)
         return losses
+
+    @torch.no_grad()
+    def evaluate(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> list[torch.Tensor]:
+        """Forward only, same conventions as step()."""
+        losses: list[torch.Tensor] = []
+        args = inputs if self.has_first else ()
+        self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False)
+        return losses

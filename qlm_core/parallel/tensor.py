@@ -269,7 +269,9 @@ class _VocabParallelCrossEntropy(Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size):
         ctx.input_dtype = logits.dtype
-        logits = logits.to(torch.float32, copy=True)
+        # Worked on in place (after an fp32 cast when needed), as Megatron does: nothing downstream reads the
+        # logits, and the output layer's backward needs its input and weight, not its output.
+        logits = logits.float()
         part = logits.shape[-1]
         start = group_rank(group) * part
         if vocab_size < start + part:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.init import RandomInitSource
-from ..config import OptimConfig, ParallelConfig
+from ..config import LoraConfig, OptimConfig, ParallelConfig
 from ..checkpoint.layout import ModelLayout, TensorSource, build_shard
 from ..errors import QlmError
 from ..models.gpt import CP_COMM_TYPES, RECOMPUTE_MODES, ParallelOptions
@@ -28,6 +28,7 @@ from ..parallel.comm import all_reduce, group_size
 from ..parallel.context import split_for_cp
 from ..parallel.pipeline import SCHEDULES, PipelineRunner, validate_schedule
 from ..parallel.state import Grid
+from .lora import apply_lora
 
 
 @dataclass
@@ -113,6 +114,7 @@ class Engine:
     optim: OptimConfig = field(default_factory=OptimConfig)
     source: TensorSource | None = None
     seed: int = 1234
+    lora: LoraConfig | None = None  # rank > 0: train only adapters on the frozen loaded weights
 
     def __post_init__(self):
         c, g = self.config, self.grid
@@ -122,6 +124,8 @@ class Engine:
         self.num_microbatches = self.global_batch_size // (self.micro_batch_size * g.sizes.dp)
         self.chunks = self._build_chunks()
         self._load_weights(self.source or RandomInitSource(self.layout, seed=self.seed))
+        if self.lora is not None and self.lora.rank > 0:
+            apply_lora(self.chunks, self.lora, self.chunks[0].parallel, self.seed)
         self.params = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         self._build_optimizer()
         self.runner = None
@@ -268,3 +272,29 @@ class Engine:
         loss_sum = self.forward_backward(batch)
         grad_norm, skipped = self.update(lr)
         return StepResult(self.global_loss(loss_sum), grad_norm, int(self._num_tokens), skipped)
+
+    @torch.no_grad()
+    def evaluate(self, batch: Batch) -> float:
+        """Mean loss over the non-ignored labels of this global batch (every rank's rows), forward only."""
+        g = self.grid
+        input_ids, labels, position_ids, segment_ids = self._local_inputs(batch)
+        tokens = torch.tensor(float((labels >= 0).sum()), device=g.device)
+        all_reduce(tokens, g.dp_cp_group)
+        self._num_tokens = max(tokens.item(), 1.0)
+        for chunk in self.chunks:
+            chunk.eval()
+        wait = getattr(self.optimizer, "wait_param_gather", None)
+        if wait is not None:
+            wait()
+        loss_sum = torch.zeros((), device=g.device)
+        if self.runner is not None:
+            inputs = (input_ids, position_ids) if segment_ids is None else (input_ids, position_ids, segment_ids)
+            for loss in self.runner.evaluate(inputs, labels):
+                loss_sum += loss.float()
+        else:
+            model, mbs = self.chunks[0], self.micro_batch_size
+            for i in range(self.num_microbatches):
+                rows_i = slice(i * mbs, (i + 1) * mbs)
+                seg = None if segment_ids is None else segment_ids[rows_i]
+                loss_sum += self._loss_fn(model(input_ids[rows_i], position_ids[rows_i], seg), labels[rows_i]).float()
+        return self.global_loss(loss_sum)

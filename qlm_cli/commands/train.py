@@ -1,0 +1,123 @@
+"""`qlm train RECIPE.toml`: check the recipe, start the ranks (torchrun) and show the run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from qlm_core.config import load_recipe, recipe_to_toml
+from qlm_core.train.launch import LaunchConfig, launch, under_launcher
+from qlm_core.train.plan import plan_run
+
+from ..render import console, err_console, kv_table
+
+
+def _argv_for_workers(recipe: Path, sets: list[str], output: str) -> list[str]:
+    argv = ["train", str(recipe), "--output", output]
+    for text in sets:
+        argv += ["--set", text]
+    return argv
+
+
+class RunView:
+    """Renders the rank-0 events of a run: a progress bar with the step figures, eval and checkpoint lines."""
+
+    def __init__(self):
+        self.progress = None
+        self.task = None
+
+    def __call__(self, event):
+        data = event.data
+        if event.kind == "start":
+            console.print(kv_table("run", {
+                "layout": data["layout"], "model": data["model"], "parameters": f"{data['params'] / 1e6:.2f} M",
+                "train samples": data["train_samples"], "steps": f"{data['start_step']} -> {data['steps']}",
+                "peak for MFU": f"{data['peak_tflops']:.3g} TFLOP/s ({data['peak_source']})",
+            }))
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[figures]}"),
+                TimeRemainingColumn(), console=console, transient=False,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task("train", total=data["steps"], completed=data["start_step"],
+                                               figures="")
+        elif event.kind == "step":
+            m = data["metrics"]
+            figures = (f"loss {m.loss:.4f} lr {m.lr:.2e} {m.tokens_per_s:,.0f} tok/s {m.s_per_sample:.3f} s/sample "
+                       f"{m.tflops_per_device:.3g} TFLOP/s MFU {m.mfu:.1%} mem {m.mem_peak_gb:.2f} GB"
+                       + (" [red]skipped[/]" if m.skipped else ""))
+            self.progress.update(self.task, completed=m.step, figures=figures)
+        elif event.kind == "eval":
+            console.print(f"step {data['step']}: validation loss {data['loss']:.4f}")
+        elif event.kind == "checkpoint":
+            console.print(f"step {data['step']}: checkpoint saved")
+        elif event.kind == "end":
+            if self.progress is not None:
+                self.progress.stop()
+            summary = data["summary"]
+            table = Table(title="summary", title_justify="left", show_header=False)
+            for key in ("steps", "first_loss", "last_loss", "valid_loss", "s_per_sample", "tokens_per_s",
+                        "tflops_per_device", "mfu", "mem_peak_gb", "skipped_steps", "run_dir", "plot"):
+                if key in summary and summary[key] is not None:
+                    value = summary[key]
+                    table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+            console.print(table)
+
+
+def train(
+    recipe: Annotated[Path, typer.Argument(help="The recipe (TOML): [model] [parallel] [data] [train] [optim] "
+                                                "[schedule] [checkpoint] [logging] [lora].")],
+    set_: Annotated[Optional[list[str]], typer.Option(
+        "--set", help="Override one recipe value: section.key=value (repeatable), e.g. --set parallel.tp=2.")] = None,
+    output: Annotated[Optional[str], typer.Option(
+        "--output", help="The run directory (metrics.jsonl, checkpoints/, config.toml); default train.output.")] = None,
+    nproc_per_node: Annotated[Optional[int], typer.Option(
+        "--nproc-per-node", min=1, help="Processes on this node (default: tp*pp*cp*dp, or all of them on one "
+        "node).")] = None,
+    nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Number of nodes.")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This node's index.")] = 0,
+    master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Address of node 0.")] = None,
+    master_port: Annotated[int, typer.Option("--master-port", help="Rendezvous port on node 0.")] = 29500,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe, the layout and the "
+                                          "model-state memory per rank, then exit.")] = False,
+):
+    """Pretrain, fine-tune (SFT) or LoRA-tune a model. Starts torchrun itself unless already under torchrun/srun."""
+    sets = list(set_ or [])
+    resolved = load_recipe(recipe, sets)
+    if output:
+        resolved.train.output = output
+    if under_launcher():
+        from qlm_core.train.trainer import Trainer
+
+        Trainer(resolved, Path(resolved.train.output), on_event=RunView()).run()
+        return
+    p = resolved.parallel
+    per_node = nproc_per_node or (p.tp * p.pp * p.cp * (p.dp or 1)) // nnodes
+    plan = plan_run(resolved, per_node * nnodes, check_files=not dry_run)
+    if dry_run:
+        console.print(recipe_to_toml(resolved), markup=False, highlight=False)
+        console.print(kv_table("layout", {
+            "world": f"{plan.sizes.world} = dp{plan.sizes.dp} x pp{plan.sizes.pp} x cp{plan.sizes.cp} x tp{plan.sizes.tp}",
+            "model": plan.model_description, "parameters": f"{plan.spec.num_parameters() / 1e6:.2f} M",
+            "stage layers": list(plan.layout.stage_layer_counts), "padded vocabulary": plan.layout.padded_vocab,
+            "steps": plan.steps,
+        }))
+        console.print(kv_table("model-state memory per rank (heaviest stage)", {
+            key: f"{value / 2**30:.3f} GiB" for key, value in plan.state_bytes.items()
+        }))
+        return
+    if plan.sizes.world == 1:
+        from qlm_core.train.trainer import Trainer
+
+        Trainer(resolved, Path(resolved.train.output), on_event=RunView()).run()
+        return
+    code = launch(LaunchConfig(per_node, nnodes, node_rank, master_addr, master_port),
+                  _argv_for_workers(recipe, sets, resolved.train.output))
+    if code:
+        err_console.print(f"[bold red]error:[/] training failed (exit code {code}); the messages above say why.")
+        sys.exit(code)

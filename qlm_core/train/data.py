@@ -1,0 +1,125 @@
+"""The run's training and validation datasets from the recipe's [data] section.
+
+`train = ["@demo"]` builds qlm's own CPU demo (a generated chat task and a tokenizer trained on it, see
+qlm_core/data/demo.py) in the run's cache, so the README's first command needs no download.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.utils.data import ConcatDataset, Subset
+
+from ..config import DataConfig
+from ..data.demo import build_demo
+from ..data.indexed import IndexedDataset
+from ..data.preprocess import preprocess
+from ..data.pretrain import PretrainConfig, build_pretrain_datasets
+from ..data.sft import SFTConfig, build_sft_dataset
+from ..data.tokenizer import load_tokenizer
+from ..errors import QlmError
+
+DEMO = "@demo"
+
+
+@dataclass
+class RunData:
+    train: object
+    valid: object | None
+    tokenizer_dir: Path | None
+
+
+def demo_paths(cache_dir: Path, seed: int):
+    return build_demo(Path(cache_dir) / "demo", seed=seed)
+
+
+def demo_corpus_prefix(paths, cache_dir: Path) -> str:
+    """The demo's plain-text corpus as an indexed dataset (built once)."""
+    prefix = Path(cache_dir) / "demo" / "corpus"
+    if not (Path(f"{prefix}.bin").exists() and Path(f"{prefix}.idx").exists()):
+        preprocess([str(paths.corpus)], paths.tokenizer, prefix, append_eod=True,
+                   cache_dir=str(Path(cache_dir) / "datasets"))
+    return str(prefix)
+
+
+def check_data_files(data: DataConfig):
+    """Before any process starts: every named file or indexed prefix exists."""
+    if not data.train:
+        raise QlmError("data.train is empty", 'list the training files (or "@demo" for the built-in demo)')
+    if data.kind not in ("sft", "pretrain"):
+        raise QlmError(f"data.kind {data.kind!r} is not sft or pretrain", "set data.kind")
+    for name in list(data.train) + list(data.valid):
+        if name == DEMO:
+            continue
+        if data.kind == "pretrain":
+            if not (Path(f"{name}.bin").exists() and Path(f"{name}.idx").exists()):
+                raise QlmError(f"indexed dataset {name}.bin/.idx does not exist",
+                               "create it with qlm data preprocess, or fix data.train")
+            if IndexedDataset(name).num_documents == 0:
+                raise QlmError(f"indexed dataset {name} holds no documents", "preprocess non-empty input")
+        elif not Path(name).is_file():
+            raise QlmError(f"data file {name} does not exist", "fix data.train / data.valid")
+        elif not _has_records(Path(name)):
+            raise QlmError(f"data file {name} holds no records", "point data.train at a non-empty json/jsonl file")
+
+
+def _has_records(path: Path) -> bool:
+    """A cheap look: a jsonl with a non-blank line, or a json file that is not an empty list/object."""
+    with open(path, "rb") as fh:
+        head = fh.read(4096).strip()
+    if path.suffix == ".json":
+        return head not in (b"", b"[]", b"{}") and not (head.startswith(b"[") and head[1:].strip() == b"]")
+    return bool(head)
+
+
+def build_run_data(data: DataConfig, tokenizer_dir: Path | None, cache_dir: Path, train_samples: int,
+                   valid_samples: int) -> RunData:
+    train_names, valid_names = list(data.train), list(data.valid)
+    if DEMO in train_names or DEMO in valid_names:
+        paths = demo_paths(cache_dir, data.seed)
+        demo = str(paths.train) if data.kind == "sft" else demo_corpus_prefix(paths, cache_dir)
+        train_names = [demo if n == DEMO else n for n in train_names]
+        valid_names = [demo if n == DEMO else n for n in valid_names]
+        tokenizer_dir = tokenizer_dir or paths.tokenizer
+    if data.kind == "pretrain":
+        return _pretrain(data, train_names, valid_names, tokenizer_dir, cache_dir, train_samples, valid_samples)
+    if tokenizer_dir is None:
+        raise QlmError("SFT data needs a tokenizer", "set model.tokenizer or load an HF model with one")
+    config = SFTConfig(
+        seq_length=data.seq_length, chat_template=data.chat_template or None, truncation=data.truncation,
+        pack=data.packing, shuffle=True, seed=data.seed, num_proc=data.workers,
+    )
+    cache = str(Path(cache_dir) / "datasets")
+    train = [build_sft_dataset(name, tokenizer_dir, config, cache_dir=cache) for name in train_names]
+    train_set = train[0] if len(train) == 1 else ConcatDataset(train)
+    if valid_names:
+        valid = [build_sft_dataset(name, tokenizer_dir, config, cache_dir=cache) for name in valid_names]
+        return RunData(train_set, valid[0] if len(valid) == 1 else ConcatDataset(valid), tokenizer_dir)
+    held_out = int(len(train_set) * data.valid_fraction)
+    if held_out == 0:
+        return RunData(train_set, None, tokenizer_dir)
+    cut = len(train_set) - held_out
+    return RunData(Subset(train_set, range(cut)), Subset(train_set, range(cut, len(train_set))), tokenizer_dir)
+
+
+def _pretrain(data, train_names, valid_names, tokenizer_dir, cache_dir, train_samples, valid_samples) -> RunData:
+    eod = None
+    if data.reset_position_ids:
+        if tokenizer_dir is None:
+            raise QlmError("reset_position_ids needs the tokenizer's end-of-document id", "set model.tokenizer")
+        eod = load_tokenizer(tokenizer_dir).eos_token_id
+    config = PretrainConfig(seq_length=data.seq_length, seed=data.seed, split=data.split,
+                            reset_position_ids=data.reset_position_ids, eod_token_id=eod,
+                            cache_dir=str(Path(cache_dir) / "index"))
+    blend = list(zip(data.weights, train_names)) if data.weights else train_names
+    if len(data.weights) not in (0, len(train_names)):
+        raise QlmError(f"data.weights has {len(data.weights)} entries for {len(train_names)} datasets",
+                       "give one weight per training prefix")
+    if valid_names:
+        config_all = PretrainConfig(**{**config.__dict__, "split": "100,0"})
+        train, _ = build_pretrain_datasets(blend, config_all, train_samples)
+        valid, _ = build_pretrain_datasets(valid_names, config_all, valid_samples)
+        return RunData(train, valid, tokenizer_dir)
+    train, valid = build_pretrain_datasets(blend, config, train_samples, valid_samples)
+    return RunData(train, valid, tokenizer_dir)

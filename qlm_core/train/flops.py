@@ -1,0 +1,31 @@
+"""Model FLOPs of a training step (for TFLOP/s and MFU), and a CPU matmul peak when no GPU preset applies."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..models.spec import ModelSpec
+
+
+def flops_per_sequence(spec: ModelSpec, seq_length: int) -> float:
+    """Forward + backward model FLOPs (3x forward, recomputation not counted) of one sequence: the dense
+    matmuls, causal attention (half of the s x s scores) and the logits."""
+    h, d, f = spec.hidden_size, spec.kv_channels, spec.ffn_hidden_size
+    dense = 2 * (h * spec.qkv_rows + spec.num_attention_heads * d * h + 3 * h * f)
+    attention = 2 * 2 * (seq_length / 2) * spec.num_attention_heads * d
+    per_token = spec.num_layers * (dense + attention) + 2 * h * spec.vocab_size
+    return 3.0 * per_token * seq_length
+
+
+def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5) -> float:
+    """Best fp32 matmul rate of this process, in TFLOP/s."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12

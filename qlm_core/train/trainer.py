@@ -1,0 +1,237 @@
+"""The training loop of `qlm train`: one process per rank (launched by torchrun), from recipe to checkpoints.
+
+RUN/config.toml   the resolved recipe
+RUN/metrics.jsonl one object per step (keys in metrics.STEP_KEYS)
+RUN/eval.jsonl    validation losses
+RUN/checkpoints/  Megatron-layout checkpoints (checkpointing.py)
+RUN/loss.png      the loss curve, RUN/summary.json the final figures
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ..checkpoint.hf import copy_side_files
+from ..checkpoint.lora import lora_args
+from ..checkpoint.mcore import HF_SIDE_DIR
+from ..config import Recipe, recipe_to_toml
+from ..data.loader import GlobalBatchSampler, collate
+from ..errors import QlmError
+from ..parallel.state import Grid, destroy_distributed, init_distributed, resolve_sizes
+from .checkpointing import TrainState, has_checkpoint, load_checkpoint, save_checkpoint
+from .data import build_run_data
+from .engine import Batch, Engine
+from .flops import flops_per_sequence, measure_cpu_peak_tflops
+from .metrics import MetricsWriter, StepMetrics, peak_memory_gb, plot_loss
+from .schedule import learning_rate
+from .sources import CHECKPOINTS_DIR, resolve_model, run_checkpoint_dir
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+GPU_PEAK_TFLOPS = {"H100": 989.0, "H800": 989.0, "H200": 989.0, "H20": 148.0, "A100": 312.0, "A800": 312.0}
+
+
+@dataclass
+class Event:
+    kind: str  # start | step | eval | checkpoint | end
+    data: dict
+
+
+def total_steps(recipe: Recipe) -> int:
+    train = recipe.train
+    if train.train_iters > 0:
+        return train.train_iters
+    if train.train_samples > 0:
+        return math.ceil(train.train_samples / train.global_batch_size)
+    raise QlmError("neither train.train_iters nor train.train_samples is set", "set one of them")
+
+
+def peak_tflops(recipe: Recipe) -> tuple[float, str]:
+    if recipe.logging.peak_tflops > 0:
+        return recipe.logging.peak_tflops, "recipe"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, value in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return value, f"{key} bf16 peak"
+        return 312.0, f"unknown GPU {name}: A100 bf16 peak assumed"
+    return measure_cpu_peak_tflops(), "measured CPU fp32 matmul"
+
+
+def write_hf_side_dir(root: Path, spec, tokenizer_dir: Path | None):
+    """config.json and tokenizer files beside the checkpoints, so `qlm convert mcore2hf` exports a complete model."""
+    side = root / HF_SIDE_DIR
+    side.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is not None:
+        copy_side_files(Path(tokenizer_dir), side)
+    (side / "config.json").write_text(json.dumps(spec.to_hf_config(), indent=2) + "\n")
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, run_dir: Path, on_event: Callable[[Event], None] | None = None):
+        self.recipe, self.run_dir = recipe, Path(run_dir)
+        self.on_event = on_event or (lambda event: None)
+
+    def _emit(self, kind: str, **data):
+        if self.grid.rank == 0:
+            self.on_event(Event(kind, data))
+
+    def _setup(self):
+        r = self.recipe
+        rank, world = init_distributed()
+        sizes = resolve_sizes(world, r.parallel.tp, r.parallel.pp, r.parallel.cp, r.parallel.dp)
+        self.grid = Grid.build(sizes)
+        torch.manual_seed(r.train.seed)
+        self.steps = total_steps(r)
+        if self.grid.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(recipe_to_toml(r))
+        source = resolve_model(r.model)
+        cache = Path(r.data.cache_dir) if r.data.cache_dir else self.run_dir / "cache"
+        valid_samples = r.train.eval_iters * r.train.global_batch_size
+        # rank 0 builds (tokenises, caches) first; the others then read the caches
+        for turn in ("first", "rest"):
+            if (self.grid.rank == 0) == (turn == "first"):
+                self.data = build_run_data(r.data, source.tokenizer_dir, cache,
+                                           self.steps * r.train.global_batch_size, valid_samples)
+            if dist.is_initialized():
+                dist.barrier()
+        self.engine = Engine(
+            source.spec, r.parallel, self.grid, micro_batch_size=r.train.micro_batch_size,
+            global_batch_size=r.train.global_batch_size, seq_length=r.data.seq_length, dtype=DTYPES[r.model.dtype],
+            optim=r.optim, source=source.weights, seed=r.train.seed, lora=r.lora if r.lora.rank > 0 else None,
+        )
+        if r.lora.rank > 0 and source.weights is None:
+            raise QlmError("LoRA needs pretrained weights to adapt", "set model.load (an HF model or a checkpoint)")
+        self.source = source
+        self.ckpt_root = self.run_dir / CHECKPOINTS_DIR
+        if self.grid.rank == 0:
+            write_hf_side_dir(self.ckpt_root, source.spec, self.data.tokenizer_dir)
+        self.state = TrainState()
+        if r.checkpoint.resume and has_checkpoint(self.ckpt_root):
+            self.state = load_checkpoint(self.ckpt_root, self.engine)
+        self.metrics = MetricsWriter(self.run_dir, r.logging.tensorboard) if self.grid.rank == 0 else None
+        if self.metrics is not None:
+            self.metrics.truncate_after(self.state.iteration)
+        self.flops = flops_per_sequence(source.spec, r.data.seq_length)
+        self.peak, self.peak_source = peak_tflops(r)
+
+    def _batches(self, dataset, consumed: int):
+        sampler = GlobalBatchSampler(len(dataset), self.recipe.train.global_batch_size, self.grid.dp_rank,
+                                     self.grid.sizes.dp, consumed_samples=consumed, seed=self.recipe.train.seed)
+        for input_ids, labels, position_ids, segment_ids in DataLoader(dataset, batch_sampler=sampler,
+                                                                      collate_fn=collate):
+            yield Batch(input_ids, labels, position_ids, segment_ids)
+
+    def _lr(self, step: int) -> float:
+        o, s = self.recipe.optim, self.recipe.schedule
+        return learning_rate(step, self.steps, lr=o.lr, min_lr=s.min_lr, warmup=s.warmup_iters,
+                             schedule=s.lr_schedule, wsd_decay_fraction=s.wsd_decay_fraction)
+
+    def evaluate(self) -> float | None:
+        if self.data.valid is None:
+            return None
+        losses = []
+        batches = self._batches(self.data.valid, 0)
+        for _ in range(max(1, min(self.recipe.train.eval_iters,
+                                  len(self.data.valid) // self.recipe.train.global_batch_size or 1))):
+            losses.append(self.engine.evaluate(next(batches)))
+        return sum(losses) / len(losses)
+
+    def _save(self):
+        extra = {"qlm_recipe": recipe_to_toml(self.recipe)}
+        if self.recipe.lora.rank > 0:
+            base = Path(self.recipe.model.load).resolve()
+            extra.update(lora_args(self.recipe.lora, str(run_checkpoint_dir(base) or base)))
+        save_checkpoint(self.ckpt_root, self.engine, self.state, self.recipe.checkpoint.keep_last, extra)
+        self._emit("checkpoint", step=self.state.iteration)
+
+    def run(self) -> dict:
+        self._setup()
+        r, g = self.recipe, self.grid
+        self._emit("start", layout=g.describe(), model=self.source.description, steps=self.steps,
+                   start_step=self.state.iteration, params=self.source.spec.num_parameters(),
+                   train_samples=len(self.data.train), peak_tflops=self.peak, peak_source=self.peak_source)
+        batches = self._batches(self.data.train, self.state.consumed_samples)
+        world = g.sizes.world
+        self._last_eval = (-1, None)
+        last_saved = self.state.iteration if has_checkpoint(self.ckpt_root) else -1
+        while self.state.iteration < self.steps:
+            step = self.state.iteration
+            lr = self._lr(step)
+            started = time.perf_counter()
+            result = self.engine.train_step(next(batches), lr)
+            seconds = time.perf_counter() - started
+            self.state.consumed_samples += r.train.global_batch_size
+            self.state.iteration += 1
+            self.state.skipped_in_row = self.state.skipped_in_row + 1 if result.skipped else 0
+            self.state.skipped_total += int(result.skipped)
+            tflops = self.flops * r.train.global_batch_size / seconds / world / 1e12
+            metrics = StepMetrics(
+                step=self.state.iteration, loss=result.loss, grad_norm=result.grad_norm, lr=lr,
+                tokens=result.tokens, samples=self.state.consumed_samples, step_time_s=seconds,
+                s_per_sample=seconds / r.train.global_batch_size,
+                tokens_per_s=r.train.global_batch_size * r.data.seq_length / seconds, tflops_per_device=tflops,
+                mfu=tflops / self.peak, mem_peak_gb=peak_memory_gb(), skipped=result.skipped,
+            )
+            if self.metrics is not None:
+                self.metrics.log_step(metrics)
+            self._emit("step", metrics=metrics, total=self.steps)
+            if self.state.skipped_in_row >= r.train.max_skipped_steps:
+                raise QlmError(f"{self.state.skipped_in_row} steps in a row had a non-finite loss or gradient",
+                               "lower optim.lr or check the data; the last checkpoint is intact")
+            if r.train.eval_interval and self.state.iteration % r.train.eval_interval == 0:
+                self._log_eval()
+            if r.checkpoint.save_interval and self.state.iteration % r.checkpoint.save_interval == 0:
+                self._save()
+                last_saved = self.state.iteration
+            if r.train.exit_interval and self.state.iteration % r.train.exit_interval == 0 \
+                    and self.state.iteration < self.steps:
+                break
+        final_valid = None
+        if self.state.iteration == self.steps:
+            final_valid = self._last_eval[1] if self._last_eval[0] == self.state.iteration else self._log_eval()
+        if last_saved != self.state.iteration:
+            self._save()
+        summary = self._summary(final_valid)
+        if self.metrics is not None:
+            self.metrics.close()
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            if r.logging.plot:
+                summary["plot"] = str(plot_loss(self.run_dir))
+        self._emit("end", summary=summary)
+        destroy_distributed()
+        return summary
+
+    def _log_eval(self) -> float | None:
+        loss = self.evaluate()
+        self._last_eval = (self.state.iteration, loss)
+        if loss is not None:
+            if self.metrics is not None:
+                self.metrics.log_eval(self.state.iteration, loss)
+            self._emit("eval", step=self.state.iteration, loss=loss)
+        return loss
+
+    def _summary(self, final_valid: float | None) -> dict:
+        from .metrics import read_jsonl
+
+        rows = read_jsonl(self.run_dir / "metrics.jsonl") if self.metrics is not None else []
+        timed = rows[1:] or rows  # the first step includes one-off warm-up costs
+        mean = (lambda key: sum(r[key] for r in timed) / len(timed)) if timed else (lambda key: float("nan"))
+        return {
+            "steps": self.state.iteration, "first_loss": rows[0]["loss"] if rows else None,
+            "last_loss": rows[-1]["loss"] if rows else None, "valid_loss": final_valid,
+            "s_per_sample": mean("s_per_sample"), "tokens_per_s": mean("tokens_per_s"),
+            "tflops_per_device": mean("tflops_per_device"), "mfu": mean("mfu"),
+            "mem_peak_gb": max((r["mem_peak_gb"] for r in rows), default=float("nan")),
+            "skipped_steps": self.state.skipped_total, "layout": self.grid.describe(),
+            "run_dir": str(self.run_dir),
+        }

@@ -1,0 +1,211 @@
+"""`qlm train` end to end through the CLI: parity of layouts, exact resume after SIGKILL, export to HF."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qlm_core.checkpoint.mcore import MegatronTorchCheckpoint
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "tiny-parity.toml"
+
+
+def qlm_train(*args, timeout=600, check=True, env_extra=None, child_code=None):
+    """`qlm train ARGS` in a fresh process (or `python -c child_code train ARGS`)."""
+    entry = ["-c", child_code] if child_code else ["-m", "qlm_cli.main"]
+    cmd = [sys.executable, *entry, "train", *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", **(env_extra or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("train-cache")
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, cache):
+    run = tmp_path_factory.mktemp("runs") / "base"
+    qlm_train(RECIPE, "--output", run, "--set", f"data.cache_dir={cache!s}", "--set", "checkpoint.save_interval=1",
+              "--set", "checkpoint.keep_last=20")
+    return run
+
+
+LAYOUTS = {
+    "tp2": ["parallel.tp=2", "parallel.sp=true"],
+    "pp2": ["parallel.pp=2"],
+    "cp2": ["parallel.cp=2"],
+    "dp2_zero1": ["parallel.dp=2", "parallel.zero_stage=1", "parallel.overlap_grad_reduce=true",
+                  "parallel.overlap_param_gather=true"],
+    "dp2_zero3": ["parallel.dp=2", "parallel.zero_stage=3"],
+    "tp2_pp2_dp2": ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1", "train.micro_batch_size=1"],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_reproduce_the_one_process_losses(layout, baseline, cache, tmp_path):
+    sets = [arg for kv in LAYOUTS[layout] for arg in ("--set", kv)]
+    qlm_train(RECIPE, "--output", tmp_path / layout, "--set", f"data.cache_dir={cache!s}", *sets, timeout=900)
+    ours, reference = losses(tmp_path / layout), losses(baseline)
+    assert len(ours) == len(reference) == 10
+    assert ours == pytest.approx(reference, rel=1e-4), layout
+
+
+# The child kills itself with SIGKILL in the middle of its N-th checkpoint file write (after the bytes are half out).
+KILL_DURING_WRITE = """
+import os, signal, sys
+import qlm_core.checkpoint.mcore as mcore
+calls = {"n": 0}
+real = mcore.fast_torch_save
+def dying_save(obj, path):
+    calls["n"] += 1
+    if calls["n"] == int(os.environ["QLM_TEST_KILL_AT_SAVE"]):
+        with open(path, "wb") as fh:
+            fh.write(b"half a checkpoint")
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(obj, path)
+mcore.fast_torch_save = dying_save
+from qlm_cli.main import main
+sys.argv = ["qlm"] + sys.argv[1:]
+main()
+"""
+
+
+def assert_every_checkpoint_loads(run: Path):
+    root = run / "checkpoints"
+    if not (root / "latest_checkpointed_iteration.txt").exists():
+        return
+    latest = int((root / "latest_checkpointed_iteration.txt").read_text())
+    iterations = sorted(int(p.name[5:]) for p in root.glob("iter_*"))
+    assert latest in iterations
+    for iteration in iterations:
+        ckpt = MegatronTorchCheckpoint(root, iteration)
+        assert ckpt.chunk_state(0, 0, 0)["decoder.final_layernorm.weight"].shape == (128,)
+
+
+def test_sigkill_anywhere_then_resume_is_bit_identical(baseline, cache, tmp_path):
+    run = tmp_path / "killed"
+    args = [RECIPE, "--output", run, "--set", f"data.cache_dir={cache!s}", "--set", "checkpoint.save_interval=1",
+            "--set", "checkpoint.keep_last=20"]
+    # 1) killed while writing its 4th checkpoint
+    proc = qlm_train(*args, check=False, child_code=KILL_DURING_WRITE, env_extra={"QLM_TEST_KILL_AT_SAVE": "4"})
+    assert proc.returncode == -signal.SIGKILL
+    assert_every_checkpoint_loads(run)
+    assert (run / "checkpoints/latest_checkpointed_iteration.txt").read_text() == "3"
+    # 2) killed at a random moment
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen([sys.executable, "-m", "qlm_cli.main", "train", *map(str, args)], env=env, cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(random.Random(os.getpid()).uniform(4.0, 9.0))
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert_every_checkpoint_loads(run)
+    # 3) run to the end
+    qlm_train(*args)
+    assert_every_checkpoint_loads(run)
+    assert losses(run) == losses(baseline)  # exactly
+
+
+def test_checkpoint_exports_to_hf_and_transformers_reproduces_validation_loss(cache, tmp_path):
+    import transformers
+
+    from qlm_core.config import load_recipe
+    from qlm_core.data.loader import collate
+    from qlm_core.train.data import build_run_data
+
+    run = tmp_path / "run"
+    sets = ["--set", f"data.cache_dir={cache!s}", "--set", "data.packing=false", "--set", "train.train_iters=3"]
+    qlm_train(RECIPE, "--output", run, *sets)
+    out = tmp_path / "hf"
+    subprocess.run([sys.executable, "-m", "qlm_cli.main", "convert", "mcore2hf", "--mcore", str(run / "checkpoints"),
+                    "--out", str(out)], check=True, capture_output=True, cwd=REPO)
+    assert (out / "tokenizer.json").exists()
+    recipe = load_recipe(RECIPE, ["data.packing=false", f"data.cache_dir={cache!s}"])
+    data = build_run_data(recipe.data, None, cache, 10 * 8, 8)
+    rows = [data.valid[i] for i in range(recipe.train.global_batch_size)]
+    input_ids, labels, _, _ = collate(rows)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    logged = json.loads((run / "eval.jsonl").read_text().splitlines()[-1])["valid_loss"]
+    assert loss.item() == pytest.approx(logged, rel=1e-5)
+
+
+def test_lora_run_exports_to_peft_and_merged_hf_alike(baseline, cache, tmp_path):
+    """LoRA on the baseline run's model through the CLI; the PEFT export on the base model and the merged export
+    must give the same logits."""
+    import transformers
+    from peft import PeftModel
+
+    lora = tmp_path / "lora"
+    qlm_train(REPO / "recipes" / "tiny-lora.toml", "--output", lora, "--set", f"data.cache_dir={cache!s}",
+              "--set", f"model.load={baseline!s}", "--set", "train.train_iters=3", "--set", "data.seq_length=64",
+              "--set", "parallel.tp=2", "--set", "parallel.sp=true")
+    assert sorted({name.split(".lora_")[0].split(".")[-1] for name in MegatronTorchCheckpoint(
+        lora / "checkpoints").chunk_state(0, 0, 0)}) == ["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"]
+
+    def convert(*args):
+        subprocess.run([sys.executable, "-m", "qlm_cli.main", "convert", *map(str, args)], check=True,
+                       capture_output=True, cwd=REPO)
+
+    convert("mcore2hf", "--mcore", baseline / "checkpoints", "--out", tmp_path / "base")
+    convert("mcore2hf", "--mcore", lora / "checkpoints", "--out", tmp_path / "merged")
+    convert("mcore2peft", "--mcore", lora / "checkpoints", "--out", tmp_path / "peft")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.randint(0, 297, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted, reference = peft_model(ids).logits, merged(ids).logits
+        assert (adapted - reference).abs().max().item() <= 1e-5
+        with peft_model.disable_adapter():
+            assert (peft_model(ids).logits - reference).abs().max().item() > 1e-4  # the adapters did something
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["parallel.tpp=2"], "unknown key parallel.tpp; did you mean 'tp'?"),
+    (["parallel.tp=two"], "parallel.tp must be an integer"),
+    (["data.train=['/nonexistent.jsonl']"], "data file /nonexistent.jsonl does not exist"),
+    (["parallel.tp=3"], "--tp 3 does not divide num_attention_heads 4"),
+    (["optim.lrr=1"], "did you mean 'lr'?"),
+])
+def test_bad_recipes_get_one_line_errors(run_qlm, sets, message, tmp_path):
+    """Checked before any process starts (no --dry-run: a real launch stops at the same check)."""
+    args = [arg for kv in sets for arg in ("--set", kv)]
+    code, _, stderr = run_qlm("train", RECIPE, "--output", tmp_path / "run", *args)
+    assert code == 2 and message in stderr, stderr
+    assert len([line for line in stderr.splitlines() if line.strip()]) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_empty_dataset_and_world_mismatch(run_qlm, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    code, _, stderr = run_qlm("train", RECIPE, "--set", f"data.train=['{empty}']", "--output", tmp_path / "run")
+    assert code == 2 and "holds no records" in stderr
+    code, _, stderr = run_qlm("train", RECIPE, "--set", "parallel.tp=2", "--nproc-per-node", "3", "--output",
+                              tmp_path / "run")
+    assert code == 2 and "world size 3 is not divisible by tp*pp*cp = 2" in stderr
+
+
+def test_dry_run_prints_layout_and_memory(run_qlm):
+    code, stdout, _ = run_qlm("train", RECIPE, "--set", "parallel.tp=2", "--set", "parallel.zero_stage=1",
+                              "--nproc-per-node", "4", "--dry-run")
+    assert code == 0
+    assert "dp2 x pp1 x cp1 x tp2" in stdout and "[parallel]" in stdout and "optimizer" in stdout
