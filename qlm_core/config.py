@@ -101,7 +101,6 @@ class ScheduleConfig:
 class CheckpointConfig:
     save_interval: int = 0  # 0: only at the end
     keep_last: int = 2
-    format: str = "torch"  # torch (legacy, per-rank files) | torch_dist
     resume: bool = True  # continue from the run directory's latest checkpoint if there is one
 
 

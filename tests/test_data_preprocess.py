@@ -97,3 +97,29 @@ def test_user_errors(tmp_path, tokenizer_dir):
     with pytest.raises(QlmError, match="unknown type .csv"):
         (tmp_path / "x.csv").write_text("a,b\n")
         preprocess([tmp_path / "x.csv"], tokenizer_dir, tmp_path / "out")
+
+
+def test_cli_preprocess_is_read_by_megatron_core(run_qlm, tmp_path):
+    import json
+
+    import pytest
+
+    pytest.importorskip("megatron.core")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexed
+
+    from conftest import make_tokenizer
+    from qlm_core.data.tokenizer import load_tokenizer
+
+    make_tokenizer(tmp_path / "tok")
+    docs = ["the quick brown fox", "jumps over", "the lazy dog " * 5]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    code, stdout, stderr = run_qlm("data", "preprocess", "--input", tmp_path / "in.jsonl", "--tokenizer",
+                                   tmp_path / "tok", "--output", tmp_path / "out", "--json-key", "body",
+                                   "--append-eod")
+    assert code == 0, stderr
+    assert "3 documents" in stdout
+    tok = load_tokenizer(tmp_path / "tok")
+    theirs = MegatronIndexed(str(tmp_path / "out"))
+    assert len(theirs) == 3
+    for i, doc in enumerate(docs):
+        assert theirs[i].tolist() == tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

@@ -99,3 +99,22 @@ def test_bf16_engine_keeps_fp32_master_weights_and_tracks_fp32():
             assert masters and all(t.dtype == torch.float32 for t in masters)
     assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], rel=2e-2)
     assert losses[torch.bfloat16][-1] < losses[torch.bfloat16][0]
+
+
+def test_non_finite_gradients_skip_the_update():
+    import math
+
+    import torch
+
+    from parallel_cases import GLOBAL_BATCH, SEQ, make_batch
+    from qlm_core.parallel.state import Grid
+    from qlm_core.train.engine import Batch, Engine
+
+    engine = Engine(SPEC, ParallelConfig(), Grid.single(), micro_batch_size=2, global_batch_size=GLOBAL_BATCH,
+                    seq_length=SEQ)
+    with torch.no_grad():
+        engine.chunks[0].decoder.layers[0].mlp.linear_fc2.weight[0, 0] = float("inf")
+    before = [p.detach().clone() for p in engine.params]
+    result = engine.train_step(Batch(*make_batch(False)))
+    assert result.skipped and not math.isfinite(result.grad_norm)
+    assert all(torch.equal(a, b) or torch.isinf(a).any() for a, b in zip(before, engine.params))
