@@ -3,6 +3,8 @@ bytes as the converted checkpoint holds, measured in the same run on the same (p
 
     python bench/convert.py                       # random bf16 Qwen2-1.5B, hf2mcore --tp 4 --pp 2
     python bench/convert.py --shape qwen2-7b      # the 15 GB case
+    python bench/convert.py --format torch_dist   # write megatron-core's torch_dist format instead
+    python bench/convert.py --direction ds2hf     # a DeepSpeed ZeRO checkpoint (8 fp32 partitions) -> HF fp32
 
 Prints the time ratio convert / floor and the peak RSS of each (measured in child processes, so generating the
 checkpoint does not count), next to the budget "one output file + two largest tensors" above an idle interpreter.
@@ -22,6 +24,7 @@ import torch
 
 from qlm_core.checkpoint.hf import plan_hf_shards, shard_file_names, write_hf_index, write_hf_shard
 from qlm_core.checkpoint.layout import ModelLayout
+from qlm_core.checkpoint.torch_dist import dist_key
 from qlm_core.models import load_model_spec
 
 CHUNK = 64 << 20
@@ -72,7 +75,7 @@ def raw_copy(src: Path, dst: Path, write_bytes: int | None = None) -> int:
     return written
 
 
-def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 0) -> dict:
+def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 0, fmt: str = "torch") -> dict:
     """Run one measurement in a fresh process; returns its timing and peak RSS."""
     code = (
         "import json, resource, sys, time, shutil\n"
@@ -87,11 +90,11 @@ def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 
         "if %r == 'raw':\n"
         "    nbytes = bench.raw_copy(src, dst, %d)\n"
         "else:\n"
-        "    nbytes = hf_to_mcore(src, dst, tp=%d, pp=%d, verify=False).bytes_written\n"
+        "    nbytes = hf_to_mcore(src, dst, tp=%d, pp=%d, verify=False, format=%r).bytes_written\n"
         "seconds = time.perf_counter() - start\n"
         "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "print(json.dumps({'seconds': seconds, 'bytes': nbytes, 'idle_rss_kb': idle, 'peak_rss_kb': peak}))\n"
-    ) % (str(Path(__file__).parent), str(src), str(dst), mode, write_bytes, tp, pp)
+    ) % (str(Path(__file__).parent), str(src), str(dst), mode, write_bytes, tp, pp, fmt)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -103,12 +106,21 @@ def main():
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "qlm-bench")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each; the best is reported")
+    parser.add_argument("--format", default="torch", choices=["torch", "torch_dist"], help="Megatron format to write")
+    parser.add_argument("--direction", default="hf2mcore", choices=["hf2mcore", "ds2hf"],
+                        help="ds2hf: a DeepSpeed ZeRO checkpoint of the same model -> HF (see convert_deepspeed.py)")
+    parser.add_argument("--dp", type=int, default=8, help="ds2hf: ZeRO partitions the fp32 masters are split into")
     args = parser.parse_args()
 
     src = args.workdir / f"{args.shape}-hf"
     if not (src / "DONE").exists():
         print(f"building random bf16 {args.shape} checkpoint in {src} ...", flush=True)
         make_random_checkpoint(src, args.shape)
+    if args.direction == "ds2hf":
+        import convert_deepspeed
+
+        convert_deepspeed.run(args, src)
+        return
     source_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
 
     layout = ModelLayout(load_model_spec(args.shape), args.tp, args.pp)
@@ -119,6 +131,14 @@ def main():
         for stage in range(args.pp)
     ]
     file_bytes, output_bytes = max(stage_bytes), sum(stage_bytes) * args.tp
+    held = "largest output file"
+    if args.format == "torch_dist":  # one set of global tensors (no tied copy); DCP holds about one chunk per key
+        output_bytes, held = sum(tensor_bytes), "a TP shard per DCP key"
+        per_key: dict[str, int] = {}
+        for t in layout.global_tensors:
+            key = dist_key(t.name)[0]
+            per_key[key] = max(per_key.get(key, 0), torch.Size(t.shard_shape(args.tp)).numel() * 2)
+        file_bytes = sum(per_key.values())
     raw_copy(src, args.workdir / "warm")  # bring the source into the page cache for both contenders
 
     runs = {"raw": [], "convert": []}
@@ -126,20 +146,22 @@ def main():
         # Alternate the order and flush dirty pages before each run, so neither pays for the other's writeback.
         for mode in ("raw", "convert") if i % 2 == 0 else ("convert", "raw"):
             os.sync()
-            runs[mode].append(child(mode, src, args.workdir / f"{mode}-out", args.tp, args.pp, output_bytes))
+            runs[mode].append(child(mode, src, args.workdir / f"{mode}-out", args.tp, args.pp, output_bytes,
+                                    args.format))
     best = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items()}
     ratios = sorted(c["seconds"] / r["seconds"] for c, r in zip(runs["convert"], runs["raw"]))
     peak = {k: max(r["peak_rss_kb"] for r in v) * 1024 for k, v in runs.items()}
     idle = min(r["idle_rss_kb"] for v in runs.values() for r in v) * 1024
     budget = file_bytes + sum(tensor_bytes[-2:])
     gib = 2**30
-    print(f"shape {args.shape}: source {source_bytes / gib:.2f} GiB, hf2mcore --tp {args.tp} --pp {args.pp}")
+    print(f"shape {args.shape}: source {source_bytes / gib:.2f} GiB, hf2mcore --tp {args.tp} --pp {args.pp} "
+          f"--format {args.format}")
     print(f"  raw read+write   {best['raw']['seconds']:7.2f} s  ({best['raw']['bytes'] / gib:.2f} GiB written)")
     print(f"  qlm hf2mcore     {best['convert']['seconds']:7.2f} s  ({best['convert']['bytes'] / gib:.2f} GiB written)")
     print(f"  time ratio convert / raw = {best['convert']['seconds'] / best['raw']['seconds']:.2f} best-of-each, "
           f"{ratios[len(ratios) // 2]:.2f} median of paired runs  (target <= 1.3)")
     print(f"  peak RSS above idle: convert {(peak['convert'] - idle) / gib:.2f} GiB, raw {(peak['raw'] - idle) / gib:.2f}"
-          f" GiB; budget (largest output file {file_bytes / gib:.2f} + two largest tensors "
+          f" GiB; budget ({held} {file_bytes / gib:.2f} + two largest tensors "
           f"{sum(tensor_bytes[-2:]) / gib:.2f}) = {budget / gib:.2f} GiB -> "
           f"{'within' if peak['convert'] - idle <= budget else 'OVER'} budget")
 

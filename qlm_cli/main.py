@@ -8,7 +8,8 @@ import typer
 
 from qlm_core.errors import QlmError
 
-from .commands import convert, data, train
+from .commands import convert, data, profile, train
+from .commands.eval import eval_command
 from .render import err_console
 
 app = typer.Typer(
@@ -21,6 +22,8 @@ app = typer.Typer(
 app.add_typer(convert.app, name="convert")
 app.add_typer(data.app, name="data")
 app.command("train")(train.train)
+app.command("profile")(profile.profile)
+app.command("eval")(eval_command)
 
 
 def main():

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# Wide, fixed terminal for every console created by the CLI (rich reads COLUMNS when a Console is made).
+os.environ["COLUMNS"] = "200"
+os.environ["TERMINAL_WIDTH"] = "200"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

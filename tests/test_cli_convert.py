@@ -10,11 +10,18 @@ from qlm_core.checkpoint.convert import hf_to_mcore
 OPTIONS = {
     "hf2mcore": ["--hf", "--out", "--tp", "--pp", "--vpp", "--num-layers-in-first-pipeline-stage",
                  "--num-layers-in-last-pipeline-stage", "--dtype", "--make-vocab-size-divisible-by", "--force",
-                 "--verify"],
+                 "--verify", "--format"],
     "mcore2hf": ["--mcore", "--out", "--iteration", "--dtype", "--max-shard-size", "--force", "--verify"],
     "mcore2mcore": ["--mcore", "--out", "--tp", "--pp", "--vpp", "--num-layers-in-first-pipeline-stage",
-                    "--num-layers-in-last-pipeline-stage", "--iteration", "--dtype", "--force", "--verify"],
+                    "--num-layers-in-last-pipeline-stage", "--iteration", "--dtype", "--force", "--verify",
+                    "--format"],
     "mcore2peft": ["--mcore", "--out", "--iteration", "--force"],
+    "ds2hf": ["--ds", "--out", "--tag", "--config", "--dtype", "--max-shard-size", "--force", "--verify"],
+    "ds2mcore": ["--ds", "--out", "--tag", "--config", "--tp", "--pp", "--vpp", "--num-layers-in-first-pipeline-stage",
+                 "--num-layers-in-last-pipeline-stage", "--dtype", "--make-vocab-size-divisible-by", "--force",
+                 "--verify"],
+    "hf2ds": ["--hf", "--out", "--tag", "--dtype", "--fp32-master", "--force", "--verify"],
+    "mcore2ds": ["--mcore", "--out", "--iteration", "--tag", "--dtype", "--fp32-master", "--force", "--verify"],
     "inspect": ["--iteration", "--tensors", "--json"],
 }
 

@@ -16,7 +16,7 @@ from qlm_core.checkpoint.inspect import inspect_checkpoint
 from ..render import console, err_console, kv_table, progress_bar
 
 app = typer.Typer(
-    help="Convert and reshard checkpoints (HF <-> Megatron-Core legacy `torch` format), streaming, with a "
+    help="Convert and reshard checkpoints (HF <-> Megatron-Core `torch` / `torch_dist` formats), streaming, with a "
     "verification of the result (tensor by tensor, then logits).",
     no_args_is_help=True,
 )
@@ -47,6 +47,16 @@ ITERATION = Annotated[Optional[int], typer.Option(
     "--iteration", help="Iteration to read (default: latest_checkpointed_iteration.txt).")]
 
 
+class Format(str, Enum):
+    torch = "torch"
+    torch_dist = "torch_dist"
+
+
+FORMAT_HELP = ("Megatron checkpoint format to write: `torch` (legacy, mp_rank_TT[_PPP]/model_optim_rng.pt) or "
+               "`torch_dist` (megatron-core's distributed format: common.pt + metadata.json + .distcp files, "
+               "loadable at any TP/PP).")
+
+
 def _report(result: core.ConvertResult, verifiable: bool = True):
     console.print(
         f"[green]wrote[/] {result.out}  ({result.files} files, {result.bytes_written / 2**20:.1f} MiB, "
@@ -56,6 +66,8 @@ def _report(result: core.ConvertResult, verifiable: bool = True):
         console.print(f"[green]verified[/] {result.verify.summary()}")
     elif verifiable:
         console.print("[yellow]not verified[/] (pass --verify to check the result)")
+    for note in result.notes:
+        console.print(f"[yellow]note[/] {note}")
 
 
 def _dtype(value: Optional[DType]) -> Optional[str]:
@@ -78,14 +90,16 @@ def hf2mcore(
         "are excluded from qlm's softmax.")] = 128,
     force: FORCE = False,
     verify: VERIFY = None,
+    fmt: Annotated[Format, typer.Option("--format", help=FORMAT_HELP)] = Format.torch,
 ):
-    """HF -> Megatron-Core legacy `torch` checkpoint (release/mp_rank_TT[_PPP]/model_optim_rng.pt).
+    """HF -> Megatron-Core checkpoint: legacy `torch` (release/mp_rank_TT[_PPP]/model_optim_rng.pt) or `torch_dist`.
 
     The HF config and tokenizer files are kept in OUT/hf/ so that mcore2hf gives back the same files."""
     with progress_bar("hf2mcore") as progress:
         result = core.hf_to_mcore(
             hf, out, tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last, dtype=_dtype(dtype),
             make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force, verify=verify, progress=progress,
+            format=fmt.value,
         )
     _report(result)
 
@@ -128,14 +142,18 @@ def mcore2mcore(
         "--make-vocab-size-divisible-by", min=1, help="Default: the source's.")] = None,
     force: FORCE = False,
     verify: VERIFY = None,
+    fmt: Annotated[Optional[Format], typer.Option(
+        "--format", help=FORMAT_HELP + " Default: the source's format.", show_default=False)] = None,
 ):
-    """Reshard a Megatron-Core checkpoint to another TP/PP/VPP (model weights; Transformer-Engine names are read
-    and written back as the local spec). The iteration number is kept."""
+    """Reshard a Megatron-Core checkpoint (torch or torch_dist) to another TP/PP/VPP or format. Transformer-Engine
+    names are read and written back as the local spec; the iteration number is kept. A qlm training checkpoint keeps
+    its Adam states (re-sliced like the weights), step, train state and scheduler, so `qlm train` resumes it at the
+    new layout."""
     with progress_bar("mcore2mcore") as progress:
         result = core.mcore_to_mcore(
             mcore, out, tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last, iteration=iteration,
             dtype=_dtype(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
-            verify=verify, progress=progress,
+            verify=verify, progress=progress, format=fmt.value if fmt is not None else None,
         )
     _report(result)
 
@@ -152,6 +170,111 @@ def mcore2peft(
     with progress_bar("mcore2peft") as progress:
         result = core.mcore_to_peft(mcore, out, iteration=iteration, force=force, progress=progress)
     _report(result, verifiable=False)
+
+
+DS_DIR = Annotated[Path, typer.Option(
+    "--ds", help="DeepSpeed checkpoint directory: the one holding `latest` and global_stepN/ (or a tag directory).")]
+DS_TAG = Annotated[Optional[str], typer.Option(
+    "--tag", help="Checkpoint tag to read, e.g. global_step100 (default: the one the `latest` file names).")]
+DS_CONFIG = Annotated[Optional[Path], typer.Option(
+    "--config", help="HF config of the trained model (a model directory or config.json; its tokenizer files are "
+    "copied too). DeepSpeed does not store it. Default: a config.json next to the checkpoint.")]
+DS_DTYPE = Annotated[Optional[DType], typer.Option(
+    "--dtype", help="Weight dtype to write (default: fp32, DeepSpeed's master weights).")]
+DS_OUT_TAG = Annotated[Optional[str], typer.Option(
+    "--tag", help="Tag directory to write (default: global_step0, or global_step<iteration> from Megatron).")]
+FP32_MASTER = Annotated[bool, typer.Option(
+    "--fp32-master/--no-fp32-master", help="Also write the fp32 master weights as one ZeRO-2 partition "
+    "(zero_pp_rank_0_mp_rank_00_optim_states.pt), which DeepSpeed's zero_to_fp32 and ds2hf read; engines load the "
+    "module with load_checkpoint(OUT, load_module_only=True) either way.")]
+
+
+@app.command("ds2hf")
+def ds2hf(
+    ds: DS_DIR,
+    out: Annotated[Path, typer.Option("--out", help="Output Hugging Face model directory.")],
+    tag: DS_TAG = None,
+    config: DS_CONFIG = None,
+    dtype: DS_DTYPE = None,
+    max_shard_size: Annotated[float, typer.Option(
+        "--max-shard-size", min=0.001, help="Largest safetensors file in GiB; above it the weights are sharded with "
+        "model.safetensors.index.json.")] = 5.0,
+    force: FORCE = False,
+    verify: VERIFY = None,
+):
+    """DeepSpeed (ZeRO 0-3, fp32/bf16/fp16) -> HF, without deepspeed installed.
+
+    The full fp32 weights are rebuilt from the ZeRO partitions as DeepSpeed's zero_to_fp32 does; frozen parameters
+    come from the model states, tied ones from `shared_params`."""
+    with progress_bar("ds2hf") as progress:
+        result = core.ds_to_hf(ds, out, tag=tag, config=config, dtype=_dtype(dtype), max_shard_size_gb=max_shard_size,
+                               force=force, verify=verify, progress=progress)
+    _report(result)
+
+
+@app.command("ds2mcore")
+def ds2mcore(
+    ds: DS_DIR,
+    out: Annotated[Path, typer.Option("--out", help="Output Megatron checkpoint directory.")],
+    tag: DS_TAG = None,
+    config: DS_CONFIG = None,
+    tp: TP = 1,
+    pp: PP = 1,
+    vpp: VPP = 1,
+    first: FIRST = None,
+    last: LAST = None,
+    dtype: DS_DTYPE = None,
+    make_vocab_size_divisible_by: Annotated[int, typer.Option(
+        "--make-vocab-size-divisible-by", min=1, help="Pad the vocabulary to a multiple of this times --tp.")] = 128,
+    force: FORCE = False,
+    verify: VERIFY = None,
+):
+    """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy `torch` checkpoint at any TP/PP/VPP, streamed one rank file at
+    a time. The HF config and tokenizer files go to OUT/hf/."""
+    with progress_bar("ds2mcore") as progress:
+        result = core.ds_to_mcore(
+            ds, out, tag=tag, config=config, tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last,
+            dtype=_dtype(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
+            verify=verify, progress=progress,
+        )
+    _report(result)
+
+
+@app.command("hf2ds")
+def hf2ds(
+    hf: Annotated[Path, typer.Option("--hf", help="Hugging Face model directory (config.json + safetensors).")],
+    out: Annotated[Path, typer.Option("--out", help="Output DeepSpeed checkpoint directory.")],
+    tag: DS_OUT_TAG = None,
+    dtype: DTYPE = None,
+    fp32_master: FP32_MASTER = True,
+    force: FORCE = False,
+    verify: VERIFY = None,
+):
+    """HF -> DeepSpeed: OUT/latest + OUT/<tag>/mp_rank_00_model_states.pt, for
+    engine.load_checkpoint(OUT, load_module_only=True) under ZeRO 0-2. Config and tokenizer files go next to
+    `latest`."""
+    with progress_bar("hf2ds") as progress:
+        result = core.hf_to_ds(hf, out, tag=tag or "global_step0", dtype=_dtype(dtype), fp32_master=fp32_master,
+                               force=force, verify=verify, progress=progress)
+    _report(result)
+
+
+@app.command("mcore2ds")
+def mcore2ds(
+    mcore: Annotated[Path, typer.Option("--mcore", help="Megatron checkpoint directory (written by qlm or Megatron-LM).")],
+    out: Annotated[Path, typer.Option("--out", help="Output DeepSpeed checkpoint directory.")],
+    iteration: ITERATION = None,
+    tag: DS_OUT_TAG = None,
+    dtype: DTYPE = None,
+    fp32_master: FP32_MASTER = True,
+    force: FORCE = False,
+    verify: VERIFY = None,
+):
+    """Megatron-Core (any TP/PP; a LoRA run merged) -> DeepSpeed, as hf2ds writes it."""
+    with progress_bar("mcore2ds") as progress:
+        result = core.mcore_to_ds(mcore, out, iteration=iteration, tag=tag, dtype=_dtype(dtype),
+                                  fp32_master=fp32_master, force=force, verify=verify, progress=progress)
+    _report(result)
 
 
 @app.command("inspect")

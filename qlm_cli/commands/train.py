@@ -107,9 +107,19 @@ def train(
             "stage layers": list(plan.layout.stage_layer_counts), "padded vocabulary": plan.layout.padded_vocab,
             "steps": plan.steps,
         }))
-        console.print(kv_table("model-state memory per rank (heaviest stage)", {
-            key: f"{value / 2**30:.3f} GiB" for key, value in plan.state_bytes.items()
-        }))
+        from qlm_core.profile.case import case_from_recipe
+        from qlm_core.profile.memory import estimate_memory
+
+        from .profile import _memory_table
+
+        import torch
+
+        if torch.cuda.is_available():
+            capacity, device = torch.cuda.get_device_properties(0).total_memory / 2**30, "this GPU"
+        else:
+            capacity, device = 80.0, "an 80 GiB GPU (qlm profile RECIPE --gpu NAME for others)"
+        memory = estimate_memory(case_from_recipe(resolved, plan.sizes.world), capacity_gib=capacity)
+        console.print(_memory_table(memory, f"memory per rank, heaviest stage, on {device}"))
         return
     if plan.sizes.world == 1:
         from qlm_core.train.trainer import Trainer

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -37,7 +37,11 @@ from .mcore import (
     write_shard_file,
 )
 from .megatron_args import DTYPE_NAMES, make_args, set_layout_args
+from .megatron_open import TORCH, TORCH_DIST, check_format, open_megatron
 from .staging import check_output_dir, staged_output
+from .torch_dist import TorchDistCheckpoint
+from .torch_dist_write import write_mcore_torch_dist
+from .train_state import TrainStateCarrier
 from .verify import (
     AUTO_VERIFY_MAX_PARAMS,
     VerifyReport,
@@ -61,6 +65,7 @@ class ConvertResult:
     bytes_written: int
     seconds: float
     verify: VerifyReport | None
+    notes: list[str] = field(default_factory=list)  # what was not carried over, and why
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -86,7 +91,8 @@ def _finish(report: VerifyReport | None):
 
 
 def write_mcore_torch(root: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype,
-                      args: argparse.Namespace, iteration: int | None, progress: Progress):
+                      args: argparse.Namespace, iteration: int | None, progress: Progress,
+                      extra_for: Callable[[int, int], dict] | None = None):
     iteration_dir = root / iteration_dir_name(iteration)
     total = layout.tp * layout.pp
     for pp_rank in range(layout.pp):
@@ -94,7 +100,8 @@ def write_mcore_torch(root: Path, layout: ModelLayout, source: TensorSource, dty
             name = shard_dir_name(tp_rank, pp_rank, layout.pp)
             progress(pp_rank * layout.tp + tp_rank, total, name)
             chunks = [build_shard(layout, tp_rank, pp_rank, c, source, dtype) for c in range(layout.vpp)]
-            write_shard_file(iteration_dir / name / SHARD_FILE, chunks, args, iteration)
+            extra = extra_for(tp_rank, pp_rank) if extra_for is not None else None
+            write_shard_file(iteration_dir / name / SHARD_FILE, chunks, args, iteration, extra)
             del chunks
     progress(total, total, "done")
     write_latest(root, iteration)
@@ -104,9 +111,11 @@ def hf_to_mcore(
     hf: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, vpp: int = 1,
     first_stage_layers: int | None = None, last_stage_layers: int | None = None,
     dtype: str | torch.dtype | None = None, make_vocab_size_divisible_by: int = 128,
-    force: bool = False, verify: bool | None = None, progress: Progress = _no_progress,
+    force: bool = False, verify: bool | None = None, progress: Progress = _no_progress, format: str = TORCH,
 ) -> ConvertResult:
+    """`format`: "torch" (legacy, one file per TP/PP rank) or "torch_dist" (megatron-core's DCP layout)."""
     started = time.perf_counter()
+    check_format(format)
     src = HFCheckpoint(hf)
     out = Path(out)
     check_output_dir(out, force, src.path)
@@ -116,16 +125,26 @@ def hf_to_mcore(
     source = HFTensorSource(src)
     report = None
     with staged_output(out, force) as tmp:
-        write_mcore_torch(tmp, layout, source, dtype, make_args(layout, dtype), None, progress)
+        write_megatron(format, tmp, layout, source, dtype, make_args(layout, dtype, ckpt_format=format), None, progress)
         copy_side_files(src.path, tmp / HF_SIDE_DIR)
         if _should_verify(verify, src.spec):
             report = VerifyReport()
-            written = MegatronTorchCheckpoint(tmp)
+            written = open_megatron(tmp)
             compare_tensors(report, (layout, source), (written.layout, written), dtype)
             compare_logits(report, hf_logits_fn(src.path, dtype), qlm_logits_fn(written.layout, written, dtype),
                            src.spec)
             _finish(report)
     return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report)
+
+
+def write_megatron(format: str, root: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype,
+                   args: argparse.Namespace, iteration: int | None, progress: Progress,
+                   extra_for: Callable[[int, int], dict] | None = None):
+    """A Megatron checkpoint in `format`; `extra_for(tp_rank, pp_rank)`: entries beside the weights (torch only)."""
+    if format == TORCH_DIST:
+        write_mcore_torch_dist(root, layout, source, dtype, args, iteration, progress)
+    else:
+        write_mcore_torch(root, layout, source, dtype, args, iteration, progress, extra_for)
 
 
 def write_hf(out: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype, max_shard_bytes: int,
@@ -164,13 +183,13 @@ def mcore_to_hf(
     progress: Progress = _no_progress,
 ) -> ConvertResult:
     started = time.perf_counter()
-    src = MegatronTorchCheckpoint(mcore, iteration)
+    src = open_megatron(mcore, iteration)
     out = Path(out)
     check_output_dir(out, force, src.root)
     dtype = parse_dtype(dtype) or src.dtype
     source, side_dir = src, src.root / HF_SIDE_DIR
     if src.lora is not None:  # a LoRA run: write the base weights merged with the adapters
-        source, side_dir = _merged_lora_source(src)
+        source, side_dir = merged_lora_source(src)
     report = None
     with staged_output(out, force) as tmp:
         write_hf(tmp, src.layout, source, dtype, int(max_shard_size_gb * 2**30), progress)
@@ -184,7 +203,7 @@ def mcore_to_hf(
     return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report)
 
 
-def _merged_lora_source(src: MegatronTorchCheckpoint) -> tuple[TensorSource, Path]:
+def merged_lora_source(src: MegatronTorchCheckpoint) -> tuple[TensorSource, Path]:
     """The merged weights of a LoRA run's checkpoint, and where the HF config/tokenizer come from. The base is the
     checkpoint itself when it holds the base weights too, else the HF or Megatron checkpoint its args name."""
     if src.holds_base:
@@ -201,7 +220,7 @@ def _merged_lora_source(src: MegatronTorchCheckpoint) -> tuple[TensorSource, Pat
         hf = HFCheckpoint(path)
         base, base_spec, side_dir = HFTensorSource(hf), hf.spec, path
     else:
-        base = MegatronTorchCheckpoint(path)
+        base = open_megatron(path)
         base_spec, side_dir = base.spec, path / HF_SIDE_DIR
     shape = ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "vocab_size")
     if any(getattr(base_spec, f) != getattr(src.spec, f) for f in shape):
@@ -215,29 +234,42 @@ def mcore_to_mcore(
     first_stage_layers: int | None = None, last_stage_layers: int | None = None,
     iteration: int | None = None, dtype: str | torch.dtype | None = None,
     make_vocab_size_divisible_by: int | None = None, force: bool = False, verify: bool | None = None,
-    progress: Progress = _no_progress,
+    progress: Progress = _no_progress, format: str | None = None,
 ) -> ConvertResult:
+    """`format`: "torch" or "torch_dist" (default: the source's). A torch output also carries qlm's training state
+    (Adam states re-sliced like the weights, step, train state, scheduler; see train_state.py)."""
     started = time.perf_counter()
-    src = MegatronTorchCheckpoint(mcore, iteration)
+    src = open_megatron(mcore, iteration)
+    format = check_format(format or (TORCH_DIST if isinstance(src, TorchDistCheckpoint) else TORCH))
+    if src.lora is not None and not src.holds_base:
+        raise QlmError(f"{src.root} holds only LoRA adapters", "export them with mcore2peft, or merged with mcore2hf")
     out = Path(out)
     check_output_dir(out, force, src.root)
     divisible = make_vocab_size_divisible_by or src.layout.make_vocab_size_divisible_by
     layout = ModelLayout(src.spec, tp, pp, vpp, first_stage_layers, last_stage_layers, divisible)
     dtype = parse_dtype(dtype) or src.dtype
     args = set_layout_args(argparse.Namespace(**vars(src.args)), layout, dtype)
+    args.ckpt_format = format
+    carrier = TrainStateCarrier(src, layout)
+    notes = list(carrier.notes)
+    if carrier.carries_optimizer and format == TORCH_DIST:
+        notes.append("Adam states not written: qlm writes only the weights to torch_dist (resume from --format torch)")
     report = None
     with staged_output(out, force) as tmp:
-        write_mcore_torch(tmp, layout, src, dtype, args, src.iteration, progress)
+        extra_for = carrier.extra_for if format == TORCH else None
+        write_megatron(format, tmp, layout, src, dtype, args, src.iteration, progress, extra_for)
         if (src.root / HF_SIDE_DIR).is_dir():
             copy_side_files(src.root / HF_SIDE_DIR, tmp / HF_SIDE_DIR)
         if _should_verify(verify, src.spec):
             report = VerifyReport()
-            written = MegatronTorchCheckpoint(tmp, src.iteration, spec=src.spec)
+            written = open_megatron(tmp, src.iteration, spec=src.spec)
             compare_tensors(report, (src.layout, src), (written.layout, written), dtype)
+            if extra_for is not None:
+                carrier.verify(report, tmp)
             compare_logits(report, qlm_logits_fn(src.layout, src, dtype), qlm_logits_fn(written.layout, written, dtype),
                            src.spec)
             _finish(report)
-    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report)
+    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report, notes)
 
 
 def mcore_to_peft(mcore: str | Path, out: str | Path, *, iteration: int | None = None, force: bool = False,
@@ -247,7 +279,7 @@ def mcore_to_peft(mcore: str | Path, out: str | Path, *, iteration: int | None =
     from .peft import export_peft
 
     started = time.perf_counter()
-    src = MegatronTorchCheckpoint(mcore, iteration)
+    src = open_megatron(mcore, iteration)
     if src.lora is None:
         raise QlmError(f"{src.dir} holds no LoRA adapters", "export full models with mcore2hf")
     out = Path(out)
@@ -257,3 +289,146 @@ def mcore_to_peft(mcore: str | Path, out: str | Path, *, iteration: int | None =
         export_peft(src.layout, src, src.lora, tmp, base_model_name_or_path=src.lora.base)
         progress(1, 1, "done")
     return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, None)
+
+
+# ---- DeepSpeed: checkpoints of a transformers module (HF names); formats in deepspeed.py -------------------------
+
+
+def _open_deepspeed(ds: str | Path, tag: str | None, config: str | Path | None):
+    from ..models.spec import ModelSpec, read_hf_config
+    from .deepspeed import DeepSpeedCheckpoint
+    from .deepspeed_config import find_hf_config
+
+    src = DeepSpeedCheckpoint(ds, tag)
+    config_path = find_hf_config(src, config)
+    return src, ModelSpec.from_hf_config(read_hf_config(config_path)), config_path
+
+
+def ds_to_hf(
+    ds: str | Path, out: str | Path, *, tag: str | None = None, config: str | Path | None = None,
+    dtype: str | torch.dtype | None = None, max_shard_size_gb: float = 5.0, force: bool = False,
+    verify: bool | None = None, progress: Progress = _no_progress,
+) -> ConvertResult:
+    """DeepSpeed (ZeRO 0-3) -> HF: the fp32 master weights (default dtype fp32), frozen and tied params included.
+    `config`: the HF config (dir or config.json) of the trained model; default a config.json next to the checkpoint."""
+    from .deepspeed_config import copy_hf_side_files
+
+    started = time.perf_counter()
+    src, spec, config_path = _open_deepspeed(ds, tag, config)
+    out = Path(out)
+    check_output_dir(out, force, src.root)
+    layout = ModelLayout(spec)
+    src.check_layout(layout)
+    dtype = parse_dtype(dtype) or torch.float32
+    source = HFTensorSource(src)
+    report = None
+    with staged_output(out, force) as tmp:
+        write_hf(tmp, layout, source, dtype, int(max_shard_size_gb * 2**30), progress)
+        copy_hf_side_files(config_path, tmp, dtype)
+        if _should_verify(verify, spec):
+            report = VerifyReport()
+            compare_tensors(report, (layout, source), (layout, HFTensorSource(HFCheckpoint(tmp))), dtype)
+            compare_logits(report, qlm_logits_fn(layout, source, dtype), hf_logits_fn(tmp, dtype), spec)
+            _finish(report)
+    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report, list(src.notes))
+
+
+def ds_to_mcore(
+    ds: str | Path, out: str | Path, *, tag: str | None = None, config: str | Path | None = None, tp: int = 1,
+    pp: int = 1, vpp: int = 1, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+    dtype: str | torch.dtype | None = None, make_vocab_size_divisible_by: int = 128, force: bool = False,
+    verify: bool | None = None, progress: Progress = _no_progress,
+) -> ConvertResult:
+    """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy torch (release/), streamed one rank file at a time."""
+    from .deepspeed_config import copy_hf_side_files
+
+    started = time.perf_counter()
+    src, spec, config_path = _open_deepspeed(ds, tag, config)
+    out = Path(out)
+    check_output_dir(out, force, src.root)
+    layout = ModelLayout(spec, tp, pp, vpp, first_stage_layers, last_stage_layers, make_vocab_size_divisible_by)
+    src.check_layout(layout)
+    dtype = parse_dtype(dtype) or torch.float32
+    source = HFTensorSource(src)
+    report = None
+    with staged_output(out, force) as tmp:
+        write_mcore_torch(tmp, layout, source, dtype, make_args(layout, dtype), None, progress)
+        copy_hf_side_files(config_path, tmp / HF_SIDE_DIR)
+        if _should_verify(verify, spec):
+            report = VerifyReport()
+            written = MegatronTorchCheckpoint(tmp)
+            compare_tensors(report, (layout, source), (written.layout, written), dtype)
+            compare_logits(report, qlm_logits_fn(layout, source, dtype), qlm_logits_fn(written.layout, written, dtype),
+                           spec)
+            _finish(report)
+    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report, list(src.notes))
+
+
+def _write_and_verify_ds(tmp: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype, tag: str,
+                         global_steps: int, fp32_master: bool, reference, verify: bool, progress: Progress):
+    """Write, then read back: the module (at `dtype`) and the fp32 masters against the source, then logits."""
+    from .deepspeed import MODULE, DeepSpeedCheckpoint
+    from .deepspeed_write import check_tag, write_deepspeed
+
+    write_deepspeed(tmp, layout, source, dtype, check_tag(tag), global_steps, fp32_master, progress=progress)
+    if not verify:
+        return None
+    report = VerifyReport()
+    module = HFTensorSource(DeepSpeedCheckpoint(tmp, tag, view=MODULE))
+    compare_tensors(report, (layout, source), (layout, module), dtype)
+    if fp32_master:
+        compare_tensors(report, (layout, source), (layout, HFTensorSource(DeepSpeedCheckpoint(tmp, tag))),
+                        torch.float32)
+    compare_logits(report, reference(), qlm_logits_fn(layout, module, dtype), layout.spec)
+    _finish(report)
+    return report
+
+
+def hf_to_ds(
+    hf: str | Path, out: str | Path, *, tag: str = "global_step0", dtype: str | torch.dtype | None = None,
+    fp32_master: bool = True, force: bool = False, verify: bool | None = None, progress: Progress = _no_progress,
+) -> ConvertResult:
+    """HF -> DeepSpeed: OUT/latest + OUT/<tag>/mp_rank_00_model_states.pt (+ fp32 masters as one ZeRO-2 partition),
+    with the HF config and tokenizer files next to `latest`."""
+    from .deepspeed_config import copy_hf_side_files
+
+    started = time.perf_counter()
+    src = HFCheckpoint(hf)
+    out = Path(out)
+    check_output_dir(out, force, src.path)
+    layout = ModelLayout(src.spec)
+    src.check_shapes({name: layout.hf_shape(name) for name in layout.hf_tensors})
+    dtype = parse_dtype(dtype) or src.weights_dtype
+    with staged_output(out, force) as tmp:
+        report = _write_and_verify_ds(tmp, layout, HFTensorSource(src), dtype, tag, 0, fp32_master,
+                                      lambda: hf_logits_fn(src.path, dtype), _should_verify(verify, src.spec), progress)
+        copy_hf_side_files(src.path, tmp, dtype)
+    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report)
+
+
+def mcore_to_ds(
+    mcore: str | Path, out: str | Path, *, iteration: int | None = None, tag: str | None = None,
+    dtype: str | torch.dtype | None = None, fp32_master: bool = True, force: bool = False,
+    verify: bool | None = None, progress: Progress = _no_progress,
+) -> ConvertResult:
+    """Megatron-Core (any TP/PP, a LoRA run merged) -> DeepSpeed; tag default global_step<iteration>."""
+    from .deepspeed_config import copy_hf_side_files
+    from .megatron_open import open_megatron as open_any_megatron
+
+    started = time.perf_counter()
+    src = open_any_megatron(mcore, iteration)
+    out = Path(out)
+    check_output_dir(out, force, src.root)
+    dtype = parse_dtype(dtype) or src.dtype
+    source, side_dir = merged_lora_source(src) if src.lora is not None else (src, src.root / HF_SIDE_DIR)
+    steps = src.iteration or 0
+    with staged_output(out, force) as tmp:
+        report = _write_and_verify_ds(tmp, src.layout, source, dtype, tag or f"global_step{steps}", steps, fp32_master,
+                                      lambda: qlm_logits_fn(src.layout, source, dtype),
+                                      _should_verify(verify, src.spec), progress)
+        if (side_dir / "config.json").exists():
+            copy_hf_side_files(side_dir, tmp, dtype)
+        else:
+            dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+            (tmp / "config.json").write_text(json.dumps(src.spec.to_hf_config(dtype_name), indent=2) + "\n")
+    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report)

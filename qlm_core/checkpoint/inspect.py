@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +12,6 @@ import torch
 from ..errors import QlmError
 from .hf import HFCheckpoint, is_hf_dir
 from .mcore import LATEST_FILE, MegatronTorchCheckpoint, is_mcore_torch_dir, resolve_iteration_dir
-from .safe_load import safe_torch_load
 
 HF, MCORE_TORCH, MCORE_TORCH_DIST, DEEPSPEED = "hf", "mcore-torch", "mcore-torch_dist", "deepspeed"
 
@@ -62,8 +60,8 @@ def _deepspeed_tag_dir(path: Path) -> Path | None:
         if (path / tag).is_dir():
             return path / tag
         raise QlmError(f"{path / 'latest'} names tag {tag!r}, which does not exist", "fix the file or pass the tag dir")
-    if list(path.glob("*mp_rank_*_model_states.pt")):
-        return path
+    if list(path.glob("*mp_rank_*_model_states.pt")) or list(path.glob("*/*mp_rank_*_model_states.pt")):
+        return path  # a tag directory, or tags without `latest` (the reader then asks for --iteration)
     return None
 
 
@@ -130,51 +128,32 @@ def _inspect_mcore(path: Path, iteration) -> Inspection:
 
 
 def _inspect_torch_dist(path: Path, iteration) -> Inspection:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from .torch_dist import TorchDistCheckpoint
 
-    iteration_dir = resolve_iteration_dir(path, iteration)[0] if (path / LATEST_FILE).exists() else path
-    report = Inspection(MCORE_TORCH_DIST, path, layout={"directory": iteration_dir.name})
-    meta_json = iteration_dir / "metadata.json"
-    if meta_json.exists():
-        report.layout.update(json.loads(meta_json.read_text()))
-    common = iteration_dir / "common.pt"
-    if common.exists():
-        state = safe_torch_load(common)
-        if "args" in state:
-            report.args = {k: getattr(state["args"], k) for k in _ARG_KEYS if hasattr(state["args"], k)}
-    try:
-        metadata = FileSystemReader(str(iteration_dir)).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - DCP raises assorted errors for damaged metadata
-        raise QlmError(f"cannot read {iteration_dir / '.metadata'} ({exc})", "the checkpoint is damaged") from None
-    for name, meta in sorted(metadata.state_dict_metadata.items()):
-        if isinstance(meta, TensorStorageMetadata):
-            report.tensors.append(TensorRow(name, tuple(meta.size), _dtype_name(meta.properties.dtype), "dcp"))
+    ckpt = TorchDistCheckpoint(path, iteration)
+    report = Inspection(MCORE_TORCH_DIST, path, layout={
+        "iteration": "release" if ckpt.iteration is None else ckpt.iteration, "saved_tp": ckpt.tp,
+        "saved_pp": ckpt.pp, "padded_vocab": ckpt.layout.padded_vocab, "dtype": _dtype_name(ckpt.dtype),
+        "common_state": "common.pt" if (ckpt.dir / "common.pt").exists() else "dcp",
+        "files": len({info.relative_path for info in (ckpt.metadata.storage_data or {}).values()}),
+    })
+    report.args = {k: getattr(ckpt.args, k) for k in _ARG_KEYS if hasattr(ckpt.args, k)}
+    for name, meta in sorted(ckpt.tensors.items()):
+        report.tensors.append(TensorRow(name, tuple(meta.size), _dtype_name(meta.properties.dtype),
+                                        f"dcp ({len(meta.chunks)} chunks)"))
     return report
 
 
 def _inspect_deepspeed(path: Path, iteration) -> Inspection:
-    tag_dir = _deepspeed_tag_dir(path)
-    model_files = sorted(tag_dir.glob("*mp_rank_*_model_states.pt"))
-    optim_files = sorted(tag_dir.glob("*optim_states.pt"))
+    """The weights ds2hf would write: where each comes from (fp32 partitions, frozen fragments, module, a tie)."""
+    from .deepspeed import DeepSpeedCheckpoint
+
+    ckpt = DeepSpeedCheckpoint(path, None if iteration is None else f"global_step{iteration}")
     report = Inspection(DEEPSPEED, path, layout={
-        "tag": tag_dir.name, "model_state_files": len(model_files), "optimizer_files": len(optim_files),
+        "tag": ckpt.tag, "zero_stage": ckpt.zero_stage, "dp_world_size": ckpt.dp_world_size,
+        "optimizer_files": len(ckpt.optimizer_files), "module_dtype": _dtype_name(ckpt.module_dtype),
+        "global_steps": ckpt.global_steps, "ds_version": ckpt.ds_version,
     })
-    state = safe_torch_load(model_files[0])
-    for key in ("ds_version", "global_steps", "global_samples", "dp_world_size", "mp_world_size"):
-        if key in state:
-            report.layout[key] = state[key]
-    zero = (state.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0)
-    report.layout["zero_stage"] = zero
-    module = state.get("module") or {}
-    shapes = {}
-    for group in state.get("param_shapes") or []:
-        shapes.update(group)
-    for name, shape in shapes.items():
-        tensor = module.get(name)
-        dtype = _dtype_name(tensor.dtype) if isinstance(tensor, torch.Tensor) else "sharded"
-        report.tensors.append(TensorRow(name, tuple(shape), dtype, model_files[0].name))
-    for name, tensor in module.items():
-        if name not in shapes and isinstance(tensor, torch.Tensor):
-            report.tensors.append(TensorRow(name, tuple(tensor.shape), _dtype_name(tensor.dtype), "module"))
+    report.tensors = [TensorRow(name, ckpt.shape(name), _dtype_name(ckpt.dtype(name)), ckpt.where(name))
+                      for name in ckpt.names]
     return report

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,7 +93,36 @@ def messages(example: Example) -> list[dict]:
 
 def build_demo(out_dir: str | os.PathLike, seed: int = 0, num_train: int = 3000, num_eval: int = 150,
                corpus_paragraphs: int = 500, pairs_per_paragraph: int = 6) -> DemoPaths:
-    """Write the demo tokenizer, train.jsonl, eval.jsonl and corpus.txt under out_dir."""
+    """Write the demo tokenizer, train.jsonl, eval.jsonl and corpus.txt under out_dir, once: a complete directory
+    with the same parameters is reused. It is built in a private directory and renamed into place, so processes
+    that build it at the same time (the ranks of a run) never read a half-written file."""
+    root = Path(out_dir)
+    params = dict(seed=seed, num_train=num_train, num_eval=num_eval, corpus_paragraphs=corpus_paragraphs,
+                  pairs_per_paragraph=pairs_per_paragraph)
+    paths = DemoPaths(root, root / "tokenizer", root / "train.jsonl", root / "eval.jsonl", root / "corpus.txt")
+    stamp = root / "demo.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == params:
+        return paths
+    private = root.parent / f".{root.name}.{os.getpid()}.partial"
+    shutil.rmtree(private, ignore_errors=True)
+    _write_demo(private, **params)
+    (private / "demo.json").write_text(json.dumps(params))
+    if root.exists():  # an older or different build: replace it (a concurrent identical build may win the race)
+        stale = root.parent / f".{root.name}.{os.getpid()}.stale"
+        try:
+            os.replace(root, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
+    try:
+        os.replace(private, root)
+    except OSError:  # another process put a complete build in place first
+        shutil.rmtree(private, ignore_errors=True)
+    return paths
+
+
+def _write_demo(out_dir: str | os.PathLike, seed: int = 0, num_train: int = 3000, num_eval: int = 150,
+               corpus_paragraphs: int = 500, pairs_per_paragraph: int = 6) -> DemoPaths:
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     paths = DemoPaths(root, root / "tokenizer", root / "train.jsonl", root / "eval.jsonl", root / "corpus.txt")

@@ -57,6 +57,39 @@ class AttentionInputs:
 
     token_index: torch.Tensor | None  # global sequence index of each local token (context parallelism)
     segment_ids: torch.Tensor | None  # [b, s_local] document id of each token in a packed sequence
+    cache: "KVCache | None" = None  # incremental decoding: keys/values of earlier tokens
+    mask: torch.Tensor | None = None  # [b, 1, q, k] bool, True = may attend (decoding with padding)
+
+
+@dataclass
+class KVCache:
+    """Keys and values (after RoPE) of the tokens already decoded, per layer: [b, groups, tokens, head_dim]."""
+
+    keys: list
+    values: list
+
+    @classmethod
+    def empty(cls, num_layers: int) -> "KVCache":
+        return cls([None] * num_layers, [None] * num_layers)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k, v = torch.cat((self.keys[layer], k), dim=2), torch.cat((self.values[layer], v), dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+def decoding_mask(key_valid: torch.Tensor, past: int, new: int) -> torch.Tensor:
+    """[b, past + new] bool key validity -> [b, 1, new, past + new] mask: causal by position, padding keys
+    hidden; each query also sees itself, so that a padding query is never left with nothing to attend to."""
+    keys = torch.arange(past + new, device=key_valid.device)
+    queries = past + torch.arange(new, device=key_valid.device)
+    causal = keys[None, :] <= queries[:, None]
+    return ((causal[None] & key_valid[:, None, :]) | (keys[None, :] == queries[:, None])[None])[:, None]
 
 
 def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -123,10 +156,11 @@ class SelfAttention(nn.Module):
                 q, k, v, group=self.parallel.cp_group, comm_type=self.parallel.cp_comm_type, scale=scale,
                 positions=inputs.token_index, segment_ids=inputs.segment_ids,
             )
-        if inputs.segment_ids is not None:
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=segment_mask(inputs.segment_ids), scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-            )
+        mask = inputs.mask if inputs.segment_ids is None else segment_mask(inputs.segment_ids)
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        if inputs.cache is not None and q.shape[2] != k.shape[2]:  # decoding without padding: see every key
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         return core_attention(q, k, v, causal=True, softmax_scale=scale, sliding_window=self.spec.sliding_window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
@@ -134,6 +168,8 @@ class SelfAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if inputs.cache is not None:
+            k, v = inputs.cache.extend(self.layer_index, k, v)
         if self.parallel.recompute == "selective" and torch.is_grad_enabled():
             out = checkpoint(self._core_attention, q, k, v, inputs, use_reentrant=False)
         else:
@@ -180,6 +216,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.layers = nn.ModuleList(TransformerLayer(spec, parallel, dtype) for _ in range(num_layers))
+        for index, layer in enumerate(self.layers):
+            layer.self_attention.layer_index = index  # its slot in a KVCache
         self.final_layernorm = (
             RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype, sequence_parallel=parallel.sp) if post_process else None
         )
@@ -281,6 +319,8 @@ class GPTModel(nn.Module):
         labels: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         local_logits: bool = False,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One pass over this module's layers.
 
@@ -292,6 +332,9 @@ class GPTModel(nn.Module):
         Returns hidden states [s, b, h] when this is not the last stage; else the per-token loss [b, s] if
         `labels` are given (label -100 = ignored, loss 0); else, with `local_logits`, this TP rank's vocabulary
         slice of the logits [s, b, V_padded/tp]; else logits [b, s, vocab_size] gathered over TP, padding removed.
+
+        Incremental decoding: pass a `cache` (KVCache.empty(num_layers)) that this call extends, the new tokens'
+        position_ids, and for padded batches `attention_mask` [b, cached + new] (True = a real token).
         """
         x = self.embedding(input_ids) if self.pre_process else hidden_states
         local_tokens = x.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
@@ -305,7 +348,11 @@ class GPTModel(nn.Module):
             position_ids = index[None, :].expand(x.shape[1], local_tokens)
         self._inv_freq = self._inv_freq.to(x.device)
         cos, sin = rope_cos_sin(position_ids, self._inv_freq, x.dtype)
-        x = self.decoder(x, cos, sin, AttentionInputs(token_index, segment_ids))
+        mask = None
+        if attention_mask is not None:
+            past = 0 if cache is None else cache.length
+            mask = decoding_mask(attention_mask.bool(), past, local_tokens)
+        x = self.decoder(x, cos, sin, AttentionInputs(token_index, segment_ids, cache, mask))
         if not self.post_process:
             return x
         logits = self.output_layer(x, self.output_weight())

@@ -42,7 +42,8 @@ def model_state_bytes(layout: ModelLayout, sizes: ParallelSizes, recipe: Recipe)
         )
         heaviest = max(heaviest, numel)
     weight_bytes = heaviest * (4 if zero == 3 else dtype.itemsize)
-    master_bytes = 0 if dtype == torch.float32 or zero == 3 else 4 * heaviest
+    # fp32 masters: the params themselves under ZeRO 3 and for fp32 ZeRO 0; copies (of the owned slice) otherwise
+    master_bytes = 0 if zero == 3 or (dtype == torch.float32 and zero == 0) else 4 * heaviest
     return {
         "weights": weight_bytes / (shards if zero == 3 else 1),
         "grads": 4 * heaviest / (shards if zero >= 2 else 1),

@@ -33,7 +33,8 @@ from .engine import Batch, Engine
 from .flops import flops_per_sequence, measure_cpu_peak_tflops
 from .metrics import MetricsWriter, StepMetrics, peak_memory_gb, plot_loss
 from .schedule import learning_rate
-from .sources import CHECKPOINTS_DIR, resolve_model, run_checkpoint_dir
+from ..checkpoint.open import CHECKPOINTS_DIR, run_checkpoint_dir
+from .sources import resolve_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 GPU_PEAK_TFLOPS = {"H100": 989.0, "H800": 989.0, "H200": 989.0, "H20": 148.0, "A100": 312.0, "A800": 312.0}

@@ -1,0 +1,60 @@
+"""`qlm eval CKPT --tasks ...`: lm-evaluation-harness on any checkpoint qlm reads, no export step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ..render import console
+
+
+def eval_command(
+    checkpoint: Annotated[str, typer.Argument(help="An HF model, a Megatron checkpoint (any TP/PP) or a qlm run "
+                                                   "directory (its latest checkpoint; LoRA adapters merged).")],
+    tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated lm-eval task names (qlm ships "
+                                       "qlm_demo_mc, qlm_demo_gen, qlm_demo_ppl, generated locally).")],
+    include_path: Annotated[Optional[str], typer.Option(
+        "--include-path", help="A folder of extra task YAMLs (local data: dataset_path: json).")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Few-shot examples.")] = None,
+    limit: Annotated[Optional[float], typer.Option(
+        "--limit", help="Documents per task (a count, or a fraction below 1).")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Requests per forward pass.")] = 8,
+    max_length: Annotated[Optional[int], typer.Option(
+        "--max-length", min=1, help="Context window (default: the model's max_position_embeddings).")] = None,
+    apply_chat_template: Annotated[bool, typer.Option(
+        "--apply-chat-template", help="Wrap prompts in the checkpoint tokenizer's chat template.")] = False,
+    backend: Annotated[str, typer.Option(
+        "--backend", help="qlm: qlm's own model; hf: lm-eval's hf model (the checkpoint is exported to HF first "
+        "when needed).")] = "qlm",
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32 or bf16.")] = "fp32",
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", help="Folder for lm-eval's results JSON (and samples with --log-samples).")] = None,
+    log_samples: Annotated[bool, typer.Option("--log-samples", help="Keep every request and response.")] = False,
+):
+    """Evaluate a checkpoint with lm-evaluation-harness. Local tasks load without scanning lm-eval's built-in
+    index; built-in tasks that need the Hugging Face hub fail with a one-line error offline."""
+    from qlm_core.eval.runner import EvalConfig, result_rows, run_eval
+
+    config = EvalConfig(
+        checkpoint=checkpoint, tasks=[t.strip() for t in tasks.split(",") if t.strip()], include_path=include_path,
+        num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, max_length=max_length,
+        apply_chat_template=apply_chat_template, backend=backend, dtype=dtype,
+        output=str(output) if output else None, log_samples=log_samples,
+    )
+    results = run_eval(config)
+    table = Table(title=f"{checkpoint} ({backend} backend)", title_justify="left")
+    for column in ("task", "version", "filter", "n-shot", "metric", "value", "stderr"):
+        table.add_column(column)
+    for task, filter_name, metric, value, stderr in result_rows(results):
+        table.add_row(task, str(results["versions"].get(task, "")), filter_name,
+                      str(results["n-shot"].get(task, "")), metric, f"{value:.4f}",
+                      "" if stderr is None else f"± {stderr:.4f}")
+    console.print(table)
+    for task in results["results"]:
+        figures = ", ".join(f"{m} {v:.4f}" for t, f, m, v, _ in result_rows(results) if t == task)
+        console.print(f"{task}: {figures}", highlight=False)
+    if output:
+        console.print(f"results written under {output}")

@@ -1,0 +1,228 @@
+"""`qlm profile`: memory per rank and s/sample of a layout, predicted (and probed), or a search for the best one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from qlm_core.config import load_recipe
+from qlm_core.profile.case import build_case, validate_case
+from qlm_core.profile.hardware import GPUS, gpu_spec
+from qlm_core.profile.memory import COMPONENTS, GIB, Allowance, estimate_memory
+from qlm_core.profile.timing import TIME_COMPONENTS, Efficiency, estimate_time
+
+from ..render import console
+
+MEMORY_NOTES = {
+    "weights": "parameters on this rank", "grads": "fp32 gradient buffers", "optimizer": "fp32 masters + Adam moments",
+    "activations": "saved for backward, all in-flight micro-batches", "logits_loss": "fp32 softmax of the loss",
+    "workspace": "largest transient (recompute / loss logits / CP K/V)", "pp_buffers": "pipeline stage I/O kept",
+    "comm_buffers": "ZeRO 2 buckets / ZeRO 3 gathered params", "allocator": "allowance: fragmentation + CUDA context",
+}
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:,.2f}"
+
+
+def _memory_table(memory, title: str) -> Table:
+    heavy = memory.heaviest
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("component", "left"), ("GiB", "right"), ("share", "right"), ("what", "left")):
+        table.add_column(name, justify=justify)
+    for key in COMPONENTS:
+        value = heavy.components[key]
+        table.add_row(key, _gib(value), f"{value / heavy.total:.0%}", MEMORY_NOTES[key])
+    verdict = (f"[green]fits[/], headroom {memory.headroom_gib:.1f} GiB" if memory.fits
+               else f"[bold red]OOM by {-memory.headroom_gib:.1f} GiB[/]")
+    table.add_row("[bold]total", f"[bold]{memory.total_gib:,.2f}", "", f"of {memory.capacity_gib:g} GiB: {verdict}")
+    return table
+
+
+def _time_table(time) -> Table:
+    table = Table(title="time per step (slowest stage)", title_justify="left")
+    table.add_column("component")
+    table.add_column("s / step", justify="right")
+    table.add_column("share", justify="right")
+    for key in TIME_COMPONENTS:
+        value = time.components[key]
+        table.add_row(key, f"{value:,.3f}", f"{value / time.step_s:.0%}")
+    table.add_row("[bold]step", f"[bold]{time.step_s:,.3f}", "")
+    return table
+
+
+def _print_profile(case, gpu, memory, time):
+    p, heavy = case.parallel, memory.heaviest
+    console.print(f"[bold]{case.model_name}[/] on {case.num_gpus} x {gpu.name}: {case.describe()}, "
+                  f"seq {case.seq_len}, micro-batch {case.micro_batch_size}, global batch {case.global_batch_size} "
+                  f"({case.num_microbatches} micro-batches per step), {case.dtype}", highlight=False)
+    console.print(_memory_table(memory, f"memory per rank, heaviest pipeline stage ({heavy.stage} of {p.pp})"))
+    console.print(f"activations: {heavy.activation_per_layer / GIB:.3f} GiB per layer per micro-batch x "
+                  f"{heavy.layers} layers x {heavy.inflight_microbatches:.3g} micro-batches in flight", highlight=False)
+    console.print(_time_table(time))
+    console.print(f"[bold]{time.s_per_sample:.3f} s/sample[/], {time.tokens_per_s_per_device:,.0f} tokens/s per "
+                  f"device, {time.tflops_per_device:.0f} TFLOP/s per device, MFU {time.mfu:.1%}", highlight=False)
+
+
+def _print_probe(result):
+    from qlm_core.profile.probe import CPU_STEP_OVERHEAD_NOTE, probe_rows
+
+    table = Table(title=f"probe on {result.device}: {result.case.model_name}, {result.case.describe()}, "
+                        f"seq {result.case.seq_len}, stage {result.stage}", title_justify="left")
+    for name in ("component", "predicted GiB", "measured GiB", "error"):
+        table.add_column(name, justify="left" if name == "component" else "right")
+    for key, predicted, measured, error in probe_rows(result):
+        table.add_row(key, f"{predicted:.6f}", "—" if measured is None else f"{measured:.6f}",
+                      "—" if error is None else f"{error:+.1%}")
+    console.print(table)
+    error = result.predicted_s_per_sample / result.measured_s_per_sample - 1
+    console.print(f"s/sample: predicted {result.predicted_s_per_sample:.4g}, measured "
+                  f"{result.measured_s_per_sample:.4g} ({error:+.0%})", highlight=False)
+    if result.device == "cpu":
+        console.print(f"[dim]{CPU_STEP_OVERHEAD_NOTE}; transients are predicted only on CPU.[/]")
+
+
+def _print_search(result, top: int):
+    from qlm_core.profile.search import why_faster
+
+    console.print(f"{result.evaluated} layouts costed ({result.invalid} more refused by the trainer's checks), "
+                  f"{len(result.fitting)} fit {result.gpu.memory_gib:g} GiB", highlight=False)
+    table = Table(title=f"best {min(top, len(result.fitting))} layouts", title_justify="left")
+    for name in ("#", "layout", "s/sample", "tok/s/dev", "MFU", "GiB", "headroom", "why it beats the next"):
+        table.add_column(name, justify="left" if name in ("layout", "why it beats the next") else "right")
+    for i, c in enumerate(result.fitting[:top]):
+        why = why_faster(c, result.fitting[i + 1]) if i + 1 < len(result.fitting) else ""
+        table.add_row(str(i + 1), c.case.describe(), f"{c.s_per_sample:.3f}",
+                      f"{c.time.tokens_per_s_per_device:,.0f}", f"{c.time.mfu:.1%}", f"{c.memory.total_gib:.1f}",
+                      f"{c.memory.headroom_gib:.1f}", why)
+    console.print(table)
+    rejected = Table(title="fastest layouts that do not fit", title_justify="left")
+    for name in ("layout", "s/sample", "needs GiB", "OOM by", "largest part"):
+        rejected.add_column(name, justify="left" if name in ("layout", "largest part") else "right")
+    for c in result.rejected[:5]:
+        parts = c.memory.heaviest.components
+        key = max((k for k in parts if k != "allocator"), key=parts.get)
+        rejected.add_row(c.case.describe(), f"{c.s_per_sample:.3f}", f"{c.memory.total_gib:.1f}",
+                         f"[red]{c.oom_by_gib:.1f} GiB[/]", f"{key} {parts[key] / GIB:.1f} GiB")
+    console.print(rejected)
+    for note in result.notes:
+        console.print(f"• {note}", highlight=False)
+
+
+def profile(
+    recipe: Annotated[Optional[Path], typer.Argument(help="A recipe (TOML) to read the model, layout and batch "
+                                                          "from; default: the seed's case.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="Preset name or HF model directory.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sample.")] = None,
+    mbs: Annotated[Optional[int], typer.Option("--mbs", help="Micro-batch size.")] = None,
+    gbs: Annotated[Optional[int], typer.Option("--gbs", help="Global batch size.")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", help="Tensor parallel size.")] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="Pipeline parallel size.")] = None,
+    vpp: Annotated[Optional[int], typer.Option("--vpp", help="Virtual pipeline chunks per stage.")] = None,
+    cp: Annotated[Optional[int], typer.Option("--cp", help="Context parallel size.")] = None,
+    cp_comm_type: Annotated[Optional[str], typer.Option("--cp-comm-type", help="p2p | allgather | a2a.")] = None,
+    dp: Annotated[Optional[int], typer.Option("--dp", help="Data parallel size (default: what --num-gpus "
+                                                           "leaves).")] = None,
+    sp: Annotated[Optional[bool], typer.Option("--sp/--no-sp", help="Sequence parallelism.")] = None,
+    zero: Annotated[Optional[int], typer.Option("--zero", help="ZeRO stage 0-3.")] = None,
+    recompute: Annotated[Optional[str], typer.Option("--recompute", help="none | selective | full.")] = None,
+    recompute_num_layers: Annotated[Optional[int], typer.Option(
+        "--recompute-num-layers", help="With full: recompute the first N layers of each chunk.")] = None,
+    pp_schedule: Annotated[Optional[str], typer.Option(
+        "--pp-schedule", help="1f1b | interleaved_1f1b | zero_bubble | gpipe.")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16 | fp32.")] = None,
+    lora_rank: Annotated[Optional[int], typer.Option("--lora-rank", help="LoRA rank (0: off).")] = None,
+    gpu: Annotated[str, typer.Option("--gpu", help=f"GPU preset: {', '.join(GPUS)}.")] = "a100-80g",
+    num_gpus: Annotated[Optional[int], typer.Option("--num-gpus", help="Devices in all (default: tp*pp*cp*dp "
+                                                                       "with --dp, else 32).")] = None,
+    gpu_memory_gb: Annotated[Optional[float], typer.Option("--gpu-memory-gb", help="Override the memory (GiB).")] = None,
+    peak_tflops: Annotated[Optional[float], typer.Option("--peak-tflops", help="Override the bf16 peak.")] = None,
+    nvlink_gbps: Annotated[Optional[float], typer.Option("--nvlink-gbps", help="Override NVLink GB/s.")] = None,
+    internode_gbps: Annotated[Optional[float], typer.Option("--internode-gbps", help="Override inter-node "
+                                                                                     "GB/s per GPU.")] = None,
+    gpus_per_node: Annotated[Optional[int], typer.Option("--gpus-per-node", help="Override GPUs per node.")] = None,
+    efficiency: Annotated[float, typer.Option("--efficiency", help="Fraction of peak the compute reaches.")] = 0.5,
+    comm_efficiency: Annotated[float, typer.Option("--comm-efficiency", help="Fraction of link bandwidth "
+                                                                             "collectives reach.")] = 0.8,
+    allocator_fraction: Annotated[float, typer.Option("--allocator-fraction", help="Allocator overhead allowance "
+                                                                                   "(fraction).")] = 0.08,
+    context_gb: Annotated[float, typer.Option("--context-gb", help="CUDA context + NCCL allowance (GiB).")] = 1.0,
+    search: Annotated[bool, typer.Option("--search", help="Rank every layout that fits --num-gpus x --gpu.")] = False,
+    top: Annotated[int, typer.Option("--top", min=1, help="Layouts to show with --search.")] = 5,
+    probe: Annotated[bool, typer.Option("--probe", help="Also run real steps (scaled down on CPU) and compare.")] = False,
+    steps: Annotated[int, typer.Option("--steps", min=2, help="Steps to run with --probe.")] = 3,
+    probe_max_ranks: Annotated[int, typer.Option("--probe-max-ranks", min=1, help="Most processes a CPU probe "
+                                                                                  "starts.")] = 16,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document (keys in the README).")] = False,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a stacked-bar PNG of the memory.")] = None,
+):
+    """Memory per rank (heaviest pipeline stage) and s/sample of a parallel layout, or --search for the best one.
+
+    Without a recipe it profiles the seed's case (recipes/qwen2-7b-128k.toml): qwen2-7b, seq 131072, micro-batch 1,
+    global batch 16, bf16, 32 x a100-80g as tp 4 x cp 4 x dp 2, SP on, p2p ring attention, ZeRO 1, full recompute;
+    every option replaces one of those values (`qlm profile --tp 4 --cp 4` is that case).
+    """
+    if not 0 < efficiency <= 1 or not 0 < comm_efficiency <= 1:
+        from qlm_core.errors import QlmError
+
+        raise QlmError("--efficiency and --comm-efficiency must be in (0, 1]", "e.g. --efficiency 0.45")
+    resolved_recipe = load_recipe(recipe) if recipe is not None else None
+    case = build_case(resolved_recipe, model=model, seq_len=seq_len, micro_batch_size=mbs, global_batch_size=gbs,
+                      num_gpus=num_gpus, dtype=dtype, lora_rank=lora_rank, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp,
+                      sp=sp, cp_comm_type=cp_comm_type, zero_stage=zero, recompute=recompute,
+                      recompute_num_layers=recompute_num_layers, pp_schedule=pp_schedule)
+    device = gpu_spec(gpu, memory_gib=gpu_memory_gb, peak_tflops=peak_tflops, nvlink_gbps=nvlink_gbps,
+                      internode_gbps=internode_gbps, gpus_per_node=gpus_per_node)
+    eff, allowance = Efficiency(efficiency, comm_efficiency), Allowance(allocator_fraction, context_gb)
+    from qlm_core.profile import report
+
+    if search:
+        from qlm_core.profile.search import search as run_search
+
+        result = run_search(case, case.num_gpus, device, eff, allowance)
+        if json_out:
+            print(json.dumps(report.search_dict(result, case, eff, allowance, top), indent=2))
+        else:
+            _print_search(result, top)
+        if plot is not None:
+            bars = [(f"#{i + 1} {c.case.describe()}", c.memory.heaviest.components)
+                    for i, c in enumerate(result.fitting[:top])]
+            bars += [(f"OOM {c.case.describe()}", c.memory.heaviest.components) for c in result.rejected[:2]]
+            _saved(report.plot_memory(bars, device.memory_gib, plot, f"{case.model_name}, seq {case.seq_len}, "
+                                      f"{case.num_gpus} x {device.name}"), json_out)
+        return
+    validate_case(case)
+    memory = estimate_memory(case, device.memory_gib, "cuda", allowance)
+    time = estimate_time(case, device, eff)
+    probed = None
+    if probe:
+        from qlm_core.profile.probe import probe as run_probe
+
+        probed = run_probe(case, device, steps=steps, efficiency=eff, allowance=allowance,
+                           max_ranks=probe_max_ranks)
+    if json_out:
+        document = report.profile_dict(case, device, eff, allowance, memory, time)
+        if probed is not None:
+            document["probe"] = report.probe_dict(probed)
+        print(json.dumps(document, indent=2))
+    else:
+        _print_profile(case, device, memory, time)
+        if probed is not None:
+            _print_probe(probed)
+    if plot is not None:
+        if probed is None:
+            bars = [(f"stage {s.stage}", s.components) for s in memory.stages]
+            title, capacity = f"{case.model_name}: {case.describe()}", device.memory_gib
+        else:  # the probe's (scaled-down) case: predicted beside measured, no device line
+            bars = [("predicted", probed.predicted), ("measured", probed.measured)]
+            title, capacity = f"probe on {probed.device}: {probed.case.describe()}, stage {probed.stage}", None
+        _saved(report.plot_memory(bars, capacity, plot, title), json_out)
+
+
+def _saved(path: Path, quiet: bool):
+    if not quiet:
+        console.print(f"plot: {path}", highlight=False)

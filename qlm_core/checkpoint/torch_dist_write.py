@@ -1,0 +1,173 @@
+"""Write a Megatron-Core `torch_dist` checkpoint from any TensorSource, in megatron-core 0.16's layout (which 0.19+
+reads too; 0.16 cannot read 0.19's): `common.pt` + `metadata.json` + DCP files, written from one process.
+
+Each global tensor is stored in the chunks Megatron itself writes at the given TP size: one per layer and TP shard
+(fc1 as separate gate and up chunks), so a reader at that TP reads exactly its bytes. A chunk is read from the
+source only when DCP's writer asks for it; DCP keeps the last written chunk of each key referenced until its file
+is closed, so memory stays near one chunk per key. Vocabulary padding rows are zeros.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import warnings
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from .layout import ModelLayout, TensorLayout, TensorSource
+from .mcore import CHECKPOINT_VERSION, iteration_dir_name, write_latest
+from .torch_dist import (
+    COMMON_FILE,
+    DIST_CONFIG,
+    DIST_CONFIG_FILE,
+    EXTRA_STATE_LINEARS,
+    dist_key,
+    extra_state_key,
+)
+
+Progress = Callable[[int, int, str], None]
+# What Megatron-LM records as `content_metadata` for a model saved without a distributed optimizer.
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def _read_padded(source: TensorSource, tensor: TensorLayout, start: int, stop: int, dtype: torch.dtype):
+    """Entries [start, stop) of `tensor` along its axis; zeros where they are vocabulary padding."""
+    shape = list(tensor.shape)
+    shape[tensor.axis] = stop - start
+    out = torch.empty(shape, dtype=dtype)
+    real = min(stop, tensor.real_extent)
+    if start < real:
+        source.read_into(tensor, start, real, out.narrow(tensor.axis, 0, real - start))
+    if stop > max(start, real):
+        out.narrow(tensor.axis, max(start, real) - start, stop - max(start, real)).zero_()
+    return out
+
+
+class _Chunk:
+    """One stored chunk: rows/columns [start, stop) of `tensor` (of `layer` along the stacked axis, if any)."""
+
+    def __init__(self, tensor: TensorLayout, layer: int | None, start: int, stop: int):
+        self.tensor, self.layer, self.start, self.stop = tensor, layer, start, stop
+
+    def write_item(self, key: str, global_shape: tuple[int, ...], dtype: torch.dtype) -> WriteItem:
+        offsets = [0] * len(self.tensor.shape)
+        sizes = list(self.tensor.shape)
+        offsets[self.tensor.axis], sizes[self.tensor.axis] = self.start, self.stop - self.start
+        if self.layer is not None:
+            offsets, sizes = [self.layer, *offsets], [1, *sizes]
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=dtype), size=torch.Size(global_shape))
+        return WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.SHARD, tensor_data=data)
+
+
+def plan_chunks(layout: ModelLayout) -> dict[str, tuple[tuple[int, ...], list[_Chunk]]]:
+    """torch_dist key -> (global shape, chunks), as Megatron writes them at layout.tp."""
+    keys: dict[str, tuple[tuple[int, ...], list[_Chunk]]] = {}
+    num_layers = layout.spec.num_layers
+    for tensor in layout.global_tensors:
+        key, layer = dist_key(tensor.name)
+        shape = tensor.shape if layer is None else (num_layers, *tensor.shape)
+        chunks = keys.setdefault(key, (shape, []))[1]
+        for rank in range(1 if tensor.split == "replicated" else layout.tp):
+            for start, stop in tensor.tp_ranges(layout.tp, rank):
+                chunks.append(_Chunk(tensor, layer, start, stop))
+    return keys
+
+
+def _extra_state_bytes() -> io.BytesIO:
+    """A local-spec linear's `_extra_state` as Megatron stores a ShardedObject: torch.save([data]), data None."""
+    buffer = io.BytesIO()
+    torch.save([None], buffer)
+    return buffer
+
+
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """A plan made from the layout (not from a state_dict); each chunk is read from the source when written."""
+
+    def __init__(self, layout: ModelLayout, source: TensorSource, dtype: torch.dtype, progress: Progress):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.layout, self.source, self.dtype, self.progress = layout, source, dtype, progress
+        self.chunks: dict[MetadataIndex, _Chunk] = {}
+        self.items: list[WriteItem] = []
+        for key, (shape, chunks) in plan_chunks(layout).items():
+            for chunk in chunks:
+                item = chunk.write_item(key, shape, dtype)
+                self.chunks[item.index] = chunk
+                self.items.append(item)
+        num_layers = layout.spec.num_layers
+        for layer in range(num_layers):
+            for linear in EXTRA_STATE_LINEARS:
+                self.items.append(WriteItem(index=MetadataIndex(extra_state_key(linear, layer, num_layers)),
+                                            type=WriteItemType.BYTE_IO))
+        self.written = 0
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+        super().set_up_planner({}, storage_meta, is_coordinator)
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self.items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return _extra_state_bytes()
+        chunk = self.chunks[write_item.index]
+        self.progress(self.written, len(self.chunks), write_item.index.fqn)
+        self.written += 1
+        data = _read_padded(self.source, chunk.tensor, chunk.start, chunk.stop, self.dtype)
+        return data.unsqueeze(0) if chunk.layer is not None else data
+
+
+@contextmanager
+def _without_crc32():
+    """torch.save without the zip CRC32 pass (torch.load does not need it), where torch has the switch."""
+    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
+    save_config = getattr(config, "save", None)
+    if save_config is None or not hasattr(save_config, "compute_crc32"):
+        yield
+        return
+    previous = save_config.compute_crc32
+    save_config.compute_crc32 = False
+    try:
+        yield
+    finally:
+        save_config.compute_crc32 = previous
+
+
+def write_mcore_torch_dist(root: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype,
+                           args: argparse.Namespace, iteration: int | None, progress: Progress,
+                           common_extra: dict | None = None):
+    """`root`/latest_checkpointed_iteration.txt + `root`/iter_%07d (or release)/ with the DCP files, common.pt
+    (args, checkpoint_version, iteration, content_metadata and `common_extra`) and metadata.json (written last,
+    as Megatron does: its presence marks a finished save)."""
+    iteration_dir = root / iteration_dir_name(iteration)
+    iteration_dir.mkdir(parents=True, exist_ok=True)
+    planner = _StreamingSavePlanner(layout, source, dtype, progress)
+    writer = FileSystemWriter(str(iteration_dir), single_file_per_rank=True, sync_files=False, thread_count=1)
+    with _without_crc32(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process is the intent
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0,
+                  "content_metadata": dict(CONTENT_METADATA), **(common_extra or {})}
+        torch.save(common, iteration_dir / COMMON_FILE)
+    progress(len(planner.chunks), len(planner.chunks), "done")
+    (iteration_dir / DIST_CONFIG_FILE).write_text(json.dumps(DIST_CONFIG))
+    write_latest(root, iteration)

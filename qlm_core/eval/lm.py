@@ -1,0 +1,174 @@
+"""The `qlm` backend of lm-evaluation-harness: a TemplateLM over qlm's own model, loaded from any checkpoint qlm
+reads (HF, Megatron at any TP/PP, a qlm run with LoRA adapters merged) with no export step.
+
+Request handling mirrors lm-eval's `hf` backend (same tokenisation, truncation, batching order, stop handling) so
+that both give the same numbers on the same weights: requests are sorted and restored with lm-eval's Collator,
+rolling windows come from lm-eval's utilities, and generation uses a KV cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lm_eval import utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+from ..checkpoint.layout import ModelLayout, build_shard
+from ..checkpoint.open import open_checkpoint
+from ..data.tokenizer import load_tokenizer
+from ..errors import QlmError
+from ..models.gpt import GPTModel
+from .generate import Sampling, generate
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[GPTModel, object, str]:
+    """qlm's single-process model and the checkpoint's tokenizer."""
+    opened = open_checkpoint(path)
+    if opened.tokenizer_dir is None:
+        raise QlmError(f"no tokenizer found with {path}", "keep the tokenizer files beside the checkpoint")
+    layout = ModelLayout(opened.spec, make_vocab_size_divisible_by=opened.make_vocab_size_divisible_by)
+    model = GPTModel(opened.spec, padded_vocab=layout.padded_vocab, dtype=dtype)
+    model.load_state_dict(build_shard(layout, 0, 0, 0, opened.weights, dtype), strict=True)
+    return model.to(device).eval(), load_tokenizer(opened.tokenizer_dir), opened.description
+
+
+@register_model("qlm")
+class QlmLM(TemplateLM):
+    def __init__(self, pretrained: str, batch_size: int | str = 8, max_length: int | None = None,
+                 dtype: str = "fp32", device: str | None = None, max_gen_toks: int = 256, add_bos_token=None,
+                 **kwargs):
+        super().__init__()
+        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model, self.tokenizer, self.description = load_model(pretrained, DTYPES[dtype], self._device)
+        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
+        self._max_length = max_length or self.model.spec.max_position_embeddings
+        self.max_gen_toks = max_gen_toks
+        self.add_bos_token = add_bos_token
+        self.requests_done = 0  # counted for bench/eval.py
+
+    # ---- tokenisation (as lm-eval's hf backend) ------------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None,
+                   **kwargs) -> list[int]:
+        special = {}  # as lm-eval's hf backend: the tokenizer's default unless told, no BOS twice
+        if add_special_tokens is not None:
+            special = {"add_special_tokens": add_special_tokens}
+        elif self.tokenizer.bos_token and string.startswith(self.tokenizer.bos_token):
+            special = {"add_special_tokens": False}
+        elif self.add_bos_token is not None:
+            special = {"add_special_tokens": self.add_bos_token}
+        encoding = self.tokenizer.encode(string, **special)
+        return encoding[-left_truncate_len:] if left_truncate_len else encoding
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
+
+    # ---- scoring ---------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _logits(self, rows: list[list[int]]) -> torch.Tensor:
+        """Right-padded batch -> log-probabilities [b, L, vocab] (padding comes after every real token)."""
+        width = max(len(r) for r in rows)
+        batch = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            batch[i, : len(r)] = torch.tensor(r)
+        return F.log_softmax(self.model(batch.to(self.device)).float(), dim=-1)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        ordered = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])))
+        results = []
+        for chunk in ordered.get_batched(n=self.batch_size):
+            inputs = [(ctx + cont)[-(self.max_length + 1):][:-1] for _, ctx, cont in chunk]
+            logprobs = self._logits(inputs)
+            for (cache_key, _, cont), row, scores in zip(chunk, inputs, logprobs):
+                scores = scores[len(row) - len(cont): len(row)]
+                target = torch.tensor(cont, device=scores.device)
+                greedy = bool((scores.argmax(dim=-1) == target).all())
+                answer = (float(scores.gather(-1, target[:, None]).sum()), greedy)
+                results.append(answer)
+                if cache_key is not None:
+                    self.cache_hook.add_partial("loglikelihood", cache_key, answer)
+        self.requests_done += len(requests)
+        return ordered.get_original(results)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for index, (string,) in enumerate(req.args for req in requests):
+            for window in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None,) + window)
+                owners.append(index)
+        scores = self._loglikelihood_tokens(windows)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, scores):
+            totals[owner] += logprob
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        return totals
+
+    # ---- generation ------------------------------------------------------------------------------------------------
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        ordered = Collator([r.args for r in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
+                           group_by="gen_kwargs", group_fn=lambda r: r[1])
+        eos = self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False)
+        results = []
+        for chunk in ordered.get_batched(n=self.batch_size):
+            contexts, all_kwargs = zip(*chunk)
+            kwargs = normalize_gen_kwargs(dict(all_kwargs[0]), self.max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_gen_toks = kwargs.pop("max_gen_toks")
+            sampling = Sampling(temperature=kwargs.get("temperature", 0.0) if kwargs.get("do_sample") else 0.0,
+                                top_p=kwargs.get("top_p", 1.0) or 1.0, top_k=kwargs.get("top_k", 0) or 0)
+            encoded = [self.tok_encode(c, left_truncate_len=self.max_length - max_gen_toks) for c in contexts]
+            width = max(len(e) for e in encoded)
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
+            ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+            mask = torch.zeros(len(encoded), width, dtype=torch.long)
+            for i, e in enumerate(encoded):
+                ids[i, width - len(e):], mask[i, width - len(e):] = torch.tensor(e), 1
+
+            def reached_stop(tokens: list[int]) -> bool:  # special tokens count here, as in lm-eval's hf backend
+                text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+                return any(term in text for term in until)
+
+            outputs = generate(self.model, ids.to(self.device), mask.to(self.device), max_new_tokens=max_gen_toks,
+                               eos_token_id=self.eot_token_id, sampling=sampling, stop=reached_stop)
+            for context, tokens, gen_kwargs in zip(contexts, outputs, all_kwargs):
+                text = postprocess_generated_text(generation=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                                                  stop=until, think_end_token=None)
+                results.append(text)
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+        self.requests_done += len(requests)
+        return ordered.get_original(results)

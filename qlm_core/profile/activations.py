@@ -1,0 +1,194 @@
+"""Activation bytes of qlm's decoder (models/gpt.py), derived from what each of its operations saves for backward.
+
+Korthikanti et al. (2022) count sbh(34 + 5as/h) for a GPT layer with LayerNorm, GELU, dropout and materialised
+attention scores. qlm's layer is different in every part, so the count below is re-derived for it: RMSNorm computed
+in fp32, grouped-query attention with RoPE, SwiGLU, a flash / SDPA kernel that keeps no s x s tensor, no dropout.
+Per layer and micro-batch, with T = mbs·seq/cp tokens on this rank, T_sp = T/tp under sequence parallelism (else T),
+e = bytes of the compute dtype, hq/hk/d/f = heads, query groups, head dim, FFN size, all per TP rank (/tp):
+
+  each RMSNorm (2)  its input cast to fp32 4h·T_sp (the input itself when e = 4), 1/rms 4·T_sp, the normalised
+                    value before the weight e·h·T_sp (only when the weight trains), and its output, which the next
+                    linear saves, e·h·T_sp (SP: ColumnParallelLinear keeps the sequence shard, parallel/tensor.py)
+  attention         q after RoPE e·hq·d·T, k after RoPE e·hk·d·T, and v, a view that keeps the whole linear_qkv output
+                    alive: e·(hq+2hk)·d·T (with fewer query groups than TP ranks the gathered output, (hq+2hk)·d
+                    unsplit); the kernel's output e·hq·d·T and log-sum-exp 4·hq·T (fp32)
+  linear_proj input the kernel's output seen as [s, b, hq·d]: the same storage on CPU (torch's CPU flash kernel lays
+                    its output out like q), a copy on CUDA when mbs > 1, and always a copy under CP (qlm's CP kernels
+                    return [b, h, s, d]): + e·hq·d·T
+  SwiGLU            linear_fc1 output e·2f·T (gate and up are views of it), silu(gate) e·f·T, their product (the
+                    linear_fc2 input) e·f·T
+  recompute         selective: the checkpoint keeps q, k, v (already counted) and the attention kernel's output and
+                    log-sum-exp are not saved; the projection still keeps its input. full: only the layer input,
+                    e·h·T_sp, per recomputed layer (`recompute_num_layers`: the first N layers of each chunk).
+  CP a2a (Ulysses)  the kernel saves the all-to-all outputs instead of the local q/k/v (same bytes per token; k/v
+                    heads are repeated up to cp when fewer), so neither the RoPE outputs nor linear_qkv's are kept.
+  LoRA              the frozen base keeps no norm value before the weight, a frozen linear keeps its input only when
+                    an adapter reads it (or under SP, where the gather function always keeps the shard), and each
+                    adapter adds its rank-r activation e·r·T (column-parallel, or row-parallel without SP) or
+                    e·r·T_sp. Adapter dropout is taken as 0.
+
+Per forward of a stage chunk (shared by its layers): RoPE cos and sin, 2·e·d·T; the embedding keeps the token ids
+(8·T) and, with TP, its out-of-range mask (T). The loss region on the last stage: the final norm as above, the
+output layer's input, and the vocab-parallel cross entropy's fp32 softmax 4·(V/tp)·T plus int64 targets and a mask;
+while the loss runs the compute-dtype logits (e·(V/tp)·T) exist beside it (a transient, bf16 only).
+Residual adds, RoPE's rotate-half and the TP/SP collectives save nothing. Packed sequences add a few int64 per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..models.spec import ModelSpec
+
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
+
+
+@dataclass(frozen=True)
+class ActivationInputs:
+    spec: ModelSpec
+    seq_len: int
+    micro_batch_size: int = 1
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    cp_comm_type: str = "p2p"
+    dtype_bytes: int = 2
+    padded_vocab: int = 0  # 0: the spec's vocabulary
+    device: str = "cuda"  # where the attention kernel runs: decides whether linear_proj's input is a copy
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = field(default=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+
+    @property
+    def tokens(self) -> int:
+        """T: tokens of one micro-batch on this rank (before the SP split)."""
+        return self.micro_batch_size * self.seq_len // self.cp
+
+    @property
+    def sp_tokens(self) -> float:
+        return self.tokens / self.tp if self.sp and self.tp > 1 else self.tokens
+
+    @property
+    def frozen(self) -> bool:
+        return self.lora_rank > 0
+
+    def adapted(self, linear: str) -> bool:
+        return self.lora_rank > 0 and linear in self.lora_targets
+
+    def keeps_input(self, linear: str) -> bool:
+        """Whether the linear's input is saved: it trains, an adapter reads it, or SP's gather function keeps it."""
+        column_sp = linear in COLUMN_PARALLEL and self.sp and self.tp > 1
+        return not self.frozen or self.adapted(linear) or column_sp
+
+
+def _heads(x: ActivationInputs) -> tuple[float, float, float]:
+    """(query heads, kv heads, linear_qkv output columns in units of d) on one TP rank."""
+    s = x.spec
+    hq = s.num_attention_heads / x.tp
+    if s.num_query_groups >= x.tp:
+        return hq, s.num_query_groups / x.tp, (s.num_attention_heads + 2 * s.num_query_groups) / x.tp
+    return hq, 1, s.num_attention_heads + 2 * s.num_query_groups  # gathered whole, one group kept
+
+
+def layer_terms(x: ActivationInputs, recompute: str = "none") -> dict[str, float]:
+    """Saved bytes of one transformer layer for one micro-batch, by what keeps them (see the module docstring)."""
+    e, T, Tsp, h, d = x.dtype_bytes, x.tokens, x.sp_tokens, x.spec.hidden_size, x.spec.kv_channels
+    if recompute == "full":
+        return {"layer input (checkpoint)": e * h * Tsp}
+    f = x.spec.ffn_hidden_size / x.tp
+    hq, hk, qkv_cols = _heads(x)
+    norm = 4 * h * Tsp + 4 * Tsp + (0 if x.frozen else e * h * Tsp)
+    terms = {
+        "rmsnorm x2": 2 * norm,
+        "linear_qkv input": e * h * Tsp if x.keeps_input("linear_qkv") else 0.0,
+        "linear_fc1 input": e * h * Tsp if x.keeps_input("linear_fc1") else 0.0,
+    }
+    proj = e * hq * d * T if x.keeps_input("linear_proj") else 0.0
+    if x.cp > 1 and x.cp_comm_type == "a2a":
+        kv_a2a = hk if hk % x.cp == 0 else x.cp
+        terms["q, k, v after all-to-all"] = e * (hq + 2 * kv_a2a) * d * T
+        if recompute == "selective":  # the checkpoint keeps the local q, k and v instead
+            terms["q, k, v after all-to-all"] = e * (hq + hk + qkv_cols) * d * T
+    else:
+        terms["q, k after RoPE"] = e * (hq + hk) * d * T
+        terms["linear_qkv output (v)"] = e * qkv_cols * d * T
+    proj_is_copy = x.cp > 1 or (x.device == "cuda" and x.micro_batch_size > 1)
+    if recompute == "selective":
+        terms["linear_proj input"] = e * hq * d * T  # the projection keeps its input; the kernel keeps nothing
+    else:
+        terms["attention output"] = e * hq * d * T
+        terms["log-sum-exp"] = 4 * hq * T
+        terms["linear_proj input"] = proj if proj_is_copy else 0.0
+    terms["swiglu (fc1 out, silu)"] = e * 3 * f * T
+    terms["linear_fc2 input"] = e * f * T if x.keeps_input("linear_fc2") else 0.0
+    if x.lora_rank:
+        for linear in x.lora_targets:
+            column = linear in COLUMN_PARALLEL
+            terms[f"lora {linear}"] = e * x.lora_rank * (T if column or not (x.sp and x.tp > 1) else Tsp)
+    return terms
+
+
+def layer_bytes(x: ActivationInputs, recompute: str = "none") -> float:
+    return sum(layer_terms(x, recompute).values())
+
+
+def forward_terms(x: ActivationInputs, embedding: bool) -> dict[str, float]:
+    """Saved once per forward of a stage chunk, not per layer."""
+    T = x.tokens
+    terms = {"rope cos/sin": 2 * x.dtype_bytes * x.spec.kv_channels * T}
+    if x.cp > 1:
+        terms["cp token index"] = 8 * x.seq_len / x.cp
+    if embedding and not x.frozen:
+        terms["embedding ids"] = 8 * T + (T if x.tp > 1 else 0)
+    return terms
+
+
+def vocab_per_rank(x: ActivationInputs) -> float:
+    return (x.padded_vocab or x.spec.vocab_size) / x.tp
+
+
+def head_terms(x: ActivationInputs) -> dict[str, float]:
+    """The last stage's final norm, output layer and loss, for one micro-batch."""
+    e, T, Tsp, h = x.dtype_bytes, x.tokens, x.sp_tokens, x.spec.hidden_size
+    column_sp = x.sp and x.tp > 1
+    return {
+        "final rmsnorm": 4 * h * Tsp + 4 * Tsp + (0 if x.frozen else e * h * Tsp),
+        "output layer input": e * h * Tsp if (not x.frozen or column_sp) else 0.0,
+        "softmax (fp32)": 4 * vocab_per_rank(x) * T,
+        "targets and masks": 8 * T + 2 * T,
+    }
+
+
+def logits_transient(x: ActivationInputs) -> float:
+    """The compute-dtype logits beside the fp32 softmax while the loss runs (and their gradient in backward)."""
+    return 0.0 if x.dtype_bytes == 4 else x.dtype_bytes * vocab_per_rank(x) * x.tokens
+
+
+def cp_buffers(x: ActivationInputs) -> float:
+    """K/V (and dK/dV) that the CP kernel holds while one layer's attention backward runs (a transient)."""
+    if x.cp == 1:
+        return 0.0
+    e, T, d = x.dtype_bytes, x.tokens, x.spec.kv_channels
+    hq, hk, _ = _heads(x)
+    kv = 2 * hk * d * T  # elements of one rank's K and V
+    dq = 4 * hq * d * T
+    if x.cp_comm_type == "p2p":  # the block at hand and the one arriving, their fp32 dK/dV and the one in flight
+        return 2 * e * kv + 2 * 4 * kv + dq
+    if x.cp_comm_type == "allgather":  # the gathered K/V and their fp32 gradient, whole
+        return x.cp * kv * (e + 4) + dq
+    return e * (hq + 2 * max(hk, x.cp)) * d * T  # a2a: the re-laid-out q, k, v
+
+
+def layer_workspace(x: ActivationInputs, recompute: str) -> float:
+    """Transient bytes while one layer's backward runs: the recomputed activations (full: the whole layer;
+    selective: the attention kernel's output and log-sum-exp), the CP buffers, SP's all-gathered linear input, and
+    the layer's largest gradients (the fc1 output's and two hidden-size ones)."""
+    e, T = x.dtype_bytes, x.tokens
+    f, h = x.spec.ffn_hidden_size / x.tp, x.spec.hidden_size
+    hq, _, _ = _heads(x)
+    recomputed = 0.0
+    if recompute == "full":
+        recomputed = layer_bytes(x, "none")
+    elif recompute == "selective":
+        recomputed = e * hq * x.spec.kv_channels * T + 4 * hq * T
+    gathered = e * h * T if x.sp and x.tp > 1 else 0.0  # SP: a linear's all-gathered input
+    return recomputed + cp_buffers(x) + gathered + e * 2 * f * T + 2 * e * h * x.sp_tokens

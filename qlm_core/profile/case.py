@@ -1,0 +1,178 @@
+"""One question for `qlm profile`: a model, a layout and a batch on N devices, checked as the trainer checks it.
+
+Defaults are the seed's case, recipes/qwen2-7b-128k.toml: Qwen2-7B SFT at 131072 tokens per sample, micro-batch 1,
+global batch 16, bf16 with fp32 master weights and gradients, 32 GPUs as tp 4 x cp 4 x dp 2, SP on, p2p ring
+attention, ZeRO 1 with overlapped reduce and gather, full recompute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.layout import LORA_TARGETS, ModelLayout
+from ..config import ParallelConfig, Recipe
+from ..errors import QlmError
+from ..models.spec import ModelSpec, load_model_spec
+from ..parallel.state import ParallelSizes, resolve_sizes
+from ..train.engine import validate_layout
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SEED_PARALLEL = dict(tp=4, cp=4, sp=True, zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True, recompute="full",
+                     cp_comm_type="p2p")
+SEED_MODEL, SEED_SEQ, SEED_GBS, SEED_GPUS = "qwen2-7b", 131072, 16, 32
+
+
+@dataclass
+class ProfileCase:
+    spec: ModelSpec
+    model_name: str
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(**SEED_PARALLEL))
+    seq_len: int = SEED_SEQ
+    micro_batch_size: int = 1
+    global_batch_size: int = SEED_GBS
+    num_gpus: int = SEED_GPUS
+    dtype: str = "bf16"
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = tuple(LORA_TARGETS)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def dtype_bytes(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def sizes(self) -> ParallelSizes:
+        p = self.parallel
+        return resolve_sizes(self.num_gpus, p.tp, p.pp, p.cp, p.dp)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.sizes.dp)
+
+    def layout(self) -> ModelLayout:
+        p = self.parallel
+        return ModelLayout(self.spec, p.tp, p.pp, p.vpp, p.num_layers_in_first_pipeline_stage,
+                           p.num_layers_in_last_pipeline_stage)
+
+    def replace(self, **changes) -> "ProfileCase":
+        return dataclasses.replace(self, **changes)
+
+    def with_parallel(self, **changes) -> "ProfileCase":
+        return self.replace(parallel=dataclasses.replace(self.parallel, **changes))
+
+    def describe(self) -> str:
+        p, s = self.parallel, self.sizes
+        parts = [f"tp{p.tp}", f"pp{p.pp}"] + ([f"vpp{p.vpp}"] if p.vpp > 1 else []) + [f"cp{p.cp}", f"dp{s.dp}"]
+        text = " ".join(parts)
+        if p.pp > 1:
+            text += {"1f1b": " 1f1b", "interleaved_1f1b": " interleaved", "zero_bubble": " zb"}.get(p.pp_schedule,
+                                                                                                   " gpipe")
+        if p.tp > 1:
+            text += " sp" if p.sp else " no-sp"
+        if p.cp > 1:
+            text += f" {p.cp_comm_type}"
+        recompute = p.recompute
+        per_chunk = self.spec.num_layers // (p.pp * p.vpp)
+        if p.recompute == "full" and p.recompute_num_layers is not None and p.recompute_num_layers < per_chunk:
+            recompute = f"full({p.recompute_num_layers})"
+        return f"{text} zero{p.zero_stage} {recompute}"
+
+
+def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
+    """Everything the trainer checks before it starts (a QlmError says what is wrong)."""
+    if case.dtype not in DTYPES:
+        raise QlmError(f"dtype {case.dtype!r} is not one of {', '.join(DTYPES)}", "use bf16 or fp32")
+    for name in ("seq_len", "micro_batch_size", "global_batch_size", "num_gpus"):
+        if getattr(case, name) < 1:
+            raise QlmError(f"{name.replace('_', '-')} must be at least 1, got {getattr(case, name)}",
+                           "pass a positive number")
+    p = case.parallel
+    if p.recompute_num_layers is not None and p.recompute_num_layers < 0:
+        raise QlmError(f"recompute-num-layers must be >= 0, got {p.recompute_num_layers}", "pass 0 or more")
+    if case.lora_rank < 0:
+        raise QlmError(f"lora rank must be >= 0, got {case.lora_rank}", "pass 0 (off) or a positive rank")
+    layout = case.layout()
+    model_ranks = p.tp * p.pp * p.cp
+    if p.dp is None and case.num_gpus % model_ranks:
+        raise QlmError(f"{case.num_gpus} GPUs are not divisible by tp*pp*cp = {model_ranks}",
+                       "pass --num-gpus as a multiple of tp*pp*cp or change the layout")
+    sizes = case.sizes
+    validate_layout(case.spec, p, sizes, case.seq_len, case.micro_batch_size, case.global_batch_size)
+    return sizes, layout
+
+
+def load_spec(model: str | Path) -> tuple[ModelSpec, str]:
+    """A preset name or an HF directory / config.json."""
+    spec = load_model_spec(model)
+    return spec, str(model)
+
+
+def case_from_recipe(recipe: Recipe, num_gpus: int | None = None) -> ProfileCase:
+    """The recipe's model (its load directory's config.json when present, else model.spec), layout and batch."""
+    source = recipe.model.load if recipe.model.load and Path(recipe.model.load).exists() else recipe.model.spec
+    spec, name = load_spec(source)
+    p = dataclasses.replace(recipe.parallel)
+    if num_gpus is None:
+        num_gpus = p.tp * p.pp * p.cp * p.dp if p.dp else SEED_GPUS
+    return ProfileCase(
+        spec=spec, model_name=name, parallel=p, seq_len=recipe.data.seq_length,
+        micro_batch_size=recipe.train.micro_batch_size, global_batch_size=recipe.train.global_batch_size,
+        num_gpus=num_gpus, dtype=recipe.model.dtype, lora_rank=recipe.lora.rank,
+        lora_targets=tuple(recipe.lora.target_modules),
+    )
+
+
+def case_to_dict(case: ProfileCase) -> dict:
+    """JSON-ready; case_from_dict(case_to_dict(c)) == c (the probe hands its case to worker ranks this way)."""
+    data = dataclasses.asdict(case)
+    data["lora_targets"] = list(case.lora_targets)
+    return data
+
+
+def case_from_dict(data: dict) -> ProfileCase:
+    from ..models.spec import RopeScaling
+
+    spec = dict(data["spec"])
+    if spec.get("rope_scaling") is not None:
+        spec["rope_scaling"] = RopeScaling(**spec["rope_scaling"])
+    fields = {k: v for k, v in data.items() if k not in ("spec", "parallel", "lora_targets")}
+    return ProfileCase(spec=ModelSpec(**spec), parallel=ParallelConfig(**data["parallel"]),
+                       lora_targets=tuple(data["lora_targets"]), **fields)
+
+
+def build_case(recipe: Recipe | None = None, *, model: str | None = None, seq_len: int | None = None,
+               micro_batch_size: int | None = None, global_batch_size: int | None = None,
+               num_gpus: int | None = None, dtype: str | None = None, lora_rank: int | None = None,
+               **parallel) -> ProfileCase:
+    """The seed's case, replaced by `recipe` when given, then by every option that is not None. `parallel` takes
+    ParallelConfig's keys. The device count is `num_gpus`, else tp·pp·cp·dp when dp is set, else 32."""
+    if recipe is not None:
+        case = case_from_recipe(recipe, num_gpus)
+    else:
+        spec, name = load_spec(SEED_MODEL)
+        case = ProfileCase(spec=spec, model_name=name)
+    if model is not None:
+        spec, name = load_spec(model)
+        case = case.replace(spec=spec, model_name=name)
+    unknown = set(parallel) - {f.name for f in dataclasses.fields(ParallelConfig)}
+    if unknown:
+        raise QlmError(f"unknown parallel options {sorted(unknown)}", "see qlm profile --help")
+    case = case.with_parallel(**{k: v for k, v in parallel.items() if v is not None})
+    if parallel.get("zero_stage") is not None:  # the parameter all-gather exists only under ZeRO 1/2
+        case = case.with_parallel(overlap_param_gather=case.parallel.zero_stage in (1, 2))
+    changes = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
+                   dtype=dtype, lora_rank=lora_rank)
+    case = case.replace(**{k: v for k, v in changes.items() if v is not None})
+    p = case.parallel
+    if num_gpus is not None:
+        case = case.replace(num_gpus=num_gpus)
+    elif parallel.get("dp") is not None or (recipe is not None and p.dp):
+        case = case.replace(num_gpus=p.tp * p.pp * p.cp * p.dp)
+    return case

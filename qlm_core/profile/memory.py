@@ -1,0 +1,210 @@
+"""Analytic memory per rank, for every pipeline stage; the answer is the heaviest stage (not an average).
+
+  weights, grads, optimizer  exact tensor bytes of the trainer's allocation (states.py)
+  activations   saved for backward by the layers this stage holds, times the chunk forwards in flight at the
+                schedule's peak (inflight_chunk_forwards, which mirrors torch.distributed.pipelining's warm-up counts:
+                1F1B keeps p - r micro-batches on stage r, interleaved 1F1B (v chunks) keeps (v-1)·p + 2(p-1-r) + 1
+                chunk forwards, i.e. 1 + (p-1)/(p·v) times 1F1B's on stage 0, zero-bubble (v-1)·p + (p-r) plus r
+                deferred weight passes, GPipe all m); per-layer bytes from activations.py
+  logits_loss   the last stage's final norm, output layer input and fp32 softmax (one micro-batch; GPipe: all m)
+  workspace     the largest transient at once: either the loss's compute-dtype logits beside its softmax, or one
+                layer's backward (what recompute re-materialises, the CP K/V buffers, the SP-gathered input and
+                the layer's largest gradients)
+  pp_buffers    torch.distributed.pipelining's PipelineStage: input and gradient receive buffers for every
+                micro-batch (allocated once), the outputs of the chunk forwards in flight, and on the last stage
+                the compute-dtype logits it keeps until backward (pipeline_buffer_bytes)
+  comm_buffers  ZeRO 2: fp32 storage of the buckets being filled and reduced (1 + 2 in flight with overlap);
+                ZeRO 3: FSDP's unsharded parameters (the root's embedding/output and two layers, prefetch) in the
+                compute dtype plus one layer's fp32 reduce-scatter input; ZeRO 0/1 reduce in place (0)
+  allocator     an allowance, not a measurement: `fraction` of the above for the caching allocator's rounding and
+                fragmentation (PyTorch's reserved/allocated ratio is typically 1.03-1.10 in steady training;
+                0.08 by default) plus `context_gib` for the CUDA context, cuBLAS workspaces and NCCL buffers
+                (about 0.5 GiB of context and 0.3-0.6 GiB of NCCL channels per GPU; 1.0 GiB by default). Neither
+                is in torch.cuda.max_memory_allocated().
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .activations import (
+    ActivationInputs,
+    forward_terms,
+    head_terms,
+    layer_bytes,
+    layer_terms,
+    layer_workspace,
+    logits_transient,
+)
+from .case import ProfileCase
+from .states import model_state_bytes, stage_params
+
+COMPONENTS = ("weights", "grads", "optimizer", "activations", "logits_loss", "workspace", "pp_buffers",
+              "comm_buffers", "allocator")
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Allowance:
+    fraction: float = 0.08
+    context_gib: float = 1.0
+
+
+@dataclass
+class StageMemory:
+    stage: int
+    components: dict[str, float]  # bytes, keys COMPONENTS
+    layers: int
+    chunk_forwards: int  # chunk forwards whose activations are held at the schedule's peak
+    activation_per_layer: float  # bytes, one micro-batch, this stage's recompute mode for its first layer
+    activation_terms: dict[str, float] = field(default_factory=dict)
+    vpp: int = 1
+
+    @property
+    def total(self) -> float:
+        return sum(self.components.values())
+
+    @property
+    def inflight_microbatches(self) -> float:
+        """Chunk forwards in stage-equivalents: p on stage 0 under 1F1B, p(1 + (p-1)/(p·v)) interleaved."""
+        return self.chunk_forwards / self.vpp
+
+
+@dataclass
+class MemoryEstimate:
+    stages: list[StageMemory]
+    capacity_gib: float
+
+    @property
+    def heaviest(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def total_gib(self) -> float:
+        return self.heaviest.total / GIB
+
+    @property
+    def headroom_gib(self) -> float:
+        return self.capacity_gib - self.total_gib
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_gib >= 0
+
+
+def inflight_chunk_forwards(schedule: str, pp: int, vpp: int, microbatches: int, rank: int) -> int:
+    """Chunk forwards whose activations stage `rank` holds at its peak (torch.distributed.pipelining's schedules)."""
+    if pp == 1:
+        return 1  # micro-batches run forward then backward one after another
+    if schedule == "1f1b":
+        return min(microbatches, pp - rank)
+    if schedule == "gpipe":
+        return microbatches
+    rounds = max(1, microbatches // pp)
+    per_round = microbatches // rounds
+    factor = 2 if schedule == "interleaved_1f1b" else 1
+    total = microbatches * vpp
+    warmup = min((vpp - 1) * per_round + factor * (pp - 1 - rank), total)
+    return min(warmup + 1, total) + deferred_weight_passes(schedule, pp, vpp, microbatches, rank)
+
+
+def deferred_weight_passes(schedule: str, pp: int, vpp: int, microbatches: int, rank: int) -> int:
+    """Zero-bubble: rank r runs r weight-gradient passes late; their graphs stay alive meanwhile."""
+    if pp == 1 or schedule != "zero_bubble":
+        return 0
+    rounds = max(1, microbatches // pp)
+    total = microbatches * vpp
+    warmup = min((vpp - 1) * (microbatches // rounds) + (pp - 1 - rank), total)
+    return min(rank, total - min(warmup + 1, total))
+
+
+def activation_inputs(case: ProfileCase, device: str = "cuda") -> ActivationInputs:
+    p = case.parallel
+    return ActivationInputs(
+        spec=case.spec, seq_len=case.seq_len, micro_batch_size=case.micro_batch_size, tp=p.tp, sp=p.sp, cp=p.cp,
+        cp_comm_type=p.cp_comm_type, dtype_bytes=case.dtype_bytes, padded_vocab=case.layout().padded_vocab,
+        device=device, lora_rank=case.lora_rank, lora_targets=tuple(case.lora_targets),
+    )
+
+
+def chunk_layer_modes(case: ProfileCase, layers: int) -> list[str]:
+    """The recompute mode of each layer of one chunk (full: the first recompute_num_layers, the rest none)."""
+    p = case.parallel
+    if p.recompute != "full":
+        return [p.recompute] * layers
+    full = layers if p.recompute_num_layers is None else min(layers, p.recompute_num_layers)
+    return ["full"] * full + ["none"] * (layers - full)
+
+
+def comm_buffer_bytes(case: ProfileCase, layout, stage: int, states) -> float:
+    p = case.parallel
+    if p.zero_stage == 2:  # GradientBuffers' max_reductions_in_flight = 2 with overlap
+        return 4.0 * states.bucket_numel * min(states.num_buckets, 1 + (2 if p.overlap_grad_reduce else 0))
+    if p.zero_stage != 3:
+        return 0.0
+    params = stage_params(layout, stage, case.lora_rank, case.lora_targets)
+    layers = layout.stage_layer_counts[stage]
+    layer_numel = sum(q.numel for q in params if q.shape and len(q.shape) == 2) / max(1, layers)
+    root = sum(q.numel for q in params if q.shape and q.shape[0] == layout.padded_vocab // layout.tp)
+    return case.dtype_bytes * (root + 2 * layer_numel) + 4 * layer_numel
+
+
+def pipeline_buffer_bytes(case: ProfileCase, x: ActivationInputs, stage: int, chunks: int, held_input: bool) -> float:
+    """What torch.distributed.pipelining's PipelineStage keeps besides autograd: a receive buffer for the input
+    (hidden states + int64 positions) of EVERY micro-batch of every chunk that receives, and a gradient receive
+    buffer for every micro-batch of every chunk that sends, both allocated once for the whole run; the outputs of
+    the chunk forwards in flight (fwd_cache), which on the last chunk are the compute-dtype logits. Receive buffers
+    of micro-batches in flight are not counted twice when a saved tensor is the buffer itself (fp32 norm input,
+    full-recompute checkpoint input)."""
+    p = case.parallel
+    if p.pp == 1:
+        return 0.0
+    m, v = case.num_microbatches, p.vpp
+    hidden = x.dtype_bytes * case.spec.hidden_size * x.sp_tokens
+    receiving = v - 1 if stage == 0 else v  # chunk 0 of stage 0 reads the tokens
+    sending = v - 1 if stage == p.pp - 1 else v  # the model's last chunk computes the loss
+    total = m * receiving * (hidden + 8 * x.tokens) + m * sending * hidden
+    if held_input:
+        total -= chunks * hidden * receiving / v
+    total += chunks * hidden * sending / v  # outputs in fwd_cache
+    if stage == p.pp - 1:
+        logits_count = m if p.pp_schedule == "gpipe" else 1
+        total += logits_transient(x) * logits_count
+    return total
+
+
+def stage_memory(case: ProfileCase, stage: int, device: str = "cuda", allowance: Allowance = Allowance()) -> StageMemory:
+    p, layout = case.parallel, case.layout()
+    x = activation_inputs(case, device)
+    shards = case.sizes.dp * p.cp
+    states = model_state_bytes(layout, stage, dtype=case.torch_dtype, zero_stage=p.zero_stage, shards=shards,
+                               bucket_size_mb=p.bucket_size_mb, lora_rank=case.lora_rank,
+                               lora_targets=case.lora_targets)
+    layers = layout.stage_layer_counts[stage]
+    chunk_layers = layers // p.vpp
+    modes = chunk_layer_modes(case, chunk_layers)
+    m = case.num_microbatches
+    chunks = inflight_chunk_forwards(p.pp_schedule, p.pp, p.vpp, m, stage)
+    first, last = stage == 0, stage == p.pp - 1
+    chunk_bytes = sum(modes.count(mode) * layer_bytes(x, mode) for mode in set(modes))
+    chunk_bytes += sum(forward_terms(x, embedding=first).values())
+    logits_count = m if (p.pp > 1 and p.pp_schedule == "gpipe") else 1
+    head = 0.0
+    if last:  # a deferred weight pass keeps what the output layer's weight gradient reads, not the loss
+        terms = head_terms(x)
+        kept = terms["final rmsnorm"] + terms["output layer input"]
+        head = sum(terms.values()) * logits_count + kept * deferred_weight_passes(p.pp_schedule, p.pp, p.vpp, m, stage)
+    workspace = max(logits_transient(x) if last else 0.0, max(layer_workspace(x, mode) for mode in set(modes)))
+    pp_buffers = pipeline_buffer_bytes(case, x, stage, chunks, held_input=case.dtype_bytes == 4 or modes[0] == "full")
+    components = {
+        "weights": float(states.weights), "grads": float(states.grads), "optimizer": float(states.optimizer),
+        "activations": chunk_bytes * chunks, "logits_loss": head, "workspace": workspace, "pp_buffers": pp_buffers,
+        "comm_buffers": comm_buffer_bytes(case, layout, stage, states),
+    }
+    components["allocator"] = allowance.fraction * sum(components.values()) + allowance.context_gib * GIB
+    return StageMemory(stage, components, layers, chunks, layer_bytes(x, modes[0]), layer_terms(x, modes[0]), p.vpp)
+
+
+def estimate_memory(case: ProfileCase, capacity_gib: float, device: str = "cuda",
+                    allowance: Allowance = Allowance()) -> MemoryEstimate:
+    return MemoryEstimate([stage_memory(case, s, device, allowance) for s in range(case.parallel.pp)], capacity_gib)

@@ -1,0 +1,184 @@
+"""`qlm profile --probe`: run a few real training steps of the layout through the trainer's Engine and set what was
+measured beside what memory.py / timing.py predict for the very same case.
+
+On a CPU-only machine the model is scaled down to a tiny one of the same structure (the same heads and query groups,
+head dim 8, the same FFN/hidden and vocabulary/hidden ratios, 2 layers per pipeline chunk), the sequence to a few
+hundred tokens divisible as the layout needs, and data parallelism to at most 2; the ranks are gloo processes.
+On GPUs the model is the real one and data parallelism shrinks only to fit the local devices. Measured:
+  weights / grads / optimizer  the bytes of the tensors the Engine allocated (after one step)
+  activations / logits_loss    peak live bytes saved for backward during a step (saved-tensor hooks, each storage
+                               once), split at the peak into the layers (+ embedding) and the loss region
+  total                        CUDA: torch.cuda.max_memory_allocated(); CPU: the sum of the measured components
+  comm_buffers                 ZeRO 2: the peak bucket storage GradientBuffers borrowed during backward
+Other transients (workspace, pipeline buffers, ZeRO 3's gathered parameters) and the allocator allowance are only
+predicted on CPU: hooks do not see them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..errors import QlmError
+from .case import ProfileCase, case_to_dict, validate_case
+from .hardware import GpuSpec
+from .memory import GIB, Allowance, estimate_memory
+from .timing import Efficiency, estimate_time
+
+MEASURED = ("weights", "grads", "optimizer", "activations", "logits_loss")
+CPU_STEP_OVERHEAD_NOTE = "CPU step times of a tiny model are dominated by per-operation overhead, not FLOPs"
+
+
+@dataclass
+class ProbeResult:
+    case: ProfileCase  # the case that ran (scaled down on CPU)
+    device: str
+    stage: int
+    predicted: dict[str, float]  # bytes, memory.COMPONENTS of that stage
+    measured: dict[str, float]  # bytes, MEASURED (+ "total" on CUDA)
+    predicted_s_per_sample: float
+    measured_s_per_sample: float
+
+    def error(self, key: str) -> float | None:
+        if key not in self.measured or not self.measured[key]:
+            return None
+        return self.predicted_of(key) / self.measured[key] - 1
+
+    def predicted_of(self, key: str) -> float:
+        if key == "total":
+            return self.predicted_total_comparable
+        return self.predicted[key]
+
+    @property
+    def predicted_total_comparable(self) -> float:
+        """What the measured total covers: every allocated component on CUDA, the measured ones on CPU."""
+        if self.device == "cuda":
+            return sum(v for k, v in self.predicted.items() if k != "allocator")
+        return sum(self.predicted[k] for k in MEASURED)
+
+    @property
+    def measured_total(self) -> float:
+        return self.measured.get("total") or sum(self.measured[k] for k in MEASURED)
+
+
+def _round_up(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
+
+
+def scale_down(case: ProfileCase, max_ranks: int = 16, target_seq: int = 128) -> ProfileCase:
+    """A CPU-sized case with the layout and the model's structure kept (see the module docstring)."""
+    p, s = case.parallel, case.spec
+    d = 8
+    hidden = s.num_attention_heads * d
+    ffn = max(2 * p.tp, _round_up(round(s.ffn_hidden_size / s.hidden_size * hidden), 2 * p.tp))
+    vocab = max(256, round(s.vocab_size / s.hidden_size * hidden))
+    layers = p.pp * p.vpp * 2
+    unit = math.lcm(2 * p.cp if p.cp > 1 else 1, p.cp * p.tp if p.sp and p.tp > 1 else 1)
+    seq = _round_up(target_seq, unit)
+    model_ranks = p.tp * p.pp * p.cp
+    dp = min(case.sizes.dp, 2)
+    if model_ranks * dp > max_ranks:
+        dp = 1
+    if model_ranks > max_ranks:
+        raise QlmError(f"the layout needs {model_ranks} ranks even with dp = 1; a CPU probe runs at most {max_ranks}",
+                       "raise --probe-max-ranks or probe a smaller tp/pp/cp")
+    m = case.num_microbatches
+    m = min(m, 2) if p.pp == 1 else (p.pp * (2 if p.vpp > 1 else 1) if m >= p.pp else m)
+    spec = s.replace(hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers, kv_channels=d, vocab_size=vocab,
+                     max_position_embeddings=max(seq, 256), sliding_window=None)
+    parallel = replace(p, dp=None, num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
+                       recompute_num_layers=None if p.recompute_num_layers is None else min(p.recompute_num_layers, 2))
+    scaled = case.replace(spec=spec, model_name=f"{case.model_name} (scaled down)", parallel=parallel, seq_len=seq,
+                          global_batch_size=case.micro_batch_size * dp * m, num_gpus=model_ranks * dp)
+    validate_case(scaled)
+    return scaled
+
+
+def fit_to_gpus(case: ProfileCase, devices: int) -> ProfileCase:
+    """The real model on the local GPUs: data parallelism shrinks to what fits (the global batch with it)."""
+    p = case.parallel
+    model_ranks = p.tp * p.pp * p.cp
+    if model_ranks > devices:
+        raise QlmError(f"the layout needs {model_ranks} GPUs even with dp = 1; this machine has {devices}",
+                       "probe a smaller tp/pp/cp or run on more GPUs")
+    dp = min(case.sizes.dp, devices // model_ranks)
+    if dp == case.sizes.dp:
+        return case
+    m = case.num_microbatches
+    return case.replace(parallel=replace(p, dp=None), num_gpus=model_ranks * dp,
+                        global_batch_size=case.micro_batch_size * dp * m)
+
+
+def run_probe_ranks(case: ProfileCase, steps: int, timeout_s: float = 900) -> list[dict]:
+    """Every rank's measurements: in this process for one rank, else one torchrun launch."""
+    from .probe_worker import run_rank
+
+    if case.num_gpus == 1:
+        from ..parallel.state import Grid
+
+        return [run_rank(case, steps, Grid.single())]
+    with tempfile.TemporaryDirectory(prefix="qlm-probe-") as tmp:
+        out = Path(tmp)
+        (out / "case.json").write_text(json.dumps(case_to_dict(case)))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.num_gpus}",
+               "-m", "qlm_core.profile.probe_worker", str(out / "case.json"), str(out), str(steps)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            raise QlmError(f"the probe did not finish in {timeout_s:.0f} s", "probe a smaller layout") from None
+        errors = sorted(out.glob("rank*.error"))
+        if proc.returncode or errors:
+            detail = errors[0].read_text().strip().splitlines()[-1] if errors else proc.stderr.strip()[-500:]
+            raise QlmError(f"the probe's ranks failed: {detail}", "see the message; the layout itself is valid")
+        return [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+
+
+def probe(case: ProfileCase, gpu: GpuSpec, *, steps: int = 3, efficiency: Efficiency = Efficiency(),
+          allowance: Allowance = Allowance(), max_ranks: int = 16) -> ProbeResult:
+    cuda = torch.cuda.is_available()
+    ran = fit_to_gpus(case, torch.cuda.device_count()) if cuda else scale_down(case, max_ranks)
+    device = "cuda" if cuda else "cpu"
+    if not cuda:  # a CPU "device": all of its RAM, its fp32 matmul peak, loopback links
+        from ..train.flops import measure_cpu_peak_tflops
+
+        peak = measure_cpu_peak_tflops()
+        gpu = replace(gpu, name="cpu", peak_tflops=peak, hbm_gbps=10.0, nvlink_gbps=2.0, internode_gbps=2.0)
+        allowance = Allowance(0.0, 0.0)
+        efficiency = Efficiency(compute=1.0, comm=1.0)
+    ranks = run_probe_ranks(ran, steps)
+    memory = estimate_memory(ran, gpu.memory_gib, device, allowance)
+    stage = memory.heaviest.stage
+    mine = [r for r in ranks if r["stage"] == stage]
+    worst = max(mine, key=lambda r: sum(r["states"].values()) + r["activations"] + r["logits_loss"])
+    measured = {**{k: float(v) for k, v in worst["states"].items()}, "activations": float(worst["activations"]),
+                "logits_loss": float(worst["logits_loss"])}
+    if "comm_buffers" in worst:
+        measured["comm_buffers"] = float(worst["comm_buffers"])
+    if worst.get("max_allocated"):
+        measured["total"] = float(max(r["max_allocated"] for r in mine))
+    step_s = max(sum(r["step_times"]) / len(r["step_times"]) for r in ranks)
+    predicted = estimate_time(ran, gpu, efficiency)
+    return ProbeResult(ran, device, stage, dict(memory.stages[stage].components), measured,
+                       predicted.s_per_sample, step_s / ran.global_batch_size)
+
+
+def probe_rows(result: ProbeResult) -> list[tuple[str, float, float | None, float | None]]:
+    """(component, predicted GiB, measured GiB or None, relative error or None), then the total."""
+    rows = []
+    for key, value in result.predicted.items():
+        measured = result.measured.get(key)
+        rows.append((key, value / GIB, None if measured is None else measured / GIB, result.error(key)))
+    total_measured = result.measured_total
+    error = result.predicted_total_comparable / total_measured - 1 if total_measured else None
+    rows.append(("total (measured part)" if result.device == "cpu" else "total (max allocated)",
+                 result.predicted_total_comparable / GIB, total_measured / GIB, error))
+    return rows

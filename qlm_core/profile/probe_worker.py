@@ -1,0 +1,90 @@
+"""One rank of `qlm profile --probe`: build the trainer's Engine for the case, run steps, write what it measured.
+
+    python -m torch.distributed.run --standalone --nproc-per-node W -m qlm_core.profile.probe_worker CASE.json OUTDIR STEPS
+
+Also called in-process for a one-rank case (run_rank). Each rank writes OUTDIR/rank{R}.json:
+  stage, dp_rank, tp_rank, cp_rank; states (bytes of weights, grads, optimizer actually allocated after a step);
+  activations / logits_loss (peak live bytes saved for backward during the first step, saved-tensor hooks);
+  max_allocated (CUDA only, the first step); comm_buffers (ZeRO 2: peak fp32 bucket storage borrowed in backward);
+  step_times (seconds of the timed steps after the first).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from ..config import LoraConfig, OptimConfig
+from ..parallel.state import Grid, default_device, destroy_distributed, init_distributed
+from ..train.engine import Batch, Engine
+from .case import ProfileCase, case_from_dict
+from .measure import SavedTensorMeter, measure_model_states
+
+
+def _batch(case: ProfileCase, grid: Grid) -> Batch:
+    rows = case.micro_batch_size * case.num_microbatches
+    generator = torch.Generator().manual_seed(1000 + grid.dp_rank)
+    tokens = torch.randint(0, case.spec.vocab_size, (rows, case.seq_len + 1), generator=generator)
+    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_rank(case: ProfileCase, steps: int, grid: Grid) -> dict:
+    lora = LoraConfig(rank=case.lora_rank, target_modules=list(case.lora_targets)) if case.lora_rank else None
+    engine = Engine(case.spec, case.parallel, grid, micro_batch_size=case.micro_batch_size,
+                    global_batch_size=case.global_batch_size, seq_length=case.seq_len, dtype=case.torch_dtype,
+                    optim=OptimConfig(lr=1e-4), seed=1234, lora=lora)
+    batch = _batch(case, grid)
+    cuda = grid.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(grid.device)
+    with SavedTensorMeter(engine.chunks) as meter:
+        engine.train_step(batch)
+    _sync(grid.device)
+    result = {"stage": grid.pp_rank, "dp_rank": grid.dp_rank, "cp_rank": grid.cp_rank, "tp_rank": grid.tp_rank,
+              "states": measure_model_states(engine)}
+    regions = meter.peak_by_region
+    result["logits_loss"] = regions.get("head", 0)
+    result["activations"] = sum(v for k, v in regions.items() if k != "head")
+    result["max_allocated"] = torch.cuda.max_memory_allocated(grid.device) if cuda else None
+    if case.parallel.zero_stage == 2:  # the bucket storage ZeRO 2 borrows during backward (GradientBuffers records it)
+        result["comm_buffers"] = 4 * engine.grads.peak_transient_grad_numel
+    times = []
+    for _ in range(max(1, steps - 1)):
+        _sync(grid.device)
+        start = time.perf_counter()
+        engine.train_step(batch)
+        _sync(grid.device)
+        times.append(time.perf_counter() - start)
+    result["step_times"] = times
+    return result
+
+
+def main(argv: list[str]):
+    case_file, outdir, steps = Path(argv[0]), Path(argv[1]), int(argv[2])
+    case = case_from_dict(json.loads(case_file.read_text()))
+    rank, _ = init_distributed(timeout_s=300)
+    try:
+        if default_device().type == "cpu":
+            torch.set_num_threads(1)
+        grid = Grid.build(case.sizes)
+        result = run_rank(case, steps, grid)
+        (outdir / f"rank{rank}.json").write_text(json.dumps(result))
+    except Exception:
+        (outdir / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

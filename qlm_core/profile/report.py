@@ -1,0 +1,153 @@
+"""The `--json` documents of `qlm profile` (stable keys, documented in the README) and the `--plot` PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .case import ProfileCase
+from .hardware import GpuSpec
+from .memory import COMPONENTS, GIB, Allowance, MemoryEstimate
+from .probe import MEASURED, ProbeResult
+from .search import SearchResult, why_faster
+from .timing import TIME_COMPONENTS, Efficiency, TimeEstimate
+
+SCHEMA = "qlm-profile/1"
+
+
+def _r(value: float, digits: int = 4) -> float:
+    return round(float(value), digits)
+
+
+def model_dict(case: ProfileCase) -> dict:
+    s = case.spec
+    return {"name": case.model_name, "parameters": s.num_parameters(), "hidden_size": s.hidden_size,
+            "ffn_hidden_size": s.ffn_hidden_size, "num_layers": s.num_layers,
+            "num_attention_heads": s.num_attention_heads, "num_query_groups": s.num_query_groups,
+            "vocab_size": s.vocab_size}
+
+
+def layout_dict(case: ProfileCase) -> dict:
+    p = case.parallel
+    return {
+        "describe": case.describe(), "num_gpus": case.num_gpus, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp,
+        "dp": case.sizes.dp, "sp": p.sp, "cp_comm_type": p.cp_comm_type, "pp_schedule": p.pp_schedule,
+        "zero_stage": p.zero_stage, "recompute": p.recompute, "recompute_num_layers": p.recompute_num_layers,
+        "overlap_grad_reduce": p.overlap_grad_reduce, "overlap_param_gather": p.overlap_param_gather,
+        "bucket_size_mb": p.bucket_size_mb, "seq_len": case.seq_len, "micro_batch_size": case.micro_batch_size,
+        "global_batch_size": case.global_batch_size, "num_microbatches": case.num_microbatches,
+        "dtype": case.dtype, "lora_rank": case.lora_rank,
+    }
+
+
+def gpu_dict(gpu: GpuSpec, eff: Efficiency) -> dict:
+    return {"name": gpu.name, "memory_gib": gpu.memory_gib, "peak_tflops": gpu.peak_tflops,
+            "hbm_gbps": gpu.hbm_gbps, "nvlink_gbps": gpu.nvlink_gbps, "internode_gbps": gpu.internode_gbps,
+            "gpus_per_node": gpu.gpus_per_node, "efficiency": eff.compute, "comm_efficiency": eff.comm,
+            "overlap_penalty": eff.overlap_penalty}
+
+
+def memory_dict(memory: MemoryEstimate, allowance: Allowance) -> dict:
+    heavy = memory.heaviest
+    return {
+        "stage": heavy.stage,
+        "components_gib": {k: _r(heavy.components[k] / GIB) for k in COMPONENTS},
+        "total_gib": _r(memory.total_gib), "capacity_gib": memory.capacity_gib,
+        "headroom_gib": _r(memory.headroom_gib), "fits": memory.fits,
+        "activation_per_layer_gib": _r(heavy.activation_per_layer / GIB, 6),
+        "inflight_microbatches": _r(heavy.inflight_microbatches, 3), "layers": heavy.layers,
+        "stages_total_gib": [_r(s.total / GIB) for s in memory.stages],
+        "allocator": {"fraction": allowance.fraction, "context_gib": allowance.context_gib},
+    }
+
+
+def time_dict(time: TimeEstimate) -> dict:
+    return {
+        "step_s": _r(time.step_s), "s_per_sample": _r(time.s_per_sample),
+        "tokens_per_s_per_device": _r(time.tokens_per_s_per_device, 2),
+        "tflops_per_device": _r(time.tflops_per_device, 2), "mfu": _r(time.mfu),
+        "components_s": {k: _r(time.components[k]) for k in TIME_COMPONENTS},
+    }
+
+
+def profile_dict(case: ProfileCase, gpu: GpuSpec, eff: Efficiency, allowance: Allowance, memory: MemoryEstimate,
+                 time: TimeEstimate) -> dict:
+    return {"schema": SCHEMA, "kind": "profile", "model": model_dict(case), "layout": layout_dict(case),
+            "gpu": gpu_dict(gpu, eff), "memory": memory_dict(memory, allowance), "time": time_dict(time)}
+
+
+def search_dict(result: SearchResult, base: ProfileCase, eff: Efficiency, allowance: Allowance, top: int,
+                rejected: int = 5) -> dict:
+    ranked = result.fitting[:top]
+    entries = []
+    for i, c in enumerate(ranked):
+        entry = {"rank": i + 1, "layout": layout_dict(c.case), "memory": memory_dict(c.memory, allowance),
+                 "time": time_dict(c.time), "why": None}
+        if i + 1 < len(result.fitting):
+            entry["why"] = why_faster(c, result.fitting[i + 1])
+        entries.append(entry)
+    return {
+        "schema": SCHEMA, "kind": "search", "model": model_dict(base), "gpu": gpu_dict(result.gpu, eff),
+        "num_gpus": base.num_gpus, "seq_len": base.seq_len, "evaluated": result.evaluated, "invalid": result.invalid,
+        "fitting": len(result.fitting), "results": entries,
+        "rejected": [{"layout": layout_dict(c.case), "total_gib": _r(c.memory.total_gib),
+                      "oom_by_gib": _r(c.oom_by_gib), "s_per_sample": _r(c.s_per_sample),
+                      "components_gib": {k: _r(c.memory.heaviest.components[k] / GIB) for k in COMPONENTS}}
+                     for c in result.rejected[:rejected]],
+        "notes": result.notes,
+    }
+
+
+def probe_dict(result: ProbeResult) -> dict:
+    components = {}
+    for key in COMPONENTS:
+        measured = result.measured.get(key)
+        error = result.error(key)
+        components[key] = {"predicted_gib": _r(result.predicted[key] / GIB, 6),
+                           "measured_gib": None if measured is None else _r(measured / GIB, 6),
+                           "error": None if error is None else _r(error)}
+    total_pred, total_meas = result.predicted_total_comparable, result.measured_total
+    return {
+        "schema": SCHEMA, "kind": "probe", "device": result.device, "stage": result.stage,
+        "model": model_dict(result.case), "layout": layout_dict(result.case), "measured_components": list(MEASURED),
+        "components": components,
+        "total": {"predicted_gib": _r(total_pred / GIB, 6), "measured_gib": _r(total_meas / GIB, 6),
+                  "error": _r(total_pred / total_meas - 1) if total_meas else None},
+        "s_per_sample": {"predicted": _r(result.predicted_s_per_sample, 6),
+                         "measured": _r(result.measured_s_per_sample, 6),
+                         "error": _r(result.predicted_s_per_sample / result.measured_s_per_sample - 1)},
+    }
+
+
+def plot_memory(bars: list[tuple[str, dict[str, float]]], capacity_gib: float | None, path: Path,
+                title: str) -> Path:
+    """Stacked bars of memory components (bytes) per label, with the device capacity as a line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from ..errors import QlmError
+
+        raise QlmError("--plot needs matplotlib", "pip install matplotlib") from None
+    figure, axis = plt.subplots(figsize=(max(6.0, 1.3 * len(bars) + 3), 4.8))
+    bottoms = [0.0] * len(bars)
+    colors = plt.get_cmap("tab10")
+    for i, key in enumerate(COMPONENTS):
+        heights = [parts.get(key, 0.0) / GIB for _, parts in bars]
+        if any(heights):
+            axis.bar(range(len(bars)), heights, bottom=bottoms, label=key, color=colors(i % 10))
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+    if capacity_gib:
+        axis.axhline(capacity_gib, color="black", linestyle="--", linewidth=1, label=f"device {capacity_gib:g} GiB")
+    axis.set_xticks(range(len(bars)))
+    axis.set_xticklabels([label for label, _ in bars], rotation=20, ha="right", fontsize=8)
+    axis.set_ylabel("GiB per rank")
+    axis.set_title(title, fontsize=10)
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

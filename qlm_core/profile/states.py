@@ -1,0 +1,165 @@
+"""Model-state bytes of one rank, exactly as the trainer allocates them (not estimated).
+
+This mirrors what train/engine.py builds for a pipeline stage, tensor by tensor:
+  ZeRO 0-2  parallel/data.py GradientBuffers + parallel/optimizer.py DistributedOptimizer. The bucket plan (and so
+            every bucket's padding to a multiple of dp·64 elements) comes from plan_buckets itself, run on meta
+            tensors shaped like the stage's trainable parameters.
+            weights    ZeRO 0: each parameter in the compute dtype. ZeRO 1/2: the trainable parameters live in one
+                       padded param buffer per dtype; frozen (LoRA base) parameters keep their own storage.
+            grads      ZeRO 0/1: one fp32 buffer of every (padded) bucket. ZeRO 2: this rank's fp32 shard of each
+                       bucket, plus the shared-embedding bucket whole (it is reduced only at the end of the step).
+                       The bucket storage ZeRO 2 borrows during backward is a transient (memory.py: comm_buffers).
+            optimizer  fp32 master copies (none for fp32 parameters under ZeRO 0: the parameter is the master) and
+                       AdamW's exp_avg and exp_avg_sq of the elements this data rank owns.
+  ZeRO 3    parallel/fsdp.py (FSDP2): every parameter in fp32, dim 0 chunked over dp·cp with each rank's chunk
+            padded to ceil(dim0 / n) rows; fp32 gradients of the trainable ones, padded alike (views into the
+            reduce-scatter output); AdamW moments of the unpadded local rows. The fp32 parameters are the masters.
+AdamW's per-parameter `step` scalars (4 bytes each) are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint.layout import LORA_TARGETS, ModelLayout
+from ..parallel.data import plan_buckets
+
+SHARD_ALIGNMENT = 64  # GradientBuffers' default shard_alignment
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    shape: tuple[int, ...]
+    trainable: bool
+    shared_embedding: bool = False
+
+    @property
+    def numel(self) -> int:
+        return torch.Size(self.shape).numel()
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    weights: int
+    grads: int
+    optimizer: int
+    trainable_numel: int  # this stage's trainable elements on one rank, before ZeRO sharding
+    bucket_numel: int  # largest gradient bucket (elements), for the ZeRO 2 transient
+    num_buckets: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+def stage_params(layout: ModelLayout, pp_rank: int, lora_rank: int = 0, lora_targets=None) -> list[ParamInfo]:
+    """This stage's parameters on one TP rank, in the order the engine lists them (chunks in order, each in
+    parameters() order: adapters follow the weights of their linear)."""
+    targets = tuple(sorted(lora_targets or LORA_TARGETS)) if lora_rank > 0 else ()
+    key = (repr(layout), pp_rank, lora_rank, targets)
+    if key not in _PARAMS:
+        _PARAMS[key] = _stage_params(layout, pp_rank, lora_rank, set(targets))
+    return _PARAMS[key]
+
+
+def _stage_params(layout: ModelLayout, pp_rank: int, lora_rank: int, targets: set[str]) -> list[ParamInfo]:
+    spec = layout.spec
+    out: list[ParamInfo] = []
+    for chunk in range(layout.vpp):
+        adapters: dict[str, list] = {}
+        if lora_rank > 0:
+            for name, tensor in layout.lora_shard_entries(pp_rank, chunk, lora_rank, sorted(targets)):
+                adapters.setdefault(name.rsplit(".lora_", 1)[0], []).append(tensor)
+        shared = spec.tie_word_embeddings and layout.pp > 1
+        for name, tensor in layout.shard_entries(pp_rank, chunk):
+            if tensor is None:
+                linear = name[: -len("._extra_state")]
+                for adapter in adapters.get(linear, []):
+                    out.append(ParamInfo(adapter.shard_shape(layout.tp), True))
+                continue
+            is_shared = shared and name in ("embedding.word_embeddings.weight", "output_layer.weight")
+            out.append(ParamInfo(tensor.shard_shape(layout.tp), lora_rank == 0, is_shared))
+    return out
+
+
+def _meta(info: ParamInfo, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.empty(info.shape, dtype=dtype, device="meta")
+    if info.shared_embedding:
+        t.shared_embedding = True
+    return t
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
+    return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def zero_state_bytes(params: list[ParamInfo], dtype: torch.dtype, zero_stage: int, shards: int,
+                     bucket_size_mb: float | None, dp_rank: int) -> StateBytes:
+    """ZeRO 0-2 bytes of data rank `dp_rank` of `shards` (data x context ranks)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    trainable = [p for p in params if p.trainable]
+    frozen_bytes = sum(p.numel for p in params if not p.trainable) * size
+    if not trainable:
+        return StateBytes(frozen_bytes, 0, 0, 0, 0, 0)
+    bucket_numel = None if bucket_size_mb is None else max(1, int(bucket_size_mb * 2**20) // 4)
+    pad = shards * SHARD_ALIGNMENT if zero_stage else 1
+    buckets = plan_buckets([_meta(p, dtype) for p in trainable], bucket_numel, pad)
+    padded = sum(b.numel for b in buckets)
+    numel = sum(p.numel for p in trainable)
+    if zero_stage == 0:
+        weights = frozen_bytes + numel * size
+        grads = 4 * padded
+        owned = numel
+        masters = 0 if dtype == torch.float32 else 4 * numel
+    else:
+        weights = frozen_bytes + padded * size
+        if zero_stage == 1:
+            grads = 4 * padded
+        else:
+            grads = 4 * sum(b.numel if b.deferred else b.numel // shards for b in buckets)
+        owned = sum(_overlap(span, b.shard_range(dp_rank, shards)) for b in buckets for span in b.param_ranges)
+        masters = 4 * owned  # ZeRO 1/2 always keep fp32 copies of the owned slices, whatever the param dtype
+    regular = [b.numel for b in buckets if not b.deferred] or [0]
+    return StateBytes(weights, grads, masters + 8 * owned, numel, max(regular), len(regular))
+
+
+def _fsdp_rows(dim0: int, shards: int, rank: int) -> tuple[int, int]:
+    """(padded rows, real rows) of FSDP2's dim-0 chunk on `rank` (torch.chunk sizes)."""
+    chunk = -(-dim0 // shards)
+    return chunk, max(0, min(chunk, dim0 - rank * chunk))
+
+
+def fsdp_state_bytes(params: list[ParamInfo], shards: int, dp_rank: int) -> StateBytes:
+    weights = grads = moments = 0
+    for p in params:
+        dim0 = p.shape[0] if p.shape else 1
+        row = p.numel // dim0 if dim0 else 0
+        padded, real = _fsdp_rows(dim0, shards, dp_rank)
+        weights += 4 * padded * row
+        if p.trainable:
+            grads += 4 * padded * row
+            moments += 8 * real * row
+    numel = sum(p.numel for p in params if p.trainable)
+    return StateBytes(weights, grads, moments, numel, 0)
+
+
+def model_state_bytes(layout: ModelLayout, pp_rank: int, *, dtype: torch.dtype, zero_stage: int, shards: int,
+                      bucket_size_mb: float | None = 40.0, lora_rank: int = 0, lora_targets=None,
+                      dp_rank: int | None = None) -> StateBytes:
+    """Exact model-state bytes of stage `pp_rank` on data x context rank `dp_rank` (default 0, the largest: padding
+    sits at the end of every bucket / parameter chunk, so the first rank owns the most real elements)."""
+    targets = tuple(sorted(lora_targets or LORA_TARGETS))
+    key = (repr(layout), pp_rank, dtype, zero_stage, shards, bucket_size_mb, lora_rank, targets, dp_rank or 0)
+    if key not in _CACHE:  # the layout search asks for the same stage many times
+        params = stage_params(layout, pp_rank, lora_rank, targets)
+        if zero_stage == 3:
+            _CACHE[key] = fsdp_state_bytes(params, shards, dp_rank or 0)
+        else:
+            _CACHE[key] = zero_state_bytes(params, dtype, zero_stage, shards, bucket_size_mb, dp_rank or 0)
+    return _CACHE[key]
+
+
+_CACHE: dict[tuple, StateBytes] = {}
+_PARAMS: dict[tuple, list[ParamInfo]] = {}

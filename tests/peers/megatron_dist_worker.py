@@ -1,0 +1,106 @@
+"""torchrun worker: REAL megatron-core loads qlm-written torch_dist checkpoints with dist_checkpointing at the TP/PP
+of the launch (not the one they were written at), compares logits with transformers', then saves the model with its
+own dist_checkpointing.save so the test can read Megatron's files back with qlm.
+
+Run as: torchrun --nproc-per-node TP*PP megatron_dist_worker.py CASES.json
+Each case: {"ckpt", "ids", "expected", "result", "resave", "tp", "pp"}. CPU monkeypatches as in DESIGN.md §7.
+"""
+
+import argparse
+import json
+import math
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+torch.cuda.current_device = lambda: "cpu"
+torch.cuda.synchronize = lambda *a, **k: None
+torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings with PP>1 call .cuda() during setup
+
+sys.path.insert(0, str(Path(__file__).parent))
+from megatron_logits import build_model
+
+
+def megatron_args(common_args, tp, pp):
+    """The args a Megatron-LM run at (tp, pp) would have: its own vocabulary padding for its TP size."""
+    args = argparse.Namespace(**vars(common_args))
+    multiple = (args.make_vocab_size_divisible_by or 128) * tp
+    args.padded_vocab_size = math.ceil(args.vocab_size / multiple) * multiple
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
+    args.ckpt_format = "torch_dist"
+    return args
+
+
+def forward(model, args, ids, pre, post, tp_rank):
+    from megatron.core import parallel_state as ps
+
+    b, s = ids.shape
+    position_ids = torch.arange(s)[None].expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad():
+        if not pre:
+            hidden = torch.empty(s, b, args.hidden_size)
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(ids if pre else None, position_ids, mask)
+        if not post:
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+        return out if tp_rank == 0 else None
+
+
+def run_case(case):
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    from qlm_core.checkpoint.torch_dist import resolve_dist_dir
+
+    iteration_dir, _ = resolve_dist_dir(Path(case["ckpt"]))
+    common = dist_checkpointing.load_common_state_dict(str(iteration_dir))  # plain torch.load, as Megatron does
+    args = megatron_args(common["args"], case["tp"], case["pp"])
+    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    tp_rank, pp_rank, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), case["pp"]
+    pre, post = pp_rank == 0, pp_rank == pp - 1
+    model = build_model(args, pre, post)
+    # As Megatron-LM loads it (the model under "model", the common state beside it). RAISE_ALL: every key the
+    # model asks for is in the checkpoint, and every tensor/object there is asked for by some rank.
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iteration_dir),
+                                    strict=StrictHandling.RAISE_ALL)
+    assert state["checkpoint_version"] == 3.0 and "args" in state
+    model.load_state_dict(state["model"], strict=True)
+
+    logits = forward(model, args, torch.load(case["ids"], weights_only=True), pre, post, tp_rank)
+    if logits is not None:
+        expected = torch.load(case["expected"], weights_only=True)
+        diff = (logits[..., : expected.shape[-1]] - expected).abs().max().item()
+        Path(case["result"]).write_text(json.dumps({"max_abs_diff": diff, "shape": list(logits.shape)}))
+
+    resave = Path(case["resave"]) / "iter_0000007"
+    if dist.get_rank() == 0:
+        resave.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save({"args": args, "checkpoint_version": 3.0, "iteration": 7,
+                             "model": model.sharded_state_dict()}, str(resave))
+    if dist.get_rank() == 0:
+        (resave.parent / "latest_checkpointed_iteration.txt").write_text("7")
+    dist.barrier()
+    ps.destroy_model_parallel()
+
+
+def main():
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    for case in json.loads(Path(sys.argv[1]).read_text()):
+        run_case(case)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""torch_dist checkpoints written by `qlm convert hf2mcore --format torch_dist` load into REAL megatron-core at a TP/PP
+other than the one they were converted at (strict: no key missing or left over) and give transformers' logits; the
+checkpoints megatron-core then saves itself read back into qlm bit-exactly. One torchrun launch (4 gloo ranks)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from qlm_core.checkpoint.convert import hf_to_mcore, mcore_to_hf, mcore_to_mcore
+from qlm_core.checkpoint.mcore import MegatronTorchCheckpoint
+from qlm_core.checkpoint.megatron_open import open_megatron
+from qlm_core.checkpoint.safe_load import safe_torch_load
+from qlm_core.checkpoint.torch_dist import TorchDistCheckpoint
+
+from conftest import LLAMA3_ROPE, make_hf_model
+from test_convert import assert_same_hf
+from test_convert_errors import assert_clean_failure
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install '.[test]')")
+pytestmark = [pytest.mark.peer, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+# name: (model, layout qlm writes at); megatron-core loads each at TP2 x PP2 with its own vocabulary padding (512).
+CASES = {
+    "qwen2_tp1pp1": ("qwen2", dict(tp=1, pp=1)),
+    "qwen2_tied_tp1pp1": ("qwen2_tied", dict(tp=1, pp=1)),
+    "llama31_tp4": ("llama31", dict(tp=4)),
+}
+
+
+@pytest.fixture(scope="module")
+def peer_run(hf_models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist_peer")
+    rope = {**LLAMA3_ROPE, "original_max_position_embeddings": 8192}  # what megatron-core hard-codes
+    make_hf_model(tmp / "llama31", "llama3", rope_scaling=rope, max_position_embeddings=16384)
+    models = {**hf_models, "llama31": tmp / "llama31"}
+    cases = []
+    for i, (name, (kind, layout)) in enumerate(CASES.items()):
+        hf_to_mcore(models[kind], tmp / name, **layout, format="torch_dist", verify=False)
+        ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(i))
+        model = transformers.AutoModelForCausalLM.from_pretrained(models[kind], dtype=torch.float32).eval()
+        with torch.no_grad():
+            torch.save(model(ids).logits, tmp / f"{name}.expected.pt")
+        torch.save(ids, tmp / f"{name}.ids.pt")
+        cases.append({"ckpt": str(tmp / name), "ids": str(tmp / f"{name}.ids.pt"), "tp": 2, "pp": 2,
+                      "expected": str(tmp / f"{name}.expected.pt"), "result": str(tmp / f"{name}.json"),
+                      "resave": str(tmp / f"{name}.megatron")})
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    worker = Path(__file__).parent / "peers" / "megatron_dist_worker.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(worker),
+         str(tmp / "cases.json")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return tmp, models
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_megatron_core_loads_qlm_torch_dist_at_another_layout(peer_run, name):
+    tmp, _ = peer_run
+    result = json.loads((tmp / f"{name}.json").read_text())
+    assert result["shape"] == [2, 16, 512]  # megatron's own padding at TP2 (qlm wrote 384 or 512)
+    assert result["max_abs_diff"] <= 1e-4, result
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_qlm_reads_megatron_cores_own_torch_dist(peer_run, name, tmp_path):
+    tmp, models = peer_run
+    kind = CASES[name][0]
+    saved = tmp / f"{name}.megatron"
+    ckpt = open_megatron(saved)
+    assert isinstance(ckpt, TorchDistCheckpoint) and ckpt.iteration == 7 and (ckpt.tp, ckpt.pp) == (2, 2)
+    assert len(list((saved / "iter_0000007").glob("__*_*.distcp"))) >= 4  # one or more per saving rank
+    assert mcore_to_hf(saved, tmp_path / "hf", verify=True).verify.ok
+    assert_same_hf(models[kind], tmp_path / "hf")
+    mcore_to_mcore(saved, tmp_path / "torch", tp=2, pp=2, format="torch", verify=True)
+    hf_to_mcore(models[kind], tmp_path / "direct", tp=2, pp=2, make_vocab_size_divisible_by=128)
+    for file in sorted((tmp_path / "direct/release").rglob("model_optim_rng.pt")):
+        ours = safe_torch_load(tmp_path / "torch/iter_0000007" / file.relative_to(tmp_path / "direct/release"))
+        direct = safe_torch_load(file)
+        for key, tensor in direct["model"].items():
+            assert (tensor is None and ours["model"][key] is None) or torch.equal(tensor, ours["model"][key]), key
+    assert MegatronTorchCheckpoint(tmp_path / "torch").iteration == 7
+
+
+def test_missing_rank_file_of_a_megatron_checkpoint(peer_run, run_qlm, tmp_path):
+    import shutil
+
+    tmp, _ = peer_run
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp / "qwen2_tp1pp1.megatron", damaged)
+    victim = max((damaged / "iter_0000007").glob("__*_*.distcp"))
+    victim.unlink()
+    out = tmp_path / "hf"
+    assert_clean_failure(run_qlm("convert", "mcore2hf", "--mcore", damaged, "--out", out), out, victim.name)
