@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -64,6 +65,18 @@ def make_hf_model(path: Path, kind: str, dtype=torch.float32, seed: int = 0, **o
     model.to(dtype).save_pretrained(path)
     make_tokenizer(path)
     return model
+
+
+def launch_torchrun(worker: Path, nproc: int, *args, timeout: float = 600,
+                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `worker` on `nproc` local ranks (torchrun --standalone, OMP_NUM_THREADS=1 plus `env`); output captured as
+    text. The caller checks the return code and reads what the worker wrote."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(worker),
+         *map(str, args)],
+        check=False, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
 @pytest.fixture(scope="session")

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import launch_torchrun
 
 from qlm_core.parallel.context import context_parallel_attention, cp_token_indices, gather_from_cp, split_for_cp
 
@@ -71,10 +69,7 @@ def test_no_group_is_plain_attention():
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(WORKER), str(out)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = launch_torchrun(WORKER, 4, out, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     for r, result in enumerate(ranks):

@@ -4,13 +4,11 @@ One torchrun launch (4 gloo ranks, tests/peers/dp_worker.py) runs every distribu
 JSON; the single-process tests below cover the bucket layout and the error paths."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import launch_torchrun
 from torch import nn
 
 from qlm_core.parallel.data import GradientBuffers, plan_buckets
@@ -24,11 +22,7 @@ TOL = 1e-5
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dp")
     worker = Path(__file__).parent / "peers" / "dp_worker.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD), str(worker),
-         str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = launch_torchrun(worker, WORLD, out, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 

@@ -4,16 +4,13 @@ mcore2ds write. The peer tests launch torchrun once (3 gloo ranks, so that ZeRO 
 
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from conftest import load_safetensors_dir, make_hf_model
+from conftest import launch_torchrun, load_safetensors_dir, make_hf_model
 
 from qlm_core.checkpoint.convert import (
     ds_to_hf,
@@ -155,12 +152,8 @@ def deepspeed_runs(tiny, tmp_path_factory):
     }
     (root / "cases.json").write_text(json.dumps(cases))
     worker = Path(__file__).parent / "peers" / "deepspeed_worker.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD), str(worker),
-         str(root / "cases.json")],
-        check=False, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"},
-    )
+    proc = launch_torchrun(worker, WORLD, root / "cases.json", timeout=900,
+                           env={"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return root
 

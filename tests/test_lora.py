@@ -3,13 +3,12 @@ by the optimizer, give the one-process losses in every parallel layout (one torc
 at another TP/PP, and export merged (qlm convert mcore2hf) to a plain HF model with the same logits."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import launch_torchrun
 from parallel_cases import GLOBAL_BATCH, SEQ, SPEC, make_batch
 
 from qlm_core.checkpoint.convert import hf_to_mcore
@@ -146,11 +145,7 @@ def test_engine_trains_only_the_adapters(hf_models):
 def parallel_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora")
     worker = Path(__file__).parent / "peers" / "lora_worker.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD), str(worker),
-         str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = launch_torchrun(worker, WORLD, out, timeout=600)
     errors = "\n".join(p.read_text() for p in out.glob("*.error"))
     return out, proc.returncode, errors or proc.stderr[-3000:]
 

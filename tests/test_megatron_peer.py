@@ -2,9 +2,6 @@
 transformers' logits. One torchrun launch (4 gloo ranks) runs every case."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +10,7 @@ import transformers
 
 from qlm_core.checkpoint.convert import hf_to_mcore
 
-from conftest import LLAMA3_ROPE, make_hf_model
+from conftest import LLAMA3_ROPE, launch_torchrun, make_hf_model
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install '.[test]')")
 pytestmark = pytest.mark.peer
@@ -44,11 +41,7 @@ def test_megatron_core_reproduces_transformers_logits(hf_models, tmp_path):
                       "expected": str(tmp_path / f"{name}.expected.pt"), "result": str(tmp_path / f"{name}.json")})
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     worker = Path(__file__).parent / "peers" / "megatron_logits.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(worker),
-         str(tmp_path / "cases.json")],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = launch_torchrun(worker, 4, tmp_path / "cases.json", timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for name, case in zip(CASES, cases):
         result = json.loads(Path(case["result"]).read_text())

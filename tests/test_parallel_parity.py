@@ -2,8 +2,6 @@
 step's reduced gradients within 1e-5 (relative L2 per tensor). One torchrun launch (8 gloo ranks) runs all cases."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from qlm_core.parallel.state import Grid
 from qlm_core.config import ParallelConfig
 from qlm_core.train.engine import Batch, Engine
 
+from conftest import launch_torchrun
 from parallel_cases import CASES, GLOBAL_BATCH, SEQ, SPEC, STEPS, WORLD, make_batch
 
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
@@ -47,11 +46,7 @@ def references():
 def parallel_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
     worker = Path(__file__).parent / "peers" / "parity_worker.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD), str(worker),
-         str(out)],
-        capture_output=True, text=True, timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = launch_torchrun(worker, WORLD, out, timeout=1200)
     errors = "\n".join(p.read_text() for p in out.glob("*.error"))
     return out, proc.returncode, errors or proc.stderr[-3000:]
 

@@ -5,12 +5,11 @@ and full recompute, with and without GQA; a pipeline stage's peak saved bytes ov
 GPipe step match memory.py's in-flight count within 5%."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import launch_torchrun
 
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
 from profile_worker import LAYER_CASES, STAGE_CASES, STATE_CASES  # noqa: E402
@@ -20,11 +19,7 @@ from profile_worker import LAYER_CASES, STAGE_CASES, STATE_CASES  # noqa: E402
 def worker_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile")
     worker = Path(__file__).parent / "peers" / "profile_worker.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(worker),
-         str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = launch_torchrun(worker, 4, out, timeout=600)
     errors = "\n".join(p.read_text() for p in out.glob("*.error"))
     return out, proc.returncode, errors or proc.stderr[-3000:]
 

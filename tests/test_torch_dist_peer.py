@@ -3,9 +3,6 @@ other than the one they were converted at (strict: no key missing or left over) 
 checkpoints megatron-core then saves itself read back into qlm bit-exactly. One torchrun launch (4 gloo ranks)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from qlm_core.checkpoint.megatron_open import open_megatron
 from qlm_core.checkpoint.safe_load import safe_torch_load
 from qlm_core.checkpoint.torch_dist import TorchDistCheckpoint
 
-from conftest import LLAMA3_ROPE, make_hf_model
+from conftest import LLAMA3_ROPE, launch_torchrun, make_hf_model
 from test_convert import assert_same_hf
 from test_convert_errors import assert_clean_failure
 
@@ -52,11 +49,7 @@ def peer_run(hf_models, tmp_path_factory):
                       "resave": str(tmp / f"{name}.megatron")})
     (tmp / "cases.json").write_text(json.dumps(cases))
     worker = Path(__file__).parent / "peers" / "megatron_dist_worker.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(worker),
-         str(tmp / "cases.json")],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = launch_torchrun(worker, 4, tmp / "cases.json", timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp, models
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.layout import ModelLayout, read_shard_tensor
+from ..checkpoint.layout import read_shard_tensor
 from ..checkpoint.mcore import (
     LATEST_FILE,
     OPTIMIZER_KEY,

@@ -4,7 +4,6 @@ against one-process references computed inside each worker. Run as: torchrun --n
 Writes OUTDIR/rank{R}.json: {check name: metrics}. A failing collective raises, so torchrun fails the launch.
 """
 
-import copy
 import json
 import sys
 from datetime import timedelta

@@ -7,16 +7,17 @@ and the collectives one LoRA layer issues at tp2 with and without sequence paral
 
 import json
 import sys
-import traceback
-from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from parallel_cases import GLOBAL_BATCH, SEQ, SPEC, make_batch  # noqa: E402
+from harness import run_jobs  # noqa: E402
 
 from qlm_core.checkpoint.lora import lora_args  # noqa: E402
 from qlm_core.checkpoint.mcore import SHARD_FILE, iteration_dir_name, shard_dir_name, write_latest, write_shard_file  # noqa: E402
@@ -137,23 +138,7 @@ def count_layer_collectives(outdir: Path):
 
 
 def main():
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    outdir = Path(sys.argv[1])
-    try:
-        count_layer_collectives(outdir)
-    except Exception:
-        (outdir / f"collectives.rank{dist.get_rank()}.error").write_text(traceback.format_exc())
-        raise
-    dist.barrier()
-    for name in CASES:
-        try:
-            run_case(name, outdir)
-        except Exception:  # record and continue: the test reports every failing case
-            (outdir / f"{name}.rank{dist.get_rank()}.error").write_text(traceback.format_exc())
-            raise
-        dist.barrier()
-    dist.barrier()
-    dist.destroy_process_group()
+    run_jobs([("collectives", count_layer_collectives)] + [(name, partial(run_case, name)) for name in CASES])
 
 
 if __name__ == "__main__":

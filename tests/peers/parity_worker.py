@@ -7,16 +7,17 @@ checkpoint (so the test can re-assemble full tensors with qlm's checkpoint reade
 
 import json
 import sys
-import traceback
-from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from parallel_cases import CASES, GLOBAL_BATCH, SEQ, SPEC, STEPS, make_batch  # noqa: E402
+from harness import run_jobs  # noqa: E402
 
 from qlm_core.checkpoint.mcore import SHARD_FILE, iteration_dir_name, shard_dir_name, write_latest, write_shard_file  # noqa: E402
 from qlm_core.checkpoint.megatron_args import make_args  # noqa: E402
@@ -106,20 +107,9 @@ def count_layer_collectives(outdir: Path):
 
 
 def main():
-    dist.init_process_group("gloo", timeout=timedelta(seconds=240))
-    outdir = Path(sys.argv[1])
     names = sys.argv[2:] or list(CASES)
-    count_layer_collectives(outdir)
-    dist.barrier()
-    for name in names:
-        try:
-            run_case(name, outdir)
-        except Exception:  # record and continue: the test reports every failing case
-            (outdir / f"{name}.rank{dist.get_rank()}.error").write_text(traceback.format_exc())
-            raise
-        dist.barrier()
-    dist.barrier()
-    dist.destroy_process_group()
+    run_jobs([("collectives", count_layer_collectives)] + [(name, partial(run_case, name)) for name in names],
+             timeout_s=240)
 
 
 if __name__ == "__main__":

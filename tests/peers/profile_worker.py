@@ -10,16 +10,16 @@
 
 import json
 import sys
-import traceback
-from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from parallel_cases import SPEC  # noqa: E402
+from harness import run_jobs  # noqa: E402
 
 from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig  # noqa: E402
 from qlm_core.models.gpt import GPTModel, ParallelOptions  # noqa: E402
@@ -142,20 +142,8 @@ def stage_case(name: str, out: Path):
 
 
 def main():
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    torch.set_num_threads(1)
-    out = Path(sys.argv[1])
-    jobs = [(state_case, n) for n in STATE_CASES] + [(layer_case, n) for n in LAYER_CASES]
-    jobs += [(stage_case, n) for n in STAGE_CASES]
-    for job, name in jobs:
-        try:
-            job(name, out)
-        except Exception:  # record and continue: the test reports every failing case
-            (out / f"{name}.rank{dist.get_rank()}.error").write_text(traceback.format_exc())
-            raise
-        dist.barrier()
-    dist.barrier()
-    dist.destroy_process_group()
+    cases = [(state_case, STATE_CASES), (layer_case, LAYER_CASES), (stage_case, STAGE_CASES)]
+    run_jobs([(name, partial(job, name)) for job, names in cases for name in names], num_threads=1)
 
 
 if __name__ == "__main__":
