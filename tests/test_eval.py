@@ -2,6 +2,7 @@
 trained model passes its held-out task while an untrained one does not."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -107,3 +108,50 @@ def test_cli_writes_lm_eval_results_and_errors_offline(run_qlm, hf_model, tmp_pa
     assert list((tmp_path / "out").rglob("samples_qlm_demo_mc_*.jsonl"))
     code, _, stderr = run_qlm("eval", hf_model, "--tasks", "no_such_task_anywhere", "--include-path", tmp_path)
     assert code == 2 and "unknown task(s) no_such_task_anywhere" in stderr
+
+
+def test_deepspeed_checkpoint_evaluates_like_its_hf_source(hf_model, tmp_path):
+    from qlm_core.checkpoint.convert import hf_to_ds
+
+    hf_to_ds(hf_model, tmp_path / "ds", verify=False)
+    assert_same(evaluate(tmp_path / "ds", "qlm", tmp_path, limit=6), evaluate(hf_model, "qlm", tmp_path, limit=6),
+                tolerance=1e-5)
+
+
+def saved_results(output: Path) -> dict:
+    """What `qlm eval --output DIR --log-samples` wrote, in the shape run_eval returns (lm-eval's sample files hold
+    every response as strings: numbers come back as numbers, generations stay text)."""
+
+    def parse(resp, task):
+        if task == "qlm_demo_gen":
+            return resp
+        if isinstance(resp, list):
+            return [parse(r, task) for r in resp]
+        return resp == "True" if resp in ("True", "False") else float(resp)
+
+    results = json.loads(next(output.rglob("results_*.json")).read_text())
+    results["samples"] = {}
+    for path in output.rglob("samples_*.jsonl"):
+        task = next(t for t in TASKS if path.name.startswith(f"samples_{t}_"))
+        samples = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        results["samples"][task] = [{**s, "resps": parse(s["resps"], task)} for s in samples]
+    return results
+
+
+def test_tensor_parallel_eval_equals_one_process(hf_model, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "qlm_cli.main", "eval", str(hf_model), "--tasks", ",".join(TASKS), "--limit", "6",
+         "--batch-size", "4", "--tp", "2", "--output", str(tmp_path / "tp2"), "--log-samples"],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("qlm_demo_mc: acc") == 1  # only rank 0 reports
+    tp2 = saved_results(tmp_path / "tp2")
+    assert set(tp2["samples"]) == set(TASKS)
+    assert_same(tp2, evaluate(hf_model, "qlm", tmp_path, limit=6), tolerance=1e-5)
+
+
+def test_tensor_parallel_needs_the_qlm_backend(run_qlm, hf_model):
+    code, _, stderr = run_qlm("eval", hf_model, "--tasks", "qlm_demo_mc", "--tp", "2", "--backend", "hf")
+    assert code == 2 and "--tp 2 needs the qlm backend" in stderr

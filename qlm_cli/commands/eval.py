@@ -8,12 +8,13 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from ..render import console
+from ..render import console, err_console
 
 
 def eval_command(
-    checkpoint: Annotated[str, typer.Argument(help="An HF model, a Megatron checkpoint (any TP/PP) or a qlm run "
-                                                   "directory (its latest checkpoint; LoRA adapters merged).")],
+    checkpoint: Annotated[str, typer.Argument(help="An HF model, a Megatron checkpoint (torch or torch_dist, any "
+                                                   "TP/PP), a DeepSpeed checkpoint or a qlm run directory (its latest "
+                                                   "checkpoint; LoRA adapters merged).")],
     tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated lm-eval task names (qlm ships "
                                        "qlm_demo_mc, qlm_demo_gen, qlm_demo_ppl, generated locally).")],
     include_path: Annotated[Optional[str], typer.Option(
@@ -29,6 +30,8 @@ def eval_command(
     backend: Annotated[str, typer.Option(
         "--backend", help="qlm: qlm's own model; hf: lm-eval's hf model (the checkpoint is exported to HF first "
         "when needed).")] = "qlm",
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks for the qlm backend, for models that "
+                                    "do not fit one device (qlm starts torchrun with that many local processes).")] = 1,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32 or bf16.")] = "fp32",
     output: Annotated[Optional[Path], typer.Option(
         "--output", help="Folder for lm-eval's results JSON (and samples with --log-samples).")] = None,
@@ -36,15 +39,25 @@ def eval_command(
 ):
     """Evaluate a checkpoint with lm-evaluation-harness. Local tasks load without scanning lm-eval's built-in
     index; built-in tasks that need the Hugging Face hub fail with a one-line error offline."""
-    from qlm_core.eval.runner import EvalConfig, result_rows, run_eval
+    from qlm_core.eval.runner import EvalConfig, check_config, result_rows, run_eval, worker_argv
+    from qlm_core.train.launch import LaunchConfig, launch, under_launcher
 
     config = EvalConfig(
         checkpoint=checkpoint, tasks=[t.strip() for t in tasks.split(",") if t.strip()], include_path=include_path,
         num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, max_length=max_length,
         apply_chat_template=apply_chat_template, backend=backend, dtype=dtype,
-        output=str(output) if output else None, log_samples=log_samples,
+        output=str(output) if output else None, log_samples=log_samples, tp=tp,
     )
+    check_config(config)
+    if tp > 1 and not under_launcher():
+        code = launch(LaunchConfig(nproc_per_node=tp), worker_argv(config))
+        if code:
+            err_console.print(f"[bold red]error:[/] evaluation failed (exit code {code}); the messages above say why.")
+            raise typer.Exit(code)
+        return
     results = run_eval(config)
+    if results is None:  # another rank of a tensor-parallel evaluation: rank 0 reports
+        return
     table = Table(title=f"{checkpoint} ({backend} backend)", title_justify="left")
     for column in ("task", "version", "filter", "n-shot", "metric", "value", "stderr"):
         table.add_column(column)

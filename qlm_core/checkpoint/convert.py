@@ -294,7 +294,7 @@ def mcore_to_peft(mcore: str | Path, out: str | Path, *, iteration: int | None =
 # ---- DeepSpeed: checkpoints of a transformers module (HF names); formats in deepspeed.py -------------------------
 
 
-def _open_deepspeed(ds: str | Path, tag: str | None, config: str | Path | None):
+def open_deepspeed(ds: str | Path, tag: str | None, config: str | Path | None):
     from ..models.spec import ModelSpec, read_hf_config
     from .deepspeed import DeepSpeedCheckpoint
     from .deepspeed_config import find_hf_config
@@ -314,7 +314,7 @@ def ds_to_hf(
     from .deepspeed_config import copy_hf_side_files
 
     started = time.perf_counter()
-    src, spec, config_path = _open_deepspeed(ds, tag, config)
+    src, spec, config_path = open_deepspeed(ds, tag, config)
     out = Path(out)
     check_output_dir(out, force, src.root)
     layout = ModelLayout(spec)
@@ -343,7 +343,7 @@ def ds_to_mcore(
     from .deepspeed_config import copy_hf_side_files
 
     started = time.perf_counter()
-    src, spec, config_path = _open_deepspeed(ds, tag, config)
+    src, spec, config_path = open_deepspeed(ds, tag, config)
     out = Path(out)
     check_output_dir(out, force, src.root)
     layout = ModelLayout(spec, tp, pp, vpp, first_stage_layers, last_stage_layers, make_vocab_size_divisible_by)

@@ -1,5 +1,6 @@
 """Open any model checkpoint qlm understands as a TensorSource: an HF directory, a Megatron checkpoint (written
-by qlm or Megatron-LM, any TP/PP), or a qlm run directory (its latest checkpoint; a LoRA run's adapters merged onto
+by qlm or Megatron-LM, any TP/PP, torch or torch_dist), a DeepSpeed checkpoint (with its model's config.json
+beside it), or a qlm run directory (its latest checkpoint; a LoRA run's adapters merged onto
 their base). Every verb that reads weights (train's model.load, eval, profile) goes through here."""
 
 from __future__ import annotations
@@ -63,4 +64,12 @@ def open_checkpoint(path: str | Path, iteration: int | None = None) -> OpenedChe
     if is_hf_dir(path):
         ckpt = HFCheckpoint(path)
         return OpenedCheckpoint(ckpt.spec, HFTensorSource(ckpt), tokenizer_near(path), f"HF model {path}")
-    raise QlmError(f"cannot tell what {path} holds", "expected an HF model, a Megatron checkpoint or a qlm run")
+    if (path / "latest").is_file() or list(path.glob("global_step*")) or list(path.glob("*mp_rank_*_model_states.pt")):
+        from .convert import open_deepspeed  # the config.json beside the checkpoint gives the architecture
+
+        ckpt, spec, config_path = open_deepspeed(path, None, None)
+        config_dir = config_path.parent if config_path.is_file() else config_path
+        return OpenedCheckpoint(spec, HFTensorSource(ckpt), tokenizer_near(config_dir) or tokenizer_near(path),
+                                f"DeepSpeed checkpoint {path} (ZeRO {ckpt.zero_stage}, fp32 masters)")
+    raise QlmError(f"cannot tell what {path} holds",
+                   "expected an HF model, a Megatron or DeepSpeed checkpoint, or a qlm run directory")

@@ -1,6 +1,10 @@
 """The `qlm` backend of lm-evaluation-harness: a TemplateLM over qlm's own model, loaded from any checkpoint qlm
 reads (HF, Megatron at any TP/PP, a qlm run with LoRA adapters merged) with no export step.
 
+With a tensor-parallel group every rank holds its slice of the model and runs the whole evaluation in lockstep: the
+logits are gathered over the group, so every rank sees the same numbers, makes the same choices and issues the same
+collectives; each reports rank 0 to lm-eval, which then builds the results on LOCAL_RANK 0 only.
+
 Request handling mirrors lm-eval's `hf` backend (same tokenisation, truncation, batching order, stop handling) so
 that both give the same numbers on the same weights: requests are sorted and restored with lm-eval's Collator,
 rolling windows come from lm-eval's utilities, and generation uses a KV cache.
@@ -21,20 +25,25 @@ from ..checkpoint.layout import ModelLayout, build_shard
 from ..checkpoint.open import open_checkpoint
 from ..data.tokenizer import load_tokenizer
 from ..errors import QlmError
-from ..models.gpt import GPTModel
+from ..models.gpt import GPTModel, ParallelOptions
+from ..parallel.comm import group_rank, group_size
+from ..parallel.state import default_device
 from .generate import Sampling, generate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[GPTModel, object, str]:
-    """qlm's single-process model and the checkpoint's tokenizer."""
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
+               tp_group=None) -> tuple[GPTModel, object, str]:
+    """qlm's model (this rank's tensor-parallel slice when `tp_group` is given) and the checkpoint's tokenizer."""
     opened = open_checkpoint(path)
     if opened.tokenizer_dir is None:
         raise QlmError(f"no tokenizer found with {path}", "keep the tokenizer files beside the checkpoint")
-    layout = ModelLayout(opened.spec, make_vocab_size_divisible_by=opened.make_vocab_size_divisible_by)
-    model = GPTModel(opened.spec, padded_vocab=layout.padded_vocab, dtype=dtype)
-    model.load_state_dict(build_shard(layout, 0, 0, 0, opened.weights, dtype), strict=True)
+    layout = ModelLayout(opened.spec, tp=group_size(tp_group),
+                         make_vocab_size_divisible_by=opened.make_vocab_size_divisible_by)
+    model = GPTModel(opened.spec, parallel=ParallelOptions(tp_group=tp_group), padded_vocab=layout.padded_vocab,
+                     dtype=dtype)
+    model.load_state_dict(build_shard(layout, group_rank(tp_group), 0, 0, opened.weights, dtype), strict=True)
     return model.to(device).eval(), load_tokenizer(opened.tokenizer_dir), opened.description
 
 
@@ -42,10 +51,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tu
 class QlmLM(TemplateLM):
     def __init__(self, pretrained: str, batch_size: int | str = 8, max_length: int | None = None,
                  dtype: str = "fp32", device: str | None = None, max_gen_toks: int = 256, add_bos_token=None,
-                 **kwargs):
+                 tp_group=None, **kwargs):
         super().__init__()
-        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model, self.tokenizer, self.description = load_model(pretrained, DTYPES[dtype], self._device)
+        self._device = torch.device(device) if device else default_device()
+        self.model, self.tokenizer, self.description = load_model(pretrained, DTYPES[dtype], self._device, tp_group)
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self._max_length = max_length or self.model.spec.max_position_embeddings
         self.max_gen_toks = max_gen_toks

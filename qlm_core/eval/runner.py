@@ -37,6 +37,7 @@ class EvalConfig:
     dtype: str = "fp32"
     output: str | None = None
     log_samples: bool = False
+    tp: int = 1  # tensor-parallel ranks for the qlm backend (one process each, launched by torchrun)
     cache_dir: str | None = None  # where qlm's generated demo tasks live
     extra: dict = field(default_factory=dict)
 
@@ -81,16 +82,51 @@ def _hf_dir_for(checkpoint: str, workdir: Path, dtype: torch.dtype) -> str:
     return str(out)
 
 
-def run_eval(config: EvalConfig) -> dict:
-    """lm-eval's results dict (with "samples" when log_samples)."""
+def check_config(config: EvalConfig):
+    """Errors a user can fix before any process starts."""
+    if config.backend not in BACKENDS:
+        raise QlmError(f"backend {config.backend!r} is not one of {', '.join(BACKENDS)}", "pass --backend qlm or hf")
+    if config.tp > 1 and config.backend != "qlm":
+        raise QlmError(f"--tp {config.tp} needs the qlm backend", "drop --tp for lm-eval's hf backend (one process)")
+    if config.tp < 1:
+        raise QlmError(f"--tp {config.tp} is not a process count", "pass --tp 1 or more")
+
+
+def worker_argv(config: EvalConfig) -> list[str]:
+    """`qlm eval` arguments that make every torchrun worker run `config` (paths as given: workers share the cwd)."""
+    argv = ["eval", config.checkpoint, "--tasks", ",".join(config.tasks), "--batch-size", str(config.batch_size),
+            "--backend", config.backend, "--dtype", config.dtype, "--tp", str(config.tp)]
+    optional = {"--include-path": config.include_path, "--num-fewshot": config.num_fewshot, "--limit": config.limit,
+                "--max-length": config.max_length, "--output": config.output}
+    argv += [arg for flag, value in optional.items() if value is not None for arg in (flag, str(value))]
+    flags = {"--apply-chat-template": config.apply_chat_template, "--log-samples": config.log_samples}
+    return argv + [flag for flag, on in flags.items() if on]
+
+
+def _tensor_parallel_group(config: EvalConfig):
+    """Under torchrun with config.tp ranks: the TP group (None for one process)."""
+    from ..parallel.state import Grid, init_distributed, resolve_sizes
+
+    if config.tp == 1:
+        return None
+    _, world = init_distributed()
+    if world != config.tp:
+        raise QlmError(f"qlm eval --tp {config.tp} runs {config.tp} processes, but this launch has {world}",
+                       f"launch {config.tp} ranks (qlm eval starts torchrun itself when not under one)")
+    return Grid.build(resolve_sizes(world, tp=config.tp)).tp_group
+
+
+def run_eval(config: EvalConfig) -> dict | None:
+    """lm-eval's results dict (with "samples" when log_samples); None on the other ranks of a TP evaluation."""
     import lm_eval
 
+    from ..parallel.state import destroy_distributed
     from . import lm as _register_qlm_backend  # noqa: F401  (registers model "qlm")
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if config.backend not in BACKENDS:
-        raise QlmError(f"backend {config.backend!r} is not one of {', '.join(BACKENDS)}", "pass --backend qlm or hf")
+    check_config(config)
+    tp_group = _tensor_parallel_group(config)
     manager = task_manager(config)
     workdir = Path(tempfile.mkdtemp(prefix="qlm-eval-"))
     try:
@@ -98,7 +134,7 @@ def run_eval(config: EvalConfig) -> dict:
             from .lm import QlmLM
 
             model = QlmLM(config.checkpoint, batch_size=config.batch_size, max_length=config.max_length,
-                          dtype=config.dtype)
+                          dtype=config.dtype, tp_group=tp_group)
             model_args = None
         else:
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[config.dtype]
@@ -124,7 +160,9 @@ def run_eval(config: EvalConfig) -> dict:
             raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    if config.output:
+        if config.tp > 1:
+            destroy_distributed()
+    if config.output and results is not None:
         save_results(results, Path(config.output), config.log_samples)
     return results
 
