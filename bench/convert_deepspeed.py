@@ -32,7 +32,7 @@ import json, resource, shutil, sys, threading, time
 from pathlib import Path
 sys.path.insert(0, {bench!r})
 import convert_deepspeed as bench
-from qlm_core.checkpoint.convert import ds_to_hf
+from qlm_core.checkpoint.convert_deepspeed import ds_to_hf
 src, dst = Path({src!r}), Path({dst!r})
 shutil.rmtree(dst, ignore_errors=True)
 peak_anon, done = [0], [False]

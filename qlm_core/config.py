@@ -102,6 +102,7 @@ class CheckpointConfig:
     save_interval: int = 0  # 0: only at the end
     keep_last: int = 2
     resume: bool = True  # continue from the run directory's latest checkpoint if there is one
+    format: str = "torch"  # torch (Megatron legacy, a file per TP/PP rank) | torch_dist (Megatron's DCP layout)
 
 
 @dataclass

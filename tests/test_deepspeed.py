@@ -12,14 +12,8 @@ import torch
 import transformers
 from conftest import launch_torchrun, load_safetensors_dir, make_hf_model
 
-from qlm_core.checkpoint.convert import (
-    ds_to_hf,
-    ds_to_mcore,
-    hf_to_ds,
-    hf_to_mcore,
-    mcore_to_ds,
-    mcore_to_hf,
-)
+from qlm_core.checkpoint.convert import hf_to_mcore, mcore_to_hf
+from qlm_core.checkpoint.convert_deepspeed import ds_to_hf, ds_to_mcore, hf_to_ds, mcore_to_ds
 from qlm_core.checkpoint.deepspeed import DeepSpeedCheckpoint
 from qlm_core.checkpoint.safe_load import safe_torch_load
 

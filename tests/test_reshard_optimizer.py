@@ -1,12 +1,17 @@
 """Optimizer state across layouts: `qlm train` writes a checkpoint at TP2·PP2·DP2, `qlm convert mcore2mcore` reshards
 it to TP1·PP1 and then to TP2·PP1, every Adam tensor (fp32 master, exp_avg, exp_avg_sq) stays equal to its merged
-original, and `qlm train` resumed at TP2·PP1·DP2 continues with the losses of the uninterrupted run."""
+original, and `qlm train` resumed at TP2·PP1·DP2 continues with the losses of the uninterrupted run. A torch_dist
+checkpoint of the trainer holds the same state as a torch one and resumes at another layout without a reshard."""
+
+import shutil
 
 import pytest
 import torch
 
 from qlm_core.checkpoint.layout import read_range
 from qlm_core.checkpoint.mcore import OPTIMIZER_KEY, MegatronTorchCheckpoint
+from qlm_core.checkpoint.megatron_open import open_megatron
+from qlm_core.checkpoint.torch_dist import TorchDistCheckpoint
 
 from test_train_cli import RECIPE, losses, qlm_train
 
@@ -20,11 +25,12 @@ def layout_args(tp, pp, dp):
     return ["--set", f"parallel.tp={tp}", "--set", f"parallel.pp={pp}", "--set", f"parallel.dp={dp}"]
 
 
-def adam_tensors(root, iteration=None) -> dict[str, torch.Tensor]:
-    """Every optimizer tensor of a checkpoint, merged into its full (unpadded) global tensor."""
+def adam_tensors(root, iteration=None, views=VIEWS) -> dict[str, torch.Tensor]:
+    """Every optimizer tensor (or weight: view "model") of a checkpoint of either format, merged into its full
+    (unpadded) global tensor."""
     merged = {}
-    for view in VIEWS:
-        ckpt = MegatronTorchCheckpoint(root, iteration, view=view)
+    for view in views:
+        ckpt = open_megatron(root, iteration, view=view)
         for tensor in ckpt.layout.global_tensors:
             merged[f"{view}:{tensor.name}"] = read_range(ckpt, tensor, 0, tensor.real_extent)
     return merged
@@ -58,13 +64,45 @@ def test_adam_states_survive_tp2pp2dp2_to_tp1pp1_to_tp2pp1(tmp_path, run_qlm):
             assert (after["step"] == before["step"] == 2) if key == OPTIMIZER_KEY else after == before, key
         assert ckpt.extra_state("rng_state") is None
 
-    # torch_dist holds the weights only, and says so
-    code, stdout, _ = run_qlm("convert", "mcore2mcore", "--mcore", tmp_path / "tp1pp1", "--out", tmp_path / "dist",
-                              "--format", "torch_dist", "--no-verify")
-    assert code == 0 and "Adam states not written" in " ".join(stdout.split())
+    # to torch_dist and back: the Adam states travel beside the weights
+    code, stdout, stderr = run_qlm("convert", "mcore2mcore", "--mcore", tmp_path / "tp1pp1", "--out",
+                                   tmp_path / "dist", "--format", "torch_dist")
+    assert code == 0 and "verified 144/144" in stdout, stderr
+    code, stdout, stderr = run_qlm("convert", "mcore2mcore", "--mcore", tmp_path / "dist", "--out",
+                                   tmp_path / "dist_back", "--tp", "2", "--pp", "2", "--format", "torch")
+    assert code == 0 and "verified 144/144" in stdout, stderr
+    for hop in (tmp_path / "dist", tmp_path / "dist_back"):
+        carried = adam_tensors(hop)
+        assert all(torch.equal(carried[name], tensor) for name, tensor in original.items()), hop
+        assert open_megatron(hop).extra_state(OPTIMIZER_KEY)["step"] == 2
 
     qlm_train(RECIPE, "--output", resumed, "--set", f"data.cache_dir={cache}", *layout_args(2, 1, 2), *COMMON,
               timeout=900)
     uninterrupted, continued = losses(run), losses(resumed)
     assert len(uninterrupted) == 4 and len(continued) == 2
     assert continued == pytest.approx(uninterrupted[2:], rel=1e-5)
+
+
+def test_torch_dist_checkpoints_hold_the_torch_state_and_resume_at_another_layout(tmp_path):
+    cache = tmp_path / "cache"
+    for fmt in ("torch", "torch_dist"):
+        qlm_train(RECIPE, "--output", tmp_path / fmt, "--set", f"data.cache_dir={cache}", *layout_args(2, 2, 1),
+                  *COMMON, "--set", f"checkpoint.format={fmt}", timeout=900)
+    legacy, dist = tmp_path / "torch" / "checkpoints", tmp_path / "torch_dist" / "checkpoints"
+    assert isinstance(open_megatron(dist, 2), TorchDistCheckpoint)
+    assert len(list((dist / "iter_0000002").glob("__*_0.distcp"))) == 4  # every rank wrote its own chunks
+    assert losses(tmp_path / "torch_dist") == losses(tmp_path / "torch")
+    ours, theirs = adam_tensors(dist, 2, VIEWS + ("model",)), adam_tensors(legacy, 2, VIEWS + ("model",))
+    assert ours.keys() == theirs.keys() and len(ours) == 4 * 31
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    for key in (OPTIMIZER_KEY, "qlm_train_state", "opt_param_scheduler"):
+        mine, reference = open_megatron(dist, 2).extra_state(key), open_megatron(legacy, 2).extra_state(key)
+        assert (mine["step"] == reference["step"]) if key == OPTIMIZER_KEY else mine == reference, key
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(dist / "iter_0000002", resumed / "checkpoints" / "iter_0000002")
+    (resumed / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    qlm_train(RECIPE, "--output", resumed, "--set", f"data.cache_dir={cache}", *layout_args(1, 1, 2), *COMMON,
+              "--set", "checkpoint.format=torch_dist", timeout=900)
+    assert losses(resumed) == pytest.approx(losses(tmp_path / "torch_dist")[2:], rel=1e-5)

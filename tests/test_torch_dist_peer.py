@@ -18,6 +18,7 @@ from qlm_core.checkpoint.torch_dist import TorchDistCheckpoint
 from conftest import LLAMA3_ROPE, launch_torchrun, make_hf_model
 from test_convert import assert_same_hf
 from test_convert_errors import assert_clean_failure
+from test_train_cli import RECIPE, qlm_train
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install '.[test]')")
 pytestmark = [pytest.mark.peer, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -47,11 +48,37 @@ def peer_run(hf_models, tmp_path_factory):
         cases.append({"ckpt": str(tmp / name), "ids": str(tmp / f"{name}.ids.pt"), "tp": 2, "pp": 2,
                       "expected": str(tmp / f"{name}.expected.pt"), "result": str(tmp / f"{name}.json"),
                       "resave": str(tmp / f"{name}.megatron")})
+    cases.append(trainer_case(tmp))
     (tmp / "cases.json").write_text(json.dumps(cases))
     worker = Path(__file__).parent / "peers" / "megatron_dist_worker.py"
     proc = launch_torchrun(worker, 4, tmp / "cases.json", timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp, models
+
+
+def trainer_case(tmp: Path) -> dict:
+    """A torch_dist checkpoint written by `qlm train` at TP2 (every rank its own chunks, Adam states beside the
+    weights), to be loaded at TP2 x PP2 the way Megatron-LM does (extra keys ignored); expected: transformers'
+    logits on qlm's HF export of the same checkpoint."""
+    run = tmp / "trainer"
+    qlm_train(RECIPE, "--output", run, "--set", f"data.cache_dir={tmp / 'cache'}", "--set", "parallel.tp=2",
+              "--set", "train.train_iters=2", "--set", "checkpoint.format=torch_dist")
+    mcore_to_hf(run / "checkpoints", tmp / "trainer.hf", verify=False)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(7))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp / "trainer.hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.save(model(ids).logits, tmp / "trainer.expected.pt")
+    torch.save(ids, tmp / "trainer.ids.pt")
+    return {"ckpt": str(run / "checkpoints"), "ids": str(tmp / "trainer.ids.pt"), "tp": 2, "pp": 2,
+            "expected": str(tmp / "trainer.expected.pt"), "result": str(tmp / "trainer.json"),
+            "resave": str(tmp / "trainer.megatron"), "strict": "assume_ok_unexpected"}
+
+
+def test_megatron_core_loads_a_torch_dist_checkpoint_of_qlm_train(peer_run):
+    tmp, _ = peer_run
+    result = json.loads((tmp / "trainer.json").read_text())
+    assert result["shape"] == [2, 16, 512]
+    assert result["max_abs_diff"] <= 1e-4, result
 
 
 @pytest.mark.parametrize("name", CASES)

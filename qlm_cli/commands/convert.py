@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from qlm_core.checkpoint import convert as core
+from qlm_core.checkpoint import convert_deepspeed as ds_core
 from qlm_core.checkpoint.inspect import inspect_checkpoint
 
 from ..render import console, err_console, kv_table, progress_bar
@@ -207,7 +208,7 @@ def ds2hf(
     The full fp32 weights are rebuilt from the ZeRO partitions as DeepSpeed's zero_to_fp32 does; frozen parameters
     come from the model states, tied ones from `shared_params`."""
     with progress_bar("ds2hf") as progress:
-        result = core.ds_to_hf(ds, out, tag=tag, config=config, dtype=_dtype(dtype), max_shard_size_gb=max_shard_size,
+        result = ds_core.ds_to_hf(ds, out, tag=tag, config=config, dtype=_dtype(dtype), max_shard_size_gb=max_shard_size,
                                force=force, verify=verify, progress=progress)
     _report(result)
 
@@ -232,7 +233,7 @@ def ds2mcore(
     """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy `torch` checkpoint at any TP/PP/VPP, streamed one rank file at
     a time. The HF config and tokenizer files go to OUT/hf/."""
     with progress_bar("ds2mcore") as progress:
-        result = core.ds_to_mcore(
+        result = ds_core.ds_to_mcore(
             ds, out, tag=tag, config=config, tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last,
             dtype=_dtype(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
             verify=verify, progress=progress,
@@ -254,7 +255,7 @@ def hf2ds(
     engine.load_checkpoint(OUT, load_module_only=True) under ZeRO 0-2. Config and tokenizer files go next to
     `latest`."""
     with progress_bar("hf2ds") as progress:
-        result = core.hf_to_ds(hf, out, tag=tag or "global_step0", dtype=_dtype(dtype), fp32_master=fp32_master,
+        result = ds_core.hf_to_ds(hf, out, tag=tag or "global_step0", dtype=_dtype(dtype), fp32_master=fp32_master,
                                force=force, verify=verify, progress=progress)
     _report(result)
 
@@ -272,7 +273,7 @@ def mcore2ds(
 ):
     """Megatron-Core (any TP/PP; a LoRA run merged) -> DeepSpeed, as hf2ds writes it."""
     with progress_bar("mcore2ds") as progress:
-        result = core.mcore_to_ds(mcore, out, iteration=iteration, tag=tag, dtype=_dtype(dtype),
+        result = ds_core.mcore_to_ds(mcore, out, iteration=iteration, tag=tag, dtype=_dtype(dtype),
                                   fp32_master=fp32_master, force=force, verify=verify, progress=progress)
     _report(result)
 

@@ -54,7 +54,7 @@ from .verify import (
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 
 
-def _no_progress(done: int, total: int, what: str):
+def no_progress(done: int, total: int, what: str):
     pass
 
 
@@ -76,16 +76,16 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPE_NAMES[dtype]
 
 
-def _should_verify(verify: bool | None, spec) -> bool:
+def should_verify(verify: bool | None, spec) -> bool:
     return verify if verify is not None else spec.num_parameters() <= AUTO_VERIFY_MAX_PARAMS
 
 
-def _dir_bytes(path: Path) -> tuple[int, int]:
+def dir_bytes(path: Path) -> tuple[int, int]:
     files = [p for p in path.rglob("*") if p.is_file()]
     return len(files), sum(p.stat().st_size for p in files)
 
 
-def _finish(report: VerifyReport | None):
+def finish_report(report: VerifyReport | None):
     if report is not None and not report.ok:
         raise QlmError(f"verification failed: {report.summary()}", "nothing was written; please report this bug")
 
@@ -111,7 +111,7 @@ def hf_to_mcore(
     hf: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, vpp: int = 1,
     first_stage_layers: int | None = None, last_stage_layers: int | None = None,
     dtype: str | torch.dtype | None = None, make_vocab_size_divisible_by: int = 128,
-    force: bool = False, verify: bool | None = None, progress: Progress = _no_progress, format: str = TORCH,
+    force: bool = False, verify: bool | None = None, progress: Progress = no_progress, format: str = TORCH,
 ) -> ConvertResult:
     """`format`: "torch" (legacy, one file per TP/PP rank) or "torch_dist" (megatron-core's DCP layout)."""
     started = time.perf_counter()
@@ -127,24 +127,25 @@ def hf_to_mcore(
     with staged_output(out, force) as tmp:
         write_megatron(format, tmp, layout, source, dtype, make_args(layout, dtype, ckpt_format=format), None, progress)
         copy_side_files(src.path, tmp / HF_SIDE_DIR)
-        if _should_verify(verify, src.spec):
+        if should_verify(verify, src.spec):
             report = VerifyReport()
             written = open_megatron(tmp)
             compare_tensors(report, (layout, source), (written.layout, written), dtype)
             compare_logits(report, hf_logits_fn(src.path, dtype), qlm_logits_fn(written.layout, written, dtype),
                            src.spec)
-            _finish(report)
-    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report)
+            finish_report(report)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)
 
 
 def write_megatron(format: str, root: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype,
                    args: argparse.Namespace, iteration: int | None, progress: Progress,
-                   extra_for: Callable[[int, int], dict] | None = None):
-    """A Megatron checkpoint in `format`; `extra_for(tp_rank, pp_rank)`: entries beside the weights (torch only)."""
+                   carrier: TrainStateCarrier | None = None):
+    """A Megatron checkpoint in `format`; `carrier`: a training run's state to write beside the weights."""
     if format == TORCH_DIST:
-        write_mcore_torch_dist(root, layout, source, dtype, args, iteration, progress)
+        write_mcore_torch_dist(root, layout, source, dtype, args, iteration, progress,
+                               carrier.common_extra() if carrier else None, carrier.dist_parts() if carrier else [])
     else:
-        write_mcore_torch(root, layout, source, dtype, args, iteration, progress, extra_for)
+        write_mcore_torch(root, layout, source, dtype, args, iteration, progress, carrier.extra_for if carrier else None)
 
 
 def write_hf(out: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype, max_shard_bytes: int,
@@ -180,7 +181,7 @@ def _write_hf_config(out: Path, side_dir: Path, spec, dtype: torch.dtype):
 def mcore_to_hf(
     mcore: str | Path, out: str | Path, *, iteration: int | None = None, dtype: str | torch.dtype | None = None,
     max_shard_size_gb: float = 5.0, force: bool = False, verify: bool | None = None,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> ConvertResult:
     started = time.perf_counter()
     src = open_megatron(mcore, iteration)
@@ -194,13 +195,13 @@ def mcore_to_hf(
     with staged_output(out, force) as tmp:
         write_hf(tmp, src.layout, source, dtype, int(max_shard_size_gb * 2**30), progress)
         _write_hf_config(tmp, side_dir, src.spec, dtype)
-        if _should_verify(verify, src.spec):
+        if should_verify(verify, src.spec):
             report = VerifyReport()
             written = HFCheckpoint(tmp)
             compare_tensors(report, (src.layout, source), (src.layout, HFTensorSource(written)), dtype)
             compare_logits(report, qlm_logits_fn(src.layout, source, dtype), hf_logits_fn(tmp, dtype), src.spec)
-            _finish(report)
-    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report)
+            finish_report(report)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)
 
 
 def merged_lora_source(src: MegatronTorchCheckpoint) -> tuple[TensorSource, Path]:
@@ -234,9 +235,9 @@ def mcore_to_mcore(
     first_stage_layers: int | None = None, last_stage_layers: int | None = None,
     iteration: int | None = None, dtype: str | torch.dtype | None = None,
     make_vocab_size_divisible_by: int | None = None, force: bool = False, verify: bool | None = None,
-    progress: Progress = _no_progress, format: str | None = None,
+    progress: Progress = no_progress, format: str | None = None,
 ) -> ConvertResult:
-    """`format`: "torch" or "torch_dist" (default: the source's). A torch output also carries qlm's training state
+    """`format`: "torch" or "torch_dist" (default: the source's). The output also carries qlm's training state
     (Adam states re-sliced like the weights, step, train state, scheduler; see train_state.py)."""
     started = time.perf_counter()
     src = open_megatron(mcore, iteration)
@@ -252,28 +253,24 @@ def mcore_to_mcore(
     args.ckpt_format = format
     carrier = TrainStateCarrier(src, layout)
     notes = list(carrier.notes)
-    if carrier.carries_optimizer and format == TORCH_DIST:
-        notes.append("Adam states not written: qlm writes only the weights to torch_dist (resume from --format torch)")
     report = None
     with staged_output(out, force) as tmp:
-        extra_for = carrier.extra_for if format == TORCH else None
-        write_megatron(format, tmp, layout, src, dtype, args, src.iteration, progress, extra_for)
+        write_megatron(format, tmp, layout, src, dtype, args, src.iteration, progress, carrier)
         if (src.root / HF_SIDE_DIR).is_dir():
             copy_side_files(src.root / HF_SIDE_DIR, tmp / HF_SIDE_DIR)
-        if _should_verify(verify, src.spec):
+        if should_verify(verify, src.spec):
             report = VerifyReport()
             written = open_megatron(tmp, src.iteration, spec=src.spec)
             compare_tensors(report, (src.layout, src), (written.layout, written), dtype)
-            if extra_for is not None:
-                carrier.verify(report, tmp)
+            carrier.verify(report, tmp)
             compare_logits(report, qlm_logits_fn(src.layout, src, dtype), qlm_logits_fn(written.layout, written, dtype),
                            src.spec)
-            _finish(report)
-    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report, notes)
+            finish_report(report)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, notes)
 
 
 def mcore_to_peft(mcore: str | Path, out: str | Path, *, iteration: int | None = None, force: bool = False,
-                  progress: Progress = _no_progress) -> ConvertResult:
+                  progress: Progress = no_progress) -> ConvertResult:
     """A LoRA run's adapters (any TP/PP) -> PEFT's adapter_model.safetensors + adapter_config.json, with HF module
     names, for peft.PeftModel.from_pretrained(base transformers model, OUT)."""
     from .peft import export_peft
@@ -288,147 +285,4 @@ def mcore_to_peft(mcore: str | Path, out: str | Path, *, iteration: int | None =
         progress(0, 1, "adapters")
         export_peft(src.layout, src, src.lora, tmp, base_model_name_or_path=src.lora.base)
         progress(1, 1, "done")
-    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, None)
-
-
-# ---- DeepSpeed: checkpoints of a transformers module (HF names); formats in deepspeed.py -------------------------
-
-
-def open_deepspeed(ds: str | Path, tag: str | None, config: str | Path | None):
-    from ..models.spec import ModelSpec, read_hf_config
-    from .deepspeed import DeepSpeedCheckpoint
-    from .deepspeed_config import find_hf_config
-
-    src = DeepSpeedCheckpoint(ds, tag)
-    config_path = find_hf_config(src, config)
-    return src, ModelSpec.from_hf_config(read_hf_config(config_path)), config_path
-
-
-def ds_to_hf(
-    ds: str | Path, out: str | Path, *, tag: str | None = None, config: str | Path | None = None,
-    dtype: str | torch.dtype | None = None, max_shard_size_gb: float = 5.0, force: bool = False,
-    verify: bool | None = None, progress: Progress = _no_progress,
-) -> ConvertResult:
-    """DeepSpeed (ZeRO 0-3) -> HF: the fp32 master weights (default dtype fp32), frozen and tied params included.
-    `config`: the HF config (dir or config.json) of the trained model; default a config.json next to the checkpoint."""
-    from .deepspeed_config import copy_hf_side_files
-
-    started = time.perf_counter()
-    src, spec, config_path = open_deepspeed(ds, tag, config)
-    out = Path(out)
-    check_output_dir(out, force, src.root)
-    layout = ModelLayout(spec)
-    src.check_layout(layout)
-    dtype = parse_dtype(dtype) or torch.float32
-    source = HFTensorSource(src)
-    report = None
-    with staged_output(out, force) as tmp:
-        write_hf(tmp, layout, source, dtype, int(max_shard_size_gb * 2**30), progress)
-        copy_hf_side_files(config_path, tmp, dtype)
-        if _should_verify(verify, spec):
-            report = VerifyReport()
-            compare_tensors(report, (layout, source), (layout, HFTensorSource(HFCheckpoint(tmp))), dtype)
-            compare_logits(report, qlm_logits_fn(layout, source, dtype), hf_logits_fn(tmp, dtype), spec)
-            _finish(report)
-    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report, list(src.notes))
-
-
-def ds_to_mcore(
-    ds: str | Path, out: str | Path, *, tag: str | None = None, config: str | Path | None = None, tp: int = 1,
-    pp: int = 1, vpp: int = 1, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
-    dtype: str | torch.dtype | None = None, make_vocab_size_divisible_by: int = 128, force: bool = False,
-    verify: bool | None = None, progress: Progress = _no_progress,
-) -> ConvertResult:
-    """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy torch (release/), streamed one rank file at a time."""
-    from .deepspeed_config import copy_hf_side_files
-
-    started = time.perf_counter()
-    src, spec, config_path = open_deepspeed(ds, tag, config)
-    out = Path(out)
-    check_output_dir(out, force, src.root)
-    layout = ModelLayout(spec, tp, pp, vpp, first_stage_layers, last_stage_layers, make_vocab_size_divisible_by)
-    src.check_layout(layout)
-    dtype = parse_dtype(dtype) or torch.float32
-    source = HFTensorSource(src)
-    report = None
-    with staged_output(out, force) as tmp:
-        write_mcore_torch(tmp, layout, source, dtype, make_args(layout, dtype), None, progress)
-        copy_hf_side_files(config_path, tmp / HF_SIDE_DIR)
-        if _should_verify(verify, spec):
-            report = VerifyReport()
-            written = MegatronTorchCheckpoint(tmp)
-            compare_tensors(report, (layout, source), (written.layout, written), dtype)
-            compare_logits(report, qlm_logits_fn(layout, source, dtype), qlm_logits_fn(written.layout, written, dtype),
-                           spec)
-            _finish(report)
-    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report, list(src.notes))
-
-
-def _write_and_verify_ds(tmp: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype, tag: str,
-                         global_steps: int, fp32_master: bool, reference, verify: bool, progress: Progress):
-    """Write, then read back: the module (at `dtype`) and the fp32 masters against the source, then logits."""
-    from .deepspeed import MODULE, DeepSpeedCheckpoint
-    from .deepspeed_write import check_tag, write_deepspeed
-
-    write_deepspeed(tmp, layout, source, dtype, check_tag(tag), global_steps, fp32_master, progress=progress)
-    if not verify:
-        return None
-    report = VerifyReport()
-    module = HFTensorSource(DeepSpeedCheckpoint(tmp, tag, view=MODULE))
-    compare_tensors(report, (layout, source), (layout, module), dtype)
-    if fp32_master:
-        compare_tensors(report, (layout, source), (layout, HFTensorSource(DeepSpeedCheckpoint(tmp, tag))),
-                        torch.float32)
-    compare_logits(report, reference(), qlm_logits_fn(layout, module, dtype), layout.spec)
-    _finish(report)
-    return report
-
-
-def hf_to_ds(
-    hf: str | Path, out: str | Path, *, tag: str = "global_step0", dtype: str | torch.dtype | None = None,
-    fp32_master: bool = True, force: bool = False, verify: bool | None = None, progress: Progress = _no_progress,
-) -> ConvertResult:
-    """HF -> DeepSpeed: OUT/latest + OUT/<tag>/mp_rank_00_model_states.pt (+ fp32 masters as one ZeRO-2 partition),
-    with the HF config and tokenizer files next to `latest`."""
-    from .deepspeed_config import copy_hf_side_files
-
-    started = time.perf_counter()
-    src = HFCheckpoint(hf)
-    out = Path(out)
-    check_output_dir(out, force, src.path)
-    layout = ModelLayout(src.spec)
-    src.check_shapes({name: layout.hf_shape(name) for name in layout.hf_tensors})
-    dtype = parse_dtype(dtype) or src.weights_dtype
-    with staged_output(out, force) as tmp:
-        report = _write_and_verify_ds(tmp, layout, HFTensorSource(src), dtype, tag, 0, fp32_master,
-                                      lambda: hf_logits_fn(src.path, dtype), _should_verify(verify, src.spec), progress)
-        copy_hf_side_files(src.path, tmp, dtype)
-    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report)
-
-
-def mcore_to_ds(
-    mcore: str | Path, out: str | Path, *, iteration: int | None = None, tag: str | None = None,
-    dtype: str | torch.dtype | None = None, fp32_master: bool = True, force: bool = False,
-    verify: bool | None = None, progress: Progress = _no_progress,
-) -> ConvertResult:
-    """Megatron-Core (any TP/PP, a LoRA run merged) -> DeepSpeed; tag default global_step<iteration>."""
-    from .deepspeed_config import copy_hf_side_files
-    from .megatron_open import open_megatron as open_any_megatron
-
-    started = time.perf_counter()
-    src = open_any_megatron(mcore, iteration)
-    out = Path(out)
-    check_output_dir(out, force, src.root)
-    dtype = parse_dtype(dtype) or src.dtype
-    source, side_dir = merged_lora_source(src) if src.lora is not None else (src, src.root / HF_SIDE_DIR)
-    steps = src.iteration or 0
-    with staged_output(out, force) as tmp:
-        report = _write_and_verify_ds(tmp, src.layout, source, dtype, tag or f"global_step{steps}", steps, fp32_master,
-                                      lambda: qlm_logits_fn(src.layout, source, dtype),
-                                      _should_verify(verify, src.spec), progress)
-        if (side_dir / "config.json").exists():
-            copy_hf_side_files(side_dir, tmp, dtype)
-        else:
-            dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-            (tmp / "config.json").write_text(json.dumps(src.spec.to_hf_config(dtype_name), indent=2) + "\n")
-    return ConvertResult(out, *_dir_bytes(out), time.perf_counter() - started, report)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, None)

@@ -65,7 +65,7 @@ def open_checkpoint(path: str | Path, iteration: int | None = None) -> OpenedChe
         ckpt = HFCheckpoint(path)
         return OpenedCheckpoint(ckpt.spec, HFTensorSource(ckpt), tokenizer_near(path), f"HF model {path}")
     if (path / "latest").is_file() or list(path.glob("global_step*")) or list(path.glob("*mp_rank_*_model_states.pt")):
-        from .convert import open_deepspeed  # the config.json beside the checkpoint gives the architecture
+        from .convert_deepspeed import open_deepspeed  # the config.json beside the checkpoint gives the architecture
 
         ckpt, spec, config_path = open_deepspeed(path, None, None)
         config_dir = config_path.parent if config_path.is_file() else config_path

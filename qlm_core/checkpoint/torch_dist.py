@@ -7,6 +7,11 @@ then full up), each stored as chunks (Megatron writes one per layer and TP shard
 `decoder.layers.<linear>._extra_state/shard_<layer>_<L>`. The common state (args, iteration, ...) is `common.pt` up
 to megatron-core 0.18; from 0.19 on it is the DCP byte object `common_state/shard_0_1`. Both are read.
 
+qlm's trainer stores its per-parameter optimizer state beside the weights, under the same keys prefixed by
+`qlm_optimizer.<view>.` (view: master, exp_avg, exp_avg_sq; fp32), chunked like them: `view=` reads one of them as
+if it were the weights. Megatron-LM loads such a checkpoint's weights and ignores the extra keys (its default
+strictness, assume_ok_unexpected).
+
 Reads stream: a range of one global tensor loads only the stored chunks that overlap it, and at most the chunks of
 one per-layer tensor are kept between reads (consecutive reads of q, k and v hit them). `.metadata` is a pickle: it
 is read with an unpickler that admits only DCP's metadata classes; chunks are read with torch.load(weights_only).
@@ -52,6 +57,12 @@ DIST_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "c
                "common_backend_version": 1}
 EXTRA_STATE_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 _LOCAL_TO_TE = {local: te for te, local in TE_NORM_NAMES.items()}
+OPTIMIZER_VIEWS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def view_prefix(view: str) -> str:
+    """The key prefix of an optimizer view ("" for the weights)."""
+    return "" if view == "model" else f"qlm_optimizer.{view}."
 
 
 def dist_key(name: str) -> tuple[str, int | None]:
@@ -200,9 +211,8 @@ class TorchDistCheckpoint:
         self.root = Path(root)
         if not self.root.is_dir():
             raise QlmError(f"{self.root} is not a directory", "point at a Megatron checkpoint directory")
-        if view != "model":
-            raise QlmError(f"{self.root} is a torch_dist checkpoint; qlm reads only its weights, not optimizer "
-                           f"state ({view})", "reshard the trainer's torch-format checkpoint to carry Adam states")
+        if view != "model" and view not in OPTIMIZER_VIEWS:
+            raise ValueError(f"view must be model or one of {OPTIMIZER_VIEWS}, not {view!r}")
         self.view = view
         self.dir, self.iteration = resolve_dist_dir(self.root, iteration)
         self._check_config()
@@ -224,6 +234,9 @@ class TorchDistCheckpoint:
         self.dtype = embedding.properties.dtype
         divisible = getattr(self.args, "make_vocab_size_divisible_by", 128) or 128
         self.layout = ModelLayout(self.spec, make_vocab_size_divisible_by=divisible, padded_vocab=embedding.size[0])
+        if view != "model" and not self.holds_optimizer():
+            raise QlmError(f"{self.dir} holds no optimizer state ({view})",
+                           "resume from a checkpoint written by qlm train, or start the optimizer afresh")
         self._check_tensors()
         self._cache_owner: tuple[str, int | None] | None = None
         self._cache: dict[int, torch.Tensor] = {}
@@ -277,6 +290,14 @@ class TorchDistCheckpoint:
                 raise QlmError(f"{self.dir}: {key} is {list(found)}, the args describe {list(expected)}",
                                "the checkpoint does not match its args (or hf/config.json)")
 
+    def holds(self, tensor: TensorLayout) -> bool:
+        """True when this view stores `tensor` (an optimizer view has no entries for frozen parameters)."""
+        return self._key(tensor)[0] in self.tensors
+
+    def holds_optimizer(self) -> bool:
+        """True when qlm's trainer stored its optimizer views beside the weights."""
+        return view_prefix(OPTIMIZER_VIEWS[0]) + "embedding.word_embeddings.weight" in self.tensors
+
     def extra_state(self, key: str, tp_rank: int = 0, pp_rank: int = 0):
         """An entry of the common state (e.g. `opt_param_scheduler`), or None."""
         return self.common.get(key)
@@ -289,7 +310,9 @@ class TorchDistCheckpoint:
             name = "embedding.word_embeddings.weight"  # a tied output layer is the embedding
         key, layer = dist_key(name)
         if layer is not None and key not in self.tensors and name in self.tensors:
-            return name, None  # non-homogeneous models keep per-layer keys instead of a stacked tensor
+            key, layer = name, None  # non-homogeneous models keep per-layer keys instead of a stacked tensor
+        if self.view != "model":
+            key = view_prefix(self.view) + key
         return key, layer
 
     def read_bytes(self, key: str) -> bytes:

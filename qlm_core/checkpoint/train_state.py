@@ -1,7 +1,8 @@
 """Carry a training run's state through a reshard (`mcore2mcore`), so that a resumed run continues as if the layout
-had never changed.
+had never changed; from and to either format.
 
-qlm's trainer stores per rank file, beside the weights, OPTIMIZER_KEY = {"step", "master", "exp_avg", "exp_avg_sq"}
+qlm's trainer stores per rank file (torch; torch_dist: the tensors under prefixed keys, the rest in common.pt, RNG
+states as "TP_PP" -> list), beside the weights, OPTIMIZER_KEY = {"step", "master", "exp_avg", "exp_avg_sq"}
 (fp32 per-parameter tensors named and sharded exactly like the weights: frozen parameters have none, LoRA runs
 hold the adapters' only), `qlm_train_state` (iteration, consumed samples), `opt_param_scheduler` and `rng_state`
 (one entry per data/context-parallel rank of that TP/PP coordinate). The Adam tensors are re-sliced through the
@@ -16,8 +17,9 @@ import torch
 from ..errors import QlmError
 from .layout import ModelLayout, TensorLayout, read_range, read_shard_tensor
 from .mcore import OPTIMIZER_KEY, MegatronTorchCheckpoint
-
-OPTIMIZER_VIEWS = ("master", "exp_avg", "exp_avg_sq")
+from .megatron_open import open_megatron
+from .torch_dist import OPTIMIZER_VIEWS, TorchDistCheckpoint, view_prefix
+from .torch_dist_write import DistPart
 TRAIN_STATE_KEY, SCHEDULER_KEY, RNG_KEY = "qlm_train_state", "opt_param_scheduler", "rng_state"
 _COPIED_KEYS = (TRAIN_STATE_KEY, SCHEDULER_KEY, "num_floating_point_operations_so_far")
 _EMBEDDING, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
@@ -33,15 +35,15 @@ def _chunk_entries(layout: ModelLayout, src, pp_rank: int, chunk: int) -> list[t
 class TrainStateCarrier:
     """What each output rank file holds beside its weights: extra_for(tp_rank, pp_rank) -> top-level entries."""
 
-    def __init__(self, src: MegatronTorchCheckpoint, layout: ModelLayout):
+    def __init__(self, src: MegatronTorchCheckpoint | TorchDistCheckpoint, layout: ModelLayout):
         self.src, self.layout, self.notes = src, layout, []
         self.tied = src.spec.tie_word_embeddings
         self.same_grid = (src.tp, src.pp, src.vpp) == (layout.tp, layout.pp, layout.vpp)
         optimizer = src.extra_state(OPTIMIZER_KEY)
-        self.views: dict[str, MegatronTorchCheckpoint] = {}
+        self.views: dict[str, MegatronTorchCheckpoint | TorchDistCheckpoint] = {}
         if optimizer is not None:
             self.step = optimizer["step"]
-            self.views = {view: MegatronTorchCheckpoint(src.root, src.iteration, spec=src.spec, view=view)
+            self.views = {view: open_megatron(src.root, src.iteration, spec=src.spec, view=view)
                           for view in OPTIMIZER_VIEWS}
             self.with_state = self._names_with_state(self.views["master"])
         self.copied = {key: value for key in _COPIED_KEYS if (value := src.extra_state(key)) is not None}
@@ -56,8 +58,10 @@ class TrainStateCarrier:
     def carries_optimizer(self) -> bool:
         return bool(self.views)
 
-    def _names_with_state(self, view: MegatronTorchCheckpoint) -> set[str]:
+    def _names_with_state(self, view: MegatronTorchCheckpoint | TorchDistCheckpoint) -> set[str]:
         """Global names of the tensors the optimizer holds state for (trainable parameters)."""
+        if isinstance(view, TorchDistCheckpoint):
+            return {tensor.name for tensor in view.layout.global_tensors if view.holds(tensor)}
         names = set()
         for pp_rank in range(view.pp):
             for chunk in range(view.vpp):
@@ -73,9 +77,27 @@ class TrainStateCarrier:
         # A tied output layer on the last stage is a trainable copy of the embedding with the same Adam state.
         return tensor.name in self.with_state or (self.tied and tensor.name == _OUTPUT and _EMBEDDING in self.with_state)
 
+    def _rng(self, tp_rank: int, pp_rank: int):
+        saved = self.src.extra_state(RNG_KEY, tp_rank, pp_rank)
+        return saved.get(f"{tp_rank}_{pp_rank}") if isinstance(saved, dict) else saved
+
+    def common_extra(self) -> dict:
+        """torch_dist output: what goes into common.pt beside args (RNG states of every position on the same grid)."""
+        extra = dict(self.copied)
+        if self.same_grid and self.src.extra_state(RNG_KEY) is not None:
+            extra[RNG_KEY] = {f"{t}_{p}": self._rng(t, p) for t in range(self.layout.tp) for p in range(self.layout.pp)}
+        if self.views:
+            extra[OPTIMIZER_KEY] = {"step": self.step}
+        return extra
+
+    def dist_parts(self) -> list[DistPart]:
+        """torch_dist output: the Adam views, stored like the weights under their prefixes."""
+        return [DistPart(view_prefix(name), view, torch.float32, lambda chunk: self._has_state(chunk.tensor))
+                for name, view in self.views.items()]
+
     def extra_for(self, tp_rank: int, pp_rank: int) -> dict:
         extra = dict(self.copied)
-        if self.same_grid and (rng := self.src.extra_state(RNG_KEY, tp_rank, pp_rank)) is not None:
+        if self.same_grid and (rng := self._rng(tp_rank, pp_rank)) is not None:
             extra[RNG_KEY] = rng
         if self.views:
             optimizer = {"step": self.step}
@@ -101,7 +123,7 @@ class TrainStateCarrier:
                     if tensor.hf_primary and self._has_state(tensor):
                         tensors.setdefault(tensor.name, tensor)
         for view_name, view in self.views.items():
-            written = MegatronTorchCheckpoint(written_root, self.src.iteration, spec=self.src.spec, view=view_name)
+            written = open_megatron(written_root, self.src.iteration, spec=self.src.spec, view=view_name)
             for name, tensor in tensors.items():
                 expected = read_range(view, tensor, 0, tensor.real_extent)
                 actual = read_range(written, tensor, 0, tensor.real_extent)

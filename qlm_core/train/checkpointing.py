@@ -1,11 +1,14 @@
-"""Save and resume training in Megatron's legacy layout:
+"""Save and resume training in Megatron's layouts, legacy `torch` (the default) or `torch_dist`:
 
     RUN/checkpoints/latest_checkpointed_iteration.txt
-    RUN/checkpoints/iter_%07d/mp_rank_TT[_PPP]/model_optim_rng.pt
+    RUN/checkpoints/iter_%07d/mp_rank_TT[_PPP]/model_optim_rng.pt        torch
+    RUN/checkpoints/iter_%07d/{common.pt, metadata.json, .metadata, __R_0.distcp}   torch_dist
 
-Each file holds Megatron's entries (args, checkpoint_version, iteration, model / model0..) and qlm's: the optimizer
+A torch file holds Megatron's entries (args, checkpoint_version, iteration, model / model0..) and qlm's: the optimizer
 state per parameter, named and sharded like the weights (so a resume on another TP/PP/DP reshards it like the
-weights), the LR-scheduler position, the data position and every data/context rank's RNG state.
+weights), the LR-scheduler position, the data position and every data/context rank's RNG state. torch_dist stores
+the same: weights under Megatron's keys, the optimizer views beside them (torch_dist.py), the rest in common.pt;
+every rank writes the chunks it owns (data/context rank 0 of each TP/PP position).
 
 A checkpoint is written into a hidden directory that is renamed into place when complete; the `latest` pointer is
 replaced last, atomically. A run killed at any moment therefore leaves only loadable checkpoints.
@@ -23,24 +26,26 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.layout import read_shard_tensor
+from ..checkpoint.layout import TensorLayout, read_shard_tensor
 from ..checkpoint.mcore import (
     LATEST_FILE,
     OPTIMIZER_KEY,
     SHARD_FILE,
-    MegatronTorchCheckpoint,
     iteration_dir_name,
     shard_dir_name,
     write_shard_file,
 )
 from ..checkpoint.megatron_args import make_args
+from ..checkpoint.megatron_open import TORCH, TORCH_DIST, open_megatron
+from ..checkpoint.torch_dist import OPTIMIZER_VIEWS, view_prefix
+from ..checkpoint.torch_dist_write import DistPart, save_torch_dist_collectively
 from ..parallel.comm import group_size
 from .engine import Engine
 from .lora import lora_state_dict
 
 TRAIN_STATE_KEY = "qlm_train_state"
 RNG_KEY = "rng_state"
-STATE_VIEWS = ("master", "exp_avg", "exp_avg_sq")
+STATE_VIEWS = OPTIMIZER_VIEWS
 
 
 @dataclass
@@ -57,7 +62,11 @@ def _barrier():
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states, numpy's array as a tensor: plain torch.load(weights_only=True) reads it back (as
+    megatron-core loads a torch_dist common.pt)."""
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian)}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -65,7 +74,9 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict):
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+    np.random.set_state((kind, keys.astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -104,7 +115,8 @@ def _model_states(engine: Engine) -> list[dict]:
     return states
 
 
-def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_last: int, extra_args: dict):
+def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_last: int, extra_args: dict,
+                    fmt: str = TORCH):
     g = engine.grid
     root = Path(root)
     name = iteration_dir_name(train_state.iteration)
@@ -112,22 +124,30 @@ def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_la
     if g.rank == 0:
         for stale in root.glob(".iter_*.partial"):
             shutil.rmtree(stale, ignore_errors=True)
-        staging.mkdir(parents=True, exist_ok=True)
+        (staging / name).mkdir(parents=True, exist_ok=True)
     _barrier()
     param_states, step = engine.optimizer.full_param_states()  # collectives: every rank takes part
     models = _model_states(engine)
-    rng = _gather_objects(_rng_state(), g.dp_cp_group)
-    if g.dp_rank == 0 and g.cp_rank == 0:
-        optimizer = {"step": step, **{view: [{} for _ in engine.chunks] for view in STATE_VIEWS}}
-        for (chunk, param_name), state in zip(_named_trainable(engine), param_states):
-            for view in STATE_VIEWS:
-                optimizer[view][chunk][param_name] = state[view].detach().cpu().clone()
-        args = make_args(engine.layout, engine.dtype, iteration=train_state.iteration,
-                         consumed_train_samples=train_state.consumed_samples, **extra_args)
-        extra = {OPTIMIZER_KEY: optimizer, TRAIN_STATE_KEY: asdict(train_state), RNG_KEY: rng,
-                 "opt_param_scheduler": {"num_steps": train_state.iteration}}
-        file = staging / name / shard_dir_name(g.tp_rank, g.pp_rank, engine.layout.pp) / SHARD_FILE
-        write_shard_file(file, models, args, train_state.iteration, extra)
+    args = make_args(engine.layout, engine.dtype, iteration=train_state.iteration,
+                     consumed_train_samples=train_state.consumed_samples, **extra_args)
+    scheduler = {"num_steps": train_state.iteration}
+    if fmt == TORCH_DIST:
+        args.ckpt_format = TORCH_DIST
+        common = {OPTIMIZER_KEY: {"step": step}, TRAIN_STATE_KEY: asdict(train_state), RNG_KEY: _rng_by_position(g),
+                  "opt_param_scheduler": scheduler}
+        parts = _owned_parts(engine, models, param_states) if g.dp_rank == 0 and g.cp_rank == 0 else []
+        save_torch_dist_collectively(staging / name, engine.layout, parts, args, train_state.iteration, common)
+    else:
+        rng = _gather_objects(_rng_state(), g.dp_cp_group)
+        if g.dp_rank == 0 and g.cp_rank == 0:
+            optimizer = {"step": step, **{view: [{} for _ in engine.chunks] for view in STATE_VIEWS}}
+            for (chunk, param_name), state in zip(_named_trainable(engine), param_states):
+                for view in STATE_VIEWS:
+                    optimizer[view][chunk][param_name] = state[view].detach().cpu().clone()
+            extra = {OPTIMIZER_KEY: optimizer, TRAIN_STATE_KEY: asdict(train_state), RNG_KEY: rng,
+                     "opt_param_scheduler": scheduler}
+            file = staging / name / shard_dir_name(g.tp_rank, g.pp_rank, engine.layout.pp) / SHARD_FILE
+            write_shard_file(file, models, args, train_state.iteration, extra)
     _barrier()
     if g.rank == 0:
         final = root / name
@@ -140,6 +160,60 @@ def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_la
         os.replace(pointer, root / LATEST_FILE)
         _prune(root, keep_last, keep=final)
     _barrier()
+
+
+def _rng_by_position(g) -> dict[str, list]:
+    """Every rank's RNG state, as "TP_PP" -> [state of each data x context rank] (the torch layout's per-file list)."""
+    states = [_rng_state()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        states = [None] * dist.get_world_size()
+        dist.all_gather_object(states, _rng_state())
+    by_position: dict[str, list] = {}
+    for rank, state in enumerate(states):
+        c = g.sizes.coords(rank)
+        slots = by_position.setdefault(f"{c['tp']}_{c['pp']}", [None] * (g.sizes.dp * g.sizes.cp))
+        slots[c["dp"] * g.sizes.cp + c["cp"]] = state
+    return by_position
+
+
+class _LocalShards:
+    """This rank's tensors as a TensorSource of the global tensors, for the ranges this TP rank holds."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], tp: int, tp_rank: int):
+        self.tensors, self.tp, self.tp_rank = tensors, tp, tp_rank
+
+    def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor):
+        offset = 0
+        for begin, end in tensor.tp_ranges(self.tp, self.tp_rank):
+            if begin <= start and stop <= end:
+                out.copy_(self.tensors[tensor.name].narrow(tensor.axis, offset + start - begin, stop - start))
+                return
+            offset += end - begin
+        raise KeyError(f"{tensor.name}[{start}:{stop}] is not held by TP rank {self.tp_rank}")
+
+
+def _owned_parts(engine: Engine, models: list[dict], param_states: list[dict]) -> list[DistPart]:
+    """The weights and optimizer views this TP/PP position writes: the chunks of its own TP rank, of the tensors
+    its stage holds."""
+    g, layout = engine.grid, engine.layout
+    global_name = {}  # (chunk, state_dict name) -> global tensor name
+    for chunk in range(len(engine.chunks)):
+        for state_name, tensor in shard_tensor_layouts(engine, g.pp_rank, chunk):
+            global_name[chunk, state_name] = tensor.name
+    weights = {global_name[c, n]: t for c, model in enumerate(models) for n, t in model.items()
+               if (c, n) in global_name}
+    views = {view: {} for view in STATE_VIEWS}
+    for (chunk, param_name), state in zip(_named_trainable(engine), param_states):
+        for view in STATE_VIEWS:
+            views[view][global_name[chunk, param_name]] = state[view].detach().float().cpu()
+
+    def mine(chunk) -> bool:
+        return chunk.tensor.name in weights and chunk.tp_rank == g.tp_rank
+
+    parts = [DistPart("", _LocalShards(weights, layout.tp, g.tp_rank), engine.dtype, mine)]
+    parts += [DistPart(view_prefix(view), _LocalShards(views[view], layout.tp, g.tp_rank), torch.float32, mine)
+              for view in STATE_VIEWS]
+    return parts
 
 
 def _prune(root: Path, keep_last: int, keep: Path):
@@ -159,14 +233,14 @@ def load_checkpoint(root: Path, engine: Engine) -> TrainState:
     """Restore weights (through the optimizer's fp32 masters), optimizer state, RNG and data position from the
     latest checkpoint, whatever TP/PP/DP it was written with."""
     g = engine.grid
-    source = MegatronTorchCheckpoint(root, spec=engine.spec)
+    source = open_megatron(root, spec=engine.spec)
     engine_layout = engine.layout
     names = _named_trainable(engine)
     tensors = [dict(shard_tensor_layouts(engine, g.pp_rank, c)) for c in range(len(engine.chunks))]
     states = [{} for _ in names]
     step = 0
     for view in STATE_VIEWS:
-        view_source = MegatronTorchCheckpoint(root, spec=engine.spec, view=view)
+        view_source = open_megatron(root, spec=engine.spec, view=view)
         for index, (chunk, param_name) in enumerate(names):
             tensor = tensors[chunk][param_name]
             states[index][view] = read_shard_tensor(tensor, engine_layout.tp, g.tp_rank, view_source,
@@ -176,6 +250,8 @@ def load_checkpoint(root: Path, engine: Engine) -> TrainState:
     train_state = TrainState(**source.extra_state(TRAIN_STATE_KEY))
     saved_rng = source.extra_state(RNG_KEY, g.tp_rank, g.pp_rank) if (source.tp, source.pp) == (
         engine_layout.tp, engine_layout.pp) else None
+    if isinstance(saved_rng, dict):  # torch_dist: every position's list in the common state
+        saved_rng = saved_rng.get(f"{g.tp_rank}_{g.pp_rank}")
     if saved_rng is not None and len(saved_rng) == group_size(g.dp_cp_group):
         _set_rng_state(saved_rng[g.dp_rank * engine.config.cp + g.cp_rank])
     return train_state

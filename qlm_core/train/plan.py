@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.layout import ModelLayout
+from ..checkpoint.megatron_open import TORCH_DIST, check_format
 from ..config import Recipe
 from ..errors import QlmError
 from ..models.spec import ModelSpec
@@ -57,6 +58,10 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True) -> RunPlan:
     p, t = recipe.parallel, recipe.train
     if recipe.model.dtype not in DTYPES:
         raise QlmError(f"model.dtype {recipe.model.dtype!r} is not one of {', '.join(DTYPES)}", "set model.dtype")
+    check_format(recipe.checkpoint.format)
+    if recipe.checkpoint.format == TORCH_DIST and recipe.lora.rank > 0:
+        raise QlmError("checkpoint.format torch_dist does not hold LoRA adapters",
+                       "use checkpoint.format = \"torch\" for LoRA runs")
     sizes = resolve_sizes(world, p.tp, p.pp, p.cp, p.dp)
     model = recipe.model
     if check_files:

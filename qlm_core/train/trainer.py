@@ -152,7 +152,8 @@ class Trainer:
         if self.recipe.lora.rank > 0:
             base = Path(self.recipe.model.load).resolve()
             extra.update(lora_args(self.recipe.lora, str(run_checkpoint_dir(base) or base)))
-        save_checkpoint(self.ckpt_root, self.engine, self.state, self.recipe.checkpoint.keep_last, extra)
+        save_checkpoint(self.ckpt_root, self.engine, self.state, self.recipe.checkpoint.keep_last, extra,
+                        self.recipe.checkpoint.format)
         self._emit("checkpoint", step=self.state.iteration)
 
     def run(self) -> dict:

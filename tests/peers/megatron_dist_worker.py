@@ -70,9 +70,10 @@ def run_case(case):
     pre, post = pp_rank == 0, pp_rank == pp - 1
     model = build_model(args, pre, post)
     # As Megatron-LM loads it (the model under "model", the common state beside it). RAISE_ALL: every key the
-    # model asks for is in the checkpoint, and every tensor/object there is asked for by some rank.
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iteration_dir),
-                                    strict=StrictHandling.RAISE_ALL)
+    # model asks for is in the checkpoint, and every tensor/object there is asked for by some rank; a case may ask
+    # for Megatron-LM's default instead (assume_ok_unexpected: keys the model does not ask for are ignored).
+    strict = StrictHandling(case.get("strict", StrictHandling.RAISE_ALL.value))
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iteration_dir), strict=strict)
     assert state["checkpoint_version"] == 3.0 and "args" in state
     model.load_state_dict(state["model"], strict=True)
 

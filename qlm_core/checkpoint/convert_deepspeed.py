@@ -1,0 +1,169 @@
+"""Streaming conversions between DeepSpeed checkpoints (of a transformers module: HF parameter names; formats in
+deepspeed.py) and HF / Megatron-Core, through the same layout module and writers as convert.py."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .convert import (
+    ConvertResult,
+    Progress,
+    dir_bytes,
+    finish_report,
+    merged_lora_source,
+    no_progress,
+    parse_dtype,
+    should_verify,
+    write_hf,
+    write_mcore_torch,
+)
+from .hf import HFCheckpoint
+from .layout import HFTensorSource, ModelLayout, TensorSource
+from .mcore import HF_SIDE_DIR, MegatronTorchCheckpoint
+from .megatron_args import make_args
+from .staging import check_output_dir, staged_output
+from .verify import VerifyReport, compare_logits, compare_tensors, hf_logits_fn, qlm_logits_fn
+
+
+def open_deepspeed(ds: str | Path, tag: str | None, config: str | Path | None):
+    from ..models.spec import ModelSpec, read_hf_config
+    from .deepspeed import DeepSpeedCheckpoint
+    from .deepspeed_config import find_hf_config
+
+    src = DeepSpeedCheckpoint(ds, tag)
+    config_path = find_hf_config(src, config)
+    return src, ModelSpec.from_hf_config(read_hf_config(config_path)), config_path
+
+
+def ds_to_hf(
+    ds: str | Path, out: str | Path, *, tag: str | None = None, config: str | Path | None = None,
+    dtype: str | torch.dtype | None = None, max_shard_size_gb: float = 5.0, force: bool = False,
+    verify: bool | None = None, progress: Progress = no_progress,
+) -> ConvertResult:
+    """DeepSpeed (ZeRO 0-3) -> HF: the fp32 master weights (default dtype fp32), frozen and tied params included.
+    `config`: the HF config (dir or config.json) of the trained model; default a config.json next to the checkpoint."""
+    from .deepspeed_config import copy_hf_side_files
+
+    started = time.perf_counter()
+    src, spec, config_path = open_deepspeed(ds, tag, config)
+    out = Path(out)
+    check_output_dir(out, force, src.root)
+    layout = ModelLayout(spec)
+    src.check_layout(layout)
+    dtype = parse_dtype(dtype) or torch.float32
+    source = HFTensorSource(src)
+    report = None
+    with staged_output(out, force) as tmp:
+        write_hf(tmp, layout, source, dtype, int(max_shard_size_gb * 2**30), progress)
+        copy_hf_side_files(config_path, tmp, dtype)
+        if should_verify(verify, spec):
+            report = VerifyReport()
+            compare_tensors(report, (layout, source), (layout, HFTensorSource(HFCheckpoint(tmp))), dtype)
+            compare_logits(report, qlm_logits_fn(layout, source, dtype), hf_logits_fn(tmp, dtype), spec)
+            finish_report(report)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, list(src.notes))
+
+
+def ds_to_mcore(
+    ds: str | Path, out: str | Path, *, tag: str | None = None, config: str | Path | None = None, tp: int = 1,
+    pp: int = 1, vpp: int = 1, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+    dtype: str | torch.dtype | None = None, make_vocab_size_divisible_by: int = 128, force: bool = False,
+    verify: bool | None = None, progress: Progress = no_progress,
+) -> ConvertResult:
+    """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy torch (release/), streamed one rank file at a time."""
+    from .deepspeed_config import copy_hf_side_files
+
+    started = time.perf_counter()
+    src, spec, config_path = open_deepspeed(ds, tag, config)
+    out = Path(out)
+    check_output_dir(out, force, src.root)
+    layout = ModelLayout(spec, tp, pp, vpp, first_stage_layers, last_stage_layers, make_vocab_size_divisible_by)
+    src.check_layout(layout)
+    dtype = parse_dtype(dtype) or torch.float32
+    source = HFTensorSource(src)
+    report = None
+    with staged_output(out, force) as tmp:
+        write_mcore_torch(tmp, layout, source, dtype, make_args(layout, dtype), None, progress)
+        copy_hf_side_files(config_path, tmp / HF_SIDE_DIR)
+        if should_verify(verify, spec):
+            report = VerifyReport()
+            written = MegatronTorchCheckpoint(tmp)
+            compare_tensors(report, (layout, source), (written.layout, written), dtype)
+            compare_logits(report, qlm_logits_fn(layout, source, dtype), qlm_logits_fn(written.layout, written, dtype),
+                           spec)
+            finish_report(report)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, list(src.notes))
+
+
+def _write_and_verify_ds(tmp: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype, tag: str,
+                         global_steps: int, fp32_master: bool, reference, verify: bool, progress: Progress):
+    """Write, then read back: the module (at `dtype`) and the fp32 masters against the source, then logits."""
+    from .deepspeed import MODULE, DeepSpeedCheckpoint
+    from .deepspeed_write import check_tag, write_deepspeed
+
+    write_deepspeed(tmp, layout, source, dtype, check_tag(tag), global_steps, fp32_master, progress=progress)
+    if not verify:
+        return None
+    report = VerifyReport()
+    module = HFTensorSource(DeepSpeedCheckpoint(tmp, tag, view=MODULE))
+    compare_tensors(report, (layout, source), (layout, module), dtype)
+    if fp32_master:
+        compare_tensors(report, (layout, source), (layout, HFTensorSource(DeepSpeedCheckpoint(tmp, tag))),
+                        torch.float32)
+    compare_logits(report, reference(), qlm_logits_fn(layout, module, dtype), layout.spec)
+    finish_report(report)
+    return report
+
+
+def hf_to_ds(
+    hf: str | Path, out: str | Path, *, tag: str = "global_step0", dtype: str | torch.dtype | None = None,
+    fp32_master: bool = True, force: bool = False, verify: bool | None = None, progress: Progress = no_progress,
+) -> ConvertResult:
+    """HF -> DeepSpeed: OUT/latest + OUT/<tag>/mp_rank_00_model_states.pt (+ fp32 masters as one ZeRO-2 partition),
+    with the HF config and tokenizer files next to `latest`."""
+    from .deepspeed_config import copy_hf_side_files
+
+    started = time.perf_counter()
+    src = HFCheckpoint(hf)
+    out = Path(out)
+    check_output_dir(out, force, src.path)
+    layout = ModelLayout(src.spec)
+    src.check_shapes({name: layout.hf_shape(name) for name in layout.hf_tensors})
+    dtype = parse_dtype(dtype) or src.weights_dtype
+    with staged_output(out, force) as tmp:
+        report = _write_and_verify_ds(tmp, layout, HFTensorSource(src), dtype, tag, 0, fp32_master,
+                                      lambda: hf_logits_fn(src.path, dtype), should_verify(verify, src.spec), progress)
+        copy_hf_side_files(src.path, tmp, dtype)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)
+
+
+def mcore_to_ds(
+    mcore: str | Path, out: str | Path, *, iteration: int | None = None, tag: str | None = None,
+    dtype: str | torch.dtype | None = None, fp32_master: bool = True, force: bool = False,
+    verify: bool | None = None, progress: Progress = no_progress,
+) -> ConvertResult:
+    """Megatron-Core (any TP/PP, a LoRA run merged) -> DeepSpeed; tag default global_step<iteration>."""
+    from .deepspeed_config import copy_hf_side_files
+    from .megatron_open import open_megatron as open_any_megatron
+
+    started = time.perf_counter()
+    src = open_any_megatron(mcore, iteration)
+    out = Path(out)
+    check_output_dir(out, force, src.root)
+    dtype = parse_dtype(dtype) or src.dtype
+    source, side_dir = merged_lora_source(src) if src.lora is not None else (src, src.root / HF_SIDE_DIR)
+    steps = src.iteration or 0
+    with staged_output(out, force) as tmp:
+        report = _write_and_verify_ds(tmp, src.layout, source, dtype, tag or f"global_step{steps}", steps, fp32_master,
+                                      lambda: qlm_logits_fn(src.layout, source, dtype),
+                                      should_verify(verify, src.spec), progress)
+        if (side_dir / "config.json").exists():
+            copy_hf_side_files(side_dir, tmp, dtype)
+        else:
+            dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+            (tmp / "config.json").write_text(json.dumps(src.spec.to_hf_config(dtype_name), indent=2) + "\n")
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)
