@@ -79,6 +79,14 @@ def launch_torchrun(worker: Path, nproc: int, *args, timeout: float = 600,
     )
 
 
+def run_peer_jobs(worker_name: str, nproc: int, out: Path, timeout: float = 600) -> tuple[Path, int, str]:
+    """Launch tests/peers/WORKER_NAME (a harness.run_jobs worker) into `out`: (out, exit code, the tracebacks the
+    failing jobs left, else the tail of stderr)."""
+    proc = launch_torchrun(Path(__file__).parent / "peers" / worker_name, nproc, out, timeout=timeout)
+    errors = "\n".join(p.read_text() for p in out.glob("*.error"))
+    return out, proc.returncode, errors or proc.stderr[-3000:]
+
+
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory) -> dict[str, Path]:
     """One saved tiny model per MODEL_KINDS entry (fp32)."""
@@ -90,24 +98,32 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-@pytest.fixture
-def run_qlm(monkeypatch):
-    """Run the `qlm` console entry point in-process: returns (exit code, stdout, stderr)."""
+def call_qlm(*args) -> tuple[int, str, str]:
+    """The `qlm` console entry point in this process: (exit code, stdout, stderr); argv and COLUMNS restored."""
     from qlm_cli.main import main
 
-    def run(*args):
-        out, err = io.StringIO(), io.StringIO()
-        monkeypatch.setattr(sys, "argv", ["qlm", *map(str, args)])
-        monkeypatch.setenv("COLUMNS", "200")
-        code = 0
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv, saved_columns = sys.argv, os.environ.get("COLUMNS")
+    sys.argv, os.environ["COLUMNS"] = ["qlm", *map(str, args)], "200"
+    code = 0
+    try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main()
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        return code, out.getvalue(), err.getvalue()
+            main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = saved_argv
+        if saved_columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = saved_columns
+    return code, out.getvalue(), err.getvalue()
 
-    return run
+
+@pytest.fixture
+def run_qlm():
+    """call_qlm as a fixture."""
+    return call_qlm
 
 
 def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:

@@ -22,11 +22,14 @@ LAYOUTS = {
 }
 
 
-def assert_same_hf(a, b):
-    ta, tb = load_safetensors_dir(a), load_safetensors_dir(b)
+def assert_same_hf(a, b, dtype: torch.dtype | None = None):
+    """HF directory `a` holds exactly the tensors of `b` (a directory or a name -> tensor dict), bit for bit; with
+    `dtype`, `a`'s tensors are in that dtype and equal `b`'s cast to it."""
+    ta, tb = load_safetensors_dir(a), b if isinstance(b, dict) else load_safetensors_dir(b)
     assert sorted(ta) == sorted(tb)
-    for name in ta:
-        assert ta[name].dtype == tb[name].dtype and torch.equal(ta[name], tb[name]), name
+    for name, expected in tb.items():
+        expected = expected if dtype is None else expected.to(dtype)
+        assert ta[name].dtype == expected.dtype and torch.equal(ta[name], expected), name
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

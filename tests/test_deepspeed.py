@@ -16,6 +16,8 @@ from qlm_core.checkpoint.convert import hf_to_mcore, mcore_to_hf
 from qlm_core.checkpoint.convert_deepspeed import ds_to_hf, ds_to_mcore, hf_to_ds, mcore_to_ds
 from qlm_core.checkpoint.deepspeed import DeepSpeedCheckpoint
 from qlm_core.checkpoint.safe_load import safe_torch_load
+from test_convert import assert_same_hf
+from test_convert_errors import assert_clean_failure
 
 WORLD = 3
 TRAIN = {f"zero{stage}_{precision}": (stage, precision == "bf16") for stage in (0, 1, 2, 3)
@@ -30,23 +32,6 @@ def tiny(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("ds") / "hf"
     make_hf_model(path, "qwen2_tied")
     return path
-
-
-def assert_same_as_hf(path, reference: dict[str, torch.Tensor], dtype=torch.float32):
-    written = load_safetensors_dir(path)
-    assert sorted(written) == sorted(reference)
-    for name, tensor in reference.items():
-        assert written[name].dtype == dtype and torch.equal(written[name], tensor.to(dtype)), name
-
-
-def assert_clean_failure(result, out, *needles):
-    code, stdout, stderr = result
-    lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (code, stdout, stderr)
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    assert not out.exists()
-    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")], "partial output left behind"
 
 
 # ---- qlm on its own -------------------------------------------------------------------------------------------------
@@ -64,7 +49,7 @@ def test_hf_ds_hf_is_bit_exact(tiny, tmp_path):
                                                   "model.layers.0.self_attn.q_proj.bias"]
     back = ds_to_hf(tmp_path / "ds", tmp_path / "hf", verify=True)  # config.json found next to `latest`
     assert back.verify.ok
-    assert_same_as_hf(tmp_path / "hf", source)
+    assert_same_hf(tmp_path / "hf", source)
 
 
 def test_bf16_module_keeps_fp32_masters(tiny, tmp_path):
@@ -74,9 +59,9 @@ def test_bf16_module_keeps_fp32_masters(tiny, tmp_path):
     assert state["module"]["model.norm.weight"].dtype == torch.bfloat16
     assert (tmp_path / "ds/warm/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").exists()
     ds_to_hf(tmp_path / "ds", tmp_path / "hf")
-    assert_same_as_hf(tmp_path / "hf", load_safetensors_dir(tiny))
+    assert_same_hf(tmp_path / "hf", load_safetensors_dir(tiny))
     ds_to_hf(tmp_path / "ds", tmp_path / "hf16", dtype="bf16")
-    assert_same_as_hf(tmp_path / "hf16", load_safetensors_dir(tiny), torch.bfloat16)
+    assert_same_hf(tmp_path / "hf16", load_safetensors_dir(tiny), torch.bfloat16)
 
 
 def test_mcore_ds_mcore_round_trip(hf_models, tmp_path):
@@ -88,7 +73,7 @@ def test_mcore_ds_mcore_round_trip(hf_models, tmp_path):
     assert DeepSpeedCheckpoint(tmp_path / "ds").zero_stage == 0
     ds_to_mcore(tmp_path / "ds", tmp_path / "back", tp=4, verify=True)
     mcore_to_hf(tmp_path / "back", tmp_path / "hf")
-    assert_same_as_hf(tmp_path / "hf", load_safetensors_dir(src))
+    assert_same_hf(tmp_path / "hf", load_safetensors_dir(src))
 
 
 def test_cli_hf2ds_inspect_and_errors(run_qlm, tiny, tmp_path):
@@ -202,7 +187,7 @@ def test_ds2mcore_mcore2hf_round_trip(deepspeed_runs, tiny, tmp_path, case):
     mcore = ds_to_mcore(deepspeed_runs / case, tmp_path / "mcore", config=tiny, tp=2, pp=2, verify=True)
     assert mcore.verify.ok and direct.files
     mcore_to_hf(tmp_path / "mcore", tmp_path / "hf", verify=True)
-    assert_same_as_hf(tmp_path / "hf", load_safetensors_dir(tmp_path / "direct"))
+    assert_same_hf(tmp_path / "hf", load_safetensors_dir(tmp_path / "direct"))
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     assert model.config.tie_word_embeddings
 

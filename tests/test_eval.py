@@ -56,11 +56,11 @@ def per_request(results) -> dict:
 def assert_same(ours, theirs, tolerance=1e-4):
     ours_rows = {(t, f, m): v for t, f, m, v, _ in result_rows(ours)}
     theirs_rows = {(t, f, m): v for t, f, m, v, _ in result_rows(theirs)}
-    assert ours_rows.keys() == theirs_rows.keys()
+    assert ours_rows and ours_rows.keys() == theirs_rows.keys()
     for key, value in ours_rows.items():
-        assert value == pytest.approx(theirs_rows[key], rel=1e-4, abs=1e-6), key
+        assert value == pytest.approx(theirs_rows[key], rel=tolerance, abs=1e-6), key
     a, b = per_request(ours), per_request(theirs)
-    assert a.keys() == b.keys()
+    assert a and a.keys() == b.keys()
     for key in a:
         if isinstance(a[key], str):
             assert a[key] == b[key], key

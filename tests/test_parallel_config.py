@@ -97,7 +97,7 @@ def test_bf16_engine_keeps_fp32_master_weights_and_tracks_fp32():
             assert all(p.main_grad.dtype == torch.float32 for p in engine.params)
             masters = [t for group in engine.optimizer.optimizer.param_groups for t in group["params"]]
             assert masters and all(t.dtype == torch.float32 for t in masters)
-    assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], rel=2e-2)
+    assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], abs=5e-3)  # observed 3e-4; three steps move the loss by 0.1
     assert losses[torch.bfloat16][-1] < losses[torch.bfloat16][0]
 
 

@@ -14,7 +14,7 @@ from qlm_core.parallel.state import Grid
 from qlm_core.config import ParallelConfig
 from qlm_core.train.engine import Batch, Engine
 
-from conftest import launch_torchrun
+from conftest import run_peer_jobs
 from parallel_cases import CASES, GLOBAL_BATCH, SEQ, SPEC, STEPS, WORLD, make_batch
 
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
@@ -44,11 +44,7 @@ def references():
 
 @pytest.fixture(scope="module")
 def parallel_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    worker = Path(__file__).parent / "peers" / "parity_worker.py"
-    proc = launch_torchrun(worker, WORLD, out, timeout=1200)
-    errors = "\n".join(p.read_text() for p in out.glob("*.error"))
-    return out, proc.returncode, errors or proc.stderr[-3000:]
+    return run_peer_jobs("parity_worker.py", WORLD, tmp_path_factory.mktemp("parity"), timeout=1200)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import launch_torchrun
+from conftest import run_peer_jobs
 
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
 from profile_worker import LAYER_CASES, STAGE_CASES, STATE_CASES  # noqa: E402
@@ -17,11 +17,7 @@ from profile_worker import LAYER_CASES, STAGE_CASES, STATE_CASES  # noqa: E402
 
 @pytest.fixture(scope="module")
 def worker_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("profile")
-    worker = Path(__file__).parent / "peers" / "profile_worker.py"
-    proc = launch_torchrun(worker, 4, out, timeout=600)
-    errors = "\n".join(p.read_text() for p in out.glob("*.error"))
-    return out, proc.returncode, errors or proc.stderr[-3000:]
+    return run_peer_jobs("profile_worker.py", 4, tmp_path_factory.mktemp("profile"), timeout=600)
 
 
 @pytest.mark.parametrize("case", STATE_CASES)
@@ -49,7 +45,7 @@ def test_pipeline_stage_peak_within_5_percent(case, worker_run):
     see the PipelineStage's receive buffers, which memory.py counts under pp_buffers)."""
     out, code, errors = worker_run
     files = sorted((out / "stage").glob(f"{case}.stage*.json")) if (out / "stage").exists() else []
-    assert files, f"worker exit {code}: {errors}"
+    assert len(files) == STAGE_CASES[case][0]["pp"], f"worker exit {code}: {errors}"
     full = STAGE_CASES[case][0].get("recompute") == "full"
     for file in files:
         result = json.loads(file.read_text())

@@ -2,39 +2,14 @@
 devices is probed through the CLI, which starts torchrun itself (2 gloo ranks, one launch), and the trainer's
 measured memory agrees with the prediction."""
 
-import contextlib
-import io
 import json
-import os
-import sys
 
 import pytest
+from conftest import call_qlm as run_qlm
 
 SMALL = ["--model", "qlm-tiny", "--seq-len", "256", "--gbs", "4", "--num-gpus", "2", "--dtype", "fp32"]
 LAYOUT_OPTIONS = {"tp": "--tp", "pp": "--pp", "vpp": "--vpp", "cp": "--cp", "cp_comm_type": "--cp-comm-type",
                   "zero_stage": "--zero", "recompute": "--recompute", "pp_schedule": "--pp-schedule"}
-
-
-def run_qlm(*args):
-    """The `qlm` entry point in this process: (exit code, stdout, stderr)."""
-    from qlm_cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    saved_argv, saved_columns = sys.argv, os.environ.get("COLUMNS")
-    sys.argv, os.environ["COLUMNS"] = ["qlm", *map(str, args)], "200"
-    code = 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            main()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.argv = saved_argv
-        if saved_columns is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = saved_columns
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -87,8 +87,10 @@ def test_torch_and_torch_dist_convert_into_each_other_bit_exactly(hf_models, tmp
     assert to_dist.verify.ok
     back = mcore_to_mcore(tmp_path / "dist", tmp_path / "torch2", tp=2, pp=2, format="torch", verify=True)
     assert back.verify.ok
-    for a, b in zip(sorted((tmp_path / "torch").rglob("model_optim_rng.pt")),
-                    sorted((tmp_path / "torch2").rglob("model_optim_rng.pt"))):
+    before = sorted((tmp_path / "torch").rglob("model_optim_rng.pt"))
+    after = sorted((tmp_path / "torch2").rglob("model_optim_rng.pt"))
+    assert len(before) == len(after) == 4
+    for a, b in zip(before, after):
         ours, theirs = safe_torch_load(a)["model"], safe_torch_load(b)["model"]
         assert list(ours) == list(theirs)
         for name, tensor in ours.items():

@@ -79,6 +79,9 @@ def test_megatron_core_loads_a_torch_dist_checkpoint_of_qlm_train(peer_run):
     result = json.loads((tmp / "trainer.json").read_text())
     assert result["shape"] == [2, 16, 512]
     assert result["max_abs_diff"] <= 1e-4, result
+    # and what megatron-core saved of that model reads back as the same weights
+    assert mcore_to_hf(tmp / "trainer.megatron", tmp / "trainer.megatron.hf", verify=True).verify.ok
+    assert_same_hf(tmp / "trainer.hf", tmp / "trainer.megatron.hf")
 
 
 @pytest.mark.parametrize("name", CASES)

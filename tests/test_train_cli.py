@@ -111,9 +111,12 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(baseline, cache, tmp_path
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     child = subprocess.Popen([sys.executable, "-m", "qlm_cli.main", "train", *map(str, args)], env=env, cwd=REPO,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(random.Random(os.getpid()).uniform(4.0, 9.0))
+    latest = run / "checkpoints/latest_checkpointed_iteration.txt"
+    target = random.Random(os.getpid()).randint(4, 8)  # the kill lands somewhere inside step target + 1
+    while child.poll() is None and int(latest.read_text()) < target:
+        time.sleep(0.05)
     child.send_signal(signal.SIGKILL)
-    child.wait()
+    assert child.wait() == -signal.SIGKILL, "the run ended before it could be killed"
     assert_every_checkpoint_loads(run)
     # 3) run to the end
     qlm_train(*args)
