@@ -7,7 +7,7 @@ import transformers
 
 from qlm_core.checkpoint.hf import HFCheckpoint
 from qlm_core.checkpoint.layout import HFTensorSource, ModelLayout, build_shard
-from qlm_core.models.gpt import GPTModel
+from qlm_core.models.gpt import GPTModel, KVCache
 
 from conftest import MODEL_KINDS
 
@@ -32,6 +32,22 @@ def test_logits_and_loss_equal_transformers(hf_models, kind):
         assert (model(ids) - expected).abs().max().item() <= 1e-5
         expected_loss = F.cross_entropy(expected.flatten(0, 1), labels.flatten(), reduction="none").view(2, 40)
         assert (model(ids, labels=labels) - expected_loss).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_packed_and_cached_paths_equal_transformers(hf_models, kind):
+    """The masks built for packed documents and for decoding with a KV cache keep Mistral's sliding window."""
+    model, spec = qlm_from_hf(hf_models[kind])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_models[kind], dtype=torch.float32).eval()
+    ids = torch.randint(0, spec.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        one_document = model(ids, segment_ids=torch.zeros_like(ids))
+        assert (one_document - expected).abs().max().item() <= 1e-5
+        cache = KVCache.empty(spec.num_layers)
+        prefix = model(ids[:, :30], cache=cache)
+        steps = [model(ids[:, t : t + 1], torch.full((2, 1), t), cache=cache) for t in range(30, 40)]
+        assert (torch.cat([prefix, *steps], dim=1) - expected).abs().max().item() <= 1e-5
 
 
 def test_loss_gradient_matches_transformers(hf_models):

@@ -58,7 +58,7 @@ class AttentionInputs:
     token_index: torch.Tensor | None  # global sequence index of each local token (context parallelism)
     segment_ids: torch.Tensor | None  # [b, s_local] document id of each token in a packed sequence
     cache: "KVCache | None" = None  # incremental decoding: keys/values of earlier tokens
-    mask: torch.Tensor | None = None  # [b, 1, q, k] bool, True = may attend (decoding with padding)
+    mask: torch.Tensor | None = None  # [b, 1, q, k] bool, True = may attend (packed documents; decoding)
 
 
 @dataclass
@@ -83,20 +83,26 @@ class KVCache:
         return k, v
 
 
-def decoding_mask(key_valid: torch.Tensor, past: int, new: int) -> torch.Tensor:
+def _causal(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[q, k] bool: the key is not in the query's future (and, with a sliding window, fewer than `window` back)."""
+    back = queries[:, None] - keys[None, :]
+    return (back >= 0) if window is None else (back >= 0) & (back < window)
+
+
+def decoding_mask(key_valid: torch.Tensor, past: int, new: int, window: int | None = None) -> torch.Tensor:
     """[b, past + new] bool key validity -> [b, 1, new, past + new] mask: causal by position, padding keys
     hidden; each query also sees itself, so that a padding query is never left with nothing to attend to."""
     keys = torch.arange(past + new, device=key_valid.device)
     queries = past + torch.arange(new, device=key_valid.device)
-    causal = keys[None, :] <= queries[:, None]
+    causal = _causal(queries, keys, window)
     return ((causal[None] & key_valid[:, None, :]) | (keys[None, :] == queries[:, None])[None])[:, None]
 
 
-def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+def segment_mask(segment_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """[b, s] document ids -> [b, 1, s, s] bool mask, True = may attend (same document, not in the future)."""
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    causal = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
-    return (same & causal)[:, None]
+    index = torch.arange(segment_ids.shape[1], device=segment_ids.device)
+    return (same & _causal(index, index, window))[:, None]
 
 
 class SelfAttention(nn.Module):
@@ -156,11 +162,9 @@ class SelfAttention(nn.Module):
                 q, k, v, group=self.parallel.cp_group, comm_type=self.parallel.cp_comm_type, scale=scale,
                 positions=inputs.token_index, segment_ids=inputs.segment_ids,
             )
-        mask = inputs.mask if inputs.segment_ids is None else segment_mask(inputs.segment_ids)
-        if mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        if inputs.cache is not None and q.shape[2] != k.shape[2]:  # decoding without padding: see every key
-            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        if inputs.mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask, scale=scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
         return core_attention(q, k, v, causal=True, softmax_scale=scale, sliding_window=self.spec.sliding_window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
@@ -348,10 +352,15 @@ class GPTModel(nn.Module):
             position_ids = index[None, :].expand(x.shape[1], local_tokens)
         self._inv_freq = self._inv_freq.to(x.device)
         cos, sin = rope_cos_sin(position_ids, self._inv_freq, x.dtype)
-        mask = None
-        if attention_mask is not None:
+        # One mask for every layer (the sliding window included): packed documents, or decoding with a cache.
+        mask, window = None, self.spec.sliding_window
+        if cache is not None or attention_mask is not None:
             past = 0 if cache is None else cache.length
-            mask = decoding_mask(attention_mask.bool(), past, local_tokens)
+            if attention_mask is None:
+                attention_mask = torch.ones(x.shape[1], past + local_tokens, dtype=torch.bool, device=x.device)
+            mask = decoding_mask(attention_mask.bool(), past, local_tokens, window)
+        elif segment_ids is not None and token_index is None:  # context parallelism masks block by block
+            mask = segment_mask(segment_ids, window)
         x = self.decoder(x, cos, sin, AttentionInputs(token_index, segment_ids, cache, mask))
         if not self.post_process:
             return x
