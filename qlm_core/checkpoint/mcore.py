@@ -22,6 +22,20 @@ HF_SIDE_DIR = "hf"  # config + tokenizer of the source HF model, kept so the way
 # qlm's trainer stores, per file, {"step": n, "master": [chunk dicts], "exp_avg": [...], "exp_avg_sq": [...]}: fp32
 # optimizer state per parameter, named and sharded exactly like the weights (so any reshard can carry it).
 OPTIMIZER_KEY = "qlm_optimizer"
+OPTIMIZER_VIEWS = ("master", "exp_avg", "exp_avg_sq")
+# Also beside the weights: the trainer's position, Megatron's scheduler entry, and the RNG states of the data/context
+# ranks of that TP/PP position (torch_dist: of every position, as "TP_PP" -> list, in common.pt).
+TRAIN_STATE_KEY, SCHEDULER_KEY, RNG_KEY = "qlm_train_state", "opt_param_scheduler", "rng_state"
+
+
+def rng_position_key(tp_rank: int, pp_rank: int) -> str:
+    return f"{tp_rank}_{pp_rank}"
+
+
+def saved_rng_states(source, tp_rank: int, pp_rank: int) -> list | None:
+    """The RNG states a checkpoint (either format) keeps for the data/context ranks of one TP/PP position."""
+    saved = source.extra_state(RNG_KEY, tp_rank, pp_rank)
+    return saved.get(rng_position_key(tp_rank, pp_rank)) if isinstance(saved, dict) else saved
 CHECKPOINT_VERSION = 3.0
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 

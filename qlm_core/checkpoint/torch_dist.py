@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.planner import (
 from ..errors import QlmError
 from ..models.spec import ModelSpec, read_hf_config
 from .layout import TE_NORM_NAMES, ModelLayout, TensorLayout
-from .mcore import HF_SIDE_DIR, resolve_iteration_dir
+from .mcore import HF_SIDE_DIR, OPTIMIZER_VIEWS, resolve_iteration_dir
 from .megatron_args import spec_from_args
 from .safe_load import ForeignObject, allowed_globals, safe_torch_load
 
@@ -57,7 +57,6 @@ DIST_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "c
                "common_backend_version": 1}
 EXTRA_STATE_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 _LOCAL_TO_TE = {local: te for te, local in TE_NORM_NAMES.items()}
-OPTIMIZER_VIEWS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def view_prefix(view: str) -> str:

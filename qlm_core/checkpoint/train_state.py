@@ -16,11 +16,20 @@ import torch
 
 from ..errors import QlmError
 from .layout import ModelLayout, TensorLayout, read_range, read_shard_tensor
-from .mcore import OPTIMIZER_KEY, MegatronTorchCheckpoint
+from .mcore import (
+    OPTIMIZER_KEY,
+    OPTIMIZER_VIEWS,
+    RNG_KEY,
+    SCHEDULER_KEY,
+    TRAIN_STATE_KEY,
+    MegatronTorchCheckpoint,
+    rng_position_key,
+    saved_rng_states,
+)
 from .megatron_open import open_megatron
-from .torch_dist import OPTIMIZER_VIEWS, TorchDistCheckpoint, view_prefix
+from .torch_dist import TorchDistCheckpoint, view_prefix
 from .torch_dist_write import DistPart
-TRAIN_STATE_KEY, SCHEDULER_KEY, RNG_KEY = "qlm_train_state", "opt_param_scheduler", "rng_state"
+
 _COPIED_KEYS = (TRAIN_STATE_KEY, SCHEDULER_KEY, "num_floating_point_operations_so_far")
 _EMBEDDING, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
@@ -54,10 +63,6 @@ class TrainStateCarrier:
             self.notes.append("Megatron-LM's own optimizer state (`optimizer`, indexed by parameter order) was not "
                               "carried; qlm carries only the per-parameter Adam states its trainer writes")
 
-    @property
-    def carries_optimizer(self) -> bool:
-        return bool(self.views)
-
     def _names_with_state(self, view: MegatronTorchCheckpoint | TorchDistCheckpoint) -> set[str]:
         """Global names of the tensors the optimizer holds state for (trainable parameters)."""
         if isinstance(view, TorchDistCheckpoint):
@@ -77,15 +82,12 @@ class TrainStateCarrier:
         # A tied output layer on the last stage is a trainable copy of the embedding with the same Adam state.
         return tensor.name in self.with_state or (self.tied and tensor.name == _OUTPUT and _EMBEDDING in self.with_state)
 
-    def _rng(self, tp_rank: int, pp_rank: int):
-        saved = self.src.extra_state(RNG_KEY, tp_rank, pp_rank)
-        return saved.get(f"{tp_rank}_{pp_rank}") if isinstance(saved, dict) else saved
-
     def common_extra(self) -> dict:
         """torch_dist output: what goes into common.pt beside args (RNG states of every position on the same grid)."""
         extra = dict(self.copied)
         if self.same_grid and self.src.extra_state(RNG_KEY) is not None:
-            extra[RNG_KEY] = {f"{t}_{p}": self._rng(t, p) for t in range(self.layout.tp) for p in range(self.layout.pp)}
+            extra[RNG_KEY] = {rng_position_key(t, p): saved_rng_states(self.src, t, p)
+                              for t in range(self.layout.tp) for p in range(self.layout.pp)}
         if self.views:
             extra[OPTIMIZER_KEY] = {"step": self.step}
         return extra
@@ -97,7 +99,7 @@ class TrainStateCarrier:
 
     def extra_for(self, tp_rank: int, pp_rank: int) -> dict:
         extra = dict(self.copied)
-        if self.same_grid and (rng := self._rng(tp_rank, pp_rank)) is not None:
+        if self.same_grid and (rng := saved_rng_states(self.src, tp_rank, pp_rank)) is not None:
             extra[RNG_KEY] = rng
         if self.views:
             optimizer = {"step": self.step}

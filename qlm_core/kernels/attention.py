@@ -160,7 +160,8 @@ def _mask_empty_rows(out, lse, mask):
     return out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, float("-inf"))
 
 
-def _lse_dtype(dtype):
+def accumulation_dtype(dtype):
+    """What softmax statistics and merged outputs are kept in: fp64 for fp64 inputs, else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -180,13 +181,13 @@ def _cpu_forward(q, k, v, scale, causal, mask):
     out, lse = _CPU_FLASH(
         q, _expand_kv(k, groups), _expand_kv(v, groups), 0.0, causal, attn_mask=_cpu_bias(mask, q.dtype), scale=scale
     )[:2]
-    return _mask_empty_rows(out, lse.to(_lse_dtype(q.dtype)), mask)
+    return _mask_empty_rows(out, lse.to(accumulation_dtype(q.dtype)), mask)
 
 
 def _cpu_backward(grad_out, q, k, v, out, lse, scale, causal, mask):
     groups = q.shape[1] // k.shape[1]
     dq, dk, dv = _CPU_FLASH_BWD(
-        grad_out, q, _expand_kv(k, groups), _expand_kv(v, groups), out, lse.to(_lse_dtype(q.dtype)), 0.0, causal,
+        grad_out, q, _expand_kv(k, groups), _expand_kv(v, groups), out, lse.to(accumulation_dtype(q.dtype)), 0.0, causal,
         attn_mask=_cpu_bias(mask, q.dtype), scale=scale,
     )
     return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
@@ -196,7 +197,7 @@ def _cpu_backward(grad_out, q, k, v, out, lse, scale, causal, mask):
 
 
 def _math_scores(q, k, scale, causal, mask):
-    dtype = _lse_dtype(q.dtype)
+    dtype = accumulation_dtype(q.dtype)
     kx = _expand_kv(k, q.shape[1] // k.shape[1])
     s = torch.matmul(q.to(dtype), kx.to(dtype).transpose(-1, -2)) * scale
     if causal:
@@ -214,7 +215,7 @@ def _math_forward(q, k, v, scale, causal, mask):
 
 def _math_backward(grad_out, q, k, v, out, lse, scale, causal, mask):
     groups = q.shape[1] // k.shape[1]
-    p = torch.exp(_math_scores(q, k, scale, causal, mask) - lse.to(_lse_dtype(q.dtype))[..., None])
+    p = torch.exp(_math_scores(q, k, scale, causal, mask) - lse.to(accumulation_dtype(q.dtype))[..., None])
     g = grad_out.to(p.dtype)
     dv = torch.matmul(p.transpose(-1, -2), g)
     dp = torch.matmul(g, _expand_kv(v, groups).to(p.dtype).transpose(-1, -2))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from ..kernels.attention import attention, attention_backward, attention_forward_with_lse
+from ..kernels.attention import accumulation_dtype, attention, attention_backward, attention_forward_with_lse
 from .comm import all_gather_dim0, all_to_all_dim0, group_rank, group_size, reduce_scatter_dim0
 
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
@@ -65,9 +65,8 @@ def _reorder_chunks(x: torch.Tensor, cp_size: int, dim: int, to_global: bool) ->
         order = [2 * g if g < cp_size else 2 * (n - 1 - g) + 1 for g in range(n)]
     else:  # rank-major slot 2j+h holds global chunk j (h = 0) or 2cp-1-j (h = 1)
         order = [j // 2 if j % 2 == 0 else n - 1 - j // 2 for j in range(n)]
-    index = torch.tensor(order, device=x.device)
-    dim = dim % x.dim()
-    return x.unflatten(dim, (n, -1)).index_select(dim, index).flatten(dim, dim + 1)
+    chunks = x.chunk(n, dim)  # slices, not an index tensor: no host-to-device copy per call
+    return torch.cat([chunks[i] for i in order], dim=dim)
 
 
 def _gather_seq(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -121,10 +120,6 @@ def _block_mask(q_meta, k_meta, block: _Block) -> torch.Tensor | None:
     return (causal & (q[1:, :, None] == k[1:, None, :]))[:, None]
 
 
-def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _attend(q, kv, block: _Block, q_meta, k_meta, scale, out, lse):
     mask = _block_mask(q_meta, k_meta, block)
     blk_out, blk_lse = attention_forward_with_lse(
@@ -155,7 +150,7 @@ def _attend_backward(grad_out, q, kv, out, lse, block: _Block, q_meta, k_meta, s
 
 
 def _empty_result(q):
-    out = torch.zeros(q.shape, dtype=_acc_dtype(q.dtype), device=q.device)
+    out = torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
     return out, torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
 
 
@@ -228,7 +223,7 @@ class _RingAttention(Function):
         group = ctx.group
         cp, rank, half = group_size(group), group_rank(group), q.shape[2] // 2
         ring = _Ring(group)
-        acc = _acc_dtype(q.dtype)
+        acc = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv, k_meta = torch.stack((k, v)), meta
         grad_pending = None
@@ -295,7 +290,7 @@ class _AllGatherAttention(Function):
         q, k, v, out, lse, meta = ctx.saved_tensors
         group = ctx.group
         kv, k_meta = _gather_kv(k, v, meta, group)
-        acc = _acc_dtype(q.dtype)
+        acc = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         for block in _allgather_blocks(group_rank(group), group_size(group), q.shape[2] // 2):

@@ -422,8 +422,3 @@ class GradientBuffers:
             start_all_gather(full, bucket.grad_shard, self.dp_group, async_op=False)
         lo, hi = bucket.param_range(param)
         return full[lo:hi].view_as(param)
-
-    def remove_hooks(self):
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []

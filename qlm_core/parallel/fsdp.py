@@ -2,7 +2,7 @@
 sees each TP rank's local shards) and with pipelining (torch's schedules drive FSDP's gradient sync).
 
 Same interface as the ZeRO 0-2 path (GradientBuffers + DistributedOptimizer): zero_grad, finish_grad_sync,
-clip_grad_norm, step, set_lr, state_dict / load_state_dict.
+clip_grad_norm, step, set_lr, full_param_states / load_full_param_states.
 """
 
 from __future__ import annotations
@@ -118,17 +118,16 @@ class FullyShardedState:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
-
     @torch.no_grad()
     def full_param_states(self) -> tuple[list[dict[str, torch.Tensor]], int]:
-        """Per param: whole fp32 master / exp_avg / exp_avg_sq (gathered over dp x cp: a collective), and the step."""
+        """Per param: whole fp32 master / exp_avg / exp_avg_sq on the CPU (gathered over dp x cp: a collective; one
+        param at a time is whole on the device), and the step."""
         states, step = [], 0
         for param in self.params:
             state = self.optimizer.state.get(param, {})
-            entry = {"master": _full(param.detach())}
+            entry = {"master": _full(param.detach()).cpu()}
             for key in ("exp_avg", "exp_avg_sq"):
-                entry[key] = _full(state[key]) if key in state else torch.zeros_like(entry["master"])
+                entry[key] = _full(state[key]).cpu() if key in state else torch.zeros_like(entry["master"])
             if state:
                 step = int(state["step"])
             states.append(entry)

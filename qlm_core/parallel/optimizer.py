@@ -31,6 +31,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from ..checkpoint.mcore import OPTIMIZER_VIEWS
 from .comm import all_reduce, group_rank, start_all_gather, wait
 from .data import GradientBuffers
 
@@ -225,34 +226,37 @@ class DistributedOptimizer:
 
     # ---- checkpoint --------------------------------------------------------------------------------------------------
 
-    STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
-
     @torch.no_grad()
     def full_param_states(self) -> tuple[list[dict[str, torch.Tensor]], int]:
-        """Per param of GradientBuffers.params: its whole fp32 master, exp_avg and exp_avg_sq, shaped like the
-        param (ZeRO 1/2: assembled over the dp group, a collective every dp rank must call), and the step count.
-        This is layout-independent: a checkpoint of it can be re-sharded to any TP/PP/DP."""
+        """Per param of GradientBuffers.params: its whole fp32 master, exp_avg and exp_avg_sq (OPTIMIZER_VIEWS),
+        shaped like the param, on the CPU (ZeRO 1/2: assembled over the dp group, a collective every dp rank must
+        call), and the step count. Layout-independent: a checkpoint of it can be re-sharded to any TP/PP/DP.
+        One param at a time is whole on the device (one collective each)."""
         self.wait_param_gather()
         device = self.buffers.device
-        full = [{key: torch.zeros(p.numel(), dtype=torch.float32, device=device) for key in self.STATE_KEYS}
-                for p in self.buffers.params]
+        fragments = [[] for _ in self.buffers.params]
         step = 0
         for f in self._fragments:
-            state = self.optimizer.state.get(f.master, {})
-            values = {"master": f.master, "exp_avg": state.get("exp_avg"), "exp_avg_sq": state.get("exp_avg_sq")}
-            for key, value in values.items():
-                if value is not None:
-                    full[f.param_index][key][f.start:f.end] = value.reshape(-1)
-            if state:
+            fragments[f.param_index].append(f)
+            if state := self.optimizer.state.get(f.master):
                 step = int(state["step"])
-        if self.zero_stage >= 1:  # fragments are disjoint across dp ranks: a sum assembles them
-            for entry in full:
-                for value in entry.values():
-                    all_reduce(value, self.dp_group)
+        if self.zero_stage >= 1:
             step_tensor = torch.tensor(float(step), device=device)
             all_reduce(step_tensor, self.dp_group, op=torch.distributed.ReduceOp.MAX)
             step = int(step_tensor.item())
-        return [{k: v.view(p.shape) for k, v in entry.items()} for entry, p in zip(full, self.buffers.params)], step
+        states = []
+        for param, own in zip(self.buffers.params, fragments):
+            full = torch.zeros(len(OPTIMIZER_VIEWS), param.numel(), dtype=torch.float32, device=device)
+            for f in own:
+                state = self.optimizer.state.get(f.master, {})
+                for row, value in enumerate((f.master, state.get("exp_avg"), state.get("exp_avg_sq"))):
+                    if value is not None:
+                        full[row, f.start:f.end] = value.reshape(-1)
+            if self.zero_stage >= 1:  # fragments are disjoint across dp ranks: a sum assembles them
+                all_reduce(full, self.dp_group)
+            full = full.cpu()
+            states.append({view: full[row].view(param.shape) for row, view in enumerate(OPTIMIZER_VIEWS)})
+        return states, step
 
     @torch.no_grad()
     def load_full_param_states(self, states: list[dict[str, torch.Tensor]], step: int):

@@ -121,9 +121,7 @@ class Grid:
     tp_group: object = None
     pp_group: object = None
     cp_group: object = None
-    dp_group: object = None
     dp_cp_group: object = None  # gradients are reduced over data x context ranks
-    tp_cp_group: object = None
     embedding_group: object = None  # first and last pipeline stage, for tied embeddings
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, stage order
     device: torch.device = field(default_factory=default_device)
@@ -192,13 +190,11 @@ class Grid:
 
         grid.tp_group = groups_varying(("tp",))[0]
         grid.cp_group = groups_varying(("cp",))[0]
-        grid.dp_group = groups_varying(("dp",))[0]
         grid.dp_cp_group = groups_varying(("dp", "cp"))[0]
-        grid.tp_cp_group = groups_varying(("tp", "cp"))[0]
         grid.pp_group, pp_ranks = groups_varying(("pp",))
         grid.pp_ranks = tuple(pp_ranks)
         # The embedding group joins the first and last stage of each pipeline (one group per pipeline).
-        for dp, cp, tp in product(axes["dp"], axes["cp"], axes["tp"]):
+        for dp, cp, tp in product(axes["dp"], axes["cp"], axes["tp"]) if sizes.pp > 1 else ():
             members = sorted({ranks[sizes.rank_of(dp, 0, cp, tp)], ranks[sizes.rank_of(dp, sizes.pp - 1, cp, tp)]})
             group = dist.new_group(members)
             if me in members:

@@ -30,22 +30,25 @@ from ..checkpoint.layout import TensorLayout, read_shard_tensor
 from ..checkpoint.mcore import (
     LATEST_FILE,
     OPTIMIZER_KEY,
+    OPTIMIZER_VIEWS,
+    RNG_KEY,
+    SCHEDULER_KEY,
     SHARD_FILE,
+    TRAIN_STATE_KEY,
     iteration_dir_name,
+    rng_position_key,
+    saved_rng_states,
     shard_dir_name,
     write_shard_file,
 )
 from ..checkpoint.megatron_args import make_args
 from ..checkpoint.megatron_open import TORCH, TORCH_DIST, open_megatron
-from ..checkpoint.torch_dist import OPTIMIZER_VIEWS, view_prefix
+from ..checkpoint.torch_dist import view_prefix
 from ..checkpoint.torch_dist_write import DistPart, save_torch_dist_collectively
 from ..parallel.comm import group_size
 from .engine import Engine
 from .lora import lora_state_dict
 
-TRAIN_STATE_KEY = "qlm_train_state"
-RNG_KEY = "rng_state"
-STATE_VIEWS = OPTIMIZER_VIEWS
 
 
 @dataclass
@@ -134,18 +137,18 @@ def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_la
     if fmt == TORCH_DIST:
         args.ckpt_format = TORCH_DIST
         common = {OPTIMIZER_KEY: {"step": step}, TRAIN_STATE_KEY: asdict(train_state), RNG_KEY: _rng_by_position(g),
-                  "opt_param_scheduler": scheduler}
+                  SCHEDULER_KEY: scheduler}
         parts = _owned_parts(engine, models, param_states) if g.dp_rank == 0 and g.cp_rank == 0 else []
         save_torch_dist_collectively(staging / name, engine.layout, parts, args, train_state.iteration, common)
     else:
         rng = _gather_objects(_rng_state(), g.dp_cp_group)
         if g.dp_rank == 0 and g.cp_rank == 0:
-            optimizer = {"step": step, **{view: [{} for _ in engine.chunks] for view in STATE_VIEWS}}
+            optimizer = {"step": step, **{view: [{} for _ in engine.chunks] for view in OPTIMIZER_VIEWS}}
             for (chunk, param_name), state in zip(_named_trainable(engine), param_states):
-                for view in STATE_VIEWS:
+                for view in OPTIMIZER_VIEWS:
                     optimizer[view][chunk][param_name] = state[view].detach().cpu().clone()
             extra = {OPTIMIZER_KEY: optimizer, TRAIN_STATE_KEY: asdict(train_state), RNG_KEY: rng,
-                     "opt_param_scheduler": scheduler}
+                     SCHEDULER_KEY: scheduler}
             file = staging / name / shard_dir_name(g.tp_rank, g.pp_rank, engine.layout.pp) / SHARD_FILE
             write_shard_file(file, models, args, train_state.iteration, extra)
     _barrier()
@@ -171,7 +174,7 @@ def _rng_by_position(g) -> dict[str, list]:
     by_position: dict[str, list] = {}
     for rank, state in enumerate(states):
         c = g.sizes.coords(rank)
-        slots = by_position.setdefault(f"{c['tp']}_{c['pp']}", [None] * (g.sizes.dp * g.sizes.cp))
+        slots = by_position.setdefault(rng_position_key(c["tp"], c["pp"]), [None] * (g.sizes.dp * g.sizes.cp))
         slots[c["dp"] * g.sizes.cp + c["cp"]] = state
     return by_position
 
@@ -202,9 +205,9 @@ def _owned_parts(engine: Engine, models: list[dict], param_states: list[dict]) -
             global_name[chunk, state_name] = tensor.name
     weights = {global_name[c, n]: t for c, model in enumerate(models) for n, t in model.items()
                if (c, n) in global_name}
-    views = {view: {} for view in STATE_VIEWS}
+    views = {view: {} for view in OPTIMIZER_VIEWS}
     for (chunk, param_name), state in zip(_named_trainable(engine), param_states):
-        for view in STATE_VIEWS:
+        for view in OPTIMIZER_VIEWS:
             views[view][global_name[chunk, param_name]] = state[view].detach().float().cpu()
 
     def mine(chunk) -> bool:
@@ -212,7 +215,7 @@ def _owned_parts(engine: Engine, models: list[dict], param_states: list[dict]) -
 
     parts = [DistPart("", _LocalShards(weights, layout.tp, g.tp_rank), engine.dtype, mine)]
     parts += [DistPart(view_prefix(view), _LocalShards(views[view], layout.tp, g.tp_rank), torch.float32, mine)
-              for view in STATE_VIEWS]
+              for view in OPTIMIZER_VIEWS]
     return parts
 
 
@@ -239,7 +242,7 @@ def load_checkpoint(root: Path, engine: Engine) -> TrainState:
     tensors = [dict(shard_tensor_layouts(engine, g.pp_rank, c)) for c in range(len(engine.chunks))]
     states = [{} for _ in names]
     step = 0
-    for view in STATE_VIEWS:
+    for view in OPTIMIZER_VIEWS:
         view_source = open_megatron(root, spec=engine.spec, view=view)
         for index, (chunk, param_name) in enumerate(names):
             tensor = tensors[chunk][param_name]
@@ -248,10 +251,8 @@ def load_checkpoint(root: Path, engine: Engine) -> TrainState:
         step = view_source.extra_state(OPTIMIZER_KEY)["step"]
     engine.optimizer.load_full_param_states(states, step)
     train_state = TrainState(**source.extra_state(TRAIN_STATE_KEY))
-    saved_rng = source.extra_state(RNG_KEY, g.tp_rank, g.pp_rank) if (source.tp, source.pp) == (
-        engine_layout.tp, engine_layout.pp) else None
-    if isinstance(saved_rng, dict):  # torch_dist: every position's list in the common state
-        saved_rng = saved_rng.get(f"{g.tp_rank}_{g.pp_rank}")
+    same_grid = (source.tp, source.pp) == (engine_layout.tp, engine_layout.pp)
+    saved_rng = saved_rng_states(source, g.tp_rank, g.pp_rank) if same_grid else None
     if saved_rng is not None and len(saved_rng) == group_size(g.dp_cp_group):
         _set_rng_state(saved_rng[g.dp_rank * engine.config.cp + g.cp_rank])
     return train_state
