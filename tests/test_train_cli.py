@@ -188,7 +188,11 @@ def test_lora_run_exports_to_peft_and_merged_hf_alike(baseline, cache, tmp_path)
     (["parallel.tp=3"], "--tp 3 does not divide num_attention_heads 4"),
     (["optim.lrr=1"], "did you mean 'lr'?"),
     (["checkpoint.format=zarr"], "unknown checkpoint format 'zarr'"),
-    (["checkpoint.format=torch_dist", "lora.rank=4"], "checkpoint.format torch_dist does not hold LoRA adapters"),
+    (["checkpoint.format=torch_dist", "lora.rank=4", "model.load=base"],
+     "checkpoint.format torch_dist does not hold LoRA adapters"),
+    (["lora.rank=4"], "LoRA needs pretrained weights to adapt"),
+    (["schedule.lr_schedule=linear"], "schedule.lr_schedule 'linear' is not one of constant, cosine, wsd"),
+    (["model.dtype=fp16"], "model.dtype 'fp16' is not one of bf16, fp32"),
 ])
 def test_bad_recipes_get_one_line_errors(run_qlm, sets, message, tmp_path):
     """Checked before any process starts (no --dry-run: a real launch stops at the same check)."""

@@ -255,7 +255,7 @@ def hf2ds(
     engine.load_checkpoint(OUT, load_module_only=True) under ZeRO 0-2. Config and tokenizer files go next to
     `latest`."""
     with progress_bar("hf2ds") as progress:
-        result = ds_core.hf_to_ds(hf, out, tag=tag or "global_step0", dtype=_dtype(dtype), fp32_master=fp32_master,
+        result = ds_core.hf_to_ds(hf, out, tag=tag, dtype=_dtype(dtype), fp32_master=fp32_master,
                                force=force, verify=verify, progress=progress)
     _report(result)
 

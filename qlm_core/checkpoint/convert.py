@@ -7,7 +7,6 @@ only the slices that file needs. Peak memory is one output file plus the slices 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,29 +14,35 @@ from typing import Callable
 
 import torch
 
+from ..dtypes import dtype_named
 from ..errors import QlmError
 from .hf import (
     HFCheckpoint,
     copy_side_files,
-    is_hf_dir,
     plan_hf_shards,
     shard_file_names,
+    write_hf_config,
     write_hf_index,
     write_hf_shard,
 )
-from .layout import HFTensorSource, ModelLayout, TensorSource, assemble_hf_tensor, build_shard
-from .lora import merged_source
+from .layout import (
+    HFTensorSource,
+    ModelLayout,
+    TensorSource,
+    assemble_hf_tensor,
+    build_shard,
+)
 from .mcore import (
     HF_SIDE_DIR,
     SHARD_FILE,
-    MegatronTorchCheckpoint,
     iteration_dir_name,
     shard_dir_name,
     write_latest,
     write_shard_file,
 )
-from .megatron_args import DTYPE_NAMES, make_args, set_layout_args
+from .megatron_args import make_args, set_layout_args
 from .megatron_open import TORCH, TORCH_DIST, check_format, open_megatron
+from .open import megatron_weights
 from .staging import check_output_dir, staged_output
 from .torch_dist import TorchDistCheckpoint
 from .torch_dist_write import write_mcore_torch_dist
@@ -71,9 +76,7 @@ class ConvertResult:
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPE_NAMES:
-        raise QlmError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPE_NAMES)}")
-    return DTYPE_NAMES[dtype]
+    return dtype_named(dtype, "--dtype")
 
 
 def should_verify(verify: bool | None, spec) -> bool:
@@ -167,17 +170,6 @@ def write_hf(out: Path, layout: ModelLayout, source: TensorSource, dtype: torch.
         write_hf_index(out, weight_map, sum(sizes.values()))
 
 
-def _write_hf_config(out: Path, side_dir: Path, spec, dtype: torch.dtype):
-    dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    if (side_dir / "config.json").exists():
-        copy_side_files(side_dir, out)
-        config = json.loads((out / "config.json").read_text())
-        config["torch_dtype" if "torch_dtype" in config or "dtype" not in config else "dtype"] = dtype_name
-    else:
-        config = spec.to_hf_config(dtype_name)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
 def mcore_to_hf(
     mcore: str | Path, out: str | Path, *, iteration: int | None = None, dtype: str | torch.dtype | None = None,
     max_shard_size_gb: float = 5.0, force: bool = False, verify: bool | None = None,
@@ -188,13 +180,11 @@ def mcore_to_hf(
     out = Path(out)
     check_output_dir(out, force, src.root)
     dtype = parse_dtype(dtype) or src.dtype
-    source, side_dir = src, src.root / HF_SIDE_DIR
-    if src.lora is not None:  # a LoRA run: write the base weights merged with the adapters
-        source, side_dir = merged_lora_source(src)
+    source, side_dir = megatron_weights(src)  # a LoRA run: the base weights merged with the adapters
     report = None
     with staged_output(out, force) as tmp:
         write_hf(tmp, src.layout, source, dtype, int(max_shard_size_gb * 2**30), progress)
-        _write_hf_config(tmp, side_dir, src.spec, dtype)
+        write_hf_config(tmp, side_dir, src.spec, dtype)
         if should_verify(verify, src.spec):
             report = VerifyReport()
             written = HFCheckpoint(tmp)
@@ -202,32 +192,6 @@ def mcore_to_hf(
             compare_logits(report, qlm_logits_fn(src.layout, source, dtype), hf_logits_fn(tmp, dtype), src.spec)
             finish_report(report)
     return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)
-
-
-def merged_lora_source(src: MegatronTorchCheckpoint) -> tuple[TensorSource, Path]:
-    """The merged weights of a LoRA run's checkpoint, and where the HF config/tokenizer come from. The base is the
-    checkpoint itself when it holds the base weights too, else the HF or Megatron checkpoint its args name."""
-    if src.holds_base:
-        return merged_source(src, src, src.layout, src.lora), src.root / HF_SIDE_DIR
-    if not src.lora.base:
-        raise QlmError(f"{src.root} holds only LoRA adapters and its args do not name the base (qlm_lora_base)",
-                       "set args.qlm_lora_base to the base model's HF or Megatron checkpoint")
-    path = Path(src.lora.base)
-    if not path.exists() and not path.is_absolute():
-        path = src.root / path
-    if not path.exists():
-        raise QlmError(f"the LoRA base {src.lora.base} does not exist", "put the base checkpoint back at that path")
-    if is_hf_dir(path):
-        hf = HFCheckpoint(path)
-        base, base_spec, side_dir = HFTensorSource(hf), hf.spec, path
-    else:
-        base = open_megatron(path)
-        base_spec, side_dir = base.spec, path / HF_SIDE_DIR
-    shape = ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "vocab_size")
-    if any(getattr(base_spec, f) != getattr(src.spec, f) for f in shape):
-        raise QlmError(f"the LoRA base {path} is not the model the adapters were trained on",
-                       "point args.qlm_lora_base at the right base checkpoint")
-    return merged_source(base, src, src.layout, src.lora), side_dir
 
 
 def mcore_to_mcore(

@@ -3,7 +3,6 @@ deepspeed.py) and HF / Megatron-Core, through the same layout module and writers
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -14,29 +13,29 @@ from .convert import (
     Progress,
     dir_bytes,
     finish_report,
-    merged_lora_source,
     no_progress,
     parse_dtype,
     should_verify,
     write_hf,
     write_mcore_torch,
 )
-from .hf import HFCheckpoint
+from .deepspeed import MODULE, DeepSpeedCheckpoint
+from .deepspeed_config import copy_hf_side_files
+from .deepspeed_write import check_tag, write_deepspeed
+from .hf import HFCheckpoint, write_hf_config
 from .layout import HFTensorSource, ModelLayout, TensorSource
 from .mcore import HF_SIDE_DIR, MegatronTorchCheckpoint
 from .megatron_args import make_args
+from .megatron_open import open_megatron
+from .open import megatron_weights, open_deepspeed
 from .staging import check_output_dir, staged_output
-from .verify import VerifyReport, compare_logits, compare_tensors, hf_logits_fn, qlm_logits_fn
-
-
-def open_deepspeed(ds: str | Path, tag: str | None, config: str | Path | None):
-    from ..models.spec import ModelSpec, read_hf_config
-    from .deepspeed import DeepSpeedCheckpoint
-    from .deepspeed_config import find_hf_config
-
-    src = DeepSpeedCheckpoint(ds, tag)
-    config_path = find_hf_config(src, config)
-    return src, ModelSpec.from_hf_config(read_hf_config(config_path)), config_path
+from .verify import (
+    VerifyReport,
+    compare_logits,
+    compare_tensors,
+    hf_logits_fn,
+    qlm_logits_fn,
+)
 
 
 def ds_to_hf(
@@ -46,8 +45,6 @@ def ds_to_hf(
 ) -> ConvertResult:
     """DeepSpeed (ZeRO 0-3) -> HF: the fp32 master weights (default dtype fp32), frozen and tied params included.
     `config`: the HF config (dir or config.json) of the trained model; default a config.json next to the checkpoint."""
-    from .deepspeed_config import copy_hf_side_files
-
     started = time.perf_counter()
     src, spec, config_path = open_deepspeed(ds, tag, config)
     out = Path(out)
@@ -75,8 +72,6 @@ def ds_to_mcore(
     verify: bool | None = None, progress: Progress = no_progress,
 ) -> ConvertResult:
     """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy torch (release/), streamed one rank file at a time."""
-    from .deepspeed_config import copy_hf_side_files
-
     started = time.perf_counter()
     src, spec, config_path = open_deepspeed(ds, tag, config)
     out = Path(out)
@@ -102,9 +97,6 @@ def ds_to_mcore(
 def _write_and_verify_ds(tmp: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype, tag: str,
                          global_steps: int, fp32_master: bool, reference, verify: bool, progress: Progress):
     """Write, then read back: the module (at `dtype`) and the fp32 masters against the source, then logits."""
-    from .deepspeed import MODULE, DeepSpeedCheckpoint
-    from .deepspeed_write import check_tag, write_deepspeed
-
     write_deepspeed(tmp, layout, source, dtype, check_tag(tag), global_steps, fp32_master, progress=progress)
     if not verify:
         return None
@@ -120,13 +112,11 @@ def _write_and_verify_ds(tmp: Path, layout: ModelLayout, source: TensorSource, d
 
 
 def hf_to_ds(
-    hf: str | Path, out: str | Path, *, tag: str = "global_step0", dtype: str | torch.dtype | None = None,
+    hf: str | Path, out: str | Path, *, tag: str | None = None, dtype: str | torch.dtype | None = None,
     fp32_master: bool = True, force: bool = False, verify: bool | None = None, progress: Progress = no_progress,
 ) -> ConvertResult:
     """HF -> DeepSpeed: OUT/latest + OUT/<tag>/mp_rank_00_model_states.pt (+ fp32 masters as one ZeRO-2 partition),
     with the HF config and tokenizer files next to `latest`."""
-    from .deepspeed_config import copy_hf_side_files
-
     started = time.perf_counter()
     src = HFCheckpoint(hf)
     out = Path(out)
@@ -135,7 +125,7 @@ def hf_to_ds(
     src.check_shapes({name: layout.hf_shape(name) for name in layout.hf_tensors})
     dtype = parse_dtype(dtype) or src.weights_dtype
     with staged_output(out, force) as tmp:
-        report = _write_and_verify_ds(tmp, layout, HFTensorSource(src), dtype, tag, 0, fp32_master,
+        report = _write_and_verify_ds(tmp, layout, HFTensorSource(src), dtype, tag or "global_step0", 0, fp32_master,
                                       lambda: hf_logits_fn(src.path, dtype), should_verify(verify, src.spec), progress)
         copy_hf_side_files(src.path, tmp, dtype)
     return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)
@@ -147,23 +137,16 @@ def mcore_to_ds(
     verify: bool | None = None, progress: Progress = no_progress,
 ) -> ConvertResult:
     """Megatron-Core (any TP/PP, a LoRA run merged) -> DeepSpeed; tag default global_step<iteration>."""
-    from .deepspeed_config import copy_hf_side_files
-    from .megatron_open import open_megatron as open_any_megatron
-
     started = time.perf_counter()
-    src = open_any_megatron(mcore, iteration)
+    src = open_megatron(mcore, iteration)
     out = Path(out)
     check_output_dir(out, force, src.root)
     dtype = parse_dtype(dtype) or src.dtype
-    source, side_dir = merged_lora_source(src) if src.lora is not None else (src, src.root / HF_SIDE_DIR)
+    source, side_dir = megatron_weights(src)
     steps = src.iteration or 0
     with staged_output(out, force) as tmp:
         report = _write_and_verify_ds(tmp, src.layout, source, dtype, tag or f"global_step{steps}", steps, fp32_master,
                                       lambda: qlm_logits_fn(src.layout, source, dtype),
                                       should_verify(verify, src.spec), progress)
-        if (side_dir / "config.json").exists():
-            copy_hf_side_files(side_dir, tmp, dtype)
-        else:
-            dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-            (tmp / "config.json").write_text(json.dumps(src.spec.to_hf_config(dtype_name), indent=2) + "\n")
+        write_hf_config(tmp, side_dir, src.spec, dtype, copy=copy_hf_side_files)
     return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)

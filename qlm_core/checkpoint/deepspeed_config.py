@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..dtypes import set_hf_config_dtype
 from ..errors import QlmError
 from .deepspeed import DeepSpeedCheckpoint
 
@@ -29,7 +30,6 @@ def find_hf_config(ckpt: DeepSpeedCheckpoint, config: str | Path | None) -> Path
 
 _SIDE_FILES = ("config.json", "generation_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
                "merges.txt", "chat_template.json", "chat_template.jinja")
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def copy_hf_side_files(src: Path, dst: Path, dtype: torch.dtype | None = None):
@@ -41,6 +41,5 @@ def copy_hf_side_files(src: Path, dst: Path, dtype: torch.dtype | None = None):
         if src.is_file() or item.name in _SIDE_FILES or item.name.startswith("tokenizer"):
             shutil.copy2(item, dst / ("config.json" if src.is_file() else item.name))
     if dtype is not None:
-        config = json.loads((dst / "config.json").read_text())
-        config["torch_dtype" if "torch_dtype" in config or "dtype" not in config else "dtype"] = _DTYPE_NAMES[dtype]
+        config = set_hf_config_dtype(json.loads((dst / "config.json").read_text()), dtype)
         (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")

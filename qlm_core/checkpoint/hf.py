@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..dtypes import HF_DTYPE_NAMES, set_hf_config_dtype
 from ..errors import QlmError
 from ..models.spec import ModelSpec, read_hf_config
 from .safe_load import safe_torch_load
@@ -111,9 +112,6 @@ class HFCheckpoint:
             counts[dt] = counts.get(dt, 0) + 1
         return max(counts, key=counts.get)
 
-    def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in set(self._files.values()))
-
     def check_shapes(self, expected: dict[str, tuple[int, ...]]):
         """Every tensor the config implies must exist with that shape, before anything is written."""
         for name, shape in expected.items():
@@ -171,6 +169,18 @@ def copy_side_files(src: Path, dst: Path):
     for item in src.iterdir():
         if item.is_file() and item.suffix not in WEIGHT_SUFFIXES and item.name not in INDEX_FILES:
             shutil.copy2(item, dst / item.name)
+
+
+def write_hf_config(out: Path, side_dir: Path | None, spec: ModelSpec, dtype: torch.dtype,
+                    copy=copy_side_files):
+    """OUT/config.json: the one in `side_dir` (copied with its side files by `copy`) at `dtype`, or, without one,
+    made from `spec`."""
+    if side_dir is not None and (side_dir / "config.json").exists():
+        copy(side_dir, out)
+        config = set_hf_config_dtype(json.loads((out / "config.json").read_text()), dtype)
+    else:
+        config = spec.to_hf_config(HF_DTYPE_NAMES[dtype])
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def plan_hf_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:

@@ -35,9 +35,9 @@ _LAYER_TENSORS = (
     ("mlp.linear_fc1.weight", FC1),
     ("mlp.linear_fc2.weight", COLS),
 )
-_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 # LoRA target name (LoraConfig.target_modules) -> the linear it adapts; in state_dict order.
-LORA_TARGETS = {linear.rsplit(".", 1)[1]: linear for linear in _LINEARS}
+LORA_TARGETS = {linear.rsplit(".", 1)[1]: linear for linear in LINEARS}
 
 # Transformer-Engine spec fuses the norms into the following linear; torch_dist always uses these names.
 TE_NORM_NAMES = {
@@ -267,7 +267,7 @@ class ModelLayout:
                 if suffix in by_suffix:
                     entries.append((prefix + suffix, by_suffix[suffix]))
                 linear = suffix.rsplit(".", 1)[0]
-                if linear in _LINEARS and suffix.endswith(_last_param_of(linear, by_suffix)):
+                if linear in LINEARS and suffix.endswith(_last_param_of(linear, by_suffix)):
                     entries.append((prefix + linear + "._extra_state", None))
         if last:
             entries.append(("decoder.final_layernorm.weight", self.final_norm()))
@@ -365,10 +365,20 @@ def _range_shape(tensor: TensorLayout, length: int) -> list[int]:
     return shape
 
 
+def _read_padded_into(source: TensorSource, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor):
+    """Entries [start, stop) of `tensor` along its axis into `out`; zeros where they are vocabulary padding."""
+    real = min(stop, tensor.real_extent)
+    if start < real:
+        source.read_into(tensor, start, real, out.narrow(tensor.axis, 0, real - start))
+    if stop > max(start, real):
+        out.narrow(tensor.axis, max(start, real) - start, stop - max(start, real)).zero_()
+
+
 def read_range(source: TensorSource, tensor: TensorLayout, start: int, stop: int,
                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Entries [start, stop) of `tensor` along its axis (zeros past the real vocabulary)."""
     out = torch.empty(_range_shape(tensor, stop - start), dtype=dtype or source.stored_dtype(tensor))
-    source.read_into(tensor, start, stop, out)
+    _read_padded_into(source, tensor, start, stop, out)
     return out
 
 
@@ -377,12 +387,9 @@ def read_shard_tensor(tensor: TensorLayout, tp: int, rank: int, source: TensorSo
     """TP rank `rank`'s shard of `tensor`: its ranges read straight into one buffer, zeros where they are
     vocabulary padding."""
     out = torch.empty(tensor.shard_shape(tp), dtype=dtype or source.stored_dtype(tensor))
-    real, offset = tensor.real_extent, 0
+    offset = 0
     for start, stop in tensor.tp_ranges(tp, rank):
-        if start < min(stop, real):
-            source.read_into(tensor, start, min(stop, real), out.narrow(tensor.axis, offset, min(stop, real) - start))
-        if stop > max(start, real):
-            out.narrow(tensor.axis, offset + max(start, real) - start, stop - max(start, real)).zero_()
+        _read_padded_into(source, tensor, start, stop, out.narrow(tensor.axis, offset, stop - start))
         offset += stop - start
     return out
 

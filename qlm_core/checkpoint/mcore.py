@@ -5,6 +5,7 @@ mp_rank_TT[_PPP]/model_optim_rng.pt holding args, checkpoint_version, iteration 
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -38,6 +39,14 @@ def saved_rng_states(source, tp_rank: int, pp_rank: int) -> list | None:
     return saved.get(rng_position_key(tp_rank, pp_rank)) if isinstance(saved, dict) else saved
 CHECKPOINT_VERSION = 3.0
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+def megatron_spec(root: Path, args) -> ModelSpec:
+    """A Megatron checkpoint's architecture: the HF config kept beside it (exact), else its args."""
+    side = root / HF_SIDE_DIR / "config.json"
+    if side.exists():
+        return ModelSpec.from_hf_config(read_hf_config(side))
+    return spec_from_args(args)
 
 
 def iteration_dir_name(iteration: int | None) -> str:
@@ -140,10 +149,7 @@ class MegatronTorchCheckpoint:
         return self._states[key]
 
     def _spec(self) -> ModelSpec:
-        side = self.root / HF_SIDE_DIR / "config.json"
-        if side.exists():
-            return ModelSpec.from_hf_config(read_hf_config(side))
-        return spec_from_args(self.args)
+        return megatron_spec(self.root, self.args)
 
     def extra_state(self, key: str, tp_rank: int = 0, pp_rank: int = 0):
         """A top-level entry other than the weights (e.g. qlm's optimizer or train state), or None."""
@@ -249,20 +255,26 @@ class MegatronTorchCheckpoint:
                 offset += b - a
 
 
-def fast_torch_save(obj, path: Path):
+@contextmanager
+def without_crc32():
     """torch.save without the zip CRC32 pass, which costs about as much as writing the bytes (torch.load does not
-    need it); where the switch does not exist (older torch) this is plain torch.save."""
+    need it); where the switch does not exist (older torch) saves are unchanged."""
     config = getattr(getattr(torch.utils, "serialization", None), "config", None)
     save_config = getattr(config, "save", None)
     if save_config is None or not hasattr(save_config, "compute_crc32"):
-        torch.save(obj, path)
+        yield
         return
     previous = save_config.compute_crc32
     save_config.compute_crc32 = False
     try:
-        torch.save(obj, path)
+        yield
     finally:
         save_config.compute_crc32 = previous
+
+
+def fast_torch_save(obj, path: Path):
+    with without_crc32():
+        torch.save(obj, path)
 
 
 def write_shard_file(path: Path, chunks: list[dict], args, iteration: int | None, extra: dict | None = None):

@@ -13,7 +13,6 @@ from ..errors import QlmError
 from ..models.spec import SUPPORTED_MODEL_TYPES, ModelSpec, RopeScaling
 from .layout import ModelLayout
 
-DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch", **extra) -> argparse.Namespace:

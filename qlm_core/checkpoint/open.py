@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import QlmError
-from ..models.spec import ModelSpec
+from ..models.spec import ModelSpec, read_hf_config
+from .deepspeed import DeepSpeedCheckpoint
+from .deepspeed_config import find_hf_config
 from .hf import HFCheckpoint, is_hf_dir
 from .layout import HFTensorSource, TensorSource
+from .lora import merged_source
 from .mcore import HF_SIDE_DIR, LATEST_FILE
 from .megatron_open import open_megatron
 
@@ -40,13 +43,46 @@ def tokenizer_near(path: Path) -> Path | None:
     return None
 
 
+def megatron_weights(src) -> tuple[TensorSource, Path]:
+    """A Megatron checkpoint's weights, and where its HF config/tokenizer files are kept. A LoRA run's are the base
+    merged with the adapters; the base is the checkpoint itself when it holds the base weights too, else the HF or
+    Megatron checkpoint its args name."""
+    if src.lora is None:
+        return src, src.root / HF_SIDE_DIR
+    if src.holds_base:
+        return merged_source(src, src, src.layout, src.lora), src.root / HF_SIDE_DIR
+    if not src.lora.base:
+        raise QlmError(f"{src.root} holds only LoRA adapters and its args do not name the base (qlm_lora_base)",
+                       "set args.qlm_lora_base to the base model's HF or Megatron checkpoint")
+    path = Path(src.lora.base)
+    if not path.exists() and not path.is_absolute():
+        path = src.root / path
+    if not path.exists():
+        raise QlmError(f"the LoRA base {src.lora.base} does not exist", "put the base checkpoint back at that path")
+    if is_hf_dir(path):
+        hf = HFCheckpoint(path)
+        base, base_spec, side_dir = HFTensorSource(hf), hf.spec, path
+    else:
+        base = open_megatron(path)
+        base_spec, side_dir = base.spec, path / HF_SIDE_DIR
+    shape = ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "vocab_size")
+    if any(getattr(base_spec, f) != getattr(src.spec, f) for f in shape):
+        raise QlmError(f"the LoRA base {path} is not the model the adapters were trained on",
+                       "point args.qlm_lora_base at the right base checkpoint")
+    return merged_source(base, src, src.layout, src.lora), side_dir
+
+
+def open_deepspeed(ds: str | Path, tag: str | None, config: str | Path | None):
+    """A DeepSpeed checkpoint, the ModelSpec of the config.json that describes it, and that config's path."""
+    src = DeepSpeedCheckpoint(ds, tag)
+    config_path = find_hf_config(src, config)
+    return src, ModelSpec.from_hf_config(read_hf_config(config_path)), config_path
+
+
 def _open_megatron(root: Path, iteration: int | None, what: str) -> OpenedCheckpoint:
     ckpt = open_megatron(root, iteration)  # legacy torch or torch_dist
-    weights, side = ckpt, root / HF_SIDE_DIR
+    weights, side = megatron_weights(ckpt)
     if ckpt.lora is not None:
-        from .convert import merged_lora_source
-
-        weights, side = merged_lora_source(ckpt)
         what += f" (LoRA rank {ckpt.lora.rank} merged)"
     return OpenedCheckpoint(ckpt.spec, weights, tokenizer_near(side) or tokenizer_near(root), what,
                             ckpt.layout.make_vocab_size_divisible_by)
@@ -65,8 +101,6 @@ def open_checkpoint(path: str | Path, iteration: int | None = None) -> OpenedChe
         ckpt = HFCheckpoint(path)
         return OpenedCheckpoint(ckpt.spec, HFTensorSource(ckpt), tokenizer_near(path), f"HF model {path}")
     if (path / "latest").is_file() or list(path.glob("global_step*")) or list(path.glob("*mp_rank_*_model_states.pt")):
-        from .convert_deepspeed import open_deepspeed  # the config.json beside the checkpoint gives the architecture
-
         ckpt, spec, config_path = open_deepspeed(path, None, None)
         config_dir = config_path.parent if config_path.is_file() else config_path
         return OpenedCheckpoint(spec, HFTensorSource(ckpt), tokenizer_near(config_dir) or tokenizer_near(path),

@@ -43,10 +43,9 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ..errors import QlmError
-from ..models.spec import ModelSpec, read_hf_config
-from .layout import TE_NORM_NAMES, ModelLayout, TensorLayout
-from .mcore import HF_SIDE_DIR, OPTIMIZER_VIEWS, resolve_iteration_dir
-from .megatron_args import spec_from_args
+from ..models.spec import ModelSpec
+from .layout import LINEARS, TE_NORM_NAMES, ModelLayout, TensorLayout
+from .mcore import OPTIMIZER_VIEWS, megatron_spec, resolve_iteration_dir
 from .safe_load import ForeignObject, allowed_globals, safe_torch_load
 
 DIST_CONFIG_FILE = "metadata.json"
@@ -55,7 +54,7 @@ COMMON_FILE = "common.pt"
 COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core >= 0.19: the common dict inside the DCP files
 DIST_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                "common_backend_version": 1}
-EXTRA_STATE_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+EXTRA_STATE_LINEARS = LINEARS  # each local-spec linear has an `_extra_state`
 _LOCAL_TO_TE = {local: te for te, local in TE_NORM_NAMES.items()}
 
 
@@ -270,10 +269,7 @@ class TorchDistCheckpoint:
         return common
 
     def _spec(self) -> ModelSpec:
-        side = self.root / HF_SIDE_DIR / "config.json"
-        if side.exists():
-            return ModelSpec.from_hf_config(read_hf_config(side))
-        return spec_from_args(self.args)
+        return megatron_spec(self.root, self.args)
 
     def _tensor_meta(self, key: str) -> TensorStorageMetadata:
         if key not in self.tensors:

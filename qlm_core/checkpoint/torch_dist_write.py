@@ -15,7 +15,6 @@ import io
 import json
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +34,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from .layout import ModelLayout, TensorLayout, TensorSource
-from .mcore import CHECKPOINT_VERSION, iteration_dir_name, write_latest
+from .layout import ModelLayout, TensorLayout, TensorSource, read_range
+from .mcore import CHECKPOINT_VERSION, iteration_dir_name, without_crc32, write_latest
 from .torch_dist import (
     COMMON_FILE,
     DIST_CONFIG,
@@ -49,19 +48,6 @@ from .torch_dist import (
 Progress = Callable[[int, int, str], None]
 # What Megatron-LM records as `content_metadata` for a model saved without a distributed optimizer.
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-
-
-def _read_padded(source: TensorSource, tensor: TensorLayout, start: int, stop: int, dtype: torch.dtype):
-    """Entries [start, stop) of `tensor` along its axis; zeros where they are vocabulary padding."""
-    shape = list(tensor.shape)
-    shape[tensor.axis] = stop - start
-    out = torch.empty(shape, dtype=dtype)
-    real = min(stop, tensor.real_extent)
-    if start < real:
-        source.read_into(tensor, start, real, out.narrow(tensor.axis, 0, real - start))
-    if stop > max(start, real):
-        out.narrow(tensor.axis, max(start, real) - start, stop - max(start, real)).zero_()
-    return out
 
 
 class Chunk:
@@ -122,8 +108,9 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         self.progress = progress
         self.chunks: dict[MetadataIndex, tuple[DistPart, Chunk]] = {}
         self.items: list[WriteItem] = []
+        planned = plan_chunks(layout)
         for part in parts:
-            for key, (shape, chunks) in plan_chunks(layout).items():
+            for key, (shape, chunks) in planned.items():
                 for chunk in filter(part.owns, chunks):
                     item = chunk.write_item(part.prefix + key, shape, part.dtype)
                     self.chunks[item.index] = (part, chunk)
@@ -148,24 +135,8 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         part, chunk = self.chunks[write_item.index]
         self.progress(self.written, len(self.chunks), write_item.index.fqn)
         self.written += 1
-        data = _read_padded(part.source, chunk.tensor, chunk.start, chunk.stop, part.dtype)
+        data = read_range(part.source, chunk.tensor, chunk.start, chunk.stop, part.dtype)
         return data.unsqueeze(0) if chunk.layer is not None else data
-
-
-@contextmanager
-def _without_crc32():
-    """torch.save without the zip CRC32 pass (torch.load does not need it), where torch has the switch."""
-    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
-    save_config = getattr(config, "save", None)
-    if save_config is None or not hasattr(save_config, "compute_crc32"):
-        yield
-        return
-    previous = save_config.compute_crc32
-    save_config.compute_crc32 = False
-    try:
-        yield
-    finally:
-        save_config.compute_crc32 = previous
 
 
 def _common_state(args: argparse.Namespace, iteration: int | None, common_extra: dict | None) -> dict:
@@ -183,7 +154,7 @@ def write_mcore_torch_dist(root: Path, layout: ModelLayout, source: TensorSource
     iteration_dir.mkdir(parents=True, exist_ok=True)
     planner = _StreamingSavePlanner(layout, [DistPart("", source, dtype), *extra_parts], True, progress)
     writer = FileSystemWriter(str(iteration_dir), single_file_per_rank=True, sync_files=False, thread_count=1)
-    with _without_crc32(), warnings.catch_warnings():
+    with without_crc32(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process is the intent
         dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         torch.save(_common_state(args, iteration, common_extra), iteration_dir / COMMON_FILE)
@@ -200,7 +171,7 @@ def save_torch_dist_collectively(iteration_dir: Path, layout: ModelLayout, parts
     rank = dist.get_rank() if dist.is_initialized() else 0
     planner = _StreamingSavePlanner(layout, parts, rank == 0, lambda *a: None)
     writer = FileSystemWriter(str(iteration_dir), single_file_per_rank=True, sync_files=False, thread_count=1)
-    with _without_crc32():
+    with without_crc32():
         dcp.save({}, storage_writer=writer, planner=planner, no_dist=not dist.is_initialized())
         if rank == 0:
             torch.save(_common_state(args, iteration, common_extra), iteration_dir / COMMON_FILE)

@@ -24,13 +24,13 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from ..checkpoint.layout import ModelLayout, build_shard
 from ..checkpoint.open import open_checkpoint
 from ..data.tokenizer import load_tokenizer
+from ..dtypes import DTYPES
 from ..errors import QlmError
 from ..models.gpt import GPTModel, ParallelOptions
 from ..parallel.comm import group_rank, group_size
 from ..parallel.state import default_device
 from .generate import Sampling, generate
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
@@ -59,7 +59,6 @@ class QlmLM(TemplateLM):
         self._max_length = max_length or self.model.spec.max_position_embeddings
         self.max_gen_toks = max_gen_toks
         self.add_bos_token = add_bos_token
-        self.requests_done = 0  # counted for bench/eval.py
 
     # ---- tokenisation (as lm-eval's hf backend) ------------------------------------------------------------------
 
@@ -127,7 +126,6 @@ class QlmLM(TemplateLM):
                 results.append(answer)
                 if cache_key is not None:
                     self.cache_hook.add_partial("loglikelihood", cache_key, answer)
-        self.requests_done += len(requests)
         return ordered.get_original(results)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -179,5 +177,4 @@ class QlmLM(TemplateLM):
                                                   stop=until, think_end_token=None)
                 results.append(text)
                 self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-        self.requests_done += len(requests)
         return ordered.get_original(results)

@@ -4,19 +4,19 @@ files."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..checkpoint.convert import write_hf
-from ..checkpoint.hf import copy_side_files, is_hf_dir
+from ..checkpoint.hf import copy_side_files, is_hf_dir, write_hf_config
 from ..checkpoint.layout import ModelLayout
 from ..checkpoint.open import open_checkpoint
+from ..dtypes import DTYPES, HF_DTYPE_NAMES, dtype_named
 from ..errors import QlmError
 from .tasks import DEMO_TASKS, write_demo_tasks
 
@@ -39,7 +39,6 @@ class EvalConfig:
     log_samples: bool = False
     tp: int = 1  # tensor-parallel ranks for the qlm backend (one process each, launched by torchrun)
     cache_dir: str | None = None  # where qlm's generated demo tasks live
-    extra: dict = field(default_factory=dict)
 
 
 def task_manager(config: EvalConfig):
@@ -77,8 +76,7 @@ def _hf_dir_for(checkpoint: str, workdir: Path, dtype: torch.dtype) -> str:
     write_hf(out, layout, opened.weights, dtype, 2**40, lambda *a: None)
     if opened.tokenizer_dir is not None:
         copy_side_files(opened.tokenizer_dir, out)
-    (out / "config.json").write_text(json.dumps(opened.spec.to_hf_config({torch.float32: "float32",
-                                                                           torch.bfloat16: "bfloat16"}[dtype])))
+    write_hf_config(out, None, opened.spec, dtype)  # the opened checkpoint's architecture, whatever lies beside it
     return str(out)
 
 
@@ -88,6 +86,7 @@ def check_config(config: EvalConfig):
         raise QlmError(f"backend {config.backend!r} is not one of {', '.join(BACKENDS)}", "pass --backend qlm or hf")
     if config.tp > 1 and config.backend != "qlm":
         raise QlmError(f"--tp {config.tp} needs the qlm backend", "drop --tp for lm-eval's hf backend (one process)")
+    dtype_named(config.dtype, "--dtype")
     if config.tp < 1:
         raise QlmError(f"--tp {config.tp} is not a process count", "pass --tp 1 or more")
 
@@ -137,10 +136,10 @@ def run_eval(config: EvalConfig) -> dict | None:
                           dtype=config.dtype, tp_group=tp_group)
             model_args = None
         else:
-            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[config.dtype]
+            dtype = DTYPES[config.dtype]
             model = "hf"
             model_args = {"pretrained": _hf_dir_for(config.checkpoint, workdir, dtype),
-                          "dtype": {"fp32": "float32", "bf16": "bfloat16"}[config.dtype],
+                          "dtype": HF_DTYPE_NAMES[dtype],
                           "device": "cuda" if torch.cuda.is_available() else "cpu"}
             if config.max_length:
                 model_args["max_length"] = config.max_length
@@ -148,7 +147,7 @@ def run_eval(config: EvalConfig) -> dict | None:
             results = lm_eval.simple_evaluate(
                 model=model, model_args=model_args, tasks=config.tasks, num_fewshot=config.num_fewshot,
                 limit=config.limit, batch_size=config.batch_size, log_samples=config.log_samples,
-                apply_chat_template=config.apply_chat_template, task_manager=manager, **config.extra,
+                apply_chat_template=config.apply_chat_template, task_manager=manager,
             )
         except ConnectionError as exc:
             raise QlmError(f"a task needs the Hugging Face hub, which is not reachable ({exc})",

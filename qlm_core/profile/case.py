@@ -15,12 +15,12 @@ import torch
 
 from ..checkpoint.layout import LORA_TARGETS, ModelLayout
 from ..config import ParallelConfig, Recipe
+from ..dtypes import DTYPES
 from ..errors import QlmError
 from ..models.spec import ModelSpec, load_model_spec
 from ..parallel.state import ParallelSizes, resolve_sizes
 from ..train.engine import validate_layout
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SEED_PARALLEL = dict(tp=4, cp=4, sp=True, zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True, recompute="full",
                      cp_comm_type="p2p")
 SEED_MODEL, SEED_SEQ, SEED_GBS, SEED_GPUS = "qwen2-7b", 131072, 16, 32

@@ -25,8 +25,10 @@ from ..checkpoint.lora import lora_args
 from ..checkpoint.mcore import HF_SIDE_DIR
 from ..config import Recipe, recipe_to_toml
 from ..data.loader import GlobalBatchSampler, collate
+from ..dtypes import DTYPES
 from ..errors import QlmError
 from ..parallel.state import Grid, destroy_distributed, init_distributed, resolve_sizes
+from .checks import check_recipe
 from .checkpointing import TrainState, has_checkpoint, load_checkpoint, save_checkpoint
 from .data import build_run_data
 from .engine import Batch, Engine
@@ -36,7 +38,6 @@ from .schedule import learning_rate
 from ..checkpoint.open import CHECKPOINTS_DIR, run_checkpoint_dir
 from .sources import resolve_model
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 GPU_PEAK_TFLOPS = {"H100": 989.0, "H800": 989.0, "H200": 989.0, "H20": 148.0, "A100": 312.0, "A800": 312.0}
 
 
@@ -87,6 +88,7 @@ class Trainer:
 
     def _setup(self):
         r = self.recipe
+        check_recipe(r)
         rank, world = init_distributed()
         sizes = resolve_sizes(world, r.parallel.tp, r.parallel.pp, r.parallel.cp, r.parallel.dp)
         self.grid = Grid.build(sizes)
@@ -110,8 +112,6 @@ class Trainer:
             global_batch_size=r.train.global_batch_size, seq_length=r.data.seq_length, dtype=DTYPES[r.model.dtype],
             optim=r.optim, source=source.weights, seed=r.train.seed, lora=r.lora if r.lora.rank > 0 else None,
         )
-        if r.lora.rank > 0 and source.weights is None:
-            raise QlmError("LoRA needs pretrained weights to adapt", "set model.load (an HF model or a checkpoint)")
         self.source = source
         self.ckpt_root = self.run_dir / CHECKPOINTS_DIR
         if self.grid.rank == 0:

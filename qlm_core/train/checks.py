@@ -1,0 +1,26 @@
+"""Recipe checks that need no files, processes or model: run before any launch and again in every worker (a worker
+started by srun or a user's torchrun never passed through the launcher's checks)."""
+
+from __future__ import annotations
+
+from ..checkpoint.megatron_open import TORCH_DIST, check_format
+from ..config import Recipe
+from ..dtypes import dtype_named
+from ..errors import QlmError
+from .schedule import SCHEDULES
+
+TRAIN_DTYPES = ("bf16", "fp32")  # fp16 would need loss scaling, which qlm does not do
+
+
+def check_recipe(recipe: Recipe):
+    dtype_named(recipe.model.dtype, "model.dtype", TRAIN_DTYPES)
+    if recipe.schedule.lr_schedule not in SCHEDULES:
+        raise QlmError(f"schedule.lr_schedule {recipe.schedule.lr_schedule!r} is not one of {', '.join(SCHEDULES)}",
+                       "set schedule.lr_schedule to one of them")
+    check_format(recipe.checkpoint.format)
+    if recipe.lora.rank > 0:
+        if not recipe.model.load:
+            raise QlmError("LoRA needs pretrained weights to adapt", "set model.load (an HF model or a checkpoint)")
+        if recipe.checkpoint.format == TORCH_DIST:
+            raise QlmError("checkpoint.format torch_dist does not hold LoRA adapters",
+                           "use checkpoint.format = \"torch\" for LoRA runs")
