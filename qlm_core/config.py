@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from .errors import QlmError
 
@@ -107,7 +108,6 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = 1
     tensorboard: bool = True  # when the tensorboard package is installed
     plot: bool = True  # loss-curve PNG at the end (matplotlib when installed)
     peak_tflops: float = 0.0  # per device, for MFU; 0: a GPU preset or a CPU matmul probe

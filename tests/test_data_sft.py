@@ -117,6 +117,19 @@ def test_unknown_formats_and_roles_are_user_errors(tmp_path):
                            cache)
     with pytest.raises(QlmError, match="does not exist"):
         load_conversations(tmp_path / "missing.jsonl", cache)
+    with pytest.raises(QlmError, match="no instruction, output column for the alpaca format"):
+        load_conversations(write_jsonl(tmp_path / "z.jsonl", [{"messages": []}]), cache, format="alpaca")
+    with pytest.raises(QlmError, match="SFT format 'chat'"):
+        load_conversations(tmp_path / "z.jsonl", cache, format="chat")
+
+
+def test_an_explicit_format_overrides_detection(tmp_path):
+    record = {"messages": [{"role": "user", "content": "m"}], "instruction": "i", "output": "o"}
+    path = write_jsonl(tmp_path / "both.jsonl", [record])
+    cache = str(tmp_path / "cache")
+    assert load_conversations(path, cache)["messages"][0][0]["content"] == "m"
+    assert load_conversations(path, cache, format="alpaca")["messages"][0] == [
+        {"role": "user", "content": "i"}, {"role": "assistant", "content": "o"}]
 
 
 def trained_runs(input_ids, labels):

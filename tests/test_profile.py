@@ -207,3 +207,11 @@ def test_probe_table(run_qlm):
                              "--probe", "--steps", "2")
     assert code == 0, err
     assert "probe on cpu" in out and "predicted GiB" in out and "total (measured part)" in out
+
+
+def test_search_reports_a_bad_input_as_itself(run_qlm):
+    """A wrong dtype or size is the input's error, not 'no layout passes the trainer's checks'."""
+    code, _, stderr = run_qlm("profile", "--search", "--dtype", "fp8", "--num-gpus", "8")
+    assert code == 2 and "dtype 'fp8' is not one of" in stderr, stderr
+    code, _, stderr = run_qlm("profile", "--search", "--seq-len", "0", "--num-gpus", "8")
+    assert code == 2 and "seq-len must be at least 1" in stderr, stderr

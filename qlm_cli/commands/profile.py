@@ -29,7 +29,7 @@ def _gib(value: float) -> str:
     return f"{value / GIB:,.2f}"
 
 
-def _memory_table(memory, title: str) -> Table:
+def memory_table(memory, title: str) -> Table:
     heavy = memory.heaviest
     table = Table(title=title, title_justify="left")
     for name, justify in (("component", "left"), ("GiB", "right"), ("share", "right"), ("what", "left")):
@@ -60,7 +60,7 @@ def _print_profile(case, gpu, memory, time):
     console.print(f"[bold]{case.model_name}[/] on {case.num_gpus} x {gpu.name}: {case.describe()}, "
                   f"seq {case.seq_len}, micro-batch {case.micro_batch_size}, global batch {case.global_batch_size} "
                   f"({case.num_microbatches} micro-batches per step), {case.dtype}", highlight=False)
-    console.print(_memory_table(memory, f"memory per rank, heaviest pipeline stage ({heavy.stage} of {p.pp})"))
+    console.print(memory_table(memory, f"memory per rank, heaviest pipeline stage ({heavy.stage} of {p.pp})"))
     console.print(f"activations: {heavy.activation_per_layer / GIB:.3f} GiB per layer per micro-batch x "
                   f"{heavy.layers} layers x {heavy.inflight_microbatches:.3g} micro-batches in flight", highlight=False)
     console.print(_time_table(time))

@@ -7,12 +7,18 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from qlm_core.config import load_recipe, recipe_to_toml
 from qlm_core.train.launch import LaunchConfig, launch, under_launcher
-from qlm_core.train.plan import plan_run
+from qlm_core.train.plan import plan_run, planned_memory, world_size
 
 from ..render import console, err_console, kv_table
 
@@ -91,43 +97,33 @@ def train(
     resolved = load_recipe(recipe, sets)
     if output:
         resolved.train.output = output
-    if under_launcher():
-        from qlm_core.train.trainer import Trainer
+    if not under_launcher():
+        per_node, world = world_size(resolved, nproc_per_node, nnodes)
+        plan = plan_run(resolved, world, check_files=not dry_run)
+        if dry_run:
+            _print_dry_run(resolved, plan)
+            return
+        if world > 1:
+            code = launch(LaunchConfig(per_node, nnodes, node_rank, master_addr, master_port),
+                          _argv_for_workers(recipe, sets, resolved.train.output))
+            if code:
+                err_console.print(f"[bold red]error:[/] training failed (exit code {code}); the messages above say why.")
+                sys.exit(code)
+            return
+    from qlm_core.train.trainer import Trainer
 
-        Trainer(resolved, Path(resolved.train.output), on_event=RunView()).run()
-        return
-    p = resolved.parallel
-    per_node = nproc_per_node or (p.tp * p.pp * p.cp * (p.dp or 1)) // nnodes
-    plan = plan_run(resolved, per_node * nnodes, check_files=not dry_run)
-    if dry_run:
-        console.print(recipe_to_toml(resolved), markup=False, highlight=False)
-        console.print(kv_table("layout", {
-            "world": f"{plan.sizes.world} = dp{plan.sizes.dp} x pp{plan.sizes.pp} x cp{plan.sizes.cp} x tp{plan.sizes.tp}",
-            "model": plan.model_description, "parameters": f"{plan.spec.num_parameters() / 1e6:.2f} M",
-            "stage layers": list(plan.layout.stage_layer_counts), "padded vocabulary": plan.layout.padded_vocab,
-            "steps": plan.steps,
-        }))
-        from qlm_core.profile.case import case_from_recipe
-        from qlm_core.profile.memory import estimate_memory
+    Trainer(resolved, Path(resolved.train.output), on_event=RunView()).run()
 
-        from .profile import _memory_table
 
-        import torch
+def _print_dry_run(resolved, plan):
+    from .profile import memory_table
 
-        if torch.cuda.is_available():
-            capacity, device = torch.cuda.get_device_properties(0).total_memory / 2**30, "this GPU"
-        else:
-            capacity, device = 80.0, "an 80 GiB GPU (qlm profile RECIPE --gpu NAME for others)"
-        memory = estimate_memory(case_from_recipe(resolved, plan.sizes.world), capacity_gib=capacity)
-        console.print(_memory_table(memory, f"memory per rank, heaviest stage, on {device}"))
-        return
-    if plan.sizes.world == 1:
-        from qlm_core.train.trainer import Trainer
-
-        Trainer(resolved, Path(resolved.train.output), on_event=RunView()).run()
-        return
-    code = launch(LaunchConfig(per_node, nnodes, node_rank, master_addr, master_port),
-                  _argv_for_workers(recipe, sets, resolved.train.output))
-    if code:
-        err_console.print(f"[bold red]error:[/] training failed (exit code {code}); the messages above say why.")
-        sys.exit(code)
+    console.print(recipe_to_toml(resolved), markup=False, highlight=False)
+    console.print(kv_table("layout", {
+        "world": f"{plan.sizes.world} = dp{plan.sizes.dp} x pp{plan.sizes.pp} x cp{plan.sizes.cp} x tp{plan.sizes.tp}",
+        "model": plan.model_description, "parameters": f"{plan.spec.num_parameters() / 1e6:.2f} M",
+        "stage layers": list(plan.layout.stage_layer_counts), "padded vocabulary": plan.layout.padded_vocab,
+        "steps": plan.steps,
+    }))
+    memory, device = planned_memory(resolved, plan)
+    console.print(memory_table(memory, f"memory per rank, heaviest stage, on {device}"))

@@ -29,6 +29,7 @@ from .tokenizer import has_generation_markers, load_tokenizer, resolve_chat_temp
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 TRUNCATION = ("right", "drop")
+FORMATS = {"alpaca": ("instruction", "output"), "sharegpt": ("conversations",), "messages": ("messages",)}  # columns
 
 
 @dataclass
@@ -41,6 +42,7 @@ class SFTConfig:
     shuffle: bool = True  # seeded shuffle of the samples before packing
     seed: int = 1234
     num_proc: int = 1
+    format: str = "auto"  # auto (told by the first record) | alpaca | sharegpt | messages
 
 
 def detect_format(record: dict) -> str:
@@ -84,8 +86,12 @@ def _normalise(batch, format: str):
     return {"messages": [to_messages(row, format) for row in rows]}
 
 
-def load_conversations(path: str | os.PathLike, cache_dir: str | None = None, num_proc: int = 1):
-    """A json/jsonl file of any supported format as a `datasets.Dataset` with one column, "messages"."""
+def load_conversations(path: str | os.PathLike, cache_dir: str | None = None, num_proc: int = 1,
+                       format: str = "auto"):
+    """A json/jsonl file of `format` (auto: told by its first record) as a `datasets.Dataset` with one column,
+    "messages"."""
+    if format != "auto" and format not in FORMATS:
+        raise QlmError(f"SFT format {format!r} is not one of auto, {', '.join(FORMATS)}", "set data.format")
     import datasets
 
     if not os.path.isfile(path):
@@ -97,7 +103,11 @@ def load_conversations(path: str | os.PathLike, cache_dir: str | None = None, nu
         raise QlmError(f"cannot read {path} as json ({reason})", "write one json record per line (jsonl)") from None
     if len(dataset) == 0:
         raise QlmError(f"SFT data file {path} has no records", "check the file")
-    format = detect_format(dataset[0])
+    format = detect_format(dataset[0]) if format == "auto" else format
+    missing = [column for column in FORMATS[format] if column not in dataset.column_names]
+    if missing:
+        raise QlmError(f"{path} has no {', '.join(missing)} column for the {format} format",
+                       "set data.format to the file's format, or auto")
     return dataset.map(_normalise, batched=True, fn_kwargs={"format": format}, remove_columns=dataset.column_names,
                        num_proc=num_proc if num_proc > 1 else None, desc=f"read {format}")
 
@@ -251,7 +261,7 @@ def build_sft_dataset(path: str | os.PathLike, tokenizer, config: SFTConfig,
     if pad_token_id is None:
         raise QlmError("the tokenizer has neither a pad nor an eos token to pad sequences with",
                        "use a tokenizer with a pad or eos token")
-    conversations = load_conversations(path, cache_dir, config.num_proc)
+    conversations = load_conversations(path, cache_dir, config.num_proc, config.format)
     tokenized = tokenize_conversations(conversations, tokenizer, config)
     if len(tokenized) == 0:
         raise QlmError(f"no sample of {path} fits in {config.max_length or config.seq_length} tokens with an "

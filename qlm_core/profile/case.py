@@ -85,19 +85,25 @@ class ProfileCase:
         return f"{text} zero{p.zero_stage} {recompute}"
 
 
-def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
-    """Everything the trainer checks before it starts (a QlmError says what is wrong)."""
+def validate_inputs(case: ProfileCase):
+    """The numbers that are wrong whatever the layout (a QlmError says which)."""
     if case.dtype not in DTYPES:
         raise QlmError(f"dtype {case.dtype!r} is not one of {', '.join(DTYPES)}", "use bf16 or fp32")
     for name in ("seq_len", "micro_batch_size", "global_batch_size", "num_gpus"):
         if getattr(case, name) < 1:
             raise QlmError(f"{name.replace('_', '-')} must be at least 1, got {getattr(case, name)}",
                            "pass a positive number")
-    p = case.parallel
-    if p.recompute_num_layers is not None and p.recompute_num_layers < 0:
-        raise QlmError(f"recompute-num-layers must be >= 0, got {p.recompute_num_layers}", "pass 0 or more")
+    if case.parallel.recompute_num_layers is not None and case.parallel.recompute_num_layers < 0:
+        raise QlmError(f"recompute-num-layers must be >= 0, got {case.parallel.recompute_num_layers}",
+                       "pass 0 or more")
     if case.lora_rank < 0:
         raise QlmError(f"lora rank must be >= 0, got {case.lora_rank}", "pass 0 (off) or a positive rank")
+
+
+def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
+    """Everything the trainer checks before it starts (a QlmError says what is wrong)."""
+    validate_inputs(case)
+    p = case.parallel
     layout = case.layout()
     model_ranks = p.tp * p.pp * p.cp
     if p.dp is None and case.num_gpus % model_ranks:
@@ -114,10 +120,16 @@ def load_spec(model: str | Path) -> tuple[ModelSpec, str]:
     return spec, str(model)
 
 
-def case_from_recipe(recipe: Recipe, num_gpus: int | None = None) -> ProfileCase:
-    """The recipe's model (its load directory's config.json when present, else model.spec), layout and batch."""
-    source = recipe.model.load if recipe.model.load and Path(recipe.model.load).exists() else recipe.model.spec
-    spec, name = load_spec(source)
+def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpec | None = None) -> ProfileCase:
+    """The recipe's model (what model.load holds, any checkpoint qlm train reads, when it exists here; else
+    model.spec), layout and batch. `spec`: the model's numbers when the caller already has them."""
+    from ..train.sources import resolve_model
+
+    model = recipe.model
+    if model.load and not Path(model.load).exists():
+        model = dataclasses.replace(model, load="")
+    name = model.load or model.spec
+    spec = spec or resolve_model(model).spec
     p = dataclasses.replace(recipe.parallel)
     if num_gpus is None:
         num_gpus = p.tp * p.pp * p.cp * p.dp if p.dp else SEED_GPUS

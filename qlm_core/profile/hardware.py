@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import QlmError
 
 
@@ -38,6 +40,21 @@ GPUS: dict[str, GpuSpec] = {
     "h20": GpuSpec("h20", 96.0, 148.0, 4000.0, 450.0, 50.0),
     "h200": GpuSpec("h200", 141.0, 989.0, 4800.0, 450.0, 50.0),
 }
+
+
+def local_gpu() -> GpuSpec | None:
+    """The preset of this machine's CUDA device, told by its name (A100 40/80 GB by its memory); None without CUDA
+    or for a device with no preset."""
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.get_device_properties(torch.cuda.current_device())
+    name = device.name.lower()
+    families = sorted({key.split("-")[0] for key in GPUS}, key=len, reverse=True)  # "h200" before "h20"
+    family = next((f for f in families if f in name), None)
+    if family is None:
+        return None
+    candidates = [gpu for key, gpu in GPUS.items() if key.split("-")[0] == family]
+    return min(candidates, key=lambda gpu: abs(gpu.memory_gib - device.total_memory / 2**30))
 
 
 def gpu_spec(name: str, **overrides) -> GpuSpec:

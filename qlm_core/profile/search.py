@@ -15,13 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import QlmError
-from .case import ProfileCase, validate_case
+from ..models.gpt import RECOMPUTE_MODES
+from ..parallel.context import CP_COMM_TYPES
+from .case import ProfileCase, validate_case, validate_inputs
 from .hardware import GpuSpec
 from .memory import GIB, Allowance, MemoryEstimate, estimate_memory
 from .timing import TIME_COMPONENTS, Efficiency, TimeEstimate, estimate_time
 
-RECOMPUTE = ("none", "selective", "full")
-CP_COMM = ("p2p", "allgather", "a2a")
+RECOMPUTE = RECOMPUTE_MODES
+CP_COMM = CP_COMM_TYPES
 
 
 @dataclass
@@ -99,6 +101,7 @@ def _fewest_recomputed(case: ProfileCase, full: Candidate, gpu, eff, allowance) 
 
 def search(base: ProfileCase, num_gpus: int, gpu: GpuSpec, eff: Efficiency = Efficiency(),
            allowance: Allowance = Allowance()) -> SearchResult:
+    validate_inputs(base.replace(num_gpus=num_gpus))  # errors of the input itself, not of one layout
     fitting, rejected, invalid = [], [], 0
     for case in layouts(base, num_gpus):
         try:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..train.flops import flops_per_sequence
+from ..train.flops import flops_per_sequence, layer_flops_per_token, logits_flops_per_token
 from .case import ProfileCase
 from .hardware import GpuSpec
 from .states import model_state_bytes
@@ -85,15 +85,6 @@ def _bandwidth(gpu: GpuSpec, span: int, eff: Efficiency) -> float:
     return link * 1e9 * eff.comm
 
 
-def _layer_flops(case: ProfileCase) -> tuple[float, float]:
-    """Forward FLOPs per token of one layer: (dense, causal attention)."""
-    s = case.spec
-    h, d, f = s.hidden_size, s.kv_channels, s.ffn_hidden_size
-    dense = 2 * (h * s.qkv_rows + s.num_attention_heads * d * h + 3 * h * f)
-    attention = 2 * 2 * (case.seq_len / 2) * s.num_attention_heads * d
-    return dense, attention
-
-
 def _recomputed_layers(case: ProfileCase, layers: int) -> int:
     p = case.parallel
     if p.recompute != "full":
@@ -111,11 +102,11 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency, stage: in
     T = tokens / p.cp
     e, h = case.dtype_bytes, s.hidden_size
     rate = gpu.peak_tflops * 1e12 * eff.compute
-    dense, attention = _layer_flops(case)
+    dense, attention = layer_flops_per_token(s, case.seq_len)
     split = p.tp * p.cp
     forward = tokens * layers * (dense + attention) / split
     if stage == p.pp - 1:
-        forward += tokens * 2 * h * s.vocab_size / split
+        forward += tokens * logits_flops_per_token(s) / split
     recomputed = _recomputed_layers(case, layers)
     extra = tokens * recomputed * (dense + attention) / split
     if p.recompute == "selective":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..checkpoint.megatron_open import TORCH_DIST, check_format
 from ..config import Recipe
+from ..data.sft import FORMATS as SFT_FORMATS
 from ..dtypes import dtype_named
 from ..errors import QlmError
 from .schedule import SCHEDULES
@@ -18,6 +19,9 @@ def check_recipe(recipe: Recipe):
         raise QlmError(f"schedule.lr_schedule {recipe.schedule.lr_schedule!r} is not one of {', '.join(SCHEDULES)}",
                        "set schedule.lr_schedule to one of them")
     check_format(recipe.checkpoint.format)
+    if recipe.data.format not in ("auto", *SFT_FORMATS):
+        raise QlmError(f"data.format {recipe.data.format!r} is not one of auto, {', '.join(SFT_FORMATS)}",
+                       "set data.format to one of them")
     if recipe.lora.rank > 0:
         if not recipe.model.load:
             raise QlmError("LoRA needs pretrained weights to adapt", "set model.load (an HF model or a checkpoint)")

@@ -88,7 +88,7 @@ def build_run_data(data: DataConfig, tokenizer_dir: Path | None, cache_dir: Path
         raise QlmError("SFT data needs a tokenizer", "set model.tokenizer or load an HF model with one")
     config = SFTConfig(
         seq_length=data.seq_length, chat_template=data.chat_template or None, truncation=data.truncation,
-        pack=data.packing, shuffle=True, seed=data.seed, num_proc=data.workers,
+        pack=data.packing, shuffle=True, seed=data.seed, num_proc=data.workers, format=data.format,
     )
     cache = str(Path(cache_dir) / "datasets")
     train = [build_sft_dataset(name, tokenizer_dir, config, cache_dir=cache) for name in train_names]

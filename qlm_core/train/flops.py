@@ -9,13 +9,23 @@ import torch
 from ..models.spec import ModelSpec
 
 
-def flops_per_sequence(spec: ModelSpec, seq_length: int) -> float:
-    """Forward + backward model FLOPs (3x forward, recomputation not counted) of one sequence: the dense
-    matmuls, causal attention (half of the s x s scores) and the logits."""
+def layer_flops_per_token(spec: ModelSpec, seq_length: int) -> tuple[float, float]:
+    """Forward FLOPs per token of one layer: (dense matmuls, causal attention: half of the s x s scores)."""
     h, d, f = spec.hidden_size, spec.kv_channels, spec.ffn_hidden_size
     dense = 2 * (h * spec.qkv_rows + spec.num_attention_heads * d * h + 3 * h * f)
     attention = 2 * 2 * (seq_length / 2) * spec.num_attention_heads * d
-    per_token = spec.num_layers * (dense + attention) + 2 * h * spec.vocab_size
+    return dense, attention
+
+
+def logits_flops_per_token(spec: ModelSpec) -> float:
+    return 2 * spec.hidden_size * spec.vocab_size
+
+
+def flops_per_sequence(spec: ModelSpec, seq_length: int) -> float:
+    """Forward + backward model FLOPs (3x forward, recomputation not counted) of one sequence: the layers and the
+    logits."""
+    dense, attention = layer_flops_per_token(spec, seq_length)
+    per_token = spec.num_layers * (dense + attention) + logits_flops_per_token(spec)
     return 3.0 * per_token * seq_length
 
 

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import torch
 
-STEP_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "samples", "step_time_s", "s_per_sample", "tokens_per_s",
-             "tflops_per_device", "mfu", "mem_peak_gb")
-
 
 @dataclass
 class StepMetrics:
+    """One line of metrics.jsonl (these names are what scripts rely on)."""
+
     step: int
     loss: float
     grad_norm: float
@@ -41,26 +40,26 @@ def peak_memory_gb() -> float:
 
 
 class MetricsWriter:
-    """Appends to RUN/metrics.jsonl (resumed runs continue the same file) and, if available, TensorBoard."""
+    """Appends to RUN/metrics.jsonl and RUN/eval.jsonl and, if available, TensorBoard. A run resumed from step
+    `resumed_from` continues the same files without what was logged after that step (it is about to be redone)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
-        self.path = Path(run_dir) / "metrics.jsonl"
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resumed_from: int = 0):
         self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        for log in (self.path, self.run_dir / "eval.jsonl"):
+            if log.exists():
+                lines = [line for line in log.read_text().splitlines() if line]
+                kept = [line for line in lines if json.loads(line)["step"] <= resumed_from]
+                log.write_text("".join(line + "\n" for line in kept))
         self.tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"),
+                                        purge_step=resumed_from + 1 if resumed_from else None)
             except Exception:  # noqa: BLE001 - tensorboard not installed: the JSON log is the record
                 self.tb = None
-
-    def truncate_after(self, step: int):
-        """On resume, drop lines of steps after the checkpoint (they are about to be redone)."""
-        if not self.path.exists():
-            return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
 
     def log_step(self, metrics: StepMetrics):
         with open(self.path, "a") as fh:

@@ -21,7 +21,7 @@ class ModelSource:
     description: str
 
 
-def resolve_model(config: ModelConfig, tokenizer_fallback: Path | None = None) -> ModelSource:
+def resolve_model(config: ModelConfig) -> ModelSource:
     if config.load:
         opened = open_checkpoint(Path(config.load))
         spec, weights, tokenizer, what = opened.spec, opened.weights, opened.tokenizer_dir, opened.description
@@ -30,4 +30,4 @@ def resolve_model(config: ModelConfig, tokenizer_fallback: Path | None = None) -
         tokenizer = tokenizer_near(Path(config.spec)) if Path(config.spec).exists() else None
     if config.tokenizer:
         tokenizer = Path(config.tokenizer)
-    return ModelSource(spec, weights, tokenizer or tokenizer_fallback, what)
+    return ModelSource(spec, weights, tokenizer, what)

@@ -1,7 +1,7 @@
 """The training loop of `qlm train`: one process per rank (launched by torchrun), from recipe to checkpoints.
 
 RUN/config.toml   the resolved recipe
-RUN/metrics.jsonl one object per step (keys in metrics.STEP_KEYS)
+RUN/metrics.jsonl one object per step (keys: metrics.StepMetrics)
 RUN/eval.jsonl    validation losses
 RUN/checkpoints/  Megatron-layout checkpoints (checkpointing.py)
 RUN/loss.png      the loss curve, RUN/summary.json the final figures
@@ -23,22 +23,21 @@ from torch.utils.data import DataLoader
 from ..checkpoint.hf import copy_side_files
 from ..checkpoint.lora import lora_args
 from ..checkpoint.mcore import HF_SIDE_DIR
+from ..checkpoint.open import CHECKPOINTS_DIR, run_checkpoint_dir
 from ..config import Recipe, recipe_to_toml
 from ..data.loader import GlobalBatchSampler, collate
 from ..dtypes import DTYPES
 from ..errors import QlmError
 from ..parallel.state import Grid, destroy_distributed, init_distributed, resolve_sizes
-from .checks import check_recipe
+from ..profile.hardware import GPUS, local_gpu
 from .checkpointing import TrainState, has_checkpoint, load_checkpoint, save_checkpoint
+from .checks import check_recipe
 from .data import build_run_data
 from .engine import Batch, Engine
 from .flops import flops_per_sequence, measure_cpu_peak_tflops
 from .metrics import MetricsWriter, StepMetrics, peak_memory_gb, plot_loss
 from .schedule import learning_rate
-from ..checkpoint.open import CHECKPOINTS_DIR, run_checkpoint_dir
 from .sources import resolve_model
-
-GPU_PEAK_TFLOPS = {"H100": 989.0, "H800": 989.0, "H200": 989.0, "H20": 148.0, "A100": 312.0, "A800": 312.0}
 
 
 @dataclass
@@ -59,12 +58,10 @@ def total_steps(recipe: Recipe) -> int:
 def peak_tflops(recipe: Recipe) -> tuple[float, str]:
     if recipe.logging.peak_tflops > 0:
         return recipe.logging.peak_tflops, "recipe"
+    if (gpu := local_gpu()) is not None:
+        return gpu.peak_tflops, f"{gpu.name} bf16 peak"
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, value in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return value, f"{key} bf16 peak"
-        return 312.0, f"unknown GPU {name}: A100 bf16 peak assumed"
+        return GPUS["a100-80g"].peak_tflops, f"unknown GPU {torch.cuda.get_device_name()}: A100 bf16 peak assumed"
     return measure_cpu_peak_tflops(), "measured CPU fp32 matmul"
 
 
@@ -119,9 +116,8 @@ class Trainer:
         self.state = TrainState()
         if r.checkpoint.resume and has_checkpoint(self.ckpt_root):
             self.state = load_checkpoint(self.ckpt_root, self.engine)
-        self.metrics = MetricsWriter(self.run_dir, r.logging.tensorboard) if self.grid.rank == 0 else None
-        if self.metrics is not None:
-            self.metrics.truncate_after(self.state.iteration)
+        self.metrics = (MetricsWriter(self.run_dir, r.logging.tensorboard, resumed_from=self.state.iteration)
+                        if self.grid.rank == 0 else None)
         self.flops = flops_per_sequence(source.spec, r.data.seq_length)
         self.peak, self.peak_source = peak_tflops(r)
 
