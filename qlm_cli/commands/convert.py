@@ -46,6 +46,14 @@ VERIFY = Annotated[Optional[bool], typer.Option(
 )]
 ITERATION = Annotated[Optional[int], typer.Option(
     "--iteration", help="Iteration to read (default: latest_checkpointed_iteration.txt).")]
+HF_IN = Annotated[Path, typer.Option("--hf", help="Hugging Face model directory (config.json + safetensors).")]
+MCORE_IN = Annotated[Path, typer.Option("--mcore", help="Megatron checkpoint directory (written by qlm or Megatron-LM).")]
+MAX_SHARD = Annotated[float, typer.Option(
+    "--max-shard-size", min=0.001, help="Largest safetensors file in GiB; above it the weights are sharded with "
+    "model.safetensors.index.json.")]
+VOCAB_HELP = ("Pad the vocabulary to a multiple of this times --tp (Megatron's rule); padding rows are zeros and are "
+              "excluded from qlm's softmax.")
+VOCAB_DIVISOR = Annotated[int, typer.Option("--make-vocab-size-divisible-by", min=1, help=VOCAB_HELP)]
 
 
 class Format(str, Enum):
@@ -77,7 +85,7 @@ def _dtype(value: Optional[DType]) -> Optional[str]:
 
 @app.command("hf2mcore")
 def hf2mcore(
-    hf: Annotated[Path, typer.Option("--hf", help="Hugging Face model directory (config.json + safetensors).")],
+    hf: HF_IN,
     out: Annotated[Path, typer.Option("--out", help="Output Megatron checkpoint directory.")],
     tp: TP = 1,
     pp: PP = 1,
@@ -85,10 +93,7 @@ def hf2mcore(
     first: FIRST = None,
     last: LAST = None,
     dtype: DTYPE = None,
-    make_vocab_size_divisible_by: Annotated[int, typer.Option(
-        "--make-vocab-size-divisible-by", min=1,
-        help="Pad the vocabulary to a multiple of this times --tp (Megatron's rule); padding rows are zeros and "
-        "are excluded from qlm's softmax.")] = 128,
+    make_vocab_size_divisible_by: VOCAB_DIVISOR = 128,
     force: FORCE = False,
     verify: VERIFY = None,
     fmt: Annotated[Format, typer.Option("--format", help=FORMAT_HELP)] = Format.torch,
@@ -107,13 +112,11 @@ def hf2mcore(
 
 @app.command("mcore2hf")
 def mcore2hf(
-    mcore: Annotated[Path, typer.Option("--mcore", help="Megatron checkpoint directory (written by qlm or Megatron-LM).")],
+    mcore: MCORE_IN,
     out: Annotated[Path, typer.Option("--out", help="Output Hugging Face model directory.")],
     iteration: ITERATION = None,
     dtype: DTYPE = None,
-    max_shard_size: Annotated[float, typer.Option(
-        "--max-shard-size", min=0.001, help="Largest safetensors file in GiB; above it the weights are sharded with "
-        "model.safetensors.index.json.")] = 5.0,
+    max_shard_size: MAX_SHARD = 5.0,
     force: FORCE = False,
     verify: VERIFY = None,
 ):
@@ -140,7 +143,7 @@ def mcore2mcore(
     iteration: ITERATION = None,
     dtype: DTYPE = None,
     make_vocab_size_divisible_by: Annotated[Optional[int], typer.Option(
-        "--make-vocab-size-divisible-by", min=1, help="Default: the source's.")] = None,
+        "--make-vocab-size-divisible-by", min=1, help=VOCAB_HELP + " Default: the source's.")] = None,
     force: FORCE = False,
     verify: VERIFY = None,
     fmt: Annotated[Optional[Format], typer.Option(
@@ -197,9 +200,7 @@ def ds2hf(
     tag: DS_TAG = None,
     config: DS_CONFIG = None,
     dtype: DS_DTYPE = None,
-    max_shard_size: Annotated[float, typer.Option(
-        "--max-shard-size", min=0.001, help="Largest safetensors file in GiB; above it the weights are sharded with "
-        "model.safetensors.index.json.")] = 5.0,
+    max_shard_size: MAX_SHARD = 5.0,
     force: FORCE = False,
     verify: VERIFY = None,
 ):
@@ -225,8 +226,7 @@ def ds2mcore(
     first: FIRST = None,
     last: LAST = None,
     dtype: DS_DTYPE = None,
-    make_vocab_size_divisible_by: Annotated[int, typer.Option(
-        "--make-vocab-size-divisible-by", min=1, help="Pad the vocabulary to a multiple of this times --tp.")] = 128,
+    make_vocab_size_divisible_by: VOCAB_DIVISOR = 128,
     force: FORCE = False,
     verify: VERIFY = None,
 ):
@@ -243,7 +243,7 @@ def ds2mcore(
 
 @app.command("hf2ds")
 def hf2ds(
-    hf: Annotated[Path, typer.Option("--hf", help="Hugging Face model directory (config.json + safetensors).")],
+    hf: HF_IN,
     out: Annotated[Path, typer.Option("--out", help="Output DeepSpeed checkpoint directory.")],
     tag: DS_OUT_TAG = None,
     dtype: DTYPE = None,
@@ -262,7 +262,7 @@ def hf2ds(
 
 @app.command("mcore2ds")
 def mcore2ds(
-    mcore: Annotated[Path, typer.Option("--mcore", help="Megatron checkpoint directory (written by qlm or Megatron-LM).")],
+    mcore: MCORE_IN,
     out: Annotated[Path, typer.Option("--out", help="Output DeepSpeed checkpoint directory.")],
     iteration: ITERATION = None,
     tag: DS_OUT_TAG = None,

@@ -23,9 +23,7 @@ class RandomInitSource:
         return torch.float32
 
     def _full(self, tensor: TensorLayout) -> torch.Tensor:
-        name = "embedding.word_embeddings.weight" if (
-            tensor.name == "output_layer.weight" and self.layout.spec.tie_word_embeddings
-        ) else tensor.name
+        name = tensor.stored_name
         if self._cached is None or self._cached[0] != name:
             shape = list(tensor.shape)
             shape[tensor.axis] = tensor.real_extent  # padding rows are never read

@@ -35,6 +35,7 @@ _LAYER_TENSORS = (
     ("mlp.linear_fc1.weight", FC1),
     ("mlp.linear_fc2.weight", COLS),
 )
+EMBEDDING = "embedding.word_embeddings.weight"
 LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 # LoRA target name (LoraConfig.target_modules) -> the linear it adapts; in state_dict order.
 LORA_TARGETS = {linear.rsplit(".", 1)[1]: linear for linear in LINEARS}
@@ -64,6 +65,11 @@ class TensorLayout:
     split: str
     segments: tuple[Segment, ...]
     hf_primary: bool = True  # False for the tied output layer, a copy of the embedding
+    stored_as: str | None = None  # the tensor checkpoints hold this one as (the tied output layer: the embedding)
+
+    @property
+    def stored_name(self) -> str:
+        return self.stored_as or self.name
 
     @property
     def axis(self) -> int:
@@ -193,21 +199,21 @@ class ModelLayout:
     # ---- tensors ---------------------------------------------------------------------------------------------------
 
     def embedding(self) -> TensorLayout:
-        return self._vocab_tensor("embedding.word_embeddings.weight", "model.embed_tokens.weight", True)
+        return self._vocab_tensor(EMBEDDING, "model.embed_tokens.weight", True)
 
     def output_layer(self) -> TensorLayout:
-        if self.spec.tie_word_embeddings:
-            return self._vocab_tensor("output_layer.weight", "model.embed_tokens.weight", False)
+        if self.spec.tie_word_embeddings:  # a copy of the embedding (a last stage without it keeps its own)
+            return self._vocab_tensor("output_layer.weight", "model.embed_tokens.weight", False, stored_as=EMBEDDING)
         return self._vocab_tensor("output_layer.weight", "lm_head.weight", True)
 
     def final_norm(self) -> TensorLayout:
         h = self.spec.hidden_size
         return TensorLayout("decoder.final_layernorm.weight", (h,), REPLICATED, (Segment(0, h, "model.norm.weight"),))
 
-    def _vocab_tensor(self, name, hf_name, primary) -> TensorLayout:
+    def _vocab_tensor(self, name, hf_name, primary, stored_as=None) -> TensorLayout:
         v, p, h = self.spec.vocab_size, self.padded_vocab, self.spec.hidden_size
         segments = (Segment(0, v, hf_name),) + ((Segment(v, p, None, 0),) if p > v else ())
-        return TensorLayout(name, (p, h), ROWS, segments, hf_primary=primary)
+        return TensorLayout(name, (p, h), ROWS, segments, hf_primary=primary, stored_as=stored_as)
 
     def layer_tensors(self, layer: int) -> list[TensorLayout]:
         s = self.spec

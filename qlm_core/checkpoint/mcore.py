@@ -233,10 +233,7 @@ class MegatronTorchCheckpoint:
     # ---- TensorSource (layout.py): ranges of global tensors, assembled from the TP shards -------------------------
 
     def _locate(self, tensor: TensorLayout) -> tuple[int, int, str, TensorLayout]:
-        name = tensor.name
-        if name == "output_layer.weight" and self.spec.tie_word_embeddings:
-            name = "embedding.word_embeddings.weight"  # a tied output layer is a copy of the embedding
-        return self._index[name]
+        return self._index[tensor.stored_name]
 
     def stored_dtype(self, tensor: TensorLayout) -> torch.dtype:
         pp_rank, chunk, local, _ = self._locate(tensor)

@@ -300,9 +300,7 @@ class TorchDistCheckpoint:
     # ---- reads -----------------------------------------------------------------------------------------------
 
     def _key(self, tensor: TensorLayout) -> tuple[str, int | None]:
-        name = tensor.name
-        if name == "output_layer.weight" and self.spec.tie_word_embeddings:
-            name = "embedding.word_embeddings.weight"  # a tied output layer is the embedding
+        name = tensor.stored_name
         key, layer = dist_key(name)
         if layer is not None and key not in self.tensors and name in self.tensors:
             key, layer = name, None  # non-homogeneous models keep per-layer keys instead of a stacked tensor

@@ -31,7 +31,6 @@ from .torch_dist import TorchDistCheckpoint, view_prefix
 from .torch_dist_write import DistPart
 
 _COPIED_KEYS = (TRAIN_STATE_KEY, SCHEDULER_KEY, "num_floating_point_operations_so_far")
-_EMBEDDING, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
 
 def _chunk_entries(layout: ModelLayout, src, pp_rank: int, chunk: int) -> list[tuple[str, TensorLayout]]:
@@ -46,7 +45,6 @@ class TrainStateCarrier:
 
     def __init__(self, src: MegatronTorchCheckpoint | TorchDistCheckpoint, layout: ModelLayout):
         self.src, self.layout, self.notes = src, layout, []
-        self.tied = src.spec.tie_word_embeddings
         self.same_grid = (src.tp, src.pp, src.vpp) == (layout.tp, layout.pp, layout.vpp)
         optimizer = src.extra_state(OPTIMIZER_KEY)
         self.views: dict[str, MegatronTorchCheckpoint | TorchDistCheckpoint] = {}
@@ -80,7 +78,7 @@ class TrainStateCarrier:
 
     def _has_state(self, tensor: TensorLayout) -> bool:
         # A tied output layer on the last stage is a trainable copy of the embedding with the same Adam state.
-        return tensor.name in self.with_state or (self.tied and tensor.name == _OUTPUT and _EMBEDDING in self.with_state)
+        return tensor.stored_name in self.with_state
 
     def common_extra(self) -> dict:
         """torch_dist output: what goes into common.pt beside args (RNG states of every position on the same grid)."""

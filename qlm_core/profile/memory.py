@@ -25,14 +25,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .activations import (
     ActivationInputs,
     forward_terms,
     head_terms,
     layer_bytes,
-    layer_terms,
     layer_workspace,
     logits_transient,
 )
@@ -57,7 +56,6 @@ class StageMemory:
     layers: int
     chunk_forwards: int  # chunk forwards whose activations are held at the schedule's peak
     activation_per_layer: float  # bytes, one micro-batch, this stage's recompute mode for its first layer
-    activation_terms: dict[str, float] = field(default_factory=dict)
     vpp: int = 1
 
     @property
@@ -202,7 +200,7 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda", allowance:
         "comm_buffers": comm_buffer_bytes(case, layout, stage, states),
     }
     components["allocator"] = allowance.fraction * sum(components.values()) + allowance.context_gib * GIB
-    return StageMemory(stage, components, layers, chunks, layer_bytes(x, modes[0]), layer_terms(x, modes[0]), p.vpp)
+    return StageMemory(stage, components, layers, chunks, layer_bytes(x, modes[0]), p.vpp)
 
 
 def estimate_memory(case: ProfileCase, capacity_gib: float, device: str = "cuda",
