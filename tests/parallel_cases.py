@@ -21,6 +21,8 @@ CASES = {
     "cp2_allgather": (2, dict(cp=2, cp_comm_type="allgather"), 2, False),
     "cp2_a2a": (2, dict(cp=2, cp_comm_type="a2a"), 2, False),
     "cp2_packed": (2, dict(cp=2, cp_comm_type="p2p"), 2, True),
+    "cp2_allgather_packed": (2, dict(cp=2, cp_comm_type="allgather"), 2, True),
+    "cp2_a2a_packed": (2, dict(cp=2, cp_comm_type="a2a"), 2, True),
     "pp2_1f1b": (2, dict(pp=2, pp_schedule="1f1b"), 2, False),
     "pp2_interleaved": (2, dict(pp=2, vpp=2, pp_schedule="interleaved_1f1b"), 2, False),
     "pp2_zero_bubble": (2, dict(pp=2, pp_schedule="zero_bubble"), 2, False),

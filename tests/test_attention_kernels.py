@@ -1,4 +1,5 @@
-"""The attention kernels with log-sum-exp against a float64 math reference (forward, and backward through autograd)."""
+"""The attention kernels with log-sum-exp against a float64 math reference (forward, and backward through autograd),
+and piecewise (document / window) attention against full masked attention."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import pytest
 import torch
 
 from qlm_core.kernels import attention as attn
-from qlm_core.kernels.attention import attention, attention_backward, attention_forward_with_lse
+from qlm_core.kernels.attention import attention_backward, attention_forward_with_lse
+from qlm_core.kernels.pieces import Documents, self_attention_pieces
+from qlm_core.kernels.piecewise import disjoint, piecewise_attention
 
 TOL = 1e-5
 
 
-def reference(q, k, v, scale, causal, mask):
+def reference(q, k, v, scale, causal, mask=None):
     """softmax(q k^T * scale + mask) v in float64; rows with no visible key give 0 and lse = -inf."""
     q, k, v = (t.double() for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
@@ -35,22 +38,12 @@ def make(b, hq, hk, sq, sk, d, seed=0):
     return (torch.randn(b, h, s, d, generator=g) for h, s in ((hq, sq), (hk, sk), (hk, sk)))
 
 
-def random_mask(b, sq, sk, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.rand(b, 1, sq, sk, generator=g) > 0.5
-    mask[0, 0, 1] = False  # fully masked rows
-    mask[-1, 0, -1] = False
-    return mask
-
-
 CASES = {
-    "causal": dict(b=2, hq=3, hk=3, sq=9, sk=9, causal=True, mask=False),
-    "non_causal": dict(b=2, hq=3, hk=3, sq=9, sk=9, causal=False, mask=False),
-    "gqa_causal": dict(b=2, hq=4, hk=2, sq=8, sk=8, causal=True, mask=False),
-    "gqa_rect": dict(b=1, hq=4, hk=2, sq=5, sk=11, causal=False, mask=False),
-    "rect": dict(b=2, hq=2, hk=2, sq=12, sk=5, causal=False, mask=False),
-    "mask": dict(b=2, hq=4, hk=2, sq=7, sk=10, causal=False, mask=True),
-    "mask_causal": dict(b=2, hq=2, hk=1, sq=8, sk=8, causal=True, mask=True),
+    "causal": dict(b=2, hq=3, hk=3, sq=9, sk=9, causal=True),
+    "non_causal": dict(b=2, hq=3, hk=3, sq=9, sk=9, causal=False),
+    "gqa_causal": dict(b=2, hq=4, hk=2, sq=8, sk=8, causal=True),
+    "gqa_rect": dict(b=1, hq=4, hk=2, sq=5, sk=11, causal=False),
+    "rect": dict(b=2, hq=2, hk=2, sq=12, sk=5, causal=False),
 }
 
 
@@ -63,21 +56,17 @@ def test_forward_backward_match_reference(name, backend, monkeypatch):
         monkeypatch.setattr(attn, "_CPU_FLASH_BWD", None)
     d, scale = 16, 1 / math.sqrt(16)
     q, k, v = make(c["b"], c["hq"], c["hk"], c["sq"], c["sk"], d)
-    mask = random_mask(c["b"], c["sq"], c["sk"]) if c["mask"] else None
-
-    out, lse = attention_forward_with_lse(q, k, v, scale=scale, causal=c["causal"], mask=mask)
+    out, lse = attention_forward_with_lse(q, k, v, scale=scale, causal=c["causal"])
     assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
     ref_q, ref_k, ref_v = (t.double().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = reference(ref_q, ref_k, ref_v, scale, c["causal"], mask)
+    ref_out, ref_lse = reference(ref_q, ref_k, ref_v, scale, c["causal"])
     assert (out.double() - ref_out).abs().max() <= TOL
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     finite = torch.isfinite(ref_lse)
     assert (lse.double() - ref_lse)[finite].abs().max() <= TOL
-    if mask is not None:
-        assert torch.isneginf(lse).any() and (out[torch.isneginf(lse)] == 0).all()
 
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
-    grads = attention_backward(grad, q, k, v, out, lse, scale=scale, causal=c["causal"], mask=mask)
+    grads = attention_backward(grad, q, k, v, out, lse, scale=scale, causal=c["causal"])
     ref_out.backward(grad.double())
     for got, ref_t in zip(grads, (ref_q, ref_k, ref_v)):
         assert got.shape == ref_t.shape and torch.isfinite(got).all()
@@ -103,20 +92,48 @@ def test_backward_with_merged_lse_over_key_blocks():
     assert (torch.cat(dvs, 2) - full[2]).abs().max() <= TOL
 
 
-def test_differentiable_attention_and_empty_keys():
-    q, k, v = make(1, 4, 2, 6, 6, 8)
-    mask = torch.ones(6, 6, dtype=torch.bool).tril()
-    mask[2] = False
+def document_mask(segment_ids, window):
+    """[b, 1, s, s] bool: same document, causal, fewer than `window` back (the reference only)."""
+    s = segment_ids.shape[1]
+    back = torch.arange(s)[:, None] - torch.arange(s)[None, :]
+    allowed = (back >= 0) & (back < (window or s))
+    return (allowed & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]
+
+
+PIECEWISE = {
+    "documents": (torch.tensor([[0] * 3 + [1] * 9 + [2] * 12, [0] * 24]), None),
+    "documents_window": (torch.tensor([[0] * 3 + [1] * 9 + [2] * 12, [0] * 24]), 4),
+    "window_one": (torch.tensor([[0] * 24, [0] * 10 + [1] * 14]), 1),
+    "window": (None, 5),
+}
+
+
+@pytest.mark.parametrize("name", PIECEWISE)
+@pytest.mark.parametrize("backend", ["default", "math"])
+def test_piecewise_attention_matches_masked_attention(name, backend, monkeypatch):
+    if backend == "math":
+        monkeypatch.setattr(attn, "_CPU_FLASH", None)
+        monkeypatch.setattr(attn, "_CPU_FLASH_BWD", None)
+    segment_ids, window = PIECEWISE[name]
+    q, k, v = make(2, 4, 2, 24, 24, 8)
+    docs = None if segment_ids is None else Documents.from_segment_ids(segment_ids)
+    pieces = self_attention_pieces(docs, 24, window)
+    assert disjoint(pieces) == (window in (None, 1))  # a wider window merges two pieces per query block
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = attention(*leaves, scale=0.5, causal=False, mask=mask)
-    out.sum().backward()
+    out = piecewise_attention(*leaves, pieces, 0.5)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    out.backward(grad)
     ref = [t.double().requires_grad_() for t in (q, k, v)]
+    mask = document_mask(torch.zeros(2, 24, dtype=torch.long) if segment_ids is None else segment_ids, window)
     ref_out, _ = reference(*ref, 0.5, False, mask)
-    ref_out.sum().backward()
+    ref_out.backward(grad.double())
     assert (out.double() - ref_out).abs().max() <= TOL
     for a, b in zip(leaves, ref):
         assert (a.grad.double() - b.grad).abs().max() <= TOL
 
+
+def test_empty_keys():
+    q, k, v = make(1, 4, 2, 6, 6, 8)
     # No keys at all: out 0, lse -inf, zero grads (the CPU op would crash on this).
     out, lse = attention_forward_with_lse(q, k[:, :, :0], v[:, :, :0], scale=0.5, causal=False)
     assert (out == 0).all() and torch.isneginf(lse).all()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import launch_torchrun
 
+from qlm_core.kernels.pieces import Documents
 from qlm_core.parallel.context import context_parallel_attention, cp_token_indices, gather_from_cp, split_for_cp
 
 TOL = 1e-5
@@ -18,7 +19,7 @@ WORKER = Path(__file__).parent / "peers" / "cp_worker.py"
 CHECKS = [
     f"cp{cp}-{comm}-hq{hq}-hk{hk}-{kind}"
     for cp, comm, (hq, hk), kind in itertools.product(
-        (2, 4), ("p2p", "allgather", "a2a"), ((4, 2), (4, 4), (4, 1)), ("plain", "packed")
+        (2, 4), ("p2p", "allgather", "a2a"), ((4, 2), (4, 4), (4, 1)), ("plain", "packed", "window", "packed-window")
     )
 ]
 
@@ -47,7 +48,7 @@ def test_layout_errors():
         split_for_cp(torch.zeros(1, 10), 4, 0, 1)
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match="comm_type"):
-        context_parallel_attention(q, q, q, group=None, comm_type="ring", scale=1.0, positions=torch.arange(4))
+        context_parallel_attention(q, q, q, group=None, comm_type="ring", scale=1.0)
 
 
 def test_no_group_is_plain_attention():
@@ -56,10 +57,12 @@ def test_no_group_is_plain_attention():
     segments = torch.tensor([[0] * 3 + [1] * 7, [0] * 10])
     x = torch.randn(2, 10)
     assert gather_from_cp(x, None, 1) is x
-    for seg in (None, segments):
-        got = context_parallel_attention(q, k, v, group=None, comm_type="p2p", scale=0.3, positions=torch.arange(10),
-                                         segment_ids=seg)
-        mask = torch.ones(10, 10, dtype=torch.bool).tril()
+    back = torch.arange(10)[:, None] - torch.arange(10)[None, :]
+    for seg, window in itertools.product((None, segments), (None, 4)):
+        docs = None if seg is None else Documents.from_segment_ids(seg)
+        got = context_parallel_attention(q, k, v, group=None, comm_type="p2p", scale=0.3, documents=docs,
+                                         window=window)
+        mask = (back >= 0) & (back < (window or 10))
         if seg is not None:
             mask = mask & (seg[:, :, None] == seg[:, None, :])[:, None]
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)

@@ -18,10 +18,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.attention import core_attention
+from ..kernels.pieces import Documents, Piece, decoding_pieces, self_attention_pieces
+from ..kernels.piecewise import piecewise_attention
 from ..kernels.norm import RMSNorm
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..parallel.comm import group_rank, group_size
-from ..parallel.context import CP_COMM_TYPES, context_parallel_attention, cp_token_indices
+from ..parallel.context import CP_COMM_TYPES, context_parallel_attention, cp_token_indices, gather_sequence
 from ..parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -53,12 +55,11 @@ class ParallelOptions:
 
 @dataclass
 class AttentionInputs:
-    """Per-forward facts every attention layer needs besides q, k, v."""
+    """Per-forward facts every attention layer needs besides q, k, v, worked out once per forward."""
 
-    token_index: torch.Tensor | None  # global sequence index of each local token (context parallelism)
-    segment_ids: torch.Tensor | None  # [b, s_local] document id of each token in a packed sequence
+    documents: Documents | None = None  # packed documents in global positions (None: one per row)
     cache: "KVCache | None" = None  # incremental decoding: keys/values of earlier tokens
-    mask: torch.Tensor | None = None  # [b, 1, q, k] bool, True = may attend (packed documents; decoding)
+    pieces: list[Piece] | None = None  # what one process computes, when not plain causal attention over each row
 
 
 @dataclass
@@ -83,26 +84,25 @@ class KVCache:
         return k, v
 
 
-def _causal(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[q, k] bool: the key is not in the query's future (and, with a sliding window, fewer than `window` back)."""
-    back = queries[:, None] - keys[None, :]
-    return (back >= 0) if window is None else (back >= 0) & (back < window)
-
-
-def decoding_mask(key_valid: torch.Tensor, past: int, new: int, window: int | None = None) -> torch.Tensor:
-    """[b, past + new] bool key validity -> [b, 1, new, past + new] mask: causal by position, padding keys
-    hidden; each query also sees itself, so that a padding query is never left with nothing to attend to."""
-    keys = torch.arange(past + new, device=key_valid.device)
-    queries = past + torch.arange(new, device=key_valid.device)
-    causal = _causal(queries, keys, window)
-    return ((causal[None] & key_valid[:, None, :]) | (keys[None, :] == queries[:, None])[None])[:, None]
-
-
-def segment_mask(segment_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """[b, s] document ids -> [b, 1, s, s] bool mask, True = may attend (same document, not in the future)."""
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    index = torch.arange(segment_ids.shape[1], device=segment_ids.device)
-    return (same & _causal(index, index, window))[:, None]
+def attention_inputs(local_tokens: int, window: int | None, cp_group, segment_ids: torch.Tensor | None,
+                     cache: "KVCache | None", attention_mask: torch.Tensor | None, batch: int) -> AttentionInputs:
+    """Describe the micro-batch's attention once for every layer: its documents (under context parallelism from the
+    whole sequence, gathered once), and the pieces one process computes for packed rows, a sliding window shorter
+    than the row, or decoding with a cache."""
+    if cache is not None or attention_mask is not None:
+        past = 0 if cache is None else cache.length
+        valid = ([[True] * (past + local_tokens)] * batch if attention_mask is None
+                 else attention_mask.bool().tolist())
+        return AttentionInputs(cache=cache, pieces=decoding_pieces(valid, past, local_tokens, window))
+    documents = None
+    if segment_ids is not None:
+        if group_size(cp_group) > 1:
+            segment_ids = gather_sequence(segment_ids, cp_group, dim=1)
+        documents = Documents.from_segment_ids(segment_ids)
+    pieces = None
+    if group_size(cp_group) == 1 and (documents is not None or (window is not None and local_tokens > window)):
+        pieces = self_attention_pieces(documents, local_tokens, window)
+    return AttentionInputs(documents=documents, pieces=pieces)
 
 
 class SelfAttention(nn.Module):
@@ -160,12 +160,11 @@ class SelfAttention(nn.Module):
         if group_size(self.parallel.cp_group) > 1:
             return context_parallel_attention(
                 q, k, v, group=self.parallel.cp_group, comm_type=self.parallel.cp_comm_type, scale=scale,
-                positions=inputs.token_index, segment_ids=inputs.segment_ids,
+                documents=inputs.documents, window=self.spec.sliding_window,
             )
-        if inputs.mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask, scale=scale,
-                                                  enable_gqa=q.shape[1] != k.shape[1])
-        return core_attention(q, k, v, causal=True, softmax_scale=scale, sliding_window=self.spec.sliding_window)
+        if inputs.pieces is not None:
+            return piecewise_attention(q, k, v, inputs.pieces, scale)
+        return core_attention(q, k, v, causal=True, softmax_scale=scale)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         q, k, v = self._split_qkv(self.linear_qkv(x))
@@ -352,16 +351,9 @@ class GPTModel(nn.Module):
             position_ids = index[None, :].expand(x.shape[1], local_tokens)
         self._inv_freq = self._inv_freq.to(x.device)
         cos, sin = rope_cos_sin(position_ids, self._inv_freq, x.dtype)
-        # One mask for every layer (the sliding window included): packed documents, or decoding with a cache.
-        mask, window = None, self.spec.sliding_window
-        if cache is not None or attention_mask is not None:
-            past = 0 if cache is None else cache.length
-            if attention_mask is None:
-                attention_mask = torch.ones(x.shape[1], past + local_tokens, dtype=torch.bool, device=x.device)
-            mask = decoding_mask(attention_mask.bool(), past, local_tokens, window)
-        elif segment_ids is not None and token_index is None:  # context parallelism masks block by block
-            mask = segment_mask(segment_ids, window)
-        x = self.decoder(x, cos, sin, AttentionInputs(token_index, segment_ids, cache, mask))
+        inputs = attention_inputs(local_tokens, self.spec.sliding_window, cp_group, segment_ids, cache, attention_mask,
+                                  x.shape[1])
+        x = self.decoder(x, cos, sin, inputs)
         if not self.post_process:
             return x
         logits = self.output_layer(x, self.output_weight())

@@ -11,18 +11,23 @@ Three ways to attend across ranks (`comm_type`):
   allgather  all-gather K/V, attend, keep only the local K/V; backward re-gathers and reduce-scatters dK/dV.
   a2a        Ulysses: all-to-all trades the sequence for heads, plain attention over the full sequence on hq/cp heads,
              all-to-all back. Autograd runs through the all-to-alls.
+Packed documents and sliding windows restrict what each (query chunk, key chunk) pair computes: the pieces where
+they overlap run a mask-free kernel, and a pair that shares no document is skipped (the K/V still travel on).
 With a group of None or size 1 every function is the plain single-process one and nothing is communicated.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import bisect
+import functools
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from ..kernels.attention import accumulation_dtype, attention, attention_backward, attention_forward_with_lse
+from ..kernels.attention import accumulation_dtype
+from ..kernels.pieces import Documents, Piece, Span, band_pieces, coalesce, self_attention_pieces
+from ..kernels.piecewise import attend_pieces, attend_pieces_backward, empty_result, piecewise_attention
 from .comm import all_gather_dim0, all_to_all_dim0, group_rank, group_size, reduce_scatter_dim0
 
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
@@ -69,7 +74,7 @@ def _reorder_chunks(x: torch.Tensor, cp_size: int, dim: int, to_global: bool) ->
     return torch.cat([chunks[i] for i in order], dim=dim)
 
 
-def _gather_seq(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """All-gather the local slices along `dim` and put the full sequence in global order (not differentiable)."""
     gathered = all_gather_dim0(x.movedim(dim, 0), group).movedim(0, dim)
     return _reorder_chunks(gathered, group_size(group), dim, to_global=True)
@@ -79,7 +84,7 @@ class _GatherFromCP(Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _gather_seq(x, group, dim)
+        return gather_sequence(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -92,87 +97,75 @@ def gather_from_cp(x_local: torch.Tensor, group, dim: int) -> torch.Tensor:
     return x_local if group_size(group) == 1 else _GatherFromCP.apply(x_local, group, dim)
 
 
-# ---- blocks ----------------------------------------------------------------------------------------------------------
-# A block is a rectangle of the attention matrix: local query rows against a slice of the K/V at hand. Without
-# segment ids a block is either entirely visible (no mask) or a diagonal block (causal); with segment ids each block
-# gets a bool mask from positions and documents. Accumulators are float32 (float64 for float64 inputs).
+# ---- pieces ----------------------------------------------------------------------------------------------------------
+# What a rank's queries compute against a set of keys is a list of mask-free pieces (kernels/pieces.py), derived from
+# the chunk layout and the micro-batch's documents alone, so nothing travels with the K/V. The lists are the same for
+# every layer and for backward: they are computed once per (documents, step) and cached.
 
 
-class _Block(NamedTuple):
-    rows: slice
-    cols: slice
-    diagonal: bool
+def _chunk_spans(cp: int, rank: int, chunk: int) -> list[Span]:
+    """A rank's two chunks as global spans at their local indices."""
+    last = 2 * cp - 1 - rank
+    return [Span(rank * chunk, (rank + 1) * chunk, 0), Span(last * chunk, (last + 1) * chunk, chunk)]
 
 
-def _meta(positions: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """[1 + b, s] int64: row 0 the positions, then each sequence's document ids. None when no mask is needed."""
-    if segment_ids is None:
-        return None
-    return torch.cat([positions[None].to(segment_ids.device, torch.long), segment_ids.to(torch.long)])
+def _documents_of(docs: Documents | None, seq_len: int):
+    """(row, [start, end) documents) per row; without documents one document per row, shared (row None)."""
+    if docs is None:
+        return [(None, ((0, seq_len),))]
+    return list(enumerate(docs.rows))
 
 
-def _block_mask(q_meta, k_meta, block: _Block) -> torch.Tensor | None:
-    """True where the key is not later than the query and in the same document: [b, 1, rows, cols]."""
-    if q_meta is None:
-        return None
-    q, k = q_meta[:, block.rows], k_meta[:, block.cols]
-    causal = k[0][None, :] <= q[0][:, None]
-    return (causal & (q[1:, :, None] == k[1:, None, :]))[:, None]
+def _cross_pieces(docs, seq_len, queries: list[Span], keys: list[Span], window) -> list[Piece]:
+    pieces = []
+    for row, documents in _documents_of(docs, seq_len):
+        for start, end in documents:
+            for q in queries:
+                q_doc = q.clip(start, end)
+                if q_doc is None:
+                    continue
+                for k in keys:
+                    k_doc = k.clip(start, end)
+                    if k_doc is not None:
+                        pieces += band_pieces(q_doc, k_doc, window, row)
+    return coalesce(pieces)
 
 
-def _attend(q, kv, block: _Block, q_meta, k_meta, scale, out, lse):
-    mask = _block_mask(q_meta, k_meta, block)
-    blk_out, blk_lse = attention_forward_with_lse(
-        q[:, :, block.rows], kv[0][:, :, block.cols], kv[1][:, :, block.cols],
-        scale=scale, causal=block.diagonal and mask is None, mask=mask,
-    )
-    _merge(out[:, :, block.rows], lse[:, :, block.rows], blk_out, blk_lse)
+@functools.lru_cache(maxsize=64)
+def ring_pieces(docs: Documents | None, seq_len: int, cp: int, rank: int, step: int, window) -> list[Piece]:
+    """This rank's queries against the K/V block that started on rank (rank - step) % cp."""
+    chunk = _chunk_len(seq_len, cp)
+    if step == 0 and window is None:
+        # Our own tokens, in ascending global order: causal within each document in local indices, since every key
+        # of the first chunk precedes every query of the second.
+        local = cp_token_indices(seq_len, cp, rank).tolist()
+        pieces = []
+        for row, documents in _documents_of(docs, seq_len):
+            for start, end in documents:
+                lo, hi = bisect.bisect_left(local, start), bisect.bisect_left(local, end)
+                if lo < hi:
+                    pieces += band_pieces(Span(lo, hi, lo), Span(lo, hi, lo), None, row)
+        return pieces
+    src = (rank - step) % cp
+    return _cross_pieces(docs, seq_len, _chunk_spans(cp, rank, chunk), _chunk_spans(cp, src, chunk), window)
 
 
-def _merge(out, lse, blk_out, blk_lse):
-    """In place: (out, lse) <- softmax-weighted combination of two partial results over disjoint keys."""
-    new = torch.logaddexp(lse, blk_lse)
-    base = new.masked_fill(torch.isneginf(new), 0.0)  # both -inf: weights exp(-inf) = 0, not NaN
-    out.mul_(torch.exp(lse - base)[..., None]).add_(blk_out.to(out.dtype) * torch.exp(blk_lse - base)[..., None])
-    lse.copy_(new)
-
-
-def _attend_backward(grad_out, q, kv, out, lse, block: _Block, q_meta, k_meta, scale, dq, dkv):
-    mask = _block_mask(q_meta, k_meta, block)
-    r, c = block.rows, block.cols
-    bq, bk, bv = attention_backward(
-        grad_out[:, :, r], q[:, :, r], kv[0][:, :, c], kv[1][:, :, c], out[:, :, r], lse[:, :, r],
-        scale=scale, causal=block.diagonal and mask is None, mask=mask,
-    )
-    dq[:, :, r] += bq
-    dkv[0][:, :, c] += bk
-    dkv[1][:, :, c] += bv
-
-
-def _empty_result(q):
-    out = torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
-    return out, torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
+@functools.lru_cache(maxsize=16)
+def allgather_pieces(docs: Documents | None, seq_len: int, cp: int, rank: int, window) -> list[Piece]:
+    """This rank's queries against the whole sequence in global order."""
+    whole = [Span(0, seq_len, 0)]
+    return _cross_pieces(docs, seq_len, _chunk_spans(cp, rank, _chunk_len(seq_len, cp)), whole, window)
 
 
 # ---- p2p: ring attention ---------------------------------------------------------------------------------------------
 
 
-def _ring_block(step: int, rank: int, cp: int, half: int) -> _Block:
-    """What this rank's queries may see of the K/V block that started on rank (rank - step) % cp."""
-    if step == 0:  # our own tokens, in ascending global order
-        return _Block(slice(None), slice(None), True)
-    src = (rank - step) % cp
-    if src < rank:  # its first chunk precedes both of ours; its second follows both
-        return _Block(slice(None), slice(0, half), False)
-    return _Block(slice(half, None), slice(None), False)  # both its chunks lie between our first and second
-
-
 class _Ring:
     """Send to the next rank of the group and receive from the previous one, asynchronously."""
 
-    # Different tags keep the K/V, metadata and dK/dV streams apart on gloo; NCCL matches by issue order, which is the
-    # same on every rank.
-    KV, META, GRAD = 1, 2, 3
+    # Different tags keep the K/V and dK/dV streams apart on gloo; NCCL matches by issue order, which is the same on
+    # every rank.
+    KV, GRAD = 1, 3
 
     def __init__(self, group):
         cp, rank = group_size(group), group_rank(group)
@@ -200,103 +193,85 @@ class _Ring:
 
 class _RingAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, positions, segment_ids):
-        cp, rank, half = group_size(group), group_rank(group), q.shape[2] // 2
+    def forward(ctx, q, k, v, group, scale, docs, window):
+        cp, rank = group_size(group), group_rank(group)
+        seq_len = q.shape[2] * cp
         ring = _Ring(group)
-        meta = _meta(positions, segment_ids)
-        kv, k_meta = torch.stack((k, v)), meta
-        out, lse = _empty_result(q)
+        kv = torch.stack((k, v))
+        out, lse = empty_result(q)
         for step in range(cp):
             if step + 1 < cp:
-                pending = ring.start(_with_meta((kv, ring.KV), k_meta, ring.META))
-            _attend(q, kv, _ring_block(step, rank, cp, half), meta, k_meta, scale, out, lse)
+                pending = ring.start([(kv, ring.KV)])
+            attend_pieces(q, kv[0], kv[1], ring_pieces(docs, seq_len, cp, rank, step, window), scale, out, lse)
             if step + 1 < cp:
-                kv, k_meta = _split_meta(ring.finish(pending), meta is not None)
+                kv = ring.finish(pending)[0]
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, meta)
-        ctx.group, ctx.scale = group, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale, ctx.docs, ctx.window = group, scale, docs, window
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, meta = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
-        cp, rank, half = group_size(group), group_rank(group), q.shape[2] // 2
+        cp, rank = group_size(group), group_rank(group)
+        seq_len = q.shape[2] * cp
         ring = _Ring(group)
         acc = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv, k_meta = torch.stack((k, v)), meta
+        kv = torch.stack((k, v))
         grad_pending = None
         for step in range(cp):
             if step + 1 < cp:
-                pending = ring.start(_with_meta((kv, ring.KV), k_meta, ring.META))
+                pending = ring.start([(kv, ring.KV)])
             # dK/dV of the block at hand: this rank's share, plus what the ranks it visited before have summed.
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-            _attend_backward(grad_out, q, kv, out, lse, _ring_block(step, rank, cp, half), meta, k_meta, ctx.scale,
-                             dq, dkv)
+            attend_pieces_backward(grad_out, q, kv[0], kv[1], out, lse,
+                                   ring_pieces(ctx.docs, seq_len, cp, rank, step, ctx.window), ctx.scale,
+                                   dq, dkv[0], dkv[1])
             if grad_pending is not None:
                 dkv += ring.finish(grad_pending)[0]
             grad_pending = ring.start([(dkv, ring.GRAD)])
             if step + 1 < cp:
-                kv, k_meta = _split_meta(ring.finish(pending), meta is not None)
+                kv = ring.finish(pending)[0]
         # After cp hops every block's gradient has visited all ranks and come back to its owner.
         dkv = ring.finish(grad_pending)[0]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def _with_meta(kv_and_tag, meta, meta_tag):
-    return [kv_and_tag] if meta is None else [kv_and_tag, (meta, meta_tag)]
-
-
-def _split_meta(received, has_meta):
-    return received[0], (received[1] if has_meta else None)
-
-
 # ---- allgather -------------------------------------------------------------------------------------------------------
 
 
-def _allgather_blocks(rank: int, cp: int, half: int) -> list[_Block]:
-    """Local query halves against the K/V in global order: the keys of all earlier chunks (fully visible) and
-    the query's own chunk (diagonal); later chunks are never touched."""
-    blocks = []
-    for h, chunk in enumerate((rank, 2 * cp - 1 - rank)):
-        rows = slice(h * half, (h + 1) * half)
-        if chunk > 0:
-            blocks.append(_Block(rows, slice(0, chunk * half), False))
-        blocks.append(_Block(rows, slice(chunk * half, (chunk + 1) * half), True))
-    return blocks
-
-
-def _gather_kv(k, v, meta, group):
-    kv = _gather_seq(torch.stack((k, v)), group, dim=3)
-    return kv, (None if meta is None else _gather_seq(meta, group, dim=1))
+def _gather_kv(k, v, group):
+    return gather_sequence(torch.stack((k, v)), group, dim=3)
 
 
 class _AllGatherAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, positions, segment_ids):
-        meta = _meta(positions, segment_ids)
-        kv, k_meta = _gather_kv(k, v, meta, group)
-        out, lse = _empty_result(q)
-        for block in _allgather_blocks(group_rank(group), group_size(group), q.shape[2] // 2):
-            _attend(q, kv, block, meta, k_meta, scale, out, lse)
+    def forward(ctx, q, k, v, group, scale, docs, window):
+        cp, rank = group_size(group), group_rank(group)
+        kv = _gather_kv(k, v, group)
+        out, lse = empty_result(q)
+        attend_pieces(q, kv[0], kv[1], allgather_pieces(docs, q.shape[2] * cp, cp, rank, window), scale, out, lse)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, meta)  # not the gathered K/V: backward gathers them again
-        ctx.group, ctx.scale = group, scale
+        ctx.save_for_backward(q, k, v, out, lse)  # not the gathered K/V: backward gathers them again
+        ctx.group, ctx.scale, ctx.docs, ctx.window = group, scale, docs, window
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, meta = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
-        kv, k_meta = _gather_kv(k, v, meta, group)
+        cp, rank = group_size(group), group_rank(group)
+        kv = _gather_kv(k, v, group)
         acc = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-        for block in _allgather_blocks(group_rank(group), group_size(group), q.shape[2] // 2):
-            _attend_backward(grad_out, q, kv, out, lse, block, meta, k_meta, ctx.scale, dq, dkv)
+        attend_pieces_backward(grad_out, q, kv[0], kv[1], out, lse,
+                               allgather_pieces(ctx.docs, q.shape[2] * cp, cp, rank, ctx.window), ctx.scale,
+                               dq, dkv[0], dkv[1])
         # Every rank holds partial gradients for all keys: sum them onto the owners.
-        dkv = _reorder_chunks(dkv, group_size(group), 3, to_global=False)
+        dkv = _reorder_chunks(dkv, cp, 3, to_global=False)
         dkv = reduce_scatter_dim0(dkv.movedim(3, 0), group).movedim(0, 3)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
@@ -330,7 +305,7 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return _AllToAll.apply(parts, group).movedim(0, 1).flatten(1, 2)
 
 
-def _ulysses_attention(q, k, v, group, scale, segment_ids):
+def _ulysses_attention(q, k, v, group, scale, docs, window):
     cp, hq, hk = group_size(group), q.shape[1], k.shape[1]
     if hq % cp:
         raise ValueError(f"a2a context parallelism needs the query heads per rank ({hq}) divisible by cp ({cp})")
@@ -341,11 +316,9 @@ def _ulysses_attention(q, k, v, group, scale, segment_ids):
         # Fewer kv heads than ranks: give each rank a copy of the one kv head its query heads use.
         k, v = k.repeat_interleave(cp // hk, dim=1), v.repeat_interleave(cp // hk, dim=1)
     q, k, v = (_seq_to_heads(t, group) for t in (q, k, v))
-    mask = None
-    if segment_ids is not None:  # the sequence is in global order now: causal by index, within a document
-        docs = _gather_seq(segment_ids, group, dim=1)
-        mask = (docs[:, :, None] == docs[:, None, :])[:, None]
-    return _heads_to_seq(attention(q, k, v, scale=scale, causal=True, mask=mask), group)
+    # The sequence is in global order now: plain one-process attention over the documents.
+    pieces = self_attention_pieces(docs, q.shape[2], window)
+    return _heads_to_seq(piecewise_attention(q, k, v, pieces, scale), group)
 
 
 # ---- entry point -----------------------------------------------------------------------------------------------------
@@ -359,33 +332,29 @@ def context_parallel_attention(
     group,
     comm_type: str,
     scale: float,
-    positions: torch.Tensor,
-    segment_ids: torch.Tensor | None = None,
+    documents: Documents | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries against the whole sequence spread over the CP `group`.
 
-    q [b, hq, s_local, d], k and v [b, hk, s_local, d] (hq a multiple of hk); `positions` [s_local] the global
-    position of each local token (cp_token_indices: the layout above); `segment_ids` None or [b, s_local] document
-    ids of a packed sequence (attention stays within a document). Returns [b, hq, s_local, d].
+    q [b, hq, s_local, d], k and v [b, hk, s_local, d] (hq a multiple of hk), the rank's two chunks in the layout
+    above; `documents` None or the micro-batch's documents in global positions (attention stays within a document);
+    `window` Mistral's sliding window (None: unbounded). Returns [b, hq, s_local, d].
     """
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"comm_type must be one of {CP_COMM_TYPES}, not {comm_type!r}")
     if k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"bad attention shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if positions.shape != (q.shape[2],):
-        raise ValueError(f"positions must be [s_local] = [{q.shape[2]}], got {tuple(positions.shape)}")
-    if segment_ids is not None and segment_ids.shape != (q.shape[0], q.shape[2]):
-        raise ValueError(f"segment_ids must be [b, s_local] = [{q.shape[0]}, {q.shape[2]}], "
-                         f"got {tuple(segment_ids.shape)}")
     cp = group_size(group)
+    if documents is not None and (len(documents.rows) != q.shape[0] or documents.seq_len != q.shape[2] * cp):
+        raise ValueError(f"documents describe {len(documents.rows)} rows of {documents.seq_len} tokens, not "
+                         f"{q.shape[0]} of {q.shape[2] * cp}")
     if cp == 1:
-        meta = _meta(positions, segment_ids)
-        mask = _block_mask(meta, meta, _Block(slice(None), slice(None), True))
-        return attention(q, k, v, scale=scale, causal=mask is None, mask=mask)
+        return piecewise_attention(q, k, v, self_attention_pieces(documents, q.shape[2], window), scale)
     if q.shape[2] % 2:
         raise ValueError(f"each CP rank holds two equal chunks; its local length {q.shape[2]} is odd")
     if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, group, scale, positions, segment_ids)
+        return _RingAttention.apply(q, k, v, group, scale, documents, window)
     if comm_type == "allgather":
-        return _AllGatherAttention.apply(q, k, v, group, scale, positions, segment_ids)
-    return _ulysses_attention(q, k, v, group, scale, segment_ids)
+        return _AllGatherAttention.apply(q, k, v, group, scale, documents, window)
+    return _ulysses_attention(q, k, v, group, scale, documents, window)

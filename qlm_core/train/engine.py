@@ -75,8 +75,6 @@ def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes, seq_length: 
     if cp > 1 and config.cp_comm_type == "a2a" and (spec.num_attention_heads // tp) % cp:
         raise QlmError(f"cp_comm_type a2a needs heads per TP rank ({spec.num_attention_heads // tp}) divisible by "
                        f"cp = {cp}", "use p2p or allgather, or change tp/cp")
-    if cp > 1 and spec.sliding_window is not None and seq_length > spec.sliding_window:
-        raise QlmError("sliding-window attention is not supported with context parallelism", "set cp = 1")
     if config.overlap_param_gather and config.zero_stage not in (1, 2):
         raise QlmError("overlap_param_gather needs zero_stage 1 or 2", "set parallel.zero_stage or turn it off")
     rows = micro_batch_size * sizes.dp

@@ -1,7 +1,7 @@
 """torchrun worker for tests/test_context_parallel.py: context-parallel attention against full attention.
 
 Run as: torchrun --standalone --nproc-per-node 4 cp_worker.py OUTDIR. Every rank builds the same seeded full q/k/v,
-computes full causal (+ same-document) attention in float64 with autograd, runs the CP version on its own slice with
+computes full causal (+ same-document, + sliding-window) attention in float64 with autograd, runs the CP version on its own slice with
 cp = 2 (groups {0, 2} and {1, 3}) and cp = 4, and writes the max abs differences of out/dq/dk/dv to OUTDIR/rank{R}.json.
 """
 
@@ -15,48 +15,47 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from qlm_core.parallel.context import (
-    context_parallel_attention,
-    cp_token_indices,
-    gather_from_cp,
-    split_for_cp,
-)
+from qlm_core.kernels.pieces import Documents
+from qlm_core.parallel.context import context_parallel_attention, gather_from_cp, split_for_cp
 
 B, S, D = 2, 32, 8
 SCALE = D**-0.5
 # Document lengths per row: boundaries fall inside chunks and documents span several chunks.
 DOCS = [[5, 11, 3, 13], [20, 1, 11]]
+KINDS = {"plain": (False, None), "packed": (True, None), "window": (False, 6), "packed-window": (True, 7)}
 
 
 def segment_ids() -> torch.Tensor:
     return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in DOCS])
 
 
-def reference(q, k, v, segments):
+def reference(q, k, v, segments, window):
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    allowed = torch.ones(S, S, dtype=torch.bool).tril()[None, None]
+    back = torch.arange(S)[:, None] - torch.arange(S)[None, :]
+    allowed = ((back >= 0) & (back < (window or S)))[None, None]
     if segments is not None:
         allowed = allowed & (segments[:, :, None] == segments[:, None, :])[:, None]
     scores = (q @ k.transpose(-1, -2) * SCALE).masked_fill(~allowed, float("-inf"))
     return torch.softmax(scores, -1) @ v
 
 
-def check(name, group, comm, hq, hk, packed):
+def check(name, group, comm, hq, hk, kind):
+    packed, window = KINDS[kind]
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    gen = torch.Generator().manual_seed(100 * hq + 10 * hk + packed)
+    gen = torch.Generator().manual_seed(100 * hq + 10 * hk + list(KINDS).index(kind))
     q, k, v = (torch.randn(B, h, S, D, generator=gen) for h in (hq, hk, hk))
     grad = torch.randn(B, hq, S, D, generator=gen)
     segments = segment_ids() if packed else None
 
     full = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out = reference(*full, segments)
+    ref_out = reference(*full, segments, window)
     ref_out.backward(grad.double())
 
     local = [split_for_cp(t, cp, rank, 2).requires_grad_() for t in (q, k, v)]
     out = context_parallel_attention(
-        *local, group=group, comm_type=comm, scale=SCALE, positions=cp_token_indices(S, cp, rank),
-        segment_ids=None if segments is None else split_for_cp(segments, cp, rank, 1),
+        *local, group=group, comm_type=comm, scale=SCALE, window=window,
+        documents=None if segments is None else Documents.from_segment_ids(segments),
     )
     out.backward(split_for_cp(grad, cp, rank, 2))
 
@@ -84,7 +83,7 @@ def check_a2a_errors(group):
     for hq, hk in ((cp // 2, cp // 2), (3 * cp, 3)):  # hq % cp != 0; hk neither divides nor is divisible by cp
         q, k = torch.randn(1, hq, 4, D), torch.randn(1, hk, 4, D)
         try:
-            context_parallel_attention(q, k, k, group=group, comm_type="a2a", scale=1.0, positions=torch.arange(4))
+            context_parallel_attention(q, k, k, group=group, comm_type="a2a", scale=1.0)
             raised.append(False)
         except ValueError as error:
             raised.append("a2a context parallelism needs" in str(error))
@@ -101,10 +100,9 @@ def main():
     results = {"checks": {}, "gather": {}, "a2a_errors": {}}
     try:
         for cp, group in groups.items():
-            for comm, (hq, hk), packed in itertools.product(("p2p", "allgather", "a2a"), ((4, 2), (4, 4), (4, 1)),
-                                                            (False, True)):
-                name = f"cp{cp}-{comm}-hq{hq}-hk{hk}-{'packed' if packed else 'plain'}"
-                results["checks"][name] = check(name, group, comm, hq, hk, packed)
+            for comm, (hq, hk), kind in itertools.product(("p2p", "allgather", "a2a"), ((4, 2), (4, 4), (4, 1)), KINDS):
+                name = f"cp{cp}-{comm}-hq{hq}-hk{hk}-{kind}"
+                results["checks"][name] = check(name, group, comm, hq, hk, kind)
             results["gather"][f"cp{cp}"] = check_gather(group)
             results["a2a_errors"][f"cp{cp}"] = check_a2a_errors(group)
     except Exception:  # noqa: BLE001 - report, then still tear down cleanly

@@ -1,0 +1,183 @@
+"""Which parts of the attention matrix are computed: document-aware attention as a list of dense pieces.
+
+Packed sequences (several documents in one row), sliding windows, context-parallel blocks and decoding all ask for
+attention under a visibility rule: query p may see key j when both lie in the same document and 0 <= p - j < window.
+Instead of a mask of q x k elements, the rule is cut into rectangles that a mask-free kernel computes whole:
+
+  FULL    every query sees every key of the rectangle
+  CAUSAL  a square; query i (from the start) sees keys 0..i   (a causal kernel, top-left = bottom-right when square)
+  UPPER   a square; query i sees keys i..n-1                  (a causal kernel on both ranges read back to front)
+
+Pieces that cover disjoint keys of the same queries are merged by log-sum-exp, as in ring attention. Positions here
+are global token indices (under context parallelism, a rank's tokens are in ascending global order, so any global
+interval meets them in one contiguous local range); `Piece` holds local index ranges, ready to slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+FULL, CAUSAL, UPPER = "full", "causal", "upper"
+
+
+class Piece(NamedTuple):
+    row: int | None  # batch row; None = every row (the same layout for all)
+    q: slice  # local query indices
+    k: slice  # local key indices
+    kind: str  # FULL | CAUSAL | UPPER
+
+
+class Span(NamedTuple):
+    """A contiguous run of positions [start, end) whose first one is held at local index `local`, the next ones
+    at local + step, local + 2 step, ... (step -1 only in mirrored coordinates)."""
+
+    start: int
+    end: int
+    local: int
+    step: int = 1
+
+    def clip(self, start: int, end: int) -> "Span | None":
+        lo, hi = max(start, self.start), min(end, self.end)
+        return Span(lo, hi, self.local + self.step * (lo - self.start), self.step) if lo < hi else None
+
+    def slice(self) -> slice:
+        assert self.step == 1
+        return slice(self.local, self.local + self.end - self.start)
+
+
+def _causal_pieces(q: Span, k: Span, row, reverse: bool, window_shift: int) -> list[Piece]:
+    """Keys j <= p of q x k. With `reverse`, both spans are in mirrored coordinates (see _upper_pieces) and the
+    pieces are mapped back: FULL stays FULL, CAUSAL becomes UPPER."""
+    pieces = []
+
+    def add(qs: Span, ks: Span, kind: str):
+        if reverse:
+            qs, ks = _unmirror(qs, 0), _unmirror(ks, window_shift)
+            kind = UPPER if kind == CAUSAL else kind
+        pieces.append(Piece(row, qs.slice(), ks.slice(), kind))
+
+    before = k.clip(k.start, q.start)  # keys before the first query: seen by every query
+    if before is not None:
+        add(q, before, FULL)
+    lo, hi = max(k.start, q.start), min(k.end, q.end)
+    if lo < hi:  # the common range: a causal square
+        add(q.clip(lo, hi), k.clip(lo, hi), CAUSAL)
+        after = q.clip(hi, q.end)  # queries past the last key see all of the common keys
+        if after is not None:
+            add(after, k.clip(lo, hi), FULL)
+    return pieces
+
+
+# Mirrored coordinates turn "j >= p - window + 1" into the causal rule: p' = -p, j' = -(j + window - 1) gives
+# j' <= p'. A mirrored span's local indices run backwards; _unmirror maps a sub-span back to ascending order.
+
+
+def _mirror(span: Span, shift: int) -> Span:
+    return Span(-(span.end - 1 + shift), -(span.start + shift) + 1, span.local + span.end - span.start - 1, -1)
+
+
+def _unmirror(span: Span, shift: int) -> Span:
+    n = span.end - span.start
+    return Span(-(span.end - 1) - shift, -span.start - shift + 1, span.local - n + 1)
+
+
+def band_pieces(q: Span, k: Span, window: int | None, row=None) -> list[Piece]:
+    """Pieces of q x k (one document) where 0 <= p - j < window (window None: unbounded)."""
+    if window is None:
+        return _causal_pieces(q, k, row, False, 0)
+    pieces = []
+    for start in range(q.start, q.end, window):  # query blocks no longer than the window
+        block = q.clip(start, start + window)
+        below = k.clip(start, block.end)  # keys from the block's start: only j <= p binds
+        if below is not None:
+            pieces += _causal_pieces(block, below, row, False, 0)
+        above = k.clip(start - window + 1, start)  # keys before it: only j > p - window binds
+        if above is not None:
+            pieces += _causal_pieces(_mirror(block, 0), _mirror(above, window - 1), row, True, window - 1)
+    return pieces
+
+
+def runs(values: list[int], offset: int = 0) -> list[tuple[int, int]]:
+    """[start, end) of each run of equal values, shifted by `offset`."""
+    bounds, start = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[i - 1]:
+            bounds.append((start + offset, i + offset))
+            start = i
+    return bounds
+
+
+def spans_of(positions: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The documents (global [start, end) intervals) that meet [start, end), clipped to it."""
+    return [(max(s, start), min(e, end)) for s, e in positions if s < end and e > start]
+
+
+def coalesce(pieces: list[Piece]) -> list[Piece]:
+    """Join FULL pieces of one row that share keys and have adjacent queries, or share queries and have adjacent
+    keys: fewer, larger kernel calls for the same result."""
+    for attr, other in (("q", "k"), ("k", "q")):
+        joined: list[Piece] = []
+        for piece in pieces:
+            last = joined[-1] if joined else None
+            if (last is not None and piece.kind == FULL and last.kind == FULL and last.row == piece.row
+                    and getattr(last, other) == getattr(piece, other)
+                    and getattr(last, attr).stop == getattr(piece, attr).start):
+                span = slice(getattr(last, attr).start, getattr(piece, attr).stop)
+                joined[-1] = last._replace(**{attr: span})
+            else:
+                joined.append(piece)
+        pieces = joined
+    return pieces
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Where the documents of a micro-batch lie, described once per forward and shared by every layer: for each row,
+    the global [start, end) of each document (runs of equal segment id); `seq_len` is the global row length."""
+
+    rows: tuple[tuple[tuple[int, int], ...], ...]
+    seq_len: int
+
+    @classmethod
+    def from_segment_ids(cls, segment_ids) -> "Documents":
+        """segment_ids [b, S] in global order (one host read per forward)."""
+        return cls(tuple(tuple(runs(row)) for row in segment_ids.tolist()), segment_ids.shape[1])
+
+    def cu_seqlens(self) -> list[int]:
+        """Cumulative document lengths over the flattened rows (Megatron's THD layout, flash-attn's varlen)."""
+        bounds = [0]
+        for index, row in enumerate(self.rows):
+            bounds += [index * self.seq_len + end for _, end in row]
+        return bounds
+
+
+def self_attention_pieces(docs: Documents | None, seq_len: int, window: int | None) -> list[Piece]:
+    """Queries and keys are the same whole rows (one process, or Ulysses after its all-to-all)."""
+    if docs is None:
+        whole = Span(0, seq_len, 0)
+        return band_pieces(whole, whole, window)
+    pieces = []
+    for row, documents in enumerate(docs.rows):
+        for start, end in documents:
+            span = Span(start, end, start)
+            pieces += band_pieces(span, span, window, row)
+    return pieces
+
+
+def decoding_pieces(key_valid: list[list[bool]], past: int, new: int, window: int | None) -> list[Piece]:
+    """Incremental decoding: queries are the `new` tokens after `past` cached ones, keys all past + new (cache
+    indices); a real token sees every real key before it (within the window), a padding token only the padding
+    run it is in (its output is never read)."""
+    pieces = []
+    for row, valid in enumerate(key_valid):
+        spans = runs(valid)
+        real = [Span(s, e, s) for s, e in spans if valid[s]]
+        for start, end in spans:
+            queries = Span(start, end, start - past).clip(past, past + new)
+            if queries is None:
+                continue
+            keys = real if valid[start] else [Span(start, end, start)]
+            for key_span in keys:
+                pieces += band_pieces(queries, key_span, window, row)
+    return coalesce(pieces)

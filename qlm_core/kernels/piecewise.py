@@ -1,0 +1,129 @@
+"""Attention computed piece by piece (kernels/pieces.py): forward merges the pieces' partial results by log-sum-exp,
+backward runs each piece's kernel backward against the merged out and lse and sums the gradients.
+
+Nothing of q x k elements is allocated: each piece runs a fused kernel (torch's CPU flash op, flash-attn or the
+memory-efficient kernel on CUDA) that keeps its scores in tiles; the buffers here are the size of q, k and v.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import Function
+
+from .attention import accumulation_dtype, attention_backward, attention_forward_with_lse
+from .pieces import CAUSAL, FULL, UPPER, Piece
+
+
+def _take(t: torch.Tensor, row, index: slice, kind: str) -> torch.Tensor:
+    """t[row, :, index] as [1 or b, h, n, d] (or [.., n] for lse), read back to front for an UPPER piece."""
+    part = t[:, :, index] if row is None else t[row : row + 1, :, index]
+    return part.flip(2) if kind == UPPER else part
+
+
+def _put(t: torch.Tensor, row, index: slice) -> torch.Tensor:
+    """The view of t that a piece's result goes to."""
+    return t[:, :, index] if row is None else t[row : row + 1, :, index]
+
+
+def disjoint(pieces: list[Piece]) -> bool:
+    """Whether each query and each key is in at most one piece (then nothing needs merging or summing)."""
+    for attr in ("q", "k"):
+        seen: dict = {}
+        for piece in pieces:
+            seen.setdefault(piece.row, []).append(getattr(piece, attr))
+        if None in seen and len(seen) > 1:
+            return False
+        for spans in seen.values():
+            spans.sort(key=lambda s: s.start)
+            if any(a.stop > b.start for a, b in zip(spans, spans[1:])):
+                return False
+    return True
+
+
+def _piece_forward(q, k, v, piece: Piece, scale):
+    out, lse = attention_forward_with_lse(
+        _take(q, piece.row, piece.q, piece.kind), _take(k, piece.row, piece.k, piece.kind),
+        _take(v, piece.row, piece.k, piece.kind), scale=scale, causal=piece.kind != FULL,
+    )
+    if piece.kind == UPPER:
+        out, lse = out.flip(2), lse.flip(2)
+    return out, lse
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor):
+    """In place: (out, lse) <- softmax-weighted combination of two partial results over disjoint keys."""
+    new = torch.logaddexp(lse, blk_lse)
+    base = new.masked_fill(torch.isneginf(new), 0.0)  # both -inf: weights exp(-inf) = 0, not NaN
+    out.mul_(torch.exp(lse - base)[..., None]).add_(blk_out.to(out.dtype) * torch.exp(blk_lse - base)[..., None])
+    lse.copy_(new)
+
+
+def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulators for merging: out 0 and lse -inf (a row that sees nothing stays so)."""
+    out = torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
+    return out, torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
+
+
+def attend_pieces(q, k, v, pieces: list[Piece], scale: float, out: torch.Tensor, lse: torch.Tensor):
+    """Merge every piece's attention into the accumulators (out, lse) from empty_result."""
+    for piece in pieces:
+        blk_out, blk_lse = _piece_forward(q, k, v, piece, scale)
+        merge(_put(out, piece.row, piece.q), _put(lse, piece.row, piece.q), blk_out, blk_lse)
+
+
+def attend_pieces_backward(grad_out, q, k, v, out, lse, pieces: list[Piece], scale: float, dq, dk, dv):
+    """Add each piece's gradients (against the final out and lse) into dq, dk, dv."""
+    for piece in pieces:
+        row, kind = piece.row, piece.kind
+        bq, bk, bv = attention_backward(
+            _take(grad_out, row, piece.q, kind), _take(q, row, piece.q, kind), _take(k, row, piece.k, kind),
+            _take(v, row, piece.k, kind), _take(out, row, piece.q, kind), _take(lse, row, piece.q, kind),
+            scale=scale, causal=kind != FULL,
+        )
+        if kind == UPPER:
+            bq, bk, bv = bq.flip(2), bk.flip(2), bv.flip(2)
+        _put(dq, row, piece.q).add_(bq)
+        _put(dk, row, piece.k).add_(bk)
+        _put(dv, row, piece.k).add_(bv)
+
+
+def like_q(q: torch.Tensor, dtype=None) -> torch.Tensor:
+    """An empty [b, h, s, d] buffer laid out as [s, b, h, d] in memory, like q (a view of linear_qkv's output): the
+    attention output then reaches linear_proj as a view, not a copy."""
+    b, h, s, d = q.shape
+    return torch.empty(s, b, h, d, dtype=dtype or q.dtype, device=q.device).permute(1, 2, 0, 3)
+
+
+class _PiecewiseAttention(Function):
+    @staticmethod
+    def forward(ctx, q, k, v, pieces, scale):
+        alone = disjoint(pieces)
+        if alone:  # every query in exactly one piece: write the kernels' results straight into place
+            out = like_q(q).zero_()
+            lse = torch.full(q.shape[:3], float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
+            for piece in pieces:
+                blk_out, blk_lse = _piece_forward(q, k, v, piece, scale)
+                _put(out, piece.row, piece.q).copy_(blk_out)
+                _put(lse, piece.row, piece.q).copy_(blk_lse)
+        else:
+            acc, lse = empty_result(q)
+            attend_pieces(q, k, v, pieces, scale, acc, lse)
+            out = like_q(q).copy_(acc)
+            del acc
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pieces, ctx.scale, ctx.alone = pieces, scale, alone
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dtype = q.dtype if ctx.alone else accumulation_dtype(q.dtype)
+        dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
+        attend_pieces_backward(grad_out, q, k, v, out, lse, ctx.pieces, ctx.scale, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def piecewise_attention(q, k, v, pieces: list[Piece], scale: float) -> torch.Tensor:
+    """Differentiable attention of q [b, hq, sq, d] against k, v [b, hk, sk, d] over `pieces` (local indices);
+    a query in no piece gets 0."""
+    return _PiecewiseAttention.apply(q, k, v, pieces, scale)
