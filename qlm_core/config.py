@@ -71,6 +71,7 @@ class DataConfig:
     packing: bool = True  # sft: pack several samples per sequence (positions restart, attention per sample)
     truncation: str = "right"  # sft: right | drop
     reset_position_ids: bool = False  # pretrain: restart positions (and attention) at each document boundary
+    mean_doc_len: int = 0  # packed data's mean document length in tokens, for qlm profile (0: one per sequence)
     workers: int = 1  # tokenisation processes
     seed: int = 1234
     cache_dir: str = ""  # tokenised-data and demo cache; empty = RUN/cache
@@ -86,6 +87,7 @@ class TrainConfig:
     eval_iters: int = 4
     max_skipped_steps: int = 3  # stop after this many consecutive non-finite steps
     exit_interval: int = 0  # save and exit when the step count is a multiple of this (e.g. job time slots)
+    loss_chunk_tokens: int = 2048  # output projection + cross entropy this many tokens at a time (0: all at once)
     seed: int = 1234
     output: str = "runs/qlm"
 

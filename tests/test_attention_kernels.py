@@ -3,6 +3,7 @@ and piecewise (document / window) attention against full masked attention."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -149,3 +150,53 @@ def test_bad_arguments():
     q, k, v = make(1, 2, 2, 4, 5, 8)
     with pytest.raises(ValueError, match="equal"):
         attention_forward_with_lse(q, k, v, scale=1.0, causal=True)
+
+
+def _fake_varlen(padded_lse: bool):
+    """flash-attn's varlen forward and backward, played by the CPU kernels one sequence at a time, with either lse
+    layout: checks qlm's packing of pieces into THD and back, not flash-attn."""
+
+    def segments(cu):
+        bounds = cu.tolist()
+        return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, return_attn_probs):
+        out = torch.empty_like(q)
+        lse = (torch.zeros(len(cu_q) - 1, q.shape[1], max_q) if padded_lse else torch.zeros(q.shape[1], q.shape[0]))
+        for i, (sq, sk) in enumerate(zip(segments(cu_q), segments(cu_k))):
+            o, l = attention_forward_with_lse(q[sq].transpose(0, 1)[None], k[sk].transpose(0, 1)[None],
+                                              v[sk].transpose(0, 1)[None], scale=softmax_scale, causal=causal)
+            out[sq] = o[0].transpose(0, 1)
+            if padded_lse:
+                lse[i, :, : sq.stop - sq.start] = l[0]
+            else:
+                lse[:, sq] = l[0]
+        return out, lse, None
+
+    def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k, dropout_p, softmax_scale, causal):
+        for i, (sq, sk) in enumerate(zip(segments(cu_seqlens_q), segments(cu_seqlens_k))):
+            lse = softmax_lse[i, :, : sq.stop - sq.start] if padded_lse else softmax_lse[:, sq]
+            grads = attention_backward(*(t[sq].transpose(0, 1)[None] for t in (dout, q)),
+                                       *(t[sk].transpose(0, 1)[None] for t in (k, v)),
+                                       out[sq].transpose(0, 1)[None], lse[None], scale=softmax_scale, causal=causal)
+            for target, grad, rows in zip((dq, dk, dv), grads, (sq, sk, sk)):
+                target[rows] = grad[0].transpose(0, 1)
+
+    params = frozenset(inspect.signature(backward).parameters)
+    return forward, lambda: (backward, params)
+
+
+@pytest.mark.parametrize("padded_lse", [False, True])
+@pytest.mark.parametrize("name", ["documents", "documents_window"])
+def test_varlen_packing_matches_masked_attention(name, padded_lse, monkeypatch):
+    from qlm_core.kernels import varlen
+
+    forward, backward = _fake_varlen(padded_lse)
+    monkeypatch.setattr(varlen, "_VARLEN_FWD", forward)
+    monkeypatch.setattr(varlen, "_varlen_backward", backward)
+    monkeypatch.setattr(varlen, "available", lambda q: True)
+    calls = []
+    monkeypatch.setattr(varlen, "forward", lambda *a, _f=varlen.forward: calls.append(1) or _f(*a))
+    test_piecewise_attention_matches_masked_attention(name, "default", monkeypatch)
+    assert calls  # the varlen path ran

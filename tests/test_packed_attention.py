@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qlm_core.kernels.pieces import CAUSAL, FULL, UPPER, Span, band_pieces, decoding_pieces
+from qlm_core.kernels.pieces import CAUSAL, FULL, UPPER, Span, band_pieces, decoding_pieces, row_runs
 from qlm_core.models.gpt import GPTModel, KVCache
 from qlm_core.models.spec import ModelSpec
 
@@ -55,7 +55,7 @@ def test_window_pieces_stay_within_the_band():
     assert sum((p.q.stop - p.q.start) * (p.k.stop - p.k.start) for p in pieces) <= 1000 * 2 * 64
 
 
-DOCS = [[13, 30, 5, 16], [40, 24]]  # two packed rows of 64 tokens; mistral's window is 8
+DOCS = [[13, 30, 1, 4, 16], [40, 1, 23]]  # two packed rows of 64 tokens, one-token documents too; mistral window 8
 
 
 def _packed_batch(spec, generator):
@@ -118,8 +118,13 @@ def test_padded_decoding_equals_each_row_alone(hf_models, kind):
             assert (torch.stack([g[i] for g in got]) - alone).abs().max().item() <= 1e-5
 
 
+def test_row_runs():
+    values = torch.tensor([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 5, 5]])
+    assert row_runs(values) == [[(0, 2, 0), (2, 5, 1), (5, 6, 2)], [(0, 6, 5)]]
+
+
 def test_decoding_pieces_skip_padding():
-    pieces = decoding_pieces([[False, False, True, True, True]], past=0, new=5, window=None)
+    pieces = decoding_pieces(torch.tensor([[False, False, True, True, True]]), past=0, new=5, window=None)
     assert all(p.k.start >= 2 for p in pieces if p.q.start >= 2)  # real tokens never see the padding
 
 

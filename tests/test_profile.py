@@ -19,6 +19,7 @@ from qlm_core.profile.memory import inflight_chunk_forwards
 from qlm_core.profile.search import search
 from qlm_core.profile.states import model_state_bytes
 from qlm_core.train.engine import Batch, Engine
+from qlm_core.train.lora import apply_lora
 
 from parallel_cases import SPEC
 
@@ -50,6 +51,26 @@ def test_layer_activations_match_saved_tensors(recompute, spec, dtype):
     assert sum(head_terms(x).values()) == pytest.approx(meter.first_seen["head"], rel=0.05)
     loss.backward()
     assert meter.live_bytes == 0  # everything saved was released by backward
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("chunk", [0, 48], ids=["whole-logits", "chunked"])
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_loss_head_matches_saved_tensors(chunk, dtype, lora_rank):
+    """The loss region as built: the whole logits' fp32 softmax, or the chunked loss (48 does not divide the 128
+    tokens) keeping only its input, log-sum-exp and targets; with LoRA the output layer is frozen."""
+    model = GPTModel(SPEC, num_layers=1, dtype=dtype, loss_chunk_tokens=chunk)
+    if lora_rank:
+        apply_lora([model], LoraConfig(rank=lora_rank), model.parallel)
+    ids, labels = _ids(SPEC)
+    with SavedTensorMeter(model) as meter:
+        loss = model(ids, labels=labels).sum()
+    x = ActivationInputs(SPEC, SEQ, BATCH, dtype_bytes=dtype.itemsize, padded_vocab=model.padded_vocab, device="cpu",
+                         lora_rank=lora_rank, loss_chunk_tokens=chunk)
+    assert x.chunked_loss == bool(chunk)
+    assert sum(head_terms(x).values()) == pytest.approx(meter.first_seen["head"], rel=0.05)
+    loss.backward()
+    assert meter.live_bytes == 0
 
 
 def _engine(parallel: ParallelConfig, dtype, lora_rank=0, spec=SPEC):
@@ -103,6 +124,28 @@ def test_defaults_are_the_seed_recipe():
     for key in ("tp", "cp", "pp", "sp", "zero_stage", "recompute", "cp_comm_type", "overlap_grad_reduce"):
         assert getattr(default.parallel, key) == getattr(recipe.parallel, key), key
     assert build_case(tp=2, cp=4).sizes.dp == 4
+
+
+def test_profile_counts_the_chunked_loss(run_qlm):
+    """The 7B 128k recipe's loss runs in chunks of 2048 of its 32768 tokens per rank: the loss region keeps its input,
+    log-sum-exp and targets, not the fp32 softmax; --loss-chunk-tokens 0 gives that softmax back."""
+    from qlm_core.profile.probe import scale_down
+
+    recipe = REPO / "recipes" / "qwen2-7b-128k.toml"
+    docs = {}
+    for extra in ([], ["--loss-chunk-tokens", "0"]):
+        code, out, err = run_qlm("profile", recipe, *extra, "--json")
+        assert code == 0, err
+        docs[bool(extra)] = json.loads(out)
+    chunked, whole = docs[False], docs[True]
+    assert chunked["layout"]["loss_chunk_tokens"] == 2048 and whole["layout"]["loss_chunk_tokens"] == 0
+    tokens, vocab = 131072 // 4, 152064 // 4
+    assert whole["memory"]["components_gib"]["logits_loss"] > 4 * vocab * tokens / 2**30
+    assert chunked["memory"]["components_gib"]["logits_loss"] < 0.05 * whole["memory"]["components_gib"]["logits_loss"]
+    case = build_case(load_recipe(recipe), num_gpus=32)
+    assert case.loss_chunk_tokens == 2048
+    scaled = scale_down(case)  # the probe's CPU case still runs the loss in chunks
+    assert 0 < scaled.loss_chunk_tokens < scaled.micro_batch_size * scaled.seq_len // scaled.parallel.cp
 
 
 @pytest.fixture(scope="module")

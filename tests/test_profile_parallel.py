@@ -2,7 +2,8 @@
 model-state bytes equal the Engine's allocation exactly on every rank; the per-layer activation formula is within 5%
 of the saved-tensor measurement under TP (± SP, fewer query groups than ranks), CP (p2p, allgather, a2a), selective
 and full recompute, with and without GQA; a pipeline stage's peak saved bytes over a whole 1F1B / interleaved /
-GPipe step match memory.py's in-flight count within 5%."""
+GPipe step match memory.py's in-flight count within 5%; the loss region (whole logits or the chunked loss head, TP2 ±
+SP, and on the last pipeline stage) within 5%."""
 
 import json
 import sys
@@ -12,7 +13,7 @@ import pytest
 from conftest import run_peer_jobs
 
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
-from profile_worker import LAYER_CASES, STAGE_CASES, STATE_CASES  # noqa: E402
+from profile_worker import HEAD_CASES, LAYER_CASES, STAGE_CASES, STATE_CASES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,16 @@ def test_layer_activation_formula_within_5_percent(case, worker_run):
     file = out / "layer" / f"{case}.json"
     assert file.exists(), f"worker exit {code}: {errors}"
     result = json.loads(file.read_text())
+    assert result["predicted"] == pytest.approx(result["measured"], rel=0.05), result
+
+
+@pytest.mark.parametrize("case", HEAD_CASES)
+def test_loss_region_within_5_percent(case, worker_run):
+    out, code, errors = worker_run
+    file = out / "head" / f"{case}.json"
+    assert file.exists(), f"worker exit {code}: {errors}"
+    result = json.loads(file.read_text())
+    assert result["chunked"] == (HEAD_CASES[case][2] > 0)
     assert result["predicted"] == pytest.approx(result["measured"], rel=0.05), result
 
 

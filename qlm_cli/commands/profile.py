@@ -19,7 +19,8 @@ from ..render import console
 
 MEMORY_NOTES = {
     "weights": "parameters on this rank", "grads": "fp32 gradient buffers", "optimizer": "fp32 masters + Adam moments",
-    "activations": "saved for backward, all in-flight micro-batches", "logits_loss": "fp32 softmax of the loss",
+    "activations": "saved for backward, all in-flight micro-batches",
+    "logits_loss": "loss head: fp32 softmax (chunked: input, lse)",
     "workspace": "largest transient (recompute / loss logits / CP K/V)", "pp_buffers": "pipeline stage I/O kept",
     "comm_buffers": "ZeRO 2 buckets / ZeRO 3 gathered params", "allocator": "allowance: fragmentation + CUDA context",
 }
@@ -60,6 +61,10 @@ def _print_profile(case, gpu, memory, time):
     console.print(f"[bold]{case.model_name}[/] on {case.num_gpus} x {gpu.name}: {case.describe()}, "
                   f"seq {case.seq_len}, micro-batch {case.micro_batch_size}, global batch {case.global_batch_size} "
                   f"({case.num_microbatches} micro-batches per step), {case.dtype}", highlight=False)
+    documents = (f"packed documents of {case.mean_doc_len:,} tokens on average" if case.mean_doc_len
+                 else "one document per sample (packed data: --mean-doc-len / data.mean_doc_len)")
+    window = f", sliding window {case.spec.sliding_window:,}" if case.spec.sliding_window else ""
+    console.print(f"attention: {documents}{window}", highlight=False)
     console.print(memory_table(memory, f"memory per rank, heaviest pipeline stage ({heavy.stage} of {p.pp})"))
     console.print(f"activations: {heavy.activation_per_layer / GIB:.3f} GiB per layer per micro-batch x "
                   f"{heavy.layers} layers x {heavy.inflight_microbatches:.3g} micro-batches in flight", highlight=False)
@@ -136,6 +141,12 @@ def profile(
         "--pp-schedule", help="1f1b | interleaved_1f1b | zero_bubble | gpipe.")] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16 | fp32.")] = None,
     lora_rank: Annotated[Optional[int], typer.Option("--lora-rank", help="LoRA rank (0: off).")] = None,
+    loss_chunk_tokens: Annotated[Optional[int], typer.Option(
+        "--loss-chunk-tokens", help="Tokens the loss projects at a time (train.loss_chunk_tokens; default: the "
+                                    "recipe's, else 2048; 0: the whole logits at once).")] = None,
+    mean_doc_len: Annotated[Optional[int], typer.Option(
+        "--mean-doc-len", help="Packed data: mean document length in tokens; attention FLOPs and time follow the "
+                               "documents (data.mean_doc_len; default: the recipe's, else one per sample).")] = None,
     gpu: Annotated[str, typer.Option("--gpu", help=f"GPU preset: {', '.join(GPUS)}.")] = "a100-80g",
     num_gpus: Annotated[Optional[int], typer.Option("--num-gpus", help="Devices in all (default: tp*pp*cp*dp "
                                                                        "with --dp, else 32).")] = None,
@@ -172,7 +183,8 @@ def profile(
         raise QlmError("--efficiency and --comm-efficiency must be in (0, 1]", "e.g. --efficiency 0.45")
     resolved_recipe = load_recipe(recipe) if recipe is not None else None
     case = build_case(resolved_recipe, model=model, seq_len=seq_len, micro_batch_size=mbs, global_batch_size=gbs,
-                      num_gpus=num_gpus, dtype=dtype, lora_rank=lora_rank, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp,
+                      num_gpus=num_gpus, dtype=dtype, lora_rank=lora_rank, loss_chunk_tokens=loss_chunk_tokens,
+                      mean_doc_len=mean_doc_len, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp,
                       sp=sp, cp_comm_type=cp_comm_type, zero_stage=zero, recompute=recompute,
                       recompute_num_layers=recompute_num_layers, pp_schedule=pp_schedule)
     device = gpu_spec(gpu, memory_gib=gpu_memory_gb, peak_tflops=peak_tflops, nvlink_gbps=nvlink_gbps,

@@ -153,13 +153,21 @@ def _math_backward(grad_out, q, k, v, out, lse, scale, causal):
 
 
 @functools.cache
-def _flash_attn_backward_fn():
-    """flash-attn's internal backward and the argument names it declares (they changed across 2.x), or None."""
+def flash_attn_internal(name: str):
+    """A function of flash-attn's interface module and the argument names it declares (they changed across 2.x),
+    or None without flash-attn. Call it with call_declared."""
     try:
-        from flash_attn.flash_attn_interface import _flash_attn_backward as fn
-    except Exception:  # noqa: BLE001
+        import flash_attn.flash_attn_interface as interface
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
         return None
-    return fn, frozenset(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
+    fn = getattr(interface, name, None)
+    return None if fn is None else (fn, frozenset(inspect.signature(getattr(fn, "_init_fn", fn)).parameters))
+
+
+def call_declared(internal, **candidates):
+    """Call flash_attn_internal's function with the candidates its signature declares."""
+    fn, params = internal
+    return fn(**{name: value for name, value in candidates.items() if name in params})
 
 
 def _uses_flash_attn(q) -> bool:
@@ -182,9 +190,9 @@ def _cuda_forward(q, k, v, scale, causal):
 
 
 def _cuda_backward(grad_out, q, k, v, out, lse, scale, causal):
-    flash_bwd = _flash_attn_backward_fn()
+    flash_bwd = flash_attn_internal("_flash_attn_backward")
     if flash_bwd is not None and _uses_flash_attn(q):
-        return _flash_attn_backward(*flash_bwd, grad_out, q, k, v, out, lse, scale, causal)
+        return _flash_attn_backward(flash_bwd, grad_out, q, k, v, out, lse, scale, causal)
     groups = q.shape[1] // k.shape[1]
     b, h, sq = lse.shape
     # The kernel stores lse padded to a multiple of 32 rows (not on ROCm) and reads it back with that stride.
@@ -199,14 +207,15 @@ def _cuda_backward(grad_out, q, k, v, out, lse, scale, causal):
     return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
 
 
-def _flash_attn_backward(fn, params, grad_out, q, k, v, out, lse, scale, causal):
+# Arguments flash-attn's backward functions have taken across 2.x that qlm leaves at their defaults.
+FLASH_BACKWARD_DEFAULTS = dict(dropout_p=0.0, window_size=(-1, -1), window_size_left=-1, window_size_right=-1,
+                               softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
+
+
+def _flash_attn_backward(internal, grad_out, q, k, v, out, lse, scale, causal):
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
-    candidates = dict(
-        dout=grad_out.transpose(1, 2).contiguous(), q=qt, k=kt, v=vt, out=out.transpose(1, 2).contiguous(),
-        softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
-        window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-        deterministic=False, rng_state=None,
-    )
-    fn(**{name: value for name, value in candidates.items() if name in params})
+    call_declared(internal, dout=grad_out.transpose(1, 2).contiguous(), q=qt, k=kt, v=vt,
+                  out=out.transpose(1, 2).contiguous(), softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv,
+                  softmax_scale=scale, causal=causal, **FLASH_BACKWARD_DEFAULTS)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -98,14 +98,21 @@ def band_pieces(q: Span, k: Span, window: int | None, row=None) -> list[Piece]:
     return pieces
 
 
-def runs(values: list[int], offset: int = 0) -> list[tuple[int, int]]:
-    """[start, end) of each run of equal values, shifted by `offset`."""
-    bounds, start = [], 0
-    for i in range(1, len(values) + 1):
-        if i == len(values) or values[i] != values[i - 1]:
-            bounds.append((start + offset, i + offset))
-            start = i
-    return bounds
+def row_runs(values) -> list[list[tuple[int, int, int]]]:
+    """[b, n] tensor -> per row, (start, end, value) of each run of equal values. Only the change points are read
+    back to the host, so a row of one run costs one element, whatever its length."""
+    b, n = values.shape
+    change = (values[:, 1:] != values[:, :-1]).nonzero().tolist()
+    firsts = values[:, 0].tolist()
+    starts: list[list[int]] = [[0] for _ in range(b)]
+    for row, col in change:
+        starts[row].append(col + 1)
+    flat = values.reshape(-1)
+    result = []
+    for row, bounds in enumerate(starts):
+        run_values = [firsts[row]] + (flat[[row * n + i for i in bounds[1:]]].tolist() if len(bounds) > 1 else [])
+        result.append([(a, e, v) for a, e, v in zip(bounds, bounds[1:] + [n], run_values)])
+    return result
 
 
 def spans_of(positions: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
@@ -142,7 +149,8 @@ class Documents:
     @classmethod
     def from_segment_ids(cls, segment_ids) -> "Documents":
         """segment_ids [b, S] in global order (one host read per forward)."""
-        return cls(tuple(tuple(runs(row)) for row in segment_ids.tolist()), segment_ids.shape[1])
+        rows = row_runs(segment_ids)
+        return cls(tuple(tuple((start, end) for start, end, _ in row) for row in rows), segment_ids.shape[1])
 
     def cu_seqlens(self) -> list[int]:
         """Cumulative document lengths over the flattened rows (Megatron's THD layout, flash-attn's varlen)."""
@@ -165,19 +173,18 @@ def self_attention_pieces(docs: Documents | None, seq_len: int, window: int | No
     return pieces
 
 
-def decoding_pieces(key_valid: list[list[bool]], past: int, new: int, window: int | None) -> list[Piece]:
-    """Incremental decoding: queries are the `new` tokens after `past` cached ones, keys all past + new (cache
-    indices); a real token sees every real key before it (within the window), a padding token only the padding
-    run it is in (its output is never read)."""
+def decoding_pieces(key_valid, past: int, new: int, window: int | None) -> list[Piece]:
+    """Incremental decoding: `key_valid` [b, past + new] (True = a real token); queries are the `new` tokens after
+    `past` cached ones, keys all past + new (cache indices). A real token sees every real key before it (within the
+    window), a padding token only the padding run it is in (its output is never read)."""
     pieces = []
-    for row, valid in enumerate(key_valid):
-        spans = runs(valid)
-        real = [Span(s, e, s) for s, e in spans if valid[s]]
-        for start, end in spans:
+    for row, spans in enumerate(row_runs(key_valid)):
+        real = [Span(s, e, s) for s, e, valid in spans if valid]
+        for start, end, valid in spans:
             queries = Span(start, end, start - past).clip(past, past + new)
             if queries is None:
                 continue
-            keys = real if valid[start] else [Span(start, end, start)]
+            keys = real if valid else [Span(start, end, start)]
             for key_span in keys:
                 pieces += band_pieces(queries, key_span, window, row)
     return coalesce(pieces)

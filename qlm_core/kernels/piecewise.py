@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch.autograd import Function
 
+from . import varlen
 from .attention import accumulation_dtype, attention_backward, attention_forward_with_lse
-from .pieces import CAUSAL, FULL, UPPER, Piece
+from .pieces import FULL, UPPER, Piece
 
 
 def _take(t: torch.Tensor, row, index: slice, kind: str) -> torch.Tensor:
@@ -50,6 +51,23 @@ def _piece_forward(q, k, v, piece: Piece, scale):
     return out, lse
 
 
+def _forward_all(q, k, v, pieces: list[Piece], scale):
+    """(piece, out, lse) for every piece: one varlen call per kind where flash-attn can, else one call a piece."""
+    batched = varlen.forward(q, k, v, pieces, scale) if varlen.available(q) else {}
+    for index, piece in enumerate(pieces):
+        yield (piece, *(batched[index] if index in batched else _piece_forward(q, k, v, piece, scale)))
+
+
+def _piece_backward(grad_out, q, k, v, out, lse, piece: Piece, scale):
+    row, kind = piece.row, piece.kind
+    grads = attention_backward(
+        _take(grad_out, row, piece.q, kind), _take(q, row, piece.q, kind), _take(k, row, piece.k, kind),
+        _take(v, row, piece.k, kind), _take(out, row, piece.q, kind), _take(lse, row, piece.q, kind),
+        scale=scale, causal=kind != FULL,
+    )
+    return tuple(g.flip(2) for g in grads) if kind == UPPER else grads
+
+
 def merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor):
     """In place: (out, lse) <- softmax-weighted combination of two partial results over disjoint keys."""
     new = torch.logaddexp(lse, blk_lse)
@@ -66,25 +84,19 @@ def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def attend_pieces(q, k, v, pieces: list[Piece], scale: float, out: torch.Tensor, lse: torch.Tensor):
     """Merge every piece's attention into the accumulators (out, lse) from empty_result."""
-    for piece in pieces:
-        blk_out, blk_lse = _piece_forward(q, k, v, piece, scale)
+    for piece, blk_out, blk_lse in _forward_all(q, k, v, pieces, scale):
         merge(_put(out, piece.row, piece.q), _put(lse, piece.row, piece.q), blk_out, blk_lse)
 
 
 def attend_pieces_backward(grad_out, q, k, v, out, lse, pieces: list[Piece], scale: float, dq, dk, dv):
     """Add each piece's gradients (against the final out and lse) into dq, dk, dv."""
-    for piece in pieces:
-        row, kind = piece.row, piece.kind
-        bq, bk, bv = attention_backward(
-            _take(grad_out, row, piece.q, kind), _take(q, row, piece.q, kind), _take(k, row, piece.k, kind),
-            _take(v, row, piece.k, kind), _take(out, row, piece.q, kind), _take(lse, row, piece.q, kind),
-            scale=scale, causal=kind != FULL,
-        )
-        if kind == UPPER:
-            bq, bk, bv = bq.flip(2), bk.flip(2), bv.flip(2)
-        _put(dq, row, piece.q).add_(bq)
-        _put(dk, row, piece.k).add_(bk)
-        _put(dv, row, piece.k).add_(bv)
+    batched = varlen.backward(grad_out, q, k, v, out, lse, pieces, scale) if varlen.available(q) else {}
+    for index, piece in enumerate(pieces):
+        bq, bk, bv = (batched[index] if index in batched
+                      else _piece_backward(grad_out, q, k, v, out, lse, piece, scale))
+        _put(dq, piece.row, piece.q).add_(bq)
+        _put(dk, piece.row, piece.k).add_(bk)
+        _put(dv, piece.row, piece.k).add_(bv)
 
 
 def like_q(q: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -101,8 +113,7 @@ class _PiecewiseAttention(Function):
         if alone:  # every query in exactly one piece: write the kernels' results straight into place
             out = like_q(q).zero_()
             lse = torch.full(q.shape[:3], float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
-            for piece in pieces:
-                blk_out, blk_lse = _piece_forward(q, k, v, piece, scale)
+            for piece, blk_out, blk_lse in _forward_all(q, k, v, pieces, scale):
                 _put(out, piece.row, piece.q).copy_(blk_out)
                 _put(lse, piece.row, piece.q).copy_(blk_lse)
         else:

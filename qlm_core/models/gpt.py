@@ -18,12 +18,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.attention import core_attention
+from ..kernels.norm import RMSNorm
 from ..kernels.pieces import Documents, Piece, decoding_pieces, self_attention_pieces
 from ..kernels.piecewise import piecewise_attention
-from ..kernels.norm import RMSNorm
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..parallel.comm import group_rank, group_size
 from ..parallel.context import CP_COMM_TYPES, context_parallel_attention, cp_token_indices, gather_sequence
+from ..parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, OutputLayer
 from ..parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -91,8 +92,8 @@ def attention_inputs(local_tokens: int, window: int | None, cp_group, segment_id
     than the row, or decoding with a cache."""
     if cache is not None or attention_mask is not None:
         past = 0 if cache is None else cache.length
-        valid = ([[True] * (past + local_tokens)] * batch if attention_mask is None
-                 else attention_mask.bool().tolist())
+        valid = (torch.ones(batch, past + local_tokens, dtype=torch.bool) if attention_mask is None
+                 else attention_mask.bool())
         return AttentionInputs(cache=cache, pieces=decoding_pieces(valid, past, local_tokens, window))
     documents = None
     if segment_ids is not None:
@@ -265,9 +266,13 @@ class GPTModel(nn.Module):
         num_layers: int | None = None,
         padded_vocab: int | None = None,
         dtype: torch.dtype = torch.float32,
+        loss_chunk_tokens: int | None = None,
     ):
         super().__init__()
         parallel = parallel or ParallelOptions()
+        loss_chunk_tokens = DEFAULT_CHUNK_TOKENS if loss_chunk_tokens is None else loss_chunk_tokens
+        if loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens must be >= 0 (0: off), not {loss_chunk_tokens}")
         if parallel.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {parallel.recompute!r}")
         if parallel.cp_comm_type not in CP_COMM_TYPES:
@@ -279,6 +284,8 @@ class GPTModel(nn.Module):
         self.sequence_parallel = parallel.sp
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_offset = layer_offset
+        self.loss_chunk_tokens = loss_chunk_tokens  # loss(): project and take the loss this many tokens at a time
+        self.returns_hidden = False  # the last stage returns logits (StageModel: the final norm's output)
         self.padded_vocab = padded_vocab or padded_vocab_size(spec.vocab_size, 128, group_size(tp_group))
         num_layers = spec.num_layers - layer_offset if num_layers is None else num_layers
         self.tied_in_stage = spec.tie_word_embeddings and pre_process
@@ -288,9 +295,9 @@ class GPTModel(nn.Module):
         if post_process:
             # With tied embeddings the output layer borrows the embedding weight when both live in this stage;
             # a last stage without the embedding keeps its own copy (synchronised by the pipeline code).
-            self.output_layer = ColumnParallelLinear(
-                spec.hidden_size, self.padded_vocab, tp_group=tp_group, sequence_parallel=parallel.sequence_parallel,
-                skip_weight=self.tied_in_stage, dtype=dtype,
+            self.output_layer = OutputLayer(
+                spec.hidden_size, self.padded_vocab, vocab_size=spec.vocab_size, tp_group=tp_group,
+                sequence_parallel=parallel.sequence_parallel, skip_weight=self.tied_in_stage, dtype=dtype,
             )
         self._inv_freq = rope_inv_freq(spec.kv_channels, spec.rope_theta, spec.rope_scaling)
         self.reset_parameters()
@@ -356,12 +363,23 @@ class GPTModel(nn.Module):
         x = self.decoder(x, cos, sin, inputs)
         if not self.post_process:
             return x
-        logits = self.output_layer(x, self.output_weight())
         if labels is not None:
-            return self.token_loss(logits, labels)
+            return self.loss(x, labels)
+        if self.returns_hidden:
+            return x
+        logits = self.output_layer(x, self.output_weight())
         if local_logits:
             return logits
         return gather_last_dim(logits, self.tp_group)[..., : self.spec.vocab_size].transpose(0, 1)
+
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss head: the final norm's output [s, b, h] (this rank's sequence shard under SP), labels [b, s] ->
+        per-token loss [b, s] (fp32), zero where the label is negative. When the rank's tokens exceed
+        `loss_chunk_tokens` the projection and the cross entropy run chunk by chunk (never [s, b, V/tp] logits);
+        otherwise through the whole logits, as token_loss."""
+        if 0 < self.loss_chunk_tokens < labels.numel():
+            return self.output_layer(hidden, self.output_weight(), labels=labels, chunk_tokens=self.loss_chunk_tokens)
+        return self.token_loss(self.output_layer(hidden, self.output_weight()), labels)
 
     def token_loss(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel cross entropy: local logits [s, b, V_padded/tp], labels [b, s] -> loss [b, s] (fp32),

@@ -2,8 +2,9 @@
 
 A stage receives (input_ids or hidden states, position_ids[, segment_ids]) and, unless it is the last stage,
 returns the hidden states followed by the same position_ids[, segment_ids], so that every stage knows the RoPE
-positions and documents of the microbatch it is running. The last stage returns this TP rank's vocabulary slice
-of the logits; the loss is computed by the schedule's loss function (GPTModel.token_loss).
+positions and documents of the microbatch it is running. The last stage returns the final norm's output; the
+schedule's loss function hands it to the loss head (GPTModel.loss), which projects it onto the vocabulary (chunk by
+chunk on long sequences), so no stage output is ever [s, b, V/tp] logits.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from .gpt import GPTModel
 class StageModel(GPTModel):
     """Same parameters and state_dict as GPTModel (it adds no modules), pipeline-friendly forward."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.returns_hidden = True
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor | None = None):
         out = super().forward(
             x if self.pre_process else None, position_ids,
-            hidden_states=None if self.pre_process else x, segment_ids=segment_ids, local_logits=True,
+            hidden_states=None if self.pre_process else x, segment_ids=segment_ids,
         )
         if self.post_process:
             return out

@@ -28,10 +28,21 @@ e = bytes of the compute dtype, hq/hk/d/f = heads, query groups, head dim, FFN s
                     e·r·T_sp. Adapter dropout is taken as 0.
 
 Per forward of a stage chunk (shared by its layers): RoPE cos and sin, 2·e·d·T; the embedding keeps the token ids
-(8·T) and, with TP, its out-of-range mask (T). The loss region on the last stage: the final norm as above, the
-output layer's input, and the vocab-parallel cross entropy's fp32 softmax 4·(V/tp)·T plus int64 targets and a mask;
-while the loss runs the compute-dtype logits (e·(V/tp)·T) exist beside it (a transient, bf16 only).
-Residual adds, RoPE's rotate-half and the TP/SP collectives save nothing. Packed sequences add a few int64 per token.
+(8·T) and, with TP, its out-of-range mask (T). The loss region on the last stage (GPTModel.loss), with V/tp the
+padded vocabulary per TP rank:
+  whole logits      (T <= loss_chunk_tokens, or 0) the final norm as above, the output layer's input, and the
+                    vocab-parallel cross entropy's fp32 softmax 4·(V/tp)·T plus int64 targets and two masks (10·T);
+                    while the loss runs the compute-dtype logits e·(V/tp)·T exist beside it (a transient, bf16 only)
+  chunked           (T > loss_chunk_tokens = c) the final norm, the loss's input x e·h·T_sp (kept even with a frozen
+                    output layer: backward recomputes the logits from it), the fp32 log-sum-exp 4·T and int64
+                    targets 8·T (the per-token loss is returned, not saved); transient: one chunk's logits
+                    (e + 4)·(V/tp)·c (4·(V/tp)·c in fp32), in backward the fp32 dW accumulator and its cast
+                    (4 + e)·(V/tp)·h (bf16 with a trainable output layer), the full-sequence input gradient e·h·T
+                    and under SP the re-gathered input e·h·T
+Residual adds, RoPE's rotate-half and the TP/SP collectives save nothing. Packed documents and sliding windows
+change none of this: their attention runs piece by piece (kernels/piecewise.py) and saves exactly what the fused
+kernel saves (q, k, v, the output laid out like q, the fp32 log-sum-exp), and the documents are described by Python
+ranges, not tensors (measured equal to the unpacked bytes: tests/test_profile_packed.py).
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..models.spec import ModelSpec
+from ..parallel.cross_entropy import DEFAULT_CHUNK_TOKENS
 
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 
@@ -57,6 +69,7 @@ class ActivationInputs:
     device: str = "cuda"  # where the attention kernel runs: decides whether linear_proj's input is a copy
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = field(default=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # 0: the loss takes the whole logits
 
     @property
     def tokens(self) -> int:
@@ -66,6 +79,11 @@ class ActivationInputs:
     @property
     def sp_tokens(self) -> float:
         return self.tokens / self.tp if self.sp and self.tp > 1 else self.tokens
+
+    @property
+    def chunked_loss(self) -> bool:
+        """Whether GPTModel.loss runs chunk by chunk (it does when the rank's tokens exceed the chunk)."""
+        return 0 < self.loss_chunk_tokens < self.tokens
 
     @property
     def frozen(self) -> bool:
@@ -146,21 +164,38 @@ def vocab_per_rank(x: ActivationInputs) -> float:
     return (x.padded_vocab or x.spec.vocab_size) / x.tp
 
 
+def loss_keeps_input(x: ActivationInputs) -> bool:
+    """Whether the loss head saves its input (the final norm's output): the chunked loss always does; the whole-logits
+    path when the output layer trains or SP's gather function keeps the shard."""
+    return x.chunked_loss or not x.frozen or (x.sp and x.tp > 1)
+
+
 def head_terms(x: ActivationInputs) -> dict[str, float]:
     """The last stage's final norm, output layer and loss, for one micro-batch."""
     e, T, Tsp, h = x.dtype_bytes, x.tokens, x.sp_tokens, x.spec.hidden_size
-    column_sp = x.sp and x.tp > 1
-    return {
-        "final rmsnorm": 4 * h * Tsp + 4 * Tsp + (0 if x.frozen else e * h * Tsp),
-        "output layer input": e * h * Tsp if (not x.frozen or column_sp) else 0.0,
+    terms = {"final rmsnorm": 4 * h * Tsp + 4 * Tsp + (0 if x.frozen else e * h * Tsp)}
+    if x.chunked_loss:
+        terms.update({"loss input": e * h * Tsp, "log-sum-exp (fp32)": 4 * T, "targets": 8 * T})
+        return terms
+    terms.update({
+        "output layer input": e * h * Tsp if loss_keeps_input(x) else 0.0,
         "softmax (fp32)": 4 * vocab_per_rank(x) * T,
         "targets and masks": 8 * T + 2 * T,
-    }
+    })
+    return terms
 
 
 def logits_transient(x: ActivationInputs) -> float:
-    """The compute-dtype logits beside the fp32 softmax while the loss runs (and their gradient in backward)."""
-    return 0.0 if x.dtype_bytes == 4 else x.dtype_bytes * vocab_per_rank(x) * x.tokens
+    """What exists only while the loss runs. Whole logits: the compute-dtype logits beside the fp32 softmax (and
+    their gradient in backward). Chunked: the larger of forward's and backward's transients (module docstring)."""
+    e, V = x.dtype_bytes, vocab_per_rank(x)
+    if not x.chunked_loss:
+        return 0.0 if e == 4 else e * V * x.tokens
+    chunk_logits = (4 if e == 4 else e + 4) * V * x.loss_chunk_tokens
+    h, T = x.spec.hidden_size, x.tokens
+    gathered = e * h * T if x.sp and x.tp > 1 else 0.0
+    weight_accumulator = (4 + e) * V * h if e != 4 and not x.frozen else 0.0  # and its cast to the weight's dtype
+    return chunk_logits + gathered + e * h * T + weight_accumulator
 
 
 def cp_buffers(x: ActivationInputs) -> float:

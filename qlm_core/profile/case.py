@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.layout import LORA_TARGETS, ModelLayout
-from ..config import ParallelConfig, Recipe
+from ..config import ParallelConfig, Recipe, TrainConfig
 from ..dtypes import DTYPES
 from ..errors import QlmError
 from ..models.spec import ModelSpec, load_model_spec
@@ -38,6 +38,8 @@ class ProfileCase:
     dtype: str = "bf16"
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = tuple(LORA_TARGETS)
+    loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the trainer's loss head chunk (0: whole logits)
+    mean_doc_len: int = 0  # packed data: mean document length in tokens (0: one document per sample)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -96,8 +98,14 @@ def validate_inputs(case: ProfileCase):
     if case.parallel.recompute_num_layers is not None and case.parallel.recompute_num_layers < 0:
         raise QlmError(f"recompute-num-layers must be >= 0, got {case.parallel.recompute_num_layers}",
                        "pass 0 or more")
+    if case.mean_doc_len < 0:
+        raise QlmError(f"mean-doc-len must be >= 0, got {case.mean_doc_len}",
+                       "pass 0 (one document per sample) or the packed data's mean document length")
     if case.lora_rank < 0:
         raise QlmError(f"lora rank must be >= 0, got {case.lora_rank}", "pass 0 (off) or a positive rank")
+    if case.loss_chunk_tokens < 0:
+        raise QlmError(f"loss-chunk-tokens must be >= 0, got {case.loss_chunk_tokens}",
+                       "pass a token count (e.g. 2048) or 0 for the loss over all logits at once")
 
 
 def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
@@ -137,7 +145,8 @@ def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpe
         spec=spec, model_name=name, parallel=p, seq_len=recipe.data.seq_length,
         micro_batch_size=recipe.train.micro_batch_size, global_batch_size=recipe.train.global_batch_size,
         num_gpus=num_gpus, dtype=recipe.model.dtype, lora_rank=recipe.lora.rank,
-        lora_targets=tuple(recipe.lora.target_modules),
+        lora_targets=tuple(recipe.lora.target_modules), loss_chunk_tokens=recipe.train.loss_chunk_tokens,
+        mean_doc_len=recipe.data.mean_doc_len,
     )
 
 
@@ -162,6 +171,7 @@ def case_from_dict(data: dict) -> ProfileCase:
 def build_case(recipe: Recipe | None = None, *, model: str | None = None, seq_len: int | None = None,
                micro_batch_size: int | None = None, global_batch_size: int | None = None,
                num_gpus: int | None = None, dtype: str | None = None, lora_rank: int | None = None,
+               loss_chunk_tokens: int | None = None, mean_doc_len: int | None = None,
                **parallel) -> ProfileCase:
     """The seed's case, replaced by `recipe` when given, then by every option that is not None. `parallel` takes
     ParallelConfig's keys. The device count is `num_gpus`, else tp·pp·cp·dp when dp is set, else 32."""
@@ -180,7 +190,8 @@ def build_case(recipe: Recipe | None = None, *, model: str | None = None, seq_le
     if parallel.get("zero_stage") is not None:  # the parameter all-gather exists only under ZeRO 1/2
         case = case.with_parallel(overlap_param_gather=case.parallel.zero_stage in (1, 2))
     changes = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                   dtype=dtype, lora_rank=lora_rank)
+                   dtype=dtype, lora_rank=lora_rank, loss_chunk_tokens=loss_chunk_tokens,
+                   mean_doc_len=mean_doc_len)
     case = case.replace(**{k: v for k, v in changes.items() if v is not None})
     p = case.parallel
     if num_gpus is not None:

@@ -6,13 +6,14 @@
                 1F1B keeps p - r micro-batches on stage r, interleaved 1F1B (v chunks) keeps (v-1)·p + 2(p-1-r) + 1
                 chunk forwards, i.e. 1 + (p-1)/(p·v) times 1F1B's on stage 0, zero-bubble (v-1)·p + (p-r) plus r
                 deferred weight passes, GPipe all m); per-layer bytes from activations.py
-  logits_loss   the last stage's final norm, output layer input and fp32 softmax (one micro-batch; GPipe: all m)
-  workspace     the largest transient at once: either the loss's compute-dtype logits beside its softmax, or one
-                layer's backward (what recompute re-materialises, the CP K/V buffers, the SP-gathered input and
-                the layer's largest gradients)
+  logits_loss   the last stage's final norm and loss head: the output layer input and fp32 softmax, or with the
+                chunked loss its input, log-sum-exp and targets (one micro-batch; GPipe: all m)
+  workspace     the largest transient at once: either the loss's logits (whole: compute dtype beside the softmax;
+                chunked: one chunk's, plus its backward's dW accumulator and input gradient), or one layer's
+                backward (what recompute re-materialises, the CP K/V buffers, the SP-gathered input and the layer's
+                largest gradients)
   pp_buffers    torch.distributed.pipelining's PipelineStage: input and gradient receive buffers for every
-                micro-batch (allocated once), the outputs of the chunk forwards in flight, and on the last stage
-                the compute-dtype logits it keeps until backward (pipeline_buffer_bytes)
+                micro-batch (allocated once) and the outputs of the chunk forwards in flight (pipeline_buffer_bytes)
   comm_buffers  ZeRO 2: fp32 storage of the buckets being filled and reduced (1 + 2 in flight with overlap);
                 ZeRO 3: FSDP's unsharded parameters (the root's embedding/output and two layers, prefetch) in the
                 compute dtype plus one layer's fp32 reduce-scatter input; ZeRO 0/1 reduce in place (0)
@@ -34,6 +35,7 @@ from .activations import (
     layer_bytes,
     layer_workspace,
     logits_transient,
+    loss_keeps_input,
 )
 from .case import ProfileCase
 from .states import model_state_bytes, stage_params
@@ -122,6 +124,7 @@ def activation_inputs(case: ProfileCase, device: str = "cuda") -> ActivationInpu
         spec=case.spec, seq_len=case.seq_len, micro_batch_size=case.micro_batch_size, tp=p.tp, sp=p.sp, cp=p.cp,
         cp_comm_type=p.cp_comm_type, dtype_bytes=case.dtype_bytes, padded_vocab=case.layout().padded_vocab,
         device=device, lora_rank=case.lora_rank, lora_targets=tuple(case.lora_targets),
+        loss_chunk_tokens=case.loss_chunk_tokens,
     )
 
 
@@ -151,9 +154,10 @@ def pipeline_buffer_bytes(case: ProfileCase, x: ActivationInputs, stage: int, ch
     """What torch.distributed.pipelining's PipelineStage keeps besides autograd: a receive buffer for the input
     (hidden states + int64 positions) of EVERY micro-batch of every chunk that receives, and a gradient receive
     buffer for every micro-batch of every chunk that sends, both allocated once for the whole run; the outputs of
-    the chunk forwards in flight (fwd_cache), which on the last chunk are the compute-dtype logits. Receive buffers
-    of micro-batches in flight are not counted twice when a saved tensor is the buffer itself (fp32 norm input,
-    full-recompute checkpoint input)."""
+    the chunk forwards in flight (fwd_cache). The last chunk's output is the final norm's, which the loss head
+    (GPTModel.loss, run by the schedule's loss function) saves, except beside a frozen output layer without
+    chunks. Receive buffers of micro-batches in flight are not counted twice when a saved tensor is the buffer
+    itself (fp32 norm input, full-recompute checkpoint input)."""
     p = case.parallel
     if p.pp == 1:
         return 0.0
@@ -165,9 +169,8 @@ def pipeline_buffer_bytes(case: ProfileCase, x: ActivationInputs, stage: int, ch
     if held_input:
         total -= chunks * hidden * receiving / v
     total += chunks * hidden * sending / v  # outputs in fwd_cache
-    if stage == p.pp - 1:
-        logits_count = m if p.pp_schedule == "gpipe" else 1
-        total += logits_transient(x) * logits_count
+    if stage == p.pp - 1 and not loss_keeps_input(x):
+        total += chunks * hidden / v  # the last chunk's outputs, which a frozen output layer does not save
     return total
 
 
@@ -188,9 +191,10 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda", allowance:
     chunk_bytes += sum(forward_terms(x, embedding=first).values())
     logits_count = m if (p.pp > 1 and p.pp_schedule == "gpipe") else 1
     head = 0.0
-    if last:  # a deferred weight pass keeps what the output layer's weight gradient reads, not the loss
+    if last:  # a deferred weight pass keeps what the output layer's weight gradient reads: without chunks not the
+        # softmax; the chunked loss recomputes the logits for it, so all it saved
         terms = head_terms(x)
-        kept = terms["final rmsnorm"] + terms["output layer input"]
+        kept = sum(terms.values()) if x.chunked_loss else terms["final rmsnorm"] + terms["output layer input"]
         head = sum(terms.values()) * logits_count + kept * deferred_weight_passes(p.pp_schedule, p.pp, p.vpp, m, stage)
     workspace = max(logits_transient(x) if last else 0.0, max(layer_workspace(x, mode) for mode in set(modes)))
     pp_buffers = pipeline_buffer_bytes(case, x, stage, chunks, held_input=case.dtype_bytes == 4 or modes[0] == "full")

@@ -3,7 +3,8 @@ measured beside what memory.py / timing.py predict for the very same case.
 
 On a CPU-only machine the model is scaled down to a tiny one of the same structure (the same heads and query groups,
 head dim 8, the same FFN/hidden and vocabulary/hidden ratios, 2 layers per pipeline chunk), the sequence to a few
-hundred tokens divisible as the layout needs, and data parallelism to at most 2; the ranks are gloo processes.
+hundred tokens divisible as the layout needs (a chunked loss keeps its number of chunks where the tokens allow), and
+data parallelism to at most 2; the ranks are gloo processes.
 On GPUs the model is the real one and data parallelism shrinks only to fit the local devices. Measured:
   weights / grads / optimizer  the bytes of the tensors the Engine allocated (after one step)
   activations / logits_loss    peak live bytes saved for backward during a step (saved-tensor hooks, each storage
@@ -96,8 +97,12 @@ def scale_down(case: ProfileCase, max_ranks: int = 16, target_seq: int = 128) ->
                      max_position_embeddings=max(seq, 256), sliding_window=None)
     parallel = replace(p, dp=None, num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
                        recompute_num_layers=None if p.recompute_num_layers is None else min(p.recompute_num_layers, 2))
+    tokens, chunk = case.micro_batch_size * case.seq_len // p.cp, case.loss_chunk_tokens
+    if 0 < chunk < tokens:  # a chunked loss stays chunked, in as many chunks as far as the tokens allow
+        chunk = max(1, round(chunk * (case.micro_batch_size * seq // p.cp) / tokens))
     scaled = case.replace(spec=spec, model_name=f"{case.model_name} (scaled down)", parallel=parallel, seq_len=seq,
-                          global_batch_size=case.micro_batch_size * dp * m, num_gpus=model_ranks * dp)
+                          global_batch_size=case.micro_batch_size * dp * m, num_gpus=model_ranks * dp,
+                          loss_chunk_tokens=chunk)
     validate_case(scaled)
     return scaled
 

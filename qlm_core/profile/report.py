@@ -35,7 +35,8 @@ def layout_dict(case: ProfileCase) -> dict:
         "overlap_grad_reduce": p.overlap_grad_reduce, "overlap_param_gather": p.overlap_param_gather,
         "bucket_size_mb": p.bucket_size_mb, "seq_len": case.seq_len, "micro_batch_size": case.micro_batch_size,
         "global_batch_size": case.global_batch_size, "num_microbatches": case.num_microbatches,
-        "dtype": case.dtype, "lora_rank": case.lora_rank,
+        "dtype": case.dtype, "lora_rank": case.lora_rank, "loss_chunk_tokens": case.loss_chunk_tokens,
+        "mean_doc_len": case.mean_doc_len,
     }
 
 

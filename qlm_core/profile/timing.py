@@ -2,10 +2,11 @@
 trainer does not hide, plus the pipeline bubble and the optimizer step.
 
 Per micro-batch on the slowest pipeline stage (T = mbs·seq/cp tokens per rank, e = bytes of the compute dtype):
-  compute     model FLOPs of the stage's layers (dense matmuls + causal attention, train/flops.py's count) and, on
-              the last stage, the logits; forward + backward = 3 x forward, split over tp·cp ranks; recompute adds
-              one forward of the recomputed layers (full) or of core attention (selective); divided by
-              peak x efficiency.
+  compute     model FLOPs of the stage's layers (dense matmuls + causal attention over the keys each token reads:
+              its document, `mean_doc_len` for packed data, and the sliding window; train/flops.py's count) and,
+              on the last stage, the logits; forward + backward = 3 x forward, split over tp·cp ranks; recompute
+              adds one forward of the recomputed layers (full) or of core attention (selective), and of the logits
+              when the loss runs in chunks (its backward recomputes them); divided by peak x efficiency.
   tp_comm     per layer, never overlapped (qlm's TP collectives are synchronous): with SP 4 collectives forward
               (2 all-gathers, 2 reduce-scatters) and 6 backward (the transposes plus the re-gather of the saved
               sequence shard), each moving (tp-1)/tp · e·h·T bytes per rank; without SP 2 + 2 all-reduces of twice
@@ -102,15 +103,17 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency, stage: in
     T = tokens / p.cp
     e, h = case.dtype_bytes, s.hidden_size
     rate = gpu.peak_tflops * 1e12 * eff.compute
-    dense, attention = layer_flops_per_token(s, case.seq_len)
+    dense, attention = layer_flops_per_token(s, case.seq_len, case.mean_doc_len)
     split = p.tp * p.cp
     forward = tokens * layers * (dense + attention) / split
-    if stage == p.pp - 1:
-        forward += tokens * logits_flops_per_token(s) / split
     recomputed = _recomputed_layers(case, layers)
     extra = tokens * recomputed * (dense + attention) / split
     if p.recompute == "selective":
         extra = tokens * layers * attention / split
+    if stage == p.pp - 1:
+        forward += tokens * logits_flops_per_token(s) / split
+        if 0 < case.loss_chunk_tokens < case.micro_batch_size * case.seq_len / p.cp:
+            extra += tokens * logits_flops_per_token(s) / split  # the chunked loss recomputes each chunk's logits
     backward = 1 if case.lora_rank else 2  # a frozen base computes input gradients only
     times = {"compute": (1 + backward) * forward / rate, "recompute": extra / rate, "tp_comm": 0.0, "cp_comm": 0.0, "pp_p2p": 0.0}
     if p.tp > 1:
@@ -203,4 +206,4 @@ def estimate_time(case: ProfileCase, gpu: GpuSpec, eff: Efficiency = Efficiency(
     components = {key: m * mb[key] for key in ("compute", "recompute", "tp_comm", "cp_comm", "pp_p2p")}
     components.update(pp_bubble=bubble, dp_comm=dp, optimizer=optimizer)
     return TimeEstimate(components, case.global_batch_size, case.seq_len, case.num_gpus,
-                        flops_per_sequence(case.spec, case.seq_len), gpu.peak_tflops)
+                        flops_per_sequence(case.spec, case.seq_len, case.mean_doc_len), gpu.peak_tflops)

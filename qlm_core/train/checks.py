@@ -19,6 +19,9 @@ def check_recipe(recipe: Recipe):
         raise QlmError(f"schedule.lr_schedule {recipe.schedule.lr_schedule!r} is not one of {', '.join(SCHEDULES)}",
                        "set schedule.lr_schedule to one of them")
     check_format(recipe.checkpoint.format)
+    if recipe.train.loss_chunk_tokens < 0:
+        raise QlmError(f"train.loss_chunk_tokens must be >= 0, got {recipe.train.loss_chunk_tokens}",
+                       "set it to a token count (e.g. 2048) or 0 to compute the loss over all logits at once")
     if recipe.data.format not in ("auto", *SFT_FORMATS):
         raise QlmError(f"data.format {recipe.data.format!r} is not one of auto, {', '.join(SFT_FORMATS)}",
                        "set data.format to one of them")

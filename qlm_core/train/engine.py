@@ -26,6 +26,7 @@ from ..models.spec import ModelSpec
 from ..models.stage import StageModel
 from ..parallel.comm import all_reduce, group_size
 from ..parallel.context import split_for_cp
+from ..parallel.cross_entropy import DEFAULT_CHUNK_TOKENS
 from ..parallel.pipeline import SCHEDULES, PipelineRunner, validate_schedule
 from ..parallel.state import Grid
 from .lora import apply_lora
@@ -113,6 +114,7 @@ class Engine:
     source: TensorSource | None = None
     seed: int = 1234
     lora: LoraConfig | None = None  # rank > 0: train only adapters on the frozen loaded weights
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the loss head's chunk (GPTModel.loss); 0: whole logits
 
     def __post_init__(self):
         c, g = self.config, self.grid
@@ -151,6 +153,7 @@ class Engine:
                 self.spec, parallel=options, pre_process=self.layout.is_first(g.pp_rank, chunk),
                 post_process=self.layout.is_last(g.pp_rank, chunk), layer_offset=layers.start,
                 num_layers=len(layers), padded_vocab=self.layout.padded_vocab, dtype=param_dtype,
+                loss_chunk_tokens=self.loss_chunk_tokens,
             ).to(g.device)
             chunks.append(model)
         if self.spec.tie_word_embeddings and c.pp > 1:
@@ -199,8 +202,9 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------------------------------
 
-    def _loss_fn(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.chunks[-1].token_loss(local_logits, labels).sum() / self._num_tokens
+    def _loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's output (the final norm's) through the loss head, normalised by the step's tokens."""
+        return self.chunks[-1].loss(hidden, labels).sum() / self._num_tokens
 
     def _local_inputs(self, batch: Batch):
         """Split this rank's rows into its context-parallel chunks; positions default to global token indices."""

@@ -108,6 +108,7 @@ class Trainer:
             source.spec, r.parallel, self.grid, micro_batch_size=r.train.micro_batch_size,
             global_batch_size=r.train.global_batch_size, seq_length=r.data.seq_length, dtype=DTYPES[r.model.dtype],
             optim=r.optim, source=source.weights, seed=r.train.seed, lora=r.lora if r.lora.rank > 0 else None,
+            loss_chunk_tokens=r.train.loss_chunk_tokens,
         )
         self.source = source
         self.ckpt_root = self.run_dir / CHECKPOINTS_DIR
@@ -118,7 +119,7 @@ class Trainer:
             self.state = load_checkpoint(self.ckpt_root, self.engine)
         self.metrics = (MetricsWriter(self.run_dir, r.logging.tensorboard, resumed_from=self.state.iteration)
                         if self.grid.rank == 0 else None)
-        self.flops = flops_per_sequence(source.spec, r.data.seq_length)
+        self.flops = flops_per_sequence(source.spec, r.data.seq_length, r.data.mean_doc_len)
         self.peak, self.peak_source = peak_tflops(r)
 
     def _batches(self, dataset, consumed: int):

@@ -62,7 +62,8 @@ def pipeline_logits(engine: Engine, grid: Grid) -> torch.Tensor | None:
     dist.broadcast(hidden, src=grid.pp_ranks[0], group=grid.pp_group)
     if not grid.is_last_stage:
         return None
-    local = chunk(hidden, positions)
+    hidden = chunk(hidden, positions)  # the last stage returns the final norm's output
+    local = chunk.output_layer(hidden, chunk.output_weight())
     return gather_last_dim(local, grid.tp_group)[..., : SPEC.vocab_size].transpose(0, 1)
 
 

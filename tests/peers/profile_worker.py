@@ -2,6 +2,7 @@
 
   states/<case>.rank<R>.json   the Engine's measured weights/grads/optimizer bytes and profile.states' prediction
   layer/<case>.json            saved bytes of one middle transformer layer (hooks) and activations.py's formula
+  head/<case>.json             saved bytes of the loss region (final norm + loss head, whole logits or chunked)
   stage/<case>.json            peak saved bytes on pipeline stage 0 over a whole 1F1B / interleaved step, and
                                memory.py's activations + logits_loss for that stage
 
@@ -25,8 +26,9 @@ from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig  # noqa: E40
 from qlm_core.models.gpt import GPTModel, ParallelOptions  # noqa: E402
 from qlm_core.parallel.comm import group_rank  # noqa: E402
 from qlm_core.parallel.context import split_for_cp  # noqa: E402
+from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS  # noqa: E402
 from qlm_core.parallel.state import Grid, resolve_sizes  # noqa: E402
-from qlm_core.profile.activations import ActivationInputs, layer_bytes  # noqa: E402
+from qlm_core.profile.activations import ActivationInputs, head_terms, layer_bytes  # noqa: E402
 from qlm_core.profile.case import ProfileCase  # noqa: E402
 from qlm_core.profile.measure import SavedTensorMeter, measure_model_states  # noqa: E402
 from qlm_core.profile.memory import stage_memory  # noqa: E402
@@ -60,13 +62,24 @@ LAYER_CASES = {
     "cp2_p2p_selective": (1, 2, False, "p2p", SPEC, "selective"),
     "tp2_cp2_sp_full": (2, 2, True, "p2p", SPEC, "full"),
 }
-# name -> (parallel, microbatches)
+# name -> (tp, sp, loss chunk tokens): 64 tokens per rank, chunks of 24 do not divide them
+HEAD_CASES = {
+    "tp2_sp_whole_logits": (2, True, 0),
+    "tp2_sp_chunked": (2, True, 24),
+    "tp2_no_sp_whole_logits": (2, False, 0),
+    "tp2_no_sp_chunked": (2, False, 24),
+}
+# name -> (parallel, microbatches[, loss chunk tokens]): 32 tokens per micro-batch
 STAGE_CASES = {
     "pp2_1f1b": (dict(pp=2, pp_schedule="1f1b"), 4),
     "pp2_1f1b_full": (dict(pp=2, pp_schedule="1f1b", recompute="full"), 4),
     "pp2_interleaved": (dict(pp=2, vpp=2, pp_schedule="interleaved_1f1b"), 4),
     "pp2_zero_bubble": (dict(pp=2, pp_schedule="zero_bubble"), 4),
     "pp4_1f1b_gpipe": (dict(pp=4, pp_schedule="gpipe"), 2),
+    "pp2_1f1b_chunked_loss": (dict(pp=2, pp_schedule="1f1b"), 4, 12),
+    "pp2_1f1b_whole_logits": (dict(pp=2, pp_schedule="1f1b"), 4, 0),
+    "pp2_zero_bubble_chunked_loss": (dict(pp=2, pp_schedule="zero_bubble"), 4, 12),
+    "pp4_gpipe_chunked_loss": (dict(pp=4, pp_schedule="gpipe"), 2, 12),
 }
 
 
@@ -118,8 +131,29 @@ def layer_case(name: str, out: Path):
             {"measured": meter.layer_bytes()["layer1"], "predicted": layer_bytes(x, recompute)}))
 
 
+def head_case(name: str, out: Path):
+    tp, sp, chunk = HEAD_CASES[name]
+    grid = Grid.build(resolve_sizes(tp, tp=tp), ranks=list(range(tp)))
+    if grid is None:
+        return
+    options = ParallelOptions(tp_group=grid.tp_group, sequence_parallel=sp)
+    model = GPTModel(SPEC, parallel=options, num_layers=1, dtype=torch.bfloat16, loss_chunk_tokens=chunk)
+    ids, labels = batch(2, SPEC.vocab_size)
+    with SavedTensorMeter(model) as meter:
+        loss = model(ids, labels=labels).sum()
+    loss.backward()
+    x = ActivationInputs(SPEC, SEQ, 2, tp=tp, sp=sp, dtype_bytes=2, padded_vocab=model.padded_vocab, device="cpu",
+                         loss_chunk_tokens=chunk)
+    if grid.rank == 0:
+        (out / "head").mkdir(exist_ok=True)
+        (out / "head" / f"{name}.json").write_text(json.dumps(
+            {"measured": meter.first_seen["head"], "predicted": sum(head_terms(x).values()),
+             "chunked": x.chunked_loss}))
+
+
 def stage_case(name: str, out: Path):
-    parallel, microbatches = STAGE_CASES[name]
+    parallel, microbatches, *chunk = STAGE_CASES[name]
+    chunk_tokens = chunk[0] if chunk else DEFAULT_CHUNK_TOKENS
     config = ParallelConfig(**parallel)
     world = config.pp
     grid = Grid.build(resolve_sizes(world, pp=config.pp), ranks=list(range(world)))
@@ -127,12 +161,12 @@ def stage_case(name: str, out: Path):
         return
     spec = SPEC.replace(num_layers=4 * config.vpp if config.pp == 2 else 4)
     engine = Engine(spec, config, grid, micro_batch_size=1, global_batch_size=microbatches, seq_length=SEQ,
-                    dtype=torch.bfloat16, optim=OptimConfig(lr=1e-3))
+                    dtype=torch.bfloat16, optim=OptimConfig(lr=1e-3), loss_chunk_tokens=chunk_tokens)
     ids, labels = batch(microbatches, spec.vocab_size)
     with SavedTensorMeter(engine.chunks) as meter:
         engine.train_step(Batch(ids, labels))
     case = ProfileCase(spec, "tiny", config, seq_len=SEQ, micro_batch_size=1, global_batch_size=microbatches,
-                       num_gpus=world)
+                       num_gpus=world, loss_chunk_tokens=chunk_tokens)
     predicted = stage_memory(case, grid.pp_rank, device="cpu")
     result = {"stage": grid.pp_rank, "measured": meter.peak_bytes,
               "predicted": predicted.components["activations"] + predicted.components["logits_loss"],
@@ -142,7 +176,7 @@ def stage_case(name: str, out: Path):
 
 
 def main():
-    cases = [(state_case, STATE_CASES), (layer_case, LAYER_CASES), (stage_case, STAGE_CASES)]
+    cases = [(state_case, STATE_CASES), (layer_case, LAYER_CASES), (head_case, HEAD_CASES), (stage_case, STAGE_CASES)]
     run_jobs([(name, partial(job, name)) for job, names in cases for name in names], num_threads=1)
 
 

@@ -1,0 +1,143 @@
+"""The output projection and the vocab-parallel cross entropy fused chunk by chunk, so that the loss never holds the
+[tokens, V_padded/tp] logits (the idea of Liger's fused linear cross entropy, on plain torch ops).
+
+Forward takes `chunk_tokens` tokens at a time: their logits x_c @ W^T (compute dtype), an fp32 copy with Megatron's
+padding columns at -inf, and the cross entropy of _VocabParallelCrossEntropy (max, target logit and sum of exp
+all-reduced over TP); it keeps only each token's fp32 log-sum-exp. Backward recomputes each chunk's logits and
+turns them into the gradient grad_loss · (exp(logits - lse) - onehot): dx_c = grad_c @ W, dW += grad_c^T @ x_c
+(accumulated in fp32). Saved for backward: x (its sequence shard under SP, like _SPGatherLinear), W, the
+log-sum-exp and the targets; besides them only one chunk's logits (compute dtype + fp32) exist at a time, and in
+backward a fp32 accumulator for dW.
+
+The TP collectives stay where ColumnParallelLinear has them: without SP the input passes copy_to_tp (its backward
+all-reduces dx); under SP the function gathers the sequence itself and reduce-scatters dx.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import Function
+
+from .comm import all_gather_dim0, all_reduce, group_rank, reduce_scatter_dim0
+from .tensor import ColumnParallelLinear, copy_to_tp
+
+DEFAULT_CHUNK_TOKENS = 2048  # train.loss_chunk_tokens' default
+
+
+def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, padding_from: int | None) -> torch.Tensor:
+    """fp32 logits [c, V_padded/tp] of the tokens x [c, h]; padding columns at -inf. Only the fp32 copy outlives
+    this call (the compute-dtype product is freed on return)."""
+    logits = torch.mm(x, weight.t()).float()
+    if padding_from is not None:
+        logits[:, padding_from:] = float("-inf")
+    return logits
+
+
+def _vocab_slice(target: torch.Tensor, part: int, group, vocab_size: int):
+    """This TP rank's view of the vocabulary: (its first padding column or None, each target's column here, 0 where
+    the target is on another rank, and whether it is here). Ignored targets (< 0) are on no rank."""
+    start = group_rank(group) * part
+    padding_from = max(0, vocab_size - start) if vocab_size < start + part else None
+    local_target = target - start
+    here = (local_target >= 0) & (local_target < part)
+    return padding_from, local_target.masked_fill(~here, 0), here
+
+
+class _ChunkedVocabParallelCrossEntropy(Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, group, vocab_size, chunk_tokens, sequence_parallel):
+        full = all_gather_dim0(hidden, group) if sequence_parallel else hidden
+        x = full.reshape(-1, full.shape[-1])
+        padding_from, local_target, here = _vocab_slice(target, weight.shape[0], group, vocab_size)
+        tokens = x.shape[0]
+        loss = torch.empty(tokens, dtype=torch.float32, device=x.device)
+        lse = torch.empty_like(loss)
+        for first in range(0, tokens, chunk_tokens):
+            rows = slice(first, first + chunk_tokens)
+            logits = _chunk_logits(x[rows], weight, padding_from)
+            logits_max = all_reduce(logits.max(dim=-1).values, group, op=torch.distributed.ReduceOp.MAX)
+            logits.sub_(logits_max[:, None])
+            target_logit = logits.gather(-1, local_target[rows, None]).squeeze(-1).masked_fill(~here[rows], 0.0)
+            sums = all_reduce(torch.stack((target_logit, logits.exp_().sum(dim=-1))), group)
+            del logits
+            log_sum_exp = torch.log(sums[1])
+            loss[rows] = log_sum_exp - sums[0]
+            lse[rows] = logits_max + log_sum_exp
+        loss.masked_fill_(target < 0, 0.0)
+        ctx.group, ctx.vocab_size, ctx.chunk_tokens = group, vocab_size, chunk_tokens
+        ctx.sequence_parallel = sequence_parallel
+        ctx.save_for_backward(hidden, weight, lse, target)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, lse, target = ctx.saved_tensors
+        group, chunk_tokens = ctx.group, ctx.chunk_tokens
+        want_input, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        full = all_gather_dim0(hidden, group) if ctx.sequence_parallel else hidden
+        x = full.reshape(-1, full.shape[-1])
+        padding_from, local_target, here = _vocab_slice(target, weight.shape[0], group, ctx.vocab_size)
+        scale = grad_loss.float().masked_fill(target < 0, 0.0)
+        tokens = x.shape[0]
+        grad_x = torch.empty_like(x) if want_input else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        for first in range(0, tokens, chunk_tokens):
+            rows = slice(first, first + chunk_tokens)
+            grad = _chunk_logits(x[rows], weight, padding_from)
+            grad.sub_(lse[rows, None]).exp_()  # the softmax
+            grad.scatter_add_(-1, local_target[rows, None], -here[rows, None].to(grad.dtype))
+            grad.mul_(scale[rows, None])
+            grad = grad.to(x.dtype)
+            if want_input:
+                torch.mm(grad, weight, out=grad_x[rows])
+            if want_weight:
+                if grad_weight.dtype == grad.dtype:
+                    grad_weight.addmm_(grad.t(), x[rows])
+                else:
+                    grad_weight.add_(torch.mm(grad.t(), x[rows]))
+            del grad
+        if want_input:
+            grad_x = grad_x.view(full.shape)
+            if ctx.sequence_parallel:
+                grad_x = reduce_scatter_dim0(grad_x, group)
+        if want_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_x, grad_weight, None, None, None, None, None
+
+
+def chunked_vocab_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tp_group,
+                                         vocab_size: int, chunk_tokens: int,
+                                         sequence_parallel: bool = False) -> torch.Tensor:
+    """hidden [s, b, h] (this rank's sequence shard under SP), this TP rank's output weight W [V_padded/tp, h], labels
+    [b, s] -> per-token loss [b, s] in fp32, zero where the label is negative (ignored). Columns at or past
+    `vocab_size` are padding. Same loss and gradients as the output layer + vocab_parallel_cross_entropy."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, not {chunk_tokens}")
+    target = labels.transpose(0, 1).reshape(-1).clone()  # [s, b] order, as the hidden states; its own storage
+    if not sequence_parallel:
+        hidden = copy_to_tp(hidden, tp_group)
+    loss = _ChunkedVocabParallelCrossEntropy.apply(hidden, weight, target, tp_group, vocab_size, chunk_tokens,
+                                                   sequence_parallel)
+    return loss.view(labels.shape[1], labels.shape[0]).transpose(0, 1)
+
+
+class OutputLayer(ColumnParallelLinear):
+    """The last stage's vocabulary projection (Megatron's output_layer: the same parameter and state_dict). Called
+    with `labels` it returns the per-token loss of chunked_vocab_parallel_cross_entropy instead of logits: a module
+    call like the plain projection, so that forward pre-hooks that wait for this layer's weight (the distributed
+    optimizer's overlapped parameter gather) run before the weight is read."""
+
+    def __init__(self, in_features, padded_vocab, *, vocab_size: int, **kwargs):
+        super().__init__(in_features, padded_vocab, **kwargs)
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+        if labels is None:
+            return super().forward(x, weight)
+        if self.bias is not None or self.gather_output:
+            raise ValueError("the chunked loss takes an output layer without bias or gathered output")
+        return chunked_vocab_parallel_cross_entropy(
+            x, self.weight if weight is None else weight, labels, self.tp_group, self.vocab_size, chunk_tokens,
+            self.sequence_parallel,
+        )

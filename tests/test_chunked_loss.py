@@ -1,0 +1,247 @@
+"""The chunked loss head (parallel/cross_entropy.py, GPTModel.loss) gives the whole-logits path's loss and gradients
+within fp32 rounding: one process (ignored labels, a chunk that does not divide the tokens, padding columns, tied
+embeddings, a frozen output layer under LoRA), and in one torchrun launch (4 gloo ranks) TP2 ± SP on the loss head
+itself and the Engine under TP2+SP, PP2 (1F1B, zero-bubble, tied embeddings), TP2·PP2·SP, ZeRO-1 with overlapped
+parameter gather and ZeRO-3; then through `qlm train` at PP2; and the recipe key's checks."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qlm_core.config import LoraConfig, Recipe, TrainConfig, load_recipe, recipe_to_toml
+from qlm_core.errors import QlmError
+from qlm_core.models.gpt import GPTModel
+from qlm_core.models.stage import StageModel
+from qlm_core.parallel import cross_entropy
+from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, chunked_vocab_parallel_cross_entropy
+from qlm_core.parallel.tensor import vocab_parallel_cross_entropy
+from qlm_core.train.checks import check_recipe
+from qlm_core.train.lora import apply_lora
+
+from conftest import run_peer_jobs
+from parallel_cases import SPEC
+from test_train_cli import RECIPE, losses, qlm_train
+
+sys.path.insert(0, str(Path(__file__).parent / "peers"))
+from chunked_loss_worker import ENGINE_CASES, HEAD_CASES  # noqa: E402
+
+TOL = 1e-6  # relative (L2) error allowed in fp32
+SEQ, BATCH, CHUNK = 50, 3, 37  # 150 tokens: chunks of 37, 37, 37, 37 and 2
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _labels(generator: torch.Generator, vocab: int = SPEC.vocab_size) -> torch.Tensor:
+    labels = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
+    labels[:, :7] = -100
+    labels[1, 20:31] = -100
+    return labels
+
+
+def test_function_equals_whole_logits_cross_entropy():
+    """x [s, b, h] and W [V_padded, h] as leaves, an uneven incoming gradient, padding rows of W that would change
+    the loss if they were not excluded."""
+    generator = torch.Generator().manual_seed(0)
+    padded = 384
+    x0 = torch.randn(SEQ, BATCH, SPEC.hidden_size, generator=generator)
+    w0 = torch.randn(padded, SPEC.hidden_size, generator=generator) * 0.2
+    labels = _labels(generator)
+    scale = torch.rand(BATCH, SEQ, generator=generator)
+
+    def whole():
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(F.linear(x, w), labels.clamp(min=0).t(), None, SPEC.vocab_size).t()
+        loss = loss * (labels >= 0)
+        (loss * scale).sum().backward()
+        return loss.detach(), x.grad, w.grad
+
+    def chunked(chunk):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = chunked_vocab_parallel_cross_entropy(x, w, labels, None, SPEC.vocab_size, chunk)
+        (loss * scale).sum().backward()
+        return loss.detach(), x.grad, w.grad
+
+    reference = whole()
+    unpadded = F.cross_entropy(F.linear(x0, w0[: SPEC.vocab_size]).transpose(0, 1).reshape(-1, SPEC.vocab_size),
+                               labels.reshape(-1), reduction="none").view(BATCH, SEQ)
+    assert relative(reference[0], unpadded) <= TOL
+    for chunk in (1, CHUNK, BATCH * SEQ, 4096):
+        loss, x_grad, w_grad = chunked(chunk)
+        assert relative(loss, reference[0]) <= TOL, chunk
+        assert loss[labels < 0].abs().max() == 0
+        assert relative(x_grad, reference[1]) <= TOL, chunk
+        assert relative(w_grad, reference[2]) <= TOL, chunk
+        assert w_grad[SPEC.vocab_size:].abs().max() == 0  # padding rows get no gradient
+
+
+def _model(chunk: int, spec=SPEC, cls=GPTModel) -> GPTModel:
+    torch.manual_seed(0)
+    return cls(spec, num_layers=2, loss_chunk_tokens=chunk)
+
+
+def _grads(model: GPTModel, labels: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    loss = model(ids, labels=labels)
+    loss.sum().backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_model_loss_chunked_equals_whole(tied):
+    spec = SPEC.replace(tie_word_embeddings=tied)
+    generator = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=generator), _labels(generator)
+    whole_loss, whole = _grads(_model(0, spec), labels, ids)
+    chunked_loss, chunked = _grads(_model(CHUNK, spec), labels, ids)
+    assert relative(chunked_loss, whole_loss) <= TOL
+    assert set(chunked) == set(whole) and ("output_layer.weight" in whole) != tied
+    for name in whole:
+        assert relative(chunked[name], whole[name]) <= TOL, name
+
+
+def test_small_runs_take_the_whole_logits_path_bit_for_bit():
+    """Tokens <= the chunk: GPTModel.loss is the output layer + token_loss, exactly."""
+    generator = torch.Generator().manual_seed(2)
+    model = _model(BATCH * SEQ)
+    hidden = torch.randn(SEQ, BATCH, SPEC.hidden_size, generator=generator)
+    labels = _labels(generator)
+    expected = model.token_loss(model.output_layer(hidden, model.output_weight()), labels)
+    loss = model.loss(hidden, labels)
+    assert torch.equal(loss, expected) and "_ChunkedVocabParallelCrossEntropyBackward" not in _graph(loss)
+    assert "_ChunkedVocabParallelCrossEntropyBackward" in _graph(_model(BATCH * SEQ - 1).loss(hidden, labels))
+
+
+def test_chunked_loss_runs_as_an_output_layer_call():
+    """Forward pre-hooks on the output layer (the distributed optimizer waits there for an overlapped parameter
+    all-gather) run before the chunked loss reads the weight."""
+    model, calls = _model(CHUNK), []
+    model.output_layer.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs.get("labels")),
+                                                 with_kwargs=True)
+    ids = torch.randint(0, SPEC.vocab_size, (BATCH, SEQ))
+    model(ids, labels=ids)
+    assert len(calls) == 1 and calls[0] is ids
+
+
+def _graph(tensor: torch.Tensor) -> set[str]:
+    """Names of the autograd nodes behind `tensor`."""
+    names, todo = set(), [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and type(node).__name__ not in names:
+            names.add(type(node).__name__)
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def test_frozen_output_layer_under_lora():
+    """LoRA freezes the output weight: no gradient reaches it, and the adapters' gradients are unchanged."""
+    generator = torch.Generator().manual_seed(4)
+    ids, labels = torch.randint(0, SPEC.vocab_size, (BATCH, SEQ), generator=generator), _labels(generator)
+    results = []
+    for chunk in (0, CHUNK):
+        model = _model(chunk)
+        apply_lora([model], LoraConfig(rank=4), model.parallel, seed=5)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("lora_B.weight"):  # B starts at zero; make A's gradient non-zero too
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(6)) * 0.1)
+        results.append(_grads(model, labels, ids))
+        assert model.output_layer.weight.grad is None
+    (whole_loss, whole), (chunked_loss, chunked) = results
+    assert relative(chunked_loss, whole_loss) <= TOL
+    assert set(chunked) == set(whole) and all("lora_" in name for name in whole) and len(whole) == 16
+    for name in whole:
+        assert relative(chunked[name], whole[name]) <= TOL, name
+
+
+def test_last_pipeline_stage_returns_the_final_norm_output():
+    model = _model(CHUNK, cls=StageModel)
+    ids = torch.randint(0, SPEC.vocab_size, (BATCH, SEQ))
+    hidden = model(ids, torch.arange(SEQ)[None].expand(BATCH, SEQ))
+    assert hidden.shape == (SEQ, BATCH, SPEC.hidden_size)
+    assert model.loss(hidden, ids).shape == (BATCH, SEQ)
+    assert _model(CHUNK)(ids).shape == (BATCH, SEQ, SPEC.vocab_size)  # a plain GPTModel still returns logits
+
+
+# ---- multi-rank ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def worker_run(tmp_path_factory):
+    return run_peer_jobs("chunked_loss_worker.py", 4, tmp_path_factory.mktemp("chunked-loss"), timeout=600)
+
+
+@pytest.mark.parametrize("case", HEAD_CASES)
+def test_vocab_parallel_loss_head(case, worker_run):
+    out, code, errors = worker_run
+    files = sorted((out / "head").glob(f"{case}.rank*.json")) if (out / "head").exists() else []
+    assert len(files) == HEAD_CASES[case][0], f"worker exit {code}: {errors}"
+    for file in files:
+        result = json.loads(file.read_text())
+        assert result["ignored_loss"] == 0, file.name
+        for key in ("loss", "input_grad", "weight_grad"):
+            assert result[key] <= TOL, (file.name, key, result)
+
+
+@pytest.mark.parametrize("case", ENGINE_CASES)
+def test_engine_losses_and_gradients(case, worker_run):
+    out, code, errors = worker_run
+    files = sorted((out / "engine").glob(f"{case}.rank*.json")) if (out / "engine").exists() else []
+    assert len(files) == ENGINE_CASES[case][0], f"worker exit {code}: {errors}"
+    for file in files:
+        result = json.loads(file.read_text())
+        assert result["chunked"] == pytest.approx(result["whole"], rel=TOL), file.name
+        worst = max(result["grad_errors"], key=result["grad_errors"].get)
+        assert result["grad_errors"][worst] <= TOL, (file.name, worst, result["grad_errors"][worst])
+        calls = result["chunked_calls"]  # (micro-batches x steps) on the last stage, and only with chunks
+        assert calls["whole"] == 0 and (calls["chunked"] > 0) == result["last_stage"], (file.name, calls)
+
+
+def test_qlm_train_hands_the_chunk_to_the_model(run_qlm, tmp_path, monkeypatch):
+    """train.loss_chunk_tokens reaches the loss head through the Trainer and the Engine (one process, in place)."""
+    chunks = []
+    original = cross_entropy.chunked_vocab_parallel_cross_entropy
+    monkeypatch.setattr(cross_entropy, "chunked_vocab_parallel_cross_entropy",
+                        lambda *args: chunks.append(args[5]) or original(*args))
+    code, _, err = run_qlm("train", RECIPE, "--output", tmp_path / "run", "--set", f"data.cache_dir={tmp_path!s}",
+                           "--set", "train.loss_chunk_tokens=40", "--set", "train.train_iters=1")
+    assert code == 0, err
+    assert chunks and set(chunks) == {40}
+
+
+def test_qlm_train_pp2_same_losses_chunked_or_not(tmp_path):
+    """128 tokens per micro-batch in chunks of 40 (the last one 8) against the whole logits, through the CLI."""
+    runs = {}
+    for chunk in (0, 40):
+        runs[chunk] = tmp_path / f"chunk{chunk}"
+        qlm_train(RECIPE, "--output", runs[chunk], "--set", f"data.cache_dir={tmp_path / 'cache'!s}",
+                  "--set", "parallel.pp=2", "--set", f"train.loss_chunk_tokens={chunk}", "--set", "train.train_iters=4")
+    assert losses(runs[40]) == pytest.approx(losses(runs[0]), rel=TOL)
+    assert "loss_chunk_tokens = 40" in (runs[40] / "config.toml").read_text()
+
+
+# ---- the recipe key --------------------------------------------------------------------------------------------
+
+
+def test_recipe_key_default_and_check(tmp_path):
+    assert TrainConfig().loss_chunk_tokens == DEFAULT_CHUNK_TOKENS == 2048
+    assert "loss_chunk_tokens = 2048" in recipe_to_toml(Recipe())
+    recipe = load_recipe(None, ["train.loss_chunk_tokens=0"])
+    check_recipe(recipe)
+    recipe.train.loss_chunk_tokens = -1
+    with pytest.raises(QlmError, match=r"train.loss_chunk_tokens must be >= 0, got -1; set it to"):
+        check_recipe(recipe)
+    with pytest.raises(ValueError, match="loss_chunk_tokens"):
+        GPTModel(SPEC, num_layers=1, loss_chunk_tokens=-1)
+
+
+def test_negative_chunk_is_a_one_line_error(run_qlm):
+    code, _, err = run_qlm("train", RECIPE, "--set", "train.loss_chunk_tokens=-8", "--dry-run")
+    assert code == 2 and "train.loss_chunk_tokens must be >= 0" in err and err.strip().count("\n") == 0, err
+    code, _, err = run_qlm("profile", "--loss-chunk-tokens", "-8")
+    assert code == 2 and "loss-chunk-tokens must be >= 0" in err and err.strip().count("\n") == 0, err
