@@ -150,7 +150,9 @@ def main():
     parser.add_argument("--chunk", type=int, default=LOSS_CHUNK)
     args = parser.parse_args()
     if args.worker == "attention":
-        print(json.dumps(attention_worker(args)))
+        result = attention_worker(args)
+        if result["rank"] == 0:  # the figures are already the maximum over ranks
+            print(json.dumps(result))
         return
     if args.worker == "loss":
         print(json.dumps(loss_worker(args)))

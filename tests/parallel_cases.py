@@ -11,37 +11,50 @@ SPEC = ModelSpec(
     qkv_bias=True, tie_word_embeddings=False,
 )
 SEQ, GLOBAL_BATCH, STEPS, WORLD = 32, 8, 5, 8
+# Mistral's sliding window, shorter than the packed documents can be: the windowed cases' model.
+WINDOWED = SPEC.replace(model_type="mistral", sliding_window=6)
+DATA_KINDS = ("plain", "packed", "window")  # window: packed documents and the windowed model
 
-# name -> (world size, parallel config, micro batch size, packed documents)
+
+def case_spec(data: str) -> ModelSpec:
+    return WINDOWED if data == "window" else SPEC
+
+# name -> (world size, parallel config, micro batch size, data kind: DATA_KINDS)
 CASES = {
-    "tp2": (2, dict(tp=2), 2, False),
-    "tp2_sp": (2, dict(tp=2, sp=True), 2, False),
-    "tp4_two_groups": (4, dict(tp=4, sp=True), 2, False),
-    "cp2_p2p": (2, dict(cp=2, cp_comm_type="p2p"), 2, False),
-    "cp2_allgather": (2, dict(cp=2, cp_comm_type="allgather"), 2, False),
-    "cp2_a2a": (2, dict(cp=2, cp_comm_type="a2a"), 2, False),
-    "cp2_packed": (2, dict(cp=2, cp_comm_type="p2p"), 2, True),
-    "cp2_allgather_packed": (2, dict(cp=2, cp_comm_type="allgather"), 2, True),
-    "cp2_a2a_packed": (2, dict(cp=2, cp_comm_type="a2a"), 2, True),
-    "pp2_1f1b": (2, dict(pp=2, pp_schedule="1f1b"), 2, False),
-    "pp2_interleaved": (2, dict(pp=2, vpp=2, pp_schedule="interleaved_1f1b"), 2, False),
-    "pp2_zero_bubble": (2, dict(pp=2, pp_schedule="zero_bubble"), 2, False),
-    "pp2_uneven": (2, dict(pp=2, num_layers_in_first_pipeline_stage=1), 2, False),
-    "dp2_zero0": (2, dict(zero_stage=0, overlap_grad_reduce=True), 2, False),
-    "dp2_zero1": (2, dict(zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True), 2, False),
-    "dp2_zero2": (2, dict(zero_stage=2, overlap_grad_reduce=True), 2, False),
-    "dp2_zero3": (2, dict(zero_stage=3), 2, False),
-    "dp2_accum4": (2, dict(zero_stage=1), 1, False),
-    "recompute_selective": (2, dict(tp=2, sp=True, recompute="selective"), 2, False),
-    "recompute_full": (2, dict(tp=2, recompute="full", recompute_num_layers=1), 2, False),
-    "tp2_pp2_dp2": (8, dict(tp=2, pp=2, sp=True, zero_stage=1, overlap_grad_reduce=True), 1, False),
-    "tp2_cp2": (4, dict(tp=2, cp=2, sp=True), 2, False),
-    "packed_tp2": (2, dict(tp=2, sp=True), 2, True),
+    "tp2": (2, dict(tp=2), 2, "plain"),
+    "tp2_sp": (2, dict(tp=2, sp=True), 2, "plain"),
+    "tp4_two_groups": (4, dict(tp=4, sp=True), 2, "plain"),
+    "cp2_p2p": (2, dict(cp=2, cp_comm_type="p2p"), 2, "plain"),
+    "cp2_allgather": (2, dict(cp=2, cp_comm_type="allgather"), 2, "plain"),
+    "cp2_a2a": (2, dict(cp=2, cp_comm_type="a2a"), 2, "plain"),
+    "cp2_packed": (2, dict(cp=2, cp_comm_type="p2p"), 2, "packed"),
+    "cp2_allgather_packed": (2, dict(cp=2, cp_comm_type="allgather"), 2, "packed"),
+    "cp2_a2a_packed": (2, dict(cp=2, cp_comm_type="a2a"), 2, "packed"),
+    "pp2_1f1b": (2, dict(pp=2, pp_schedule="1f1b"), 2, "plain"),
+    "pp2_interleaved": (2, dict(pp=2, vpp=2, pp_schedule="interleaved_1f1b"), 2, "plain"),
+    "pp2_zero_bubble": (2, dict(pp=2, pp_schedule="zero_bubble"), 2, "plain"),
+    "pp2_uneven": (2, dict(pp=2, num_layers_in_first_pipeline_stage=1), 2, "plain"),
+    "dp2_zero0": (2, dict(zero_stage=0, overlap_grad_reduce=True), 2, "plain"),
+    "dp2_zero1": (2, dict(zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True), 2, "plain"),
+    "dp2_zero2": (2, dict(zero_stage=2, overlap_grad_reduce=True), 2, "plain"),
+    "dp2_zero3": (2, dict(zero_stage=3), 2, "plain"),
+    "dp2_accum4": (2, dict(zero_stage=1), 1, "plain"),
+    "recompute_selective": (2, dict(tp=2, sp=True, recompute="selective"), 2, "plain"),
+    "recompute_full": (2, dict(tp=2, recompute="full", recompute_num_layers=1), 2, "plain"),
+    "tp2_pp2_dp2": (8, dict(tp=2, pp=2, sp=True, zero_stage=1, overlap_grad_reduce=True), 1, "plain"),
+    "tp2_cp2": (4, dict(tp=2, cp=2, sp=True), 2, "plain"),
+    "packed_tp2": (2, dict(tp=2, sp=True), 2, "packed"),
+    "window_tp2_sp": (2, dict(tp=2, sp=True), 2, "window"),
+    "window_cp2_p2p": (2, dict(cp=2, cp_comm_type="p2p"), 2, "window"),
+    "window_cp2_allgather": (2, dict(cp=2, cp_comm_type="allgather"), 2, "window"),
+    "window_cp2_a2a": (2, dict(cp=2, cp_comm_type="a2a"), 2, "window"),
 }
 
 
-def make_batch(packed: bool):
-    """Global batch: input_ids, labels (-100 across document boundaries), position_ids and segment_ids (packed)."""
+def make_batch(packed: bool | str):
+    """Global batch: input_ids, labels (-100 across document boundaries), position_ids and segment_ids (packed, or
+    data kind "packed" / "window")."""
+    packed = packed in (True, "packed", "window")
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, SPEC.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=generator)
     input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()

@@ -12,20 +12,21 @@ from qlm_core.checkpoint.layout import ModelLayout, assemble_hf_tensor
 from qlm_core.checkpoint.mcore import MegatronTorchCheckpoint
 from qlm_core.parallel.state import Grid
 from qlm_core.config import ParallelConfig
+from qlm_core.kernels.pieces import Documents
 from qlm_core.train.engine import Batch, Engine
 
 from conftest import run_peer_jobs
-from parallel_cases import CASES, GLOBAL_BATCH, SEQ, SPEC, STEPS, WORLD, make_batch
+from parallel_cases import CASES, DATA_KINDS, GLOBAL_BATCH, SEQ, STEPS, WORLD, WINDOWED, case_spec, make_batch
 
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
 from parity_worker import OPTIM  # noqa: E402
 
 
-def reference(packed: bool):
+def reference(data: str):
     """One process, no parallelism: losses, grad norms and the first step's gradients (global names)."""
-    engine = Engine(SPEC, ParallelConfig(), Grid.single(), micro_batch_size=GLOBAL_BATCH,
+    engine = Engine(case_spec(data), ParallelConfig(), Grid.single(), micro_batch_size=GLOBAL_BATCH,
                     global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234)
-    batch = Batch(*make_batch(packed))
+    batch = Batch(*make_batch(data))
     losses, norms, grads = [], [], None
     for step in range(STEPS):
         loss = engine.forward_backward(batch)
@@ -39,7 +40,13 @@ def reference(packed: bool):
 
 @pytest.fixture(scope="module")
 def references():
-    return {packed: reference(packed) for packed in (False, True)}
+    return {data: reference(data) for data in DATA_KINDS}
+
+
+def test_windowed_cases_have_documents_longer_than_the_window():
+    segment_ids = make_batch("window")[3]
+    longest = max(end - start for row in Documents.from_segment_ids(segment_ids).rows for start, end in row)
+    assert longest > WINDOWED.sliding_window
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +63,9 @@ def test_layout_matches_one_process(case, references, parallel_run):
     ref_losses, ref_norms, ref_grads = references[CASES[case][3]]
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-4), case
     assert result["grad_norms"] == pytest.approx(ref_norms, rel=1e-4), case
-    reloaded = MegatronTorchCheckpoint(out / case, spec=SPEC)
-    layout = ModelLayout(SPEC)
+    spec = case_spec(CASES[case][3])
+    reloaded = MegatronTorchCheckpoint(out / case, spec=spec)
+    layout = ModelLayout(spec)
     for hf_name, parts in layout.hf_tensors.items():
         ours = assemble_hf_tensor(reloaded.layout, hf_name, reloaded)
         theirs = torch.cat([ref_grads[t.name].narrow(t.axis, s.start, s.stop - s.start) for t, s in parts],

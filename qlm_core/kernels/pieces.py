@@ -115,11 +115,6 @@ def row_runs(values) -> list[list[tuple[int, int, int]]]:
     return result
 
 
-def spans_of(positions: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
-    """The documents (global [start, end) intervals) that meet [start, end), clipped to it."""
-    return [(max(s, start), min(e, end)) for s, e in positions if s < end and e > start]
-
-
 def coalesce(pieces: list[Piece]) -> list[Piece]:
     """Join FULL pieces of one row that share keys and have adjacent queries, or share queries and have adjacent
     keys: fewer, larger kernel calls for the same result."""

@@ -16,7 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from parallel_cases import CASES, GLOBAL_BATCH, SEQ, SPEC, STEPS, make_batch  # noqa: E402
+from parallel_cases import CASES, GLOBAL_BATCH, SEQ, SPEC, STEPS, case_spec, make_batch  # noqa: E402
 from harness import run_jobs  # noqa: E402
 
 from qlm_core.checkpoint.mcore import SHARD_FILE, iteration_dir_name, shard_dir_name, write_latest, write_shard_file  # noqa: E402
@@ -40,14 +40,14 @@ def full_grads(engine: Engine) -> list[dict[str, torch.Tensor]]:
 
 
 def run_case(name: str, outdir: Path):
-    world, parallel, mbs, packed = CASES[name]
+    world, parallel, mbs, data = CASES[name]
     sizes = resolve_sizes(world, tp=parallel.get("tp", 1), pp=parallel.get("pp", 1), cp=parallel.get("cp", 1))
     grid = Grid.build(sizes, ranks=list(range(world)))
     if grid is None:
         return
-    engine = Engine(SPEC, ParallelConfig(**parallel), grid, micro_batch_size=mbs, global_batch_size=GLOBAL_BATCH,
-                    seq_length=SEQ, optim=OPTIM, seed=1234)
-    input_ids, labels, position_ids, segment_ids = make_batch(packed)
+    engine = Engine(case_spec(data), ParallelConfig(**parallel), grid, micro_batch_size=mbs,
+                    global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234)
+    input_ids, labels, position_ids, segment_ids = make_batch(data)
     rows = GLOBAL_BATCH // sizes.dp
     mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
     batch = Batch(input_ids[mine], labels[mine], None if position_ids is None else position_ids[mine],
