@@ -154,18 +154,25 @@ def test_bad_arguments():
 
 def _fake_varlen(padded_lse: bool):
     """flash-attn's varlen forward and backward, played by the CPU kernels one sequence at a time, with either lse
-    layout: checks qlm's packing of pieces into THD and back, not flash-attn."""
+    layout (and window (0, -1) for UPPER squares): checks qlm's packing of pieces into THD and back, not flash-attn."""
 
     def segments(cu):
         bounds = cu.tolist()
         return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, return_attn_probs):
+    def seq(t, rows, upper):
+        part = t[rows].transpose(0, 1)[None]
+        return part.flip(2) if upper else part
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, return_attn_probs, window_size=(-1, -1)):
+        upper = tuple(window_size) == (0, -1)
+        assert cu_q.dtype == torch.int32 and max_q == max(cu_q.diff().tolist())
         out = torch.empty_like(q)
         lse = (torch.zeros(len(cu_q) - 1, q.shape[1], max_q) if padded_lse else torch.zeros(q.shape[1], q.shape[0]))
         for i, (sq, sk) in enumerate(zip(segments(cu_q), segments(cu_k))):
-            o, l = attention_forward_with_lse(q[sq].transpose(0, 1)[None], k[sk].transpose(0, 1)[None],
-                                              v[sk].transpose(0, 1)[None], scale=softmax_scale, causal=causal)
+            o, l = attention_forward_with_lse(seq(q, sq, upper), seq(k, sk, upper), seq(v, sk, upper),
+                                              scale=softmax_scale, causal=causal or upper)
+            o, l = (o.flip(2), l.flip(2)) if upper else (o, l)
             out[sq] = o[0].transpose(0, 1)
             if padded_lse:
                 lse[i, :, : sq.stop - sq.start] = l[0]
@@ -174,14 +181,19 @@ def _fake_varlen(padded_lse: bool):
         return out, lse, None
 
     def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                 max_seqlen_k, dropout_p, softmax_scale, causal):
+                 max_seqlen_k, dropout_p, softmax_scale, causal, window_size):
+        upper = tuple(window_size) == (0, -1)
+        batch = len(cu_seqlens_q) - 1
+        want = (batch, q.shape[1], max_seqlen_q) if padded_lse else (q.shape[1], q.shape[0])
+        assert tuple(softmax_lse.shape) == want  # the layout forward returned, not merely one that slices alike
         for i, (sq, sk) in enumerate(zip(segments(cu_seqlens_q), segments(cu_seqlens_k))):
             lse = softmax_lse[i, :, : sq.stop - sq.start] if padded_lse else softmax_lse[:, sq]
-            grads = attention_backward(*(t[sq].transpose(0, 1)[None] for t in (dout, q)),
-                                       *(t[sk].transpose(0, 1)[None] for t in (k, v)),
-                                       out[sq].transpose(0, 1)[None], lse[None], scale=softmax_scale, causal=causal)
+            grads = attention_backward(seq(dout, sq, upper), seq(q, sq, upper), seq(k, sk, upper),
+                                       seq(v, sk, upper), seq(out, sq, upper),
+                                       lse[None].flip(2) if upper else lse[None],
+                                       scale=softmax_scale, causal=causal or upper)
             for target, grad, rows in zip((dq, dk, dv), grads, (sq, sk, sk)):
-                target[rows] = grad[0].transpose(0, 1)
+                target[rows] = (grad.flip(2) if upper else grad)[0].transpose(0, 1)
 
     params = frozenset(inspect.signature(backward).parameters)
     return forward, lambda: (backward, params)
@@ -196,7 +208,8 @@ def test_varlen_packing_matches_masked_attention(name, padded_lse, monkeypatch):
     monkeypatch.setattr(varlen, "_VARLEN_FWD", forward)
     monkeypatch.setattr(varlen, "_varlen_backward", backward)
     monkeypatch.setattr(varlen, "available", lambda q: True)
-    calls = []
-    monkeypatch.setattr(varlen, "forward", lambda *a, _f=varlen.forward: calls.append(1) or _f(*a))
+    kinds = []
+    real_group = varlen._Group
+    monkeypatch.setattr(varlen, "_Group", lambda *a: kinds.append(a[3][a[4][0]].kind) or real_group(*a))
     test_piecewise_attention_matches_masked_attention(name, "default", monkeypatch)
-    assert calls  # the varlen path ran
+    assert set(kinds) == ({"causal"} if name == "documents" else {"causal", "full", "upper"})  # all went through

@@ -8,13 +8,12 @@ import random
 
 import pytest
 import torch
+from test_model import qlm_from_hf
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qlm_core.kernels.pieces import CAUSAL, FULL, UPPER, Span, band_pieces, decoding_pieces, row_runs
+from qlm_core.kernels.pieces import CAUSAL, FULL, UPPER, Piece, Span, band_pieces, decoding_pieces, row_runs
 from qlm_core.models.gpt import GPTModel, KVCache
 from qlm_core.models.spec import ModelSpec
-
-from test_model import qlm_from_hf
 
 
 def _covered(pieces, nq, nk):
@@ -123,9 +122,37 @@ def test_row_runs():
     assert row_runs(values) == [[(0, 2, 0), (2, 5, 1), (5, 6, 2)], [(0, 6, 5)]]
 
 
-def test_decoding_pieces_skip_padding():
-    pieces = decoding_pieces(torch.tensor([[False, False, True, True, True]]), past=0, new=5, window=None)
-    assert all(p.k.start >= 2 for p in pieces if p.q.start >= 2)  # real tokens never see the padding
+def test_decoding_pieces_cover_exactly_what_decoding_sees():
+    """Real queries see the real keys before them (within the window), padding only its own run."""
+    valid = torch.tensor([[False, False, True, True, True, True], [True] * 6, [False, True, True, False, True, True]])
+    for past, window in ((0, None), (3, None), (0, 2), (4, 3)):
+        new = valid.shape[1] - past
+        pieces = decoding_pieces(valid, past=past, new=new, window=window)
+        for row in range(valid.shape[0]):
+            got = _covered([p for p in pieces if p.row in (None, row)], new, valid.shape[1])
+            want = torch.zeros_like(got)
+            for i in range(new):
+                p = past + i
+                for j in range(p + 1):
+                    near = window is None or p - j < window
+                    same_pad_run = not valid[row, p] and not valid[row, j:p + 1].any()
+                    want[i, j] = int(near and (bool(valid[row, p] and valid[row, j]) or same_pad_run))
+            assert torch.equal(got, want), (row, past, window)
+
+
+def test_single_token_decoding_is_one_piece():
+    """Without padding every row shares one fully visible piece: a single kernel call, nothing to merge."""
+    pieces = decoding_pieces(torch.ones(4, 10, dtype=torch.bool), past=9, new=1, window=None)
+    assert pieces == [Piece(None, slice(0, 1), slice(0, 10), FULL)]
+
+
+def test_bad_decoding_and_packing_inputs_are_errors(hf_models):
+    model, spec = qlm_from_hf(hf_models["qwen2"])
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        model(ids, attention_mask=torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="neither context parallelism nor segment_ids"):
+        model(ids, segment_ids=torch.zeros_like(ids), cache=KVCache.empty(spec.num_layers))
 
 
 SEQ = 8192
@@ -137,23 +164,29 @@ SMALL = ModelSpec(
 
 
 class _LargestTensor(TorchDispatchMode):
-    """The most elements of any tensor an operator returns while active."""
+    """The most elements of any tensor an operator returns while active, and any that looks like a block of
+    attention scores (its last two dims both longer than `block`)."""
 
-    def __init__(self):
+    def __init__(self, block: int):
         super().__init__()
-        self.largest, self.op = 0, None
+        self.block, self.largest, self.op, self.scores = block, 0, None, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() > self.largest:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.numel() > self.largest:
                 self.largest, self.op = t.numel(), func
+            if t.dim() >= 2 and min(t.shape[-2:]) > self.block:
+                self.scores.append((func, tuple(t.shape)))
         return out
 
 
 @pytest.mark.parametrize("window", [None, 512])
 def test_packed_forward_backward_creates_nothing_quadratic(window):
-    """At s = 8192 with 8 documents, no operator returns (and so nothing saves) a tensor of s*s/4 elements."""
+    """At s = 8192 with 8 documents, no operator returns (and so nothing saves) a tensor of s*s/4 elements, nor a
+    query-block x key-block one."""
     spec = SMALL if window is None else ModelSpec(**{**SMALL.__dict__, "model_type": "mistral", "qkv_bias": False,
                                                      "sliding_window": window})
     model = GPTModel(spec)
@@ -163,9 +196,10 @@ def test_packed_forward_backward_creates_nothing_quadratic(window):
     ids = torch.randint(0, spec.vocab_size, (1, SEQ), generator=generator)
     segments = torch.repeat_interleave(torch.arange(8), torch.tensor(lengths))[None]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    probe = _LargestTensor()
+    probe = _LargestTensor(block=512)  # wider than any activation's last two dims (hidden 32, ffn 64, vocab 256)
     with probe:
         loss = model(ids, positions, segment_ids=segments, labels=ids.roll(-1, 1)).mean()
         loss.backward()
     assert model.decoder.layers[0].self_attention.linear_qkv.weight.grad.abs().sum() > 0
     assert probe.largest < SEQ * SEQ // 4, (probe.largest, probe.op)
+    assert not probe.scores, probe.scores[:3]  # no per-document score matrix either (the kernels keep tiles)

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
+
 FULL, CAUSAL, UPPER = "full", "causal", "upper"
 
 
@@ -47,8 +49,8 @@ class Span(NamedTuple):
 
 
 def _causal_pieces(q: Span, k: Span, row, reverse: bool, window_shift: int) -> list[Piece]:
-    """Keys j <= p of q x k. With `reverse`, both spans are in mirrored coordinates (see _upper_pieces) and the
-    pieces are mapped back: FULL stays FULL, CAUSAL becomes UPPER."""
+    """Keys j <= p of q x k. With `reverse`, both spans are in mirrored coordinates (see _mirror) and the pieces are
+    mapped back: FULL stays FULL, CAUSAL becomes UPPER."""
     pieces = []
 
     def add(qs: Span, ks: Span, kind: str):
@@ -61,8 +63,8 @@ def _causal_pieces(q: Span, k: Span, row, reverse: bool, window_shift: int) -> l
     if before is not None:
         add(q, before, FULL)
     lo, hi = max(k.start, q.start), min(k.end, q.end)
-    if lo < hi:  # the common range: a causal square
-        add(q.clip(lo, hi), k.clip(lo, hi), CAUSAL)
+    if lo < hi:  # the common range: a causal square (one token sees itself: that is a full piece, and can coalesce)
+        add(q.clip(lo, hi), k.clip(lo, hi), CAUSAL if hi - lo > 1 else FULL)
         after = q.clip(hi, q.end)  # queries past the last key see all of the common keys
         if after is not None:
             add(after, k.clip(lo, hi), FULL)
@@ -99,20 +101,17 @@ def band_pieces(q: Span, k: Span, window: int | None, row=None) -> list[Piece]:
 
 
 def row_runs(values) -> list[list[tuple[int, int, int]]]:
-    """[b, n] tensor -> per row, (start, end, value) of each run of equal values. Only the change points are read
-    back to the host, so a row of one run costs one element, whatever its length."""
+    """[b, n] tensor -> per row, (start, end, value) of each run of equal values. One host read of the change points
+    and their values: a row of one run costs one element, whatever its length."""
     b, n = values.shape
-    change = (values[:, 1:] != values[:, :-1]).nonzero().tolist()
-    firsts = values[:, 0].tolist()
+    change = (values[:, 1:] != values[:, :-1]).nonzero()
+    read = torch.cat([values[:, 0], values[change[:, 0], change[:, 1] + 1]]).tolist()
     starts: list[list[int]] = [[0] for _ in range(b)]
-    for row, col in change:
+    run_values: list[list] = [[read[row]] for row in range(b)]
+    for (row, col), value in zip(change.tolist(), read[b:]):
         starts[row].append(col + 1)
-    flat = values.reshape(-1)
-    result = []
-    for row, bounds in enumerate(starts):
-        run_values = [firsts[row]] + (flat[[row * n + i for i in bounds[1:]]].tolist() if len(bounds) > 1 else [])
-        result.append([(a, e, v) for a, e, v in zip(bounds, bounds[1:] + [n], run_values)])
-    return result
+        run_values[row].append(value)
+    return [list(zip(bounds, bounds[1:] + [n], vals)) for bounds, vals in zip(starts, run_values)]
 
 
 def coalesce(pieces: list[Piece]) -> list[Piece]:
@@ -172,8 +171,11 @@ def decoding_pieces(key_valid, past: int, new: int, window: int | None) -> list[
     """Incremental decoding: `key_valid` [b, past + new] (True = a real token); queries are the `new` tokens after
     `past` cached ones, keys all past + new (cache indices). A real token sees every real key before it (within the
     window), a padding token only the padding run it is in (its output is never read)."""
+    rows = row_runs(key_valid)
+    if all(spans == rows[0] for spans in rows):  # no padding (or the same everywhere): one set for every row
+        rows = {None: rows[0]}
     pieces = []
-    for row, spans in enumerate(row_runs(key_valid)):
+    for row, spans in (rows.items() if isinstance(rows, dict) else enumerate(rows)):
         real = [Span(s, e, s) for s, e, valid in spans if valid]
         for start, end, valid in spans:
             queries = Span(start, end, start - past).clip(past, past + new)

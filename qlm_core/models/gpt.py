@@ -23,7 +23,13 @@ from ..kernels.pieces import Documents, Piece, decoding_pieces, self_attention_p
 from ..kernels.piecewise import piecewise_attention
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ..parallel.comm import group_rank, group_size
-from ..parallel.context import CP_COMM_TYPES, context_parallel_attention, cp_token_indices, gather_sequence
+from ..parallel.context import (
+    CP_COMM_TYPES,
+    context_parallel_attention,
+    cp_attention_plan,
+    cp_token_indices,
+    gather_sequence,
+)
 from ..parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, OutputLayer
 from ..parallel.tensor import (
     ColumnParallelLinear,
@@ -61,6 +67,7 @@ class AttentionInputs:
     documents: Documents | None = None  # packed documents in global positions (None: one per row)
     cache: "KVCache | None" = None  # incremental decoding: keys/values of earlier tokens
     pieces: list[Piece] | None = None  # what one process computes, when not plain causal attention over each row
+    cp_plan: tuple[list[Piece], ...] | None = None  # under context parallelism: what this rank computes
 
 
 @dataclass
@@ -85,23 +92,36 @@ class KVCache:
         return k, v
 
 
-def attention_inputs(local_tokens: int, window: int | None, cp_group, segment_ids: torch.Tensor | None,
-                     cache: "KVCache | None", attention_mask: torch.Tensor | None, batch: int) -> AttentionInputs:
+def attention_inputs(*, local_tokens: int, batch: int, window: int | None, parallel: "ParallelOptions",
+                     segment_ids: torch.Tensor | None, cache: "KVCache | None",
+                     attention_mask: torch.Tensor | None) -> AttentionInputs:
     """Describe the micro-batch's attention once for every layer: its documents (under context parallelism from the
-    whole sequence, gathered once), and the pieces one process computes for packed rows, a sliding window shorter
-    than the row, or decoding with a cache."""
+    whole sequence, gathered once) and the pieces this rank computes, for packed rows, a sliding window shorter than
+    the row, decoding with a cache, or context parallelism."""
+    cp_group = parallel.cp_group
+    cp = group_size(cp_group)
     if cache is not None or attention_mask is not None:
+        if cp > 1 or segment_ids is not None:
+            raise ValueError("decoding with a cache or an attention_mask takes neither context parallelism nor "
+                             "segment_ids")
         past = 0 if cache is None else cache.length
+        if attention_mask is not None and tuple(attention_mask.shape) != (batch, past + local_tokens):
+            raise ValueError(f"attention_mask must be [batch, cached + new] = [{batch}, {past + local_tokens}], "
+                             f"got {tuple(attention_mask.shape)}")
         valid = (torch.ones(batch, past + local_tokens, dtype=torch.bool) if attention_mask is None
                  else attention_mask.bool())
         return AttentionInputs(cache=cache, pieces=decoding_pieces(valid, past, local_tokens, window))
     documents = None
     if segment_ids is not None:
-        if group_size(cp_group) > 1:
+        if cp > 1:
             segment_ids = gather_sequence(segment_ids, cp_group, dim=1)
         documents = Documents.from_segment_ids(segment_ids)
+    if cp > 1:
+        plan = cp_attention_plan(documents, local_tokens * cp, cp, group_rank(cp_group), parallel.cp_comm_type,
+                                 window)
+        return AttentionInputs(documents=documents, cp_plan=plan)
     pieces = None
-    if group_size(cp_group) == 1 and (documents is not None or (window is not None and local_tokens > window)):
+    if documents is not None or (window is not None and local_tokens > window):
         pieces = self_attention_pieces(documents, local_tokens, window)
     return AttentionInputs(documents=documents, pieces=pieces)
 
@@ -161,7 +181,7 @@ class SelfAttention(nn.Module):
         if group_size(self.parallel.cp_group) > 1:
             return context_parallel_attention(
                 q, k, v, group=self.parallel.cp_group, comm_type=self.parallel.cp_comm_type, scale=scale,
-                documents=inputs.documents, window=self.spec.sliding_window,
+                documents=inputs.documents, window=self.spec.sliding_window, plan=inputs.cp_plan,
             )
         if inputs.pieces is not None:
             return piecewise_attention(q, k, v, inputs.pieces, scale)
@@ -358,8 +378,9 @@ class GPTModel(nn.Module):
             position_ids = index[None, :].expand(x.shape[1], local_tokens)
         self._inv_freq = self._inv_freq.to(x.device)
         cos, sin = rope_cos_sin(position_ids, self._inv_freq, x.dtype)
-        inputs = attention_inputs(local_tokens, self.spec.sliding_window, cp_group, segment_ids, cache, attention_mask,
-                                  x.shape[1])
+        inputs = attention_inputs(local_tokens=local_tokens, batch=x.shape[1], window=self.spec.sliding_window,
+                                  parallel=self.parallel, segment_ids=segment_ids, cache=cache,
+                                  attention_mask=attention_mask)
         x = self.decoder(x, cos, sin, inputs)
         if not self.post_process:
             return x

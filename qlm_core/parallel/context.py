@@ -19,7 +19,6 @@ With a group of None or size 1 every function is the plain single-process one an
 from __future__ import annotations
 
 import bisect
-import functools
 
 import torch
 import torch.distributed as dist
@@ -100,7 +99,7 @@ def gather_from_cp(x_local: torch.Tensor, group, dim: int) -> torch.Tensor:
 # ---- pieces ----------------------------------------------------------------------------------------------------------
 # What a rank's queries compute against a set of keys is a list of mask-free pieces (kernels/pieces.py), derived from
 # the chunk layout and the micro-batch's documents alone, so nothing travels with the K/V. The lists are the same for
-# every layer and for backward: they are computed once per (documents, step) and cached.
+# every layer and for backward: the model computes them once per forward (cp_attention_plan).
 
 
 def _chunk_spans(cp: int, rank: int, chunk: int) -> list[Span]:
@@ -131,7 +130,6 @@ def _cross_pieces(docs, seq_len, queries: list[Span], keys: list[Span], window) 
     return coalesce(pieces)
 
 
-@functools.lru_cache(maxsize=64)
 def ring_pieces(docs: Documents | None, seq_len: int, cp: int, rank: int, step: int, window) -> list[Piece]:
     """This rank's queries against the K/V block that started on rank (rank - step) % cp."""
     chunk = _chunk_len(seq_len, cp)
@@ -150,11 +148,21 @@ def ring_pieces(docs: Documents | None, seq_len: int, cp: int, rank: int, step: 
     return _cross_pieces(docs, seq_len, _chunk_spans(cp, rank, chunk), _chunk_spans(cp, src, chunk), window)
 
 
-@functools.lru_cache(maxsize=16)
 def allgather_pieces(docs: Documents | None, seq_len: int, cp: int, rank: int, window) -> list[Piece]:
     """This rank's queries against the whole sequence in global order."""
     whole = [Span(0, seq_len, 0)]
     return _cross_pieces(docs, seq_len, _chunk_spans(cp, rank, _chunk_len(seq_len, cp)), whole, window)
+
+
+def cp_attention_plan(docs: Documents | None, seq_len: int, cp: int, rank: int, comm_type: str,
+                      window: int | None) -> tuple[list[Piece], ...]:
+    """What this rank computes in one attention call: the pieces of each ring step (p2p), of its queries against
+    the gathered sequence (allgather), or of the whole sequence on its heads (a2a)."""
+    if comm_type == "p2p":
+        return tuple(ring_pieces(docs, seq_len, cp, rank, step, window) for step in range(cp))
+    if comm_type == "allgather":
+        return (allgather_pieces(docs, seq_len, cp, rank, window),)
+    return (self_attention_pieces(docs, seq_len, window),)
 
 
 # ---- p2p: ring attention ---------------------------------------------------------------------------------------------
@@ -193,29 +201,27 @@ class _Ring:
 
 class _RingAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, docs, window):
-        cp, rank = group_size(group), group_rank(group)
-        seq_len = q.shape[2] * cp
+    def forward(ctx, q, k, v, group, scale, plan):
+        cp = group_size(group)
         ring = _Ring(group)
         kv = torch.stack((k, v))
         out, lse = empty_result(q)
         for step in range(cp):
             if step + 1 < cp:
                 pending = ring.start([(kv, ring.KV)])
-            attend_pieces(q, kv[0], kv[1], ring_pieces(docs, seq_len, cp, rank, step, window), scale, out, lse)
+            attend_pieces(q, kv[0], kv[1], plan[step], scale, out, lse)
             if step + 1 < cp:
                 kv = ring.finish(pending)[0]
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.docs, ctx.window = group, scale, docs, window
+        ctx.group, ctx.scale, ctx.plan = group, scale, plan
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
-        cp, rank = group_size(group), group_rank(group)
-        seq_len = q.shape[2] * cp
+        cp = group_size(group)
         ring = _Ring(group)
         acc = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -226,8 +232,7 @@ class _RingAttention(Function):
                 pending = ring.start([(kv, ring.KV)])
             # dK/dV of the block at hand: this rank's share, plus what the ranks it visited before have summed.
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-            attend_pieces_backward(grad_out, q, kv[0], kv[1], out, lse,
-                                   ring_pieces(ctx.docs, seq_len, cp, rank, step, ctx.window), ctx.scale,
+            attend_pieces_backward(grad_out, q, kv[0], kv[1], out, lse, ctx.plan[step], ctx.scale,
                                    dq, dkv[0], dkv[1])
             if grad_pending is not None:
                 dkv += ring.finish(grad_pending)[0]
@@ -248,32 +253,29 @@ def _gather_kv(k, v, group):
 
 class _AllGatherAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, docs, window):
-        cp, rank = group_size(group), group_rank(group)
+    def forward(ctx, q, k, v, group, scale, plan):
         kv = _gather_kv(k, v, group)
         out, lse = empty_result(q)
-        attend_pieces(q, kv[0], kv[1], allgather_pieces(docs, q.shape[2] * cp, cp, rank, window), scale, out, lse)
+        attend_pieces(q, kv[0], kv[1], plan[0], scale, out, lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)  # not the gathered K/V: backward gathers them again
-        ctx.group, ctx.scale, ctx.docs, ctx.window = group, scale, docs, window
+        ctx.group, ctx.scale, ctx.plan = group, scale, plan
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
-        cp, rank = group_size(group), group_rank(group)
+        cp = group_size(group)
         kv = _gather_kv(k, v, group)
         acc = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-        attend_pieces_backward(grad_out, q, kv[0], kv[1], out, lse,
-                               allgather_pieces(ctx.docs, q.shape[2] * cp, cp, rank, ctx.window), ctx.scale,
-                               dq, dkv[0], dkv[1])
+        attend_pieces_backward(grad_out, q, kv[0], kv[1], out, lse, ctx.plan[0], ctx.scale, dq, dkv[0], dkv[1])
         # Every rank holds partial gradients for all keys: sum them onto the owners.
         dkv = _reorder_chunks(dkv, cp, 3, to_global=False)
         dkv = reduce_scatter_dim0(dkv.movedim(3, 0), group).movedim(0, 3)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 # ---- a2a: Ulysses ----------------------------------------------------------------------------------------------------
@@ -305,7 +307,7 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return _AllToAll.apply(parts, group).movedim(0, 1).flatten(1, 2)
 
 
-def _ulysses_attention(q, k, v, group, scale, docs, window):
+def _ulysses_attention(q, k, v, group, scale, plan):
     cp, hq, hk = group_size(group), q.shape[1], k.shape[1]
     if hq % cp:
         raise ValueError(f"a2a context parallelism needs the query heads per rank ({hq}) divisible by cp ({cp})")
@@ -317,8 +319,7 @@ def _ulysses_attention(q, k, v, group, scale, docs, window):
         k, v = k.repeat_interleave(cp // hk, dim=1), v.repeat_interleave(cp // hk, dim=1)
     q, k, v = (_seq_to_heads(t, group) for t in (q, k, v))
     # The sequence is in global order now: plain one-process attention over the documents.
-    pieces = self_attention_pieces(docs, q.shape[2], window)
-    return _heads_to_seq(piecewise_attention(q, k, v, pieces, scale), group)
+    return _heads_to_seq(piecewise_attention(q, k, v, plan[0], scale), group)
 
 
 # ---- entry point -----------------------------------------------------------------------------------------------------
@@ -334,12 +335,14 @@ def context_parallel_attention(
     scale: float,
     documents: Documents | None = None,
     window: int | None = None,
+    plan: tuple[list[Piece], ...] | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries against the whole sequence spread over the CP `group`.
 
     q [b, hq, s_local, d], k and v [b, hk, s_local, d] (hq a multiple of hk), the rank's two chunks in the layout
     above; `documents` None or the micro-batch's documents in global positions (attention stays within a document);
-    `window` Mistral's sliding window (None: unbounded). Returns [b, hq, s_local, d].
+    `window` Mistral's sliding window (None: unbounded); `plan` cp_attention_plan of these, when the caller has
+    it already (the model computes it once per forward). Returns [b, hq, s_local, d].
     """
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"comm_type must be one of {CP_COMM_TYPES}, not {comm_type!r}")
@@ -353,8 +356,10 @@ def context_parallel_attention(
         return piecewise_attention(q, k, v, self_attention_pieces(documents, q.shape[2], window), scale)
     if q.shape[2] % 2:
         raise ValueError(f"each CP rank holds two equal chunks; its local length {q.shape[2]} is odd")
+    if plan is None:
+        plan = cp_attention_plan(documents, q.shape[2] * cp, cp, group_rank(group), comm_type, window)
     if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, group, scale, documents, window)
+        return _RingAttention.apply(q, k, v, group, scale, plan)
     if comm_type == "allgather":
-        return _AllGatherAttention.apply(q, k, v, group, scale, documents, window)
-    return _ulysses_attention(q, k, v, group, scale, documents, window)
+        return _AllGatherAttention.apply(q, k, v, group, scale, plan)
+    return _ulysses_attention(q, k, v, group, scale, plan)

@@ -1,8 +1,9 @@
 """torchrun worker for tests/test_context_parallel.py: context-parallel attention against full attention.
 
 Run as: torchrun --standalone --nproc-per-node 4 cp_worker.py OUTDIR. Every rank builds the same seeded full q/k/v,
-computes full causal (+ same-document, + sliding-window) attention in float64 with autograd, runs the CP version on its own slice with
-cp = 2 (groups {0, 2} and {1, 3}) and cp = 4, and writes the max abs differences of out/dq/dk/dv to OUTDIR/rank{R}.json.
+computes full causal (+ same-document, + sliding-window) attention in float64 with autograd, runs the CP version on
+its own slice with cp = 2 (groups {0, 2} and {1, 3}) and cp = 4, and writes the max abs differences of out/dq/dk/dv
+to OUTDIR/rank{R}.json.
 """
 
 import itertools
