@@ -71,7 +71,9 @@ class DataConfig:
     packing: bool = True  # sft: pack several samples per sequence (positions restart, attention per sample)
     truncation: str = "right"  # sft: right | drop
     reset_position_ids: bool = False  # pretrain: restart positions (and attention) at each document boundary
-    mean_doc_len: int = 0  # packed data's mean document length in tokens, for qlm profile (0: one per sequence)
+    # packed data's token-weighted mean document length E[L^2]/E[L] (what attention work scales with: a token's
+    # document is long more often than a document is), for qlm profile; 0: one document per sequence
+    mean_doc_len: int = 0
     workers: int = 1  # tokenisation processes
     seed: int = 1234
     cache_dir: str = ""  # tokenised-data and demo cache; empty = RUN/cache

@@ -1,8 +1,9 @@
 """The chunked loss head (parallel/cross_entropy.py, GPTModel.loss) gives the whole-logits path's loss and gradients
 within fp32 rounding: one process (ignored labels, a chunk that does not divide the tokens, padding columns, tied
-embeddings, a frozen output layer under LoRA), and in one torchrun launch (4 gloo ranks) TP2 ± SP on the loss head
-itself and the Engine under TP2+SP, PP2 (1F1B, zero-bubble, tied embeddings), TP2·PP2·SP, ZeRO-1 with overlapped
-parameter gather and ZeRO-3; then through `qlm train` at PP2; and the recipe key's checks."""
+embeddings, a frozen output layer under LoRA, zero-bubble's split backward), bf16 against an fp64 reference, and in
+one torchrun launch (4 gloo ranks) TP2 ± SP on the loss head itself and the Engine under TP2+SP, PP2 (1F1B,
+zero-bubble, tied embeddings), TP2·PP2·SP, CP2 (p2p, a2a), TP2·CP2·SP, ZeRO-1 with overlapped parameter gather and
+ZeRO-3; then through `qlm train` at PP2; and the recipe key's checks."""
 
 import json
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from qlm_core.config import LoraConfig, Recipe, TrainConfig, load_recipe, recipe_to_toml
 from qlm_core.errors import QlmError
@@ -27,7 +29,8 @@ from parallel_cases import SPEC
 from test_train_cli import RECIPE, losses, qlm_train
 
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
-from chunked_loss_worker import ENGINE_CASES, HEAD_CASES  # noqa: E402
+from chunked_loss_worker import ENGINE_CASES, HEAD_CASES, STEPS  # noqa: E402
+from parallel_cases import GLOBAL_BATCH  # noqa: E402
 
 TOL = 1e-6  # relative (L2) error allowed in fp32
 SEQ, BATCH, CHUNK = 50, 3, 37  # 150 tokens: chunks of 37, 37, 37, 37 and 2
@@ -78,6 +81,102 @@ def test_function_equals_whole_logits_cross_entropy():
         assert relative(x_grad, reference[1]) <= TOL, chunk
         assert relative(w_grad, reference[2]) <= TOL, chunk
         assert w_grad[SPEC.vocab_size:].abs().max() == 0  # padding rows get no gradient
+
+
+def _counting_backward(monkeypatch) -> list[tuple[bool, bool]]:
+    """(dx computed, dW computed) of each run of the chunked loss's backward."""
+    passes = []
+    function = cross_entropy._ChunkedVocabParallelCrossEntropy
+    original = function.backward
+
+    def counted(ctx, grad_loss):
+        grads = original(ctx, grad_loss)
+        passes.append((grads[0] is not None, grads[1] is not None))
+        return grads
+
+    monkeypatch.setattr(function, "backward", staticmethod(counted))
+    return passes
+
+
+def test_split_backward_computes_each_gradient_once(monkeypatch):
+    """torch's zero-bubble passes (stage_backward_input, then stage_backward_weight) each run the loss's backward:
+    the input pass computes dx only, the weight pass dW only; the gradients are those of one plain backward."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    generator = torch.Generator().manual_seed(7)
+    x0 = torch.randn(SEQ, BATCH, SPEC.hidden_size, generator=generator)
+    w_in = torch.nn.Parameter(torch.randn(SPEC.hidden_size, SPEC.hidden_size, generator=generator) * 0.2)
+    w_out = torch.nn.Parameter(torch.randn(384, SPEC.hidden_size, generator=generator) * 0.2)
+    labels = _labels(generator)
+    passes = _counting_backward(monkeypatch)
+
+    def loss_of(x):
+        return chunked_vocab_parallel_cross_entropy(F.linear(x, w_in), w_out, labels, None, SPEC.vocab_size,
+                                                    CHUNK).sum()
+
+    x = x0.clone().requires_grad_()
+    loss_of(x).backward()
+    reference = x.grad, w_in.grad, w_out.grad
+    assert passes == [(True, True)]
+    passes.clear()
+    w_in.grad = w_out.grad = None
+    x = x0.clone().requires_grad_()
+    _, param_groups = stage_backward_input([loss_of(x)], None, [x], iter([w_in, w_out]))
+    assert passes == [(True, False)] and w_out.grad is None
+    stage_backward_weight(iter([w_in, w_out]), param_groups)
+    assert passes == [(True, False), (False, True)]
+    for got, expected in zip((x.grad, w_in.grad, w_out.grad), reference):
+        assert relative(got, expected) <= TOL
+    passes.clear()
+    grad_x, = torch.autograd.grad(loss_of(x0.clone().requires_grad_()), (w_in,))  # a leaf that autograd.grad captures
+    assert passes == [(True, False)] and relative(grad_x, reference[1]) <= TOL
+
+
+class _CreatedTensors(TorchDispatchMode):
+    """(shape, dtype) of every tensor that an op returns while active."""
+
+    def __enter__(self):
+        self.seen = set()
+        super().__enter__()
+        return self.seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.seen.add((tuple(tensor.shape), tensor.dtype))
+        return out
+
+
+def test_bf16_error_against_fp64_like_the_whole_logits():
+    """In bf16 the chunked loss (dW accumulated in bf16, as the whole-logits path's matmul produces it) stays within
+    1.5x the whole-logits path's error against an fp64 reference, for the loss, dx and dW."""
+    generator = torch.Generator().manual_seed(8)
+    seq, batch, vocab, padded, h = 256, 2, 1000, 1024, 64
+    x0 = torch.randn(seq, batch, h, generator=generator, dtype=torch.float64)
+    w0 = torch.randn(padded, h, generator=generator, dtype=torch.float64) * 0.3
+    labels = torch.randint(0, vocab, (batch, seq), generator=generator)
+    scale = torch.rand(batch, seq, generator=generator, dtype=torch.float64)
+
+    def run(dtype, chunk):
+        x = x0.to(dtype, copy=True).requires_grad_()
+        w = w0.to(dtype, copy=True).requires_grad_()
+        if chunk:
+            loss = chunked_vocab_parallel_cross_entropy(x, w, labels, None, vocab, chunk)
+        else:
+            loss = vocab_parallel_cross_entropy(F.linear(x, w), labels.t(), None, vocab).t()
+        (loss.double() * scale).sum().backward()
+        return loss.detach(), x.grad, w.grad
+
+    reference = run(torch.float64, 0)
+    whole = run(torch.bfloat16, 0)
+    with _CreatedTensors() as created:
+        chunked = run(torch.bfloat16, 100)
+    assert chunked[2].dtype == torch.bfloat16
+    assert ((padded, h), torch.float32) not in created  # no fp32 accumulator the size of W
+    for name, got, base, exact in zip(("loss", "dx", "dW"), chunked, whole, reference):
+        error, baseline = relative(got, exact), relative(base, exact)
+        assert 0 < baseline < 0.05 and error <= 1.5 * baseline, (name, error, baseline)
 
 
 def _model(chunk: int, spec=SPEC, cls=GPTModel) -> GPTModel:
@@ -200,6 +299,16 @@ def test_engine_losses_and_gradients(case, worker_run):
         assert result["grad_errors"][worst] <= TOL, (file.name, worst, result["grad_errors"][worst])
         calls = result["chunked_calls"]  # (micro-batches x steps) on the last stage, and only with chunks
         assert calls["whole"] == 0 and (calls["chunked"] > 0) == result["last_stage"], (file.name, calls)
+        world, parallel, _, mbs = ENGINE_CASES[case]
+        micro = STEPS * GLOBAL_BATCH * parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("cp", 1) // (
+            world * mbs) if result["last_stage"] else 0
+        # torch's pipeline stage infers the input gradients' metadata once, with an extra forward and a dx-only
+        # backward (autograd.grad for the inputs) of the first micro-batch
+        inference = 1 if parallel.get("pp", 1) > 1 and result["last_stage"] else 0
+        assert calls["chunked"] == micro + inference, (file.name, calls, micro)
+        split = parallel.get("pp_schedule") == "zero_bubble"  # dx and dW in separate passes, each computed once
+        expected = {"passes": (2 if split else 1) * micro + inference, "dx": micro + inference, "dw": micro}
+        assert result["chunked_backward"] == expected, (file.name, result["chunked_backward"], expected)
 
 
 def test_qlm_train_hands_the_chunk_to_the_model(run_qlm, tmp_path, monkeypatch):

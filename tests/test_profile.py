@@ -258,3 +258,50 @@ def test_search_reports_a_bad_input_as_itself(run_qlm):
     assert code == 2 and "dtype 'fp8' is not one of" in stderr, stderr
     code, _, stderr = run_qlm("profile", "--search", "--seq-len", "0", "--num-gpus", "8")
     assert code == 2 and "seq-len must be at least 1" in stderr, stderr
+
+
+def test_user_text_is_not_rich_markup(monkeypatch, tmp_path):
+    """A model name (a directory's, say) or a plot path with brackets prints as written, not as Rich markup."""
+    from qlm_cli.commands import profile as command
+    from qlm_cli.render import console
+
+    case = build_case().replace(model_name="ckpt[/]x [red]y")
+    gpu = gpu_spec("a100-80g")
+    memory, time = command.estimate_memory(case, gpu.memory_gib, "cuda", command.Allowance()), \
+        command.estimate_time(case, gpu, command.Efficiency())
+    with console.capture() as captured:
+        command._print_profile(case, gpu, memory, time)
+        command._saved(tmp_path / "[bold]plot.png", False)
+    out = captured.get()
+    assert "ckpt[/]x [red]y on 32 x" in out and "[bold]plot.png" in out
+
+
+def test_zero_bubble_recomputes_the_chunked_logits_in_both_backward_passes():
+    """Under zero-bubble the chunked loss's backward runs twice (dx, then dW), each recomputing the logits: one more
+    logits forward of recompute on the last stage than 1F1B; none with a frozen output layer or whole logits."""
+    from qlm_core.profile.timing import Efficiency, microbatch_times
+    from qlm_core.train.flops import logits_flops_per_token
+
+    gpu, eff = gpu_spec("h100"), Efficiency()
+    for lora_rank, chunk, expected in ((0, 2048, 1), (4, 2048, 0), (0, 0, 0)):
+        times = {}
+        for schedule in ("1f1b", "zero_bubble"):
+            case = build_case(tp=4, pp=2, cp=4, pp_schedule=schedule, lora_rank=lora_rank, loss_chunk_tokens=chunk)
+            times[schedule] = microbatch_times(case, gpu, eff, case.parallel.pp - 1)["recompute"]
+        p = case.parallel
+        logits = case.micro_batch_size * case.seq_len * logits_flops_per_token(case.spec) / (p.tp * p.cp)
+        extra = expected * logits / (gpu.peak_tflops * 1e12 * eff.compute)
+        assert times["zero_bubble"] - times["1f1b"] == pytest.approx(extra, rel=1e-9, abs=1e-12), (lora_rank, chunk)
+
+
+def test_scaled_down_chunked_loss_stays_chunked():
+    """A chunk just under the rank's tokens would round up to the scaled case's tokens (the whole-logits path)."""
+    from qlm_core.parallel.cross_entropy import loss_is_chunked
+    from qlm_core.profile.probe import scale_down
+
+    case = build_case()
+    tokens = case.micro_batch_size * case.seq_len // case.parallel.cp
+    for chunk in (tokens - 1, 1, 0, tokens):
+        scaled = scale_down(case.replace(loss_chunk_tokens=chunk))
+        scaled_tokens = scaled.micro_batch_size * scaled.seq_len // scaled.parallel.cp
+        assert loss_is_chunked(scaled.loss_chunk_tokens, scaled_tokens) == loss_is_chunked(chunk, tokens), chunk

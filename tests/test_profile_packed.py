@@ -13,6 +13,8 @@ from qlm_core.profile.hardware import GPUS
 from qlm_core.profile.measure import SavedTensorMeter
 from qlm_core.profile.memory import estimate_memory
 from qlm_core.profile.timing import estimate_time
+
+from test_train_cli import RECIPE
 from qlm_core.train.flops import attended_keys_per_token, layer_flops_per_token
 
 from parallel_cases import SPEC
@@ -74,5 +76,10 @@ def test_mean_doc_len_option_and_its_errors(run_qlm):
     assert code == 0, err
     assert "documents of 8,192 tokens" in out
     code, out, err = run_qlm("profile", "--mean-doc-len", "-1")
-    assert code != 0 and "mean-doc-len must be >= 0" in (out + err)
+    assert code == 2 and "mean-doc-len must be >= 0" in (out + err)  # a QlmError: one line, exit code 2
     assert len((out + err).strip().splitlines()) == 1
+
+
+def test_negative_mean_doc_len_is_a_one_line_train_error(run_qlm):
+    code, _, err = run_qlm("train", RECIPE, "--set", "data.mean_doc_len=-5", "--dry-run")
+    assert code == 2 and "data.mean_doc_len must be >= 0, got -5" in err and err.strip().count("\n") == 0, err

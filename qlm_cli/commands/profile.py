@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from qlm_core.config import load_recipe
@@ -58,7 +59,7 @@ def _time_table(time) -> Table:
 
 def _print_profile(case, gpu, memory, time):
     p, heavy = case.parallel, memory.heaviest
-    console.print(f"[bold]{case.model_name}[/] on {case.num_gpus} x {gpu.name}: {case.describe()}, "
+    console.print(f"[bold]{escape(case.model_name)}[/] on {case.num_gpus} x {escape(gpu.name)}: {case.describe()}, "
                   f"seq {case.seq_len}, micro-batch {case.micro_batch_size}, global batch {case.global_batch_size} "
                   f"({case.num_microbatches} micro-batches per step), {case.dtype}", highlight=False)
     documents = (f"packed documents of {case.mean_doc_len:,} tokens on average" if case.mean_doc_len
@@ -76,7 +77,7 @@ def _print_profile(case, gpu, memory, time):
 def _print_probe(result):
     from qlm_core.profile.probe import CPU_STEP_OVERHEAD_NOTE, probe_rows
 
-    table = Table(title=f"probe on {result.device}: {result.case.model_name}, {result.case.describe()}, "
+    table = Table(title=f"probe on {result.device}: {escape(result.case.model_name)}, {result.case.describe()}, "
                         f"seq {result.case.seq_len}, stage {result.stage}", title_justify="left")
     for name in ("component", "predicted GiB", "measured GiB", "error"):
         table.add_column(name, justify="left" if name == "component" else "right")
@@ -145,8 +146,9 @@ def profile(
         "--loss-chunk-tokens", help="Tokens the loss projects at a time (train.loss_chunk_tokens; default: the "
                                     "recipe's, else 2048; 0: the whole logits at once).")] = None,
     mean_doc_len: Annotated[Optional[int], typer.Option(
-        "--mean-doc-len", help="Packed data: mean document length in tokens; attention FLOPs and time follow the "
-                               "documents (data.mean_doc_len; default: the recipe's, else one per sample).")] = None,
+        "--mean-doc-len", help="Packed data: token-weighted mean document length E[L^2]/E[L] in tokens (what "
+                               "attention work scales with); attention FLOPs and time follow the documents "
+                               "(data.mean_doc_len; default: the recipe's, else one per sample).")] = None,
     gpu: Annotated[str, typer.Option("--gpu", help=f"GPU preset: {', '.join(GPUS)}.")] = "a100-80g",
     num_gpus: Annotated[Optional[int], typer.Option("--num-gpus", help="Devices in all (default: tp*pp*cp*dp "
                                                                        "with --dp, else 32).")] = None,
@@ -237,4 +239,4 @@ def profile(
 
 def _saved(path: Path, quiet: bool):
     if not quiet:
-        console.print(f"plot: {path}", highlight=False)
+        console.print(f"plot: {escape(str(path))}", highlight=False)

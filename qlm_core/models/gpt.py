@@ -30,7 +30,7 @@ from ..parallel.context import (
     cp_token_indices,
     gather_sequence,
 )
-from ..parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, OutputLayer
+from ..parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, OutputLayer, loss_is_chunked
 from ..parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -275,6 +275,8 @@ class GPTModel(nn.Module):
     Megatron's per-stage files); `pre_process` adds the embedding, `post_process` the final norm and output layer.
     """
 
+    returns_hidden = False  # the last stage returns logits (StageModel: the final norm's output)
+
     def __init__(
         self,
         spec: ModelSpec,
@@ -286,11 +288,10 @@ class GPTModel(nn.Module):
         num_layers: int | None = None,
         padded_vocab: int | None = None,
         dtype: torch.dtype = torch.float32,
-        loss_chunk_tokens: int | None = None,
+        loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ):
         super().__init__()
         parallel = parallel or ParallelOptions()
-        loss_chunk_tokens = DEFAULT_CHUNK_TOKENS if loss_chunk_tokens is None else loss_chunk_tokens
         if loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens must be >= 0 (0: off), not {loss_chunk_tokens}")
         if parallel.recompute not in RECOMPUTE_MODES:
@@ -305,7 +306,6 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_offset = layer_offset
         self.loss_chunk_tokens = loss_chunk_tokens  # loss(): project and take the loss this many tokens at a time
-        self.returns_hidden = False  # the last stage returns logits (StageModel: the final norm's output)
         self.padded_vocab = padded_vocab or padded_vocab_size(spec.vocab_size, 128, group_size(tp_group))
         num_layers = spec.num_layers - layer_offset if num_layers is None else num_layers
         self.tied_in_stage = spec.tie_word_embeddings and pre_process
@@ -398,7 +398,7 @@ class GPTModel(nn.Module):
         per-token loss [b, s] (fp32), zero where the label is negative. When the rank's tokens exceed
         `loss_chunk_tokens` the projection and the cross entropy run chunk by chunk (never [s, b, V/tp] logits);
         otherwise through the whole logits, as token_loss."""
-        if 0 < self.loss_chunk_tokens < labels.numel():
+        if loss_is_chunked(self.loss_chunk_tokens, labels.numel()):
             return self.output_layer(hidden, self.output_weight(), labels=labels, chunk_tokens=self.loss_chunk_tokens)
         return self.token_loss(self.output_layer(hidden, self.output_weight()), labels)
 

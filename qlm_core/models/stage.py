@@ -17,9 +17,7 @@ from .gpt import GPTModel
 class StageModel(GPTModel):
     """Same parameters and state_dict as GPTModel (it adds no modules), pipeline-friendly forward."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.returns_hidden = True
+    returns_hidden = True  # the last stage returns the final norm's output; the schedule's loss_fn takes the loss
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor | None = None):
         out = super().forward(

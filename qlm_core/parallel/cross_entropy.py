@@ -5,9 +5,13 @@ Forward takes `chunk_tokens` tokens at a time: their logits x_c @ W^T (compute d
 padding columns at -inf, and the cross entropy of _VocabParallelCrossEntropy (max, target logit and sum of exp
 all-reduced over TP); it keeps only each token's fp32 log-sum-exp. Backward recomputes each chunk's logits and
 turns them into the gradient grad_loss · (exp(logits - lse) - onehot): dx_c = grad_c @ W, dW += grad_c^T @ x_c
-(accumulated in fp32). Saved for backward: x (its sequence shard under SP, like _SPGatherLinear), W, the
-log-sum-exp and the targets; besides them only one chunk's logits (compute dtype + fp32) exist at a time, and in
-backward a fp32 accumulator for dW.
+(accumulated in the weight's dtype with addmm_, as _SPGatherLinear does: each chunk's product would be rounded to
+that dtype anyway). Saved for backward: x (its sequence shard under SP, like _SPGatherLinear), W, the log-sum-exp
+and the targets; besides them only one chunk's logits (compute dtype + fp32) exist at a time, and in backward dW.
+
+Backward computes only the gradients the autograd engine will use (_engine_wants): under the zero-bubble schedule
+torch runs this backward twice, once for the stage input (dx only) and once for the weights (dW only), so each pass
+recomputes the logits but neither repeats the other's matmul.
 
 The TP collectives stay where ColumnParallelLinear has them: without SP the input passes copy_to_tp (its backward
 all-reduces dx); under SP the function gathers the sequence itself and reduce-scatters dx.
@@ -22,6 +26,28 @@ from .comm import all_gather_dim0, all_reduce, group_rank, reduce_scatter_dim0
 from .tensor import ColumnParallelLinear, copy_to_tp
 
 DEFAULT_CHUNK_TOKENS = 2048  # train.loss_chunk_tokens' default
+
+
+def loss_is_chunked(chunk_tokens: int, tokens: float) -> bool:
+    """Whether the loss head runs chunk by chunk (GPTModel.loss): a chunk is set (0: off) and the rank's tokens of
+    one micro-batch exceed it; otherwise it takes the whole logits."""
+    return 0 < chunk_tokens < tokens
+
+
+def _engine_wants(ctx, index: int) -> bool:
+    """Whether the running backward pass will use the gradient of forward input `index` (a tensor input of a
+    Function whose inputs that need gradients come first). torch._C._will_engine_execute_node answers for the node
+    that gradient flows into; it raises where it cannot tell (outside the engine, or for a leaf's AccumulateGrad
+    that autograd.grad captures, which then does want it), and then the gradient is computed."""
+    if not ctx.needs_input_grad[index]:
+        return False
+    node = ctx.next_functions[index][0]
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (RuntimeError, TypeError):
+        return True
 
 
 def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, padding_from: int | None) -> torch.Tensor:
@@ -73,14 +99,16 @@ class _ChunkedVocabParallelCrossEntropy(Function):
     def backward(ctx, grad_loss):
         hidden, weight, lse, target = ctx.saved_tensors
         group, chunk_tokens = ctx.group, ctx.chunk_tokens
-        want_input, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_input, want_weight = _engine_wants(ctx, 0), _engine_wants(ctx, 1)
+        if not (want_input or want_weight):
+            return None, None, None, None, None, None, None
         full = all_gather_dim0(hidden, group) if ctx.sequence_parallel else hidden
         x = full.reshape(-1, full.shape[-1])
         padding_from, local_target, here = _vocab_slice(target, weight.shape[0], group, ctx.vocab_size)
         scale = grad_loss.float().masked_fill(target < 0, 0.0)
         tokens = x.shape[0]
         grad_x = torch.empty_like(x) if want_input else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        grad_weight = None
         for first in range(0, tokens, chunk_tokens):
             rows = slice(first, first + chunk_tokens)
             grad = _chunk_logits(x[rows], weight, padding_from)
@@ -90,18 +118,18 @@ class _ChunkedVocabParallelCrossEntropy(Function):
             grad = grad.to(x.dtype)
             if want_input:
                 torch.mm(grad, weight, out=grad_x[rows])
-            if want_weight:
-                if grad_weight.dtype == grad.dtype:
-                    grad_weight.addmm_(grad.t(), x[rows])
+            if want_weight:  # in the weight's dtype: no fp32 [V/tp, h] accumulator beside it
+                if grad_weight is None:
+                    grad_weight = torch.mm(grad.t(), x[rows])
                 else:
-                    grad_weight.add_(torch.mm(grad.t(), x[rows]))
+                    grad_weight.addmm_(grad.t(), x[rows])
             del grad
+        if want_weight and grad_weight is None:  # no tokens
+            grad_weight = torch.zeros_like(weight)
         if want_input:
             grad_x = grad_x.view(full.shape)
             if ctx.sequence_parallel:
                 grad_x = reduce_scatter_dim0(grad_x, group)
-        if want_weight:
-            grad_weight = grad_weight.to(weight.dtype)
         return grad_x, grad_weight, None, None, None, None, None
 
 

@@ -30,14 +30,14 @@ e = bytes of the compute dtype, hq/hk/d/f = heads, query groups, head dim, FFN s
 Per forward of a stage chunk (shared by its layers): RoPE cos and sin, 2·e·d·T; the embedding keeps the token ids
 (8·T) and, with TP, its out-of-range mask (T). The loss region on the last stage (GPTModel.loss), with V/tp the
 padded vocabulary per TP rank:
-  whole logits      (T <= loss_chunk_tokens, or 0) the final norm as above, the output layer's input, and the
-                    vocab-parallel cross entropy's fp32 softmax 4·(V/tp)·T plus int64 targets and two masks (10·T);
+  whole logits      (T <= loss_chunk_tokens, or 0: cross_entropy.loss_is_chunked) the final norm as above, the
+                    output layer's input, and the vocab-parallel cross entropy's fp32 softmax 4·(V/tp)·T plus int64 targets and two masks (10·T);
                     while the loss runs the compute-dtype logits e·(V/tp)·T exist beside it (a transient, bf16 only)
   chunked           (T > loss_chunk_tokens = c) the final norm, the loss's input x e·h·T_sp (kept even with a frozen
                     output layer: backward recomputes the logits from it), the fp32 log-sum-exp 4·T and int64
                     targets 8·T (the per-token loss is returned, not saved); transient: one chunk's logits
-                    (e + 4)·(V/tp)·c (4·(V/tp)·c in fp32), in backward the fp32 dW accumulator and its cast
-                    (4 + e)·(V/tp)·h (bf16 with a trainable output layer), the full-sequence input gradient e·h·T
+                    (e + 4)·(V/tp)·c (4·(V/tp)·c in fp32), in backward dW accumulated in the weight's dtype
+                    e·(V/tp)·h (with a trainable output layer; no fp32 copy), the full-sequence input gradient e·h·T
                     and under SP the re-gathered input e·h·T
 Residual adds, RoPE's rotate-half and the TP/SP collectives save nothing. Packed documents and sliding windows
 change none of this: their attention runs piece by piece (kernels/piecewise.py) and saves exactly what the fused
@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..models.spec import ModelSpec
-from ..parallel.cross_entropy import DEFAULT_CHUNK_TOKENS
+from ..parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, loss_is_chunked
 
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 
@@ -83,7 +83,7 @@ class ActivationInputs:
     @property
     def chunked_loss(self) -> bool:
         """Whether GPTModel.loss runs chunk by chunk (it does when the rank's tokens exceed the chunk)."""
-        return 0 < self.loss_chunk_tokens < self.tokens
+        return loss_is_chunked(self.loss_chunk_tokens, self.tokens)
 
     @property
     def frozen(self) -> bool:
@@ -194,8 +194,8 @@ def logits_transient(x: ActivationInputs) -> float:
     chunk_logits = (4 if e == 4 else e + 4) * V * x.loss_chunk_tokens
     h, T = x.spec.hidden_size, x.tokens
     gathered = e * h * T if x.sp and x.tp > 1 else 0.0
-    weight_accumulator = (4 + e) * V * h if e != 4 and not x.frozen else 0.0  # and its cast to the weight's dtype
-    return chunk_logits + gathered + e * h * T + weight_accumulator
+    weight_gradient = 0.0 if x.frozen else e * V * h  # dW, accumulated in the weight's dtype (addmm_)
+    return chunk_logits + gathered + e * h * T + weight_gradient
 
 
 def cp_buffers(x: ActivationInputs) -> float:

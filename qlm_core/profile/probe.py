@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import QlmError
+from ..parallel.cross_entropy import loss_is_chunked
 from .case import ProfileCase, case_to_dict, validate_case
 from .hardware import GpuSpec
 from .memory import GIB, Allowance, estimate_memory
@@ -98,8 +99,9 @@ def scale_down(case: ProfileCase, max_ranks: int = 16, target_seq: int = 128) ->
     parallel = replace(p, dp=None, num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
                        recompute_num_layers=None if p.recompute_num_layers is None else min(p.recompute_num_layers, 2))
     tokens, chunk = case.micro_batch_size * case.seq_len // p.cp, case.loss_chunk_tokens
-    if 0 < chunk < tokens:  # a chunked loss stays chunked, in as many chunks as far as the tokens allow
-        chunk = max(1, round(chunk * (case.micro_batch_size * seq // p.cp) / tokens))
+    if loss_is_chunked(chunk, tokens):  # a chunked loss stays chunked, in as many chunks as far as the tokens allow
+        scaled_tokens = case.micro_batch_size * seq // p.cp
+        chunk = max(1, min(round(chunk * scaled_tokens / tokens), scaled_tokens - 1))
     scaled = case.replace(spec=spec, model_name=f"{case.model_name} (scaled down)", parallel=parallel, seq_len=seq,
                           global_batch_size=case.micro_batch_size * dp * m, num_gpus=model_ranks * dp,
                           loss_chunk_tokens=chunk)

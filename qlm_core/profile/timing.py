@@ -6,7 +6,9 @@ Per micro-batch on the slowest pipeline stage (T = mbs·seq/cp tokens per rank, 
               its document, `mean_doc_len` for packed data, and the sliding window; train/flops.py's count) and,
               on the last stage, the logits; forward + backward = 3 x forward, split over tp·cp ranks; recompute
               adds one forward of the recomputed layers (full) or of core attention (selective), and of the logits
-              when the loss runs in chunks (its backward recomputes them); divided by peak x efficiency.
+              when the loss runs in chunks (its backward recomputes them; twice under the zero-bubble schedule,
+              whose input- and weight-gradient passes each recompute them, computing only dx, then only dW);
+              divided by peak x efficiency.
   tp_comm     per layer, never overlapped (qlm's TP collectives are synchronous): with SP 4 collectives forward
               (2 all-gathers, 2 reduce-scatters) and 6 backward (the transposes plus the re-gather of the saved
               sequence shard), each moving (tp-1)/tp · e·h·T bytes per rank; without SP 2 + 2 all-reduces of twice
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..parallel.cross_entropy import loss_is_chunked
 from ..train.flops import flops_per_sequence, layer_flops_per_token, logits_flops_per_token
 from .case import ProfileCase
 from .hardware import GpuSpec
@@ -112,8 +115,10 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency, stage: in
         extra = tokens * layers * attention / split
     if stage == p.pp - 1:
         forward += tokens * logits_flops_per_token(s) / split
-        if 0 < case.loss_chunk_tokens < case.micro_batch_size * case.seq_len / p.cp:
-            extra += tokens * logits_flops_per_token(s) / split  # the chunked loss recomputes each chunk's logits
+        if loss_is_chunked(case.loss_chunk_tokens, T):  # the chunked loss recomputes each chunk's logits,
+            # once per backward pass that runs it: twice when zero-bubble splits dx from dW (a trainable output layer)
+            passes = 2 if p.pp_schedule == "zero_bubble" and not case.lora_rank else 1
+            extra += passes * tokens * logits_flops_per_token(s) / split
     backward = 1 if case.lora_rank else 2  # a frozen base computes input gradients only
     times = {"compute": (1 + backward) * forward / rate, "recompute": extra / rate, "tp_comm": 0.0, "cp_comm": 0.0, "pp_p2p": 0.0}
     if p.tp > 1:

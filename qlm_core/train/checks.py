@@ -22,6 +22,10 @@ def check_recipe(recipe: Recipe):
     if recipe.train.loss_chunk_tokens < 0:
         raise QlmError(f"train.loss_chunk_tokens must be >= 0, got {recipe.train.loss_chunk_tokens}",
                        "set it to a token count (e.g. 2048) or 0 to compute the loss over all logits at once")
+    if recipe.data.mean_doc_len < 0:
+        raise QlmError(f"data.mean_doc_len must be >= 0, got {recipe.data.mean_doc_len}",
+                       "set it to the packed documents' token-weighted mean length E[L^2]/E[L], or 0 for one "
+                       "document per sequence")
     if recipe.data.format not in ("auto", *SFT_FORMATS):
         raise QlmError(f"data.format {recipe.data.format!r} is not one of auto, {', '.join(SFT_FORMATS)}",
                        "set data.format to one of them")

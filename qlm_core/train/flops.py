@@ -10,9 +10,11 @@ from ..models.spec import ModelSpec
 
 
 def attended_keys_per_token(seq_length: int, mean_doc_len: int = 0, window: int | None = None) -> float:
-    """Mean number of keys a token's causal attention reads: documents of `mean_doc_len` tokens packed into the
-    sequence (0: one document per sequence), each key at most `window` back. A document of m tokens costs m^2/2
-    score pairs, m*w - w^2/2 with a window w < m; attention confined to documents is sum(len^2), not s^2."""
+    """Mean number of keys a token's causal attention reads: documents packed into the sequence (0: one document
+    per sequence), each key at most `window` back. A document of m tokens costs m^2/2 score pairs, m*w - w^2/2 with
+    a window w < m; attention confined to documents is sum(L^2)/2, not s^2/2. `mean_doc_len` is the token-weighted
+    mean document length E[L^2]/E[L] (a token's document, not a document, on average), which makes sum(L^2)/2
+    over sum(L) tokens exactly mean_doc_len/2 keys per token without a window (with one, an approximation)."""
     m = min(mean_doc_len or seq_length, seq_length)
     if window is None or window >= m:
         return m / 2

@@ -1,11 +1,11 @@
 """torchrun worker for tests/test_chunked_loss.py (4 gloo ranks, one launch): the chunked loss head against the whole
-logits under tensor, sequence, pipeline and data parallelism.
+logits under tensor, sequence, pipeline, context and data parallelism.
 
   head/<case>.rank<R>.json    one loss head (GPTModel.loss) on a leaf input, chunked and not, same weights:
                               the losses and this rank's input and output-weight gradients, as relative errors
   engine/<case>.rank<R>.json  the Engine with train.loss_chunk_tokens off and on, same seed and batch: every step's
-                              loss, the relative error of each of this rank's first-step reduced gradients, and
-                              how often the chunked loss ran
+                              loss, the relative error of each of this rank's first-step reduced gradients, how
+                              often the chunked loss ran, and how often its backward ran and computed dx and dW
 
     torchrun --nproc-per-node 4 tests/peers/chunked_loss_worker.py OUTDIR
 """
@@ -44,6 +44,9 @@ ENGINE_CASES = {
     "pp2_zero_bubble": (2, dict(pp=2, pp_schedule="zero_bubble"), SPEC, 2),
     "pp2_tied": (2, dict(pp=2), TIED, 2),
     "tp2_pp2_sp": (4, dict(tp=2, pp=2, sp=True), SPEC, 2),
+    "cp2_p2p": (2, dict(cp=2, cp_comm_type="p2p"), SPEC, 2),
+    "cp2_a2a": (2, dict(cp=2, cp_comm_type="a2a"), SPEC, 2),
+    "tp2_cp2_sp": (4, dict(tp=2, cp=2, sp=True), SPEC, 2),
     "dp2_zero1_overlap": (2, dict(zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True), SPEC, 2),
     "dp2_zero3": (2, dict(zero_stage=3), SPEC, 2),
 }
@@ -95,13 +98,32 @@ def counting_chunked_calls(calls: list):
     return original
 
 
+def counting_backward_passes(passes: list):
+    """Record, for each run of the chunked loss's backward, whether it returned dx and dW (restore with the
+    returned function; autograd looks the backward up on the Function class at each call)."""
+    function = cross_entropy._ChunkedVocabParallelCrossEntropy
+    original = function.backward
+
+    def counted(ctx, grad_loss):
+        grads = original(ctx, grad_loss)
+        passes.append((grads[0] is not None, grads[1] is not None))
+        return grads
+
+    function.backward = staticmethod(counted)
+    return original
+
+
 def run_engine(grid: Grid, parallel: dict, spec, mbs: int, chunk: int):
-    calls = []
+    calls, passes = [], []
     original = counting_chunked_calls(calls)
+    original_backward = counting_backward_passes(passes)
     try:
-        return (*train(grid, parallel, spec, mbs, chunk), len(calls))
+        losses, grads = train(grid, parallel, spec, mbs, chunk)
     finally:
         cross_entropy.chunked_vocab_parallel_cross_entropy = original
+        cross_entropy._ChunkedVocabParallelCrossEntropy.backward = staticmethod(original_backward)
+    backward = {"passes": len(passes), "dx": sum(dx for dx, _ in passes), "dw": sum(dw for _, dw in passes)}
+    return losses, grads, len(calls), backward
 
 
 def train(grid: Grid, parallel: dict, spec, mbs: int, chunk: int):
@@ -127,16 +149,16 @@ def train(grid: Grid, parallel: dict, spec, mbs: int, chunk: int):
 def engine_case(name: str, out: Path):
     world, parallel, spec, mbs = ENGINE_CASES[name]
     config = ParallelConfig(**parallel)
-    grid = Grid.build(resolve_sizes(world, tp=config.tp, pp=config.pp), ranks=list(range(world)))
+    grid = Grid.build(resolve_sizes(world, tp=config.tp, pp=config.pp, cp=config.cp), ranks=list(range(world)))
     if grid is None:
         return
-    whole_losses, whole_grads, whole_calls = run_engine(grid, parallel, spec, mbs, 0)
-    chunked_losses, chunked_grads, chunked_calls = run_engine(grid, parallel, spec, mbs, CHUNK)
+    whole_losses, whole_grads, whole_calls, _ = run_engine(grid, parallel, spec, mbs, 0)
+    chunked_losses, chunked_grads, chunked_calls, backward = run_engine(grid, parallel, spec, mbs, CHUNK)
     errors = {key: relative(chunked_grads[key], whole_grads[key]) for key in whole_grads}
     (out / "engine").mkdir(exist_ok=True)
     (out / "engine" / f"{name}.rank{grid.rank}.json").write_text(json.dumps(
         {"whole": whole_losses, "chunked": chunked_losses, "grad_errors": errors, "last_stage": grid.is_last_stage,
-         "chunked_calls": {"whole": whole_calls, "chunked": chunked_calls}}))
+         "chunked_calls": {"whole": whole_calls, "chunked": chunked_calls}, "chunked_backward": backward}))
 
 
 def main():
