@@ -1,5 +1,5 @@
 """Context parallelism: layout helpers in-process, and p2p / allgather / a2a attention against full attention on 4
-gloo ranks (one torchrun launch for the whole module, see DESIGN §7)."""
+gloo ranks (one torchrun launch for the whole module, see docs/ARCHITECTURE.md §7)."""
 
 from __future__ import annotations
 

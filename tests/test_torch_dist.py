@@ -42,7 +42,7 @@ def test_hf_torch_dist_hf_is_bit_exact(hf_models, tmp_path, kind, layout):
 
 
 def test_written_layout_is_megatron_cores(hf_models, tmp_path):
-    """The facts DESIGN §5 lists and a real megatron-core 0.16 save showed (same keys, shapes and chunks)."""
+    """The facts docs/ARCHITECTURE.md §5 lists and a real megatron-core 0.16 save showed (same keys, shapes and chunks)."""
     hf_to_mcore(hf_models["qwen2"], tmp_path / "d", tp=2, pp=2, format="torch_dist")
     it = tmp_path / "d/release"
     assert (tmp_path / "d/latest_checkpointed_iteration.txt").read_text() == "release"

@@ -1,7 +1,7 @@
 """The one decoder definition used by every verb (train, eval, convert --verify, profile --probe).
 
-Parameter names and layouts are Megatron-Core's local spec exactly (DESIGN.md §4), and a model built for TP rank r
-and pipeline stage p holds exactly Megatron's shard for (r, p). So a legacy Megatron checkpoint shard IS this
+Parameter names and layouts are Megatron-Core's local spec exactly (docs/ARCHITECTURE.md §4), and a model built for
+TP rank r and pipeline stage p holds exactly Megatron's shard for (r, p). So a legacy Megatron checkpoint shard IS this
 module's state_dict, and no verb ever translates names.
 
 Activations are [seq, batch, hidden] as in Megatron; under sequence parallelism the seq dim is this rank's shard.

@@ -98,7 +98,7 @@ def init_distributed(timeout_s: float = 1800.0) -> tuple[int, int]:
 
 
 def destroy_distributed():
-    """Without the barrier about 1 run in 12 aborts at exit on gloo (DESIGN §2)."""
+    """Without the barrier about 1 run in 12 aborts at exit on gloo (docs/ARCHITECTURE.md §2)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -3,7 +3,8 @@ of the launch (not the one they were written at), compares logits with transform
 own dist_checkpointing.save so the test can read Megatron's files back with qlm.
 
 Run as: torchrun --nproc-per-node TP*PP megatron_dist_worker.py CASES.json
-Each case: {"ckpt", "ids", "expected", "result", "resave", "tp", "pp"}. CPU monkeypatches as in DESIGN.md §7.
+Each case: {"ckpt", "ids", "expected", "result", "resave", "tp", "pp"}. CPU monkeypatches as in
+docs/ARCHITECTURE.md §7.
 """
 
 import argparse

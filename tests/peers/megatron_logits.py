@@ -2,7 +2,7 @@
 logits with transformers' (saved by the test). Run as: torchrun --nproc-per-node N megatron_logits.py CASES.json
 
 Each case: {"ckpt": dir, "ids": file, "expected": file, "result": file}. Megatron runs on CPU with the small
-monkeypatches DESIGN.md §7 lists.
+monkeypatches docs/ARCHITECTURE.md §7 lists.
 """
 
 import json
