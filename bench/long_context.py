@@ -195,7 +195,9 @@ def main():
                                         time_ratio=time_ratio))
         print("  target at vocab 152064: peak ratio <= 0.25")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(summary, indent=1))
+    partial = args.json.with_name(args.json.name + ".tmp")
+    partial.write_text(json.dumps(summary, indent=1))
+    partial.replace(args.json)  # never a half-written result
     print(f"\nwrote {args.json}")
 
 

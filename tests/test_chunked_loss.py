@@ -29,7 +29,7 @@ from parallel_cases import SPEC
 from test_train_cli import RECIPE, losses, qlm_train
 
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
-from chunked_loss_worker import ENGINE_CASES, HEAD_CASES, STEPS  # noqa: E402
+from chunked_loss_worker import ENGINE_CASES, HEAD_CASES, STEPS, counting_backward_passes  # noqa: E402
 from parallel_cases import GLOBAL_BATCH  # noqa: E402
 
 TOL = 1e-6  # relative (L2) error allowed in fp32
@@ -86,15 +86,7 @@ def test_function_equals_whole_logits_cross_entropy():
 def _counting_backward(monkeypatch) -> list[tuple[bool, bool]]:
     """(dx computed, dW computed) of each run of the chunked loss's backward."""
     passes = []
-    function = cross_entropy._ChunkedVocabParallelCrossEntropy
-    original = function.backward
-
-    def counted(ctx, grad_loss):
-        grads = original(ctx, grad_loss)
-        passes.append((grads[0] is not None, grads[1] is not None))
-        return grads
-
-    monkeypatch.setattr(function, "backward", staticmethod(counted))
+    counting_backward_passes(passes, monkeypatch.setattr)
     return passes
 
 

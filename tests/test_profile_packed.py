@@ -11,7 +11,6 @@ from qlm_core.profile.activations import ActivationInputs, forward_terms, layer_
 from qlm_core.profile.case import build_case
 from qlm_core.profile.hardware import GPUS
 from qlm_core.profile.measure import SavedTensorMeter
-from qlm_core.profile.memory import estimate_memory
 from qlm_core.profile.timing import estimate_time
 
 from test_train_cli import RECIPE
@@ -61,14 +60,14 @@ def test_attended_keys_follow_documents_and_window():
     assert attention == pytest.approx(2 * 2 * (8 - 64 / 2048) * spec.num_attention_heads * spec.kv_channels)
 
 
-def test_packed_data_costs_less_attention_time_and_the_same_memory():
+def test_packed_data_costs_less_attention_time():
+    """mean_doc_len reaches the time model (the memory of packed rows is the measured test above)."""
     gpu = GPUS["a100-80g"]
     one = build_case(tp=4, cp=4)
     packed = build_case(tp=4, cp=4, mean_doc_len=8192)
     t_one, t_packed = estimate_time(one, gpu), estimate_time(packed, gpu)
     assert t_packed.components["compute"] < 0.8 * t_one.components["compute"]
     assert t_packed.model_flops_per_sample < t_one.model_flops_per_sample
-    assert estimate_memory(packed, gpu.memory_gib).total_gib == estimate_memory(one, gpu.memory_gib).total_gib
 
 
 def test_mean_doc_len_option_and_its_errors(run_qlm):

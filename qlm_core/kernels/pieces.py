@@ -146,13 +146,6 @@ class Documents:
         rows = row_runs(segment_ids)
         return cls(tuple(tuple((start, end) for start, end, _ in row) for row in rows), segment_ids.shape[1])
 
-    def cu_seqlens(self) -> list[int]:
-        """Cumulative document lengths over the flattened rows (Megatron's THD layout, flash-attn's varlen)."""
-        bounds = [0]
-        for index, row in enumerate(self.rows):
-            bounds += [index * self.seq_len + end for _, end in row]
-        return bounds
-
 
 def self_attention_pieces(docs: Documents | None, seq_len: int, window: int | None) -> list[Piece]:
     """Queries and keys are the same whole rows (one process, or Ulysses after its all-to-all)."""

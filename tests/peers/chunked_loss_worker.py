@@ -98,9 +98,10 @@ def counting_chunked_calls(calls: list):
     return original
 
 
-def counting_backward_passes(passes: list):
-    """Record, for each run of the chunked loss's backward, whether it returned dx and dW (restore with the
-    returned function; autograd looks the backward up on the Function class at each call)."""
+def counting_backward_passes(passes: list, assign=setattr):
+    """Record, for each run of the chunked loss's backward, whether it returned dx and dW (autograd looks the
+    backward up on the Function class at each call). `assign` installs the counter: setattr (restore with the
+    returned function) or pytest's monkeypatch.setattr."""
     function = cross_entropy._ChunkedVocabParallelCrossEntropy
     original = function.backward
 
@@ -109,7 +110,7 @@ def counting_backward_passes(passes: list):
         passes.append((grads[0] is not None, grads[1] is not None))
         return grads
 
-    function.backward = staticmethod(counted)
+    assign(function, "backward", staticmethod(counted))
     return original
 
 
