@@ -348,7 +348,6 @@ class GPTModel(nn.Module):
         hidden_states: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
-        local_logits: bool = False,
         cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -359,9 +358,10 @@ class GPTModel(nn.Module):
         global indices; packed sequences restart them per document) and `segment_ids` [b, s] the document of each
         token in a packed sequence (attention stays within a document).
 
-        Returns hidden states [s, b, h] when this is not the last stage; else the per-token loss [b, s] if
-        `labels` are given (label -100 = ignored, loss 0); else, with `local_logits`, this TP rank's vocabulary
-        slice of the logits [s, b, V_padded/tp]; else logits [b, s, vocab_size] gathered over TP, padding removed.
+        Returns hidden states [s, b, h] when this is not the last stage (and on the last stage of a StageModel,
+        `returns_hidden`, whose schedule takes the loss with GPTModel.loss); else the per-token loss [b, s] if
+        `labels` are given (label -100 = ignored, loss 0); else logits [b, s, vocab_size] gathered over TP, padding
+        removed.
 
         Incremental decoding: pass a `cache` (KVCache.empty(num_layers)) that this call extends, the new tokens'
         position_ids, and for padded batches `attention_mask` [b, cached + new] (True = a real token).
@@ -389,8 +389,6 @@ class GPTModel(nn.Module):
         if self.returns_hidden:
             return x
         logits = self.output_layer(x, self.output_weight())
-        if local_logits:
-            return logits
         return gather_last_dim(logits, self.tp_group)[..., : self.spec.vocab_size].transpose(0, 1)
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
