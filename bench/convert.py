@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.checkpoint.hf import plan_hf_shards, shard_file_names, write_hf_index, write_hf_shard
-from qlm_core.checkpoint.layout import ModelLayout
-from qlm_core.checkpoint.torch_dist import dist_key
+from qlm_core.checkpoint.formats.hf import plan_hf_shards, shard_file_names, write_hf_index, write_hf_shard
+from qlm_core.checkpoint.formats.torch_dist import dist_key
 from qlm_core.models import load_model_spec
+from qlm_core.models.layout import ModelLayout
 
 CHUNK = 64 << 20
 
@@ -81,7 +81,7 @@ def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 
         "from pathlib import Path\n"
         "sys.path.insert(0, %r)\n"
         "import convert as bench\n"
-        "from qlm_core.checkpoint.convert import hf_to_mcore\n"
+        "from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore\n"
         "src, dst = Path(%r), Path(%r)\n"
         "shutil.rmtree(dst, ignore_errors=True)\n"
         "idle = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"

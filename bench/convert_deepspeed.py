@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.checkpoint.deepspeed_config import copy_hf_side_files
-from qlm_core.checkpoint.deepspeed_write import write_deepspeed
-from qlm_core.checkpoint.hf import HFCheckpoint, plan_hf_shards
-from qlm_core.checkpoint.layout import HFTensorSource, ModelLayout
+from qlm_core.checkpoint.formats.deepspeed_config import copy_hf_side_files
+from qlm_core.checkpoint.formats.deepspeed_write import write_deepspeed
+from qlm_core.checkpoint.formats.hf import HFCheckpoint, plan_hf_shards
 from qlm_core.models import load_model_spec
+from qlm_core.models.layout import HFTensorSource, ModelLayout
 
 CHUNK = 64 << 20
 TAG = "global_step1"
@@ -32,7 +32,7 @@ import json, resource, shutil, sys, threading, time
 from pathlib import Path
 sys.path.insert(0, {bench!r})
 import convert_deepspeed as bench
-from qlm_core.checkpoint.convert_deepspeed import ds_to_hf
+from qlm_core.checkpoint.convert.deepspeed import ds_to_hf
 src, dst = Path({src!r}), Path({dst!r})
 shutil.rmtree(dst, ignore_errors=True)
 peak_anon, done = [0], [False]

@@ -55,7 +55,7 @@ def attention_worker(args) -> dict:
 
     from qlm_core.models.gpt import GPTModel, ParallelOptions
     from qlm_core.models.presets import PRESETS
-    from qlm_core.parallel.context import split_for_cp
+    from qlm_core.parallel.context_parallel import split_for_cp
 
     torch.manual_seed(0)
     spec = dataclasses.replace(PRESETS["qlm-tiny"], max_position_embeddings=args.seq)

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from qlm_core.checkpoint.layout import ModelLayout, assemble_hf_tensor
-from qlm_core.checkpoint.init import RandomInitSource
+from qlm_core.checkpoint.sources.random_init import RandomInitSource
 from qlm_core.config import OptimConfig, ParallelConfig
+from qlm_core.models.layout import ModelLayout, assemble_hf_tensor
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.state import Grid
 from qlm_core.train.engine import Batch, Engine

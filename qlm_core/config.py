@@ -12,7 +12,7 @@ from typing import Any
 
 import tomllib
 
-from .errors import QlmError
+from qlm_core.errors import QlmError
 
 
 @dataclass

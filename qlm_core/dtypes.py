@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import QlmError
+from qlm_core.errors import QlmError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -37,7 +37,7 @@ MODEL_KINDS = {
 
 def make_tokenizer(path: Path, vocab_size: int = 280):
     """A small byte-level BPE trained on a few sentences, saved as an HF fast tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -80,9 +80,9 @@ def launch_torchrun(worker: Path, nproc: int, *args, timeout: float = 600,
 
 
 def run_peer_jobs(worker_name: str, nproc: int, out: Path, timeout: float = 600) -> tuple[Path, int, str]:
-    """Launch tests/peers/WORKER_NAME (a harness.run_jobs worker) into `out`: (out, exit code, the tracebacks the
+    """Launch tests/workers/WORKER_NAME (a harness.run_jobs worker) into `out`: (out, exit code, the tracebacks the
     failing jobs left, else the tail of stderr)."""
-    proc = launch_torchrun(Path(__file__).parent / "peers" / worker_name, nproc, out, timeout=timeout)
+    proc = launch_torchrun(Path(__file__).parent / "workers" / worker_name, nproc, out, timeout=timeout)
     errors = "\n".join(p.read_text() for p in out.glob("*.error"))
     return out, proc.returncode, errors or proc.stderr[-3000:]
 

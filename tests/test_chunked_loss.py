@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_peer_jobs
+from parallel_cases import SPEC
+from test_train_cli import RECIPE, losses, qlm_train
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qlm_core.config import LoraConfig, Recipe, TrainConfig, load_recipe, recipe_to_toml
@@ -24,11 +27,7 @@ from qlm_core.parallel.tensor import vocab_parallel_cross_entropy
 from qlm_core.train.checks import check_recipe
 from qlm_core.train.lora import apply_lora
 
-from conftest import run_peer_jobs
-from parallel_cases import SPEC
-from test_train_cli import RECIPE, losses, qlm_train
-
-sys.path.insert(0, str(Path(__file__).parent / "peers"))
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from chunked_loss_worker import ENGINE_CASES, HEAD_CASES, STEPS, counting_backward_passes  # noqa: E402
 from parallel_cases import GLOBAL_BATCH  # noqa: E402
 

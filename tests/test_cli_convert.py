@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from qlm_core.checkpoint.convert import hf_to_mcore
+from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore
 
 OPTIONS = {
     "hf2mcore": ["--hf", "--out", "--tp", "--pp", "--vpp", "--num-layers-in-first-pipeline-stage",

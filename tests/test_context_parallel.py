@@ -12,10 +12,15 @@ import torch
 from conftest import launch_torchrun
 
 from qlm_core.kernels.pieces import Documents
-from qlm_core.parallel.context import context_parallel_attention, cp_token_indices, gather_from_cp, split_for_cp
+from qlm_core.parallel.context_parallel import (
+    context_parallel_attention,
+    cp_token_indices,
+    gather_from_cp,
+    split_for_cp,
+)
 
 TOL = 1e-5
-WORKER = Path(__file__).parent / "peers" / "cp_worker.py"
+WORKER = Path(__file__).parent / "workers" / "cp_worker.py"
 CHECKS = [
     f"cp{cp}-{comm}-hq{hq}-hk{hk}-{kind}"
     for cp, comm, (hq, hk), kind in itertools.product(

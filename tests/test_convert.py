@@ -6,12 +6,11 @@ import json
 import pytest
 import torch
 import transformers
-
-from qlm_core.checkpoint.convert import hf_to_mcore, mcore_to_hf, mcore_to_mcore
-from qlm_core.checkpoint.mcore import MegatronTorchCheckpoint
-from qlm_core.checkpoint.safe_load import safe_torch_load
-
 from conftest import load_safetensors_dir, make_hf_model
+
+from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf, mcore_to_mcore
+from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
+from qlm_core.checkpoint.io.safe_load import safe_torch_load
 
 LAYOUTS = {
     "tp2_pp2": dict(tp=2, pp=2),

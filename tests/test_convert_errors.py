@@ -4,10 +4,9 @@ import json
 import shutil
 
 import pytest
-
-from qlm_core.checkpoint import convert as convert_module
-
 from conftest import make_hf_model
+
+from qlm_core.checkpoint.convert import hf_megatron as convert_module
 
 
 @pytest.fixture(scope="module")

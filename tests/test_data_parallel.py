@@ -1,6 +1,6 @@
 """Data parallelism (GradientBuffers) and the distributed optimizer (ZeRO 0/1/2) against one-process references.
 
-One torchrun launch (4 gloo ranks, tests/peers/dp_worker.py) runs every distributed check and writes per-rank
+One torchrun launch (4 gloo ranks, tests/workers/dp_worker.py) runs every distributed check and writes per-rank
 JSON; the single-process tests below cover the bucket layout and the error paths."""
 
 import json
@@ -11,7 +11,7 @@ import torch
 from conftest import launch_torchrun
 from torch import nn
 
-from qlm_core.parallel.data import GradientBuffers, plan_buckets
+from qlm_core.parallel.grad_buffers import GradientBuffers, plan_buckets
 from qlm_core.parallel.optimizer import DistributedOptimizer
 
 WORLD = 4
@@ -21,7 +21,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dp")
-    worker = Path(__file__).parent / "peers" / "dp_worker.py"
+    worker = Path(__file__).parent / "workers" / "dp_worker.py"
     proc = launch_torchrun(worker, WORLD, out, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]

@@ -105,9 +105,9 @@ def test_cli_preprocess_is_read_by_megatron_core(run_qlm, tmp_path):
     import pytest
 
     pytest.importorskip("megatron.core")
+    from conftest import make_tokenizer
     from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexed
 
-    from conftest import make_tokenizer
     from qlm_core.data.tokenizer import load_tokenizer
 
     make_tokenizer(tmp_path / "tok")

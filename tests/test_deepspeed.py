@@ -11,13 +11,13 @@ import pytest
 import torch
 import transformers
 from conftest import launch_torchrun, load_safetensors_dir, make_hf_model
-
-from qlm_core.checkpoint.convert import hf_to_mcore, mcore_to_hf
-from qlm_core.checkpoint.convert_deepspeed import ds_to_hf, ds_to_mcore, hf_to_ds, mcore_to_ds
-from qlm_core.checkpoint.deepspeed import DeepSpeedCheckpoint
-from qlm_core.checkpoint.safe_load import safe_torch_load
 from test_convert import assert_same_hf
 from test_convert_errors import assert_clean_failure
+
+from qlm_core.checkpoint.convert.deepspeed import ds_to_hf, ds_to_mcore, hf_to_ds, mcore_to_ds
+from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf
+from qlm_core.checkpoint.formats.deepspeed import DeepSpeedCheckpoint
+from qlm_core.checkpoint.io.safe_load import safe_torch_load
 
 WORLD = 3
 TRAIN = {f"zero{stage}_{precision}": (stage, precision == "bf16") for stage in (0, 1, 2, 3)

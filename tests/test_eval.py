@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install '.[eval]')")
 
-from qlm_core.checkpoint.convert import hf_to_mcore  # noqa: E402
+from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore  # noqa: E402
 from qlm_core.eval.runner import EvalConfig, result_rows, run_eval  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def test_cli_writes_lm_eval_results_and_errors_offline(run_qlm, hf_model, tmp_pa
 
 
 def test_deepspeed_checkpoint_evaluates_like_its_hf_source(hf_model, tmp_path):
-    from qlm_core.checkpoint.convert_deepspeed import hf_to_ds
+    from qlm_core.checkpoint.convert.deepspeed import hf_to_ds
 
     hf_to_ds(hf_model, tmp_path / "ds", verify=False)
     assert_same(evaluate(tmp_path / "ds", "qlm", tmp_path, limit=6), evaluate(hf_model, "qlm", tmp_path, limit=6),

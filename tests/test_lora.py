@@ -11,10 +11,24 @@ import torch
 from conftest import run_peer_jobs
 from parallel_cases import GLOBAL_BATCH, SEQ, SPEC, make_batch
 
-from qlm_core.checkpoint.convert import hf_to_mcore
-from qlm_core.checkpoint.hf import HFCheckpoint
-from qlm_core.checkpoint.init import RandomInitSource
-from qlm_core.checkpoint.layout import (
+from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore
+from qlm_core.checkpoint.formats.hf import HFCheckpoint
+from qlm_core.checkpoint.formats.lora_args import all_lora_tensors, lora_args
+from qlm_core.checkpoint.formats.megatron_args import make_args
+from qlm_core.checkpoint.formats.megatron_legacy import (
+    SHARD_FILE,
+    MegatronTorchCheckpoint,
+    iteration_dir_name,
+    shard_dir_name,
+    write_latest,
+    write_shard_file,
+)
+from qlm_core.checkpoint.formats.peft import export_peft
+from qlm_core.checkpoint.sources.lora import GlobalTensorSource, build_lora_shard, merged_source
+from qlm_core.checkpoint.sources.random_init import RandomInitSource
+from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig
+from qlm_core.models.gpt import GPTModel
+from qlm_core.models.layout import (
     COLS,
     FC1,
     REPLICATED,
@@ -24,30 +38,11 @@ from qlm_core.checkpoint.layout import (
     build_shard,
     read_range,
 )
-from qlm_core.checkpoint.lora import (
-    GlobalTensorSource,
-    all_lora_tensors,
-    build_lora_shard,
-    lora_args,
-    merged_source,
-)
-from qlm_core.checkpoint.mcore import (
-    SHARD_FILE,
-    MegatronTorchCheckpoint,
-    iteration_dir_name,
-    shard_dir_name,
-    write_latest,
-    write_shard_file,
-)
-from qlm_core.checkpoint.megatron_args import make_args
-from qlm_core.checkpoint.peft import export_peft
-from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig
-from qlm_core.models.gpt import GPTModel
 from qlm_core.parallel.state import Grid
 from qlm_core.train.engine import Batch, Engine
 from qlm_core.train.lora import apply_lora, load_lora_state, lora_state_dict
 
-sys.path.insert(0, str(Path(__file__).parent / "peers"))
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from lora_worker import CASES, LORA, OPTIM, SAVED_CASE, STEPS, WORLD, logits_ids  # noqa: E402
 
 ALL_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
@@ -251,8 +246,8 @@ def test_mcore2hf_writes_lora_run_merged(base_format, hf_models, tmp_path, run_q
 
 
 def test_mcore2hf_of_adapters_without_a_base_says_what_is_missing(tmp_path):
-    from qlm_core.checkpoint.convert import mcore_to_hf
-    from qlm_core.checkpoint.lora import LoraInitSource
+    from qlm_core.checkpoint.convert.hf_megatron import mcore_to_hf
+    from qlm_core.checkpoint.sources.lora import LoraInitSource
     from qlm_core.errors import QlmError
 
     layout = ModelLayout(SPEC, tp=2)

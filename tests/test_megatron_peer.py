@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
-from qlm_core.checkpoint.convert import hf_to_mcore
-
 from conftest import LLAMA3_ROPE, launch_torchrun, make_hf_model
+
+from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install '.[test]')")
 pytestmark = pytest.mark.peer

@@ -4,12 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-
-from qlm_core.checkpoint.hf import HFCheckpoint
-from qlm_core.checkpoint.layout import HFTensorSource, ModelLayout, build_shard
-from qlm_core.models.gpt import GPTModel, KVCache
-
 from conftest import MODEL_KINDS
+
+from qlm_core.checkpoint.formats.hf import HFCheckpoint
+from qlm_core.models.gpt import GPTModel, KVCache
+from qlm_core.models.layout import HFTensorSource, ModelLayout, build_shard
 
 
 def qlm_from_hf(path):

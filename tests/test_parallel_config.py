@@ -1,14 +1,13 @@
 """The grid's rank arithmetic and the layout checks that run before any process group exists."""
 
 import pytest
-
-from qlm_core.checkpoint.layout import ModelLayout
-from qlm_core.errors import QlmError
-from qlm_core.parallel.state import ParallelSizes, resolve_sizes
-from qlm_core.config import ParallelConfig
-from qlm_core.train.engine import validate_layout
-
 from parallel_cases import SPEC
+
+from qlm_core.config import ParallelConfig
+from qlm_core.errors import QlmError
+from qlm_core.models.layout import ModelLayout
+from qlm_core.parallel.state import ParallelSizes, resolve_sizes
+from qlm_core.train.engine import validate_layout
 
 
 def test_tp_is_fastest_then_cp_pp_dp():
@@ -81,8 +80,8 @@ def test_launch_environment_from_torchrun_and_slurm(monkeypatch):
 def test_bf16_engine_keeps_fp32_master_weights_and_tracks_fp32():
     """bf16 compute with fp32 master weights and fp32 gradient accumulation stays close to the fp32 run."""
     import torch
-
     from parallel_cases import GLOBAL_BATCH, SEQ, make_batch
+
     from qlm_core.parallel.state import Grid
     from qlm_core.train.engine import Batch, Engine
 
@@ -105,8 +104,8 @@ def test_non_finite_gradients_skip_the_update():
     import math
 
     import torch
-
     from parallel_cases import GLOBAL_BATCH, SEQ, make_batch
+
     from qlm_core.parallel.state import Grid
     from qlm_core.train.engine import Batch, Engine
 

@@ -7,18 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_peer_jobs
+from parallel_cases import CASES, DATA_KINDS, GLOBAL_BATCH, SEQ, STEPS, WINDOWED, WORLD, case_spec, make_batch
 
-from qlm_core.checkpoint.layout import ModelLayout, assemble_hf_tensor
-from qlm_core.checkpoint.mcore import MegatronTorchCheckpoint
-from qlm_core.parallel.state import Grid
+from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
 from qlm_core.config import ParallelConfig
 from qlm_core.kernels.pieces import Documents
+from qlm_core.models.layout import ModelLayout, assemble_hf_tensor
+from qlm_core.parallel.state import Grid
 from qlm_core.train.engine import Batch, Engine
 
-from conftest import run_peer_jobs
-from parallel_cases import CASES, DATA_KINDS, GLOBAL_BATCH, SEQ, STEPS, WORLD, WINDOWED, case_spec, make_batch
-
-sys.path.insert(0, str(Path(__file__).parent / "peers"))
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from parity_worker import OPTIM  # noqa: E402
 
 

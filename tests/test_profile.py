@@ -7,21 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from parallel_cases import SPEC
 
 from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig, load_recipe
+from qlm_core.hardware import gpu_spec
 from qlm_core.models.gpt import GPTModel, ParallelOptions
 from qlm_core.parallel.state import Grid
 from qlm_core.profile.activations import ActivationInputs, forward_terms, head_terms, layer_bytes
 from qlm_core.profile.case import build_case, validate_case
-from qlm_core.profile.hardware import gpu_spec
 from qlm_core.profile.measure import SavedTensorMeter, measure_model_states
 from qlm_core.profile.memory import inflight_chunk_forwards
 from qlm_core.profile.search import search
 from qlm_core.profile.states import model_state_bytes
 from qlm_core.train.engine import Batch, Engine
 from qlm_core.train.lora import apply_lora
-
-from parallel_cases import SPEC
 
 REPO = Path(__file__).resolve().parents[1]
 MHA = SPEC.replace(num_query_groups=4)
@@ -279,8 +278,8 @@ def test_user_text_is_not_rich_markup(monkeypatch, tmp_path):
 def test_zero_bubble_recomputes_the_chunked_logits_in_both_backward_passes():
     """Under zero-bubble the chunked loss's backward runs twice (dx, then dW), each recomputing the logits: one more
     logits forward of recompute on the last stage than 1F1B; none with a frozen output layer or whole logits."""
+    from qlm_core.models.flops import logits_flops_per_token
     from qlm_core.profile.timing import Efficiency, microbatch_times
-    from qlm_core.train.flops import logits_flops_per_token
 
     gpu, eff = gpu_spec("h100"), Efficiency()
     for lora_rank, chunk, expected in ((0, 2048, 1), (4, 2048, 0), (0, 0, 0)):

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parallel_cases import SPEC
+from test_train_cli import RECIPE
 
+from qlm_core.hardware import GPUS
+from qlm_core.models.flops import attended_keys_per_token, layer_flops_per_token
 from qlm_core.models.gpt import GPTModel, ParallelOptions
 from qlm_core.profile.activations import ActivationInputs, forward_terms, layer_bytes
 from qlm_core.profile.case import build_case
-from qlm_core.profile.hardware import GPUS
 from qlm_core.profile.measure import SavedTensorMeter
 from qlm_core.profile.timing import estimate_time
-
-from test_train_cli import RECIPE
-from qlm_core.train.flops import attended_keys_per_token, layer_flops_per_token
-
-from parallel_cases import SPEC
 
 SEQ, BATCH = 64, 2
 LENGTHS = [10, 30, 24]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import run_peer_jobs
 
-sys.path.insert(0, str(Path(__file__).parent / "peers"))
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from profile_worker import HEAD_CASES, LAYER_CASES, STAGE_CASES, STATE_CASES  # noqa: E402
 
 

@@ -7,13 +7,13 @@ import shutil
 
 import pytest
 import torch
-
-from qlm_core.checkpoint.layout import read_range
-from qlm_core.checkpoint.mcore import OPTIMIZER_KEY, MegatronTorchCheckpoint
-from qlm_core.checkpoint.megatron_open import open_megatron
-from qlm_core.checkpoint.torch_dist import TorchDistCheckpoint
-
 from test_train_cli import RECIPE, losses, qlm_train
+
+from qlm_core.checkpoint.formats.megatron import open_megatron
+from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
+from qlm_core.checkpoint.formats.trainer_state import OPTIMIZER_KEY
+from qlm_core.models.layout import read_range
 
 pytestmark = pytest.mark.slow
 VIEWS = ("master", "exp_avg", "exp_avg_sq")

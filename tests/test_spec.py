@@ -4,12 +4,11 @@ import json
 
 import pytest
 import transformers
+from conftest import MODEL_KINDS, TINY
 
 from qlm_core.errors import QlmError
 from qlm_core.models import ModelSpec, load_model_spec
 from qlm_core.models.presets import PRESETS
-
-from conftest import MODEL_KINDS, TINY
 
 # Parameter counts published on the models' cards / config-derived totals.
 PUBLISHED = {

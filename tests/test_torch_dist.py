@@ -10,18 +10,17 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
-
-from qlm_core.checkpoint.convert import hf_to_mcore, mcore_to_hf, mcore_to_mcore
-from qlm_core.checkpoint.layout import read_shard_tensor
-from qlm_core.checkpoint.mcore import MegatronTorchCheckpoint
-from qlm_core.checkpoint.megatron_open import open_megatron
-from qlm_core.checkpoint.safe_load import safe_torch_load
-from qlm_core.checkpoint.torch_dist import COMMON_STATE_KEY, SafeFileSystemReader, TorchDistCheckpoint
-
 from conftest import make_hf_model
 from test_convert import assert_same_hf
 from test_convert_errors import assert_clean_failure
+from torch.distributed.checkpoint import DefaultSavePlanner
+
+from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf, mcore_to_mcore
+from qlm_core.checkpoint.formats.megatron import open_megatron
+from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.torch_dist import COMMON_STATE_KEY, SafeFileSystemReader, TorchDistCheckpoint
+from qlm_core.checkpoint.io.safe_load import safe_torch_load
+from qlm_core.models.layout import read_shard_tensor
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

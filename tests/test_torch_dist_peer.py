@@ -8,17 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
-from qlm_core.checkpoint.convert import hf_to_mcore, mcore_to_hf, mcore_to_mcore
-from qlm_core.checkpoint.mcore import MegatronTorchCheckpoint
-from qlm_core.checkpoint.megatron_open import open_megatron
-from qlm_core.checkpoint.safe_load import safe_torch_load
-from qlm_core.checkpoint.torch_dist import TorchDistCheckpoint
-
 from conftest import LLAMA3_ROPE, launch_torchrun, make_hf_model
 from test_convert import assert_same_hf
 from test_convert_errors import assert_clean_failure
 from test_train_cli import RECIPE, qlm_train
+
+from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf, mcore_to_mcore
+from qlm_core.checkpoint.formats.megatron import open_megatron
+from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
+from qlm_core.checkpoint.io.safe_load import safe_torch_load
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install '.[test]')")
 pytestmark = [pytest.mark.peer, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

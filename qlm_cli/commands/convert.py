@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from qlm_core.checkpoint import convert as core
-from qlm_core.checkpoint import convert_deepspeed as ds_core
-from qlm_core.checkpoint.inspect import inspect_checkpoint
+from qlm_core.checkpoint.convert import deepspeed as ds_core
+from qlm_core.checkpoint.convert import hf_megatron as core
+from qlm_core.checkpoint.convert.describe import inspect_checkpoint
 
 from ..render import console, err_console, kv_table, progress_bar
 
@@ -32,19 +32,19 @@ class DType(str, Enum):
 TP = Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size of the output.")]
 PP = Annotated[int, typer.Option("--pp", min=1, help="Pipeline-parallel size of the output.")]
 VPP = Annotated[int, typer.Option("--vpp", min=1, help="Virtual pipeline chunks per stage (interleaved 1F1B).")]
-FIRST = Annotated[Optional[int], typer.Option(
+FIRST = Annotated[int | None, typer.Option(
     "--num-layers-in-first-pipeline-stage", min=1, help="Layers on the first stage (uneven pipeline split).")]
-LAST = Annotated[Optional[int], typer.Option(
+LAST = Annotated[int | None, typer.Option(
     "--num-layers-in-last-pipeline-stage", min=1, help="Layers on the last stage (uneven pipeline split).")]
-DTYPE = Annotated[Optional[DType], typer.Option("--dtype", help="Weight dtype to write (default: the source's).")]
+DTYPE = Annotated[DType | None, typer.Option("--dtype", help="Weight dtype to write (default: the source's).")]
 FORCE = Annotated[bool, typer.Option("--force", help="Replace a non-empty output directory.")]
-VERIFY = Annotated[Optional[bool], typer.Option(
+VERIFY = Annotated[bool | None, typer.Option(
     "--verify/--no-verify",
     help="Read the result back: every tensor bit-exact against the source (at the written dtype) and logits on a "
     "fixed input within 1e-4 relative. Default: on for models up to 2B parameters.",
     show_default=False,
 )]
-ITERATION = Annotated[Optional[int], typer.Option(
+ITERATION = Annotated[int | None, typer.Option(
     "--iteration", help="Iteration to read (default: latest_checkpointed_iteration.txt).")]
 HF_IN = Annotated[Path, typer.Option("--hf", help="Hugging Face model directory (config.json + safetensors).")]
 MCORE_IN = Annotated[Path, typer.Option("--mcore", help="Megatron checkpoint directory (written by qlm or Megatron-LM).")]
@@ -79,7 +79,7 @@ def _report(result: core.ConvertResult, verifiable: bool = True):
         console.print(f"[yellow]note[/] {note}")
 
 
-def _dtype(value: Optional[DType]) -> Optional[str]:
+def _dtype(value: DType | None) -> str | None:
     return value.value if value is not None else None
 
 
@@ -142,11 +142,11 @@ def mcore2mcore(
     last: LAST = None,
     iteration: ITERATION = None,
     dtype: DTYPE = None,
-    make_vocab_size_divisible_by: Annotated[Optional[int], typer.Option(
+    make_vocab_size_divisible_by: Annotated[int | None, typer.Option(
         "--make-vocab-size-divisible-by", min=1, help=VOCAB_HELP + " Default: the source's.")] = None,
     force: FORCE = False,
     verify: VERIFY = None,
-    fmt: Annotated[Optional[Format], typer.Option(
+    fmt: Annotated[Format | None, typer.Option(
         "--format", help=FORMAT_HELP + " Default: the source's format.", show_default=False)] = None,
 ):
     """Reshard a Megatron-Core checkpoint (torch or torch_dist) to another TP/PP/VPP or format. Transformer-Engine
@@ -178,14 +178,14 @@ def mcore2peft(
 
 DS_DIR = Annotated[Path, typer.Option(
     "--ds", help="DeepSpeed checkpoint directory: the one holding `latest` and global_stepN/ (or a tag directory).")]
-DS_TAG = Annotated[Optional[str], typer.Option(
+DS_TAG = Annotated[str | None, typer.Option(
     "--tag", help="Checkpoint tag to read, e.g. global_step100 (default: the one the `latest` file names).")]
-DS_CONFIG = Annotated[Optional[Path], typer.Option(
+DS_CONFIG = Annotated[Path | None, typer.Option(
     "--config", help="HF config of the trained model (a model directory or config.json; its tokenizer files are "
     "copied too). DeepSpeed does not store it. Default: a config.json next to the checkpoint.")]
-DS_DTYPE = Annotated[Optional[DType], typer.Option(
+DS_DTYPE = Annotated[DType | None, typer.Option(
     "--dtype", help="Weight dtype to write (default: fp32, DeepSpeed's master weights).")]
-DS_OUT_TAG = Annotated[Optional[str], typer.Option(
+DS_OUT_TAG = Annotated[str | None, typer.Option(
     "--tag", help="Tag directory to write (default: global_step0, or global_step<iteration> from Megatron).")]
 FP32_MASTER = Annotated[bool, typer.Option(
     "--fp32-master/--no-fp32-master", help="Also write the fp32 master weights as one ZeRO-2 partition "

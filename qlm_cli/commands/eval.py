@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -17,13 +17,13 @@ def eval_command(
                                                    "checkpoint; LoRA adapters merged).")],
     tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated lm-eval task names (qlm ships "
                                        "qlm_demo_mc, qlm_demo_gen, qlm_demo_ppl, generated locally).")],
-    include_path: Annotated[Optional[str], typer.Option(
+    include_path: Annotated[str | None, typer.Option(
         "--include-path", help="A folder of extra task YAMLs (local data: dataset_path: json).")] = None,
-    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Few-shot examples.")] = None,
-    limit: Annotated[Optional[float], typer.Option(
+    num_fewshot: Annotated[int | None, typer.Option("--num-fewshot", min=0, help="Few-shot examples.")] = None,
+    limit: Annotated[float | None, typer.Option(
         "--limit", help="Documents per task (a count, or a fraction below 1).")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Requests per forward pass.")] = 8,
-    max_length: Annotated[Optional[int], typer.Option(
+    max_length: Annotated[int | None, typer.Option(
         "--max-length", min=1, help="Context window (default: the model's max_position_embeddings).")] = None,
     apply_chat_template: Annotated[bool, typer.Option(
         "--apply-chat-template", help="Wrap prompts in the checkpoint tokenizer's chat template.")] = False,
@@ -33,14 +33,14 @@ def eval_command(
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks for the qlm backend, for models that "
                                     "do not fit one device (qlm starts torchrun with that many local processes).")] = 1,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32 or bf16.")] = "fp32",
-    output: Annotated[Optional[Path], typer.Option(
+    output: Annotated[Path | None, typer.Option(
         "--output", help="Folder for lm-eval's results JSON (and samples with --log-samples).")] = None,
     log_samples: Annotated[bool, typer.Option("--log-samples", help="Keep every request and response.")] = False,
 ):
     """Evaluate a checkpoint with lm-evaluation-harness. Local tasks load without scanning lm-eval's built-in
     index; built-in tasks that need the Hugging Face hub fail with a one-line error offline."""
+    from qlm_cli.launch import LaunchConfig, launch, under_launcher
     from qlm_core.eval.runner import EvalConfig, check_config, result_rows, run_eval, worker_argv
-    from qlm_core.train.launch import LaunchConfig, launch, under_launcher
 
     config = EvalConfig(
         checkpoint=checkpoint, tasks=[t.strip() for t in tasks.split(",") if t.strip()], include_path=include_path,

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from qlm_core.config import load_recipe
+from qlm_core.hardware import GPUS, gpu_spec
 from qlm_core.profile.case import build_case, validate_case
-from qlm_core.profile.hardware import GPUS, gpu_spec
 from qlm_core.profile.memory import COMPONENTS, GIB, Allowance, estimate_memory
 from qlm_core.profile.timing import TIME_COMPONENTS, Efficiency, estimate_time
 
@@ -120,44 +120,44 @@ def _print_search(result, top: int):
 
 
 def profile(
-    recipe: Annotated[Optional[Path], typer.Argument(help="A recipe (TOML) to read the model, layout and batch "
+    recipe: Annotated[Path | None, typer.Argument(help="A recipe (TOML) to read the model, layout and batch "
                                                           "from; default: the seed's case.")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", help="Preset name or HF model directory.")] = None,
-    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sample.")] = None,
-    mbs: Annotated[Optional[int], typer.Option("--mbs", help="Micro-batch size.")] = None,
-    gbs: Annotated[Optional[int], typer.Option("--gbs", help="Global batch size.")] = None,
-    tp: Annotated[Optional[int], typer.Option("--tp", help="Tensor parallel size.")] = None,
-    pp: Annotated[Optional[int], typer.Option("--pp", help="Pipeline parallel size.")] = None,
-    vpp: Annotated[Optional[int], typer.Option("--vpp", help="Virtual pipeline chunks per stage.")] = None,
-    cp: Annotated[Optional[int], typer.Option("--cp", help="Context parallel size.")] = None,
-    cp_comm_type: Annotated[Optional[str], typer.Option("--cp-comm-type", help="p2p | allgather | a2a.")] = None,
-    dp: Annotated[Optional[int], typer.Option("--dp", help="Data parallel size (default: what --num-gpus "
+    model: Annotated[str | None, typer.Option("--model", help="Preset name or HF model directory.")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="Tokens per sample.")] = None,
+    mbs: Annotated[int | None, typer.Option("--mbs", help="Micro-batch size.")] = None,
+    gbs: Annotated[int | None, typer.Option("--gbs", help="Global batch size.")] = None,
+    tp: Annotated[int | None, typer.Option("--tp", help="Tensor parallel size.")] = None,
+    pp: Annotated[int | None, typer.Option("--pp", help="Pipeline parallel size.")] = None,
+    vpp: Annotated[int | None, typer.Option("--vpp", help="Virtual pipeline chunks per stage.")] = None,
+    cp: Annotated[int | None, typer.Option("--cp", help="Context parallel size.")] = None,
+    cp_comm_type: Annotated[str | None, typer.Option("--cp-comm-type", help="p2p | allgather | a2a.")] = None,
+    dp: Annotated[int | None, typer.Option("--dp", help="Data parallel size (default: what --num-gpus "
                                                            "leaves).")] = None,
-    sp: Annotated[Optional[bool], typer.Option("--sp/--no-sp", help="Sequence parallelism.")] = None,
-    zero: Annotated[Optional[int], typer.Option("--zero", help="ZeRO stage 0-3.")] = None,
-    recompute: Annotated[Optional[str], typer.Option("--recompute", help="none | selective | full.")] = None,
-    recompute_num_layers: Annotated[Optional[int], typer.Option(
+    sp: Annotated[bool | None, typer.Option("--sp/--no-sp", help="Sequence parallelism.")] = None,
+    zero: Annotated[int | None, typer.Option("--zero", help="ZeRO stage 0-3.")] = None,
+    recompute: Annotated[str | None, typer.Option("--recompute", help="none | selective | full.")] = None,
+    recompute_num_layers: Annotated[int | None, typer.Option(
         "--recompute-num-layers", help="With full: recompute the first N layers of each chunk.")] = None,
-    pp_schedule: Annotated[Optional[str], typer.Option(
+    pp_schedule: Annotated[str | None, typer.Option(
         "--pp-schedule", help="1f1b | interleaved_1f1b | zero_bubble | gpipe.")] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16 | fp32.")] = None,
-    lora_rank: Annotated[Optional[int], typer.Option("--lora-rank", help="LoRA rank (0: off).")] = None,
-    loss_chunk_tokens: Annotated[Optional[int], typer.Option(
+    dtype: Annotated[str | None, typer.Option("--dtype", help="bf16 | fp32.")] = None,
+    lora_rank: Annotated[int | None, typer.Option("--lora-rank", help="LoRA rank (0: off).")] = None,
+    loss_chunk_tokens: Annotated[int | None, typer.Option(
         "--loss-chunk-tokens", help="Tokens the loss projects at a time (train.loss_chunk_tokens; default: the "
                                     "recipe's, else 2048; 0: the whole logits at once).")] = None,
-    mean_doc_len: Annotated[Optional[int], typer.Option(
+    mean_doc_len: Annotated[int | None, typer.Option(
         "--mean-doc-len", help="Packed data: token-weighted mean document length E[L^2]/E[L] in tokens (what "
                                "attention work scales with); attention FLOPs and time follow the documents "
                                "(data.mean_doc_len; default: the recipe's, else one per sample).")] = None,
     gpu: Annotated[str, typer.Option("--gpu", help=f"GPU preset: {', '.join(GPUS)}.")] = "a100-80g",
-    num_gpus: Annotated[Optional[int], typer.Option("--num-gpus", help="Devices in all (default: tp*pp*cp*dp "
+    num_gpus: Annotated[int | None, typer.Option("--num-gpus", help="Devices in all (default: tp*pp*cp*dp "
                                                                        "with --dp, else 32).")] = None,
-    gpu_memory_gb: Annotated[Optional[float], typer.Option("--gpu-memory-gb", help="Override the memory (GiB).")] = None,
-    peak_tflops: Annotated[Optional[float], typer.Option("--peak-tflops", help="Override the bf16 peak.")] = None,
-    nvlink_gbps: Annotated[Optional[float], typer.Option("--nvlink-gbps", help="Override NVLink GB/s.")] = None,
-    internode_gbps: Annotated[Optional[float], typer.Option("--internode-gbps", help="Override inter-node "
+    gpu_memory_gb: Annotated[float | None, typer.Option("--gpu-memory-gb", help="Override the memory (GiB).")] = None,
+    peak_tflops: Annotated[float | None, typer.Option("--peak-tflops", help="Override the bf16 peak.")] = None,
+    nvlink_gbps: Annotated[float | None, typer.Option("--nvlink-gbps", help="Override NVLink GB/s.")] = None,
+    internode_gbps: Annotated[float | None, typer.Option("--internode-gbps", help="Override inter-node "
                                                                                      "GB/s per GPU.")] = None,
-    gpus_per_node: Annotated[Optional[int], typer.Option("--gpus-per-node", help="Override GPUs per node.")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option("--gpus-per-node", help="Override GPUs per node.")] = None,
     efficiency: Annotated[float, typer.Option("--efficiency", help="Fraction of peak the compute reaches.")] = 0.5,
     comm_efficiency: Annotated[float, typer.Option("--comm-efficiency", help="Fraction of link bandwidth "
                                                                              "collectives reach.")] = 0.8,
@@ -171,7 +171,7 @@ def profile(
     probe_max_ranks: Annotated[int, typer.Option("--probe-max-ranks", min=1, help="Most processes a CPU probe "
                                                                                   "starts.")] = 16,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document (keys in the README).")] = False,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a stacked-bar PNG of the memory.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a stacked-bar PNG of the memory.")] = None,
 ):
     """Memory per rank (heaviest pipeline stage) and s/sample of a parallel layout, or --search for the best one.
 

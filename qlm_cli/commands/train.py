@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.progress import (
@@ -16,9 +16,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from qlm_cli.launch import LaunchConfig, launch, under_launcher
 from qlm_core.config import load_recipe, recipe_to_toml
-from qlm_core.train.launch import LaunchConfig, launch, under_launcher
-from qlm_core.train.plan import plan_run, planned_memory, world_size
+from qlm_core.train.plan import plan_run, world_size
 
 from ..render import console, err_console, kv_table
 
@@ -78,16 +78,16 @@ class RunView:
 def train(
     recipe: Annotated[Path, typer.Argument(help="The recipe (TOML): [model] [parallel] [data] [train] [optim] "
                                                 "[schedule] [checkpoint] [logging] [lora].")],
-    set_: Annotated[Optional[list[str]], typer.Option(
+    set_: Annotated[list[str] | None, typer.Option(
         "--set", help="Override one recipe value: section.key=value (repeatable), e.g. --set parallel.tp=2.")] = None,
-    output: Annotated[Optional[str], typer.Option(
+    output: Annotated[str | None, typer.Option(
         "--output", help="The run directory (metrics.jsonl, checkpoints/, config.toml); default train.output.")] = None,
-    nproc_per_node: Annotated[Optional[int], typer.Option(
+    nproc_per_node: Annotated[int | None, typer.Option(
         "--nproc-per-node", min=1, help="Processes on this node (default: tp*pp*cp*dp, or all of them on one "
         "node).")] = None,
     nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Number of nodes.")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This node's index.")] = 0,
-    master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Address of node 0.")] = None,
+    master_addr: Annotated[str | None, typer.Option("--master-addr", help="Address of node 0.")] = None,
     master_port: Annotated[int, typer.Option("--master-port", help="Rendezvous port on node 0.")] = 29500,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe, the layout and the "
                                           "model-state memory per rank, then exit.")] = False,
@@ -116,6 +116,8 @@ def train(
 
 
 def _print_dry_run(resolved, plan):
+    from qlm_core.profile.memory import planned_memory
+
     from .profile import memory_table
 
     console.print(recipe_to_toml(resolved), markup=False, highlight=False)

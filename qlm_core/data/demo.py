@@ -29,7 +29,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tokenizer import build_demo_tokenizer
+from qlm_core.data.tokenizer import build_demo_tokenizer
 
 LETTERS = "abcdefgh"
 DIGITS = "0123456789"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import QlmError
+from qlm_core.errors import QlmError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ..errors import QlmError
+from qlm_core.errors import QlmError
 
 
 class GlobalBatchSampler:

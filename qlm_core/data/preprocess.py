@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import QlmError
-from .indexed import IndexedWriter, token_dtype
-from .tokenizer import load_tokenizer
+from qlm_core.data.indexed import IndexedWriter, token_dtype
+from qlm_core.data.tokenizer import load_tokenizer
+from qlm_core.errors import QlmError
 
 JSON_SUFFIXES = (".json", ".jsonl")
 PARQUET_SUFFIXES = (".parquet",)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import QlmError
-from .indexed import IndexedDataset
+from qlm_core.data.indexed import IndexedDataset
+from qlm_core.errors import QlmError
 
 CACHE_VERSION = 2
 

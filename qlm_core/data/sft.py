@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import QlmError
-from .tokenizer import has_generation_markers, load_tokenizer, resolve_chat_template
+from qlm_core.data.tokenizer import has_generation_markers, load_tokenizer, resolve_chat_template
+from qlm_core.errors import QlmError
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")

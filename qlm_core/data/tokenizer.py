@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import QlmError
+from qlm_core.errors import QlmError
 
 CHATML = (
     "{%- for message in messages %}"

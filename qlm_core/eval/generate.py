@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from ..models.gpt import GPTModel, KVCache
+from qlm_core.models.gpt import GPTModel, KVCache
 
 
 @dataclass

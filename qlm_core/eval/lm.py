@@ -21,16 +21,15 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
-from ..checkpoint.layout import ModelLayout, build_shard
-from ..checkpoint.open import open_checkpoint
-from ..data.tokenizer import load_tokenizer
-from ..dtypes import DTYPES
-from ..errors import QlmError
-from ..models.gpt import GPTModel, ParallelOptions
-from ..parallel.comm import group_rank, group_size
-from ..parallel.state import default_device
-from .generate import Sampling, generate
-
+from qlm_core.checkpoint.sources.open import open_checkpoint
+from qlm_core.data.tokenizer import load_tokenizer
+from qlm_core.dtypes import DTYPES
+from qlm_core.errors import QlmError
+from qlm_core.eval.generate import Sampling, generate
+from qlm_core.models.gpt import GPTModel, ParallelOptions
+from qlm_core.models.layout import ModelLayout, build_shard
+from qlm_core.parallel.comm import group_rank, group_size
+from qlm_core.parallel.state import default_device
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,

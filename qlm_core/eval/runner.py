@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.convert import write_hf
-from ..checkpoint.hf import copy_side_files, is_hf_dir, write_hf_config
-from ..checkpoint.layout import ModelLayout
-from ..checkpoint.open import open_checkpoint
-from ..dtypes import DTYPES, HF_DTYPE_NAMES, dtype_named
-from ..errors import QlmError
-from .tasks import DEMO_TASKS, write_demo_tasks
+from qlm_core.checkpoint.convert.hf_megatron import write_hf
+from qlm_core.checkpoint.formats.hf import copy_side_files, is_hf_dir, write_hf_config
+from qlm_core.checkpoint.sources.open import open_checkpoint
+from qlm_core.dtypes import DTYPES, HF_DTYPE_NAMES, dtype_named
+from qlm_core.errors import QlmError
+from qlm_core.eval.tasks import DEMO_TASKS, write_demo_tasks
+from qlm_core.models.layout import ModelLayout
 
 BACKENDS = ("qlm", "hf")
 
@@ -104,7 +104,7 @@ def worker_argv(config: EvalConfig) -> list[str]:
 
 def _tensor_parallel_group(config: EvalConfig):
     """Under torchrun with config.tp ranks: the TP group (None for one process)."""
-    from ..parallel.state import Grid, init_distributed, resolve_sizes
+    from qlm_core.parallel.state import Grid, init_distributed, resolve_sizes
 
     if config.tp == 1:
         return None
@@ -119,8 +119,8 @@ def run_eval(config: EvalConfig) -> dict | None:
     """lm-eval's results dict (with "samples" when log_samples); None on the other ranks of a TP evaluation."""
     import lm_eval
 
-    from ..parallel.state import destroy_distributed
-    from . import lm as _register_qlm_backend  # noqa: F401  (registers model "qlm")
+    from qlm_core.eval import lm as _register_qlm_backend  # noqa: F401  (registers model "qlm")
+    from qlm_core.parallel.state import destroy_distributed
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -130,7 +130,7 @@ def run_eval(config: EvalConfig) -> dict | None:
     workdir = Path(tempfile.mkdtemp(prefix="qlm-eval-"))
     try:
         if config.backend == "qlm":
-            from .lm import QlmLM
+            from qlm_core.eval.lm import QlmLM
 
             model = QlmLM(config.checkpoint, batch_size=config.batch_size, max_length=config.max_length,
                           dtype=config.dtype, tp_group=tp_group)

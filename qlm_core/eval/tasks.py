@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from ..data.demo import build_demo
+from qlm_core.data.demo import build_demo
 
 DEMO_TASKS = ("qlm_demo_mc", "qlm_demo_gen", "qlm_demo_ppl")
 DEMO_SEED = 1234  # DataConfig.seed's default, which recipes/tiny-sft.toml keeps

@@ -39,7 +39,7 @@ class Span(NamedTuple):
     local: int
     step: int = 1
 
-    def clip(self, start: int, end: int) -> "Span | None":
+    def clip(self, start: int, end: int) -> Span | None:
         lo, hi = max(start, self.start), min(end, self.end)
         return Span(lo, hi, self.local + self.step * (lo - self.start), self.step) if lo < hi else None
 
@@ -141,7 +141,7 @@ class Documents:
     seq_len: int
 
     @classmethod
-    def from_segment_ids(cls, segment_ids) -> "Documents":
+    def from_segment_ids(cls, segment_ids) -> Documents:
         """segment_ids [b, S] in global order (one host read per forward)."""
         rows = row_runs(segment_ids)
         return cls(tuple(tuple((start, end) for start, end, _ in row) for row in rows), segment_ids.shape[1])

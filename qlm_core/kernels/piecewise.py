@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch.autograd import Function
 
-from . import varlen
-from .attention import accumulation_dtype, attention_backward, attention_forward_with_lse
-from .pieces import FULL, UPPER, Piece
+from qlm_core.kernels import varlen
+from qlm_core.kernels.attention import accumulation_dtype, attention_backward, attention_forward_with_lse
+from qlm_core.kernels.pieces import FULL, UPPER, Piece
 
 
 def _take(t: torch.Tensor, row, index: slice, kind: str) -> torch.Tensor:

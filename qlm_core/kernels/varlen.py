@@ -15,8 +15,8 @@ import inspect
 
 import torch
 
-from .attention import FLASH_BACKWARD_DEFAULTS, call_declared, flash_attn_internal
-from .pieces import CAUSAL, FULL, UPPER, Piece
+from qlm_core.kernels.attention import FLASH_BACKWARD_DEFAULTS, call_declared, flash_attn_internal
+from qlm_core.kernels.pieces import CAUSAL, FULL, UPPER, Piece
 
 try:  # optional CUDA kernels; never required
     from flash_attn import flash_attn_varlen_func as _VARLEN_FWD

@@ -17,21 +17,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..kernels.attention import core_attention
-from ..kernels.norm import RMSNorm
-from ..kernels.pieces import Documents, Piece, decoding_pieces, self_attention_pieces
-from ..kernels.piecewise import piecewise_attention
-from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from ..parallel.comm import group_rank, group_size
-from ..parallel.context import (
+from qlm_core.kernels.attention import core_attention
+from qlm_core.kernels.norm import RMSNorm
+from qlm_core.kernels.pieces import Documents, Piece, decoding_pieces, self_attention_pieces
+from qlm_core.kernels.piecewise import piecewise_attention
+from qlm_core.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from qlm_core.models.spec import ModelSpec, padded_vocab_size
+from qlm_core.parallel.comm import group_rank, group_size
+from qlm_core.parallel.context_parallel import (
     CP_COMM_TYPES,
     context_parallel_attention,
     cp_attention_plan,
     cp_token_indices,
     gather_sequence,
 )
-from ..parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, OutputLayer, loss_is_chunked
-from ..parallel.tensor import (
+from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, OutputLayer, loss_is_chunked
+from qlm_core.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -39,7 +40,6 @@ from ..parallel.tensor import (
     gather_last_dim_sum_grad,
     vocab_parallel_cross_entropy,
 )
-from .spec import ModelSpec, padded_vocab_size
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -65,7 +65,7 @@ class AttentionInputs:
     """Per-forward facts every attention layer needs besides q, k, v, worked out once per forward."""
 
     documents: Documents | None = None  # packed documents in global positions (None: one per row)
-    cache: "KVCache | None" = None  # incremental decoding: keys/values of earlier tokens
+    cache: KVCache | None = None  # incremental decoding: keys/values of earlier tokens
     pieces: list[Piece] | None = None  # what one process computes, when not plain causal attention over each row
     cp_plan: tuple[list[Piece], ...] | None = None  # under context parallelism: what this rank computes
 
@@ -78,7 +78,7 @@ class KVCache:
     values: list
 
     @classmethod
-    def empty(cls, num_layers: int) -> "KVCache":
+    def empty(cls, num_layers: int) -> KVCache:
         return cls([None] * num_layers, [None] * num_layers)
 
     @property
@@ -92,8 +92,8 @@ class KVCache:
         return k, v
 
 
-def attention_inputs(*, local_tokens: int, batch: int, window: int | None, parallel: "ParallelOptions",
-                     segment_ids: torch.Tensor | None, cache: "KVCache | None",
+def attention_inputs(*, local_tokens: int, batch: int, window: int | None, parallel: ParallelOptions,
+                     segment_ids: torch.Tensor | None, cache: KVCache | None,
                      attention_mask: torch.Tensor | None) -> AttentionInputs:
     """Describe the micro-batch's attention once for every layer: its documents (under context parallelism from the
     whole sequence, gathered once) and the pieces this rank computes, for packed rows, a sliding window shorter than
@@ -354,7 +354,7 @@ class GPTModel(nn.Module):
         """One pass over this module's layers.
 
         Inputs are this rank's tokens: with context parallelism, its two load-balanced chunks of each sequence
-        (qlm_core.parallel.context.split_for_cp). `position_ids` [b, s] are RoPE positions (default: the tokens'
+        (qlm_core.parallel.context_parallel.split_for_cp). `position_ids` [b, s] are RoPE positions (default: the tokens'
         global indices; packed sequences restart them per document) and `segment_ids` [b, s] the document of each
         token in a packed sequence (attention stays within a document).
 

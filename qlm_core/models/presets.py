@@ -1,6 +1,6 @@
 """Architecture numbers of well-known models, copied from their published config.json files (numbers only)."""
 
-from .spec import ModelSpec, RopeScaling
+from qlm_core.models.spec import ModelSpec, RopeScaling
 
 
 def _qwen2(hidden, ffn, layers, heads, groups, vocab, tied, max_pos=131072, eps=1e-6) -> ModelSpec:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import QlmError
+from qlm_core.errors import QlmError
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
 HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
@@ -76,13 +76,13 @@ class ModelSpec:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + h
 
-    def replace(self, **changes) -> "ModelSpec":
+    def replace(self, **changes) -> ModelSpec:
         return dataclasses.replace(self, **changes)
 
     # ---- Hugging Face config.json ---------------------------------------------------------------------------------
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> "ModelSpec":
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise QlmError(
@@ -123,7 +123,7 @@ class ModelSpec:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> "ModelSpec":
+    def from_hf_dir(cls, path: str | Path) -> ModelSpec:
         return cls.from_hf_config(read_hf_config(path))
 
     def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
@@ -191,7 +191,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 def load_model_spec(name_or_path: str | Path) -> ModelSpec:
     """A preset name (see presets.py) or an HF model directory / config.json path."""
-    from .presets import PRESETS
+    from qlm_core.models.presets import PRESETS
 
     key = str(name_or_path).lower()
     if key in PRESETS:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .gpt import GPTModel
+from qlm_core.models.gpt import GPTModel
 
 
 class StageModel(GPTModel):

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch.autograd import Function
 
-from .comm import all_gather_dim0, all_reduce, group_rank, reduce_scatter_dim0
-from .tensor import ColumnParallelLinear, copy_to_tp
+from qlm_core.parallel.comm import all_gather_dim0, all_reduce, group_rank, reduce_scatter_dim0
+from qlm_core.parallel.tensor import ColumnParallelLinear, copy_to_tp
 
 DEFAULT_CHUNK_TOKENS = 2048  # train.loss_chunk_tokens' default
 

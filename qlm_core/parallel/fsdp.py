@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from .comm import all_reduce, group_rank
+from qlm_core.parallel.comm import all_reduce, group_rank
 
 _FLAGS = ("tp_split", "sequence_parallel", "shared_embedding", "tied_copy")
 

@@ -31,11 +31,11 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..checkpoint.mcore import OPTIMIZER_VIEWS
-from .comm import all_reduce, group_rank, start_all_gather, wait
-from .data import GradientBuffers
+from qlm_core.parallel.comm import all_reduce, group_rank, start_all_gather, wait
+from qlm_core.parallel.grad_buffers import GradientBuffers
 
-
+# The fp32 state kept per parameter, in this order (checkpoints store each as a view named like the weights).
+OPTIMIZER_VIEWS = ("master", "exp_avg", "exp_avg_sq")
 _IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 

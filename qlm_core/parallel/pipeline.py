@@ -6,7 +6,7 @@ a schedule. Virtual stage c of rank r is global stage c * pp + r (Megatron's int
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

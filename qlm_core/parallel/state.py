@@ -14,7 +14,7 @@ from itertools import product
 import torch
 import torch.distributed as dist
 
-from ..errors import QlmError
+from qlm_core.errors import QlmError
 
 
 @dataclass(frozen=True)
@@ -151,11 +151,11 @@ class Grid:
         return self.pp_rank == self.sizes.pp - 1
 
     @classmethod
-    def single(cls) -> "Grid":
+    def single(cls) -> Grid:
         return cls(ParallelSizes())
 
     @classmethod
-    def build(cls, sizes: ParallelSizes, ranks: list[int] | None = None) -> "Grid | None":
+    def build(cls, sizes: ParallelSizes, ranks: list[int] | None = None) -> Grid | None:
         """Create every group. Every process of the default group must call this with the same arguments
         (new_group is collective). `ranks`: the global ranks forming this grid (default: all); a process outside
         them gets None."""

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from .comm import (
+from qlm_core.parallel.comm import (
     all_gather_dim0,
     all_gather_last_dim,
     all_reduce,
@@ -30,7 +30,6 @@ from .comm import (
     reduce_scatter_last_dim,
     split_dim,
 )
-
 
 # ---- f / g operators ------------------------------------------------------------------------------------------------
 

@@ -49,8 +49,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..models.spec import ModelSpec
-from ..parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, loss_is_chunked
+from qlm_core.models.spec import ModelSpec
+from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, loss_is_chunked
 
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 

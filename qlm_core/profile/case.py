@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.layout import LORA_TARGETS, ModelLayout
-from ..config import ParallelConfig, Recipe, TrainConfig
-from ..dtypes import DTYPES
-from ..errors import QlmError
-from ..models.spec import ModelSpec, load_model_spec
-from ..parallel.state import ParallelSizes, resolve_sizes
-from ..train.engine import validate_layout
+from qlm_core.config import ParallelConfig, Recipe, TrainConfig
+from qlm_core.dtypes import DTYPES
+from qlm_core.errors import QlmError
+from qlm_core.models.layout import LORA_TARGETS, ModelLayout
+from qlm_core.models.spec import ModelSpec, load_model_spec
+from qlm_core.parallel.state import ParallelSizes, resolve_sizes
+from qlm_core.train.engine import validate_layout
 
 SEED_PARALLEL = dict(tp=4, cp=4, sp=True, zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True, recompute="full",
                      cp_comm_type="p2p")
@@ -63,10 +63,10 @@ class ProfileCase:
         return ModelLayout(self.spec, p.tp, p.pp, p.vpp, p.num_layers_in_first_pipeline_stage,
                            p.num_layers_in_last_pipeline_stage)
 
-    def replace(self, **changes) -> "ProfileCase":
+    def replace(self, **changes) -> ProfileCase:
         return dataclasses.replace(self, **changes)
 
-    def with_parallel(self, **changes) -> "ProfileCase":
+    def with_parallel(self, **changes) -> ProfileCase:
         return self.replace(parallel=dataclasses.replace(self.parallel, **changes))
 
     def describe(self) -> str:
@@ -131,7 +131,7 @@ def load_spec(model: str | Path) -> tuple[ModelSpec, str]:
 def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpec | None = None) -> ProfileCase:
     """The recipe's model (what model.load holds, any checkpoint qlm train reads, when it exists here; else
     model.spec), layout and batch. `spec`: the model's numbers when the caller already has them."""
-    from ..train.sources import resolve_model
+    from qlm_core.train.sources import resolve_model
 
     model = recipe.model
     if model.load and not Path(model.load).exists():
@@ -158,7 +158,7 @@ def case_to_dict(case: ProfileCase) -> dict:
 
 
 def case_from_dict(data: dict) -> ProfileCase:
-    from ..models.spec import RopeScaling
+    from qlm_core.models.spec import RopeScaling
 
     spec = dict(data["spec"])
     if spec.get("rope_scaling") is not None:

@@ -112,7 +112,7 @@ class SavedTensorMeter:
 
     @contextmanager
     def _checkpoint_counted(self):
-        from ..models import gpt
+        from qlm_core.models import gpt
 
         original = gpt.checkpoint
 

@@ -28,7 +28,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import (
+import torch
+
+from qlm_core.config import Recipe
+from qlm_core.hardware import GPUS
+from qlm_core.profile.activations import (
     ActivationInputs,
     forward_terms,
     head_terms,
@@ -37,8 +41,9 @@ from .activations import (
     logits_transient,
     loss_keeps_input,
 )
-from .case import ProfileCase
-from .states import model_state_bytes, stage_params
+from qlm_core.profile.case import ProfileCase, case_from_recipe
+from qlm_core.profile.states import model_state_bytes, stage_params
+from qlm_core.train.plan import RunPlan
 
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "logits_loss", "workspace", "pp_buffers",
               "comm_buffers", "allocator")
@@ -210,3 +215,15 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda", allowance:
 def estimate_memory(case: ProfileCase, capacity_gib: float, device: str = "cuda",
                     allowance: Allowance = Allowance()) -> MemoryEstimate:
     return MemoryEstimate([stage_memory(case, s, device, allowance) for s in range(case.parallel.pp)], capacity_gib)
+
+
+def planned_memory(recipe: Recipe, plan: RunPlan):
+    """The profile's memory estimate of this run per rank (heaviest stage), against this machine's GPU or, without
+    one, an 80 GiB device; and the device's description."""
+    if torch.cuda.is_available():
+        capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+        device = "this GPU"
+    else:
+        capacity, device = GPUS["a100-80g"].memory_gib, "an 80 GiB GPU (qlm profile RECIPE --gpu NAME for others)"
+    case = case_from_recipe(recipe, plan.sizes.world, spec=plan.spec)
+    return estimate_memory(case, capacity_gib=capacity), device

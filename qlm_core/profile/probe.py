@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from ..errors import QlmError
-from ..parallel.cross_entropy import loss_is_chunked
-from .case import ProfileCase, case_to_dict, validate_case
-from .hardware import GpuSpec
-from .memory import GIB, Allowance, estimate_memory
-from .timing import Efficiency, estimate_time
+from qlm_core.errors import QlmError
+from qlm_core.hardware import GpuSpec
+from qlm_core.parallel.cross_entropy import loss_is_chunked
+from qlm_core.profile.case import ProfileCase, case_to_dict, validate_case
+from qlm_core.profile.memory import GIB, Allowance, estimate_memory
+from qlm_core.profile.timing import Efficiency, estimate_time
 
 MEASURED = ("weights", "grads", "optimizer", "activations", "logits_loss")
 CPU_STEP_OVERHEAD_NOTE = "CPU step times of a tiny model are dominated by per-operation overhead, not FLOPs"
@@ -126,10 +126,10 @@ def fit_to_gpus(case: ProfileCase, devices: int) -> ProfileCase:
 
 def run_probe_ranks(case: ProfileCase, steps: int, timeout_s: float = 900) -> list[dict]:
     """Every rank's measurements: in this process for one rank, else one torchrun launch."""
-    from .probe_worker import run_rank
+    from qlm_core.profile.probe_worker import run_rank
 
     if case.num_gpus == 1:
-        from ..parallel.state import Grid
+        from qlm_core.parallel.state import Grid
 
         return [run_rank(case, steps, Grid.single())]
     with tempfile.TemporaryDirectory(prefix="qlm-probe-") as tmp:
@@ -155,7 +155,7 @@ def probe(case: ProfileCase, gpu: GpuSpec, *, steps: int = 3, efficiency: Effici
     ran = fit_to_gpus(case, torch.cuda.device_count()) if cuda else scale_down(case, max_ranks)
     device = "cuda" if cuda else "cpu"
     if not cuda:  # a CPU "device": all of its RAM, its fp32 matmul peak, loopback links
-        from ..train.flops import measure_cpu_peak_tflops
+        from qlm_core.hardware import measure_cpu_peak_tflops
 
         peak = measure_cpu_peak_tflops()
         gpu = replace(gpu, name="cpu", peak_tflops=peak, hbm_gbps=10.0, nvlink_gbps=2.0, internode_gbps=2.0)

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from ..config import LoraConfig, OptimConfig
-from ..parallel.state import Grid, default_device, destroy_distributed, init_distributed
-from ..train.engine import Batch, Engine
-from .case import ProfileCase, case_from_dict
-from .measure import SavedTensorMeter, measure_model_states
+from qlm_core.config import LoraConfig, OptimConfig
+from qlm_core.parallel.state import Grid, default_device, destroy_distributed, init_distributed
+from qlm_core.profile.case import ProfileCase, case_from_dict
+from qlm_core.profile.measure import SavedTensorMeter, measure_model_states
+from qlm_core.train.engine import Batch, Engine
 
 
 def _batch(case: ProfileCase, grid: Grid) -> Batch:

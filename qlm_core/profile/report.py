@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .case import ProfileCase
-from .hardware import GpuSpec
-from .memory import COMPONENTS, GIB, Allowance, MemoryEstimate
-from .probe import MEASURED, ProbeResult
-from .search import SearchResult, why_faster
-from .timing import TIME_COMPONENTS, Efficiency, TimeEstimate
+from qlm_core.hardware import GpuSpec
+from qlm_core.profile.case import ProfileCase
+from qlm_core.profile.memory import COMPONENTS, GIB, Allowance, MemoryEstimate
+from qlm_core.profile.probe import MEASURED, ProbeResult
+from qlm_core.profile.search import SearchResult, why_faster
+from qlm_core.profile.timing import TIME_COMPONENTS, Efficiency, TimeEstimate
 
 SCHEMA = "qlm-profile/1"
 
@@ -128,7 +128,7 @@ def plot_memory(bars: list[tuple[str, dict[str, float]]], capacity_gib: float | 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from ..errors import QlmError
+        from qlm_core.errors import QlmError
 
         raise QlmError("--plot needs matplotlib", "pip install matplotlib") from None
     figure, axis = plt.subplots(figsize=(max(6.0, 1.3 * len(bars) + 3), 4.8))

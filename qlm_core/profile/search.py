@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import QlmError
-from ..models.gpt import RECOMPUTE_MODES
-from ..parallel.context import CP_COMM_TYPES
-from .case import ProfileCase, validate_case, validate_inputs
-from .hardware import GpuSpec
-from .memory import GIB, Allowance, MemoryEstimate, estimate_memory
-from .timing import TIME_COMPONENTS, Efficiency, TimeEstimate, estimate_time
+from qlm_core.errors import QlmError
+from qlm_core.hardware import GpuSpec
+from qlm_core.models.gpt import RECOMPUTE_MODES
+from qlm_core.parallel.context_parallel import CP_COMM_TYPES
+from qlm_core.profile.case import ProfileCase, validate_case, validate_inputs
+from qlm_core.profile.memory import GIB, Allowance, MemoryEstimate, estimate_memory
+from qlm_core.profile.timing import TIME_COMPONENTS, Efficiency, TimeEstimate, estimate_time
 
 RECOMPUTE = RECOMPUTE_MODES
 CP_COMM = CP_COMM_TYPES

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.layout import LORA_TARGETS, ModelLayout
-from ..parallel.data import plan_buckets
+from qlm_core.models.layout import LORA_TARGETS, ModelLayout
+from qlm_core.parallel.grad_buffers import plan_buckets
 
 SHARD_ALIGNMENT = 64  # GradientBuffers' default shard_alignment
 

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..parallel.cross_entropy import loss_is_chunked
-from ..train.flops import flops_per_sequence, layer_flops_per_token, logits_flops_per_token
-from .case import ProfileCase
-from .hardware import GpuSpec
-from .states import model_state_bytes
+from qlm_core.hardware import GpuSpec
+from qlm_core.models.flops import flops_per_sequence, layer_flops_per_token, logits_flops_per_token
+from qlm_core.parallel.cross_entropy import loss_is_chunked
+from qlm_core.profile.case import ProfileCase
+from qlm_core.profile.states import model_state_bytes
 
 TIME_COMPONENTS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_p2p", "pp_bubble", "dp_comm", "optimizer")
 

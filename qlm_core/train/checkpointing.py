@@ -26,29 +26,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.layout import TensorLayout, read_shard_tensor
-from ..checkpoint.mcore import (
+from qlm_core.checkpoint.formats.megatron import TORCH, TORCH_DIST, open_megatron
+from qlm_core.checkpoint.formats.megatron_args import make_args
+from qlm_core.checkpoint.formats.megatron_legacy import (
     LATEST_FILE,
+    SHARD_FILE,
+    iteration_dir_name,
+    shard_dir_name,
+    write_shard_file,
+)
+from qlm_core.checkpoint.formats.torch_dist_write import DistPart, save_torch_dist_collectively
+from qlm_core.checkpoint.formats.trainer_state import (
     OPTIMIZER_KEY,
     OPTIMIZER_VIEWS,
     RNG_KEY,
     SCHEDULER_KEY,
-    SHARD_FILE,
     TRAIN_STATE_KEY,
-    iteration_dir_name,
     rng_position_key,
     saved_rng_states,
-    shard_dir_name,
-    write_shard_file,
+    view_prefix,
 )
-from ..checkpoint.megatron_args import make_args
-from ..checkpoint.megatron_open import TORCH, TORCH_DIST, open_megatron
-from ..checkpoint.torch_dist import view_prefix
-from ..checkpoint.torch_dist_write import DistPart, save_torch_dist_collectively
-from ..parallel.comm import group_size
-from .engine import Engine
-from .lora import lora_state_dict
-
+from qlm_core.models.layout import TensorLayout, read_shard_tensor
+from qlm_core.parallel.comm import group_size
+from qlm_core.train.engine import Engine
+from qlm_core.train.lora import lora_state_dict
 
 
 @dataclass

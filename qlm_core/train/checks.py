@@ -3,12 +3,12 @@ started by srun or a user's torchrun never passed through the launcher's checks)
 
 from __future__ import annotations
 
-from ..checkpoint.megatron_open import TORCH_DIST, check_format
-from ..config import Recipe
-from ..data.sft import FORMATS as SFT_FORMATS
-from ..dtypes import dtype_named
-from ..errors import QlmError
-from .schedule import SCHEDULES
+from qlm_core.checkpoint.formats.megatron import TORCH_DIST, check_format
+from qlm_core.config import Recipe
+from qlm_core.data.sft import FORMATS as SFT_FORMATS
+from qlm_core.dtypes import dtype_named
+from qlm_core.errors import QlmError
+from qlm_core.train.schedule import SCHEDULES
 
 TRAIN_DTYPES = ("bf16", "fp32")  # fp16 would need loss scaling, which qlm does not do
 

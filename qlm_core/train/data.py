@@ -11,14 +11,14 @@ from pathlib import Path
 
 from torch.utils.data import ConcatDataset, Subset
 
-from ..config import DataConfig
-from ..data.demo import build_demo
-from ..data.indexed import IndexedDataset
-from ..data.preprocess import preprocess
-from ..data.pretrain import PretrainConfig, build_pretrain_datasets
-from ..data.sft import SFTConfig, build_sft_dataset
-from ..data.tokenizer import load_tokenizer
-from ..errors import QlmError
+from qlm_core.config import DataConfig
+from qlm_core.data.demo import build_demo
+from qlm_core.data.indexed import IndexedDataset
+from qlm_core.data.preprocess import preprocess
+from qlm_core.data.pretrain import PretrainConfig, build_pretrain_datasets
+from qlm_core.data.sft import SFTConfig, build_sft_dataset
+from qlm_core.data.tokenizer import load_tokenizer
+from qlm_core.errors import QlmError
 
 DEMO = "@demo"
 

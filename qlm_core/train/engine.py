@@ -17,19 +17,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpoint.init import RandomInitSource
-from ..config import LoraConfig, OptimConfig, ParallelConfig
-from ..checkpoint.layout import ModelLayout, TensorSource, build_shard
-from ..errors import QlmError
-from ..models.gpt import CP_COMM_TYPES, RECOMPUTE_MODES, ParallelOptions
-from ..models.spec import ModelSpec
-from ..models.stage import StageModel
-from ..parallel.comm import all_reduce, group_size
-from ..parallel.context import split_for_cp
-from ..parallel.cross_entropy import DEFAULT_CHUNK_TOKENS
-from ..parallel.pipeline import SCHEDULES, PipelineRunner, validate_schedule
-from ..parallel.state import Grid
-from .lora import apply_lora
+from qlm_core.checkpoint.sources.random_init import RandomInitSource
+from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig
+from qlm_core.errors import QlmError
+from qlm_core.models.gpt import CP_COMM_TYPES, RECOMPUTE_MODES, ParallelOptions
+from qlm_core.models.layout import ModelLayout, TensorSource, build_shard
+from qlm_core.models.spec import ModelSpec
+from qlm_core.models.stage import StageModel
+from qlm_core.parallel.comm import all_reduce, group_size
+from qlm_core.parallel.context_parallel import split_for_cp
+from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS
+from qlm_core.parallel.pipeline import SCHEDULES, PipelineRunner, validate_schedule
+from qlm_core.parallel.state import Grid
+from qlm_core.train.lora import apply_lora
 
 
 @dataclass
@@ -175,7 +175,7 @@ class Engine:
         c, g, o = self.config, self.grid, self.optim
         groups = param_groups(self.params, o.weight_decay)
         if c.zero_stage == 3:
-            from ..parallel.fsdp import FullyShardedState
+            from qlm_core.parallel.fsdp import FullyShardedState
 
             self.optimizer = FullyShardedState(
                 self.chunks, [list(chunk.decoder.layers) for chunk in self.chunks], groups,
@@ -186,8 +186,8 @@ class Engine:
             self.grads = self.optimizer
             self.params = self.optimizer.params
             return
-        from ..parallel.data import GradientBuffers
-        from ..parallel.optimizer import DistributedOptimizer
+        from qlm_core.parallel.grad_buffers import GradientBuffers
+        from qlm_core.parallel.optimizer import DistributedOptimizer
 
         self.grads = GradientBuffers(
             self.params, dp_group=g.dp_cp_group, zero_stage=c.zero_stage, bucket_size_mb=c.bucket_size_mb,

@@ -22,22 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint.layout import (
+from qlm_core.checkpoint.formats.lora_args import LoraSettings, check_targets, is_adapter_name, lora_scale
+from qlm_core.checkpoint.sources.lora import LoraInitSource
+from qlm_core.models.gpt import GPTModel, ParallelOptions
+from qlm_core.models.layout import (
     LORA_TARGETS,
     ModelLayout,
     TensorSource,
     read_shard_tensor,
 )
-from ..checkpoint.lora import (
-    LoraInitSource,
-    LoraSettings,
-    check_targets,
-    is_adapter_name,
-    lora_scale,
-)
-from ..models.gpt import GPTModel, ParallelOptions
-from ..parallel.comm import group_rank, group_size
-from ..parallel.tensor import (
+from qlm_core.parallel.comm import group_rank, group_size
+from qlm_core.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     copy_to_tp,

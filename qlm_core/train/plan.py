@@ -6,18 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
-from ..checkpoint.layout import ModelLayout
-from ..config import Recipe
-from ..errors import QlmError
-from ..models.spec import ModelSpec
-from ..parallel.state import ParallelSizes, resolve_sizes
-from .checks import check_recipe
-from .data import check_data_files
-from .engine import validate_layout
-from .sources import resolve_model
-from .trainer import total_steps
+from qlm_core.config import Recipe
+from qlm_core.errors import QlmError
+from qlm_core.models.layout import ModelLayout
+from qlm_core.models.spec import ModelSpec
+from qlm_core.parallel.state import ParallelSizes, resolve_sizes
+from qlm_core.train.checks import check_recipe
+from qlm_core.train.data import check_data_files
+from qlm_core.train.engine import validate_layout
+from qlm_core.train.sources import resolve_model
+from qlm_core.train.trainer import total_steps
 
 
 @dataclass
@@ -27,22 +25,6 @@ class RunPlan:
     layout: ModelLayout
     steps: int
     model_description: str
-
-
-def planned_memory(recipe: Recipe, plan: RunPlan):
-    """The profile's memory estimate of this run per rank (heaviest stage), against this machine's GPU or, without
-    one, an 80 GiB device; and the device's description."""
-    from ..profile.case import case_from_recipe
-    from ..profile.hardware import GPUS
-    from ..profile.memory import estimate_memory
-
-    if torch.cuda.is_available():
-        capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
-        device = "this GPU"
-    else:
-        capacity, device = GPUS["a100-80g"].memory_gib, "an 80 GiB GPU (qlm profile RECIPE --gpu NAME for others)"
-    case = case_from_recipe(recipe, plan.sizes.world, spec=plan.spec)
-    return estimate_memory(case, capacity_gib=capacity), device
 
 
 def world_size(recipe: Recipe, nproc_per_node: int | None, nnodes: int) -> tuple[int, int]:

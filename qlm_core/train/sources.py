@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint.layout import TensorSource
-from ..checkpoint.open import open_checkpoint, tokenizer_near
-from ..config import ModelConfig
-from ..models.spec import ModelSpec, load_model_spec
+from qlm_core.checkpoint.sources.open import open_checkpoint, tokenizer_near
+from qlm_core.config import ModelConfig
+from qlm_core.models.layout import TensorSource
+from qlm_core.models.spec import ModelSpec, load_model_spec
 
 
 @dataclass

@@ -12,32 +12,32 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from ..checkpoint.hf import copy_side_files
-from ..checkpoint.lora import lora_args
-from ..checkpoint.mcore import HF_SIDE_DIR
-from ..checkpoint.open import CHECKPOINTS_DIR, run_checkpoint_dir
-from ..config import Recipe, recipe_to_toml
-from ..data.loader import GlobalBatchSampler, collate
-from ..dtypes import DTYPES
-from ..errors import QlmError
-from ..parallel.state import Grid, destroy_distributed, init_distributed, resolve_sizes
-from ..profile.hardware import GPUS, local_gpu
-from .checkpointing import TrainState, has_checkpoint, load_checkpoint, save_checkpoint
-from .checks import check_recipe
-from .data import build_run_data
-from .engine import Batch, Engine
-from .flops import flops_per_sequence, measure_cpu_peak_tflops
-from .metrics import MetricsWriter, StepMetrics, peak_memory_gb, plot_loss
-from .schedule import learning_rate
-from .sources import resolve_model
+from qlm_core.checkpoint.formats.hf import copy_side_files
+from qlm_core.checkpoint.formats.lora_args import lora_args
+from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR
+from qlm_core.checkpoint.sources.open import CHECKPOINTS_DIR, run_checkpoint_dir
+from qlm_core.config import Recipe, recipe_to_toml
+from qlm_core.data.loader import GlobalBatchSampler, collate
+from qlm_core.dtypes import DTYPES
+from qlm_core.errors import QlmError
+from qlm_core.hardware import GPUS, local_gpu, measure_cpu_peak_tflops
+from qlm_core.models.flops import flops_per_sequence
+from qlm_core.parallel.state import Grid, destroy_distributed, init_distributed, resolve_sizes
+from qlm_core.train.checkpointing import TrainState, has_checkpoint, load_checkpoint, save_checkpoint
+from qlm_core.train.checks import check_recipe
+from qlm_core.train.data import build_run_data
+from qlm_core.train.engine import Batch, Engine
+from qlm_core.train.metrics import MetricsWriter, StepMetrics, peak_memory_gb, plot_loss
+from qlm_core.train.schedule import learning_rate
+from qlm_core.train.sources import resolve_model
 
 
 @dataclass
@@ -220,7 +220,7 @@ class Trainer:
         return loss
 
     def _summary(self, final_valid: float | None) -> dict:
-        from .metrics import read_jsonl
+        from qlm_core.train.metrics import read_jsonl
 
         rows = read_jsonl(self.run_dir / "metrics.jsonl") if self.metrics is not None else []
         timed = rows[1:] or rows  # the first step includes one-off warm-up costs

@@ -44,12 +44,13 @@ def build_model(args, pre, post):
 
 
 def run_case(case, rank):
+    from pathlib import Path
+
     import megatron.core  # noqa: F401  registers Megatron's safe globals (argparse.Namespace, ...)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
-    from qlm_core.checkpoint.mcore import SHARD_FILE, resolve_iteration_dir, shard_dir_name
-    from pathlib import Path
+    from qlm_core.checkpoint.formats.megatron_legacy import SHARD_FILE, resolve_iteration_dir, shard_dir_name
 
     iteration_dir, _ = resolve_iteration_dir(Path(case["ckpt"]))
     peek = torch.load(next(iteration_dir.glob(f"mp_rank_*/{SHARD_FILE}")), weights_only=True, map_location="cpu")

@@ -1,0 +1,164 @@
+"""Detect a checkpoint's format and describe it: layout, args and a tensor table."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qlm_core.checkpoint.formats.hf import HFCheckpoint, is_hf_dir
+from qlm_core.checkpoint.formats.megatron_legacy import (
+    LATEST_FILE,
+    MegatronTorchCheckpoint,
+    is_mcore_torch_dir,
+    resolve_iteration_dir,
+)
+from qlm_core.errors import QlmError
+
+HF, MCORE_TORCH, MCORE_TORCH_DIST, DEEPSPEED = "hf", "mcore-torch", "mcore-torch_dist", "deepspeed"
+
+_ARG_KEYS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "max_position_embeddings", "rotary_base", "use_rope_scaling", "add_qkv_bias",
+    "untie_embeddings_and_output_weights", "norm_epsilon", "vocab_size", "padded_vocab_size",
+    "make_vocab_size_divisible_by", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+    "params_dtype", "ckpt_format", "iteration",
+)
+
+
+@dataclass
+class TensorRow:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    where: str
+
+
+@dataclass
+class Inspection:
+    format: str
+    path: Path
+    layout: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict)
+    tensors: list[TensorRow] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "format": self.format, "path": str(self.path), "layout": self.layout,
+            "args": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in self.args.items()},
+            "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "where": t.where}
+                        for t in self.tensors],
+        }
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _deepspeed_tag_dir(path: Path) -> Path | None:
+    if (path / "latest").is_file():
+        tag = (path / "latest").read_text().strip()
+        if (path / tag).is_dir():
+            return path / tag
+        raise QlmError(f"{path / 'latest'} names tag {tag!r}, which does not exist", "fix the file or pass the tag dir")
+    if list(path.glob("*mp_rank_*_model_states.pt")) or list(path.glob("*/*mp_rank_*_model_states.pt")):
+        return path  # a tag directory, or tags without `latest` (the reader then asks for --iteration)
+    return None
+
+
+def detect_format(path: Path, iteration: int | None = None) -> str:
+    if not path.is_dir():
+        raise QlmError(f"{path} is not a directory", "point at a checkpoint directory")
+    if (path / LATEST_FILE).exists() or any(re.fullmatch(r"iter_\d{7}|release", p.name) for p in path.iterdir()):
+        if not (path / LATEST_FILE).exists() and iteration is None:
+            raise QlmError(f"{path} has iteration folders but no {LATEST_FILE}", "pass --iteration")
+        iteration_dir, _ = resolve_iteration_dir(path, iteration)
+        if (iteration_dir / "metadata.json").exists() or (iteration_dir / ".metadata").exists():
+            return MCORE_TORCH_DIST
+        if is_mcore_torch_dir(iteration_dir):
+            return MCORE_TORCH
+    if is_hf_dir(path):
+        return HF
+    if _deepspeed_tag_dir(path) is not None:
+        return DEEPSPEED
+    if any(p.name.startswith("mp_rank_") for p in path.iterdir()):
+        return MCORE_TORCH
+    if (path / "metadata.json").exists() and (path / ".metadata").exists():
+        return MCORE_TORCH_DIST
+    raise QlmError(
+        f"cannot tell the checkpoint format of {path}",
+        "expected config.json + weights (HF), latest_checkpointed_iteration.txt (Megatron) or latest + "
+        "global_step*/ (DeepSpeed)",
+    )
+
+
+def inspect_checkpoint(path: str | Path, iteration: int | None = None) -> Inspection:
+    path = Path(path)
+    fmt = detect_format(path, iteration)
+    return {HF: _inspect_hf, MCORE_TORCH: _inspect_mcore, MCORE_TORCH_DIST: _inspect_torch_dist,
+            DEEPSPEED: _inspect_deepspeed}[fmt](path, iteration)
+
+
+def _inspect_hf(path: Path, iteration) -> Inspection:
+    ckpt = HFCheckpoint(path)
+    spec = ckpt.spec
+    report = Inspection(HF, path, layout={"files": len({ckpt.file_of(n) for n in ckpt.names})})
+    report.args = {k: v for k, v in vars(spec).items() if not k.startswith("_")}
+    report.args["num_parameters"] = spec.num_parameters()
+    report.tensors = [
+        TensorRow(n, ckpt.shape(n), _dtype_name(ckpt.dtype(n)), ckpt.file_of(n).name) for n in ckpt.names
+    ]
+    return report
+
+
+def _inspect_mcore(path: Path, iteration) -> Inspection:
+    ckpt = MegatronTorchCheckpoint(path, iteration)
+    layout = ckpt.layout
+    report = Inspection(MCORE_TORCH, path, layout={
+        "iteration": "release" if ckpt.iteration is None else ckpt.iteration, "tp": ckpt.tp, "pp": ckpt.pp,
+        "vpp": ckpt.vpp, "stage_layers": list(layout.stage_layer_counts), "padded_vocab": layout.padded_vocab,
+        "dtype": _dtype_name(ckpt.dtype),
+    })
+    report.args = {k: getattr(ckpt.args, k) for k in _ARG_KEYS if hasattr(ckpt.args, k)}
+    for (tp_rank, pp_rank), file in sorted(ckpt.files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for chunk in range(ckpt.vpp):
+            where = file.parent.name + (f"/model{chunk}" if ckpt.vpp > 1 else "")
+            for name, tensor in ckpt.chunk_state(tp_rank, pp_rank, chunk).items():
+                report.tensors.append(TensorRow(name, tuple(tensor.shape), _dtype_name(tensor.dtype), where))
+    return report
+
+
+def _inspect_torch_dist(path: Path, iteration) -> Inspection:
+    from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
+
+    ckpt = TorchDistCheckpoint(path, iteration)
+    report = Inspection(MCORE_TORCH_DIST, path, layout={
+        "iteration": "release" if ckpt.iteration is None else ckpt.iteration, "saved_tp": ckpt.tp,
+        "saved_pp": ckpt.pp, "padded_vocab": ckpt.layout.padded_vocab, "dtype": _dtype_name(ckpt.dtype),
+        "common_state": "common.pt" if (ckpt.dir / "common.pt").exists() else "dcp",
+        "files": len({info.relative_path for info in (ckpt.metadata.storage_data or {}).values()}),
+    })
+    report.args = {k: getattr(ckpt.args, k) for k in _ARG_KEYS if hasattr(ckpt.args, k)}
+    for name, meta in sorted(ckpt.tensors.items()):
+        report.tensors.append(TensorRow(name, tuple(meta.size), _dtype_name(meta.properties.dtype),
+                                        f"dcp ({len(meta.chunks)} chunks)"))
+    return report
+
+
+def _inspect_deepspeed(path: Path, iteration) -> Inspection:
+    """The weights ds2hf would write: where each comes from (fp32 partitions, frozen fragments, module, a tie)."""
+    from qlm_core.checkpoint.formats.deepspeed import DeepSpeedCheckpoint
+
+    ckpt = DeepSpeedCheckpoint(path, None if iteration is None else f"global_step{iteration}")
+    report = Inspection(DEEPSPEED, path, layout={
+        "tag": ckpt.tag, "zero_stage": ckpt.zero_stage, "dp_world_size": ckpt.dp_world_size,
+        "optimizer_files": len(ckpt.optimizer_files), "module_dtype": _dtype_name(ckpt.module_dtype),
+        "global_steps": ckpt.global_steps, "ds_version": ckpt.ds_version,
+    })
+    report.tensors = [TensorRow(name, ckpt.shape(name), _dtype_name(ckpt.dtype(name)), ckpt.where(name))
+                      for name in ckpt.names]
+    return report

@@ -1,0 +1,252 @@
+"""Streaming conversions between HF and Megatron-Core checkpoints.
+
+Every direction is: open the input as a TensorSource (layout.py), then write the target one file at a time, reading
+only the slices that file needs. Peak memory is one output file plus the slices being copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qlm_core.checkpoint.convert.train_state import TrainStateCarrier
+from qlm_core.checkpoint.convert.verify import (
+    AUTO_VERIFY_MAX_PARAMS,
+    VerifyReport,
+    compare_logits,
+    compare_tensors,
+    hf_logits_fn,
+    qlm_logits_fn,
+)
+from qlm_core.checkpoint.formats.hf import (
+    HFCheckpoint,
+    copy_side_files,
+    plan_hf_shards,
+    shard_file_names,
+    write_hf_config,
+    write_hf_index,
+    write_hf_shard,
+)
+from qlm_core.checkpoint.formats.megatron import TORCH, TORCH_DIST, check_format, open_megatron
+from qlm_core.checkpoint.formats.megatron_args import make_args, set_layout_args
+from qlm_core.checkpoint.formats.megatron_legacy import (
+    HF_SIDE_DIR,
+    SHARD_FILE,
+    iteration_dir_name,
+    shard_dir_name,
+    write_latest,
+    write_shard_file,
+)
+from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
+from qlm_core.checkpoint.formats.torch_dist_write import write_mcore_torch_dist
+from qlm_core.checkpoint.io.staging import check_output_dir, staged_output
+from qlm_core.checkpoint.sources.open import megatron_weights
+from qlm_core.dtypes import dtype_named
+from qlm_core.errors import QlmError
+from qlm_core.models.layout import (
+    HFTensorSource,
+    ModelLayout,
+    TensorSource,
+    assemble_hf_tensor,
+    build_shard,
+)
+
+Progress = Callable[[int, int, str], None]  # (done, total, what)
+
+
+def no_progress(done: int, total: int, what: str):
+    pass
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    files: int
+    bytes_written: int
+    seconds: float
+    verify: VerifyReport | None
+    notes: list[str] = field(default_factory=list)  # what was not carried over, and why
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    return dtype_named(dtype, "--dtype")
+
+
+def should_verify(verify: bool | None, spec) -> bool:
+    return verify if verify is not None else spec.num_parameters() <= AUTO_VERIFY_MAX_PARAMS
+
+
+def dir_bytes(path: Path) -> tuple[int, int]:
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def finish_report(report: VerifyReport | None):
+    if report is not None and not report.ok:
+        raise QlmError(f"verification failed: {report.summary()}", "nothing was written; please report this bug")
+
+
+def write_mcore_torch(root: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype,
+                      args: argparse.Namespace, iteration: int | None, progress: Progress,
+                      extra_for: Callable[[int, int], dict] | None = None):
+    iteration_dir = root / iteration_dir_name(iteration)
+    total = layout.tp * layout.pp
+    for pp_rank in range(layout.pp):
+        for tp_rank in range(layout.tp):
+            name = shard_dir_name(tp_rank, pp_rank, layout.pp)
+            progress(pp_rank * layout.tp + tp_rank, total, name)
+            chunks = [build_shard(layout, tp_rank, pp_rank, c, source, dtype) for c in range(layout.vpp)]
+            extra = extra_for(tp_rank, pp_rank) if extra_for is not None else None
+            write_shard_file(iteration_dir / name / SHARD_FILE, chunks, args, iteration, extra)
+            del chunks
+    progress(total, total, "done")
+    write_latest(root, iteration)
+
+
+def hf_to_mcore(
+    hf: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+    first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+    dtype: str | torch.dtype | None = None, make_vocab_size_divisible_by: int = 128,
+    force: bool = False, verify: bool | None = None, progress: Progress = no_progress, format: str = TORCH,
+) -> ConvertResult:
+    """`format`: "torch" (legacy, one file per TP/PP rank) or "torch_dist" (megatron-core's DCP layout)."""
+    started = time.perf_counter()
+    check_format(format)
+    src = HFCheckpoint(hf)
+    out = Path(out)
+    check_output_dir(out, force, src.path)
+    layout = ModelLayout(src.spec, tp, pp, vpp, first_stage_layers, last_stage_layers, make_vocab_size_divisible_by)
+    src.check_shapes({name: layout.hf_shape(name) for name in layout.hf_tensors})
+    dtype = parse_dtype(dtype) or src.weights_dtype
+    source = HFTensorSource(src)
+    report = None
+    with staged_output(out, force) as tmp:
+        write_megatron(format, tmp, layout, source, dtype, make_args(layout, dtype, ckpt_format=format), None, progress)
+        copy_side_files(src.path, tmp / HF_SIDE_DIR)
+        if should_verify(verify, src.spec):
+            report = VerifyReport()
+            written = open_megatron(tmp)
+            compare_tensors(report, (layout, source), (written.layout, written), dtype)
+            compare_logits(report, hf_logits_fn(src.path, dtype), qlm_logits_fn(written.layout, written, dtype),
+                           src.spec)
+            finish_report(report)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)
+
+
+def write_megatron(format: str, root: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype,
+                   args: argparse.Namespace, iteration: int | None, progress: Progress,
+                   carrier: TrainStateCarrier | None = None):
+    """A Megatron checkpoint in `format`; `carrier`: a training run's state to write beside the weights."""
+    if format == TORCH_DIST:
+        write_mcore_torch_dist(root, layout, source, dtype, args, iteration, progress,
+                               carrier.common_extra() if carrier else None, carrier.dist_parts() if carrier else [])
+    else:
+        write_mcore_torch(root, layout, source, dtype, args, iteration, progress, carrier.extra_for if carrier else None)
+
+
+def write_hf(out: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype, max_shard_bytes: int,
+             progress: Progress):
+    sizes = {
+        name: torch.Size(layout.hf_shape(name)).numel() * dtype.itemsize for name in layout.hf_tensors
+    }
+    shards = plan_hf_shards(sizes, max_shard_bytes)
+    files = shard_file_names(len(shards))
+    weight_map = {}
+    for i, (names, file) in enumerate(zip(shards, files)):
+        progress(i, len(shards), file)
+        tensors = {name: assemble_hf_tensor(layout, name, source, dtype) for name in names}
+        write_hf_shard(out / file, tensors)
+        weight_map.update({name: file for name in names})
+        del tensors
+    progress(len(shards), len(shards), "done")
+    if len(shards) > 1:
+        write_hf_index(out, weight_map, sum(sizes.values()))
+
+
+def mcore_to_hf(
+    mcore: str | Path, out: str | Path, *, iteration: int | None = None, dtype: str | torch.dtype | None = None,
+    max_shard_size_gb: float = 5.0, force: bool = False, verify: bool | None = None,
+    progress: Progress = no_progress,
+) -> ConvertResult:
+    started = time.perf_counter()
+    src = open_megatron(mcore, iteration)
+    out = Path(out)
+    check_output_dir(out, force, src.root)
+    dtype = parse_dtype(dtype) or src.dtype
+    source, side_dir = megatron_weights(src)  # a LoRA run: the base weights merged with the adapters
+    report = None
+    with staged_output(out, force) as tmp:
+        write_hf(tmp, src.layout, source, dtype, int(max_shard_size_gb * 2**30), progress)
+        write_hf_config(tmp, side_dir, src.spec, dtype)
+        if should_verify(verify, src.spec):
+            report = VerifyReport()
+            written = HFCheckpoint(tmp)
+            compare_tensors(report, (src.layout, source), (src.layout, HFTensorSource(written)), dtype)
+            compare_logits(report, qlm_logits_fn(src.layout, source, dtype), hf_logits_fn(tmp, dtype), src.spec)
+            finish_report(report)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)
+
+
+def mcore_to_mcore(
+    mcore: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+    first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+    iteration: int | None = None, dtype: str | torch.dtype | None = None,
+    make_vocab_size_divisible_by: int | None = None, force: bool = False, verify: bool | None = None,
+    progress: Progress = no_progress, format: str | None = None,
+) -> ConvertResult:
+    """`format`: "torch" or "torch_dist" (default: the source's). The output also carries qlm's training state
+    (Adam states re-sliced like the weights, step, train state, scheduler; see train_state.py)."""
+    started = time.perf_counter()
+    src = open_megatron(mcore, iteration)
+    format = check_format(format or (TORCH_DIST if isinstance(src, TorchDistCheckpoint) else TORCH))
+    if src.lora is not None and not src.holds_base:
+        raise QlmError(f"{src.root} holds only LoRA adapters", "export them with mcore2peft, or merged with mcore2hf")
+    out = Path(out)
+    check_output_dir(out, force, src.root)
+    divisible = make_vocab_size_divisible_by or src.layout.make_vocab_size_divisible_by
+    layout = ModelLayout(src.spec, tp, pp, vpp, first_stage_layers, last_stage_layers, divisible)
+    dtype = parse_dtype(dtype) or src.dtype
+    args = set_layout_args(argparse.Namespace(**vars(src.args)), layout, dtype)
+    args.ckpt_format = format
+    carrier = TrainStateCarrier(src, layout)
+    notes = list(carrier.notes)
+    report = None
+    with staged_output(out, force) as tmp:
+        write_megatron(format, tmp, layout, src, dtype, args, src.iteration, progress, carrier)
+        if (src.root / HF_SIDE_DIR).is_dir():
+            copy_side_files(src.root / HF_SIDE_DIR, tmp / HF_SIDE_DIR)
+        if should_verify(verify, src.spec):
+            report = VerifyReport()
+            written = open_megatron(tmp, src.iteration, spec=src.spec)
+            compare_tensors(report, (src.layout, src), (written.layout, written), dtype)
+            carrier.verify(report, tmp)
+            compare_logits(report, qlm_logits_fn(src.layout, src, dtype), qlm_logits_fn(written.layout, written, dtype),
+                           src.spec)
+            finish_report(report)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, notes)
+
+
+def mcore_to_peft(mcore: str | Path, out: str | Path, *, iteration: int | None = None, force: bool = False,
+                  progress: Progress = no_progress) -> ConvertResult:
+    """A LoRA run's adapters (any TP/PP) -> PEFT's adapter_model.safetensors + adapter_config.json, with HF module
+    names, for peft.PeftModel.from_pretrained(base transformers model, OUT)."""
+    from qlm_core.checkpoint.formats.peft import export_peft
+
+    started = time.perf_counter()
+    src = open_megatron(mcore, iteration)
+    if src.lora is None:
+        raise QlmError(f"{src.dir} holds no LoRA adapters", "export full models with mcore2hf")
+    out = Path(out)
+    check_output_dir(out, force, src.root)
+    with staged_output(out, force) as tmp:
+        progress(0, 1, "adapters")
+        export_peft(src.layout, src, src.lora, tmp, base_model_name_or_path=src.lora.base)
+        progress(1, 1, "done")
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, None)

@@ -1,0 +1,90 @@
+"""--verify: re-read a written checkpoint, compare it with its source tensor by tensor, and compare logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qlm_core.models.gpt import GPTModel
+from qlm_core.models.layout import ModelLayout, TensorSource, assemble_hf_tensor, build_shard
+
+AUTO_VERIFY_MAX_PARAMS = 2_000_000_000  # two fp32 copies of the model must fit in host memory
+
+
+@dataclass
+class VerifyReport:
+    tensors_checked: int = 0
+    mismatched: list[str] = field(default_factory=list)
+    logits_max_abs_diff: float | None = None
+    logits_tolerance: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        logits_ok = self.logits_max_abs_diff is None or self.logits_max_abs_diff <= self.logits_tolerance
+        return not self.mismatched and logits_ok
+
+    def summary(self) -> str:
+        text = f"{self.tensors_checked - len(self.mismatched)}/{self.tensors_checked} tensors bit-exact"
+        if self.mismatched:
+            text += f" (differ: {', '.join(self.mismatched[:3])}{'...' if len(self.mismatched) > 3 else ''})"
+        if self.logits_max_abs_diff is not None:
+            text += f"; logits max |diff| {self.logits_max_abs_diff:.3g} (tolerance {self.logits_tolerance:.3g})"
+        return text
+
+
+def compare_tensors(report: VerifyReport, source: tuple[ModelLayout, TensorSource],
+                    written: tuple[ModelLayout, TensorSource], dtype: torch.dtype):
+    """Every HF tensor rebuilt from the written checkpoint must equal the source's, cast to the written dtype."""
+    (src_layout, src), (out_layout, out) = source, written
+    for name in src_layout.hf_tensors:
+        expected = assemble_hf_tensor(src_layout, name, src, dtype)
+        actual = assemble_hf_tensor(out_layout, name, out)
+        report.tensors_checked += 1
+        if actual.dtype != expected.dtype or not torch.equal(actual, expected):
+            report.mismatched.append(name)
+
+
+def fixed_input(vocab_size: int, max_len: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab_size, (2, min(24, max_len)), generator=generator)
+
+
+def qlm_model(layout: ModelLayout, source: TensorSource, weight_dtype: torch.dtype) -> GPTModel:
+    """qlm's single-process model (fp32 compute) over weights rounded to `weight_dtype`."""
+    single = ModelLayout(layout.spec, make_vocab_size_divisible_by=layout.make_vocab_size_divisible_by)
+    model = GPTModel(layout.spec, padded_vocab=single.padded_vocab)
+    state = build_shard(single, 0, 0, 0, source, weight_dtype)
+    model.load_state_dict({k: v if v is None else v.float() for k, v in state.items()}, strict=True)
+    return model.eval()
+
+
+def load_hf_model(path: Path, weight_dtype: torch.dtype):
+    """transformers' model in fp32 compute, weights rounded to `weight_dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except TypeError:  # transformers < 4.56 names it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    return model.to(weight_dtype).float().eval()
+
+
+@torch.no_grad()
+def compare_logits(report: VerifyReport, reference, candidate, spec):
+    """reference / candidate: callables input_ids -> logits [b, s, vocab]."""
+    ids = fixed_input(spec.vocab_size, spec.max_position_embeddings)
+    ref, out = reference(ids), candidate(ids)
+    report.logits_max_abs_diff = (ref - out).abs().max().item()
+    report.logits_tolerance = 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def hf_logits_fn(path: Path, weight_dtype: torch.dtype):
+    model = load_hf_model(path, weight_dtype)
+    return lambda ids: model(ids).logits
+
+
+def qlm_logits_fn(layout: ModelLayout, source: TensorSource, weight_dtype: torch.dtype):
+    model = qlm_model(layout, source, weight_dtype)
+    return lambda ids: model(ids)

@@ -1,0 +1,37 @@
+"""Open a Megatron checkpoint of either format (legacy `torch` or `torch_dist`) as a TensorSource."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint, is_torch_dist_dir, resolve_dist_dir
+from qlm_core.errors import QlmError
+from qlm_core.models.spec import ModelSpec
+
+TORCH, TORCH_DIST = "torch", "torch_dist"
+FORMATS = (TORCH, TORCH_DIST)
+
+
+def megatron_format(path: str | Path, iteration: int | None = None) -> str:
+    """`torch` or `torch_dist`: the format of the iteration `path` resolves to."""
+    root = Path(path)
+    if not root.is_dir():
+        raise QlmError(f"{root} is not a directory", "point at a Megatron checkpoint directory")
+    iteration_dir, _ = resolve_dist_dir(root, iteration)
+    return TORCH_DIST if is_torch_dist_dir(iteration_dir) else TORCH
+
+
+def open_megatron(path: str | Path, iteration: int | None = None, spec: ModelSpec | None = None,
+                  view: str = "model") -> MegatronTorchCheckpoint | TorchDistCheckpoint:
+    """The checkpoint at `path` (root with latest_checkpointed_iteration.txt, or an iteration directory) opened for
+    streaming reads; both readers offer layout, spec, args, dtype, iteration, tp, pp, lora and extra_state()."""
+    if megatron_format(path, iteration) == TORCH_DIST:
+        return TorchDistCheckpoint(path, iteration, spec, view)
+    return MegatronTorchCheckpoint(path, iteration, spec, view)
+
+
+def check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise QlmError(f"unknown checkpoint format {fmt!r}", f"use one of {', '.join(FORMATS)}")
+    return fmt

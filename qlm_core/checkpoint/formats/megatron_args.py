@@ -1,0 +1,135 @@
+"""The `args` Namespace Megatron-LM stores in every checkpoint, to and from a ModelSpec + ModelLayout.
+
+Only primitives (and torch dtypes) go in, so Megatron reads it with torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from qlm_core.errors import QlmError
+from qlm_core.models.layout import ModelLayout
+from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec, RopeScaling
+
+
+def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch", **extra) -> argparse.Namespace:
+    s = layout.spec
+    theta = int(s.rope_theta) if float(s.rope_theta).is_integer() else s.rope_theta
+    args = argparse.Namespace(
+        num_layers=s.num_layers,
+        hidden_size=s.hidden_size,
+        ffn_hidden_size=s.ffn_hidden_size,
+        num_attention_heads=s.num_attention_heads,
+        num_query_groups=s.num_query_groups,
+        group_query_attention=s.num_query_groups != s.num_attention_heads,
+        kv_channels=s.kv_channels,
+        max_position_embeddings=s.max_position_embeddings,
+        seq_length=min(s.max_position_embeddings, 4096),
+        position_embedding_type="rope",
+        add_position_embedding=False,
+        use_rotary_position_embeddings=True,
+        rotary_base=theta,
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        rotary_seq_len_interpolation_factor=None,
+        use_rope_scaling=s.rope_scaling is not None,
+        rope_scaling_factor=s.rope_scaling.factor if s.rope_scaling else 8.0,
+        add_bias_linear=False,
+        add_qkv_bias=s.qkv_bias,
+        swiglu=True,
+        squared_relu=False,
+        untie_embeddings_and_output_weights=not s.tie_word_embeddings,
+        apply_layernorm_1p=False,
+        normalization="RMSNorm",
+        norm_epsilon=s.norm_epsilon,
+        apply_query_key_layer_scaling=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        window_size=(s.sliding_window, 0) if s.sliding_window else None,
+        sequence_parallel=False,
+        transformer_impl="local",
+        ckpt_format=ckpt_format,
+        tokenizer_type="HuggingFaceTokenizer",
+        iteration=0,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+        qlm_model_type=s.model_type,
+        qlm_rope_scaling=None if s.rope_scaling is None else vars(s.rope_scaling).copy(),
+    )
+    set_layout_args(args, layout, dtype)
+    for key, value in extra.items():
+        setattr(args, key, value)
+    return args
+
+
+def set_layout_args(args: argparse.Namespace, layout: ModelLayout, dtype: torch.dtype) -> argparse.Namespace:
+    """The fields that change when a checkpoint is resharded or recast (everything else is kept)."""
+    counts = layout.stage_layer_counts
+    uneven = layout.first_stage_layers is not None or layout.last_stage_layers is not None
+    args.vocab_size = layout.spec.vocab_size
+    args.padded_vocab_size = layout.padded_vocab
+    args.make_vocab_size_divisible_by = layout.make_vocab_size_divisible_by
+    args.tensor_model_parallel_size = layout.tp
+    args.pipeline_model_parallel_size = layout.pp
+    args.virtual_pipeline_model_parallel_size = layout.vpp if layout.vpp > 1 else None
+    args.num_layers_per_virtual_pipeline_stage = counts[0] // layout.vpp if layout.vpp > 1 and not uneven else None
+    args.decoder_first_pipeline_num_layers = layout.first_stage_layers
+    args.decoder_last_pipeline_num_layers = layout.last_stage_layers
+    args.bf16 = dtype == torch.bfloat16
+    args.fp16 = dtype == torch.float16
+    args.params_dtype = dtype
+    return args
+
+
+def spec_from_args(args) -> ModelSpec:
+    """Rebuild the architecture from a Megatron `args` (written by qlm or by Megatron-LM itself)."""
+
+    def need(name):
+        value = getattr(args, name, None)
+        if value is None:
+            raise QlmError(f"the checkpoint's args lack {name}", "convert from the HF model instead, or pass its config")
+        return value
+
+    if not getattr(args, "swiglu", False):
+        raise QlmError("the checkpoint's model does not use SwiGLU", "qlm converts Llama/Qwen2/Mistral-style models")
+    if getattr(args, "normalization", "LayerNorm") != "RMSNorm":
+        raise QlmError("the checkpoint's model uses LayerNorm", "qlm converts RMSNorm models only")
+    if getattr(args, "add_bias_linear", False):
+        raise QlmError("the checkpoint's linear layers have biases", "qlm supports bias on linear_qkv only")
+    model_type = getattr(args, "qlm_model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        model_type = "qwen2" if getattr(args, "add_qkv_bias", False) else "llama"
+    heads = need("num_attention_heads")
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+    scaling = None
+    if getattr(args, "use_rope_scaling", False):
+        stored = getattr(args, "qlm_rope_scaling", None)
+        scaling = RopeScaling(**stored) if stored else RopeScaling(factor=float(getattr(args, "rope_scaling_factor", 8.0)))
+    window = getattr(args, "window_size", None)
+    return ModelSpec(
+        model_type=model_type,
+        vocab_size=getattr(args, "vocab_size", None) or need("padded_vocab_size"),
+        hidden_size=need("hidden_size"),
+        ffn_hidden_size=need("ffn_hidden_size"),
+        num_layers=need("num_layers"),
+        num_attention_heads=heads,
+        num_query_groups=groups or heads,
+        kv_channels=getattr(args, "kv_channels", None) or args.hidden_size // heads,
+        max_position_embeddings=getattr(args, "max_position_embeddings", None) or getattr(args, "seq_length", 4096),
+        rope_theta=float(getattr(args, "rotary_base", 10000)),
+        norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)),
+        qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
+        tie_word_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
+        rope_scaling=scaling,
+        sliding_window=window[0] if window and window[0] and window[0] > 0 else None,
+    )
+
+
+def dtype_from_args(args) -> torch.dtype:
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return torch.float32

@@ -1,0 +1,274 @@
+"""Megatron-LM legacy `torch` checkpoints: latest_checkpointed_iteration.txt, iter_%07d/ or release/,
+mp_rank_TT[_PPP]/model_optim_rng.pt holding args, checkpoint_version, iteration and model / model0, model1, ...
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from qlm_core.checkpoint.formats.lora_args import adapter_args
+from qlm_core.checkpoint.formats.megatron_args import dtype_from_args, spec_from_args
+from qlm_core.checkpoint.formats.trainer_state import OPTIMIZER_KEY
+from qlm_core.checkpoint.io.safe_load import safe_torch_load
+from qlm_core.errors import QlmError
+from qlm_core.models.layout import REPLICATED, ModelLayout, TensorLayout, normalize_megatron_name
+from qlm_core.models.spec import ModelSpec, read_hf_config
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+SHARD_FILE = "model_optim_rng.pt"
+HF_SIDE_DIR = "hf"  # config + tokenizer of the source HF model, kept so the way back is lossless
+CHECKPOINT_VERSION = 3.0
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+def megatron_spec(root: Path, args) -> ModelSpec:
+    """A Megatron checkpoint's architecture: the HF config kept beside it (exact), else its args."""
+    side = root / HF_SIDE_DIR / "config.json"
+    if side.exists():
+        return ModelSpec.from_hf_config(read_hf_config(side))
+    return spec_from_args(args)
+
+
+def iteration_dir_name(iteration: int | None) -> str:
+    return "release" if iteration is None else f"iter_{iteration:07d}"
+
+
+def shard_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def resolve_iteration_dir(root: Path, iteration: int | None = None) -> tuple[Path, int | None]:
+    """The directory holding the rank folders, and its iteration (None for `release`)."""
+    if iteration is not None:
+        path = root / iteration_dir_name(iteration)
+        if not path.is_dir():
+            raise QlmError(f"{root} has no iteration {iteration}", f"choose one of {list_iterations(root) or 'none'}")
+        return path, iteration
+    latest = root / LATEST_FILE
+    if latest.exists():
+        text = latest.read_text().strip()
+        if text == "release":
+            path, found = root / "release", None
+        elif text.isdigit():
+            path, found = root / iteration_dir_name(int(text)), int(text)
+        else:
+            raise QlmError(f"{latest} holds {text!r}", "it must hold an iteration number or 'release'")
+        if not path.is_dir():
+            raise QlmError(f"{latest} points at {path.name}, which does not exist", "fix the file or pass --iteration")
+        return path, found
+    if any(_RANK_DIR.match(p.name) for p in root.iterdir()):
+        match = re.match(r"iter_(\d+)", root.name)
+        return root, int(match.group(1)) if match else None
+    raise QlmError(f"{root} has no {LATEST_FILE}", "point at a Megatron checkpoint directory or pass --iteration")
+
+
+def list_iterations(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and (p.name == "release" or p.name.startswith("iter_")))
+
+
+def is_mcore_torch_dir(iteration_dir: Path) -> bool:
+    return any(_RANK_DIR.match(p.name) for p in iteration_dir.iterdir() if p.is_dir())
+
+
+class MegatronTorchCheckpoint:
+    """A legacy-format checkpoint opened for lazy (mmap) reads of any global tensor range."""
+
+    def __init__(self, root: str | Path, iteration: int | None = None, spec: ModelSpec | None = None,
+                 view: str = "model"):
+        """`view`: "model" reads the weights; "master", "exp_avg" or "exp_avg_sq" read the per-parameter optimizer
+        states qlm's trainer stores beside them (OPTIMIZER_KEY), laid out exactly like the weights."""
+        self.view = view
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise QlmError(f"{self.root} is not a directory", "point at a Megatron checkpoint directory")
+        self.dir, self.iteration = resolve_iteration_dir(self.root, iteration)
+        self.files = self._find_files()
+        self._states: dict[tuple[int, int], dict] = {}
+        self._chunks: dict[tuple[int, int, int], dict] = {}
+        some_file = min(self.files)
+        state = self._state(*some_file)
+        if "args" not in state:
+            raise QlmError(f"{self.files[some_file]} has no args", "qlm needs Megatron's args to know the architecture")
+        self.args = state["args"]
+        self.tp = max(1 + max(t for t, _ in self.files), getattr(self.args, "tensor_model_parallel_size", 1) or 1)
+        self.pp = max(1 + max(p for _, p in self.files), getattr(self.args, "pipeline_model_parallel_size", 1) or 1)
+        missing = [(t, p) for t in range(self.tp) for p in range(self.pp) if (t, p) not in self.files]
+        if missing:
+            names = ", ".join(shard_dir_name(t, p, self.pp) for t, p in missing)
+            raise QlmError(f"{self.dir} lacks rank files {names}", "copy the complete checkpoint")
+        first = self._state(0, 0)
+        self.chunk_keys = sorted((k for k in first if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
+        if not self.chunk_keys:
+            raise QlmError(f"{self.files[(0, 0)]} has no model weights", "is it an optimizer-only file?")
+        self.vpp = len(self.chunk_keys)
+        self.spec = spec or self._spec()
+        self.dtype = dtype_from_args(self.args)
+        self.layout = self._layout()
+        self.lora = adapter_args(self.args, self.chunk_state(0, 0, 0))  # None unless it holds LoRA adapters
+        self._index = self._build_index()
+
+    # ---- discovery -------------------------------------------------------------------------------------------------
+
+    def _find_files(self) -> dict[tuple[int, int], Path]:
+        files = {}
+        for sub in self.dir.iterdir():
+            match = _RANK_DIR.match(sub.name)
+            if match and sub.is_dir():
+                file = sub / SHARD_FILE
+                if not file.exists():
+                    raise QlmError(f"{file} is missing", "copy the complete checkpoint")
+                files[(int(match.group(1)), int(match.group(2) or 0))] = file
+        if not files:
+            raise QlmError(f"{self.dir} has no mp_rank_* folders", "point at a legacy (torch) Megatron checkpoint")
+        return files
+
+    def _state(self, tp_rank: int, pp_rank: int) -> dict:
+        key = (tp_rank, pp_rank)
+        if key not in self._states:
+            self._states[key] = safe_torch_load(self.files[key], mmap=True)
+        return self._states[key]
+
+    def _spec(self) -> ModelSpec:
+        return megatron_spec(self.root, self.args)
+
+    def extra_state(self, key: str, tp_rank: int = 0, pp_rank: int = 0):
+        """A top-level entry other than the weights (e.g. qlm's optimizer or train state), or None."""
+        return self._state(tp_rank, pp_rank).get(key)
+
+    def chunk_state(self, tp_rank: int, pp_rank: int, chunk: int) -> dict[str, torch.Tensor]:
+        """One chunk's tensors under local-spec names (TE norm names mapped, _extra_state dropped)."""
+        key = (tp_rank, pp_rank, chunk)
+        if key not in self._chunks:
+            state = self._state(tp_rank, pp_rank)
+            if self.view == "model":
+                raw = state[self.chunk_keys[chunk]]
+            elif OPTIMIZER_KEY in state:
+                raw = state[OPTIMIZER_KEY][self.view][chunk]
+            else:
+                raise QlmError(f"{self.files[(tp_rank, pp_rank)]} holds no optimizer state",
+                               "it was not written by qlm's trainer (or was saved without the optimizer)")
+            self._chunks[key] = {
+                local: value for name, value in raw.items() if (local := normalize_megatron_name(name)) is not None
+            }
+        return self._chunks[key]
+
+    def _layer_counts(self) -> list[int]:
+        counts = []
+        for pp_rank in range(self.pp):
+            total = 0
+            for chunk in range(self.vpp):
+                layers = {int(m.group(1)) for k in self.chunk_state(0, pp_rank, chunk)
+                          if (m := re.match(r"decoder\.layers\.(\d+)\.", k))}
+                total += len(layers)
+            counts.append(total)
+        return counts
+
+    def _layout(self) -> ModelLayout:
+        counts = self._layer_counts()
+        if sum(counts) != self.spec.num_layers:
+            raise QlmError(
+                f"the rank files hold {sum(counts)} layers but the args say {self.spec.num_layers}",
+                "the checkpoint is incomplete or mixed",
+            )
+        embed = self.chunk_state(0, 0, 0).get("embedding.word_embeddings.weight")
+        padded = embed.shape[0] * self.tp if embed is not None else getattr(self.args, "padded_vocab_size", None)
+        if padded is None:
+            raise QlmError(f"{self.files[(0, 0)]} has no embedding.word_embeddings.weight", "is it a GPT checkpoint?")
+        divisible = getattr(self.args, "make_vocab_size_divisible_by", 128) or 128
+        candidates = [(None, None), (counts[0], None), (None, counts[-1]), (counts[0], counts[-1])]
+        for first, last in candidates if self.pp > 1 else [(None, None)]:
+            try:
+                layout = ModelLayout(self.spec, self.tp, self.pp, self.vpp, first, last, divisible, padded)
+            except QlmError:
+                continue
+            if list(layout.stage_layer_counts) == counts:
+                return layout
+        raise QlmError(f"unsupported pipeline split {counts}", "qlm reads even splits with uneven first/last stages")
+
+    def _build_index(self) -> dict[str, tuple[int, int, str, TensorLayout]]:
+        index = {}
+        for pp_rank in range(self.pp):
+            for chunk in range(self.vpp):
+                entries = self.layout.shard_entries(pp_rank, chunk)
+                if self.lora is not None:
+                    entries += self.layout.lora_shard_entries(pp_rank, chunk, self.lora.rank, self.lora.target_modules)
+                for local, tensor in entries:
+                    if tensor is not None and tensor.name not in index:
+                        index[tensor.name] = (pp_rank, chunk, local, tensor)
+        return index
+
+    @property
+    def holds_base(self) -> bool:
+        """False for a LoRA run's checkpoint, which holds only the adapters."""
+        return "embedding.word_embeddings.weight" in self.chunk_state(0, 0, 0)
+
+    # ---- reads -----------------------------------------------------------------------------------------------------
+
+    def _shard(self, tp_rank, pp_rank, chunk, local) -> torch.Tensor:
+        state = self.chunk_state(tp_rank, pp_rank, chunk)
+        if local not in state:
+            raise QlmError(f"{self.files[(tp_rank, pp_rank)]} lacks {local}", "the checkpoint is incomplete")
+        return state[local]
+
+    # ---- TensorSource (layout.py): ranges of global tensors, assembled from the TP shards -------------------------
+
+    def _locate(self, tensor: TensorLayout) -> tuple[int, int, str, TensorLayout]:
+        return self._index[tensor.stored_name]
+
+    def stored_dtype(self, tensor: TensorLayout) -> torch.dtype:
+        pp_rank, chunk, local, _ = self._locate(tensor)
+        return self._shard(0, pp_rank, chunk, local).dtype
+
+    def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor):
+        pp_rank, chunk, local, source = self._locate(tensor)
+        axis = source.axis
+        for rank in range(1 if source.split == REPLICATED else self.tp):
+            offset = 0
+            for a, b in source.tp_ranges(self.tp, rank):
+                lo, hi = max(a, start), min(b, stop)
+                if lo < hi:
+                    shard = self._shard(rank, pp_rank, chunk, local)
+                    out.narrow(axis, lo - start, hi - lo).copy_(shard.narrow(axis, offset + lo - a, hi - lo))
+                offset += b - a
+
+
+@contextmanager
+def without_crc32():
+    """torch.save without the zip CRC32 pass, which costs about as much as writing the bytes (torch.load does not
+    need it); where the switch does not exist (older torch) saves are unchanged."""
+    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
+    save_config = getattr(config, "save", None)
+    if save_config is None or not hasattr(save_config, "compute_crc32"):
+        yield
+        return
+    previous = save_config.compute_crc32
+    save_config.compute_crc32 = False
+    try:
+        yield
+    finally:
+        save_config.compute_crc32 = previous
+
+
+def fast_torch_save(obj, path: Path):
+    with without_crc32():
+        torch.save(obj, path)
+
+
+def write_shard_file(path: Path, chunks: list[dict], args, iteration: int | None, extra: dict | None = None):
+    """One mp_rank folder's model_optim_rng.pt: `model`, or `model0`, `model1`, ... with virtual pipelining, and
+    any `extra` top-level entries (qlm's optimizer state, scheduler, RNG, data position)."""
+    state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0, **(extra or {})}
+    if len(chunks) == 1:
+        state["model"] = chunks[0]
+    else:
+        state.update({f"model{i}": chunk for i, chunk in enumerate(chunks)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fast_torch_save(state, path)
+
+
+def write_latest(root: Path, iteration: int | None):
+    (root / LATEST_FILE).write_text("release" if iteration is None else str(iteration))

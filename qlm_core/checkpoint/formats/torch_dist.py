@@ -1,0 +1,355 @@
+"""Megatron-Core `torch_dist` checkpoints, read side: latest_checkpointed_iteration.txt, iter_%07d/ or release/ holding
+`metadata.json`, torch.distributed.checkpoint (DCP) files (`.metadata` + `__R_K.distcp`) and the common state.
+
+The DCP holds GLOBAL tensors under Transformer-Engine names, per-layer tensors stacked on a new axis 0 of length
+num_layers (`decoder.layers.self_attention.linear_qkv.weight` is [L, qkv_rows, H]; fc1 is [L, 2F, H] = full gate
+then full up), each stored as chunks (Megatron writes one per layer and TP shard). Linear layers add byte objects
+`decoder.layers.<linear>._extra_state/shard_<layer>_<L>`. The common state (args, iteration, ...) is `common.pt` up
+to megatron-core 0.18; from 0.19 on it is the DCP byte object `common_state/shard_0_1`. Both are read.
+
+qlm's trainer stores its per-parameter optimizer state beside the weights, under the same keys prefixed by
+`qlm_optimizer.<view>.` (view: master, exp_avg, exp_avg_sq; fp32), chunked like them: `view=` reads one of them as
+if it were the weights. Megatron-LM loads such a checkpoint's weights and ignores the extra keys (its default
+strictness, assume_ok_unexpected).
+
+Reads stream: a range of one global tensor loads only the stored chunks that overlap it, and at most the chunks of
+one per-layer tensor are kept between reads (consecutive reads of q, k and v hit them). `.metadata` is a pickle: it
+is read with an unpickler that admits only DCP's metadata classes; chunks are read with torch.load(weights_only).
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import pickle
+import re
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
+
+from qlm_core.checkpoint.formats.megatron_legacy import megatron_spec, resolve_iteration_dir
+from qlm_core.checkpoint.formats.trainer_state import OPTIMIZER_VIEWS, view_prefix
+from qlm_core.checkpoint.io.safe_load import ForeignObject, allowed_globals, safe_torch_load
+from qlm_core.errors import QlmError
+from qlm_core.models.layout import LINEARS, TE_NORM_NAMES, ModelLayout, TensorLayout
+from qlm_core.models.spec import ModelSpec
+
+DIST_CONFIG_FILE = "metadata.json"
+DCP_METADATA_FILE = ".metadata"
+COMMON_FILE = "common.pt"
+COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core >= 0.19: the common dict inside the DCP files
+DIST_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+               "common_backend_version": 1}
+EXTRA_STATE_LINEARS = LINEARS  # each local-spec linear has an `_extra_state`
+_LOCAL_TO_TE = {local: te for te, local in TE_NORM_NAMES.items()}
+
+
+def dist_key(name: str) -> tuple[str, int | None]:
+    """qlm's global tensor name -> (torch_dist key, layer index along the stacked axis; None for non-layer tensors)."""
+    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+    if match is None:
+        return name, None
+    suffix = match.group(2)
+    return f"decoder.layers.{_LOCAL_TO_TE.get(suffix, suffix)}", int(match.group(1))
+
+
+def extra_state_key(linear: str, layer: int, num_layers: int) -> str:
+    return f"decoder.layers.{linear}._extra_state/shard_{layer}_{num_layers}"
+
+
+def is_torch_dist_dir(iteration_dir: Path) -> bool:
+    return (iteration_dir / DIST_CONFIG_FILE).exists() or (iteration_dir / DCP_METADATA_FILE).exists()
+
+
+def resolve_dist_dir(root: Path, iteration: int | None = None) -> tuple[Path, int | None]:
+    """The iteration directory and its iteration (None for `release`); `root` may also be that directory itself."""
+    if iteration is None and is_torch_dist_dir(root):
+        match = re.fullmatch(r"iter_(\d+)", root.name)
+        return root, int(match.group(1)) if match else None
+    return resolve_iteration_dir(root, iteration)
+
+
+# ---- safe metadata ---------------------------------------------------------------------------------------------
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                "torch.distributed.checkpoint.filesystem")
+_PLAIN_CLASSES = {("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                  ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}  # storage_meta.checkpoint_id
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` pickle, admitting only its own dataclasses and enums, torch sizes, dtypes and layouts.
+    Megatron's planner classes (pickled into `all_local_plans`) become inert stand-ins."""
+
+    def find_class(self, module, name):
+        if module in _DCP_MODULES:
+            found = getattr(importlib.import_module(module), name, None)
+            if isinstance(found, type):
+                return found
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return torch.serialization._get_layout
+        if (module, name) in _PLAIN_CLASSES:
+            return getattr(importlib.import_module(module), name)
+        if module.startswith("megatron."):
+            return ForeignObject
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed in DCP metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose metadata is read with _MetadataUnpickler instead of plain pickle."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = Path(self.path) / DCP_METADATA_FILE
+        try:
+            with open(path, "rb") as fh:
+                metadata = _MetadataUnpickler(fh).load()
+        except FileNotFoundError:
+            raise QlmError(f"{path} is missing (the save did not finish)", "copy the complete checkpoint") from None
+        except pickle.UnpicklingError as exc:
+            raise QlmError(f"{path} is not DCP metadata ({exc})", "qlm reads torch.distributed.checkpoint metadata "
+                           "only") from None
+        except (EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+            raise QlmError(f"{path} is truncated or corrupt ({type(exc).__name__})", "re-copy the checkpoint") from None
+        if not isinstance(metadata, Metadata):
+            raise QlmError(f"{path} does not hold DCP metadata", "re-copy the checkpoint")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        return metadata
+
+
+def check_storage_files(directory: Path, metadata: Metadata):
+    """Every file the metadata points into exists and is long enough: a missing rank file or a truncated .distcp
+    is an error before anything is read or written."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = directory / name
+        if not path.exists():
+            raise QlmError(f"{directory} lacks {name}", "copy the complete checkpoint (every __R_K.distcp file)")
+        if path.stat().st_size < size:
+            raise QlmError(f"{path} is truncated ({path.stat().st_size} of at least {size} bytes)",
+                           "re-copy the checkpoint")
+
+
+def load_from_bytes(data: bytes, what: str):
+    """A torch-serialized object held in a DCP byte item, with weights_only=True and qlm's allow-list."""
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise QlmError(f"{what} holds a Python object qlm does not load ({str(exc).splitlines()[0]})",
+                       "re-save the checkpoint without it") from None
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise QlmError(f"{what} is truncated or corrupt ({type(exc).__name__})", "re-copy the checkpoint") from None
+
+
+class _IntoBuffers(LoadPlanner):
+    """Reads a given plan straight into given tensors (dest_index.fqn -> tensor) and keeps byte items as bytes."""
+
+    def __init__(self, targets: dict[str, torch.Tensor]):
+        self.targets, self.blobs = targets, {}
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        pass
+
+    def create_local_plan(self):
+        raise NotImplementedError
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan):
+        return central_plan
+
+    def load_bytes(self, read_item, value):
+        self.blobs[read_item.dest_index.fqn] = value.read()
+
+    def resolve_tensor(self, read_item):
+        return self.targets[read_item.dest_index.fqn]
+
+    def commit_tensor(self, read_item, tensor):
+        pass
+
+
+# ---- the reader ------------------------------------------------------------------------------------------------
+
+
+class TorchDistCheckpoint:
+    """A torch_dist checkpoint as a TensorSource of global tensors (see layout.py). It has no TP/PP of its own:
+    `tp`/`pp` are the sizes it was saved with (from its args), `layout` is the global one-rank view."""
+
+    vpp = 1
+    lora = None
+    holds_base = True
+
+    def __init__(self, root: str | Path, iteration: int | None = None, spec: ModelSpec | None = None,
+                 view: str = "model"):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise QlmError(f"{self.root} is not a directory", "point at a Megatron checkpoint directory")
+        if view != "model" and view not in OPTIMIZER_VIEWS:
+            raise ValueError(f"view must be model or one of {OPTIMIZER_VIEWS}, not {view!r}")
+        self.view = view
+        self.dir, self.iteration = resolve_dist_dir(self.root, iteration)
+        self._check_config()
+        self._reader = SafeFileSystemReader(str(self.dir))
+        self.metadata = self._reader.read_metadata()
+        check_storage_files(self.dir, self.metadata)
+        self._reader.set_up_storage_reader(self.metadata, True)
+        self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items()
+                        if isinstance(v, TensorStorageMetadata)}
+        self.common = self._load_common()
+        self.args = self.common.get("args")
+        if self.args is None:
+            raise QlmError(f"{self.dir} has no args in its common state", "qlm needs Megatron's args to know the "
+                           "architecture")
+        self.tp = getattr(self.args, "tensor_model_parallel_size", 1) or 1
+        self.pp = getattr(self.args, "pipeline_model_parallel_size", 1) or 1
+        self.spec = spec or self._spec()
+        embedding = self._tensor_meta("embedding.word_embeddings.weight")
+        self.dtype = embedding.properties.dtype
+        divisible = getattr(self.args, "make_vocab_size_divisible_by", 128) or 128
+        self.layout = ModelLayout(self.spec, make_vocab_size_divisible_by=divisible, padded_vocab=embedding.size[0])
+        if view != "model" and not self.holds_optimizer():
+            raise QlmError(f"{self.dir} holds no optimizer state ({view})",
+                           "resume from a checkpoint written by qlm train, or start the optimizer afresh")
+        self._check_tensors()
+        self._cache_owner: tuple[str, int | None] | None = None
+        self._cache: dict[int, torch.Tensor] = {}
+
+    # ---- discovery -------------------------------------------------------------------------------------------
+
+    def _check_config(self):
+        config_file = self.dir / DIST_CONFIG_FILE
+        if not config_file.exists():
+            raise QlmError(f"{self.dir} lacks {DIST_CONFIG_FILE} (the save did not finish)", "copy the complete "
+                           "checkpoint")
+        try:
+            backend = json.loads(config_file.read_text()).get("sharded_backend")
+        except (ValueError, AttributeError):
+            raise QlmError(f"{config_file} is not valid JSON", "re-copy the checkpoint") from None
+        if backend != "torch_dist":
+            raise QlmError(f"{self.dir} uses the {backend!r} sharded backend", "qlm reads torch_dist checkpoints; "
+                           "re-save it with --ckpt-format torch_dist")
+
+    def _load_common(self) -> dict:
+        common_file = self.dir / COMMON_FILE
+        if common_file.exists():
+            common = safe_torch_load(common_file)
+        elif isinstance(self.metadata.state_dict_metadata.get(COMMON_STATE_KEY), BytesStorageMetadata):
+            common = load_from_bytes(self.read_bytes(COMMON_STATE_KEY), f"{self.dir} {COMMON_STATE_KEY}")
+            common = common[0] if isinstance(common, list) and common else common
+        else:
+            raise QlmError(f"{self.dir} has neither {COMMON_FILE} nor a {COMMON_STATE_KEY} object",
+                           "copy the complete checkpoint")
+        if not isinstance(common, dict):
+            raise QlmError(f"the common state of {self.dir} is not a dict", "is it a Megatron checkpoint?")
+        return common
+
+    def _spec(self) -> ModelSpec:
+        return megatron_spec(self.root, self.args)
+
+    def _tensor_meta(self, key: str) -> TensorStorageMetadata:
+        if key not in self.tensors:
+            raise QlmError(f"{self.dir} lacks the tensor {key}", "the checkpoint is incomplete or not a GPT model")
+        return self.tensors[key]
+
+    def _check_tensors(self):
+        for tensor in self.layout.global_tensors:
+            key, layer = self._key(tensor)
+            expected = tensor.shape if layer is None else (self.spec.num_layers, *tensor.shape)
+            found = tuple(self._tensor_meta(key).size)
+            if found != tuple(expected):
+                raise QlmError(f"{self.dir}: {key} is {list(found)}, the args describe {list(expected)}",
+                               "the checkpoint does not match its args (or hf/config.json)")
+
+    def holds(self, tensor: TensorLayout) -> bool:
+        """True when this view stores `tensor` (an optimizer view has no entries for frozen parameters)."""
+        return self._key(tensor)[0] in self.tensors
+
+    def holds_optimizer(self) -> bool:
+        """True when qlm's trainer stored its optimizer views beside the weights."""
+        return view_prefix(OPTIMIZER_VIEWS[0]) + "embedding.word_embeddings.weight" in self.tensors
+
+    def extra_state(self, key: str, tp_rank: int = 0, pp_rank: int = 0):
+        """An entry of the common state (e.g. `opt_param_scheduler`), or None."""
+        return self.common.get(key)
+
+    # ---- reads -----------------------------------------------------------------------------------------------
+
+    def _key(self, tensor: TensorLayout) -> tuple[str, int | None]:
+        name = tensor.stored_name
+        key, layer = dist_key(name)
+        if layer is not None and key not in self.tensors and name in self.tensors:
+            key, layer = name, None  # non-homogeneous models keep per-layer keys instead of a stacked tensor
+        if self.view != "model":
+            key = view_prefix(self.view) + key
+        return key, layer
+
+    def read_bytes(self, key: str) -> bytes:
+        index = MetadataIndex(key)
+        item = ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]), torch.Size([0]))
+        planner = _IntoBuffers({})
+        self._read(LoadPlan([item]), planner)
+        return planner.blobs[key]
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner):
+        try:
+            self._reader.read_data(self._reader.prepare_local_plan(plan), planner).wait()
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise QlmError(f"a .distcp file in {self.dir} is truncated or corrupt ({first})",
+                           "re-copy the checkpoint") from None
+
+    def _chunk(self, key: str, index: int) -> torch.Tensor:
+        chunk = self.tensors[key].chunks[index]
+        if index not in self._cache:
+            out = torch.empty(tuple(chunk.sizes), dtype=self.tensors[key].properties.dtype)
+            where = MetadataIndex(key, chunk.offsets, index)
+            zeros = torch.Size([0] * len(chunk.sizes))
+            item = ReadItem(LoadItemType.TENSOR, where, zeros, where, zeros, torch.Size(chunk.sizes))
+            self._read(LoadPlan([item]), _IntoBuffers({key: out}))
+            self._cache[index] = out
+        return self._cache[index]
+
+    def stored_dtype(self, tensor: TensorLayout) -> torch.dtype:
+        return self.tensors[self._key(tensor)[0]].properties.dtype
+
+    def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor):
+        key, layer = self._key(tensor)
+        lo = [0] * len(tensor.shape)
+        hi = list(tensor.shape)
+        lo[tensor.axis], hi[tensor.axis] = start, stop
+        if layer is not None:  # the stacked axis
+            lo, hi, out = [layer, *lo], [layer + 1, *hi], out.unsqueeze(0)
+        if self._cache_owner != (key, layer):
+            self._cache_owner, self._cache = (key, layer), {}
+        for index, chunk in enumerate(self.tensors[key].chunks):
+            begin = [max(a, o) for a, o in zip(lo, chunk.offsets)]
+            end = [min(b, o + s) for b, o, s in zip(hi, chunk.offsets, chunk.sizes)]
+            if any(b >= e for b, e in zip(begin, end)):
+                continue
+            piece = self._chunk(key, index)
+            target = out
+            for dim, (b, e) in enumerate(zip(begin, end)):
+                piece = piece.narrow(dim, b - chunk.offsets[dim], e - b)
+                target = target.narrow(dim, b - lo[dim], e - b)
+            target.copy_(piece)

@@ -1,0 +1,82 @@
+"""GPU presets for the time and memory models, with user overrides.
+
+Numbers are vendor datasheet figures for the SXM parts: memory in GiB as the driver reports it (rounded), dense
+bf16 tensor-core TFLOP/s (no sparsity), HBM bandwidth, NVLink bandwidth per GPU per direction (half the
+"bidirectional" figure NVIDIA quotes), and the inter-node bandwidth per GPU of the usual cluster build (one
+HDR 200 Gb/s InfiniBand NIC per A100/A800, one NDR 400 Gb/s NIC per Hopper GPU). Override any of them when your
+cluster differs (`--gpu-memory-gb`, `--peak-tflops`, `--nvlink-gbps`, `--internode-gbps`, `--gpus-per-node`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from qlm_core.errors import QlmError
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    memory_gib: float
+    peak_tflops: float  # dense bf16
+    hbm_gbps: float  # GB/s
+    nvlink_gbps: float  # GB/s per GPU per direction, inside a node
+    internode_gbps: float  # GB/s per GPU per direction, across nodes
+    gpus_per_node: int = 8
+
+    def replace(self, **changes) -> GpuSpec:
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+GPUS: dict[str, GpuSpec] = {
+    "a100-40g": GpuSpec("a100-40g", 40.0, 312.0, 1555.0, 300.0, 25.0),
+    "a100-80g": GpuSpec("a100-80g", 80.0, 312.0, 2039.0, 300.0, 25.0),
+    "a800": GpuSpec("a800", 80.0, 312.0, 2039.0, 200.0, 25.0),  # A100 with NVLink cut to 400 GB/s bidirectional
+    "h100": GpuSpec("h100", 80.0, 989.0, 3350.0, 450.0, 50.0),
+    "h800": GpuSpec("h800", 80.0, 989.0, 3350.0, 200.0, 50.0),  # H100 with NVLink cut to 400 GB/s bidirectional
+    "h20": GpuSpec("h20", 96.0, 148.0, 4000.0, 450.0, 50.0),
+    "h200": GpuSpec("h200", 141.0, 989.0, 4800.0, 450.0, 50.0),
+}
+
+
+def local_gpu() -> GpuSpec | None:
+    """The preset of this machine's CUDA device, told by its name (A100 40/80 GB by its memory); None without CUDA
+    or for a device with no preset."""
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.get_device_properties(torch.cuda.current_device())
+    name = device.name.lower()
+    families = sorted({key.split("-")[0] for key in GPUS}, key=len, reverse=True)  # "h200" before "h20"
+    family = next((f for f in families if f in name), None)
+    if family is None:
+        return None
+    candidates = [gpu for key, gpu in GPUS.items() if key.split("-")[0] == family]
+    return min(candidates, key=lambda gpu: abs(gpu.memory_gib - device.total_memory / 2**30))
+
+
+def gpu_spec(name: str, **overrides) -> GpuSpec:
+    """A preset by name (case and `-sxm` suffix ignored) with any non-None overrides applied."""
+    key = name.lower().removesuffix("-sxm")
+    if key not in GPUS:
+        raise QlmError(f"unknown GPU {name!r}", f"use one of {', '.join(GPUS)} (and --peak-tflops etc. to adjust)")
+    gpu = GPUS[key].replace(**overrides)
+    for field in ("memory_gib", "peak_tflops", "hbm_gbps", "nvlink_gbps", "internode_gbps", "gpus_per_node"):
+        if getattr(gpu, field) <= 0:
+            raise QlmError(f"{field} must be positive, got {getattr(gpu, field)}", "fix the override")
+    return gpu
+
+
+def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5) -> float:
+    """Best fp32 matmul rate of this process, in TFLOP/s."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12

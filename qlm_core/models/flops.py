@@ -1,0 +1,38 @@
+"""Model FLOPs of a training step (for TFLOP/s and MFU)."""
+
+from __future__ import annotations
+
+from qlm_core.models.spec import ModelSpec
+
+
+def attended_keys_per_token(seq_length: int, mean_doc_len: int = 0, window: int | None = None) -> float:
+    """Mean number of keys a token's causal attention reads: documents packed into the sequence (0: one document
+    per sequence), each key at most `window` back. A document of m tokens costs m^2/2 score pairs, m*w - w^2/2 with
+    a window w < m; attention confined to documents is sum(L^2)/2, not s^2/2. `mean_doc_len` is the token-weighted
+    mean document length E[L^2]/E[L] (a token's document, not a document, on average), which makes sum(L^2)/2
+    over sum(L) tokens exactly mean_doc_len/2 keys per token without a window (with one, an approximation)."""
+    m = min(mean_doc_len or seq_length, seq_length)
+    if window is None or window >= m:
+        return m / 2
+    return window - window * window / (2 * m)
+
+
+def layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> tuple[float, float]:
+    """Forward FLOPs per token of one layer: (dense matmuls, causal attention over the keys each token reads)."""
+    h, d, f = spec.hidden_size, spec.kv_channels, spec.ffn_hidden_size
+    dense = 2 * (h * spec.qkv_rows + spec.num_attention_heads * d * h + 3 * h * f)
+    keys = attended_keys_per_token(seq_length, mean_doc_len, spec.sliding_window)
+    attention = 2 * 2 * keys * spec.num_attention_heads * d
+    return dense, attention
+
+
+def logits_flops_per_token(spec: ModelSpec) -> float:
+    return 2 * spec.hidden_size * spec.vocab_size
+
+
+def flops_per_sequence(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> float:
+    """Forward + backward model FLOPs (3x forward, recomputation not counted) of one sequence: the layers and the
+    logits."""
+    dense, attention = layer_flops_per_token(spec, seq_length, mean_doc_len)
+    per_token = spec.num_layers * (dense + attention) + logits_flops_per_token(spec)
+    return 3.0 * per_token * seq_length

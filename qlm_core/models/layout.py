@@ -1,0 +1,459 @@
+"""Every HF <-> Megatron-Core name and shard rule, in one place.
+
+Three views of the same weights:
+  HF          q_proj / k_proj / v_proj / gate_proj / ... , full tensors, unpadded vocabulary
+  global      Megatron names with layers numbered globally, fused tensors (grouped linear_qkv, fc1 = [gate; up]),
+              vocabulary padded for the target TP size (this is also torch_dist's view)
+  shard       what TP rank t of pipeline stage p (virtual chunk c) holds: Megatron's legacy file content and,
+              identically, the state_dict of qlm's model built for (t, p, c)
+
+A global tensor is split along one axis. Along that axis it is a concatenation of `Segment`s, each a row range of
+one HF tensor or of Megatron's vocabulary padding; a TP shard is a list of ranges of that axis. Every conversion is
+"read these ranges from a source", so readers stream: nothing holds more than one output file plus a few slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Protocol
+
+import torch
+
+from qlm_core.errors import QlmError
+from qlm_core.models.spec import ModelSpec, padded_vocab_size
+
+REPLICATED, ROWS, COLS, FC1 = "replicated", "rows", "cols", "fc1"
+
+# Per-layer tensors: Megatron local-spec suffix -> (split rule, HF suffix(es)) ; order = module registration order.
+_LAYER_TENSORS = (
+    ("input_layernorm.weight", REPLICATED),
+    ("self_attention.linear_proj.weight", COLS),
+    ("self_attention.linear_qkv.weight", ROWS),
+    ("self_attention.linear_qkv.bias", ROWS),
+    ("pre_mlp_layernorm.weight", REPLICATED),
+    ("mlp.linear_fc1.weight", FC1),
+    ("mlp.linear_fc2.weight", COLS),
+)
+EMBEDDING = "embedding.word_embeddings.weight"
+LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+# LoRA target name (LoraConfig.target_modules) -> the linear it adapts; in state_dict order.
+LORA_TARGETS = {linear.rsplit(".", 1)[1]: linear for linear in LINEARS}
+
+# Transformer-Engine spec fuses the norms into the following linear; torch_dist always uses these names.
+TE_NORM_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Entries [start, stop) of the global tensor along its split axis are entries [hf_start, hf_start + stop -
+    start) of HF tensor `hf_name` along the same axis; `hf_name` None marks Megatron's vocabulary padding."""
+
+    start: int
+    stop: int
+    hf_name: str | None
+    hf_start: int = 0
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    name: str  # global Megatron name
+    shape: tuple[int, ...]  # global shape (vocabulary padded)
+    split: str
+    segments: tuple[Segment, ...]
+    hf_primary: bool = True  # False for the tied output layer, a copy of the embedding
+    stored_as: str | None = None  # the tensor checkpoints hold this one as (the tied output layer: the embedding)
+
+    @property
+    def stored_name(self) -> str:
+        return self.stored_as or self.name
+
+    @property
+    def axis(self) -> int:
+        return 1 if self.split == COLS else 0
+
+    @property
+    def real_extent(self) -> int:
+        """Entries along the axis that hold weights (the rest is vocabulary padding)."""
+        return max(s.stop for s in self.segments if s.hf_name is not None)
+
+    def tp_ranges(self, tp: int, rank: int) -> list[tuple[int, int]]:
+        n = self.shape[self.axis]
+        if self.split == REPLICATED:
+            return [(0, n)]
+        if self.split == FC1:
+            half = n // 2
+            f = half // tp
+            return [(rank * f, (rank + 1) * f), (half + rank * f, half + (rank + 1) * f)]
+        part = n // tp
+        return [(rank * part, (rank + 1) * part)]
+
+    def shard_shape(self, tp: int) -> tuple[int, ...]:
+        shape = list(self.shape)
+        shape[self.axis] = sum(b - a for a, b in self.tp_ranges(tp, 0))
+        return tuple(shape)
+
+
+class TensorSource(Protocol):
+    """Anything that can hand out ranges of global Megatron tensors: an HF checkpoint, a Megatron checkpoint."""
+
+    def stored_dtype(self, tensor: TensorLayout) -> torch.dtype:
+        """The dtype `tensor` is stored in."""
+
+    def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor) -> None:
+        """Copy (and cast) global entries [start, stop) of `tensor` along its axis into `out`; the range lies
+        within the tensor's real extent."""
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    spec: ModelSpec
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    make_vocab_size_divisible_by: int = 128
+    padded_vocab: int | None = None  # None: Megatron's rule for this TP size
+    _stage_counts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.padded_vocab is None:
+            padded = padded_vocab_size(self.spec.vocab_size, self.make_vocab_size_divisible_by, self.tp)
+            object.__setattr__(self, "padded_vocab", padded)
+        self._validate()
+        object.__setattr__(self, "_stage_counts", tuple(self._compute_stage_counts()))
+
+    # ---- validation ------------------------------------------------------------------------------------------------
+
+    def _validate(self):
+        s, tp = self.spec, self.tp
+        if min(self.tp, self.pp, self.vpp) < 1:
+            raise QlmError("tp, pp and vpp must be at least 1", "pass positive sizes")
+        if s.num_attention_heads % tp:
+            raise QlmError(
+                f"--tp {tp} does not divide num_attention_heads {s.num_attention_heads}",
+                f"use a TP size that divides {s.num_attention_heads}",
+            )
+        if s.num_query_groups % tp and tp % s.num_query_groups:
+            raise QlmError(
+                f"--tp {tp} neither divides nor is a multiple of num_query_groups {s.num_query_groups}",
+                f"use a TP size that divides {s.num_query_groups} or a multiple of it",
+            )
+        if s.ffn_hidden_size % tp:
+            raise QlmError(f"--tp {tp} does not divide ffn_hidden_size {s.ffn_hidden_size}", "choose another TP size")
+        if self.padded_vocab < s.vocab_size or self.padded_vocab % tp:
+            raise QlmError(
+                f"padded vocabulary {self.padded_vocab} is smaller than {s.vocab_size} or not divisible by --tp {tp}",
+                "check --make-vocab-size-divisible-by",
+            )
+
+    def _compute_stage_counts(self) -> list[int]:
+        L, pp, first, last = self.spec.num_layers, self.pp, self.first_stage_layers, self.last_stage_layers
+        if pp == 1:
+            if first is not None or last is not None:
+                raise QlmError("uneven first/last pipeline stages need --pp > 1", "drop those options or raise --pp")
+            counts = [L]
+        else:
+            fixed = (first or 0) + (last or 0)
+            middle = pp - (first is not None) - (last is not None)
+            rest = L - fixed
+            if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+                hint = (
+                    "use --num-layers-in-first-pipeline-stage / --num-layers-in-last-pipeline-stage so the rest "
+                    "divides evenly"
+                    if first is None and last is None
+                    else "adjust the first/last stage sizes"
+                )
+                raise QlmError(f"{L} layers cannot be split over {pp} pipeline stages", hint)
+            counts = ([first] if first is not None else []) + [rest // middle] * middle
+            counts += [last] if last is not None else []
+        if any(c % self.vpp for c in counts) or any(c < self.vpp for c in counts):
+            raise QlmError(
+                f"stage sizes {counts} are not divisible into {self.vpp} virtual pipeline chunks",
+                "choose --vpp dividing every stage's layer count",
+            )
+        return counts
+
+    # ---- pipeline --------------------------------------------------------------------------------------------------
+
+    @property
+    def stage_layer_counts(self) -> tuple[int, ...]:
+        return self._stage_counts
+
+    def chunk_layers(self, pp_rank: int, chunk: int) -> range:
+        """Global layer indices held by virtual chunk `chunk` of stage `pp_rank` (chunk-major order, as Megatron)."""
+        per_chunk = [c // self.vpp for c in self._stage_counts]
+        start = chunk * sum(per_chunk) + sum(per_chunk[:pp_rank])
+        return range(start, start + per_chunk[pp_rank])
+
+    def is_first(self, pp_rank: int, chunk: int) -> bool:
+        return pp_rank == 0 and chunk == 0
+
+    def is_last(self, pp_rank: int, chunk: int) -> bool:
+        return pp_rank == self.pp - 1 and chunk == self.vpp - 1
+
+    # ---- tensors ---------------------------------------------------------------------------------------------------
+
+    def embedding(self) -> TensorLayout:
+        return self._vocab_tensor(EMBEDDING, "model.embed_tokens.weight", True)
+
+    def output_layer(self) -> TensorLayout:
+        if self.spec.tie_word_embeddings:  # a copy of the embedding (a last stage without it keeps its own)
+            return self._vocab_tensor("output_layer.weight", "model.embed_tokens.weight", False, stored_as=EMBEDDING)
+        return self._vocab_tensor("output_layer.weight", "lm_head.weight", True)
+
+    def final_norm(self) -> TensorLayout:
+        h = self.spec.hidden_size
+        return TensorLayout("decoder.final_layernorm.weight", (h,), REPLICATED, (Segment(0, h, "model.norm.weight"),))
+
+    def _vocab_tensor(self, name, hf_name, primary, stored_as=None) -> TensorLayout:
+        v, p, h = self.spec.vocab_size, self.padded_vocab, self.spec.hidden_size
+        segments = (Segment(0, v, hf_name),) + ((Segment(v, p, None, 0),) if p > v else ())
+        return TensorLayout(name, (p, h), ROWS, segments, hf_primary=primary, stored_as=stored_as)
+
+    def layer_tensors(self, layer: int) -> list[TensorLayout]:
+        s = self.spec
+        h, f, d, g, per_group = s.hidden_size, s.ffn_hidden_size, s.kv_channels, s.num_query_groups, s.heads_per_group
+        hf = f"model.layers.{layer}."
+        out = []
+        for suffix, split in _LAYER_TENSORS:
+            name = f"decoder.layers.{layer}.{suffix}"
+            if suffix == "input_layernorm.weight":
+                out.append(TensorLayout(name, (h,), split, (Segment(0, h, hf + "input_layernorm.weight"),)))
+            elif suffix == "pre_mlp_layernorm.weight":
+                out.append(TensorLayout(name, (h,), split, (Segment(0, h, hf + "post_attention_layernorm.weight"),)))
+            elif suffix == "self_attention.linear_proj.weight":
+                qd = s.num_attention_heads * d
+                out.append(TensorLayout(name, (h, qd), split, (Segment(0, qd, hf + "self_attn.o_proj.weight"),)))
+            elif suffix.startswith("self_attention.linear_qkv."):
+                kind = suffix.rsplit(".", 1)[1]
+                if kind == "bias" and not s.qkv_bias:
+                    continue
+                segs, row = [], 0
+                for group in range(g):
+                    for proj, rows, hf_start in (
+                        ("q", per_group * d, group * per_group * d), ("k", d, group * d), ("v", d, group * d),
+                    ):
+                        segs.append(Segment(row, row + rows, f"{hf}self_attn.{proj}_proj.{kind}", hf_start))
+                        row += rows
+                shape = (s.qkv_rows, h) if kind == "weight" else (s.qkv_rows,)
+                out.append(TensorLayout(name, shape, split, tuple(segs)))
+            elif suffix == "mlp.linear_fc1.weight":
+                segs = (Segment(0, f, hf + "mlp.gate_proj.weight"), Segment(f, 2 * f, hf + "mlp.up_proj.weight"))
+                out.append(TensorLayout(name, (2 * f, h), split, segs))
+            elif suffix == "mlp.linear_fc2.weight":
+                out.append(TensorLayout(name, (h, f), split, (Segment(0, f, hf + "mlp.down_proj.weight"),)))
+        return out
+
+    @cached_property
+    def global_tensors(self) -> list[TensorLayout]:
+        """Every distinct global tensor once (the output layer only when it is not tied)."""
+        tensors = [self.embedding()]
+        for layer in range(self.spec.num_layers):
+            tensors += self.layer_tensors(layer)
+        tensors.append(self.final_norm())
+        if not self.spec.tie_word_embeddings:
+            tensors.append(self.output_layer())
+        return tensors
+
+    def shard_entries(self, pp_rank: int, chunk: int = 0) -> list[tuple[str, TensorLayout | None]]:
+        """(local name, global tensor) in the order of the model's state_dict; None marks an `_extra_state`."""
+        entries: list[tuple[str, TensorLayout | None]] = []
+        first, last = self.is_first(pp_rank, chunk), self.is_last(pp_rank, chunk)
+        if first:
+            entries.append(("embedding.word_embeddings.weight", self.embedding()))
+        for local, layer in enumerate(self.chunk_layers(pp_rank, chunk)):
+            prefix = f"decoder.layers.{local}."
+            by_suffix = {t.name.split(f"decoder.layers.{layer}.", 1)[1]: t for t in self.layer_tensors(layer)}
+            for suffix, _ in _LAYER_TENSORS:
+                if suffix in by_suffix:
+                    entries.append((prefix + suffix, by_suffix[suffix]))
+                linear = suffix.rsplit(".", 1)[0]
+                if linear in LINEARS and suffix.endswith(_last_param_of(linear, by_suffix)):
+                    entries.append((prefix + linear + "._extra_state", None))
+        if last:
+            entries.append(("decoder.final_layernorm.weight", self.final_norm()))
+            if not (self.spec.tie_word_embeddings and first):
+                entries.append(("output_layer.weight", self.output_layer()))
+            entries.append(("output_layer._extra_state", None))
+        return entries
+
+    # ---- LoRA adapters ---------------------------------------------------------------------------------------------
+
+    def lora_tensors(self, layer: int, rank: int, targets) -> list[TensorLayout]:
+        """lora_A and lora_B of each targeted linear of `layer` (names `<linear>.lora_A.weight`), in state_dict
+        order. Column-parallel linears (qkv, fc1): A [r, in] replicated, B [out, r] split like the weight's rows.
+        Row-parallel linears (proj, fc2): A [r, in] split like the weight's columns, B [out, r] replicated."""
+        unknown = set(targets) - set(LORA_TARGETS)
+        if unknown:
+            raise QlmError(f"unknown LoRA target modules {sorted(unknown)}", f"choose from {', '.join(LORA_TARGETS)}")
+        weights = {t.name: t for t in self.layer_tensors(layer)}
+        out = []
+        for target, linear in LORA_TARGETS.items():
+            if target in targets:
+                out += _lora_pair(weights[f"decoder.layers.{layer}.{linear}.weight"], rank)
+        return out
+
+    def lora_shard_entries(self, pp_rank: int, chunk: int, rank: int, targets) -> list[tuple[str, TensorLayout]]:
+        """(local name, global tensor) of the adapters of one chunk, in the order of its state_dict."""
+        entries = []
+        for local, layer in enumerate(self.chunk_layers(pp_rank, chunk)):
+            for tensor in self.lora_tensors(layer, rank, targets):
+                suffix = tensor.name.split(f"decoder.layers.{layer}.", 1)[1]
+                entries.append((f"decoder.layers.{local}.{suffix}", tensor))
+        return entries
+
+    # ---- HF view ---------------------------------------------------------------------------------------------------
+
+    @cached_property
+    def hf_tensors(self) -> dict[str, list[tuple[TensorLayout, Segment]]]:
+        """HF name -> the (global tensor, segment) pieces it is made of, in HF order."""
+        return hf_pieces(t for t in self.global_tensors if t.hf_primary)
+
+    def hf_shape(self, hf_name: str) -> tuple[int, ...]:
+        return pieces_shape(self.hf_tensors[hf_name])
+
+
+def hf_pieces(tensors) -> dict[str, list[tuple[TensorLayout, Segment]]]:
+    """HF name -> the (global tensor, segment) pieces of `tensors` it is made of, in HF order."""
+    pieces: dict[str, list[tuple[TensorLayout, Segment]]] = {}
+    for tensor in tensors:
+        for seg in tensor.segments:
+            if seg.hf_name is not None:
+                pieces.setdefault(seg.hf_name, []).append((tensor, seg))
+    for parts in pieces.values():
+        parts.sort(key=lambda p: p[1].hf_start)
+    return pieces
+
+
+def pieces_shape(parts: list[tuple[TensorLayout, Segment]]) -> tuple[int, ...]:
+    tensor = parts[0][0]
+    shape = list(tensor.shape)
+    shape[tensor.axis] = sum(seg.stop - seg.start for _, seg in parts)
+    return tuple(shape)
+
+
+def _last_param_of(linear: str, by_suffix: dict) -> str:
+    """`_extra_state` follows a linear's last parameter in Megatron's state_dict order."""
+    return "bias" if f"{linear}.bias" in by_suffix else "weight"
+
+
+def _lora_pair(weight: TensorLayout, rank: int) -> tuple[TensorLayout, TensorLayout]:
+    """A and B of the adapter of `weight`. HF names follow PEFT: `...q_proj.weight` -> `...q_proj.lora_A.weight`.
+    The replicated factor of a fused weight is the same tensor for each HF projection it holds (q, k and v share
+    linear_qkv's A): its segments all cover [0, extent) and point at each projection's copy."""
+    prefix = weight.name[: -len("weight")]
+    out_features, in_features = weight.shape
+
+    def renamed(factor):
+        return tuple(replace(s, hf_name=s.hf_name[: -len("weight")] + f"lora_{factor}.weight") for s in weight.segments)
+
+    def copies(factor, extent):
+        names = dict.fromkeys(s.hf_name[: -len("weight")] + f"lora_{factor}.weight" for s in weight.segments)
+        return tuple(Segment(0, extent, name) for name in names)
+
+    if weight.split == COLS:
+        a = TensorLayout(prefix + "lora_A.weight", (rank, in_features), COLS, renamed("A"))
+        b = TensorLayout(prefix + "lora_B.weight", (out_features, rank), REPLICATED, copies("B", out_features))
+    else:
+        a = TensorLayout(prefix + "lora_A.weight", (rank, in_features), REPLICATED, copies("A", rank))
+        b = TensorLayout(prefix + "lora_B.weight", (out_features, rank), weight.split, renamed("B"))
+    return a, b
+
+
+def _range_shape(tensor: TensorLayout, length: int) -> list[int]:
+    shape = list(tensor.shape)
+    shape[tensor.axis] = length
+    return shape
+
+
+def _read_padded_into(source: TensorSource, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor):
+    """Entries [start, stop) of `tensor` along its axis into `out`; zeros where they are vocabulary padding."""
+    real = min(stop, tensor.real_extent)
+    if start < real:
+        source.read_into(tensor, start, real, out.narrow(tensor.axis, 0, real - start))
+    if stop > max(start, real):
+        out.narrow(tensor.axis, max(start, real) - start, stop - max(start, real)).zero_()
+
+
+def read_range(source: TensorSource, tensor: TensorLayout, start: int, stop: int,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Entries [start, stop) of `tensor` along its axis (zeros past the real vocabulary)."""
+    out = torch.empty(_range_shape(tensor, stop - start), dtype=dtype or source.stored_dtype(tensor))
+    _read_padded_into(source, tensor, start, stop, out)
+    return out
+
+
+def read_shard_tensor(tensor: TensorLayout, tp: int, rank: int, source: TensorSource,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
+    """TP rank `rank`'s shard of `tensor`: its ranges read straight into one buffer, zeros where they are
+    vocabulary padding."""
+    out = torch.empty(tensor.shard_shape(tp), dtype=dtype or source.stored_dtype(tensor))
+    offset = 0
+    for start, stop in tensor.tp_ranges(tp, rank):
+        _read_padded_into(source, tensor, start, stop, out.narrow(tensor.axis, offset, stop - start))
+        offset += stop - start
+    return out
+
+
+def build_shard(layout: ModelLayout, tp_rank: int, pp_rank: int, chunk: int, source: TensorSource,
+                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor | None]:
+    """One shard's state_dict (= a Megatron legacy `model`/`modelN` entry = qlm's model state_dict)."""
+    return {
+        name: None if tensor is None else read_shard_tensor(tensor, layout.tp, tp_rank, source, dtype)
+        for name, tensor in layout.shard_entries(pp_rank, chunk)
+    }
+
+
+def assemble_hf_tensor(layout: ModelLayout, hf_name: str, source: TensorSource,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One full HF tensor, in `dtype` (default: the dtype the source stores)."""
+    return assemble_pieces(layout.hf_tensors[hf_name], source, dtype)
+
+
+def assemble_pieces(parts: list[tuple[TensorLayout, Segment]], source: TensorSource,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The HF tensor made of `parts` (one entry of hf_pieces), read from `source`."""
+    out = torch.empty(pieces_shape(parts), dtype=dtype or source.stored_dtype(parts[0][0]))
+    offset = 0
+    for tensor, seg in parts:
+        source.read_into(tensor, seg.start, seg.stop, out.narrow(tensor.axis, offset, seg.stop - seg.start))
+        offset += seg.stop - seg.start
+    return out
+
+
+class HFTensorSource:
+    """Global Megatron tensors read from HF tensors through the segments of the layout. `hf` offers
+    dtype(name) and read_into(name, axis, start, stop, out)."""
+
+    def __init__(self, hf):
+        self.hf = hf
+
+    def stored_dtype(self, tensor: TensorLayout) -> torch.dtype:
+        return self.hf.dtype(next(s.hf_name for s in tensor.segments if s.hf_name is not None))
+
+    def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor):
+        for seg in tensor.segments:
+            lo, hi = max(start, seg.start), min(stop, seg.stop)
+            if lo < hi:
+                if seg.hf_name is None:
+                    raise AssertionError("vocabulary padding is never read")
+                shift = seg.hf_start - seg.start
+                self.hf.read_into(seg.hf_name, tensor.axis, lo + shift, hi + shift,
+                                  out.narrow(tensor.axis, lo - start, hi - lo))
+
+
+def normalize_megatron_name(local_name: str) -> str | None:
+    """Map a Megatron state_dict key to the local-spec name qlm uses; None for entries that carry no weights."""
+    if local_name.endswith("_extra_state"):
+        return None
+    for te, local in TE_NORM_NAMES.items():
+        if local_name.endswith(te):
+            return local_name[: -len(te)] + local
+    if local_name.endswith(("layer_norm_bias", "layernorm.bias")):
+        raise QlmError(f"checkpoint tensor {local_name} is a LayerNorm bias", "qlm supports RMSNorm models only")
+    return local_name

@@ -1,0 +1,19 @@
+"""The code's structure as a spec: the import floors in pyproject.toml hold."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_floors_hold():
+    """No module imports from a higher floor and no package imports form a cycle (import-linter's contracts in
+    pyproject.toml)."""
+    exe = shutil.which("lint-imports")
+    if exe is None:
+        pytest.fail("lint-imports is missing: pip install -e '.[test]'")
+    proc = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -1,0 +1,122 @@
+"""torchrun worker for the parallel parity suite: runs every case of tests/parallel_cases.py (5 AdamW steps each)
+and writes, per case, the losses and grad norms (JSON) and the first step's reduced gradients as a Megatron-layout
+checkpoint (so the test can re-assemble full tensors with qlm's checkpoint reader).
+
+    torchrun --nproc-per-node 8 tests/workers/parity_worker.py OUTDIR [CASE ...]
+"""
+
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import run_jobs  # noqa: E402
+from parallel_cases import CASES, GLOBAL_BATCH, SEQ, SPEC, STEPS, case_spec, make_batch  # noqa: E402
+
+from qlm_core.checkpoint.formats.megatron_args import make_args  # noqa: E402
+from qlm_core.checkpoint.formats.megatron_legacy import (  # noqa: E402
+    SHARD_FILE,
+    iteration_dir_name,
+    shard_dir_name,
+    write_latest,
+    write_shard_file,
+)
+from qlm_core.config import OptimConfig, ParallelConfig  # noqa: E402
+from qlm_core.parallel.state import Grid, resolve_sizes  # noqa: E402
+from qlm_core.train.engine import Batch, Engine  # noqa: E402
+
+OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, clip_grad=1.0)
+
+
+def full_grads(engine: Engine) -> list[dict[str, torch.Tensor]]:
+    """Every parameter's reduced gradient as a full local-shard tensor, per chunk, under state_dict names."""
+    out = []
+    for chunk in engine.chunks:
+        grads = {}
+        for name, param in chunk.named_parameters():
+            grads[name] = engine.grads.full_grad(param).detach().float().cpu().clone()
+        out.append(grads)
+    return out
+
+
+def run_case(name: str, outdir: Path):
+    world, parallel, mbs, data = CASES[name]
+    sizes = resolve_sizes(world, tp=parallel.get("tp", 1), pp=parallel.get("pp", 1), cp=parallel.get("cp", 1))
+    grid = Grid.build(sizes, ranks=list(range(world)))
+    if grid is None:
+        return
+    engine = Engine(case_spec(data), ParallelConfig(**parallel), grid, micro_batch_size=mbs,
+                    global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234)
+    input_ids, labels, position_ids, segment_ids = make_batch(data)
+    rows = GLOBAL_BATCH // sizes.dp
+    mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
+    batch = Batch(input_ids[mine], labels[mine], None if position_ids is None else position_ids[mine],
+                  None if segment_ids is None else segment_ids[mine])
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss_sum = engine.forward_backward(batch)
+        if step == 0:
+            grads = full_grads(engine)  # a collective over the data ranks under ZeRO 1-3: every rank calls it
+            if grid.dp_rank == 0 and grid.cp_rank == 0:
+                root = outdir / name
+                rank_dir = shard_dir_name(grid.tp_rank, grid.pp_rank, sizes.pp)
+                file = root / iteration_dir_name(None) / rank_dir / SHARD_FILE
+                write_shard_file(file, grads, make_args(engine.layout, torch.float32), None)
+                if grid.rank == 0:
+                    write_latest(root, None)
+        norm, _ = engine.update()
+        losses.append(engine.global_loss(loss_sum))
+        norms.append(norm)
+    if grid.rank == 0:
+        (outdir / f"{name}.json").write_text(json.dumps({"losses": losses, "grad_norms": norms}))
+
+
+def count_layer_collectives(outdir: Path):
+    """Collectives one TransformerLayer issues with TP=2 + sequence parallelism, forward and backward."""
+    import qlm_core.parallel.comm as comm
+    from qlm_core.kernels.rope import rope_cos_sin, rope_inv_freq
+    from qlm_core.models.gpt import AttentionInputs, ParallelOptions, TransformerLayer
+
+    grid = Grid.build(resolve_sizes(2, tp=2), ranks=[0, 1])
+    if grid is None:
+        return
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    originals = (comm._all_gather_flat, comm._reduce_scatter_flat, dist.all_reduce)
+
+    def counting(kind, fn):
+        def wrapped(*args, **kwargs):
+            counts[kind] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    layer = TransformerLayer(SPEC, ParallelOptions(tp_group=grid.tp_group, sequence_parallel=True), torch.float32)
+    x = torch.randn(SEQ // 2, 2, SPEC.hidden_size, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(SEQ)[None].expand(2, SEQ), rope_inv_freq(16, 10000.0), torch.float32)
+    comm._all_gather_flat = counting("all_gather", originals[0])
+    comm._reduce_scatter_flat = counting("reduce_scatter", originals[1])
+    dist.all_reduce = counting("all_reduce", originals[2])
+    try:
+        out = layer(x, cos, sin, AttentionInputs(None, None))
+        forward = dict(counts)
+        out.sum().backward()
+        backward = {k: counts[k] - forward[k] for k in counts}
+    finally:
+        comm._all_gather_flat, comm._reduce_scatter_flat, dist.all_reduce = originals
+    if grid.rank == 0:
+        (outdir / "collectives.json").write_text(json.dumps({"forward": forward, "backward": backward}))
+
+
+def main():
+    names = sys.argv[2:] or list(CASES)
+    run_jobs([("collectives", count_layer_collectives)] + [(name, partial(run_case, name)) for name in names],
+             timeout_s=240)
+
+
+if __name__ == "__main__":
+    main()

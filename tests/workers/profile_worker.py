@@ -1,0 +1,184 @@
+"""torchrun worker for tests/test_profile_parallel.py (4 gloo ranks, one launch):
+
+  states/<case>.rank<R>.json   the Engine's measured weights/grads/optimizer bytes and profile.states' prediction
+  layer/<case>.json            saved bytes of one middle transformer layer (hooks) and activations.py's formula
+  head/<case>.json             saved bytes of the loss region (final norm + loss head, whole logits or chunked)
+  stage/<case>.json            peak saved bytes on pipeline stage 0 over a whole 1F1B / interleaved step, and
+                               memory.py's activations + logits_loss for that stage
+
+    torchrun --nproc-per-node 4 tests/workers/profile_worker.py OUTDIR
+"""
+
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import run_jobs  # noqa: E402
+from parallel_cases import SPEC  # noqa: E402
+
+from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig  # noqa: E402
+from qlm_core.models.gpt import GPTModel, ParallelOptions  # noqa: E402
+from qlm_core.parallel.comm import group_rank  # noqa: E402
+from qlm_core.parallel.context_parallel import split_for_cp  # noqa: E402
+from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS  # noqa: E402
+from qlm_core.parallel.state import Grid, resolve_sizes  # noqa: E402
+from qlm_core.profile.activations import ActivationInputs, head_terms, layer_bytes  # noqa: E402
+from qlm_core.profile.case import ProfileCase  # noqa: E402
+from qlm_core.profile.measure import SavedTensorMeter, measure_model_states  # noqa: E402
+from qlm_core.profile.memory import stage_memory  # noqa: E402
+from qlm_core.profile.states import model_state_bytes  # noqa: E402
+from qlm_core.train.engine import Batch, Engine  # noqa: E402
+
+MHA = SPEC.replace(num_query_groups=4)
+TIED = SPEC.replace(tie_word_embeddings=True)
+SEQ = 32
+
+# name -> (world, parallel, dtype, spec, lora rank)
+STATE_CASES = {
+    "dp4_zero1_bf16": (4, dict(zero_stage=1), torch.bfloat16, SPEC, 0),
+    "pp2_dp2_zero2_tied_fp32": (4, dict(pp=2, zero_stage=2), torch.float32, TIED, 0),
+    "tp2_dp2_zero3_bf16": (4, dict(tp=2, sp=True, zero_stage=3), torch.bfloat16, SPEC, 0),
+    "tp2_pp2_zero0_bf16": (4, dict(tp=2, pp=2), torch.bfloat16, SPEC, 0),
+    "tp2_dp2_zero1_lora": (4, dict(tp=2, sp=True, zero_stage=1), torch.bfloat16, SPEC, 4),
+    "cp2_dp2_zero2_bf16": (4, dict(cp=2, zero_stage=2, bucket_size_mb=0.01), torch.bfloat16, SPEC, 0),
+}
+# name -> (tp, cp, sp, comm type, spec, recompute)
+LAYER_CASES = {
+    "tp2_sp_gqa": (2, 1, True, "p2p", SPEC, "none"),
+    "tp2_sp_mha": (2, 1, True, "p2p", MHA, "none"),
+    "tp2_no_sp": (2, 1, False, "p2p", SPEC, "none"),
+    "tp4_sp_fewer_groups": (4, 1, True, "p2p", SPEC, "none"),
+    "tp2_sp_selective": (2, 1, True, "p2p", SPEC, "selective"),
+    "cp2_p2p_gqa": (1, 2, False, "p2p", SPEC, "none"),
+    "cp2_p2p_mha": (1, 2, False, "p2p", MHA, "none"),
+    "cp2_allgather": (1, 2, False, "allgather", SPEC, "none"),
+    "cp2_a2a": (1, 2, False, "a2a", SPEC, "none"),
+    "cp2_p2p_selective": (1, 2, False, "p2p", SPEC, "selective"),
+    "tp2_cp2_sp_full": (2, 2, True, "p2p", SPEC, "full"),
+}
+# name -> (tp, sp, loss chunk tokens): 64 tokens per rank, chunks of 24 do not divide them
+HEAD_CASES = {
+    "tp2_sp_whole_logits": (2, True, 0),
+    "tp2_sp_chunked": (2, True, 24),
+    "tp2_no_sp_whole_logits": (2, False, 0),
+    "tp2_no_sp_chunked": (2, False, 24),
+}
+# name -> (parallel, microbatches[, loss chunk tokens]): 32 tokens per micro-batch
+STAGE_CASES = {
+    "pp2_1f1b": (dict(pp=2, pp_schedule="1f1b"), 4),
+    "pp2_1f1b_full": (dict(pp=2, pp_schedule="1f1b", recompute="full"), 4),
+    "pp2_interleaved": (dict(pp=2, vpp=2, pp_schedule="interleaved_1f1b"), 4),
+    "pp2_zero_bubble": (dict(pp=2, pp_schedule="zero_bubble"), 4),
+    "pp4_1f1b_gpipe": (dict(pp=4, pp_schedule="gpipe"), 2),
+    "pp2_1f1b_chunked_loss": (dict(pp=2, pp_schedule="1f1b"), 4, 12),
+    "pp2_1f1b_whole_logits": (dict(pp=2, pp_schedule="1f1b"), 4, 0),
+    "pp2_zero_bubble_chunked_loss": (dict(pp=2, pp_schedule="zero_bubble"), 4, 12),
+    "pp4_gpipe_chunked_loss": (dict(pp=4, pp_schedule="gpipe"), 2, 12),
+}
+
+
+def batch(rows: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (rows, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def state_case(name: str, out: Path):
+    world, parallel, dtype, spec, lora_rank = STATE_CASES[name]
+    config = ParallelConfig(**parallel)
+    sizes = resolve_sizes(world, config.tp, config.pp, config.cp)
+    grid = Grid.build(sizes, ranks=list(range(world)))
+    if grid is None:
+        return
+    lora = LoraConfig(rank=lora_rank) if lora_rank else None
+    engine = Engine(spec, config, grid, micro_batch_size=1, global_batch_size=2 * sizes.dp, seq_length=SEQ,
+                    dtype=dtype, optim=OptimConfig(lr=1e-3), lora=lora)
+    ids, labels = batch(2, spec.vocab_size, grid.dp_rank)
+    engine.train_step(Batch(ids, labels))
+    measured = measure_model_states(engine)
+    predicted = model_state_bytes(engine.layout, grid.pp_rank, dtype=dtype, zero_stage=config.zero_stage,
+                                  shards=sizes.dp * sizes.cp, bucket_size_mb=config.bucket_size_mb,
+                                  lora_rank=lora_rank, dp_rank=group_rank(grid.dp_cp_group))
+    result = {"measured": measured, "predicted": {"weights": predicted.weights, "grads": predicted.grads,
+                                                  "optimizer": predicted.optimizer}}
+    (out / "states").mkdir(exist_ok=True)
+    (out / "states" / f"{name}.rank{grid.rank}.json").write_text(json.dumps(result))
+
+
+def layer_case(name: str, out: Path):
+    tp, cp, sp, comm, spec, recompute = LAYER_CASES[name]
+    grid = Grid.build(resolve_sizes(tp * cp, tp=tp, cp=cp), ranks=list(range(tp * cp)))
+    if grid is None:
+        return
+    options = ParallelOptions(tp_group=grid.tp_group, sequence_parallel=sp, cp_group=grid.cp_group,
+                              cp_comm_type=comm, recompute=recompute)
+    model = GPTModel(spec, parallel=options, num_layers=3, dtype=torch.bfloat16)
+    ids, labels = batch(2, spec.vocab_size)
+    ids, labels = split_for_cp(ids, cp, grid.cp_rank, 1), split_for_cp(labels, cp, grid.cp_rank, 1)
+    with SavedTensorMeter(model) as meter:
+        loss = model(ids, labels=labels).sum()
+    loss.backward()
+    x = ActivationInputs(spec, SEQ, 2, tp=tp, sp=sp, cp=cp, cp_comm_type=comm, dtype_bytes=2, device="cpu")
+    if grid.rank == 0:
+        (out / "layer").mkdir(exist_ok=True)
+        (out / "layer" / f"{name}.json").write_text(json.dumps(
+            {"measured": meter.layer_bytes()["layer1"], "predicted": layer_bytes(x, recompute)}))
+
+
+def head_case(name: str, out: Path):
+    tp, sp, chunk = HEAD_CASES[name]
+    grid = Grid.build(resolve_sizes(tp, tp=tp), ranks=list(range(tp)))
+    if grid is None:
+        return
+    options = ParallelOptions(tp_group=grid.tp_group, sequence_parallel=sp)
+    model = GPTModel(SPEC, parallel=options, num_layers=1, dtype=torch.bfloat16, loss_chunk_tokens=chunk)
+    ids, labels = batch(2, SPEC.vocab_size)
+    with SavedTensorMeter(model) as meter:
+        loss = model(ids, labels=labels).sum()
+    loss.backward()
+    x = ActivationInputs(SPEC, SEQ, 2, tp=tp, sp=sp, dtype_bytes=2, padded_vocab=model.padded_vocab, device="cpu",
+                         loss_chunk_tokens=chunk)
+    if grid.rank == 0:
+        (out / "head").mkdir(exist_ok=True)
+        (out / "head" / f"{name}.json").write_text(json.dumps(
+            {"measured": meter.first_seen["head"], "predicted": sum(head_terms(x).values()),
+             "chunked": x.chunked_loss}))
+
+
+def stage_case(name: str, out: Path):
+    parallel, microbatches, *chunk = STAGE_CASES[name]
+    chunk_tokens = chunk[0] if chunk else DEFAULT_CHUNK_TOKENS
+    config = ParallelConfig(**parallel)
+    world = config.pp
+    grid = Grid.build(resolve_sizes(world, pp=config.pp), ranks=list(range(world)))
+    if grid is None:
+        return
+    spec = SPEC.replace(num_layers=4 * config.vpp if config.pp == 2 else 4)
+    engine = Engine(spec, config, grid, micro_batch_size=1, global_batch_size=microbatches, seq_length=SEQ,
+                    dtype=torch.bfloat16, optim=OptimConfig(lr=1e-3), loss_chunk_tokens=chunk_tokens)
+    ids, labels = batch(microbatches, spec.vocab_size)
+    with SavedTensorMeter(engine.chunks) as meter:
+        engine.train_step(Batch(ids, labels))
+    case = ProfileCase(spec, "tiny", config, seq_len=SEQ, micro_batch_size=1, global_batch_size=microbatches,
+                       num_gpus=world, loss_chunk_tokens=chunk_tokens)
+    predicted = stage_memory(case, grid.pp_rank, device="cpu")
+    result = {"stage": grid.pp_rank, "measured": meter.peak_bytes,
+              "predicted": predicted.components["activations"] + predicted.components["logits_loss"],
+              "chunk_forwards": predicted.chunk_forwards}
+    (out / "stage").mkdir(exist_ok=True)
+    (out / "stage" / f"{name}.stage{grid.pp_rank}.json").write_text(json.dumps(result))
+
+
+def main():
+    cases = [(state_case, STATE_CASES), (layer_case, LAYER_CASES), (head_case, HEAD_CASES), (stage_case, STAGE_CASES)]
+    run_jobs([(name, partial(job, name)) for job, names in cases for name in names], num_threads=1)
+
+
+if __name__ == "__main__":
+    main()
