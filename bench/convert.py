@@ -19,14 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import copy_floor
 import torch
 
 from qlm_core.checkpoint.formats.hf import plan_hf_shards, shard_file_names, write_hf_index, write_hf_shard
 from qlm_core.checkpoint.formats.torch_dist import dist_key
 from qlm_core.models import load_model_spec
 from qlm_core.models.layout import ModelLayout
-
-CHUNK = 64 << 20
 
 
 def make_random_checkpoint(path: Path, shape: str, max_shard_gb: float = 4.0):
@@ -40,7 +39,7 @@ def make_random_checkpoint(path: Path, shape: str, max_shard_gb: float = 4.0):
     path.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(0)
     weight_map = {}
-    for names, file in zip(shards, files):
+    for names, file in zip(shards, files, strict=True):
         tensors = {n: (torch.randn(shapes[n], generator=generator) * 0.02).to(torch.bfloat16) for n in names}
         write_hf_shard(path / file, tensors)
         weight_map.update({n: file for n in names})
@@ -52,26 +51,11 @@ def make_random_checkpoint(path: Path, shape: str, max_shard_gb: float = 4.0):
 
 
 def raw_copy(src: Path, dst: Path, write_bytes: int | None = None) -> int:
-    """Read every source byte and write `write_bytes` bytes (default: as many as read): the floor any converter
-    pays to produce an output of that size."""
-    dst.mkdir(parents=True, exist_ok=True)
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
+    """Read every safetensors byte of `src` and write `write_bytes` bytes (default: as many as read)."""
     files = sorted(src.glob("*.safetensors"))
-    to_write = write_bytes if write_bytes is not None else sum(f.stat().st_size for f in files)
-    written = 0
-    with open(dst / "raw.bin", "wb", buffering=0) as fout:
-        for file in files:
-            with open(file, "rb", buffering=0) as fin:
-                while n := fin.readinto(buffer):
-                    n = min(n, to_write - written)
-                    fout.write(view[:n])
-                    written += n
-        while written < to_write:
-            n = min(CHUNK, to_write - written)
-            fout.write(view[:n])
-            written += n
-    return written
+    if write_bytes is None:
+        write_bytes = sum(f.stat().st_size for f in files)
+    return copy_floor.raw_copy(files, dst, write_bytes)
 
 
 def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 0, fmt: str = "torch") -> dict:
@@ -79,21 +63,21 @@ def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 
     code = (
         "import json, resource, sys, time, shutil\n"
         "from pathlib import Path\n"
-        "sys.path.insert(0, %r)\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "import convert as bench\n"
         "from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore\n"
-        "src, dst = Path(%r), Path(%r)\n"
+        f"src, dst = Path({str(src)!r}), Path({str(dst)!r})\n"
         "shutil.rmtree(dst, ignore_errors=True)\n"
         "idle = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "start = time.perf_counter()\n"
-        "if %r == 'raw':\n"
-        "    nbytes = bench.raw_copy(src, dst, %d)\n"
+        f"if {mode!r} == 'raw':\n"
+        f"    nbytes = bench.raw_copy(src, dst, {write_bytes:d})\n"
         "else:\n"
-        "    nbytes = hf_to_mcore(src, dst, tp=%d, pp=%d, verify=False, format=%r).bytes_written\n"
+        f"    nbytes = hf_to_mcore(src, dst, tp={tp:d}, pp={pp:d}, verify=False, format={fmt!r}).bytes_written\n"
         "seconds = time.perf_counter() - start\n"
         "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "print(json.dumps({'seconds': seconds, 'bytes': nbytes, 'idle_rss_kb': idle, 'peak_rss_kb': peak}))\n"
-    ) % (str(Path(__file__).parent), str(src), str(dst), mode, write_bytes, tp, pp, fmt)
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -148,7 +132,7 @@ def main():
             runs[mode].append(child(mode, src, args.workdir / f"{mode}-out", args.tp, args.pp, output_bytes,
                                     args.format))
     best = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items()}
-    ratios = sorted(c["seconds"] / r["seconds"] for c, r in zip(runs["convert"], runs["raw"]))
+    ratios = sorted(c["seconds"] / r["seconds"] for c, r in zip(runs["convert"], runs["raw"], strict=True))
     peak = {k: max(r["peak_rss_kb"] for r in v) * 1024 for k, v in runs.items()}
     idle = min(r["idle_rss_kb"] for v in runs.values() for r in v) * 1024
     budget = file_bytes + sum(tensor_bytes[-2:])
@@ -159,7 +143,8 @@ def main():
     print(f"  qlm hf2mcore     {best['convert']['seconds']:7.2f} s  ({best['convert']['bytes'] / gib:.2f} GiB written)")
     print(f"  time ratio convert / raw = {best['convert']['seconds'] / best['raw']['seconds']:.2f} best-of-each, "
           f"{ratios[len(ratios) // 2]:.2f} median of paired runs  (target <= 1.3)")
-    print(f"  peak RSS above idle: convert {(peak['convert'] - idle) / gib:.2f} GiB, raw {(peak['raw'] - idle) / gib:.2f}"
+    print(f"  peak RSS above idle: convert {(peak['convert'] - idle) / gib:.2f} GiB, "
+          f"raw {(peak['raw'] - idle) / gib:.2f}"
           f" GiB; budget ({held} {file_bytes / gib:.2f} + two largest tensors "
           f"{sum(tensor_bytes[-2:]) / gib:.2f}) = {budget / gib:.2f} GiB -> "
           f"{'within' if peak['convert'] - idle <= budget else 'OVER'} budget")

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+from copy_floor import raw_copy
 
 from qlm_core.checkpoint.formats.deepspeed_config import copy_hf_side_files
 from qlm_core.checkpoint.formats.deepspeed_write import write_deepspeed
@@ -24,7 +25,6 @@ from qlm_core.checkpoint.formats.hf import HFCheckpoint, plan_hf_shards
 from qlm_core.models import load_model_spec
 from qlm_core.models.layout import HFTensorSource, ModelLayout
 
-CHUNK = 64 << 20
 TAG = "global_step1"
 
 _CHILD = """
@@ -67,26 +67,6 @@ def partition_files(ds: Path) -> list[Path]:
     return sorted((ds / TAG).glob("*_optim_states.pt"))
 
 
-def raw_copy(files: list[Path], dst: Path, write_bytes: int) -> int:
-    """Read every byte of `files`, write `write_bytes` bytes."""
-    dst.mkdir(parents=True, exist_ok=True)
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
-    written = 0
-    with open(dst / "raw.bin", "wb", buffering=0) as fout:
-        for file in files:
-            with open(file, "rb", buffering=0) as fin:
-                while n := fin.readinto(buffer):
-                    n = min(n, write_bytes - written)
-                    fout.write(view[:n])
-                    written += n
-        while written < write_bytes:
-            n = min(CHUNK, write_bytes - written)
-            fout.write(view[:n])
-            written += n
-    return written
-
-
 def make_deepspeed_checkpoint(hf: Path, ds: Path, dp: int):
     src = HFCheckpoint(hf)
     write_deepspeed(ds, ModelLayout(src.spec), HFTensorSource(src), torch.bfloat16, TAG, 1, partitions=dp)
@@ -121,7 +101,7 @@ def run(args, hf: Path):
             os.sync()
             runs[mode].append(child(mode, ds, args.workdir / f"{mode}-out", output_bytes))
     best = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items()}
-    ratios = sorted(c["seconds"] / r["seconds"] for c, r in zip(runs["convert"], runs["raw"]))
+    ratios = sorted(c["seconds"] / r["seconds"] for c, r in zip(runs["convert"], runs["raw"], strict=True))
     peak = {k: max(r["peak_rss_kb"] - r["idle_rss_kb"] for r in v) * 1024 for k, v in runs.items()}
     anon = max(r["anon_above_idle"] for r in runs["convert"])
     budget = file_bytes + two_largest

@@ -61,7 +61,7 @@ def split_documents(num_documents: int, split: str) -> list[range]:
     """Consecutive document ranges, one per share of `split` (rounded; the last ends at num_documents)."""
     bounds = np.round(np.cumsum([0.0] + parse_split(split)) * num_documents).astype(int)
     bounds[-1] = num_documents
-    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def build_sample_order(lengths: np.ndarray, seq_length: int, num_samples: int | None, seed: int,
@@ -264,7 +264,8 @@ def build_pretrain_datasets(data, config: PretrainConfig, train_samples: int | N
     ranges = [split_documents(ds.num_documents, config.split) for ds in indexed]
     splits = []
     for part, num_samples in ((0, train_samples), (1, valid_samples)):
-        members = [(ds, r[part], w) for ds, r, (_, w) in zip(indexed, ranges, blend) if len(r) > part and len(r[part])]
+        members = [(ds, r[part], w) for ds, r, (_, w) in zip(indexed, ranges, blend, strict=True)
+                   if len(r) > part and len(r[part])]
         if not members:
             splits.append(None)
             continue
@@ -277,7 +278,8 @@ def build_pretrain_datasets(data, config: PretrainConfig, train_samples: int | N
             num_samples = sum((_split_tokens(ds, documents) - 1) // config.seq_length for ds, documents, _ in members)
         dataset_index, _ = blend_schedule(weights, num_samples)
         counts = np.bincount(dataset_index, minlength=len(members))
-        parts = [PackedDataset(ds, documents, max(int(n), 1), config) for (ds, documents, _), n in zip(members, counts)]
+        parts = [PackedDataset(ds, documents, max(int(n), 1), config)
+                 for (ds, documents, _), n in zip(members, counts, strict=True)]
         splits.append(BlendedDataset(parts, weights, num_samples))
     if splits[0] is None:
         raise QlmError(f"split {config.split!r} leaves no training documents", "give the train share more weight")

@@ -108,10 +108,11 @@ def row_runs(values) -> list[list[tuple[int, int, int]]]:
     read = torch.cat([values[:, 0], values[change[:, 0], change[:, 1] + 1]]).tolist()
     starts: list[list[int]] = [[0] for _ in range(b)]
     run_values: list[list] = [[read[row]] for row in range(b)]
-    for (row, col), value in zip(change.tolist(), read[b:]):
+    for (row, col), value in zip(change.tolist(), read[b:], strict=True):
         starts[row].append(col + 1)
         run_values[row].append(value)
-    return [list(zip(bounds, bounds[1:] + [n], vals)) for bounds, vals in zip(starts, run_values)]
+    return [list(zip(bounds, bounds[1:] + [n], vals, strict=True))
+            for bounds, vals in zip(starts, run_values, strict=True)]
 
 
 def coalesce(pieces: list[Piece]) -> list[Piece]:

@@ -7,6 +7,8 @@ memory-efficient kernel on CUDA) that keeps its scores in tiles; the buffers her
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.autograd import Function
 
@@ -36,7 +38,7 @@ def disjoint(pieces: list[Piece]) -> bool:
             return False
         for spans in seen.values():
             spans.sort(key=lambda s: s.start)
-            if any(a.stop > b.start for a, b in zip(spans, spans[1:])):
+            if any(a.stop > b.start for a, b in itertools.pairwise(spans)):
                 return False
     return True
 

@@ -143,7 +143,7 @@ def forward(q, k, v, pieces: list[Piece], scale: float) -> dict[int, tuple[torch
                                   return_attn_probs=True, **_KIND_ARGS[g.kind])
         _LSE_PADDED["seen"] = lse.dim() == 3
         lses = g.unpack(_lse_blocks(lse, g.q_lengths).float())
-        results.update(zip(g.indices, zip(g.unpack(out), lses)))
+        results.update(zip(g.indices, zip(g.unpack(out), lses, strict=True), strict=True))
     return results
 
 
@@ -163,5 +163,6 @@ def backward(grad_out, q, k, v, out, lse, pieces: list[Piece], scale: float) -> 
             dq=dq, dk=dk, dv=dv, cu_seqlens_q=g.cu_q, cu_seqlens_k=g.cu_k, max_seqlen_q=g.max_q,
             max_seqlen_k=g.max_k, softmax_scale=scale, causal=g.kind == CAUSAL, **{**FLASH_BACKWARD_DEFAULTS, **window},
         )
-        results.update(zip(g.indices, zip(g.unpack(dq), g.unpack(dk, "k"), g.unpack(dv, "k"))))
+        grads = zip(g.unpack(dq), g.unpack(dk, "k"), g.unpack(dv, "k"), strict=True)
+        results.update(zip(g.indices, grads, strict=True))
     return results

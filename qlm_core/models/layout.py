@@ -307,6 +307,14 @@ class ModelLayout:
                 entries.append((f"decoder.layers.{local}.{suffix}", tensor))
         return entries
 
+    def stored_tensors(self, pp_rank: int, chunk: int, lora=None) -> list[tuple[str, TensorLayout]]:
+        """(local name, global tensor) of every tensor a chunk's checkpoint entry holds: its weights (no
+        `_extra_state`) and, when `lora` (anything with .rank and .target_modules) has rank > 0, its adapters."""
+        entries = [(name, tensor) for name, tensor in self.shard_entries(pp_rank, chunk) if tensor is not None]
+        if lora is not None and lora.rank > 0:
+            entries += self.lora_shard_entries(pp_rank, chunk, lora.rank, lora.target_modules)
+        return entries
+
     # ---- HF view ---------------------------------------------------------------------------------------------------
 
     @cached_property

@@ -31,7 +31,8 @@ Per forward of a stage chunk (shared by its layers): RoPE cos and sin, 2·e·d·
 (8·T) and, with TP, its out-of-range mask (T). The loss region on the last stage (GPTModel.loss), with V/tp the
 padded vocabulary per TP rank:
   whole logits      (T <= loss_chunk_tokens, or 0: cross_entropy.loss_is_chunked) the final norm as above, the
-                    output layer's input, and the vocab-parallel cross entropy's fp32 softmax 4·(V/tp)·T plus int64 targets and two masks (10·T);
+                    output layer's input, and the vocab-parallel cross entropy's fp32 softmax 4·(V/tp)·T plus
+                    int64 targets and two masks (10·T);
                     while the loss runs the compute-dtype logits e·(V/tp)·T exist beside it (a transient, bf16 only)
   chunked           (T > loss_chunk_tokens = c) the final norm, the loss's input x e·h·T_sp (kept even with a frozen
                     output layer: backward recomputes the logits from it), the fp32 log-sum-exp 4·T and int64

@@ -1,11 +1,11 @@
 """Measure what a model really keeps: activation bytes saved for backward, and model-state bytes.
 
 Activations (any device) are counted with torch.autograd.graph.saved_tensors_hooks, each storage once
-(docs/ARCHITECTURE.md §3), parameters skipped. Recomputation hides a checkpointed region's tensors from outer hooks (torch's non-reentrant
-checkpoint keeps its own), so the meter also wraps models.gpt's `checkpoint` to count the inputs a checkpoint keeps
-instead. A saved tensor stays live until autograd releases it; the meter tracks live bytes over time and records
-the peak (which is what pipeline schedules and gradient accumulation decide), split by region: `layers` (labelled
-per transformer layer), `embedding` and `head` (final norm, output layer, loss).
+(docs/ARCHITECTURE.md §3), parameters skipped. Recomputation hides a checkpointed region's tensors from outer hooks
+(torch's non-reentrant checkpoint keeps its own), so the meter also wraps models.gpt's `checkpoint` to count the
+inputs a checkpoint keeps instead. A saved tensor stays live until autograd releases it; the meter tracks live bytes
+over time and records the peak (which is what pipeline schedules and gradient accumulation decide), split by region:
+`layers` (labelled per transformer layer), `embedding` and `head` (final norm, output layer, loss).
 """
 
 from __future__ import annotations

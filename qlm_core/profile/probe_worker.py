@@ -1,6 +1,7 @@
 """One rank of `qlm profile --probe`: build the trainer's Engine for the case, run steps, write what it measured.
 
-    python -m torch.distributed.run --standalone --nproc-per-node W -m qlm_core.profile.probe_worker CASE.json OUTDIR STEPS
+    python -m torch.distributed.run --standalone --nproc-per-node W \
+        -m qlm_core.profile.probe_worker CASE.json OUTDIR STEPS
 
 Also called in-process for a one-rank case (run_rank). Each rank writes OUTDIR/rank{R}.json:
   stage, dp_rank, tp_rank, cp_rank; states (bytes of weights, grads, optimizer actually allocated after a step);

@@ -138,7 +138,7 @@ def plot_memory(bars: list[tuple[str, dict[str, float]]], capacity_gib: float | 
         heights = [parts.get(key, 0.0) / GIB for _, parts in bars]
         if any(heights):
             axis.bar(range(len(bars)), heights, bottom=bottoms, label=key, color=colors(i % 10))
-            bottoms = [b + h for b, h in zip(bottoms, heights)]
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     if capacity_gib:
         axis.axhline(capacity_gib, color="black", linestyle="--", linewidth=1, label=f"device {capacity_gib:g} GiB")
     axis.set_xticks(range(len(bars)))

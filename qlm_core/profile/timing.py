@@ -120,7 +120,8 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency, stage: in
             passes = 2 if p.pp_schedule == "zero_bubble" and not case.lora_rank else 1
             extra += passes * tokens * logits_flops_per_token(s) / split
     backward = 1 if case.lora_rank else 2  # a frozen base computes input gradients only
-    times = {"compute": (1 + backward) * forward / rate, "recompute": extra / rate, "tp_comm": 0.0, "cp_comm": 0.0, "pp_p2p": 0.0}
+    times = {"compute": (1 + backward) * forward / rate, "recompute": extra / rate,
+             "tp_comm": 0.0, "cp_comm": 0.0, "pp_p2p": 0.0}
     if p.tp > 1:
         volume = (p.tp - 1) / p.tp * e * h * T
         per_layer = (10 + 4 * (recomputed > 0)) * volume if p.sp else (4 + 2 * (recomputed > 0)) * 2 * volume

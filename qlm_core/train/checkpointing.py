@@ -4,11 +4,10 @@
     RUN/checkpoints/iter_%07d/mp_rank_TT[_PPP]/model_optim_rng.pt        torch
     RUN/checkpoints/iter_%07d/{common.pt, metadata.json, .metadata, __R_0.distcp}   torch_dist
 
-A torch file holds Megatron's entries (args, checkpoint_version, iteration, model / model0..) and qlm's: the optimizer
-state per parameter, named and sharded like the weights (so a resume on another TP/PP/DP reshards it like the
-weights), the LR-scheduler position, the data position and every data/context rank's RNG state. torch_dist stores
-the same: weights under Megatron's keys, the optimizer views beside them (torch_dist.py), the rest in common.pt;
-every rank writes the chunks it owns (data/context rank 0 of each TP/PP position).
+Beside Megatron's entries each checkpoint holds qlm's (checkpoint/formats/trainer_state.py): the optimizer state per
+parameter, named and sharded like the weights (so a resume on another TP/PP/DP reshards it like the weights), the
+LR-scheduler position, the data position and every data/context rank's RNG state. In torch_dist every rank writes
+the chunks it owns (data/context rank 0 of each TP/PP position).
 
 A checkpoint is written into a hidden directory that is renamed into place when complete; the `latest` pointer is
 replaced last, atomically. A run killed at any moment therefore leaves only loadable checkpoints.
@@ -145,7 +144,7 @@ def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_la
         rng = _gather_objects(_rng_state(), g.dp_cp_group)
         if g.dp_rank == 0 and g.cp_rank == 0:
             optimizer = {"step": step, **{view: [{} for _ in engine.chunks] for view in OPTIMIZER_VIEWS}}
-            for (chunk, param_name), state in zip(_named_trainable(engine), param_states):
+            for (chunk, param_name), state in zip(_named_trainable(engine), param_states, strict=True):
                 for view in OPTIMIZER_VIEWS:
                     optimizer[view][chunk][param_name] = state[view].detach().cpu().clone()
             extra = {OPTIMIZER_KEY: optimizer, TRAIN_STATE_KEY: asdict(train_state), RNG_KEY: rng,
@@ -202,12 +201,12 @@ def _owned_parts(engine: Engine, models: list[dict], param_states: list[dict]) -
     g, layout = engine.grid, engine.layout
     global_name = {}  # (chunk, state_dict name) -> global tensor name
     for chunk in range(len(engine.chunks)):
-        for state_name, tensor in shard_tensor_layouts(engine, g.pp_rank, chunk):
+        for state_name, tensor in engine.layout.stored_tensors(g.pp_rank, chunk, engine.lora):
             global_name[chunk, state_name] = tensor.name
     weights = {global_name[c, n]: t for c, model in enumerate(models) for n, t in model.items()
                if (c, n) in global_name}
     views = {view: {} for view in OPTIMIZER_VIEWS}
-    for (chunk, param_name), state in zip(_named_trainable(engine), param_states):
+    for (chunk, param_name), state in zip(_named_trainable(engine), param_states, strict=True):
         for view in OPTIMIZER_VIEWS:
             views[view][global_name[chunk, param_name]] = state[view].detach().float().cpu()
 
@@ -240,7 +239,7 @@ def load_checkpoint(root: Path, engine: Engine) -> TrainState:
     source = open_megatron(root, spec=engine.spec)
     engine_layout = engine.layout
     names = _named_trainable(engine)
-    tensors = [dict(shard_tensor_layouts(engine, g.pp_rank, c)) for c in range(len(engine.chunks))]
+    tensors = [dict(engine.layout.stored_tensors(g.pp_rank, c, engine.lora)) for c in range(len(engine.chunks))]
     states = [{} for _ in names]
     step = 0
     for view in OPTIMIZER_VIEWS:
@@ -257,12 +256,3 @@ def load_checkpoint(root: Path, engine: Engine) -> TrainState:
     if saved_rng is not None and len(saved_rng) == group_size(g.dp_cp_group):
         _set_rng_state(saved_rng[g.dp_rank * engine.config.cp + g.cp_rank])
     return train_state
-
-
-def shard_tensor_layouts(engine: Engine, pp_rank: int, chunk: int):
-    """(state_dict name, TensorLayout) of every tensor a chunk holds (weights; LoRA adapters when present)."""
-    layout, lora = engine.layout, engine.lora
-    entries = list(layout.shard_entries(pp_rank, chunk))
-    if lora is not None and lora.rank > 0:
-        entries += layout.lora_shard_entries(pp_rank, chunk, lora.rank, lora.target_modules)
-    return [(name, tensor) for name, tensor in entries if tensor is not None]

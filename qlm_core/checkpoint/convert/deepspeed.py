@@ -14,6 +14,7 @@ from qlm_core.checkpoint.convert.hf_megatron import (
     dir_bytes,
     finish_report,
     no_progress,
+    open_for_export,
     parse_dtype,
     should_verify,
     write_hf,
@@ -30,11 +31,10 @@ from qlm_core.checkpoint.formats.deepspeed import MODULE, DeepSpeedCheckpoint
 from qlm_core.checkpoint.formats.deepspeed_config import copy_hf_side_files
 from qlm_core.checkpoint.formats.deepspeed_write import check_tag, write_deepspeed
 from qlm_core.checkpoint.formats.hf import HFCheckpoint, write_hf_config
-from qlm_core.checkpoint.formats.megatron import open_megatron
 from qlm_core.checkpoint.formats.megatron_args import make_args
 from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, MegatronTorchCheckpoint
 from qlm_core.checkpoint.io.staging import check_output_dir, staged_output
-from qlm_core.checkpoint.sources.open import megatron_weights, open_deepspeed
+from qlm_core.checkpoint.sources.open import open_deepspeed
 from qlm_core.models.layout import HFTensorSource, ModelLayout, TensorSource
 
 
@@ -138,11 +138,7 @@ def mcore_to_ds(
 ) -> ConvertResult:
     """Megatron-Core (any TP/PP, a LoRA run merged) -> DeepSpeed; tag default global_step<iteration>."""
     started = time.perf_counter()
-    src = open_megatron(mcore, iteration)
-    out = Path(out)
-    check_output_dir(out, force, src.root)
-    dtype = parse_dtype(dtype) or src.dtype
-    source, side_dir = megatron_weights(src)
+    src, out, dtype, source, side_dir = open_for_export(mcore, iteration, out, force, dtype)
     steps = src.iteration or 0
     with staged_output(out, force) as tmp:
         report = _write_and_verify_ds(tmp, src.layout, source, dtype, tag or f"global_step{steps}", steps, fp32_master,

@@ -148,7 +148,8 @@ def write_megatron(format: str, root: Path, layout: ModelLayout, source: TensorS
         write_mcore_torch_dist(root, layout, source, dtype, args, iteration, progress,
                                carrier.common_extra() if carrier else None, carrier.dist_parts() if carrier else [])
     else:
-        write_mcore_torch(root, layout, source, dtype, args, iteration, progress, carrier.extra_for if carrier else None)
+        extra_for = carrier.extra_for if carrier else None
+        write_mcore_torch(root, layout, source, dtype, args, iteration, progress, extra_for)
 
 
 def write_hf(out: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype, max_shard_bytes: int,
@@ -159,7 +160,7 @@ def write_hf(out: Path, layout: ModelLayout, source: TensorSource, dtype: torch.
     shards = plan_hf_shards(sizes, max_shard_bytes)
     files = shard_file_names(len(shards))
     weight_map = {}
-    for i, (names, file) in enumerate(zip(shards, files)):
+    for i, (names, file) in enumerate(zip(shards, files, strict=True)):
         progress(i, len(shards), file)
         tensors = {name: assemble_hf_tensor(layout, name, source, dtype) for name in names}
         write_hf_shard(out / file, tensors)
@@ -170,17 +171,26 @@ def write_hf(out: Path, layout: ModelLayout, source: TensorSource, dtype: torch.
         write_hf_index(out, weight_map, sum(sizes.values()))
 
 
+def open_for_export(mcore: str | Path, iteration: int | None, out: str | Path, force: bool,
+                    dtype: str | torch.dtype | None) -> tuple:
+    """A Megatron checkpoint opened to be written elsewhere: (checkpoint, output path — checked to be writable —,
+    output dtype — the checkpoint's unless given —, its weights — a LoRA run: the base merged with the adapters —,
+    the directory of its HF config and tokenizer files)."""
+    src = open_megatron(mcore, iteration)
+    out = Path(out)
+    check_output_dir(out, force, src.root)
+    dtype = parse_dtype(dtype) or src.dtype
+    source, side_dir = megatron_weights(src)
+    return src, out, dtype, source, side_dir
+
+
 def mcore_to_hf(
     mcore: str | Path, out: str | Path, *, iteration: int | None = None, dtype: str | torch.dtype | None = None,
     max_shard_size_gb: float = 5.0, force: bool = False, verify: bool | None = None,
     progress: Progress = no_progress,
 ) -> ConvertResult:
     started = time.perf_counter()
-    src = open_megatron(mcore, iteration)
-    out = Path(out)
-    check_output_dir(out, force, src.root)
-    dtype = parse_dtype(dtype) or src.dtype
-    source, side_dir = megatron_weights(src)  # a LoRA run: the base weights merged with the adapters
+    src, out, dtype, source, side_dir = open_for_export(mcore, iteration, out, force, dtype)
     report = None
     with staged_output(out, force) as tmp:
         write_hf(tmp, src.layout, source, dtype, int(max_shard_size_gb * 2**30), progress)

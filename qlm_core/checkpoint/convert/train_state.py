@@ -1,14 +1,7 @@
 """Carry a training run's state through a reshard (`mcore2mcore`), so that a resumed run continues as if the layout
-had never changed; from and to either format.
-
-qlm's trainer stores per rank file (torch; torch_dist: the tensors under prefixed keys, the rest in common.pt, RNG
-states as "TP_PP" -> list), beside the weights, OPTIMIZER_KEY = {"step", "master", "exp_avg", "exp_avg_sq"}
-(fp32 per-parameter tensors named and sharded exactly like the weights: frozen parameters have none, LoRA runs
-hold the adapters' only), `qlm_train_state` (iteration, consumed samples), `opt_param_scheduler` and `rng_state`
-(one entry per data/context-parallel rank of that TP/PP coordinate). The Adam tensors are re-sliced through the
-layout like the weights; the step, train state and scheduler are copied; RNG states are copied only when TP, PP and
-VPP are unchanged (a new grid has other ranks; qlm train restores them only when its dp x cp also matches).
-"""
+had never changed; from and to either format. What is carried, and how: checkpoint/formats/trainer_state.py (the
+Adam views are re-sliced through the layout like the weights; step, train state and scheduler are copied; RNG states
+only when TP, PP and VPP are unchanged — qlm train restores them only when its dp x cp also matches)."""
 
 from __future__ import annotations
 
@@ -29,13 +22,6 @@ from qlm_core.checkpoint.formats.trainer_state import (
 )
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout, TensorLayout, read_range, read_shard_tensor
-
-
-def _chunk_entries(layout: ModelLayout, src, pp_rank: int, chunk: int) -> list[tuple[str, TensorLayout]]:
-    entries = [(n, t) for n, t in layout.shard_entries(pp_rank, chunk) if t is not None]
-    if src.lora is not None:
-        entries += layout.lora_shard_entries(pp_rank, chunk, src.lora.rank, src.lora.target_modules)
-    return entries
 
 
 class TrainStateCarrier:
@@ -66,7 +52,7 @@ class TrainStateCarrier:
         names = set()
         for pp_rank in range(view.pp):
             for chunk in range(view.vpp):
-                local = dict(_chunk_entries(view.layout, view, pp_rank, chunk))
+                local = dict(view.layout.stored_tensors(pp_rank, chunk, view.lora))
                 for name in view.chunk_state(0, pp_rank, chunk):
                     if name not in local:
                         raise QlmError(f"optimizer state for unknown parameter {name} in {view.files[(0, pp_rank)]}",
@@ -102,7 +88,7 @@ class TrainStateCarrier:
             for view_name, view in self.views.items():
                 optimizer[view_name] = [
                     {name: read_shard_tensor(tensor, self.layout.tp, tp_rank, view)
-                     for name, tensor in _chunk_entries(self.layout, self.src, pp_rank, chunk)
+                     for name, tensor in self.layout.stored_tensors(pp_rank, chunk, self.src.lora)
                      if self._has_state(tensor)}
                     for chunk in range(self.layout.vpp)
                 ]
@@ -117,7 +103,7 @@ class TrainStateCarrier:
         tensors = {}
         for pp_rank in range(self.layout.pp):
             for chunk in range(self.layout.vpp):
-                for _, tensor in _chunk_entries(self.layout, self.src, pp_rank, chunk):
+                for _, tensor in self.layout.stored_tensors(pp_rank, chunk, self.src.lora):
                     if tensor.hf_primary and self._has_state(tensor):
                         tensors.setdefault(tensor.name, tensor)
         for view_name, view in self.views.items():

@@ -234,7 +234,7 @@ class DeepSpeedCheckpoint:
     def _open_zero12(self, files: list[Path]):
         self.optimizer_files = files
         states = [self._optimizer_state(f) for f in files]
-        partitions = [self._need(s, "single_partition_of_fp32_groups", f) for s, f in zip(states, files)]
+        partitions = [self._need(s, "single_partition_of_fp32_groups", f) for s, f in zip(states, files, strict=True)]
         paddings = states[0].get("param_alignment_paddings")
         world = len(files)
         for group, shapes in enumerate(self._param_shapes()):
@@ -332,7 +332,8 @@ class DeepSpeedCheckpoint:
         if not groups or self.module_dtype == torch.float32:
             return {}
         candidates = [(n, t) for n, t in module.items()
-                      if torch.is_tensor(t) and t.is_floating_point() and n not in self.buffers and n not in self.aliases]
+                      if torch.is_tensor(t) and t.is_floating_point()
+                      and n not in self.buffers and n not in self.aliases]
         found: dict[str, torch.Tensor] = {}
         for group in groups:
             j = 0

@@ -6,6 +6,7 @@ the module only. See deepspeed.py for the layout."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import OrderedDict
@@ -110,7 +111,7 @@ def _write_fp32_partitions(tag_dir: Path, layout: ModelLayout, source: TensorSou
         progress(rank)
         lo, hi = rank * size, (rank + 1) * size
         flat = torch.zeros(size, dtype=torch.float32)
-        for (name, _), start, stop in zip(shapes, starts, starts[1:]):
+        for (name, _), (start, stop) in zip(shapes, itertools.pairwise(starts), strict=True):
             a, b = max(lo, start), min(hi, stop)
             if a < b:
                 tensor = assemble_hf_tensor(layout, name, source, torch.float32).reshape(-1)

@@ -108,7 +108,7 @@ class HFCheckpoint:
     def weights_dtype(self) -> torch.dtype:
         """The dtype most of the weights are stored in."""
         counts: dict[torch.dtype, int] = {}
-        for name, dt in self._dtypes.items():
+        for dt in self._dtypes.values():
             counts[dt] = counts.get(dt, 0) + 1
         return max(counts, key=counts.get)
 

@@ -89,7 +89,8 @@ def spec_from_args(args) -> ModelSpec:
     def need(name):
         value = getattr(args, name, None)
         if value is None:
-            raise QlmError(f"the checkpoint's args lack {name}", "convert from the HF model instead, or pass its config")
+            raise QlmError(f"the checkpoint's args lack {name}",
+                           "convert from the HF model instead, or pass its config")
         return value
 
     if not getattr(args, "swiglu", False):
@@ -106,7 +107,8 @@ def spec_from_args(args) -> ModelSpec:
     scaling = None
     if getattr(args, "use_rope_scaling", False):
         stored = getattr(args, "qlm_rope_scaling", None)
-        scaling = RopeScaling(**stored) if stored else RopeScaling(factor=float(getattr(args, "rope_scaling_factor", 8.0)))
+        factor = float(getattr(args, "rope_scaling_factor", 8.0))
+        scaling = RopeScaling(**stored) if stored else RopeScaling(factor=factor)
     window = getattr(args, "window_size", None)
     return ModelSpec(
         model_type=model_type,

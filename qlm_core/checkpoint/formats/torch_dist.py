@@ -7,10 +7,9 @@ then full up), each stored as chunks (Megatron writes one per layer and TP shard
 `decoder.layers.<linear>._extra_state/shard_<layer>_<L>`. The common state (args, iteration, ...) is `common.pt` up
 to megatron-core 0.18; from 0.19 on it is the DCP byte object `common_state/shard_0_1`. Both are read.
 
-qlm's trainer stores its per-parameter optimizer state beside the weights, under the same keys prefixed by
-`qlm_optimizer.<view>.` (view: master, exp_avg, exp_avg_sq; fp32), chunked like them: `view=` reads one of them as
-if it were the weights. Megatron-LM loads such a checkpoint's weights and ignores the extra keys (its default
-strictness, assume_ok_unexpected).
+qlm's trainer stores its per-parameter optimizer state beside the weights (trainer_state.py): `view=` reads one of
+its views as if it were the weights. Megatron-LM loads such a checkpoint's weights and ignores the extra keys (its
+default strictness, assume_ok_unexpected).
 
 Reads stream: a range of one global tensor loads only the stored chunks that overlap it, and at most the chunks of
 one per-layer tensor are kept between reads (consecutive reads of q, k and v hit them). `.metadata` is a pickle: it
@@ -343,13 +342,13 @@ class TorchDistCheckpoint:
         if self._cache_owner != (key, layer):
             self._cache_owner, self._cache = (key, layer), {}
         for index, chunk in enumerate(self.tensors[key].chunks):
-            begin = [max(a, o) for a, o in zip(lo, chunk.offsets)]
-            end = [min(b, o + s) for b, o, s in zip(hi, chunk.offsets, chunk.sizes)]
-            if any(b >= e for b, e in zip(begin, end)):
+            begin = [max(a, o) for a, o in zip(lo, chunk.offsets, strict=True)]
+            end = [min(b, o + s) for b, o, s in zip(hi, chunk.offsets, chunk.sizes, strict=True)]
+            if any(b >= e for b, e in zip(begin, end, strict=True)):
                 continue
             piece = self._chunk(key, index)
             target = out
-            for dim, (b, e) in enumerate(zip(begin, end)):
+            for dim, (b, e) in enumerate(zip(begin, end, strict=True)):
                 piece = piece.narrow(dim, b - chunk.offsets[dim], e - b)
                 target = target.narrow(dim, b - lo[dim], e - b)
             target.copy_(piece)

@@ -65,7 +65,8 @@ class MergedSource:
     def __init__(self, base: TensorSource, adapters: TensorSource, layout: ModelLayout, settings: LoraSettings):
         self.base, self.adapters, self.scale = base, adapters, lora_scale(settings)
         tensors = all_lora_tensors(layout, settings)
-        self.factors = {a.name[: -len("lora_A.weight")] + "weight": (a, b) for a, b in zip(tensors[::2], tensors[1::2])}
+        self.factors = {a.name[: -len("lora_A.weight")] + "weight": (a, b)
+                        for a, b in zip(tensors[::2], tensors[1::2], strict=True)}
 
     def stored_dtype(self, tensor: TensorLayout) -> torch.dtype:
         return self.base.stored_dtype(tensor)
