@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import typer
+
+from qlm_cli.render import err_console
 from qlm_core.errors import QlmError
 
 
@@ -50,3 +53,16 @@ def launch(config: LaunchConfig, module_argv: list[str]) -> int:
         code = failures[first].exitcode if first is not None else 1
         return code if isinstance(code, int) and code > 0 else 1
     return 0
+
+
+def relaunch_if_needed(config: LaunchConfig, worker_argv: list[str], what: str) -> bool:
+    """Outside torchrun/srun, with more than one process to run: run WORKER_ARGV on every rank under torchrun and
+    return True (the caller is done), or exit with the workers' code when they fail. False: this process does the
+    work itself (one process, or already a worker)."""
+    if under_launcher() or config.nproc_per_node * config.nnodes <= 1:
+        return False
+    code = launch(config, worker_argv)
+    if code:
+        err_console.print(f"[bold red]error:[/] {what} failed (exit code {code}); the messages above say why.")
+        raise typer.Exit(code)
+    return True

@@ -1,4 +1,4 @@
-"""Rendering helpers shared by the commands: one console, progress bars, key/value and tensor tables."""
+"""Rendering helpers shared by the commands: one console, progress bars, key/value and memory tables."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -30,9 +31,36 @@ def progress_bar(description: str) -> Iterator:
 
 
 def kv_table(title: str, items: dict[str, Any]) -> Table:
+    """TITLE is Rich markup; the keys and values are data, shown as written."""
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="cyan")
     table.add_column()
     for key, value in items.items():
-        table.add_row(str(key), str(value))
+        table.add_row(escape(str(key)), escape(str(value)))
+    return table
+
+
+MEMORY_NOTES = {
+    "weights": "parameters on this rank", "grads": "fp32 gradient buffers", "optimizer": "fp32 masters + Adam moments",
+    "activations": "saved for backward, all in-flight micro-batches",
+    "logits_loss": "loss head: fp32 softmax (chunked: input, lse)",
+    "workspace": "largest transient (recompute / loss logits / CP K/V)", "pp_buffers": "pipeline stage I/O kept",
+    "comm_buffers": "ZeRO 2 buckets / ZeRO 3 gathered params", "allocator": "allowance: fragmentation + CUDA context",
+}
+
+
+def memory_table(memory, title: str) -> Table:
+    """The heaviest stage's memory by component (a qlm_core.profile.memory estimate), with the fit verdict."""
+    from qlm_core.profile.memory import COMPONENTS, GIB
+
+    heavy = memory.heaviest
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("component", "left"), ("GiB", "right"), ("share", "right"), ("what", "left")):
+        table.add_column(name, justify=justify)
+    for key in COMPONENTS:
+        value = heavy.components[key]
+        table.add_row(key, f"{value / GIB:,.2f}", f"{value / heavy.total:.0%}", MEMORY_NOTES[key])
+    verdict = (f"[green]fits[/], headroom {memory.headroom_gib:.1f} GiB" if memory.fits
+               else f"[bold red]OOM by {-memory.headroom_gib:.1f} GiB[/]")
+    table.add_row("[bold]total", f"[bold]{memory.total_gib:,.2f}", "", f"of {memory.capacity_gib:g} GiB: {verdict}")
     return table

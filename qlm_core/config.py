@@ -8,11 +8,31 @@ import difflib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import tomllib
 
 from qlm_core.errors import QlmError
+
+# The recipe's enumerated choices: each is checked once, when a recipe is read (see _coerce), and every layer and
+# CLI option that offers a choice takes its values from here.
+CpCommType = Literal["p2p", "allgather", "a2a"]
+PpSchedule = Literal["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"]
+RecomputeMode = Literal["none", "selective", "full"]
+ZeroStage = Literal[0, 1, 2, 3]
+WeightDtype = Literal["fp32", "bf16", "fp16"]  # every dtype qlm reads and writes weights in
+TrainDtype = Literal["bf16", "fp32"]  # fp16 would need loss scaling, which qlm does not do
+EvalBackend = Literal["qlm", "hf"]  # qlm's own model, or lm-eval's hf model on an HF export
+DataKind = Literal["sft", "pretrain"]
+DataFormat = Literal["auto", "alpaca", "sharegpt", "messages"]
+Truncation = Literal["right", "drop"]
+LrSchedule = Literal["constant", "cosine", "wsd"]
+CheckpointFormat = Literal["torch", "torch_dist"]
+
+
+def choices(literal) -> tuple:
+    """The values of one of the Literal types above, in order."""
+    return typing.get_args(literal)
 
 
 @dataclass
@@ -25,12 +45,12 @@ class ParallelConfig:
     cp: int = 1
     dp: int | None = None  # None: world / (tp * pp * cp)
     sp: bool = False
-    cp_comm_type: str = "p2p"
-    pp_schedule: str = "1f1b"
-    zero_stage: int = 0
+    cp_comm_type: CpCommType = "p2p"
+    pp_schedule: PpSchedule = "1f1b"
+    zero_stage: ZeroStage = 0
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
-    recompute: str = "none"
+    recompute: RecomputeMode = "none"
     recompute_num_layers: int | None = None
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
@@ -54,22 +74,22 @@ class ModelConfig:
     spec: str = "qwen2-0.5b"  # a preset name or an HF model directory / config.json
     load: str = ""  # weights: an HF directory, a Megatron checkpoint or a qlm run directory; empty = random init
     tokenizer: str = ""  # default: the HF directory given in spec/load (or load's hf/ side directory)
-    dtype: str = "bf16"  # compute dtype: bf16 (fp32 master weights and gradients) or fp32
+    dtype: TrainDtype = "bf16"  # compute dtype: bf16 (fp32 master weights and gradients) or fp32
 
 
 @dataclass
 class DataConfig:
-    kind: str = "sft"  # sft | pretrain
+    kind: DataKind = "sft"
     train: list[str] = field(default_factory=list)  # sft: json/jsonl files; pretrain: indexed-dataset prefixes
     weights: list[float] = field(default_factory=list)  # pretrain blend weights (default: equal)
     valid: list[str] = field(default_factory=list)  # validation files/prefixes (default: split off train)
     split: str = "98,2"  # pretrain: train,valid shares of the documents when `valid` is empty
     valid_fraction: float = 0.05  # sft: share of the examples held out when `valid` is empty
-    format: str = "auto"  # sft: auto | alpaca | sharegpt | messages
+    format: DataFormat = "auto"  # sft; auto: told by the first record
     chat_template: str = ""  # sft: empty = the tokenizer's own; or chatml (qwen) | llama3
     seq_length: int = 2048
     packing: bool = True  # sft: pack several samples per sequence (positions restart, attention per sample)
-    truncation: str = "right"  # sft: right | drop
+    truncation: Truncation = "right"  # sft: right keeps a long sample's first tokens, drop leaves it out
     reset_position_ids: bool = False  # pretrain: restart positions (and attention) at each document boundary
     # packed data's token-weighted mean document length E[L^2]/E[L] (what attention work scales with: a token's
     # document is long more often than a document is), for qlm profile; 0: one document per sequence
@@ -96,7 +116,7 @@ class TrainConfig:
 
 @dataclass
 class ScheduleConfig:
-    lr_schedule: str = "cosine"  # constant | cosine | wsd
+    lr_schedule: LrSchedule = "cosine"
     warmup_iters: int = 0
     min_lr: float = 0.0
     wsd_decay_fraction: float = 0.1  # wsd: the final share of steps that decays to min_lr
@@ -107,7 +127,7 @@ class CheckpointConfig:
     save_interval: int = 0  # 0: only at the end
     keep_last: int = 2
     resume: bool = True  # continue from the run directory's latest checkpoint if there is one
-    format: str = "torch"  # torch (Megatron legacy, a file per TP/PP rank) | torch_dist (Megatron's DCP layout)
+    format: CheckpointFormat = "torch"  # torch: Megatron legacy, a file per TP/PP rank; torch_dist: Megatron's DCP
 
 
 @dataclass
@@ -141,9 +161,18 @@ class Recipe:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
 
 
+def _closest(value: Any, options) -> Any:
+    """The option nearest to `value`: by spelling, or by distance between whole numbers; None when none is close."""
+    options = list(options)
+    if type(value) is int and all(type(o) is int for o in options):
+        return min(options, key=lambda o: abs(o - value))
+    match = difflib.get_close_matches(str(value), [str(o) for o in options], n=1, cutoff=0.5)
+    return next(o for o in options if str(o) == match[0]) if match else None
+
+
 def _nearest(name: str, options) -> str:
-    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-    return f"did you mean {match[0]!r}?" if match else f"valid keys: {', '.join(sorted(options))}"
+    match = _closest(name, options)
+    return f"did you mean {match!r}?" if match is not None else f"valid keys: {', '.join(sorted(options))}"
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -154,6 +183,13 @@ def _coerce(where: str, value: Any, kind) -> Any:
     """Check a TOML value against a dataclass field type (ints are accepted for floats)."""
     origin = typing.get_origin(kind)
     args = typing.get_args(kind)
+    if origin is Literal:
+        # type() and not ==: True == 1 and 1 == 1.0, but neither is a valid zero_stage
+        if not any(type(value) is type(a) and value == a for a in args):
+            match = _closest(value, args)
+            fix = f"did you mean {match!r}?" if match is not None else f"set {where} to one of them"
+            raise QlmError(f"{where} {value!r} is not one of {', '.join(map(str, args))}", fix)
+        return value
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         if value is None and type(None) in args:
             return None
@@ -180,6 +216,11 @@ def _coerce(where: str, value: Any, kind) -> Any:
             raise QlmError(f"{where} must be a string, got {value!r}", "quote the value")
         return value
     return value
+
+
+def checked_field(cls: type, key: str, value: Any, where: str) -> Any:
+    """`value` for field `key` of the config dataclass `cls`, checked as a recipe's value is (errors name `where`)."""
+    return _coerce(where, value, _field_types(cls)[key])
 
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from qlm_core.config import WeightDtype, choices
 from qlm_core.errors import QlmError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+assert tuple(DTYPES) == choices(WeightDtype), "DTYPES maps exactly config.WeightDtype's names"
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 

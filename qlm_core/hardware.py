@@ -13,8 +13,6 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-import torch
-
 from qlm_core.errors import QlmError
 
 
@@ -46,6 +44,8 @@ GPUS: dict[str, GpuSpec] = {
 def local_gpu() -> GpuSpec | None:
     """The preset of this machine's CUDA device, told by its name (A100 40/80 GB by its memory); None without CUDA
     or for a device with no preset."""
+    import torch  # here, not at the top: the CLI reads GPUS for its option choices before torch is needed
+
     if not torch.cuda.is_available():
         return None
     device = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -72,6 +72,8 @@ def gpu_spec(name: str, **overrides) -> GpuSpec:
 
 def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5) -> float:
     """Best fp32 matmul rate of this process, in TFLOP/s."""
+    import torch
+
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b
     best = float("inf")

@@ -67,22 +67,42 @@ def make_hf_model(path: Path, kind: str, dtype=torch.float32, seed: int = 0, **o
     return model
 
 
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def worker_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """os.environ for a torchrun child: OMP_NUM_THREADS=1, tests/ first on PYTHONPATH (the children do not read the
+    pytest config's `pythonpath`, and the workers import `workers.harness`, `parallel_cases`), then `env`."""
+    python_path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, **(env or {})}
+
+
+_RUNNING: dict[str, pytest.Item] = {}  # the test being set up or run
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _RUNNING["item"] = item  # before its fixtures: a module fixture that launches torchrun sees its first test
+
+
 def launch_torchrun(worker: Path, nproc: int, *args, timeout: float = 600,
                     env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run `worker` on `nproc` local ranks (torchrun --standalone, OMP_NUM_THREADS=1 plus `env`); output captured as
-    text. The caller checks the return code and reads what the worker wrote."""
+    """Run `worker` on `nproc` local ranks (torchrun --standalone, in worker_env(env)); output captured as text. The
+    caller checks the return code and reads what the worker wrote. The test that launches must be marked
+    `distributed` (the fast tier, -m "not distributed and not slow", leaves those out)."""
+    item = _RUNNING.get("item")
+    assert item is None or item.get_closest_marker("distributed"), f"{item.nodeid} launches torchrun: mark it"
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(worker),
          *map(str, args)],
-        check=False, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        check=False, capture_output=True, text=True, timeout=timeout, env=worker_env(env),
     )
 
 
-def run_peer_jobs(worker_name: str, nproc: int, out: Path, timeout: float = 600) -> tuple[Path, int, str]:
+def run_worker_jobs(worker_name: str, nproc: int, out: Path, timeout: float = 600) -> tuple[Path, int, str]:
     """Launch tests/workers/WORKER_NAME (a harness.run_jobs worker) into `out`: (out, exit code, the tracebacks the
     failing jobs left, else the tail of stderr)."""
-    proc = launch_torchrun(Path(__file__).parent / "workers" / worker_name, nproc, out, timeout=timeout)
+    proc = launch_torchrun(TESTS_DIR / "workers" / worker_name, nproc, out, timeout=timeout)
     errors = "\n".join(p.read_text() for p in out.glob("*.error"))
     return out, proc.returncode, errors or proc.stderr[-3000:]
 

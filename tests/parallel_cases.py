@@ -1,5 +1,7 @@
 """The layouts the parity suite checks against one process (shared by the pytest module and its torchrun worker)."""
 
+from dataclasses import dataclass, field
+
 import torch
 
 from qlm_core.models.spec import ModelSpec
@@ -19,35 +21,49 @@ DATA_KINDS = ("plain", "packed", "window")  # window: packed documents and the w
 def case_spec(data: str) -> ModelSpec:
     return WINDOWED if data == "window" else SPEC
 
-# name -> (world size, parallel config, micro batch size, data kind: DATA_KINDS)
+
+@dataclass(frozen=True)
+class LayoutCase:
+    """One parallel layout checked against one process: `world` ranks run ParallelConfig(**parallel)."""
+
+    world: int
+    parallel: dict = field(default_factory=dict)
+    micro_batch_size: int = 2
+    data: str = "plain"  # one of DATA_KINDS: the batch (make_batch) and the model (case_spec)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return case_spec(self.data)
+
+
 CASES = {
-    "tp2": (2, dict(tp=2), 2, "plain"),
-    "tp2_sp": (2, dict(tp=2, sp=True), 2, "plain"),
-    "tp4_two_groups": (4, dict(tp=4, sp=True), 2, "plain"),
-    "cp2_p2p": (2, dict(cp=2, cp_comm_type="p2p"), 2, "plain"),
-    "cp2_allgather": (2, dict(cp=2, cp_comm_type="allgather"), 2, "plain"),
-    "cp2_a2a": (2, dict(cp=2, cp_comm_type="a2a"), 2, "plain"),
-    "cp2_packed": (2, dict(cp=2, cp_comm_type="p2p"), 2, "packed"),
-    "cp2_allgather_packed": (2, dict(cp=2, cp_comm_type="allgather"), 2, "packed"),
-    "cp2_a2a_packed": (2, dict(cp=2, cp_comm_type="a2a"), 2, "packed"),
-    "pp2_1f1b": (2, dict(pp=2, pp_schedule="1f1b"), 2, "plain"),
-    "pp2_interleaved": (2, dict(pp=2, vpp=2, pp_schedule="interleaved_1f1b"), 2, "plain"),
-    "pp2_zero_bubble": (2, dict(pp=2, pp_schedule="zero_bubble"), 2, "plain"),
-    "pp2_uneven": (2, dict(pp=2, num_layers_in_first_pipeline_stage=1), 2, "plain"),
-    "dp2_zero0": (2, dict(zero_stage=0, overlap_grad_reduce=True), 2, "plain"),
-    "dp2_zero1": (2, dict(zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True), 2, "plain"),
-    "dp2_zero2": (2, dict(zero_stage=2, overlap_grad_reduce=True), 2, "plain"),
-    "dp2_zero3": (2, dict(zero_stage=3), 2, "plain"),
-    "dp2_accum4": (2, dict(zero_stage=1), 1, "plain"),
-    "recompute_selective": (2, dict(tp=2, sp=True, recompute="selective"), 2, "plain"),
-    "recompute_full": (2, dict(tp=2, recompute="full", recompute_num_layers=1), 2, "plain"),
-    "tp2_pp2_dp2": (8, dict(tp=2, pp=2, sp=True, zero_stage=1, overlap_grad_reduce=True), 1, "plain"),
-    "tp2_cp2": (4, dict(tp=2, cp=2, sp=True), 2, "plain"),
-    "packed_tp2": (2, dict(tp=2, sp=True), 2, "packed"),
-    "window_tp2_sp": (2, dict(tp=2, sp=True), 2, "window"),
-    "window_cp2_p2p": (2, dict(cp=2, cp_comm_type="p2p"), 2, "window"),
-    "window_cp2_allgather": (2, dict(cp=2, cp_comm_type="allgather"), 2, "window"),
-    "window_cp2_a2a": (2, dict(cp=2, cp_comm_type="a2a"), 2, "window"),
+    "tp2": LayoutCase(2, dict(tp=2)),
+    "tp2_sp": LayoutCase(2, dict(tp=2, sp=True)),
+    "tp4_two_groups": LayoutCase(4, dict(tp=4, sp=True)),
+    "cp2_p2p": LayoutCase(2, dict(cp=2, cp_comm_type="p2p")),
+    "cp2_allgather": LayoutCase(2, dict(cp=2, cp_comm_type="allgather")),
+    "cp2_a2a": LayoutCase(2, dict(cp=2, cp_comm_type="a2a")),
+    "cp2_packed": LayoutCase(2, dict(cp=2, cp_comm_type="p2p"), data="packed"),
+    "cp2_allgather_packed": LayoutCase(2, dict(cp=2, cp_comm_type="allgather"), data="packed"),
+    "cp2_a2a_packed": LayoutCase(2, dict(cp=2, cp_comm_type="a2a"), data="packed"),
+    "pp2_1f1b": LayoutCase(2, dict(pp=2, pp_schedule="1f1b")),
+    "pp2_interleaved": LayoutCase(2, dict(pp=2, vpp=2, pp_schedule="interleaved_1f1b")),
+    "pp2_zero_bubble": LayoutCase(2, dict(pp=2, pp_schedule="zero_bubble")),
+    "pp2_uneven": LayoutCase(2, dict(pp=2, num_layers_in_first_pipeline_stage=1)),
+    "dp2_zero0": LayoutCase(2, dict(zero_stage=0, overlap_grad_reduce=True)),
+    "dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True)),
+    "dp2_zero2": LayoutCase(2, dict(zero_stage=2, overlap_grad_reduce=True)),
+    "dp2_zero3": LayoutCase(2, dict(zero_stage=3)),
+    "dp2_accum4": LayoutCase(2, dict(zero_stage=1), micro_batch_size=1),
+    "recompute_selective": LayoutCase(2, dict(tp=2, sp=True, recompute="selective")),
+    "recompute_full": LayoutCase(2, dict(tp=2, recompute="full", recompute_num_layers=1)),
+    "tp2_pp2_dp2": LayoutCase(8, dict(tp=2, pp=2, sp=True, zero_stage=1, overlap_grad_reduce=True), micro_batch_size=1),
+    "tp2_cp2": LayoutCase(4, dict(tp=2, cp=2, sp=True)),
+    "packed_tp2": LayoutCase(2, dict(tp=2, sp=True), data="packed"),
+    "window_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="window"),
+    "window_cp2_p2p": LayoutCase(2, dict(cp=2, cp_comm_type="p2p"), data="window"),
+    "window_cp2_allgather": LayoutCase(2, dict(cp=2, cp_comm_type="allgather"), data="window"),
+    "window_cp2_a2a": LayoutCase(2, dict(cp=2, cp_comm_type="a2a"), data="window"),
 }
 
 

@@ -4,6 +4,7 @@ and piecewise (document / window) attention against full masked attention."""
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 
 import pytest
@@ -69,7 +70,7 @@ def test_forward_backward_match_reference(name, backend, monkeypatch):
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
     grads = attention_backward(grad, q, k, v, out, lse, scale=scale, causal=c["causal"])
     ref_out.backward(grad.double())
-    for got, ref_t in zip(grads, (ref_q, ref_k, ref_v)):
+    for got, ref_t in zip(grads, (ref_q, ref_k, ref_v), strict=True):
         assert got.shape == ref_t.shape and torch.isfinite(got).all()
         assert (got.double() - ref_t.grad).abs().max() <= TOL
 
@@ -129,7 +130,7 @@ def test_piecewise_attention_matches_masked_attention(name, backend, monkeypatch
     ref_out, _ = reference(*ref, 0.5, False, mask)
     ref_out.backward(grad.double())
     assert (out.double() - ref_out).abs().max() <= TOL
-    for a, b in zip(leaves, ref):
+    for a, b in zip(leaves, ref, strict=True):
         assert (a.grad.double() - b.grad).abs().max() <= TOL
 
 
@@ -158,7 +159,7 @@ def _fake_varlen(padded_lse: bool):
 
     def segments(cu):
         bounds = cu.tolist()
-        return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+        return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
     def seq(t, rows, upper):
         part = t[rows].transpose(0, 1)[None]
@@ -169,15 +170,15 @@ def _fake_varlen(padded_lse: bool):
         assert cu_q.dtype == torch.int32 and max_q == max(cu_q.diff().tolist())
         out = torch.empty_like(q)
         lse = (torch.zeros(len(cu_q) - 1, q.shape[1], max_q) if padded_lse else torch.zeros(q.shape[1], q.shape[0]))
-        for i, (sq, sk) in enumerate(zip(segments(cu_q), segments(cu_k))):
-            o, l = attention_forward_with_lse(seq(q, sq, upper), seq(k, sk, upper), seq(v, sk, upper),
-                                              scale=softmax_scale, causal=causal or upper)
-            o, l = (o.flip(2), l.flip(2)) if upper else (o, l)
+        for i, (sq, sk) in enumerate(zip(segments(cu_q), segments(cu_k), strict=True)):
+            o, piece_lse = attention_forward_with_lse(seq(q, sq, upper), seq(k, sk, upper), seq(v, sk, upper),
+                                                      scale=softmax_scale, causal=causal or upper)
+            o, piece_lse = (o.flip(2), piece_lse.flip(2)) if upper else (o, piece_lse)
             out[sq] = o[0].transpose(0, 1)
             if padded_lse:
-                lse[i, :, : sq.stop - sq.start] = l[0]
+                lse[i, :, : sq.stop - sq.start] = piece_lse[0]
             else:
-                lse[:, sq] = l[0]
+                lse[:, sq] = piece_lse[0]
         return out, lse, None
 
     def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -186,13 +187,13 @@ def _fake_varlen(padded_lse: bool):
         batch = len(cu_seqlens_q) - 1
         want = (batch, q.shape[1], max_seqlen_q) if padded_lse else (q.shape[1], q.shape[0])
         assert tuple(softmax_lse.shape) == want  # the layout forward returned, not merely one that slices alike
-        for i, (sq, sk) in enumerate(zip(segments(cu_seqlens_q), segments(cu_seqlens_k))):
+        for i, (sq, sk) in enumerate(zip(segments(cu_seqlens_q), segments(cu_seqlens_k), strict=True)):
             lse = softmax_lse[i, :, : sq.stop - sq.start] if padded_lse else softmax_lse[:, sq]
             grads = attention_backward(seq(dout, sq, upper), seq(q, sq, upper), seq(k, sk, upper),
                                        seq(v, sk, upper), seq(out, sq, upper),
                                        lse[None].flip(2) if upper else lse[None],
                                        scale=softmax_scale, causal=causal or upper)
-            for target, grad, rows in zip((dq, dk, dv), grads, (sq, sk, sk)):
+            for target, grad, rows in zip((dq, dk, dv), grads, (sq, sk, sk), strict=True):
                 target[rows] = (grad.flip(2) if upper else grad)[0].transpose(0, 1)
 
     params = frozenset(inspect.signature(backward).parameters)

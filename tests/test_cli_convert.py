@@ -31,7 +31,7 @@ def test_every_option_is_explained(run_qlm, command):
     code, stdout, _ = run_qlm("convert", command, "--help")
     assert code == 0
     for option in OPTIONS[command]:
-        line = next((l for l in stdout.splitlines() if re.search(rf"{option}\b", l)), None)
+        line = next((row for row in stdout.splitlines() if re.search(rf"{option}\b", row)), None)
         assert line is not None, option
         # each option row carries help text after the option and its type
         assert len(re.sub(r"[│\s]+", " ", line).strip().split(" ")) > 3, line

@@ -59,7 +59,7 @@ def test_megatron_core_reads_qlm_files(tmp_path, dtype):
         assert np.array_equal(theirs[i], doc)
         if doc.size > 4:
             assert np.array_equal(theirs.get(i, 2, 2), doc[2:4])
-    assert all(np.array_equal(a, b) for a, b in zip(theirs[3:9], documents[3:9]))
+    assert all(np.array_equal(a, b) for a, b in zip(theirs[3:9], documents[3:9], strict=True))
 
 
 @pytest.mark.peer

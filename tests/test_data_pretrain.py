@@ -142,7 +142,7 @@ def test_blends_follow_their_weights(tmp_path):
         prefixes.append(str(tmp_path / f"d{k}"))
     weights = [0.5, 0.3, 0.2]
     config = PretrainConfig(seq_length=8, split="100", cache=False)
-    blend, _ = build_pretrain_datasets(list(zip(weights, prefixes)), config, train_samples=1000)
+    blend, _ = build_pretrain_datasets(list(zip(weights, prefixes, strict=True)), config, train_samples=1000)
     source = np.array([int(sample_tokens(blend[i])[0]) // 1000 for i in range(len(blend))])
     for n in (10, 100, 1000):
         counts = np.bincount(source[:n], minlength=3)

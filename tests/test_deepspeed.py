@@ -23,6 +23,9 @@ WORLD = 3
 TRAIN = {f"zero{stage}_{precision}": (stage, precision == "bf16") for stage in (0, 1, 2, 3)
          for precision in ("fp32", "bf16")}
 FROZEN = "model.layers.1."
+# DeepSpeed engines that load qlm's output: name -> (ZeRO stage, bf16, the checkpoint the fixture writes)
+LOADS = {"zero0": (0, False, "hf2ds"), "zero1": (1, False, "hf2ds"), "zero2": (2, False, "hf2ds"),
+         "zero2_bf16": (2, True, "hf2ds_bf16"), "zero1_from_mcore": (1, False, "mcore2ds")}
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed is not installed (pip install '.[test]')")
 
@@ -118,14 +121,12 @@ def deepspeed_runs(tiny, tmp_path_factory):
     hf_to_ds(tiny, root / "hf2ds_bf16", dtype="bf16")
     hf_to_mcore(tiny, root / "mcore", tp=2, pp=2)
     mcore_to_ds(root / "mcore", root / "mcore2ds")
-    loads = [("zero0", 0, False, "hf2ds"), ("zero1", 1, False, "hf2ds"), ("zero2", 2, False, "hf2ds"),
-             ("zero2_bf16", 2, True, "hf2ds_bf16"), ("zero1_from_mcore", 1, False, "mcore2ds")]
     cases = {
         "hf": str(tiny), "results": str(root),
         "train": [{"name": name, "stage": stage, "bf16": bf16, "out": str(root / name)}
                   for name, (stage, bf16) in TRAIN.items()],
         "load": [{"name": f"load_{name}", "stage": stage, "bf16": bf16, "ckpt": str(root / ckpt),
-                  "reference_hf": str(tiny)} for name, stage, bf16, ckpt in loads],
+                  "reference_hf": str(tiny)} for name, (stage, bf16, ckpt) in LOADS.items()],
         "zero_to_fp32": [{"ckpt": str(root / ckpt), "out": str(root / f"{ckpt}.z2f.pt")}
                          for ckpt in ("hf2ds", "hf2ds_bf16", "mcore2ds")],
     }
@@ -137,6 +138,7 @@ def deepspeed_runs(tiny, tmp_path_factory):
     return root
 
 
+@pytest.mark.distributed
 @needs_deepspeed
 @pytest.mark.peer
 @pytest.mark.parametrize("case", TRAIN)
@@ -158,16 +160,18 @@ def test_ds2hf_equals_deepspeeds_own_fp32_weights(deepspeed_runs, tiny, tmp_path
     assert not any(torch.equal(ours[name], original[name]) for name in trained if "norm" not in name)
 
 
+@pytest.mark.distributed
 @needs_deepspeed
 @pytest.mark.peer
 def test_deepspeed_engines_load_qlm_output(deepspeed_runs):
-    for name in ("zero0", "zero1", "zero2", "zero2_bf16", "zero1_from_mcore"):
+    for name, (_, bf16, _) in LOADS.items():
         result = json.loads((deepspeed_runs / f"load_{name}.json").read_text())
         assert result["loaded"] and result["step_loss_finite"] and result["max_weight_diff"] == 0.0, (name, result)
         # fp32 engines reproduce transformers exactly; a bf16 engine's forward differs by bf16 rounding
-        assert result["max_abs_diff"] <= (2e-2 if name.endswith("bf16") else 0.0), (name, result)
+        assert result["max_abs_diff"] <= (2e-2 if bf16 else 0.0), (name, result)
 
 
+@pytest.mark.distributed
 @needs_deepspeed
 @pytest.mark.peer
 def test_zero_to_fp32_reads_hf2ds_output(deepspeed_runs, tiny):
@@ -179,6 +183,7 @@ def test_zero_to_fp32_reads_hf2ds_output(deepspeed_runs, tiny):
             assert rebuilt[name].dtype == torch.float32 and torch.equal(rebuilt[name], tensor), (ckpt, name)
 
 
+@pytest.mark.distributed
 @needs_deepspeed
 @pytest.mark.peer
 @pytest.mark.parametrize("case", ["zero3_bf16", "zero2_fp32"])
@@ -192,6 +197,7 @@ def test_ds2mcore_mcore2hf_round_trip(deepspeed_runs, tiny, tmp_path, case):
     assert model.config.tie_word_embeddings
 
 
+@pytest.mark.distributed
 @needs_deepspeed
 @pytest.mark.peer
 def test_corrupt_deepspeed_checkpoints_fail_cleanly(run_qlm, deepspeed_runs, tiny, tmp_path):

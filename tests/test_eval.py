@@ -70,6 +70,7 @@ def assert_same(ours, theirs, tolerance=1e-4):
             assert abs(a[key] - b[key]) <= tolerance * max(1.0, abs(b[key]) / 100), (key, a[key], b[key])
 
 
+@pytest.mark.slow
 def test_qlm_backend_equals_lm_eval_hf_backend(hf_model, tmp_path):
     ours = evaluate(hf_model, "qlm", tmp_path)
     theirs = evaluate(hf_model, "hf", tmp_path)
@@ -77,11 +78,13 @@ def test_qlm_backend_equals_lm_eval_hf_backend(hf_model, tmp_path):
     assert_same(ours, theirs)
 
 
+@pytest.mark.slow
 def test_megatron_tp2_pp2_checkpoint_equals_its_hf_source(hf_model, tmp_path):
     hf_to_mcore(hf_model, tmp_path / "mcore", tp=2, pp=2, verify=False)
     assert_same(evaluate(tmp_path / "mcore", "qlm", tmp_path), evaluate(hf_model, "qlm", tmp_path), tolerance=1e-5)
 
 
+@pytest.mark.slow  # trains 120 steps in a subprocess
 def test_demo_model_learns_its_task_and_an_untrained_one_does_not(tmp_path):
     recipe = REPO / "recipes" / "tiny-sft.toml"
     scores = {}
@@ -98,6 +101,7 @@ def test_demo_model_learns_its_task_and_an_untrained_one_does_not(tmp_path):
     assert scores["untrained"] <= 0.45, scores
 
 
+@pytest.mark.slow
 def test_cli_writes_lm_eval_results_and_errors_offline(run_qlm, hf_model, tmp_path):
     code, stdout, stderr = run_qlm("eval", hf_model, "--tasks", "qlm_demo_mc", "--limit", "4", "--output",
                                    tmp_path / "out", "--log-samples")
@@ -110,6 +114,7 @@ def test_cli_writes_lm_eval_results_and_errors_offline(run_qlm, hf_model, tmp_pa
     assert code == 2 and "unknown task(s) no_such_task_anywhere" in stderr
 
 
+@pytest.mark.slow
 def test_deepspeed_checkpoint_evaluates_like_its_hf_source(hf_model, tmp_path):
     from qlm_core.checkpoint.convert.deepspeed import hf_to_ds
 
@@ -138,6 +143,7 @@ def saved_results(output: Path) -> dict:
     return results
 
 
+@pytest.mark.distributed
 def test_tensor_parallel_eval_equals_one_process(hf_model, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "qlm_cli.main", "eval", str(hf_model), "--tasks", ",".join(TASKS), "--limit", "6",

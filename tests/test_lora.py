@@ -3,13 +3,13 @@ by the optimizer, give the one-process losses in every parallel layout (one torc
 at another TP/PP, and export merged (qlm convert mcore2hf) to a plain HF model with the same logits."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_peer_jobs
+from conftest import run_worker_jobs
 from parallel_cases import GLOBAL_BATCH, SEQ, SPEC, make_batch
+from workers.lora_worker import CASES, LORA, OPTIM, SAVED_CASE, STEPS, WORLD, logits_ids
 
 from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore
 from qlm_core.checkpoint.formats.hf import HFCheckpoint
@@ -42,9 +42,6 @@ from qlm_core.parallel.state import Grid
 from qlm_core.train.engine import Batch, Engine
 from qlm_core.train.lora import apply_lora, load_lora_state, lora_state_dict
 
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from lora_worker import CASES, LORA, OPTIM, SAVED_CASE, STEPS, WORLD, logits_ids  # noqa: E402
-
 ALL_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 
 
@@ -75,12 +72,17 @@ def test_adapter_layouts_follow_their_base_weights():
                                                               "mlp.linear_fc1", "mlp.linear_fc2") for f in "AB"]
     qkv_b, qkv_w = tensors["self_attention.linear_qkv.lora_B.weight"], weights["self_attention.linear_qkv.weight"]
     assert qkv_b.split == ROWS and qkv_b.shape == (SPEC.qkv_rows, 4)
-    assert [(s.start, s.stop, s.hf_start) for s in qkv_b.segments] == [(s.start, s.stop, s.hf_start) for s in qkv_w.segments]
+    def rows(tensor):
+        return [(s.start, s.stop, s.hf_start) for s in tensor.segments]
+
+    assert rows(qkv_b) == rows(qkv_w)
     assert qkv_b.segments[0].hf_name == "model.layers.1.self_attn.q_proj.lora_B.weight"
     qkv_a = tensors["self_attention.linear_qkv.lora_A.weight"]
-    assert qkv_a.split == REPLICATED and {s.hf_name.split(".")[-3] for s in qkv_a.segments} == {"q_proj", "k_proj", "v_proj"}
+    assert qkv_a.split == REPLICATED
+    assert {s.hf_name.split(".")[-3] for s in qkv_a.segments} == {"q_proj", "k_proj", "v_proj"}
     assert tensors["mlp.linear_fc1.lora_B.weight"].split == FC1
-    assert tensors["mlp.linear_fc2.lora_A.weight"].split == COLS and tensors["mlp.linear_fc2.lora_A.weight"].shape == (4, 96)
+    fc2_a = tensors["mlp.linear_fc2.lora_A.weight"]
+    assert fc2_a.split == COLS and fc2_a.shape == (4, 96)
     assert tensors["mlp.linear_fc2.lora_B.weight"].split == REPLICATED
     entries = ModelLayout(SPEC, tp=2, pp=2).lora_shard_entries(1, 0, 4, ["linear_qkv"])
     assert [name for name, _ in entries][:2] == ["decoder.layers.0.self_attention.linear_qkv.lora_A.weight",
@@ -121,7 +123,7 @@ def test_engine_trains_only_the_adapters(hf_models):
     adapters = {id(p) for n, p in named.items() if ".lora_" in n}
     assert len(adapters) == 2 * 4 * hf.spec.num_layers
     assert {id(p) for p in engine.params} == adapters
-    assert {id(p) for p in engine.grads.params} == adapters
+    assert {id(p) for p in engine.optimizer.params} == adapters
     assert {id(p) for g in engine.optimizer.optimizer.param_groups for p in g["params"]} == adapters
     assert all(not p.requires_grad for n, p in named.items() if ".lora_" not in n)
     base = {n: p.detach().clone() for n, p in named.items() if ".lora_" not in n}
@@ -138,7 +140,7 @@ def test_engine_trains_only_the_adapters(hf_models):
 
 @pytest.fixture(scope="module")
 def parallel_run(tmp_path_factory):
-    return run_peer_jobs("lora_worker.py", WORLD, tmp_path_factory.mktemp("lora"), timeout=600)
+    return run_worker_jobs("lora_worker.py", WORLD, tmp_path_factory.mktemp("lora"), timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +153,7 @@ def reference():
     return losses, lora_state_dict(engine.chunks[0])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES)
 def test_lora_layout_matches_one_process(case, reference, parallel_run):
     out, code, errors = parallel_run
@@ -169,6 +172,7 @@ def test_lora_layout_matches_one_process(case, reference, parallel_run):
         assert error <= 1e-4, (case, name, error.item())  # Adam turns fp32 reduction-order noise into ~1e-5
 
 
+@pytest.mark.distributed
 def test_adapters_saved_at_tp2_pp2_load_at_tp1(parallel_run):
     out, code, errors = parallel_run
     assert (out / "logits.pt").exists(), f"worker exit {code}: {errors}"
@@ -185,6 +189,7 @@ def test_adapters_saved_at_tp2_pp2_load_at_tp1(parallel_run):
     assert (ours - theirs).abs().max() <= 1e-5
 
 
+@pytest.mark.distributed
 def test_lora_layer_sends_only_rank_sized_activations(parallel_run):
     """On top of the base layer's collectives (width h = 64), the adapters add only width-r (4) ones: with SP an
     all-gather after A of qkv/fc1 and a reduce-scatter after A of proj/fc2 (and their transposes in backward);

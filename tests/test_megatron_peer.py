@@ -12,7 +12,7 @@ from conftest import LLAMA3_ROPE, launch_torchrun, make_hf_model
 from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install '.[test]')")
-pytestmark = pytest.mark.peer
+pytestmark = [pytest.mark.peer, pytest.mark.distributed]
 
 CASES = {
     "qwen2_tp2_pp2": ("qwen2", dict(tp=2, pp=2)),
@@ -42,7 +42,7 @@ def test_megatron_core_reproduces_transformers_logits(hf_models, tmp_path):
     worker = Path(__file__).parent / "peers" / "megatron_logits.py"
     proc = launch_torchrun(worker, 4, tmp_path / "cases.json", timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for name, case in zip(CASES, cases):
+    for name, case in zip(CASES, cases, strict=True):
         result = json.loads(Path(case["result"]).read_text())
         assert result["shape"] == [2, 16, 300], name
         assert result["max_abs_diff"] <= 1e-4, (name, result)

@@ -87,7 +87,7 @@ def test_packed_rows_equal_each_document_alone(hf_models, kind):
     alone_grads = torch.autograd.grad(alone_loss, list(params.values()))
 
     assert (logits - torch.stack(alone_logits)).abs().max().item() <= 1e-5
-    for name, got, want in zip(params, packed_grads, alone_grads):
+    for name, got, want in zip(params, packed_grads, alone_grads, strict=True):
         assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item()), name
 
 
@@ -101,7 +101,7 @@ def test_padded_decoding_equals_each_row_alone(hf_models, kind):
     rows = [torch.randint(0, spec.vocab_size, (n + steps,), generator=generator) for n in lengths]
     ids = torch.zeros(len(rows), total, dtype=torch.long)
     mask = torch.zeros(len(rows), total, dtype=torch.long)
-    for i, (row, n) in enumerate(zip(rows, lengths)):
+    for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
         ids[i, total - n:], mask[i, total - n:] = row[:n], 1
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
@@ -109,10 +109,10 @@ def test_padded_decoding_equals_each_row_alone(hf_models, kind):
         got = [model(ids, positions, cache=cache, attention_mask=mask)[:, -1]]
         for t in range(steps - 1):
             mask = torch.cat((mask, torch.ones(len(rows), 1, dtype=torch.long)), 1)
-            step_ids = torch.stack([row[n + t] for row, n in zip(rows, lengths)])[:, None]
+            step_ids = torch.stack([row[n + t] for row, n in zip(rows, lengths, strict=True)])[:, None]
             step_pos = torch.tensor([[n + t] for n in lengths])
             got.append(model(step_ids, step_pos, cache=cache, attention_mask=mask)[:, -1])
-        for i, (row, n) in enumerate(zip(rows, lengths)):
+        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
             alone = model(row[None, : n + steps - 1])[0, n - 1 :]
             assert (torch.stack([g[i] for g in got]) - alone).abs().max().item() <= 1e-5
 

@@ -7,7 +7,7 @@ from qlm_core.config import ParallelConfig
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout
 from qlm_core.parallel.state import ParallelSizes, resolve_sizes
-from qlm_core.train.engine import validate_layout
+from qlm_core.train.validate import validate_layout
 
 
 def test_tp_is_fastest_then_cp_pp_dp():
@@ -32,9 +32,7 @@ def test_dp_is_derived_and_checked():
     (dict(tp=4, sp=True, cp=2), 36, "seq_length/cp = 18 is not divisible by tp = 4"),
     (dict(tp=2, sp=True), 33, "not divisible by tp"),
     (dict(tp=2, cp=4, cp_comm_type="a2a"), 32, "a2a needs heads"),
-    (dict(zero_stage=4), 32, "zero_stage 4"),
     (dict(vpp=2), 32, "vpp > 1 needs pp > 1"),
-    (dict(recompute="some"), 32, "recompute 'some'"),
     (dict(pp=2, vpp=2, pp_schedule="1f1b"), 32, "needs an interleaved schedule"),
     (dict(overlap_param_gather=True), 32, "needs zero_stage 1 or 2"),
 ])
@@ -96,7 +94,8 @@ def test_bf16_engine_keeps_fp32_master_weights_and_tracks_fp32():
             assert all(p.main_grad.dtype == torch.float32 for p in engine.params)
             masters = [t for group in engine.optimizer.optimizer.param_groups for t in group["params"]]
             assert masters and all(t.dtype == torch.float32 for t in masters)
-    assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], abs=5e-3)  # observed 3e-4; three steps move the loss by 0.1
+    # observed 3e-4; three steps move the loss by 0.1
+    assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], abs=5e-3)
     assert losses[torch.bfloat16][-1] < losses[torch.bfloat16][0]
 
 
@@ -116,4 +115,4 @@ def test_non_finite_gradients_skip_the_update():
     before = [p.detach().clone() for p in engine.params]
     result = engine.train_step(Batch(*make_batch(False)))
     assert result.skipped and not math.isfinite(result.grad_norm)
-    assert all(torch.equal(a, b) or torch.isinf(a).any() for a, b in zip(before, engine.params))
+    assert all(torch.equal(a, b) or torch.isinf(a).any() for a, b in zip(before, engine.params, strict=True))

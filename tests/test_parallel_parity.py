@@ -2,13 +2,12 @@
 step's reduced gradients within 1e-5 (relative L2 per tensor). One torchrun launch (8 gloo ranks) runs all cases."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_peer_jobs
+from conftest import run_worker_jobs
 from parallel_cases import CASES, DATA_KINDS, GLOBAL_BATCH, SEQ, STEPS, WINDOWED, WORLD, case_spec, make_batch
+from workers.parity_worker import OPTIM
 
 from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
 from qlm_core.config import ParallelConfig
@@ -16,9 +15,6 @@ from qlm_core.kernels.pieces import Documents
 from qlm_core.models.layout import ModelLayout, assemble_hf_tensor
 from qlm_core.parallel.state import Grid
 from qlm_core.train.engine import Batch, Engine
-
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from parity_worker import OPTIM  # noqa: E402
 
 
 def reference(data: str):
@@ -30,7 +26,7 @@ def reference(data: str):
     for step in range(STEPS):
         loss = engine.forward_backward(batch)
         if step == 0:
-            grads = {n: engine.grads.full_grad(p).detach().clone() for n, p in engine.chunks[0].named_parameters()}
+            grads = {n: engine.optimizer.full_grad(p).detach().clone() for n, p in engine.chunks[0].named_parameters()}
         norm, _ = engine.update()
         losses.append(engine.global_loss(loss))
         norms.append(norm)
@@ -50,19 +46,20 @@ def test_windowed_cases_have_documents_longer_than_the_window():
 
 @pytest.fixture(scope="module")
 def parallel_run(tmp_path_factory):
-    return run_peer_jobs("parity_worker.py", WORLD, tmp_path_factory.mktemp("parity"), timeout=1200)
+    return run_worker_jobs("parity_worker.py", WORLD, tmp_path_factory.mktemp("parity"), timeout=1200)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES)
 def test_layout_matches_one_process(case, references, parallel_run):
     out, code, errors = parallel_run
     result_file = out / f"{case}.json"
     assert result_file.exists(), f"worker exit {code}: {errors}"
     result = json.loads(result_file.read_text())
-    ref_losses, ref_norms, ref_grads = references[CASES[case][3]]
+    ref_losses, ref_norms, ref_grads = references[CASES[case].data]
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-4), case
     assert result["grad_norms"] == pytest.approx(ref_norms, rel=1e-4), case
-    spec = case_spec(CASES[case][3])
+    spec = CASES[case].spec
     reloaded = MegatronTorchCheckpoint(out / case, spec=spec)
     layout = ModelLayout(spec)
     for hf_name, parts in layout.hf_tensors.items():
@@ -73,6 +70,7 @@ def test_layout_matches_one_process(case, references, parallel_run):
         assert error <= 1e-5, (case, hf_name, error.item())
 
 
+@pytest.mark.distributed
 def test_tp_sp_layer_issues_megatrons_collectives(parallel_run):
     """Forward: 2 all-gathers (before linear_qkv and linear_fc1) + 2 reduce-scatters (after linear_proj and
     linear_fc2), no all-reduce. Backward: the transposes (2 reduce-scatters, 2 all-gathers) plus the 2 all-gathers

@@ -6,26 +6,24 @@ GPipe step match memory.py's in-flight count within 5%; the loss region (whole l
 SP, and on the last pipeline stage) within 5%."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import run_peer_jobs
+from conftest import run_worker_jobs
+from workers.profile_worker import HEAD_CASES, LAYER_CASES, STAGE_CASES, STATE_CASES
 
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from profile_worker import HEAD_CASES, LAYER_CASES, STAGE_CASES, STATE_CASES  # noqa: E402
+pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
 def worker_run(tmp_path_factory):
-    return run_peer_jobs("profile_worker.py", 4, tmp_path_factory.mktemp("profile"), timeout=600)
+    return run_worker_jobs("profile_worker.py", 4, tmp_path_factory.mktemp("profile"), timeout=600)
 
 
 @pytest.mark.parametrize("case", STATE_CASES)
 def test_model_states_equal_the_engines_tensors(case, worker_run):
     out, code, errors = worker_run
     files = sorted((out / "states").glob(f"{case}.rank*.json")) if (out / "states").exists() else []
-    assert len(files) == STATE_CASES[case][0], f"worker exit {code}: {errors}"
+    assert len(files) == STATE_CASES[case].world, f"worker exit {code}: {errors}"
     for file in files:
         result = json.loads(file.read_text())
         assert result["predicted"] == result["measured"], (file.name, result)
@@ -46,7 +44,7 @@ def test_loss_region_within_5_percent(case, worker_run):
     file = out / "head" / f"{case}.json"
     assert file.exists(), f"worker exit {code}: {errors}"
     result = json.loads(file.read_text())
-    assert result["chunked"] == (HEAD_CASES[case][2] > 0)
+    assert result["chunked"] == (HEAD_CASES[case].chunk_tokens > 0)
     assert result["predicted"] == pytest.approx(result["measured"], rel=0.05), result
 
 
@@ -56,8 +54,8 @@ def test_pipeline_stage_peak_within_5_percent(case, worker_run):
     see the PipelineStage's receive buffers, which memory.py counts under pp_buffers)."""
     out, code, errors = worker_run
     files = sorted((out / "stage").glob(f"{case}.stage*.json")) if (out / "stage").exists() else []
-    assert len(files) == STAGE_CASES[case][0]["pp"], f"worker exit {code}: {errors}"
-    full = STAGE_CASES[case][0].get("recompute") == "full"
+    assert len(files) == STAGE_CASES[case].stages, f"worker exit {code}: {errors}"
+    full = STAGE_CASES[case].full_recompute
     for file in files:
         result = json.loads(file.read_text())
         if result["stage"] > 0 and full:

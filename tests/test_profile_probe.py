@@ -26,6 +26,7 @@ def best_and_probe():
     return best, json.loads(out)
 
 
+@pytest.mark.slow
 def test_probe_of_the_search_winner_agrees(best_and_probe):
     best, doc = best_and_probe
     probe = doc["probe"]

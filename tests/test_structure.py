@@ -17,3 +17,12 @@ def test_import_floors_hold():
         pytest.fail("lint-imports is missing: pip install -e '.[test]'")
     proc = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_ruff_is_clean():
+    """`ruff check .` with the pyproject configuration (E, F, W, I, B, UP; line length 120) finds nothing."""
+    exe = shutil.which("ruff")
+    if exe is None:
+        pytest.fail("ruff is missing: pip install -e '.[test]'")
+    proc = subprocess.run([exe, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

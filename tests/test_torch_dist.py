@@ -41,7 +41,8 @@ def test_hf_torch_dist_hf_is_bit_exact(hf_models, tmp_path, kind, layout):
 
 
 def test_written_layout_is_megatron_cores(hf_models, tmp_path):
-    """The facts docs/ARCHITECTURE.md §5 lists and a real megatron-core 0.16 save showed (same keys, shapes and chunks)."""
+    """The facts docs/ARCHITECTURE.md §5 lists and a real megatron-core 0.16 save showed (same keys, shapes and
+    chunks)."""
     hf_to_mcore(hf_models["qwen2"], tmp_path / "d", tp=2, pp=2, format="torch_dist")
     it = tmp_path / "d/release"
     assert (tmp_path / "d/latest_checkpointed_iteration.txt").read_text() == "release"
@@ -89,7 +90,7 @@ def test_torch_and_torch_dist_convert_into_each_other_bit_exactly(hf_models, tmp
     before = sorted((tmp_path / "torch").rglob("model_optim_rng.pt"))
     after = sorted((tmp_path / "torch2").rglob("model_optim_rng.pt"))
     assert len(before) == len(after) == 4
-    for a, b in zip(before, after):
+    for a, b in zip(before, after, strict=True):
         ours, theirs = safe_torch_load(a)["model"], safe_torch_load(b)["model"]
         assert list(ours) == list(theirs)
         for name, tensor in ours.items():

@@ -20,7 +20,8 @@ from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install '.[test]')")
-pytestmark = [pytest.mark.peer, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+pytestmark = [pytest.mark.peer, pytest.mark.distributed,
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 # name: (model, layout qlm writes at); megatron-core loads each at TP2 x PP2 with its own vocabulary padding (512).
 CASES = {

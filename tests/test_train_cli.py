@@ -53,10 +53,12 @@ LAYOUTS = {
     "dp2_zero1": ["parallel.dp=2", "parallel.zero_stage=1", "parallel.overlap_grad_reduce=true",
                   "parallel.overlap_param_gather=true"],
     "dp2_zero3": ["parallel.dp=2", "parallel.zero_stage=3"],
-    "tp2_pp2_dp2": ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1", "train.micro_batch_size=1"],
+    "tp2_pp2_dp2": ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1",
+                    "train.micro_batch_size=1"],
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layouts_reproduce_the_one_process_losses(layout, baseline, cache, tmp_path):
     sets = [arg for kv in LAYOUTS[layout] for arg in ("--set", kv)]
@@ -98,6 +100,7 @@ def assert_every_checkpoint_loads(run: Path):
         assert ckpt.chunk_state(0, 0, 0)["decoder.final_layernorm.weight"].shape == (128,)
 
 
+@pytest.mark.slow
 def test_sigkill_anywhere_then_resume_is_bit_identical(baseline, cache, tmp_path):
     run = tmp_path / "killed"
     args = [RECIPE, "--output", run, "--set", f"data.cache_dir={cache!s}", "--set", "checkpoint.save_interval=1",
@@ -124,6 +127,7 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(baseline, cache, tmp_path
     assert losses(run) == losses(baseline)  # exactly
 
 
+@pytest.mark.slow
 def test_checkpoint_exports_to_hf_and_transformers_reproduces_validation_loss(cache, tmp_path):
     import transformers
 
@@ -150,6 +154,7 @@ def test_checkpoint_exports_to_hf_and_transformers_reproduces_validation_loss(ca
     assert loss.item() == pytest.approx(logged, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_lora_run_exports_to_peft_and_merged_hf_alike(baseline, cache, tmp_path):
     """LoRA on the baseline run's model through the CLI; the PEFT export on the base model and the merged export
     must give the same logits."""
@@ -187,7 +192,7 @@ def test_lora_run_exports_to_peft_and_merged_hf_alike(baseline, cache, tmp_path)
     (["data.train=['/nonexistent.jsonl']"], "data file /nonexistent.jsonl does not exist"),
     (["parallel.tp=3"], "--tp 3 does not divide num_attention_heads 4"),
     (["optim.lrr=1"], "did you mean 'lr'?"),
-    (["checkpoint.format=zarr"], "unknown checkpoint format 'zarr'"),
+    (["checkpoint.format=zarr"], "checkpoint.format 'zarr' is not one of torch, torch_dist"),
     (["checkpoint.format=torch_dist", "lora.rank=4", "model.load=base"],
      "checkpoint.format torch_dist does not hold LoRA adapters"),
     (["lora.rank=4"], "LoRA needs pretrained weights to adapt"),

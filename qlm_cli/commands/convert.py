@@ -3,30 +3,24 @@
 from __future__ import annotations
 
 import json
-from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from qlm_core.checkpoint.convert import deepspeed as ds_core
-from qlm_core.checkpoint.convert import hf_megatron as core
-from qlm_core.checkpoint.convert.describe import inspect_checkpoint
+from qlm_cli.choices import MegatronFormat, WeightDtype, value_of
+from qlm_cli.render import console, err_console, kv_table, progress_bar
 
-from ..render import console, err_console, kv_table, progress_bar
+if TYPE_CHECKING:
+    from qlm_core.checkpoint.convert.hf_megatron import ConvertResult
 
 app = typer.Typer(
     help="Convert and reshard checkpoints (HF <-> Megatron-Core `torch` / `torch_dist` formats), streaming, with a "
     "verification of the result (tensor by tensor, then logits).",
     no_args_is_help=True,
 )
-
-
-class DType(str, Enum):
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
 
 
 TP = Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size of the output.")]
@@ -36,7 +30,7 @@ FIRST = Annotated[int | None, typer.Option(
     "--num-layers-in-first-pipeline-stage", min=1, help="Layers on the first stage (uneven pipeline split).")]
 LAST = Annotated[int | None, typer.Option(
     "--num-layers-in-last-pipeline-stage", min=1, help="Layers on the last stage (uneven pipeline split).")]
-DTYPE = Annotated[DType | None, typer.Option("--dtype", help="Weight dtype to write (default: the source's).")]
+DTYPE = Annotated[WeightDtype | None, typer.Option("--dtype", help="Weight dtype to write (default: the source's).")]
 FORCE = Annotated[bool, typer.Option("--force", help="Replace a non-empty output directory.")]
 VERIFY = Annotated[bool | None, typer.Option(
     "--verify/--no-verify",
@@ -47,7 +41,8 @@ VERIFY = Annotated[bool | None, typer.Option(
 ITERATION = Annotated[int | None, typer.Option(
     "--iteration", help="Iteration to read (default: latest_checkpointed_iteration.txt).")]
 HF_IN = Annotated[Path, typer.Option("--hf", help="Hugging Face model directory (config.json + safetensors).")]
-MCORE_IN = Annotated[Path, typer.Option("--mcore", help="Megatron checkpoint directory (written by qlm or Megatron-LM).")]
+MCORE_IN = Annotated[Path, typer.Option(
+    "--mcore", help="Megatron checkpoint directory (written by qlm or Megatron-LM).")]
 MAX_SHARD = Annotated[float, typer.Option(
     "--max-shard-size", min=0.001, help="Largest safetensors file in GiB; above it the weights are sharded with "
     "model.safetensors.index.json.")]
@@ -56,31 +51,22 @@ VOCAB_HELP = ("Pad the vocabulary to a multiple of this times --tp (Megatron's r
 VOCAB_DIVISOR = Annotated[int, typer.Option("--make-vocab-size-divisible-by", min=1, help=VOCAB_HELP)]
 
 
-class Format(str, Enum):
-    torch = "torch"
-    torch_dist = "torch_dist"
-
-
 FORMAT_HELP = ("Megatron checkpoint format to write: `torch` (legacy, mp_rank_TT[_PPP]/model_optim_rng.pt) or "
                "`torch_dist` (megatron-core's distributed format: common.pt + metadata.json + .distcp files, "
                "loadable at any TP/PP).")
 
 
-def _report(result: core.ConvertResult, verifiable: bool = True):
+def _report(result: ConvertResult, verifiable: bool = True):
     console.print(
-        f"[green]wrote[/] {result.out}  ({result.files} files, {result.bytes_written / 2**20:.1f} MiB, "
+        f"[green]wrote[/] {escape(str(result.out))}  ({result.files} files, {result.bytes_written / 2**20:.1f} MiB, "
         f"{result.seconds:.1f} s)"
     )
     if result.verify is not None:
-        console.print(f"[green]verified[/] {result.verify.summary()}")
+        console.print(f"[green]verified[/] {escape(result.verify.summary())}")
     elif verifiable:
         console.print("[yellow]not verified[/] (pass --verify to check the result)")
     for note in result.notes:
-        console.print(f"[yellow]note[/] {note}")
-
-
-def _dtype(value: DType | None) -> str | None:
-    return value.value if value is not None else None
+        console.print(f"[yellow]note[/] {escape(note)}")
 
 
 @app.command("hf2mcore")
@@ -96,14 +82,16 @@ def hf2mcore(
     make_vocab_size_divisible_by: VOCAB_DIVISOR = 128,
     force: FORCE = False,
     verify: VERIFY = None,
-    fmt: Annotated[Format, typer.Option("--format", help=FORMAT_HELP)] = Format.torch,
+    fmt: Annotated[MegatronFormat, typer.Option("--format", help=FORMAT_HELP)] = MegatronFormat["torch"],
 ):
     """HF -> Megatron-Core checkpoint: legacy `torch` (release/mp_rank_TT[_PPP]/model_optim_rng.pt) or `torch_dist`.
 
     The HF config and tokenizer files are kept in OUT/hf/ so that mcore2hf gives back the same files."""
+    from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore
+
     with progress_bar("hf2mcore") as progress:
-        result = core.hf_to_mcore(
-            hf, out, tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last, dtype=_dtype(dtype),
+        result = hf_to_mcore(
+            hf, out, tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last, dtype=value_of(dtype),
             make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force, verify=verify, progress=progress,
             format=fmt.value,
         )
@@ -123,9 +111,11 @@ def mcore2hf(
     """Megatron-Core -> HF (config.json, safetensors, tokenizer files), loadable with AutoModelForCausalLM.
 
     A LoRA run's checkpoint (adapters + args naming the base) is written merged: W + alpha/r * B A."""
+    from qlm_core.checkpoint.convert.hf_megatron import mcore_to_hf
+
     with progress_bar("mcore2hf") as progress:
-        result = core.mcore_to_hf(
-            mcore, out, iteration=iteration, dtype=_dtype(dtype), max_shard_size_gb=max_shard_size, force=force,
+        result = mcore_to_hf(
+            mcore, out, iteration=iteration, dtype=value_of(dtype), max_shard_size_gb=max_shard_size, force=force,
             verify=verify, progress=progress,
         )
     _report(result)
@@ -146,18 +136,20 @@ def mcore2mcore(
         "--make-vocab-size-divisible-by", min=1, help=VOCAB_HELP + " Default: the source's.")] = None,
     force: FORCE = False,
     verify: VERIFY = None,
-    fmt: Annotated[Format | None, typer.Option(
+    fmt: Annotated[MegatronFormat | None, typer.Option(
         "--format", help=FORMAT_HELP + " Default: the source's format.", show_default=False)] = None,
 ):
     """Reshard a Megatron-Core checkpoint (torch or torch_dist) to another TP/PP/VPP or format. Transformer-Engine
     names are read and written back as the local spec; the iteration number is kept. A qlm training checkpoint keeps
     its Adam states (re-sliced like the weights), step, train state and scheduler, so `qlm train` resumes it at the
     new layout."""
+    from qlm_core.checkpoint.convert.hf_megatron import mcore_to_mcore
+
     with progress_bar("mcore2mcore") as progress:
-        result = core.mcore_to_mcore(
+        result = mcore_to_mcore(
             mcore, out, tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last, iteration=iteration,
-            dtype=_dtype(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
-            verify=verify, progress=progress, format=fmt.value if fmt is not None else None,
+            dtype=value_of(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
+            verify=verify, progress=progress, format=value_of(fmt),
         )
     _report(result)
 
@@ -171,8 +163,10 @@ def mcore2peft(
 ):
     """LoRA adapters -> PEFT (adapter_model.safetensors + adapter_config.json with HF module names), for
     peft.PeftModel.from_pretrained on the base transformers model. For a merged model use mcore2hf."""
+    from qlm_core.checkpoint.convert.hf_megatron import mcore_to_peft
+
     with progress_bar("mcore2peft") as progress:
-        result = core.mcore_to_peft(mcore, out, iteration=iteration, force=force, progress=progress)
+        result = mcore_to_peft(mcore, out, iteration=iteration, force=force, progress=progress)
     _report(result, verifiable=False)
 
 
@@ -183,7 +177,7 @@ DS_TAG = Annotated[str | None, typer.Option(
 DS_CONFIG = Annotated[Path | None, typer.Option(
     "--config", help="HF config of the trained model (a model directory or config.json; its tokenizer files are "
     "copied too). DeepSpeed does not store it. Default: a config.json next to the checkpoint.")]
-DS_DTYPE = Annotated[DType | None, typer.Option(
+DS_DTYPE = Annotated[WeightDtype | None, typer.Option(
     "--dtype", help="Weight dtype to write (default: fp32, DeepSpeed's master weights).")]
 DS_OUT_TAG = Annotated[str | None, typer.Option(
     "--tag", help="Tag directory to write (default: global_step0, or global_step<iteration> from Megatron).")]
@@ -208,9 +202,11 @@ def ds2hf(
 
     The full fp32 weights are rebuilt from the ZeRO partitions as DeepSpeed's zero_to_fp32 does; frozen parameters
     come from the model states, tied ones from `shared_params`."""
+    from qlm_core.checkpoint.convert.deepspeed import ds_to_hf
+
     with progress_bar("ds2hf") as progress:
-        result = ds_core.ds_to_hf(ds, out, tag=tag, config=config, dtype=_dtype(dtype), max_shard_size_gb=max_shard_size,
-                               force=force, verify=verify, progress=progress)
+        result = ds_to_hf(ds, out, tag=tag, config=config, dtype=value_of(dtype), max_shard_size_gb=max_shard_size,
+                          force=force, verify=verify, progress=progress)
     _report(result)
 
 
@@ -232,10 +228,12 @@ def ds2mcore(
 ):
     """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy `torch` checkpoint at any TP/PP/VPP, streamed one rank file at
     a time. The HF config and tokenizer files go to OUT/hf/."""
+    from qlm_core.checkpoint.convert.deepspeed import ds_to_mcore
+
     with progress_bar("ds2mcore") as progress:
-        result = ds_core.ds_to_mcore(
+        result = ds_to_mcore(
             ds, out, tag=tag, config=config, tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last,
-            dtype=_dtype(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
+            dtype=value_of(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
             verify=verify, progress=progress,
         )
     _report(result)
@@ -254,9 +252,11 @@ def hf2ds(
     """HF -> DeepSpeed: OUT/latest + OUT/<tag>/mp_rank_00_model_states.pt, for
     engine.load_checkpoint(OUT, load_module_only=True) under ZeRO 0-2. Config and tokenizer files go next to
     `latest`."""
+    from qlm_core.checkpoint.convert.deepspeed import hf_to_ds
+
     with progress_bar("hf2ds") as progress:
-        result = ds_core.hf_to_ds(hf, out, tag=tag, dtype=_dtype(dtype), fp32_master=fp32_master,
-                               force=force, verify=verify, progress=progress)
+        result = hf_to_ds(hf, out, tag=tag, dtype=value_of(dtype), fp32_master=fp32_master,
+                          force=force, verify=verify, progress=progress)
     _report(result)
 
 
@@ -272,9 +272,11 @@ def mcore2ds(
     verify: VERIFY = None,
 ):
     """Megatron-Core (any TP/PP; a LoRA run merged) -> DeepSpeed, as hf2ds writes it."""
+    from qlm_core.checkpoint.convert.deepspeed import mcore_to_ds
+
     with progress_bar("mcore2ds") as progress:
-        result = ds_core.mcore_to_ds(mcore, out, iteration=iteration, tag=tag, dtype=_dtype(dtype),
-                                  fp32_master=fp32_master, force=force, verify=verify, progress=progress)
+        result = mcore_to_ds(mcore, out, iteration=iteration, tag=tag, dtype=value_of(dtype),
+                             fp32_master=fp32_master, force=force, verify=verify, progress=progress)
     _report(result)
 
 
@@ -286,11 +288,13 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ):
     """Detect a checkpoint's format and print its layout, args and tensors."""
+    from qlm_core.checkpoint.convert.describe import inspect_checkpoint
+
     report = inspect_checkpoint(path, iteration)
     if as_json:
         print(json.dumps(report.to_json(), indent=2, default=str))
         return
-    console.print(kv_table(f"{report.path}  [bold]({report.format})[/]", report.layout))
+    console.print(kv_table(f"{escape(str(report.path))}  [bold]({report.format})[/]", report.layout))
     if report.args:
         console.print(kv_table("architecture / args", report.args))
     if tensors:
@@ -298,6 +302,6 @@ def inspect(
         for column in ("name", "shape", "dtype", "where"):
             table.add_column(column)
         for row in report.tensors:
-            table.add_row(row.name, "x".join(map(str, row.shape)) or "scalar", row.dtype, row.where)
+            table.add_row(escape(row.name), "x".join(map(str, row.shape)) or "scalar", row.dtype, escape(row.where))
         console.print(table)
     err_console.print(f"{len(report.tensors)} tensors, format {report.format}")

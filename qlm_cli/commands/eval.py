@@ -6,9 +6,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from ..render import console, err_console
+from qlm_cli.choices import EvalBackend, WeightDtype
+from qlm_cli.launch import LaunchConfig, relaunch_if_needed
+from qlm_cli.render import console
 
 
 def eval_command(
@@ -27,47 +30,42 @@ def eval_command(
         "--max-length", min=1, help="Context window (default: the model's max_position_embeddings).")] = None,
     apply_chat_template: Annotated[bool, typer.Option(
         "--apply-chat-template", help="Wrap prompts in the checkpoint tokenizer's chat template.")] = False,
-    backend: Annotated[str, typer.Option(
+    backend: Annotated[EvalBackend, typer.Option(
         "--backend", help="qlm: qlm's own model; hf: lm-eval's hf model (the checkpoint is exported to HF first "
-        "when needed).")] = "qlm",
+        "when needed).")] = EvalBackend["qlm"],
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks for the qlm backend, for models that "
                                     "do not fit one device (qlm starts torchrun with that many local processes).")] = 1,
-    dtype: Annotated[str, typer.Option("--dtype", help="fp32 or bf16.")] = "fp32",
+    dtype: Annotated[WeightDtype, typer.Option("--dtype", help="Weights and compute dtype.")] = WeightDtype["fp32"],
     output: Annotated[Path | None, typer.Option(
         "--output", help="Folder for lm-eval's results JSON (and samples with --log-samples).")] = None,
     log_samples: Annotated[bool, typer.Option("--log-samples", help="Keep every request and response.")] = False,
 ):
     """Evaluate a checkpoint with lm-evaluation-harness. Local tasks load without scanning lm-eval's built-in
     index; built-in tasks that need the Hugging Face hub fail with a one-line error offline."""
-    from qlm_cli.launch import LaunchConfig, launch, under_launcher
     from qlm_core.eval.runner import EvalConfig, check_config, result_rows, run_eval, worker_argv
 
     config = EvalConfig(
         checkpoint=checkpoint, tasks=[t.strip() for t in tasks.split(",") if t.strip()], include_path=include_path,
         num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, max_length=max_length,
-        apply_chat_template=apply_chat_template, backend=backend, dtype=dtype,
+        apply_chat_template=apply_chat_template, backend=backend.value, dtype=dtype.value,
         output=str(output) if output else None, log_samples=log_samples, tp=tp,
     )
     check_config(config)
-    if tp > 1 and not under_launcher():
-        code = launch(LaunchConfig(nproc_per_node=tp), worker_argv(config))
-        if code:
-            err_console.print(f"[bold red]error:[/] evaluation failed (exit code {code}); the messages above say why.")
-            raise typer.Exit(code)
+    if relaunch_if_needed(LaunchConfig(nproc_per_node=tp), worker_argv(config), "evaluation"):
         return
     results = run_eval(config)
     if results is None:  # another rank of a tensor-parallel evaluation: rank 0 reports
         return
-    table = Table(title=f"{checkpoint} ({backend} backend)", title_justify="left")
+    table = Table(title=f"{escape(checkpoint)} ({backend.value} backend)", title_justify="left")
     for column in ("task", "version", "filter", "n-shot", "metric", "value", "stderr"):
         table.add_column(column)
     for task, filter_name, metric, value, stderr in result_rows(results):
-        table.add_row(task, str(results["versions"].get(task, "")), filter_name,
-                      str(results["n-shot"].get(task, "")), metric, f"{value:.4f}",
+        table.add_row(escape(task), str(results["versions"].get(task, "")), escape(filter_name),
+                      str(results["n-shot"].get(task, "")), escape(metric), f"{value:.4f}",
                       "" if stderr is None else f"± {stderr:.4f}")
     console.print(table)
     for task in results["results"]:
         figures = ", ".join(f"{m} {v:.4f}" for t, f, m, v, _ in result_rows(results) if t == task)
-        console.print(f"{task}: {figures}", highlight=False)
+        console.print(f"{task}: {figures}", markup=False, highlight=False)
     if output:
-        console.print(f"results written under {output}")
+        console.print(f"results written under {output}", markup=False)

@@ -10,42 +10,15 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from qlm_cli.choices import ComputeDtype, CpComm, Gpu, PipelineSchedule, Recompute, value_of
+from qlm_cli.render import console, memory_table
 from qlm_core.config import load_recipe
-from qlm_core.hardware import GPUS, gpu_spec
-from qlm_core.profile.case import build_case, validate_case
-from qlm_core.profile.memory import COMPONENTS, GIB, Allowance, estimate_memory
-from qlm_core.profile.timing import TIME_COMPONENTS, Efficiency, estimate_time
-
-from ..render import console
-
-MEMORY_NOTES = {
-    "weights": "parameters on this rank", "grads": "fp32 gradient buffers", "optimizer": "fp32 masters + Adam moments",
-    "activations": "saved for backward, all in-flight micro-batches",
-    "logits_loss": "loss head: fp32 softmax (chunked: input, lse)",
-    "workspace": "largest transient (recompute / loss logits / CP K/V)", "pp_buffers": "pipeline stage I/O kept",
-    "comm_buffers": "ZeRO 2 buckets / ZeRO 3 gathered params", "allocator": "allowance: fragmentation + CUDA context",
-}
-
-
-def _gib(value: float) -> str:
-    return f"{value / GIB:,.2f}"
-
-
-def memory_table(memory, title: str) -> Table:
-    heavy = memory.heaviest
-    table = Table(title=title, title_justify="left")
-    for name, justify in (("component", "left"), ("GiB", "right"), ("share", "right"), ("what", "left")):
-        table.add_column(name, justify=justify)
-    for key in COMPONENTS:
-        value = heavy.components[key]
-        table.add_row(key, _gib(value), f"{value / heavy.total:.0%}", MEMORY_NOTES[key])
-    verdict = (f"[green]fits[/], headroom {memory.headroom_gib:.1f} GiB" if memory.fits
-               else f"[bold red]OOM by {-memory.headroom_gib:.1f} GiB[/]")
-    table.add_row("[bold]total", f"[bold]{memory.total_gib:,.2f}", "", f"of {memory.capacity_gib:g} GiB: {verdict}")
-    return table
+from qlm_core.errors import QlmError
 
 
 def _time_table(time) -> Table:
+    from qlm_core.profile.timing import TIME_COMPONENTS
+
     table = Table(title="time per step (slowest stage)", title_justify="left")
     table.add_column("component")
     table.add_column("s / step", justify="right")
@@ -58,6 +31,8 @@ def _time_table(time) -> Table:
 
 
 def _print_profile(case, gpu, memory, time):
+    from qlm_core.profile.memory import GIB
+
     p, heavy = case.parallel, memory.heaviest
     console.print(f"[bold]{escape(case.model_name)}[/] on {case.num_gpus} x {escape(gpu.name)}: {case.describe()}, "
                   f"seq {case.seq_len}, micro-batch {case.micro_batch_size}, global batch {case.global_batch_size} "
@@ -93,6 +68,7 @@ def _print_probe(result):
 
 
 def _print_search(result, top: int):
+    from qlm_core.profile.memory import GIB
     from qlm_core.profile.search import why_faster
 
     console.print(f"{result.evaluated} layouts costed ({result.invalid} more refused by the trainer's checks), "
@@ -130,17 +106,17 @@ def profile(
     pp: Annotated[int | None, typer.Option("--pp", help="Pipeline parallel size.")] = None,
     vpp: Annotated[int | None, typer.Option("--vpp", help="Virtual pipeline chunks per stage.")] = None,
     cp: Annotated[int | None, typer.Option("--cp", help="Context parallel size.")] = None,
-    cp_comm_type: Annotated[str | None, typer.Option("--cp-comm-type", help="p2p | allgather | a2a.")] = None,
+    cp_comm_type: Annotated[CpComm | None, typer.Option("--cp-comm-type", help="Context-parallel attention "
+                                                          "exchange.")] = None,
     dp: Annotated[int | None, typer.Option("--dp", help="Data parallel size (default: what --num-gpus "
                                                            "leaves).")] = None,
     sp: Annotated[bool | None, typer.Option("--sp/--no-sp", help="Sequence parallelism.")] = None,
     zero: Annotated[int | None, typer.Option("--zero", help="ZeRO stage 0-3.")] = None,
-    recompute: Annotated[str | None, typer.Option("--recompute", help="none | selective | full.")] = None,
+    recompute: Annotated[Recompute | None, typer.Option("--recompute", help="Activation recomputation.")] = None,
     recompute_num_layers: Annotated[int | None, typer.Option(
         "--recompute-num-layers", help="With full: recompute the first N layers of each chunk.")] = None,
-    pp_schedule: Annotated[str | None, typer.Option(
-        "--pp-schedule", help="1f1b | interleaved_1f1b | zero_bubble | gpipe.")] = None,
-    dtype: Annotated[str | None, typer.Option("--dtype", help="bf16 | fp32.")] = None,
+    pp_schedule: Annotated[PipelineSchedule | None, typer.Option("--pp-schedule", help="Pipeline schedule.")] = None,
+    dtype: Annotated[ComputeDtype | None, typer.Option("--dtype", help="Compute dtype.")] = None,
     lora_rank: Annotated[int | None, typer.Option("--lora-rank", help="LoRA rank (0: off).")] = None,
     loss_chunk_tokens: Annotated[int | None, typer.Option(
         "--loss-chunk-tokens", help="Tokens the loss projects at a time (train.loss_chunk_tokens; default: the "
@@ -149,7 +125,8 @@ def profile(
         "--mean-doc-len", help="Packed data: token-weighted mean document length E[L^2]/E[L] in tokens (what "
                                "attention work scales with); attention FLOPs and time follow the documents "
                                "(data.mean_doc_len; default: the recipe's, else one per sample).")] = None,
-    gpu: Annotated[str, typer.Option("--gpu", help=f"GPU preset: {', '.join(GPUS)}.")] = "a100-80g",
+    gpu: Annotated[Gpu, typer.Option("--gpu", case_sensitive=False, help="GPU preset (the options below adjust "
+                                     "its figures).")] = Gpu["a100-80g"],
     num_gpus: Annotated[int | None, typer.Option("--num-gpus", help="Devices in all (default: tp*pp*cp*dp "
                                                                        "with --dp, else 32).")] = None,
     gpu_memory_gb: Annotated[float | None, typer.Option("--gpu-memory-gb", help="Override the memory (GiB).")] = None,
@@ -166,7 +143,8 @@ def profile(
     context_gb: Annotated[float, typer.Option("--context-gb", help="CUDA context + NCCL allowance (GiB).")] = 1.0,
     search: Annotated[bool, typer.Option("--search", help="Rank every layout that fits --num-gpus x --gpu.")] = False,
     top: Annotated[int, typer.Option("--top", min=1, help="Layouts to show with --search.")] = 5,
-    probe: Annotated[bool, typer.Option("--probe", help="Also run real steps (scaled down on CPU) and compare.")] = False,
+    probe: Annotated[bool, typer.Option(
+        "--probe", help="Also run real steps (scaled down on CPU) and compare.")] = False,
     steps: Annotated[int, typer.Option("--steps", min=2, help="Steps to run with --probe.")] = 3,
     probe_max_ranks: Annotated[int, typer.Option("--probe-max-ranks", min=1, help="Most processes a CPU probe "
                                                                                   "starts.")] = 16,
@@ -180,20 +158,23 @@ def profile(
     every option replaces one of those values (`qlm profile --tp 4 --cp 4` is that case).
     """
     if not 0 < efficiency <= 1 or not 0 < comm_efficiency <= 1:
-        from qlm_core.errors import QlmError
-
         raise QlmError("--efficiency and --comm-efficiency must be in (0, 1]", "e.g. --efficiency 0.45")
+    from qlm_core.hardware import gpu_spec
+    from qlm_core.profile import report
+    from qlm_core.profile.case import build_case, validate_case
+    from qlm_core.profile.memory import Allowance, estimate_memory
+    from qlm_core.profile.timing import Efficiency, estimate_time
+
     resolved_recipe = load_recipe(recipe) if recipe is not None else None
     case = build_case(resolved_recipe, model=model, seq_len=seq_len, micro_batch_size=mbs, global_batch_size=gbs,
-                      num_gpus=num_gpus, dtype=dtype, lora_rank=lora_rank, loss_chunk_tokens=loss_chunk_tokens,
-                      mean_doc_len=mean_doc_len, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp,
-                      sp=sp, cp_comm_type=cp_comm_type, zero_stage=zero, recompute=recompute,
-                      recompute_num_layers=recompute_num_layers, pp_schedule=pp_schedule)
-    device = gpu_spec(gpu, memory_gib=gpu_memory_gb, peak_tflops=peak_tflops, nvlink_gbps=nvlink_gbps,
+                      num_gpus=num_gpus, dtype=value_of(dtype), lora_rank=lora_rank,
+                      loss_chunk_tokens=loss_chunk_tokens, mean_doc_len=mean_doc_len, tp=tp, pp=pp, vpp=vpp, cp=cp,
+                      dp=dp, sp=sp, cp_comm_type=value_of(cp_comm_type), zero_stage=zero,
+                      recompute=value_of(recompute), recompute_num_layers=recompute_num_layers,
+                      pp_schedule=value_of(pp_schedule))
+    device = gpu_spec(gpu.value, memory_gib=gpu_memory_gb, peak_tflops=peak_tflops, nvlink_gbps=nvlink_gbps,
                       internode_gbps=internode_gbps, gpus_per_node=gpus_per_node)
     eff, allowance = Efficiency(efficiency, comm_efficiency), Allowance(allocator_fraction, context_gb)
-    from qlm_core.profile import report
-
     if search:
         from qlm_core.profile.search import search as run_search
 

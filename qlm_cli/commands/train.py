@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -16,11 +15,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from qlm_cli.launch import LaunchConfig, launch, under_launcher
+from qlm_cli.launch import LaunchConfig, relaunch_if_needed, under_launcher
+from qlm_cli.render import console, kv_table, memory_table
 from qlm_core.config import load_recipe, recipe_to_toml
-from qlm_core.train.plan import plan_run, world_size
-
-from ..render import console, err_console, kv_table
 
 
 def _argv_for_workers(recipe: Path, sets: list[str], output: str) -> list[str]:
@@ -98,17 +95,15 @@ def train(
     if output:
         resolved.train.output = output
     if not under_launcher():
+        from qlm_core.train.plan import plan_run, world_size
+
         per_node, world = world_size(resolved, nproc_per_node, nnodes)
         plan = plan_run(resolved, world, check_files=not dry_run)
         if dry_run:
             _print_dry_run(resolved, plan)
             return
-        if world > 1:
-            code = launch(LaunchConfig(per_node, nnodes, node_rank, master_addr, master_port),
-                          _argv_for_workers(recipe, sets, resolved.train.output))
-            if code:
-                err_console.print(f"[bold red]error:[/] training failed (exit code {code}); the messages above say why.")
-                sys.exit(code)
+        if relaunch_if_needed(LaunchConfig(per_node, nnodes, node_rank, master_addr, master_port),
+                              _argv_for_workers(recipe, sets, resolved.train.output), "training"):
             return
     from qlm_core.train.trainer import Trainer
 
@@ -117,8 +112,6 @@ def train(
 
 def _print_dry_run(resolved, plan):
     from qlm_core.profile.memory import planned_memory
-
-    from .profile import memory_table
 
     console.print(recipe_to_toml(resolved), markup=False, highlight=False)
     console.print(kv_table("layout", {

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qlm_core.config import DataFormat, Truncation, choices
 from qlm_core.data.tokenizer import has_generation_markers, load_tokenizer, resolve_chat_template
 from qlm_core.errors import QlmError
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
-TRUNCATION = ("right", "drop")
 FORMATS = {"alpaca": ("instruction", "output"), "sharegpt": ("conversations",), "messages": ("messages",)}  # columns
+assert ("auto", *FORMATS) == choices(DataFormat), "FORMATS and config.DataFormat name the same formats"
 
 
 @dataclass
@@ -37,12 +38,12 @@ class SFTConfig:
     seq_length: int
     chat_template: str | None = None  # chatml | qwen | llama3 | Jinja text; None: the tokenizer's own
     max_length: int | None = None  # longest sample in tokens; None: seq_length
-    truncation: str = "right"  # right: keep the first max_length tokens; drop: leave the sample out
+    truncation: Truncation = "right"  # right: keep the first max_length tokens; drop: leave the sample out
     pack: bool = True
     shuffle: bool = True  # seeded shuffle of the samples before packing
     seed: int = 1234
     num_proc: int = 1
-    format: str = "auto"  # auto (told by the first record) | alpaca | sharegpt | messages
+    format: DataFormat = "auto"  # auto: told by the first record
 
 
 def detect_format(record: dict) -> str:
@@ -82,16 +83,15 @@ def to_messages(record: dict, format: str) -> list[dict]:
 
 
 def _normalise(batch, format: str):
-    rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
     return {"messages": [to_messages(row, format) for row in rows]}
 
 
 def load_conversations(path: str | os.PathLike, cache_dir: str | None = None, num_proc: int = 1,
-                       format: str = "auto"):
+                       format: DataFormat = "auto"):
     """A json/jsonl file of `format` (auto: told by its first record) as a `datasets.Dataset` with one column,
     "messages"."""
-    if format != "auto" and format not in FORMATS:
-        raise QlmError(f"SFT format {format!r} is not one of auto, {', '.join(FORMATS)}", "set data.format")
+    assert format in choices(DataFormat), f"SFT format {format!r}"  # the recipe's schema checked it (config.py)
     import datasets
 
     if not os.path.isfile(path):
@@ -153,7 +153,7 @@ def _tokenize(batch, tokenizer, template: str, max_length: int):
     if todo and has_generation_markers(template):  # one batched call: ~1.5x faster than one call each
         out = tokenizer.apply_chat_template([conversations[i] for i in todo], chat_template=template, tokenize=True,
                                             return_dict=True, return_assistant_tokens_mask=True)
-        rendered.update(zip(todo, zip(out["input_ids"], out["assistant_masks"])))
+        rendered.update(zip(todo, zip(out["input_ids"], out["assistant_masks"], strict=True), strict=True))
     else:
         rendered.update((i, _render_by_prefixes(conversations[i], tokenizer, template)) for i in todo)
     # right truncation; "drop" gets one token more than it keeps, to tell which samples to leave out
@@ -164,8 +164,7 @@ def _tokenize(batch, tokenizer, template: str, max_length: int):
 
 def tokenize_conversations(dataset, tokenizer, config: SFTConfig):
     """A "messages" dataset -> input_ids, target_mask (1 = trained token) and length; cached by `datasets`."""
-    if config.truncation not in TRUNCATION:
-        raise QlmError(f"truncation {config.truncation!r} is not one of {', '.join(TRUNCATION)}", "set truncation")
+    assert config.truncation in choices(Truncation), config.truncation  # the recipe's schema checked it (config.py)
     max_length = config.max_length or config.seq_length
     if max_length > config.seq_length:
         raise QlmError(f"max_length {max_length} is longer than seq_length {config.seq_length}",
@@ -182,7 +181,8 @@ def tokenize_conversations(dataset, tokenizer, config: SFTConfig):
 
 def _keep(batch, max_length: int):
     # a sample is kept when it fits and trains at least one token (the first token is never a label)
-    return [len(ids) <= max_length and sum(mask[1:]) > 0 for ids, mask in zip(batch["input_ids"], batch["target_mask"])]
+    return [len(ids) <= max_length and sum(mask[1:]) > 0
+            for ids, mask in zip(batch["input_ids"], batch["target_mask"], strict=True)]
 
 
 def first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:

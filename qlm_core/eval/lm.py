@@ -20,37 +20,38 @@ from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from torch.distributed import ProcessGroup
 
 from qlm_core.checkpoint.sources.open import open_checkpoint
 from qlm_core.data.tokenizer import load_tokenizer
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.eval.generate import Sampling, generate
+from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import GPTModel, ParallelOptions
-from qlm_core.models.layout import ModelLayout, build_shard
+from qlm_core.models.layout import ModelLayout
 from qlm_core.parallel.comm import group_rank, group_size
 from qlm_core.parallel.state import default_device
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               tp_group=None) -> tuple[GPTModel, object, str]:
+               tp_group: ProcessGroup | None = None) -> tuple[GPTModel, object, str]:
     """qlm's model (this rank's tensor-parallel slice when `tp_group` is given) and the checkpoint's tokenizer."""
     opened = open_checkpoint(path)
     if opened.tokenizer_dir is None:
         raise QlmError(f"no tokenizer found with {path}", "keep the tokenizer files beside the checkpoint")
     layout = ModelLayout(opened.spec, tp=group_size(tp_group),
                          make_vocab_size_divisible_by=opened.make_vocab_size_divisible_by)
-    model = GPTModel(opened.spec, parallel=ParallelOptions(tp_group=tp_group), padded_vocab=layout.padded_vocab,
-                     dtype=dtype)
-    model.load_state_dict(build_shard(layout, group_rank(tp_group), 0, 0, opened.weights, dtype), strict=True)
-    return model.to(device).eval(), load_tokenizer(opened.tokenizer_dir), opened.description
+    model = build_rank_model(layout, RankCoords(tp_rank=group_rank(tp_group)), opened.weights,
+                             parallel=ParallelOptions(tp_group=tp_group), dtype=dtype, device=device)
+    return model.eval(), load_tokenizer(opened.tokenizer_dir), opened.description
 
 
 @register_model("qlm")
 class QlmLM(TemplateLM):
     def __init__(self, pretrained: str, batch_size: int | str = 8, max_length: int | None = None,
                  dtype: str = "fp32", device: str | None = None, max_gen_toks: int = 256, add_bos_token=None,
-                 tp_group=None, **kwargs):
+                 tp_group: ProcessGroup | None = None, **kwargs):
         super().__init__()
         self._device = torch.device(device) if device else default_device()
         self.model, self.tokenizer, self.description = load_model(pretrained, DTYPES[dtype], self._device, tp_group)
@@ -117,7 +118,7 @@ class QlmLM(TemplateLM):
         for chunk in ordered.get_batched(n=self.batch_size):
             inputs = [(ctx + cont)[-(self.max_length + 1):][:-1] for _, ctx, cont in chunk]
             logprobs = self._logits(inputs)
-            for (cache_key, _, cont), row, scores in zip(chunk, inputs, logprobs):
+            for (cache_key, _, cont), row, scores in zip(chunk, inputs, logprobs, strict=True):
                 scores = scores[len(row) - len(cont): len(row)]
                 target = torch.tensor(cont, device=scores.device)
                 greedy = bool((scores.argmax(dim=-1) == target).all())
@@ -137,9 +138,9 @@ class QlmLM(TemplateLM):
                 owners.append(index)
         scores = self._loglikelihood_tokens(windows)
         totals = [0.0] * len(requests)
-        for owner, (logprob, _) in zip(owners, scores):
+        for owner, (logprob, _) in zip(owners, scores, strict=True):
             totals[owner] += logprob
-        for req, total in zip(requests, totals):
+        for req, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
         return totals
 
@@ -151,7 +152,7 @@ class QlmLM(TemplateLM):
         eos = self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False)
         results = []
         for chunk in ordered.get_batched(n=self.batch_size):
-            contexts, all_kwargs = zip(*chunk)
+            contexts, all_kwargs = zip(*chunk, strict=True)
             kwargs = normalize_gen_kwargs(dict(all_kwargs[0]), self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_gen_toks = kwargs.pop("max_gen_toks")
@@ -165,13 +166,13 @@ class QlmLM(TemplateLM):
             for i, e in enumerate(encoded):
                 ids[i, width - len(e):], mask[i, width - len(e):] = torch.tensor(e), 1
 
-            def reached_stop(tokens: list[int]) -> bool:  # special tokens count here, as in lm-eval's hf backend
+            def reached_stop(tokens: list[int], until=until) -> bool:  # special tokens count, as in lm-eval's hf
                 text = self.tokenizer.decode(tokens, skip_special_tokens=False)
                 return any(term in text for term in until)
 
             outputs = generate(self.model, ids.to(self.device), mask.to(self.device), max_new_tokens=max_gen_toks,
                                eos_token_id=self.eot_token_id, sampling=sampling, stop=reached_stop)
-            for context, tokens, gen_kwargs in zip(contexts, outputs, all_kwargs):
+            for context, tokens, gen_kwargs in zip(contexts, outputs, all_kwargs, strict=True):
                 text = postprocess_generated_text(generation=self.tokenizer.decode(tokens, skip_special_tokens=True),
                                                   stop=until, think_end_token=None)
                 results.append(text)

@@ -15,12 +15,13 @@ import torch
 from qlm_core.checkpoint.convert.hf_megatron import write_hf
 from qlm_core.checkpoint.formats.hf import copy_side_files, is_hf_dir, write_hf_config
 from qlm_core.checkpoint.sources.open import open_checkpoint
+from qlm_core.config import EvalBackend, choices
 from qlm_core.dtypes import DTYPES, HF_DTYPE_NAMES, dtype_named
 from qlm_core.errors import QlmError
 from qlm_core.eval.tasks import DEMO_TASKS, write_demo_tasks
 from qlm_core.models.layout import ModelLayout
 
-BACKENDS = ("qlm", "hf")
+BACKENDS = choices(EvalBackend)
 
 
 @dataclass

@@ -14,13 +14,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32, sequence_parallel=False):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        # Under sequence parallelism each TP rank sees a different slice of tokens, so this replicated weight's
-        # gradient must be summed across the TP group (parallel/tensor.py does it for params so marked).
-        self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
+from qlm_core.config import RecomputeMode, choices
 from qlm_core.kernels.attention import core_attention
 from qlm_core.kernels.norm import RMSNorm
 from qlm_core.kernels.pieces import Documents, Piece, decoding_pieces, self_attention_pieces
@@ -32,6 +34,7 @@ from qlm_core.parallel.context_parallel import (
     gather_sequence,
 )
 from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, OutputLayer, loss_is_chunked
+from qlm_core.parallel.param_meta import mark
 from qlm_core.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -41,16 +44,16 @@ from qlm_core.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = choices(RecomputeMode)
 
 
 @dataclass(frozen=True)
 class ParallelOptions:
     """How this rank's model is parallelised and recomputed. Groups of None mean size 1."""
 
-    tp_group: object = None
+    tp_group: ProcessGroup | None = None
     sequence_parallel: bool = False
-    cp_group: object = None
+    cp_group: ProcessGroup | None = None
     cp_comm_type: str = "p2p"
     recompute: str = "none"  # none | selective (core attention only) | full (whole layers)
     recompute_num_layers: int | None = None  # with full: the first N layers of this module (None: all)
@@ -127,10 +130,12 @@ def attention_inputs(*, local_tokens: int, batch: int, window: int | None, paral
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype):
+    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype, layer_index: int = 0):
+        """`layer_index`: the layer's position in its module (numbered from 0), its slot in a KVCache."""
         super().__init__()
         tp_group, sequence_parallel = parallel.tp_group, parallel.sequence_parallel
         self.parallel = parallel
+        self.layer_index = layer_index
         tp = group_size(tp_group)
         if spec.num_query_groups % tp and tp % spec.num_query_groups:
             raise ValueError(
@@ -222,12 +227,20 @@ class MLP(nn.Module):
         return self.linear_fc2(F.silu(gate) * up)
 
 
+def replicated_norm(spec: ModelSpec, parallel: ParallelOptions, dtype) -> RMSNorm:
+    """An RMSNorm, whose weight every TP rank holds whole. Under sequence parallelism each TP rank sees a different
+    slice of tokens, so the weight's gradient must be summed over the TP group."""
+    norm = RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype)
+    mark(norm.weight, sequence_parallel=parallel.sp)
+    return norm
+
+
 class TransformerLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype):
+    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype, layer_index: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype, sequence_parallel=parallel.sp)
-        self.self_attention = SelfAttention(spec, parallel, dtype)
-        self.pre_mlp_layernorm = RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype, sequence_parallel=parallel.sp)
+        self.input_layernorm = replicated_norm(spec, parallel, dtype)
+        self.self_attention = SelfAttention(spec, parallel, dtype, layer_index)
+        self.pre_mlp_layernorm = replicated_norm(spec, parallel, dtype)
         self.mlp = MLP(spec, parallel, dtype)
 
     def forward(self, x, cos, sin, inputs: AttentionInputs):
@@ -239,12 +252,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, spec, num_layers, post_process, parallel: ParallelOptions, dtype):
         super().__init__()
         self.parallel = parallel
-        self.layers = nn.ModuleList(TransformerLayer(spec, parallel, dtype) for _ in range(num_layers))
-        for index, layer in enumerate(self.layers):
-            layer.self_attention.layer_index = index  # its slot in a KVCache
-        self.final_layernorm = (
-            RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype, sequence_parallel=parallel.sp) if post_process else None
-        )
+        self.layers = nn.ModuleList(TransformerLayer(spec, parallel, dtype, index) for index in range(num_layers))
+        self.final_layernorm = replicated_norm(spec, parallel, dtype) if post_process else None
 
     def forward(self, x, cos, sin, inputs: AttentionInputs):
         full = len(self.layers) if self.parallel.recompute_num_layers is None else self.parallel.recompute_num_layers
@@ -273,9 +282,10 @@ class GPTModel(nn.Module):
 
     `layer_offset`/`num_layers` select the global layers this module holds (numbered locally from 0, as in
     Megatron's per-stage files); `pre_process` adds the embedding, `post_process` the final norm and output layer.
-    """
 
-    returns_hidden = False  # the last stage returns logits (StageModel: the final norm's output)
+    hidden_states() runs the stage; the last stage's output goes through the output layer: loss() (training, chunk
+    by chunk on long sequences) or logits(). forward() is the three together for a whole model.
+    """
 
     def __init__(
         self,
@@ -294,10 +304,9 @@ class GPTModel(nn.Module):
         parallel = parallel or ParallelOptions()
         if loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens must be >= 0 (0: off), not {loss_chunk_tokens}")
-        if parallel.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {parallel.recompute!r}")
-        if parallel.cp_comm_type not in CP_COMM_TYPES:
-            raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, not {parallel.cp_comm_type!r}")
+        # the recipe's schema checked these (config.py); a wrong one here is a bug in the caller
+        assert parallel.recompute in RECOMPUTE_MODES, parallel.recompute
+        assert parallel.cp_comm_type in CP_COMM_TYPES, parallel.cp_comm_type
         tp_group = parallel.tp_group
         self.spec = spec
         self.parallel = parallel
@@ -342,31 +351,45 @@ class GPTModel(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor | None = None,
+        input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         *,
-        hidden_states: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One pass over this module's layers.
+        """hidden_states() and, on the last stage, the output layer: the per-token loss [b, s] when `labels` are
+        given (label -100 = ignored, loss 0), else logits [b, s, vocab_size]. Other stages return the hidden states.
+        """
+        hidden = self.hidden_states(input_ids, position_ids, segment_ids=segment_ids, cache=cache,
+                                    attention_mask=attention_mask)
+        if not self.post_process:
+            return hidden
+        return self.logits(hidden) if labels is None else self.loss(hidden, labels)
+
+    def hidden_states(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        segment_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One pass over this module's layers: `x` the token ids [b, s] on the first stage, else the previous
+        stage's hidden states [s, b, h]. Returns the hidden states [s, b, h] (the last stage: the final norm's).
 
         Inputs are this rank's tokens: with context parallelism, its two load-balanced chunks of each sequence
-        (qlm_core.parallel.context_parallel.split_for_cp). `position_ids` [b, s] are RoPE positions (default: the tokens'
-        global indices; packed sequences restart them per document) and `segment_ids` [b, s] the document of each
-        token in a packed sequence (attention stays within a document).
-
-        Returns hidden states [s, b, h] when this is not the last stage (and on the last stage of a StageModel,
-        `returns_hidden`, whose schedule takes the loss with GPTModel.loss); else the per-token loss [b, s] if
-        `labels` are given (label -100 = ignored, loss 0); else logits [b, s, vocab_size] gathered over TP, padding
-        removed.
+        (qlm_core.parallel.context_parallel.split_for_cp). `position_ids` [b, s] are RoPE positions (default: the
+        tokens' global indices; packed sequences restart them per document) and `segment_ids` [b, s] the document
+        of each token in a packed sequence (attention stays within a document).
 
         Incremental decoding: pass a `cache` (KVCache.empty(num_layers)) that this call extends, the new tokens'
         position_ids, and for padded batches `attention_mask` [b, cached + new] (True = a real token).
         """
-        x = self.embedding(input_ids) if self.pre_process else hidden_states
+        if self.pre_process:
+            x = self.embedding(x)
         local_tokens = x.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
         cp_group = self.parallel.cp_group
         token_index = None
@@ -381,14 +404,11 @@ class GPTModel(nn.Module):
         inputs = attention_inputs(local_tokens=local_tokens, batch=x.shape[1], window=self.spec.sliding_window,
                                   parallel=self.parallel, segment_ids=segment_ids, cache=cache,
                                   attention_mask=attention_mask)
-        x = self.decoder(x, cos, sin, inputs)
-        if not self.post_process:
-            return x
-        if labels is not None:
-            return self.loss(x, labels)
-        if self.returns_hidden:
-            return x
-        logits = self.output_layer(x, self.output_weight())
+        return self.decoder(x, cos, sin, inputs)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm's output [s, b, h] -> logits [b, s, vocab_size], gathered over TP, padding removed."""
+        logits = self.output_layer(hidden, self.output_weight())
         return gather_last_dim(logits, self.tp_group)[..., : self.spec.vocab_size].transpose(0, 1)
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

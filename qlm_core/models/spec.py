@@ -1,7 +1,7 @@
 """ModelSpec: the architecture numbers of one decoder, from an HF config.json or a preset name.
 
 Only numbers live here. How the numbers become tensors is gpt.py; how tensors are named and sharded on disk is
-checkpoint/layout.py.
+models/layout.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelSpec:
     model_type: str
-    vocab_size: int  # rows of the HF embedding (unpadded); Megatron pads further, see checkpoint/layout.py
+    vocab_size: int  # rows of the HF embedding (unpadded); Megatron pads further, see models/layout.py
     hidden_size: int
     ffn_hidden_size: int
     num_layers: int

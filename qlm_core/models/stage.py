@@ -15,15 +15,11 @@ from qlm_core.models.gpt import GPTModel
 
 
 class StageModel(GPTModel):
-    """Same parameters and state_dict as GPTModel (it adds no modules), pipeline-friendly forward."""
-
-    returns_hidden = True  # the last stage returns the final norm's output; the schedule's loss_fn takes the loss
+    """Same parameters and state_dict as GPTModel (it adds no modules), pipeline-friendly forward: the stage's
+    hidden states (on the last stage the final norm's output; the schedule's loss_fn takes the loss)."""
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor | None = None):
-        out = super().forward(
-            x if self.pre_process else None, position_ids,
-            hidden_states=None if self.pre_process else x, segment_ids=segment_ids,
-        )
+        out = self.hidden_states(x, position_ids, segment_ids=segment_ids)
         if self.post_process:
             return out
         return (out, position_ids) if segment_ids is None else (out, position_ids, segment_ids)

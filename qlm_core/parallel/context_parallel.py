@@ -23,13 +23,15 @@ import bisect
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
+from torch.distributed import ProcessGroup
 
+from qlm_core.config import CpCommType, choices
 from qlm_core.kernels.attention import accumulation_dtype
 from qlm_core.kernels.pieces import Documents, Piece, Span, band_pieces, coalesce, self_attention_pieces
 from qlm_core.kernels.piecewise import attend_pieces, attend_pieces_backward, empty_result, piecewise_attention
 from qlm_core.parallel.comm import all_gather_dim0, all_to_all_dim0, group_rank, group_size, reduce_scatter_dim0
 
-CP_COMM_TYPES = ("p2p", "allgather", "a2a")
+CP_COMM_TYPES = choices(CpCommType)
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------------
@@ -73,7 +75,7 @@ def _reorder_chunks(x: torch.Tensor, cp_size: int, dim: int, to_global: bool) ->
     return torch.cat([chunks[i] for i in order], dim=dim)
 
 
-def gather_sequence(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
     """All-gather the local slices along `dim` and put the full sequence in global order (not differentiable)."""
     gathered = all_gather_dim0(x.movedim(dim, 0), group).movedim(0, dim)
     return _reorder_chunks(gathered, group_size(group), dim, to_global=True)
@@ -81,7 +83,7 @@ def gather_sequence(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 class _GatherFromCP(Function):
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx, x, group: ProcessGroup | None, dim):
         ctx.group, ctx.dim = group, dim
         return gather_sequence(x, group, dim)
 
@@ -90,7 +92,7 @@ class _GatherFromCP(Function):
         return split_for_cp(grad, group_size(ctx.group), group_rank(ctx.group), ctx.dim), None, None
 
 
-def gather_from_cp(x_local: torch.Tensor, group, dim: int) -> torch.Tensor:
+def gather_from_cp(x_local: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
     """The full sequence in global order from every rank's local slice; backward keeps this rank's slice of the
     gradient (every rank is expected to hold the same full gradient)."""
     return x_local if group_size(group) == 1 else _GatherFromCP.apply(x_local, group, dim)
@@ -175,7 +177,7 @@ class _Ring:
     # every rank.
     KV, GRAD = 1, 3
 
-    def __init__(self, group):
+    def __init__(self, group: ProcessGroup | None):
         cp, rank = group_size(group), group_rank(group)
         self.group = group
         self.next = dist.get_global_rank(group, (rank + 1) % cp)
@@ -201,7 +203,7 @@ class _Ring:
 
 class _RingAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, plan):
+    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan):
         cp = group_size(group)
         ring = _Ring(group)
         kv = torch.stack((k, v))
@@ -247,13 +249,13 @@ class _RingAttention(Function):
 # ---- allgather -------------------------------------------------------------------------------------------------------
 
 
-def _gather_kv(k, v, group):
+def _gather_kv(k, v, group: ProcessGroup | None):
     return gather_sequence(torch.stack((k, v)), group, dim=3)
 
 
 class _AllGatherAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, plan):
+    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan):
         kv = _gather_kv(k, v, group)
         out, lse = empty_result(q)
         attend_pieces(q, kv[0], kv[1], plan[0], scale, out, lse)
@@ -283,7 +285,7 @@ class _AllGatherAttention(Function):
 
 class _AllToAll(Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group: ProcessGroup | None):
         ctx.group = group
         return all_to_all_dim0(x, group)
 
@@ -292,7 +294,7 @@ class _AllToAll(Function):
         return all_to_all_dim0(grad, ctx.group), None
 
 
-def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+def _seq_to_heads(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """[b, h, s_local, d] -> [b, h/cp, S, d]: this rank's head group over the full sequence, in global order."""
     cp = group_size(group)
     parts = x.unflatten(1, (cp, -1)).movedim(1, 0)  # part j (head group j) goes to rank j
@@ -300,14 +302,14 @@ def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     return _reorder_chunks(full, cp, 2, to_global=True)
 
 
-def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+def _heads_to_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Inverse of _seq_to_heads."""
     cp = group_size(group)
     parts = _reorder_chunks(x, cp, 2, to_global=False).unflatten(2, (cp, -1)).movedim(2, 0)
     return _AllToAll.apply(parts, group).movedim(0, 1).flatten(1, 2)
 
 
-def _ulysses_attention(q, k, v, group, scale, plan):
+def _ulysses_attention(q, k, v, group: ProcessGroup | None, scale, plan):
     cp, hq, hk = group_size(group), q.shape[1], k.shape[1]
     if hq % cp:
         raise ValueError(f"a2a context parallelism needs the query heads per rank ({hq}) divisible by cp ({cp})")
@@ -330,7 +332,7 @@ def context_parallel_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    group,
+    group: ProcessGroup | None,
     comm_type: str,
     scale: float,
     documents: Documents | None = None,
@@ -344,8 +346,7 @@ def context_parallel_attention(
     `window` Mistral's sliding window (None: unbounded); `plan` cp_attention_plan of these, when the caller has
     it already (the model computes it once per forward). Returns [b, hq, s_local, d].
     """
-    if comm_type not in CP_COMM_TYPES:
-        raise ValueError(f"comm_type must be one of {CP_COMM_TYPES}, not {comm_type!r}")
+    assert comm_type in CP_COMM_TYPES, f"comm_type {comm_type!r}"  # the recipe's schema checked it (config.py)
     if k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"bad attention shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     cp = group_size(group)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch.autograd import Function
+from torch.distributed import ProcessGroup
 
 from qlm_core.parallel.comm import all_gather_dim0, all_reduce, group_rank, reduce_scatter_dim0
 from qlm_core.parallel.tensor import ColumnParallelLinear, copy_to_tp
@@ -59,7 +60,7 @@ def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, padding_from: int | Non
     return logits
 
 
-def _vocab_slice(target: torch.Tensor, part: int, group, vocab_size: int):
+def _vocab_slice(target: torch.Tensor, part: int, group: ProcessGroup | None, vocab_size: int):
     """This TP rank's view of the vocabulary: (its first padding column or None, each target's column here, 0 where
     the target is on another rank, and whether it is here). Ignored targets (< 0) are on no rank."""
     start = group_rank(group) * part
@@ -71,7 +72,7 @@ def _vocab_slice(target: torch.Tensor, part: int, group, vocab_size: int):
 
 class _ChunkedVocabParallelCrossEntropy(Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, group, vocab_size, chunk_tokens, sequence_parallel):
+    def forward(ctx, hidden, weight, target, group: ProcessGroup | None, vocab_size, chunk_tokens, sequence_parallel):
         full = all_gather_dim0(hidden, group) if sequence_parallel else hidden
         x = full.reshape(-1, full.shape[-1])
         padding_from, local_target, here = _vocab_slice(target, weight.shape[0], group, vocab_size)
@@ -133,8 +134,8 @@ class _ChunkedVocabParallelCrossEntropy(Function):
         return grad_x, grad_weight, None, None, None, None, None
 
 
-def chunked_vocab_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tp_group,
-                                         vocab_size: int, chunk_tokens: int,
+def chunked_vocab_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                         tp_group: ProcessGroup | None, vocab_size: int, chunk_tokens: int,
                                          sequence_parallel: bool = False) -> torch.Tensor:
     """hidden [s, b, h] (this rank's sequence shard under SP), this TP rank's output weight W [V_padded/tp, h], labels
     [b, s] -> per-token loss [b, s] in fp32, zero where the label is negative (ignored). Columns at or past

@@ -1,8 +1,8 @@
 """ZeRO-3: FSDP2 `fully_shard` over the data x context group, composed with qlm's hand-written TP (FSDP only
 sees each TP rank's local shards) and with pipelining (torch's schedules drive FSDP's gradient sync).
 
-Same interface as the ZeRO 0-2 path (GradientBuffers + DistributedOptimizer): zero_grad, finish_grad_sync,
-clip_grad_norm, step, set_lr, full_param_states / load_full_param_states.
+The ZeRO 3 TrainingOptimizer (parallel/optimizer_api.py), as DistributedOptimizer over GradientBuffers is for
+ZeRO 0-2.
 """
 
 from __future__ import annotations
@@ -11,29 +11,30 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from qlm_core.parallel.comm import all_reduce, group_rank
-
-_FLAGS = ("tp_split", "sequence_parallel", "shared_embedding", "tied_copy")
+from qlm_core.parallel.optimizer_api import TrainingOptimizer
+from qlm_core.parallel.param_meta import copy_meta, counts_in_grad_norm, meta_of
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-class FullyShardedState:
+class FullyShardedState(TrainingOptimizer):
     def __init__(
         self,
         chunks: list[nn.Module],
         units: list[list[nn.Module]],
         param_groups: list[dict],
         *,
-        dp_cp_group,
-        tp_group,
-        pp_group,
-        embedding_group,
+        dp_cp_group: ProcessGroup | None,
+        tp_group: ProcessGroup | None,
+        pp_group: ProcessGroup | None,
+        embedding_group: ProcessGroup | None,
         device: torch.device,
         compute_dtype: torch.dtype,
         lr: float,
@@ -42,32 +43,31 @@ class FullyShardedState:
     ):
         """`units`: per chunk, the submodules to shard separately (the transformer layers); each chunk itself is
         the root unit. `param_groups`: [{"params": [...], "weight_decay": wd}, ...] over the chunks' params."""
-        flags = {id(p): {f: getattr(p, f) for f in _FLAGS if hasattr(p, f)} for c in chunks for p in c.parameters()}
+        originals = {id(p): p for c in chunks for p in c.parameters()}
         group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
         names = [(c, n, id(p)) for c in chunks for n, p in c.named_parameters()]
         mesh = DeviceMesh.from_group(dp_cp_group, device.type)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        for chunk, chunk_units in zip(chunks, units):
+        for chunk, chunk_units in zip(chunks, units, strict=True):
             for unit in chunk_units:
                 fully_shard(unit, mesh=mesh, mp_policy=policy)
             fully_shard(chunk, mesh=mesh, mp_policy=policy)
         # FSDP averages over its mesh; qlm's loss is pre-normalised so gradients must be summed. (Setting FSDP's
         # divide factor to 1 would need ReduceOp.PREMUL_SUM, which gloo lacks: rescale after the reduction.)
         self.dp_cp_size = mesh.size()
-        # fully_shard replaces parameters by DTensor parameters: carry qlm's flags and optimizer groups over.
+        # fully_shard replaces parameters by DTensor parameters: carry qlm's marks and optimizer groups over.
         self.params: list[nn.Parameter] = []
         groups: list[list[nn.Parameter]] = [[] for _ in param_groups]
         for chunk, name, old_id in names:
             param = chunk.get_parameter(name)
-            for flag, value in flags[old_id].items():
-                setattr(param, flag, value)
+            copy_meta(originals[old_id], param)
             if old_id in group_of:
                 groups[group_of[old_id]].append(param)
             self.params.append(param)
         self.tp_group, self.pp_group, self.dp_cp_group = tp_group, pp_group, dp_cp_group
         self.embedding_group = embedding_group
         self.optimizer = torch.optim.AdamW(
-            [{"params": ps, "weight_decay": g["weight_decay"]} for ps, g in zip(groups, param_groups)],
+            [{"params": ps, "weight_decay": g["weight_decay"]} for ps, g in zip(groups, param_groups, strict=True)],
             lr=lr, betas=betas, eps=eps, fused=device.type == "cuda", foreach=device.type != "cuda" or None,
         )
 
@@ -82,9 +82,10 @@ class FullyShardedState:
                 continue
             if self.dp_cp_size > 1:
                 _local(param.grad).mul_(self.dp_cp_size)
-            if getattr(param, "sequence_parallel", False):
+            meta = meta_of(param)
+            if meta.sequence_parallel:
                 all_reduce(_local(param.grad), self.tp_group)
-            if getattr(param, "shared_embedding", False):
+            if meta.shared_embedding:
                 all_reduce(_local(param.grad), self.embedding_group)
 
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
@@ -94,11 +95,9 @@ class FullyShardedState:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         total = torch.zeros((), dtype=torch.float32, device=self.params[0].device if self.params else "cpu")
-        first_tp = group_rank(self.tp_group) == 0
+        tp_rank = group_rank(self.tp_group)
         for param in self.params:
-            if param.grad is None or getattr(param, "tied_copy", False):
-                continue
-            if not getattr(param, "tp_split", False) and not first_tp:
+            if param.grad is None or not counts_in_grad_norm(param, tp_rank):
                 continue
             total += _local(param.grad).float().pow(2).sum()
         for group in (self.dp_cp_group, self.tp_group, self.pp_group):
@@ -113,6 +112,9 @@ class FullyShardedState:
 
     def step(self):
         self.optimizer.step()
+
+    def wait_param_gather(self):
+        """Nothing to wait for: FSDP2 gathers each unit's parameters in its own forward pre-hook."""
 
     def set_lr(self, lr: float):
         for group in self.optimizer.param_groups:
@@ -135,7 +137,7 @@ class FullyShardedState:
 
     @torch.no_grad()
     def load_full_param_states(self, states: list[dict[str, torch.Tensor]], step: int):
-        for param, entry in zip(self.params, states):
+        for param, entry in zip(self.params, states, strict=True):
             _local(param).copy_(_shard_like(param, entry["master"]))
             if step > 0:
                 state = self.optimizer.state[param]

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torch.distributed import ProcessGroup
 
 from qlm_core.parallel.comm import (
     all_reduce,
@@ -57,6 +58,7 @@ from qlm_core.parallel.comm import (
     start_reduce_scatter,
     wait,
 )
+from qlm_core.parallel.param_meta import meta_of
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,8 @@ def plan_buckets(params, bucket_numel: int | None, pad_multiple: int = 1) -> lis
     layouts = []
     for dtype in dtypes:
         indices = [i for i in reversed(range(len(params))) if params[i].dtype == dtype]
-        regular = [i for i in indices if not getattr(params[i], "shared_embedding", False)]
-        shared = [i for i in indices if getattr(params[i], "shared_embedding", False)]
+        regular = [i for i in indices if not meta_of(params[i]).shared_embedding]
+        shared = [i for i in indices if meta_of(params[i]).shared_embedding]
         current: list[int] = []
         for i in regular:
             current.append(i)
@@ -128,14 +130,14 @@ class Bucket:
 
     def param_range(self, param) -> tuple[int, int]:
         """[start, end) of `param` within the bucket."""
-        for p, span in zip(self.params, self.layout.param_ranges):
+        for p, span in zip(self.params, self.layout.param_ranges, strict=True):
             if p is param:
                 return span
         raise KeyError("param is not in this bucket")
 
     def views(self, flat: torch.Tensor):
         """(param, view of `flat` shaped like the param) for each param of the bucket."""
-        return [(p, flat[lo:hi].view_as(p)) for p, (lo, hi) in zip(self.params, self.layout.param_ranges)]
+        return [(p, flat[lo:hi].view_as(p)) for p, (lo, hi) in zip(self.params, self.layout.param_ranges, strict=True)]
 
 
 class GradientBuffers:
@@ -157,13 +159,13 @@ class GradientBuffers:
         self,
         params,
         *,
-        dp_group=None,
+        dp_group: ProcessGroup | None = None,
         zero_stage: int = 0,
         bucket_size_mb: float | None = 40,
         overlap_grad_reduce: bool = True,
         num_microbatches: int = 1,
-        tp_group=None,
-        embedding_group=None,
+        tp_group: ProcessGroup | None = None,
+        embedding_group: ProcessGroup | None = None,
         shard_alignment: int = 64,
         max_reductions_in_flight: int = 2,
     ):
@@ -317,11 +319,11 @@ class GradientBuffers:
 
     def _all_reduce_sequence_parallel_grads(self, bucket: Bucket):
         """One synchronous TP all-reduce for all the bucket's replicated sequence-parallel grads."""
-        grads = [p.main_grad for p in bucket.params if getattr(p, "sequence_parallel", False)]
+        grads = [p.main_grad for p in bucket.params if meta_of(p).sequence_parallel]
         if not grads or group_size(self.tp_group) == 1:
             return
         flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.tp_group)
-        for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
+        for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             grad.copy_(part.view_as(grad))
 
     # ---- step boundaries ---------------------------------------------------------------------------------------------

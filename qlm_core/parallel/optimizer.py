@@ -1,5 +1,5 @@
 """AdamW over fp32 master weights with Megatron-style ZeRO sharding (the "distributed optimizer") and a global
-gradient-norm clip. Works on the buckets of a GradientBuffers (parallel/data.py).
+gradient-norm clip. Works on the buckets of a GradientBuffers (parallel/grad_buffers.py).
 
 Master weights and Adam states:
   ZeRO 0  one master per param: the param itself when it is fp32, an fp32 copy otherwise (bf16 params);
@@ -13,7 +13,7 @@ every bucket over the dp group, so every rank again holds the full params.
 Bytes per param element (bf16 params; fp32 params add 2 to the param and, under ZeRO 0, need no master copy):
   ZeRO 0  2 param + 4 grad + 12 master/exp_avg/exp_avg_sq
   ZeRO 1  2 param + 4 grad + 12/dp
-  ZeRO 2  2 param + 4/dp grad shard + 12/dp, plus a few transient fp32 buckets (parallel/data.py)
+  ZeRO 2  2 param + 4/dp grad shard + 12/dp, plus a few transient fp32 buckets (parallel/grad_buffers.py)
 
 Param all-gather overlap (`overlap_param_gather`): step() launches one async all-gather per bucket, in forward
 order, and returns. A forward pre-hook on each module that owns params (register_param_gather_hooks) waits for
@@ -30,9 +30,12 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from qlm_core.parallel.comm import all_reduce, group_rank, start_all_gather, wait
 from qlm_core.parallel.grad_buffers import GradientBuffers
+from qlm_core.parallel.optimizer_api import TrainingOptimizer
+from qlm_core.parallel.param_meta import counts_in_grad_norm
 
 # The fp32 state kept per parameter, in this order (checkpoints store each as a view named like the weights).
 OPTIMIZER_VIEWS = ("master", "exp_avg", "exp_avg_sq")
@@ -47,15 +50,16 @@ class _Fragment:
     end: int
     master: torch.Tensor  # fp32; the param itself for an fp32 param under ZeRO 0
     grad: torch.Tensor  # fp32 reduced gradient, same shape as master
-    counts_in_norm: bool  # unique across TP and not the pipeline's tied copy
+    counts_in_norm: bool  # param_meta.counts_in_grad_norm
 
     @property
     def master_is_param(self) -> bool:
         return self.master is self.param
 
 
-class DistributedOptimizer:
-    """torch.optim.AdamW (decoupled weight decay) over fp32 masters of the params in `grad_buffers`.
+class DistributedOptimizer(TrainingOptimizer):
+    """torch.optim.AdamW (decoupled weight decay) over fp32 masters of the params in `grad_buffers`, and the
+    gradient synchronisation of `grad_buffers` (the ZeRO 0-2 TrainingOptimizer).
 
     `param_groups`: [{"params": [...], "weight_decay": wd, ...}] covering every param of grad_buffers exactly
     once; extra keys go to torch's param group as they are. With `overlap_param_gather`, pass `model_chunks` (or
@@ -72,11 +76,12 @@ class DistributedOptimizer:
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         overlap_param_gather: bool = False,
-        tp_group=None,
-        pp_group=None,
+        tp_group: ProcessGroup | None = None,
+        pp_group: ProcessGroup | None = None,
         model_chunks=None,
     ):
         self.buffers = grad_buffers
+        self.params = grad_buffers.params
         self.zero_stage = grad_buffers.zero_stage
         self.dp_group, self.tp_group, self.pp_group = grad_buffers.dp_group, tp_group, pp_group
         self.overlap_param_gather = overlap_param_gather and self.zero_stage >= 1
@@ -111,9 +116,7 @@ class DistributedOptimizer:
             self.register_param_gather_hooks(model_chunks)
 
     def _make_fragments(self, index: int, param: nn.Parameter) -> list[_Fragment]:
-        counts = not getattr(param, "tied_copy", False) and (
-            getattr(param, "tp_split", False) or group_rank(self.tp_group) == 0
-        )
+        counts = counts_in_grad_norm(param, group_rank(self.tp_group))
         if self.zero_stage == 0:
             if param.dtype == torch.float32:
                 master = param
@@ -224,6 +227,12 @@ class DistributedOptimizer:
     def zero_grad(self):
         self.buffers.zero_grad()
 
+    def finish_grad_sync(self):
+        self.buffers.finish_grad_sync()
+
+    def full_grad(self, param: nn.Parameter) -> torch.Tensor:
+        return self.buffers.full_grad(param)
+
     # ---- checkpoint --------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -245,7 +254,7 @@ class DistributedOptimizer:
             all_reduce(step_tensor, self.dp_group, op=torch.distributed.ReduceOp.MAX)
             step = int(step_tensor.item())
         states = []
-        for param, own in zip(self.buffers.params, fragments):
+        for param, own in zip(self.buffers.params, fragments, strict=True):
             full = torch.zeros(len(OPTIMIZER_VIEWS), param.numel(), dtype=torch.float32, device=device)
             for f in own:
                 state = self.optimizer.state.get(f.master, {})
@@ -310,7 +319,7 @@ class DistributedOptimizer:
                 "re-shard it offline from the saved param_index/start/end ranges"
             )
         torch_state = {}
-        for k, (f, entry) in enumerate(zip(self._fragments, state["fragments"])):
+        for k, (f, entry) in enumerate(zip(self._fragments, state["fragments"], strict=True)):
             f.master.detach().copy_(entry["master"].view_as(f.master))
             if "exp_avg" in entry:
                 torch_state[k] = {"step": entry["step"], "exp_avg": entry["exp_avg"].view_as(f.master),
@@ -321,7 +330,8 @@ class DistributedOptimizer:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         groups = [  # hyperparameters from the file, implementation flags (fused/foreach) from this device
             {**stored, **{k: live[k] for k in _IMPLEMENTATION_FLAGS if k in live}, "params": list(range(s, s + n))}
-            for stored, live, s, n in zip(state["param_groups"], self.optimizer.param_groups, starts, sizes)
+            for stored, live, s, n in zip(state["param_groups"], self.optimizer.param_groups, starts, sizes,
+                                          strict=True)
         ]
         self.optimizer.load_state_dict({"state": torch_state, "param_groups": groups})
         self._copy_masters_to_params(async_gather=False)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -18,18 +19,20 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
+from qlm_core.config import PpSchedule, choices
+
 SCHEDULES = {
     "1f1b": Schedule1F1B,
     "gpipe": ScheduleGPipe,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,  # splits backward into input- and weight-gradient passes
 }
+assert tuple(SCHEDULES) == choices(PpSchedule), "SCHEDULES and config.PpSchedule name the same schedules"
 _MULTI_STAGE = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
 
 def validate_schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> None:
-    if name not in SCHEDULES:
-        raise ValueError(f"pp_schedule must be one of {', '.join(SCHEDULES)}, not {name!r}")
+    assert name in SCHEDULES, f"pp_schedule {name!r}"  # the recipe's schema checked it (config.py)
     if vpp > 1 and SCHEDULES[name] not in _MULTI_STAGE:
         raise ValueError(f"vpp {vpp} needs an interleaved schedule (interleaved_1f1b or zero_bubble), not {name}")
     if name == "interleaved_1f1b" and vpp < 2:
@@ -47,7 +50,7 @@ class PipelineRunner:
         *,
         pp_rank: int,
         pp_size: int,
-        pp_group,
+        pp_group: ProcessGroup | None,
         device: torch.device,
         schedule: str,
         num_microbatches: int,

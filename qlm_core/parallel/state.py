@@ -13,6 +13,7 @@ from itertools import product
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from qlm_core.errors import QlmError
 
@@ -118,11 +119,11 @@ class Grid:
     sizes: ParallelSizes
     rank: int = 0
     coords: dict[str, int] = field(default_factory=lambda: {"dp": 0, "pp": 0, "cp": 0, "tp": 0})
-    tp_group: object = None
-    pp_group: object = None
-    cp_group: object = None
-    dp_cp_group: object = None  # gradients are reduced over data x context ranks
-    embedding_group: object = None  # first and last pipeline stage, for tied embeddings
+    tp_group: ProcessGroup | None = None
+    pp_group: ProcessGroup | None = None
+    cp_group: ProcessGroup | None = None
+    dp_cp_group: ProcessGroup | None = None  # gradients are reduced over data x context ranks
+    embedding_group: ProcessGroup | None = None  # first and last pipeline stage, for tied embeddings
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, stage order
     device: torch.device = field(default_factory=default_device)
 
@@ -178,9 +179,9 @@ class Grid:
             fixed = [a for a in ("dp", "pp", "cp", "tp") if a not in varying]
             mine = None
             for values in product(*(axes[a] for a in fixed)):
-                where = dict(zip(fixed, values))
+                where = dict(zip(fixed, values, strict=True))
                 members = sorted(
-                    ranks[sizes.rank_of(**{**where, **dict(zip(varying, free))})]
+                    ranks[sizes.rank_of(**{**where, **dict(zip(varying, free, strict=True))})]
                     for free in product(*(axes[a] for a in varying))
                 )
                 group = dist.new_group(members)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
+from torch.distributed import ProcessGroup
 
 from qlm_core.parallel.comm import (
     all_gather_dim0,
@@ -30,13 +31,14 @@ from qlm_core.parallel.comm import (
     reduce_scatter_last_dim,
     split_dim,
 )
+from qlm_core.parallel.param_meta import mark
 
 # ---- f / g operators ------------------------------------------------------------------------------------------------
 
 
 class _CopyToTP(Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
         ctx.group = group
         return x
 
@@ -47,7 +49,7 @@ class _CopyToTP(Function):
 
 class _ReduceFromTP(Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
         return all_reduce(x.contiguous(), group)
 
     @staticmethod
@@ -57,7 +59,7 @@ class _ReduceFromTP(Function):
 
 class _ScatterToSP(Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
         ctx.group = group
         return split_dim(x, group, 0)
 
@@ -68,7 +70,7 @@ class _ScatterToSP(Function):
 
 class _GatherFromSP(Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
         ctx.group = group
         return all_gather_dim0(x, group)
 
@@ -79,7 +81,7 @@ class _GatherFromSP(Function):
 
 class _ReduceScatterToSP(Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
         ctx.group = group
         return reduce_scatter_dim0(x, group)
 
@@ -92,7 +94,7 @@ class _GatherLastDim(Function):
     """fwd all-gather the last dim; bwd keep this rank's slice (every rank holds the same full gradient)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
         ctx.group = group
         return all_gather_last_dim(x, group)
 
@@ -105,7 +107,7 @@ class _GatherLastDimSumGrad(Function):
     """fwd all-gather the last dim; bwd reduce-scatter it (ranks use different parts of the gathered tensor)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
         ctx.group = group
         return all_gather_last_dim(x, group)
 
@@ -114,31 +116,31 @@ class _GatherLastDimSumGrad(Function):
         return reduce_scatter_last_dim(grad, ctx.group), None
 
 
-def copy_to_tp(x, group):
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
 
 
-def reduce_from_tp(x, group):
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
-def scatter_to_sp(x, group):
+def scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else _ScatterToSP.apply(x, group)
 
 
-def gather_from_sp(x, group):
+def gather_from_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else _GatherFromSP.apply(x, group)
 
 
-def reduce_scatter_to_sp(x, group):
+def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group)
 
 
-def gather_last_dim(x, group):
+def gather_last_dim(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else _GatherLastDim.apply(x, group)
 
 
-def gather_last_dim_sum_grad(x, group):
+def gather_last_dim_sum_grad(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else _GatherLastDimSumGrad.apply(x, group)
 
 
@@ -147,7 +149,7 @@ class _SPGatherLinear(Function):
     to keep SP activation memory at 1/t)."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup | None):
         ctx.group = group
         ctx.save_for_backward(x, weight)
         return F.linear(all_gather_dim0(x, group), weight)
@@ -162,15 +164,6 @@ class _SPGatherLinear(Function):
 
 
 # ---- layers ---------------------------------------------------------------------------------------------------------
-
-
-def mark_tp_split(param):
-    """Flag a parameter whose tensor is split across the TP group (each rank holds a different part). Parameters
-    without the flag are replicated across TP: their gradient norm counts once, and under sequence parallelism
-    their gradients need a TP all-reduce (see `sequence_parallel`)."""
-    if param is not None:
-        param.tp_split = True
-    return param
 
 
 class _MegatronLinearState:
@@ -192,16 +185,18 @@ def _divide(total: int, parts: int, what: str) -> int:
 
 class ColumnParallelLinear(_MegatronLinearState, nn.Module):
     def __init__(
-        self, in_features, out_features, *, bias=False, tp_group=None, sequence_parallel=False,
-        gather_output=False, skip_weight=False, dtype=torch.float32,
+        self, in_features, out_features, *, bias=False, tp_group: ProcessGroup | None = None,
+        sequence_parallel=False, gather_output=False, skip_weight=False, dtype=torch.float32,
     ):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         self.gather_output = gather_output
         local_out = _divide(out_features, group_size(tp_group), "output features")
-        self.weight = None if skip_weight else mark_tp_split(nn.Parameter(torch.empty(local_out, in_features, dtype=dtype)))
-        self.bias = mark_tp_split(nn.Parameter(torch.zeros(local_out, dtype=dtype))) if bias else None
+        self.weight = None
+        if not skip_weight:
+            self.weight = mark(nn.Parameter(torch.empty(local_out, in_features, dtype=dtype)), tp_split=True)
+        self.bias = mark(nn.Parameter(torch.zeros(local_out, dtype=dtype)), tp_split=True) if bias else None
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
@@ -215,16 +210,17 @@ class ColumnParallelLinear(_MegatronLinearState, nn.Module):
 
 
 class RowParallelLinear(_MegatronLinearState, nn.Module):
-    def __init__(self, in_features, out_features, *, bias=False, tp_group=None, sequence_parallel=False,
-                 dtype=torch.float32):
+    def __init__(self, in_features, out_features, *, bias=False, tp_group: ProcessGroup | None = None,
+                 sequence_parallel=False, dtype=torch.float32):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         local_in = _divide(in_features, group_size(tp_group), "input features")
-        self.weight = mark_tp_split(nn.Parameter(torch.empty(out_features, local_in, dtype=dtype)))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
-        if self.bias is not None:
-            self.bias.sequence_parallel = self.sequence_parallel
+        self.weight = mark(nn.Parameter(torch.empty(out_features, local_in, dtype=dtype)), tp_split=True)
+        self.bias = None
+        if bias:
+            self.bias = mark(nn.Parameter(torch.zeros(out_features, dtype=dtype)),
+                             sequence_parallel=self.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
@@ -238,13 +234,14 @@ class RowParallelLinear(_MegatronLinearState, nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Input ids [b, s] -> embeddings [s, b, h] (sequence-sharded under SP)."""
 
-    def __init__(self, num_embeddings, embedding_dim, *, tp_group=None, sequence_parallel=False, dtype=torch.float32):
+    def __init__(self, num_embeddings, embedding_dim, *, tp_group: ProcessGroup | None = None,
+                 sequence_parallel=False, dtype=torch.float32):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         local = _divide(num_embeddings, group_size(tp_group), "padded vocabulary size")
         self.vocab_start = group_rank(tp_group) * local
-        self.weight = mark_tp_split(nn.Parameter(torch.empty(local, embedding_dim, dtype=dtype)))
+        self.weight = mark(nn.Parameter(torch.empty(local, embedding_dim, dtype=dtype)), tp_split=True)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.tp_group) == 1:
@@ -266,7 +263,7 @@ class _VocabParallelCrossEntropy(Function):
     sum of exp). Columns at or past `vocab_size` are Megatron's padding and are excluded from the softmax."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_size):
+    def forward(ctx, logits, target, group: ProcessGroup | None, vocab_size: int):
         ctx.input_dtype = logits.dtype
         # Worked on in place (after an fp32 cast when needed), as Megatron does: nothing downstream reads the
         # logits, and the output layer's backward needs its input and weight, not its output.
@@ -299,6 +296,7 @@ class _VocabParallelCrossEntropy(Function):
         return grad.to(ctx.input_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target, tp_group, vocab_size: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group: ProcessGroup | None,
+                                 vocab_size: int) -> torch.Tensor:
     """logits [..., V_padded/t] (this rank's vocab slice), target [...] -> per-token loss [...] in fp32."""
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_size)

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.config import ParallelConfig, Recipe, TrainConfig
+from qlm_core.config import ParallelConfig, Recipe, TrainConfig, checked_field
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import LORA_TARGETS, ModelLayout
 from qlm_core.models.spec import ModelSpec, load_model_spec
 from qlm_core.parallel.state import ParallelSizes, resolve_sizes
-from qlm_core.train.engine import validate_layout
+from qlm_core.train.validate import validate_layout
 
-SEED_PARALLEL = dict(tp=4, cp=4, sp=True, zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True, recompute="full",
-                     cp_comm_type="p2p")
+SEED_PARALLEL = dict(tp=4, cp=4, sp=True, zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True,
+                     recompute="full", cp_comm_type="p2p")
 SEED_MODEL, SEED_SEQ, SEED_GBS, SEED_GPUS = "qwen2-7b", 131072, 16, 32
 
 
@@ -186,7 +186,8 @@ def build_case(recipe: Recipe | None = None, *, model: str | None = None, seq_le
     unknown = set(parallel) - {f.name for f in dataclasses.fields(ParallelConfig)}
     if unknown:
         raise QlmError(f"unknown parallel options {sorted(unknown)}", "see qlm profile --help")
-    case = case.with_parallel(**{k: v for k, v in parallel.items() if v is not None})
+    case = case.with_parallel(**{k: checked_field(ParallelConfig, k, v, f"parallel.{k}")
+                                 for k, v in parallel.items() if v is not None})
     if parallel.get("zero_stage") is not None:  # the parameter all-gather exists only under ZeRO 1/2
         case = case.with_parallel(overlap_param_gather=case.parallel.zero_stage in (1, 2))
     changes = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,

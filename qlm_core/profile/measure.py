@@ -168,7 +168,7 @@ def model_state_tensors(engine) -> dict[str, list[torch.Tensor]]:
         grads = [p.grad for p in optimizer.params if p.grad is not None]
         states = [s[k] for s in optimizer.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s]
         return {"weights": params, "grads": grads, "optimizer": states}
-    buffers = engine.grads
+    buffers = optimizer.buffers
     grads = list(buffers.grad_buffers.values()) + list(buffers.shard_buffers.values())
     grads += [b.grad_data for b in buffers.buckets if b.layout.deferred and b.grad_data is not None]
     fragments = optimizer._fragments

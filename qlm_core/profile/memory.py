@@ -179,7 +179,8 @@ def pipeline_buffer_bytes(case: ProfileCase, x: ActivationInputs, stage: int, ch
     return total
 
 
-def stage_memory(case: ProfileCase, stage: int, device: str = "cuda", allowance: Allowance = Allowance()) -> StageMemory:
+def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
+                 allowance: Allowance = Allowance()) -> StageMemory:
     p, layout = case.parallel, case.layout()
     x = activation_inputs(case, device)
     shards = case.sizes.dp * p.cp

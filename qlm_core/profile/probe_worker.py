@@ -58,7 +58,7 @@ def run_rank(case: ProfileCase, steps: int, grid: Grid) -> dict:
     result["activations"] = sum(v for k, v in regions.items() if k != "head")
     result["max_allocated"] = torch.cuda.max_memory_allocated(grid.device) if cuda else None
     if case.parallel.zero_stage == 2:  # the bucket storage ZeRO 2 borrows during backward (GradientBuffers records it)
-        result["comm_buffers"] = 4 * engine.grads.peak_transient_grad_numel
+        result["comm_buffers"] = 4 * engine.optimizer.buffers.peak_transient_grad_numel
     times = []
     for _ in range(max(1, steps - 1)):
         _sync(grid.device)

@@ -4,7 +4,7 @@ Enumerated: tp x pp x cp x dp = N (dp derived), vpp 1-4 where the stages divide 
 zero-bubble schedules for pp > 1, ZeRO 0-3, recompute none / selective / full, and for cp > 1 every CP comm type.
 Fixed: SP on whenever tp > 1 (it only removes memory: the same bytes cross the TP group either way), overlapped
 gradient reduce and parameter gather, the case's micro and global batch. Each candidate passes the trainer's own
-checks (train.engine.validate_layout and checkpoint.layout.ModelLayout: heads, query groups, layers, sequence by
+checks (train.validate.validate_layout and checkpoint.layout.ModelLayout: heads, query groups, layers, sequence by
 2·cp (and by tp under SP), batch by mbs·dp, schedule rules) before it is costed. For full recompute the search also
 tries recomputing only the first N layers of each chunk and keeps the smallest N that fits (it is faster).
 GPipe is left out: it holds every micro-batch and is never faster than 1F1B.
@@ -14,16 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from qlm_core.config import CpCommType, RecomputeMode, choices
 from qlm_core.errors import QlmError
 from qlm_core.hardware import GpuSpec
-from qlm_core.models.gpt import RECOMPUTE_MODES
-from qlm_core.parallel.context_parallel import CP_COMM_TYPES
 from qlm_core.profile.case import ProfileCase, validate_case, validate_inputs
 from qlm_core.profile.memory import GIB, Allowance, MemoryEstimate, estimate_memory
 from qlm_core.profile.timing import TIME_COMPONENTS, Efficiency, TimeEstimate, estimate_time
 
-RECOMPUTE = RECOMPUTE_MODES
-CP_COMM = CP_COMM_TYPES
+RECOMPUTE = choices(RecomputeMode)
+CP_COMM = choices(CpCommType)
 
 
 @dataclass

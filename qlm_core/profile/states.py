@@ -1,8 +1,8 @@
 """Model-state bytes of one rank, exactly as the trainer allocates them (not estimated).
 
 This mirrors what train/engine.py builds for a pipeline stage, tensor by tensor:
-  ZeRO 0-2  parallel/data.py GradientBuffers + parallel/optimizer.py DistributedOptimizer. The bucket plan (and so
-            every bucket's padding to a multiple of dp·64 elements) comes from plan_buckets itself, run on meta
+  ZeRO 0-2  parallel/grad_buffers.py GradientBuffers + parallel/optimizer.py DistributedOptimizer. The bucket plan
+            (and so every bucket's padding to a multiple of dp·64 elements) comes from plan_buckets itself, run on meta
             tensors shaped like the stage's trainable parameters.
             weights    ZeRO 0: each parameter in the compute dtype. ZeRO 1/2: the trainable parameters live in one
                        padded param buffer per dtype; frozen (LoRA base) parameters keep their own storage.
@@ -25,6 +25,7 @@ import torch
 
 from qlm_core.models.layout import LORA_TARGETS, ModelLayout
 from qlm_core.parallel.grad_buffers import plan_buckets
+from qlm_core.parallel.param_meta import mark
 
 SHARD_ALIGNMENT = 64  # GradientBuffers' default shard_alignment
 
@@ -86,9 +87,7 @@ def _stage_params(layout: ModelLayout, pp_rank: int, lora_rank: int, targets: se
 
 def _meta(info: ParamInfo, dtype: torch.dtype) -> torch.Tensor:
     t = torch.empty(info.shape, dtype=dtype, device="meta")
-    if info.shared_embedding:
-        t.shared_embedding = True
-    return t
+    return mark(t, shared_embedding=True) if info.shared_embedding else t
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:

@@ -3,7 +3,7 @@ trainer does not hide, plus the pipeline bubble and the optimizer step.
 
 Per micro-batch on the slowest pipeline stage (T = mbs·seq/cp tokens per rank, e = bytes of the compute dtype):
   compute     model FLOPs of the stage's layers (dense matmuls + causal attention over the keys each token reads:
-              its document, `mean_doc_len` for packed data, and the sliding window; train/flops.py's count) and,
+              its document, `mean_doc_len` for packed data, and the sliding window; models/flops.py's count) and,
               on the last stage, the logits; forward + backward = 3 x forward, split over tp·cp ranks; recompute
               adds one forward of the recomputed layers (full) or of core attention (selective), and of the logits
               when the loss runs in chunks (its backward recomputes them; twice under the zero-bubble schedule,

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from qlm_core.checkpoint.formats.megatron import TORCH, TORCH_DIST, open_megatron
 from qlm_core.checkpoint.formats.megatron_args import make_args
@@ -85,7 +86,7 @@ def _set_rng_state(state: dict):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _gather_objects(value, group) -> list:
+def _gather_objects(value, group: ProcessGroup | None) -> list:
     if group_size(group) == 1:
         return [value]
     out = [None] * group_size(group)

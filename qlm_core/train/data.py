@@ -11,7 +11,7 @@ from pathlib import Path
 
 from torch.utils.data import ConcatDataset, Subset
 
-from qlm_core.config import DataConfig
+from qlm_core.config import DataConfig, DataKind, choices
 from qlm_core.data.demo import build_demo
 from qlm_core.data.indexed import IndexedDataset
 from qlm_core.data.preprocess import preprocess
@@ -47,8 +47,7 @@ def check_data_files(data: DataConfig):
     """Before any process starts: every named file or indexed prefix exists."""
     if not data.train:
         raise QlmError("data.train is empty", 'list the training files (or "@demo" for the built-in demo)')
-    if data.kind not in ("sft", "pretrain"):
-        raise QlmError(f"data.kind {data.kind!r} is not sft or pretrain", "set data.kind")
+    assert data.kind in choices(DataKind), data.kind  # the recipe's schema checked it (config.py)
     for name in list(data.train) + list(data.valid):
         if name == DEMO:
             continue
@@ -112,7 +111,7 @@ def _pretrain(data, train_names, valid_names, tokenizer_dir, cache_dir, train_sa
     config = PretrainConfig(seq_length=data.seq_length, seed=data.seed, split=data.split,
                             reset_position_ids=data.reset_position_ids, eod_token_id=eod,
                             cache_dir=str(Path(cache_dir) / "index"))
-    blend = list(zip(data.weights, train_names)) if data.weights else train_names
+    blend = list(zip(data.weights, train_names, strict=False)) if data.weights else train_names  # length checked below
     if len(data.weights) not in (0, len(train_names)):
         raise QlmError(f"data.weights has {len(data.weights)} entries for {len(train_names)} datasets",
                        "give one weight per training prefix")

@@ -13,23 +13,26 @@ microbatch's summed token loss is divided by the global token count, and gradien
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from qlm_core.checkpoint.sources.random_init import RandomInitSource
 from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig
-from qlm_core.errors import QlmError
-from qlm_core.models.gpt import CP_COMM_TYPES, RECOMPUTE_MODES, ParallelOptions
-from qlm_core.models.layout import ModelLayout, TensorSource, build_shard
+from qlm_core.models.build import RankCoords, build_rank_model
+from qlm_core.models.gpt import ParallelOptions
+from qlm_core.models.layout import ModelLayout, TensorSource
 from qlm_core.models.spec import ModelSpec
 from qlm_core.models.stage import StageModel
 from qlm_core.parallel.comm import all_reduce, group_size
 from qlm_core.parallel.context_parallel import split_for_cp
 from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS
-from qlm_core.parallel.pipeline import SCHEDULES, PipelineRunner, validate_schedule
+from qlm_core.parallel.optimizer_api import TrainingOptimizer
+from qlm_core.parallel.param_meta import mark
+from qlm_core.parallel.pipeline import PipelineRunner
 from qlm_core.parallel.state import Grid
 from qlm_core.train.lora import apply_lora
+from qlm_core.train.validate import validate_layout
 
 
 @dataclass
@@ -50,50 +53,6 @@ class StepResult:
     skipped: bool = False
 
 
-def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes, seq_length: int, micro_batch_size: int,
-                    global_batch_size: int):
-    """Everything that can be checked before a process group exists (ModelLayout checks heads/layers)."""
-    cp, tp = config.cp, config.tp
-    if config.zero_stage not in (0, 1, 2, 3):
-        raise QlmError(f"zero_stage {config.zero_stage} is not one of 0, 1, 2, 3", "set parallel.zero_stage")
-    if config.recompute not in RECOMPUTE_MODES:
-        raise QlmError(f"recompute {config.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}",
-                       "set parallel.recompute")
-    if config.cp_comm_type not in CP_COMM_TYPES:
-        raise QlmError(f"cp_comm_type {config.cp_comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}",
-                       "set parallel.cp_comm_type")
-    if config.pp_schedule not in SCHEDULES:
-        raise QlmError(f"pp_schedule {config.pp_schedule!r} is not one of {', '.join(SCHEDULES)}",
-                       "set parallel.pp_schedule")
-    if config.vpp > 1 and config.pp == 1:
-        raise QlmError("vpp > 1 needs pp > 1", "raise parallel.pp or set vpp = 1")
-    if cp > 1 and seq_length % (2 * cp):
-        raise QlmError(f"seq_length {seq_length} is not divisible by 2*cp = {2 * cp}",
-                       "context parallelism cuts each sequence into 2*cp equal chunks")
-    if config.sp and tp > 1 and (seq_length // cp) % tp:
-        raise QlmError(f"seq_length/cp = {seq_length // cp} is not divisible by tp = {tp}",
-                       "sequence parallelism shards each rank's tokens over the TP group")
-    if cp > 1 and config.cp_comm_type == "a2a" and (spec.num_attention_heads // tp) % cp:
-        raise QlmError(f"cp_comm_type a2a needs heads per TP rank ({spec.num_attention_heads // tp}) divisible by "
-                       f"cp = {cp}", "use p2p or allgather, or change tp/cp")
-    if config.overlap_param_gather and config.zero_stage not in (1, 2):
-        raise QlmError("overlap_param_gather needs zero_stage 1 or 2", "set parallel.zero_stage or turn it off")
-    rows = micro_batch_size * sizes.dp
-    if global_batch_size % rows:
-        raise QlmError(f"global_batch_size {global_batch_size} is not divisible by micro_batch_size*dp = {rows}",
-                       "make the global batch a multiple of micro_batch_size * dp")
-    validate_schedule_or_raise(config, global_batch_size // rows)
-
-
-def validate_schedule_or_raise(config: ParallelConfig, num_microbatches: int):
-    if config.pp == 1:
-        return
-    try:
-        validate_schedule(config.pp_schedule, config.pp, config.vpp, num_microbatches)
-    except ValueError as exc:
-        raise QlmError(str(exc), "adjust parallel.pp_schedule, parallel.vpp or the batch sizes") from None
-
-
 def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
     """No weight decay on biases and norm weights (every 1-D parameter)."""
     decay = [p for p in params if p.dim() > 1]
@@ -101,33 +60,44 @@ def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-@dataclass
 class Engine:
-    spec: ModelSpec
-    config: ParallelConfig
-    grid: Grid
-    micro_batch_size: int
-    global_batch_size: int
-    seq_length: int
-    dtype: torch.dtype = torch.float32
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    source: TensorSource | None = None
-    seed: int = 1234
-    lora: LoraConfig | None = None  # rank > 0: train only adapters on the frozen loaded weights
-    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the loss head's chunk (GPTModel.loss); 0: whole logits
+    """This rank's stage models and their optimizer, and the steps that train or evaluate them on a global batch.
 
-    def __post_init__(self):
+    `source` fills the weights (default: random init from `seed`); `lora` with rank > 0 trains only adapters on
+    the frozen loaded weights; `loss_chunk_tokens` is the loss head's chunk (GPTModel.loss; 0: whole logits).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: ParallelConfig,
+        grid: Grid,
+        micro_batch_size: int,
+        global_batch_size: int,
+        seq_length: int,
+        dtype: torch.dtype = torch.float32,
+        optim: OptimConfig | None = None,
+        source: TensorSource | None = None,
+        seed: int = 1234,
+        lora: LoraConfig | None = None,
+        loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ):
+        self.spec, self.config, self.grid = spec, config, grid
+        self.micro_batch_size, self.global_batch_size, self.seq_length = micro_batch_size, global_batch_size, seq_length
+        self.dtype = dtype
+        self.optim = OptimConfig() if optim is None else optim
+        self.source, self.seed, self.lora, self.loss_chunk_tokens = source, seed, lora, loss_chunk_tokens
         c, g = self.config, self.grid
         validate_layout(self.spec, c, g.sizes, self.seq_length, self.micro_batch_size, self.global_batch_size)
         self.layout = ModelLayout(self.spec, c.tp, c.pp, c.vpp, c.num_layers_in_first_pipeline_stage,
                                   c.num_layers_in_last_pipeline_stage)
         self.num_microbatches = self.global_batch_size // (self.micro_batch_size * g.sizes.dp)
-        self.chunks = self._build_chunks()
-        self._load_weights(self.source or RandomInitSource(self.layout, seed=self.seed))
+        self.chunks = self._build_chunks(self.source or RandomInitSource(self.layout, seed=self.seed))
         if self.lora is not None and self.lora.rank > 0:
             apply_lora(self.chunks, self.lora, self.chunks[0].parallel, self.seed)
-        self.params = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
-        self._build_optimizer()
+        trainable = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
+        self.optimizer = self._build_optimizer(trainable)
+        self.params = self.optimizer.params  # FSDP2 replaces the parameters: the optimizer's are the live ones
         self.runner = None
         if c.pp > 1:
             self.runner = PipelineRunner(
@@ -138,7 +108,8 @@ class Engine:
 
     # ---- construction ----------------------------------------------------------------------------------------------
 
-    def _build_chunks(self) -> list[StageModel]:
+    def _build_chunks(self, source: TensorSource) -> list[StageModel]:
+        """This rank's chunks of its pipeline stage, filled from `source`."""
         c, g = self.config, self.grid
         options = ParallelOptions(
             tp_group=g.tp_group, sequence_parallel=c.sp, cp_group=g.cp_group, cp_comm_type=c.cp_comm_type,
@@ -146,56 +117,42 @@ class Engine:
         )
         # ZeRO-3 keeps fp32 parameters (FSDP's sharded master weights) and computes in self.dtype.
         param_dtype = torch.float32 if c.zero_stage == 3 else self.dtype
-        chunks = []
-        for chunk in range(c.vpp):
-            layers = self.layout.chunk_layers(g.pp_rank, chunk)
-            model = StageModel(
-                self.spec, parallel=options, pre_process=self.layout.is_first(g.pp_rank, chunk),
-                post_process=self.layout.is_last(g.pp_rank, chunk), layer_offset=layers.start,
-                num_layers=len(layers), padded_vocab=self.layout.padded_vocab, dtype=param_dtype,
-                loss_chunk_tokens=self.loss_chunk_tokens,
-            ).to(g.device)
-            chunks.append(model)
+        chunks = [
+            build_rank_model(self.layout, RankCoords(g.tp_rank, g.pp_rank, chunk), source, parallel=options,
+                             dtype=param_dtype, device=g.device, loss_chunk_tokens=self.loss_chunk_tokens,
+                             model_class=StageModel)
+            for chunk in range(c.vpp)
+        ]
         if self.spec.tie_word_embeddings and c.pp > 1:
             if g.is_first_stage:
-                chunks[0].embedding.word_embeddings.weight.shared_embedding = True
+                mark(chunks[0].embedding.word_embeddings.weight, shared_embedding=True)
             if g.is_last_stage:
-                chunks[-1].output_layer.weight.shared_embedding = True
-                chunks[-1].output_layer.weight.tied_copy = True  # counted once in the gradient norm
+                mark(chunks[-1].output_layer.weight, shared_embedding=True, tied_copy=True)
         return chunks
 
-    @torch.no_grad()
-    def _load_weights(self, source: TensorSource):
-        g = self.grid
-        for index, chunk in enumerate(self.chunks):
-            state = build_shard(self.layout, g.tp_rank, g.pp_rank, index, source, next(chunk.parameters()).dtype)
-            chunk.load_state_dict({k: v if v is None else v.to(g.device) for k, v in state.items()}, strict=True)
-
-    def _build_optimizer(self):
+    def _build_optimizer(self, trainable: list[torch.nn.Parameter]) -> TrainingOptimizer:
+        """ZeRO 3: FSDP2; ZeRO 0-2: bucketed gradient buffers under the distributed optimizer."""
         c, g, o = self.config, self.grid, self.optim
-        groups = param_groups(self.params, o.weight_decay)
+        groups = param_groups(trainable, o.weight_decay)
         if c.zero_stage == 3:
             from qlm_core.parallel.fsdp import FullyShardedState
 
-            self.optimizer = FullyShardedState(
+            return FullyShardedState(
                 self.chunks, [list(chunk.decoder.layers) for chunk in self.chunks], groups,
                 dp_cp_group=g.dp_cp_group, tp_group=g.tp_group, pp_group=g.pp_group,
                 embedding_group=g.embedding_group, device=g.device, compute_dtype=self.dtype, lr=o.lr,
                 betas=(o.beta1, o.beta2), eps=o.eps,
             )
-            self.grads = self.optimizer
-            self.params = self.optimizer.params
-            return
         from qlm_core.parallel.grad_buffers import GradientBuffers
         from qlm_core.parallel.optimizer import DistributedOptimizer
 
-        self.grads = GradientBuffers(
-            self.params, dp_group=g.dp_cp_group, zero_stage=c.zero_stage, bucket_size_mb=c.bucket_size_mb,
+        buffers = GradientBuffers(
+            trainable, dp_group=g.dp_cp_group, zero_stage=c.zero_stage, bucket_size_mb=c.bucket_size_mb,
             overlap_grad_reduce=c.overlap_grad_reduce, num_microbatches=self.num_microbatches,
             tp_group=g.tp_group, embedding_group=g.embedding_group,
         )
-        self.optimizer = DistributedOptimizer(
-            groups, self.grads, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+        return DistributedOptimizer(
+            groups, buffers, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             overlap_param_gather=c.overlap_param_gather, tp_group=g.tp_group, pp_group=g.pp_group,
             model_chunks=self.chunks,
         )
@@ -221,34 +178,43 @@ class Engine:
         segment = None if batch.segment_ids is None else local(batch.segment_ids)
         return local(batch.input_ids), local(batch.labels), local(position_ids), segment
 
-    def forward_backward(self, batch: Batch) -> torch.Tensor:
-        """Forward and backward over every microbatch; gradients are reduced and final when this returns.
-        Returns this rank's share of the step loss (the sum over ranks is the global mean)."""
+    def _run_microbatches(self, batch: Batch, *, backward: bool) -> torch.Tensor:
+        """Forward (and, with `backward`, backward) over every microbatch of this rank's rows, through the
+        pipeline schedule when pp > 1. Returns this rank's share of the batch loss, normalised by the global
+        token count (the sum over ranks is the global mean)."""
         g = self.grid
-        rows = batch.input_ids.shape[0]
-        if rows != self.micro_batch_size * self.num_microbatches:
-            raise ValueError(f"expected {self.micro_batch_size * self.num_microbatches} rows, got {rows}")
         input_ids, labels, position_ids, segment_ids = self._local_inputs(batch)
         tokens = torch.tensor(float((labels >= 0).sum()), device=g.device)
         all_reduce(tokens, g.dp_cp_group)
         self._num_tokens = max(tokens.item(), 1.0)
-        self.grads.zero_grad()
         for chunk in self.chunks:
-            chunk.train()
+            chunk.train(backward)
         loss_sum = torch.zeros((), device=g.device)
         if self.runner is not None:
             inputs = (input_ids, position_ids) if segment_ids is None else (input_ids, position_ids, segment_ids)
-            for loss in self.runner.step(inputs, labels):
+            run = self.runner.step if backward else self.runner.evaluate
+            for loss in run(inputs, labels):
                 loss_sum += loss.detach().float()
-        else:
-            model, mbs = self.chunks[0], self.micro_batch_size
-            for i in range(self.num_microbatches):
-                rows_i = slice(i * mbs, (i + 1) * mbs)
-                seg = None if segment_ids is None else segment_ids[rows_i]
-                loss = self._loss_fn(model(input_ids[rows_i], position_ids[rows_i], seg), labels[rows_i])
+            return loss_sum
+        model, mbs = self.chunks[0], self.micro_batch_size
+        for i in range(self.num_microbatches):
+            rows_i = slice(i * mbs, (i + 1) * mbs)
+            seg = None if segment_ids is None else segment_ids[rows_i]
+            loss = self._loss_fn(model(input_ids[rows_i], position_ids[rows_i], seg), labels[rows_i])
+            if backward:
                 loss.backward()
-                loss_sum += loss.detach().float()
-        self.grads.finish_grad_sync()
+            loss_sum += loss.detach().float()
+        return loss_sum
+
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        """Forward and backward over every microbatch; gradients are reduced and final when this returns.
+        Returns this rank's share of the step loss (the sum over ranks is the global mean)."""
+        rows = batch.input_ids.shape[0]
+        if rows != self.micro_batch_size * self.num_microbatches:
+            raise ValueError(f"expected {self.micro_batch_size * self.num_microbatches} rows, got {rows}")
+        self.optimizer.zero_grad()
+        loss_sum = self._run_microbatches(batch, backward=True)
+        self.optimizer.finish_grad_sync()
         return loss_sum
 
     def update(self, lr: float | None = None) -> tuple[float, bool]:
@@ -278,25 +244,5 @@ class Engine:
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> float:
         """Mean loss over the non-ignored labels of this global batch (every rank's rows), forward only."""
-        g = self.grid
-        input_ids, labels, position_ids, segment_ids = self._local_inputs(batch)
-        tokens = torch.tensor(float((labels >= 0).sum()), device=g.device)
-        all_reduce(tokens, g.dp_cp_group)
-        self._num_tokens = max(tokens.item(), 1.0)
-        for chunk in self.chunks:
-            chunk.eval()
-        wait = getattr(self.optimizer, "wait_param_gather", None)
-        if wait is not None:
-            wait()
-        loss_sum = torch.zeros((), device=g.device)
-        if self.runner is not None:
-            inputs = (input_ids, position_ids) if segment_ids is None else (input_ids, position_ids, segment_ids)
-            for loss in self.runner.evaluate(inputs, labels):
-                loss_sum += loss.float()
-        else:
-            model, mbs = self.chunks[0], self.micro_batch_size
-            for i in range(self.num_microbatches):
-                rows_i = slice(i * mbs, (i + 1) * mbs)
-                seg = None if segment_ids is None else segment_ids[rows_i]
-                loss_sum += self._loss_fn(model(input_ids[rows_i], position_ids[rows_i], seg), labels[rows_i]).float()
-        return self.global_loss(loss_sum)
+        self.optimizer.wait_param_gather()
+        return self.global_loss(self._run_microbatches(batch, backward=False))

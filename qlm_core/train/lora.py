@@ -7,7 +7,7 @@ ModelLayout.lora_tensors, and only rank-sized activations cross the TP group:
       no SP: A reads the same copy_to_tp(x) as W, so the one backward all-reduce of the input gradient covers
       both paths and nothing else is sent.
       Either way A's gradient is a partial sum per TP rank (of the sequence shards, or of the output slices):
-      A is flagged `sequence_parallel` so that GradientBuffers sums it over TP.
+      A is marked `sequence_parallel` (parallel/param_meta.py) so that GradientBuffers sums it over TP.
   row-parallel (linear_proj, linear_fc2; W [out, in/t]): A [r, in/t] split like W's columns, B [out, r]
       replicated. A(x) is a partial sum: all-reduce it (SP: reduce-scatter to sequence shards) before B. B's
       gradient needs the TP sum only under SP (each rank then saw only its sequence shard).
@@ -32,12 +32,12 @@ from qlm_core.models.layout import (
     read_shard_tensor,
 )
 from qlm_core.parallel.comm import group_rank, group_size
+from qlm_core.parallel.param_meta import mark
 from qlm_core.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     copy_to_tp,
     gather_from_sp,
-    mark_tp_split,
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
@@ -78,11 +78,11 @@ def _add_adapter(linear: nn.Module, a: torch.Tensor, b: torch.Tensor, settings: 
     linear.lora_dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
     linear.lora_scale = lora_scale(settings)
     if column:
-        linear.lora_A.weight.sequence_parallel = True
-        mark_tp_split(linear.lora_B.weight)
+        mark(linear.lora_A.weight, sequence_parallel=True)
+        mark(linear.lora_B.weight, tp_split=True)
     else:
-        mark_tp_split(linear.lora_A.weight)
-        linear.lora_B.weight.sequence_parallel = linear.sequence_parallel
+        mark(linear.lora_A.weight, tp_split=True)
+        mark(linear.lora_B.weight, sequence_parallel=linear.sequence_parallel)
 
 
 def adapted_linears(chunk: GPTModel, targets) -> list[tuple[int, str, nn.Module]]:
@@ -135,7 +135,7 @@ def load_lora_state(chunks: list[GPTModel], source: TensorSource):
             if not hasattr(linear, "lora_A"):
                 continue
             for tensor, factor in zip(layout.lora_tensors(layer, linear.lora_A.weight.shape[0], [target]),
-                                      (linear.lora_A, linear.lora_B)):
+                                      (linear.lora_A, linear.lora_B), strict=True):
                 _copy_into(factor.weight, read_shard_tensor(tensor, tp, tp_rank, source, factor.weight.dtype))
 
 

@@ -11,11 +11,10 @@ from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.state import ParallelSizes, resolve_sizes
-from qlm_core.train.checks import check_recipe
 from qlm_core.train.data import check_data_files
-from qlm_core.train.engine import validate_layout
 from qlm_core.train.sources import resolve_model
 from qlm_core.train.trainer import total_steps
+from qlm_core.train.validate import validate_layout, validate_recipe
 
 
 @dataclass
@@ -42,7 +41,7 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True) -> RunPlan:
     """`check_files` False (a dry run on another machine): missing data is not an error, and a missing
     model.load falls back to model.spec for the numbers."""
     p, t = recipe.parallel, recipe.train
-    check_recipe(recipe)
+    validate_recipe(recipe)  # before any file it names is opened: a recipe mistake is named as itself
     sizes = resolve_sizes(world, p.tp, p.pp, p.cp, p.dp)
     model = recipe.model
     if check_files:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("constant", "cosine", "wsd")
+from qlm_core.config import LrSchedule, choices
 
 
 def learning_rate(step: int, total_steps: int, *, lr: float, min_lr: float = 0.0, warmup: int = 0,
-                  schedule: str = "cosine", wsd_decay_fraction: float = 0.1) -> float:
+                  schedule: LrSchedule = "cosine", wsd_decay_fraction: float = 0.1) -> float:
     """The rate for optimizer step `step` (0-based) of `total_steps`."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"lr_schedule must be one of {SCHEDULES}, not {schedule!r}")
+    assert schedule in choices(LrSchedule), f"lr_schedule {schedule!r}"  # the recipe's schema checked it (config.py)
     if step < warmup:
         return lr * (step + 1) / warmup
     if schedule == "constant":

@@ -32,12 +32,12 @@ from qlm_core.hardware import GPUS, local_gpu, measure_cpu_peak_tflops
 from qlm_core.models.flops import flops_per_sequence
 from qlm_core.parallel.state import Grid, destroy_distributed, init_distributed, resolve_sizes
 from qlm_core.train.checkpointing import TrainState, has_checkpoint, load_checkpoint, save_checkpoint
-from qlm_core.train.checks import check_recipe
 from qlm_core.train.data import build_run_data
 from qlm_core.train.engine import Batch, Engine
 from qlm_core.train.metrics import MetricsWriter, StepMetrics, peak_memory_gb, plot_loss
 from qlm_core.train.schedule import learning_rate
 from qlm_core.train.sources import resolve_model
+from qlm_core.train.validate import validate_recipe
 
 
 @dataclass
@@ -85,7 +85,7 @@ class Trainer:
 
     def _setup(self):
         r = self.recipe
-        check_recipe(r)
+        validate_recipe(r)
         rank, world = init_distributed()
         sizes = resolve_sizes(world, r.parallel.tp, r.parallel.pp, r.parallel.cp, r.parallel.dp)
         self.grid = Grid.build(sizes)

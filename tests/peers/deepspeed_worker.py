@@ -66,8 +66,8 @@ def zero0_expected(engine) -> dict:
     expected = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     optimizer = engine.optimizer
     if hasattr(optimizer, "fp32_groups") and hasattr(optimizer, "fp16_groups"):
-        for low, high in zip(optimizer.fp16_groups, optimizer.fp32_groups):
-            for param, master in zip(low, high):
+        for low, high in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True):
+            for param, master in zip(low, high, strict=True):
                 expected[names[id(param)]] = master.detach().clone()
     return expected
 
@@ -101,7 +101,8 @@ def load(case: dict, hf: str, results: Path, rank: int):
     reference = reference.to(dtype).eval()
     engine.eval()
     weights = reference.state_dict()
-    weight_diff = max((t.float() - weights[n].float()).abs().max().item() for n, t in engine.module.state_dict().items())
+    weight_diff = max((t.float() - weights[n].float()).abs().max().item()
+                      for n, t in engine.module.state_dict().items())
     with torch.no_grad():
         got, want = engine(input_ids=IDS).logits, reference(input_ids=IDS).logits
     engine.train()

@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from peers.megatron_logits import build_model  # its module-level CPU patches apply too
+
 torch.cuda.current_device = lambda: "cpu"
 torch.cuda.synchronize = lambda *a, **k: None
 torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings with PP>1 call .cuda() during setup
-
-sys.path.insert(0, str(Path(__file__).parent))
-from megatron_logits import build_model
 
 
 def megatron_args(common_args, tp, pp):

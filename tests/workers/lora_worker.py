@@ -6,48 +6,42 @@ and the collectives one LoRA layer issues at tp2 with and without sequence paral
 """
 
 import json
-import sys
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from parallel_cases import GLOBAL_BATCH, SEQ, SPEC, LayoutCase, make_batch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import run_jobs  # noqa: E402
-from parallel_cases import GLOBAL_BATCH, SEQ, SPEC, make_batch  # noqa: E402
-
-from qlm_core.checkpoint.formats.lora_args import lora_args  # noqa: E402
-from qlm_core.checkpoint.formats.megatron_args import make_args  # noqa: E402
-from qlm_core.checkpoint.formats.megatron_legacy import (  # noqa: E402
+from qlm_core.checkpoint.formats.lora_args import lora_args
+from qlm_core.checkpoint.formats.megatron_args import make_args
+from qlm_core.checkpoint.formats.megatron_legacy import (
     SHARD_FILE,
     iteration_dir_name,
     shard_dir_name,
     write_latest,
     write_shard_file,
 )
-from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig  # noqa: E402
-from qlm_core.parallel.state import Grid, resolve_sizes  # noqa: E402
-from qlm_core.parallel.tensor import gather_last_dim  # noqa: E402
-from qlm_core.train.engine import Batch, Engine  # noqa: E402
-from qlm_core.train.lora import lora_state_dict  # noqa: E402
+from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig
+from qlm_core.parallel.state import Grid, resolve_sizes
+from qlm_core.parallel.tensor import gather_last_dim
+from qlm_core.train.engine import Batch, Engine
+from qlm_core.train.lora import lora_state_dict
+from workers.harness import run_jobs
 
 WORLD, STEPS = 4, 5
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 LORA = LoraConfig(rank=4, alpha=8.0)
 SAVED_CASE = "tp2_pp2_sp"  # its logits are written to OUTDIR/logits.pt
-# name -> (world size, parallel config, micro batch size)
 CASES = {
-    "tp2": (2, dict(tp=2), 2),
-    "tp2_sp": (2, dict(tp=2, sp=True), 2),
-    "tp4_sp": (4, dict(tp=4, sp=True), 2),
-    "pp2": (2, dict(pp=2, pp_schedule="1f1b"), 2),
-    "pp2_vpp2": (2, dict(pp=2, vpp=2, pp_schedule="interleaved_1f1b"), 2),
-    "dp2": (2, dict(zero_stage=1, overlap_grad_reduce=True), 2),
-    "dp2_zero3": (2, dict(zero_stage=3), 2),
-    SAVED_CASE: (4, dict(tp=2, pp=2, sp=True), 2),
+    "tp2": LayoutCase(2, dict(tp=2)),
+    "tp2_sp": LayoutCase(2, dict(tp=2, sp=True)),
+    "tp4_sp": LayoutCase(4, dict(tp=4, sp=True)),
+    "pp2": LayoutCase(2, dict(pp=2, pp_schedule="1f1b")),
+    "pp2_vpp2": LayoutCase(2, dict(pp=2, vpp=2, pp_schedule="interleaved_1f1b")),
+    "dp2": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True)),
+    "dp2_zero3": LayoutCase(2, dict(zero_stage=3)),
+    SAVED_CASE: LayoutCase(4, dict(tp=2, pp=2, sp=True)),
 }
 
 
@@ -74,12 +68,13 @@ def pipeline_logits(engine: Engine, grid: Grid) -> torch.Tensor | None:
 
 
 def run_case(name: str, outdir: Path):
-    world, parallel, mbs = CASES[name]
-    sizes = resolve_sizes(world, tp=parallel.get("tp", 1), pp=parallel.get("pp", 1))
-    grid = Grid.build(sizes, ranks=list(range(world)))
+    case = CASES[name]
+    config = ParallelConfig(**case.parallel)
+    sizes = resolve_sizes(case.world, tp=config.tp, pp=config.pp)
+    grid = Grid.build(sizes, ranks=list(range(case.world)))
     if grid is None:
         return
-    engine = Engine(SPEC, ParallelConfig(**parallel), grid, micro_batch_size=mbs, global_batch_size=GLOBAL_BATCH,
+    engine = Engine(SPEC, config, grid, micro_batch_size=case.micro_batch_size, global_batch_size=GLOBAL_BATCH,
                     seq_length=SEQ, optim=OPTIM, seed=1234, lora=LORA)
     input_ids, labels, _, _ = make_batch(False)
     rows = GLOBAL_BATCH // sizes.dp

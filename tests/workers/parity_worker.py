@@ -12,24 +12,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from parallel_cases import CASES, GLOBAL_BATCH, SEQ, SPEC, STEPS, make_batch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import run_jobs  # noqa: E402
-from parallel_cases import CASES, GLOBAL_BATCH, SEQ, SPEC, STEPS, case_spec, make_batch  # noqa: E402
-
-from qlm_core.checkpoint.formats.megatron_args import make_args  # noqa: E402
-from qlm_core.checkpoint.formats.megatron_legacy import (  # noqa: E402
+from qlm_core.checkpoint.formats.megatron_args import make_args
+from qlm_core.checkpoint.formats.megatron_legacy import (
     SHARD_FILE,
     iteration_dir_name,
     shard_dir_name,
     write_latest,
     write_shard_file,
 )
-from qlm_core.config import OptimConfig, ParallelConfig  # noqa: E402
-from qlm_core.parallel.state import Grid, resolve_sizes  # noqa: E402
-from qlm_core.train.engine import Batch, Engine  # noqa: E402
+from qlm_core.config import OptimConfig, ParallelConfig
+from qlm_core.parallel.state import Grid, resolve_sizes
+from qlm_core.train.engine import Batch, Engine
+from workers.harness import run_jobs
 
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, clip_grad=1.0)
 
@@ -40,20 +36,21 @@ def full_grads(engine: Engine) -> list[dict[str, torch.Tensor]]:
     for chunk in engine.chunks:
         grads = {}
         for name, param in chunk.named_parameters():
-            grads[name] = engine.grads.full_grad(param).detach().float().cpu().clone()
+            grads[name] = engine.optimizer.full_grad(param).detach().float().cpu().clone()
         out.append(grads)
     return out
 
 
 def run_case(name: str, outdir: Path):
-    world, parallel, mbs, data = CASES[name]
-    sizes = resolve_sizes(world, tp=parallel.get("tp", 1), pp=parallel.get("pp", 1), cp=parallel.get("cp", 1))
-    grid = Grid.build(sizes, ranks=list(range(world)))
+    case = CASES[name]
+    config = ParallelConfig(**case.parallel)
+    sizes = resolve_sizes(case.world, tp=config.tp, pp=config.pp, cp=config.cp)
+    grid = Grid.build(sizes, ranks=list(range(case.world)))
     if grid is None:
         return
-    engine = Engine(case_spec(data), ParallelConfig(**parallel), grid, micro_batch_size=mbs,
+    engine = Engine(case.spec, config, grid, micro_batch_size=case.micro_batch_size,
                     global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234)
-    input_ids, labels, position_ids, segment_ids = make_batch(data)
+    input_ids, labels, position_ids, segment_ids = make_batch(case.data)
     rows = GLOBAL_BATCH // sizes.dp
     mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
     batch = Batch(input_ids[mine], labels[mine], None if position_ids is None else position_ids[mine],

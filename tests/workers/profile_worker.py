@@ -10,76 +10,118 @@
 """
 
 import json
-import sys
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
+from parallel_cases import SPEC
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import run_jobs  # noqa: E402
-from parallel_cases import SPEC  # noqa: E402
-
-from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig  # noqa: E402
-from qlm_core.models.gpt import GPTModel, ParallelOptions  # noqa: E402
-from qlm_core.parallel.comm import group_rank  # noqa: E402
-from qlm_core.parallel.context_parallel import split_for_cp  # noqa: E402
-from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS  # noqa: E402
-from qlm_core.parallel.state import Grid, resolve_sizes  # noqa: E402
-from qlm_core.profile.activations import ActivationInputs, head_terms, layer_bytes  # noqa: E402
-from qlm_core.profile.case import ProfileCase  # noqa: E402
-from qlm_core.profile.measure import SavedTensorMeter, measure_model_states  # noqa: E402
-from qlm_core.profile.memory import stage_memory  # noqa: E402
-from qlm_core.profile.states import model_state_bytes  # noqa: E402
-from qlm_core.train.engine import Batch, Engine  # noqa: E402
+from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig
+from qlm_core.models.gpt import GPTModel, ParallelOptions
+from qlm_core.models.spec import ModelSpec
+from qlm_core.parallel.comm import group_rank
+from qlm_core.parallel.context_parallel import split_for_cp
+from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS
+from qlm_core.parallel.state import Grid, resolve_sizes
+from qlm_core.profile.activations import ActivationInputs, head_terms, layer_bytes
+from qlm_core.profile.case import ProfileCase
+from qlm_core.profile.measure import SavedTensorMeter, measure_model_states
+from qlm_core.profile.memory import stage_memory
+from qlm_core.profile.states import model_state_bytes
+from qlm_core.train.engine import Batch, Engine
+from workers.harness import run_jobs
 
 MHA = SPEC.replace(num_query_groups=4)
 TIED = SPEC.replace(tie_word_embeddings=True)
 SEQ = 32
 
-# name -> (world, parallel, dtype, spec, lora rank)
+@dataclass(frozen=True)
+class StateCase:
+    """One Engine step at `world` ranks: its weights / grads / optimizer bytes against profile.states."""
+
+    world: int
+    parallel: dict
+    dtype: torch.dtype
+    spec: ModelSpec = SPEC
+    lora_rank: int = 0  # 0: no LoRA
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    """The saved bytes of one middle layer of a 3-layer bf16 GPTModel at tp × cp ranks."""
+
+    tp: int
+    cp: int
+    sp: bool
+    comm: str = "p2p"  # cp_comm_type
+    spec: ModelSpec = SPEC
+    recompute: str = "none"
+
+
+@dataclass(frozen=True)
+class HeadCase:
+    """The saved bytes of the loss region (final norm + loss head) at `tp` ranks: 64 tokens per rank."""
+
+    tp: int
+    sp: bool
+    chunk_tokens: int  # 0: the whole logits
+
+
+@dataclass(frozen=True)
+class StageCase:
+    """A pipeline stage's peak saved bytes over one train step (32 tokens per micro-batch)."""
+
+    parallel: dict
+    microbatches: int
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    @property
+    def stages(self) -> int:
+        return self.parallel["pp"]
+
+    @property
+    def full_recompute(self) -> bool:
+        return self.parallel.get("recompute") == "full"
+
+
 STATE_CASES = {
-    "dp4_zero1_bf16": (4, dict(zero_stage=1), torch.bfloat16, SPEC, 0),
-    "pp2_dp2_zero2_tied_fp32": (4, dict(pp=2, zero_stage=2), torch.float32, TIED, 0),
-    "tp2_dp2_zero3_bf16": (4, dict(tp=2, sp=True, zero_stage=3), torch.bfloat16, SPEC, 0),
-    "tp2_pp2_zero0_bf16": (4, dict(tp=2, pp=2), torch.bfloat16, SPEC, 0),
-    "tp2_dp2_zero1_lora": (4, dict(tp=2, sp=True, zero_stage=1), torch.bfloat16, SPEC, 4),
-    "cp2_dp2_zero2_bf16": (4, dict(cp=2, zero_stage=2, bucket_size_mb=0.01), torch.bfloat16, SPEC, 0),
+    "dp4_zero1_bf16": StateCase(4, dict(zero_stage=1), torch.bfloat16),
+    "pp2_dp2_zero2_tied_fp32": StateCase(4, dict(pp=2, zero_stage=2), torch.float32, TIED),
+    "tp2_dp2_zero3_bf16": StateCase(4, dict(tp=2, sp=True, zero_stage=3), torch.bfloat16),
+    "tp2_pp2_zero0_bf16": StateCase(4, dict(tp=2, pp=2), torch.bfloat16),
+    "tp2_dp2_zero1_lora": StateCase(4, dict(tp=2, sp=True, zero_stage=1), torch.bfloat16, lora_rank=4),
+    "cp2_dp2_zero2_bf16": StateCase(4, dict(cp=2, zero_stage=2, bucket_size_mb=0.01), torch.bfloat16),
 }
-# name -> (tp, cp, sp, comm type, spec, recompute)
 LAYER_CASES = {
-    "tp2_sp_gqa": (2, 1, True, "p2p", SPEC, "none"),
-    "tp2_sp_mha": (2, 1, True, "p2p", MHA, "none"),
-    "tp2_no_sp": (2, 1, False, "p2p", SPEC, "none"),
-    "tp4_sp_fewer_groups": (4, 1, True, "p2p", SPEC, "none"),
-    "tp2_sp_selective": (2, 1, True, "p2p", SPEC, "selective"),
-    "cp2_p2p_gqa": (1, 2, False, "p2p", SPEC, "none"),
-    "cp2_p2p_mha": (1, 2, False, "p2p", MHA, "none"),
-    "cp2_allgather": (1, 2, False, "allgather", SPEC, "none"),
-    "cp2_a2a": (1, 2, False, "a2a", SPEC, "none"),
-    "cp2_p2p_selective": (1, 2, False, "p2p", SPEC, "selective"),
-    "tp2_cp2_sp_full": (2, 2, True, "p2p", SPEC, "full"),
+    "tp2_sp_gqa": LayerCase(2, 1, True),
+    "tp2_sp_mha": LayerCase(2, 1, True, spec=MHA),
+    "tp2_no_sp": LayerCase(2, 1, False),
+    "tp4_sp_fewer_groups": LayerCase(4, 1, True),
+    "tp2_sp_selective": LayerCase(2, 1, True, recompute="selective"),
+    "cp2_p2p_gqa": LayerCase(1, 2, False),
+    "cp2_p2p_mha": LayerCase(1, 2, False, spec=MHA),
+    "cp2_allgather": LayerCase(1, 2, False, comm="allgather"),
+    "cp2_a2a": LayerCase(1, 2, False, comm="a2a"),
+    "cp2_p2p_selective": LayerCase(1, 2, False, recompute="selective"),
+    "tp2_cp2_sp_full": LayerCase(2, 2, True, recompute="full"),
 }
-# name -> (tp, sp, loss chunk tokens): 64 tokens per rank, chunks of 24 do not divide them
-HEAD_CASES = {
-    "tp2_sp_whole_logits": (2, True, 0),
-    "tp2_sp_chunked": (2, True, 24),
-    "tp2_no_sp_whole_logits": (2, False, 0),
-    "tp2_no_sp_chunked": (2, False, 24),
+HEAD_CASES = {  # chunks of 24 do not divide the 64 tokens
+    "tp2_sp_whole_logits": HeadCase(2, True, 0),
+    "tp2_sp_chunked": HeadCase(2, True, 24),
+    "tp2_no_sp_whole_logits": HeadCase(2, False, 0),
+    "tp2_no_sp_chunked": HeadCase(2, False, 24),
 }
-# name -> (parallel, microbatches[, loss chunk tokens]): 32 tokens per micro-batch
 STAGE_CASES = {
-    "pp2_1f1b": (dict(pp=2, pp_schedule="1f1b"), 4),
-    "pp2_1f1b_full": (dict(pp=2, pp_schedule="1f1b", recompute="full"), 4),
-    "pp2_interleaved": (dict(pp=2, vpp=2, pp_schedule="interleaved_1f1b"), 4),
-    "pp2_zero_bubble": (dict(pp=2, pp_schedule="zero_bubble"), 4),
-    "pp4_1f1b_gpipe": (dict(pp=4, pp_schedule="gpipe"), 2),
-    "pp2_1f1b_chunked_loss": (dict(pp=2, pp_schedule="1f1b"), 4, 12),
-    "pp2_1f1b_whole_logits": (dict(pp=2, pp_schedule="1f1b"), 4, 0),
-    "pp2_zero_bubble_chunked_loss": (dict(pp=2, pp_schedule="zero_bubble"), 4, 12),
-    "pp4_gpipe_chunked_loss": (dict(pp=4, pp_schedule="gpipe"), 2, 12),
+    "pp2_1f1b": StageCase(dict(pp=2, pp_schedule="1f1b"), 4),
+    "pp2_1f1b_full": StageCase(dict(pp=2, pp_schedule="1f1b", recompute="full"), 4),
+    "pp2_interleaved": StageCase(dict(pp=2, vpp=2, pp_schedule="interleaved_1f1b"), 4),
+    "pp2_zero_bubble": StageCase(dict(pp=2, pp_schedule="zero_bubble"), 4),
+    "pp4_1f1b_gpipe": StageCase(dict(pp=4, pp_schedule="gpipe"), 2),
+    "pp2_1f1b_chunked_loss": StageCase(dict(pp=2, pp_schedule="1f1b"), 4, 12),
+    "pp2_1f1b_whole_logits": StageCase(dict(pp=2, pp_schedule="1f1b"), 4, 0),
+    "pp2_zero_bubble_chunked_loss": StageCase(dict(pp=2, pp_schedule="zero_bubble"), 4, 12),
+    "pp4_gpipe_chunked_loss": StageCase(dict(pp=4, pp_schedule="gpipe"), 2, 12),
 }
 
 
@@ -90,8 +132,9 @@ def batch(rows: int, vocab: int, seed: int = 0):
 
 
 def state_case(name: str, out: Path):
-    world, parallel, dtype, spec, lora_rank = STATE_CASES[name]
-    config = ParallelConfig(**parallel)
+    case = STATE_CASES[name]
+    world, dtype, spec, lora_rank = case.world, case.dtype, case.spec, case.lora_rank
+    config = ParallelConfig(**case.parallel)
     sizes = resolve_sizes(world, config.tp, config.pp, config.cp)
     grid = Grid.build(sizes, ranks=list(range(world)))
     if grid is None:
@@ -112,7 +155,8 @@ def state_case(name: str, out: Path):
 
 
 def layer_case(name: str, out: Path):
-    tp, cp, sp, comm, spec, recompute = LAYER_CASES[name]
+    case = LAYER_CASES[name]
+    tp, cp, sp, comm, spec, recompute = case.tp, case.cp, case.sp, case.comm, case.spec, case.recompute
     grid = Grid.build(resolve_sizes(tp * cp, tp=tp, cp=cp), ranks=list(range(tp * cp)))
     if grid is None:
         return
@@ -132,7 +176,8 @@ def layer_case(name: str, out: Path):
 
 
 def head_case(name: str, out: Path):
-    tp, sp, chunk = HEAD_CASES[name]
+    case = HEAD_CASES[name]
+    tp, sp, chunk = case.tp, case.sp, case.chunk_tokens
     grid = Grid.build(resolve_sizes(tp, tp=tp), ranks=list(range(tp)))
     if grid is None:
         return
@@ -152,9 +197,9 @@ def head_case(name: str, out: Path):
 
 
 def stage_case(name: str, out: Path):
-    parallel, microbatches, *chunk = STAGE_CASES[name]
-    chunk_tokens = chunk[0] if chunk else DEFAULT_CHUNK_TOKENS
-    config = ParallelConfig(**parallel)
+    case = STAGE_CASES[name]
+    microbatches, chunk_tokens = case.microbatches, case.chunk_tokens
+    config = ParallelConfig(**case.parallel)
     world = config.pp
     grid = Grid.build(resolve_sizes(world, pp=config.pp), ranks=list(range(world)))
     if grid is None:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
+from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import GPTModel
-from qlm_core.models.layout import ModelLayout, TensorSource, assemble_hf_tensor, build_shard
+from qlm_core.models.layout import ModelLayout, TensorSource, assemble_hf_tensor
 
 AUTO_VERIFY_MAX_PARAMS = 2_000_000_000  # two fp32 copies of the model must fit in host memory
 
@@ -54,10 +55,7 @@ def fixed_input(vocab_size: int, max_len: int) -> torch.Tensor:
 def qlm_model(layout: ModelLayout, source: TensorSource, weight_dtype: torch.dtype) -> GPTModel:
     """qlm's single-process model (fp32 compute) over weights rounded to `weight_dtype`."""
     single = ModelLayout(layout.spec, make_vocab_size_divisible_by=layout.make_vocab_size_divisible_by)
-    model = GPTModel(layout.spec, padded_vocab=single.padded_vocab)
-    state = build_shard(single, 0, 0, 0, source, weight_dtype)
-    model.load_state_dict({k: v if v is None else v.float() for k, v in state.items()}, strict=True)
-    return model.eval()
+    return build_rank_model(single, RankCoords(), source, read_dtype=weight_dtype).eval()
 
 
 def load_hf_model(path: Path, weight_dtype: torch.dtype):

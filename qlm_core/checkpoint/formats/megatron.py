@@ -6,6 +6,7 @@ from pathlib import Path
 
 from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
 from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint, is_torch_dist_dir, resolve_dist_dir
+from qlm_core.config import CheckpointFormat, choices
 from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
 
@@ -32,6 +33,7 @@ def open_megatron(path: str | Path, iteration: int | None = None, spec: ModelSpe
 
 
 def check_format(fmt: str) -> str:
-    if fmt not in FORMATS:
-        raise QlmError(f"unknown checkpoint format {fmt!r}", f"use one of {', '.join(FORMATS)}")
+    """The converters' format argument (a recipe's checkpoint.format was checked when the recipe was read)."""
+    if fmt not in choices(CheckpointFormat):
+        raise QlmError(f"unknown checkpoint format {fmt!r}", f"use one of {', '.join(choices(CheckpointFormat))}")
     return fmt

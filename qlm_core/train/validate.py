@@ -1,0 +1,60 @@
+"""The rules that tie recipe fields together, each written once. Each field's type and choices were checked when
+the recipe was read (config._coerce); what is left needs several fields, the world or the model.
+
+validate_recipe needs only the recipe: `qlm train` runs it before it opens any file the recipe names, and every
+worker runs it again (a worker started by srun or a user's torchrun never passed through the launcher). The layout
+rules need the world and the model's numbers: `qlm train` runs validate_layout once it has them, and so do the
+Engine (built by workers and tests without a Recipe) and `qlm profile`.
+"""
+
+from __future__ import annotations
+
+from qlm_core.config import ParallelConfig, Recipe
+from qlm_core.errors import QlmError
+from qlm_core.models.spec import ModelSpec
+from qlm_core.parallel.pipeline import validate_schedule
+from qlm_core.parallel.state import ParallelSizes
+
+
+def validate_recipe(recipe: Recipe):
+    if recipe.train.loss_chunk_tokens < 0:
+        raise QlmError(f"train.loss_chunk_tokens must be >= 0, got {recipe.train.loss_chunk_tokens}",
+                       "set it to a token count (e.g. 2048) or 0 to compute the loss over all logits at once")
+    if recipe.data.mean_doc_len < 0:
+        raise QlmError(f"data.mean_doc_len must be >= 0, got {recipe.data.mean_doc_len}",
+                       "set it to the packed documents' token-weighted mean length E[L^2]/E[L], or 0 for one "
+                       "document per sequence")
+    if recipe.lora.rank > 0:
+        if not recipe.model.load:
+            raise QlmError("LoRA needs pretrained weights to adapt", "set model.load (an HF model or a checkpoint)")
+        if recipe.checkpoint.format == "torch_dist":
+            raise QlmError("checkpoint.format torch_dist does not hold LoRA adapters",
+                           "use checkpoint.format = \"torch\" for LoRA runs")
+
+
+def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSizes, seq_length: int,
+                    micro_batch_size: int, global_batch_size: int):
+    """Everything that can be checked before a process group exists (ModelLayout checks heads/layers)."""
+    cp, tp = config.cp, config.tp
+    if config.vpp > 1 and config.pp == 1:
+        raise QlmError("vpp > 1 needs pp > 1", "raise parallel.pp or set vpp = 1")
+    if cp > 1 and seq_length % (2 * cp):
+        raise QlmError(f"seq_length {seq_length} is not divisible by 2*cp = {2 * cp}",
+                       "context parallelism cuts each sequence into 2*cp equal chunks")
+    if config.sp and tp > 1 and (seq_length // cp) % tp:
+        raise QlmError(f"seq_length/cp = {seq_length // cp} is not divisible by tp = {tp}",
+                       "sequence parallelism shards each rank's tokens over the TP group")
+    if cp > 1 and config.cp_comm_type == "a2a" and (spec.num_attention_heads // tp) % cp:
+        raise QlmError(f"cp_comm_type a2a needs heads per TP rank ({spec.num_attention_heads // tp}) divisible by "
+                       f"cp = {cp}", "use p2p or allgather, or change tp/cp")
+    if config.overlap_param_gather and config.zero_stage not in (1, 2):
+        raise QlmError("overlap_param_gather needs zero_stage 1 or 2", "set parallel.zero_stage or turn it off")
+    rows = micro_batch_size * sizes.dp
+    if global_batch_size % rows:
+        raise QlmError(f"global_batch_size {global_batch_size} is not divisible by micro_batch_size*dp = {rows}",
+                       "make the global batch a multiple of micro_batch_size * dp")
+    if config.pp > 1:
+        try:
+            validate_schedule(config.pp_schedule, config.pp, config.vpp, global_batch_size // rows)
+        except ValueError as exc:
+            raise QlmError(str(exc), "adjust parallel.pp_schedule, parallel.vpp or the batch sizes") from None

@@ -1,0 +1,30 @@
+"""The `qlm` command starts without the heavy libraries: --help and --version answer at once, and option choices
+come from the core's single source of the values."""
+
+import subprocess
+import sys
+from importlib.metadata import version
+
+HEAVY = ("torch", "transformers", "datasets")
+
+
+def test_importing_the_cli_loads_no_heavy_library():
+    """Structural, not a stopwatch: the command modules keep torch/transformers/datasets inside the commands."""
+    code = f"import sys; import qlm_cli.main; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", (
+        f"importing qlm_cli.main loads {proc.stdout.strip()}; find the importer with "
+        "`python -X importtime -c 'import qlm_cli.main'`"
+    )
+
+
+def test_version(run_qlm):
+    code, out, _ = run_qlm("--version")
+    assert code == 0 and out.strip() == f"qlm {version('qlm')}"
+
+
+def test_a_bad_choice_is_refused_with_the_choices(run_qlm):
+    code, _, err = run_qlm("profile", "--recompute", "most")
+    assert code == 2
+    assert "'most'" in err and all(f"'{choice}'" in err for choice in ("none", "selective", "full")), err

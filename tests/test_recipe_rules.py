@@ -1,0 +1,151 @@
+"""The recipe's rules: each enumerated field is checked by its Literal type when the recipe is read (from TOML or
+--set), and the rules across fields by train/validate.py."""
+
+import typing
+
+import pytest
+from parallel_cases import SPEC
+
+from qlm_core.config import (
+    ParallelConfig,
+    PpSchedule,
+    Recipe,
+    checked_field,
+    choices,
+    load_recipe,
+    recipe_to_toml,
+)
+from qlm_core.errors import QlmError
+from qlm_core.parallel.state import resolve_sizes
+from qlm_core.train.validate import validate_layout, validate_recipe
+
+# every enumerated recipe key, and a value it does not take
+ENUM_KEYS = {
+    "parallel.cp_comm_type": "ring",
+    "parallel.pp_schedule": "dualpipe",
+    "parallel.recompute": "some",
+    "parallel.zero_stage": 4,
+    "model.dtype": "fp16",
+    "data.kind": "rlhf",
+    "data.format": "csv",
+    "data.truncation": "left",
+    "schedule.lr_schedule": "linear",
+    "checkpoint.format": "zarr",
+}
+
+
+def literal_keys() -> dict[str, tuple]:
+    keys = {}
+    for section, cls in typing.get_type_hints(Recipe).items():
+        for name, kind in typing.get_type_hints(cls).items():
+            if typing.get_origin(kind) is typing.Literal:
+                keys[f"{section}.{name}"] = choices(kind)
+    return keys
+
+
+def toml_value(value) -> str:
+    return f'"{value}"' if isinstance(value, str) else str(value)
+
+
+def test_every_enumerated_key_is_typed_by_its_choices():
+    assert set(literal_keys()) == set(ENUM_KEYS)
+
+
+@pytest.mark.parametrize("key", sorted(ENUM_KEYS))
+def test_a_bad_choice_in_toml_fails_when_read(key, tmp_path):
+    section, name = key.split(".")
+    path = tmp_path / "recipe.toml"
+    path.write_text(f"[{section}]\n{name} = {toml_value(ENUM_KEYS[key])}\n")
+    with pytest.raises(QlmError) as raised:
+        load_recipe(path)
+    line = str(raised.value)
+    assert f"{key} {ENUM_KEYS[key]!r} is not one of {', '.join(map(str, literal_keys()[key]))}" in line
+    assert "\n" not in line
+
+
+@pytest.mark.parametrize("key", sorted(ENUM_KEYS))
+def test_a_bad_choice_in_an_override_fails_when_read(key):
+    with pytest.raises(QlmError, match=f"^{key} {ENUM_KEYS[key]!r} is not one of "):
+        load_recipe(None, [f"{key}={ENUM_KEYS[key]}"])
+
+
+@pytest.mark.parametrize("key", sorted(ENUM_KEYS))
+def test_every_choice_is_accepted(key):
+    section, name = key.split(".")
+    for value in literal_keys()[key]:
+        recipe = load_recipe(None, [f"{key}={value}"])
+        assert getattr(getattr(recipe, section), name) == value
+
+
+def test_the_nearest_choice_is_named():
+    with pytest.raises(QlmError, match=r"parallel.pp_schedule '1F1B' is not one of .*; did you mean '1f1b'\?"):
+        load_recipe(None, ["parallel.pp_schedule=1F1B"])
+    with pytest.raises(QlmError, match=r"data.truncation 'dorp' is not one of right, drop; did you mean 'drop'\?"):
+        load_recipe(None, ["data.truncation=dorp"])
+    with pytest.raises(QlmError, match=r"parallel.zero_stage 5 is not one of 0, 1, 2, 3; did you mean 3\?"):
+        load_recipe(None, ["parallel.zero_stage=5"])
+    with pytest.raises(QlmError, match="set data.kind to one of them"):  # nothing close
+        load_recipe(None, ["data.kind=xyz"])
+
+
+def test_a_choice_must_have_the_choices_type():
+    for value in ("true", '"1"', "1.0"):  # True == 1 == 1.0, yet none of them is a ZeRO stage
+        with pytest.raises(QlmError, match="parallel.zero_stage .* is not one of 0, 1, 2, 3"):
+            load_recipe(None, [f"parallel.zero_stage={value}"])
+
+
+def test_a_resolved_recipe_reads_back():
+    recipe = load_recipe(None, ["parallel.zero_stage=2", "data.truncation=drop", "parallel.pp_schedule=zero_bubble"])
+    text = recipe_to_toml(recipe)
+    assert "zero_stage = 2" in text and 'truncation = "drop"' in text
+
+
+def test_checked_field_names_where_the_value_came_from():
+    assert checked_field(ParallelConfig, "cp_comm_type", "a2a", "--cp-comm-type") == "a2a"
+    with pytest.raises(QlmError, match="^--cp-comm-type 'ring' is not one of p2p, allgather, a2a"):
+        checked_field(ParallelConfig, "cp_comm_type", "ring", "--cp-comm-type")
+
+
+def test_lower_layers_take_their_choices_from_the_schema():
+    from qlm_core.config import CpCommType, DataFormat, RecomputeMode
+    from qlm_core.data.sft import FORMATS
+    from qlm_core.models.gpt import RECOMPUTE_MODES
+    from qlm_core.parallel.context_parallel import CP_COMM_TYPES
+    from qlm_core.parallel.pipeline import SCHEDULES
+    from qlm_core.profile.search import CP_COMM, RECOMPUTE
+
+    assert RECOMPUTE_MODES == RECOMPUTE == choices(RecomputeMode)
+    assert CP_COMM_TYPES == CP_COMM == choices(CpCommType)
+    assert tuple(SCHEDULES) == choices(PpSchedule)
+    assert ("auto", *FORMATS) == choices(DataFormat)
+
+
+# ---- rules across fields (train/validate.py) ------------------------------------------------------------------------
+
+
+def test_recipe_rules_across_fields():
+    validate_recipe(Recipe())
+    lora = load_recipe(None, ["lora.rank=4"])
+    with pytest.raises(QlmError, match="^LoRA needs pretrained weights to adapt; set model.load"):
+        validate_recipe(lora)
+    lora.model.load = "base"
+    lora.checkpoint.format = "torch_dist"
+    with pytest.raises(QlmError, match="checkpoint.format torch_dist does not hold LoRA adapters"):
+        validate_recipe(lora)
+    with pytest.raises(QlmError, match="data.mean_doc_len must be >= 0, got -1"):
+        validate_recipe(load_recipe(None, ["data.mean_doc_len=-1"]))
+
+
+def test_layout_rules_across_fields():
+    def check(**parallel):
+        config = ParallelConfig(**parallel)
+        sizes = resolve_sizes(config.tp * config.pp * config.cp, config.tp, config.pp, config.cp)
+        validate_layout(SPEC, config, sizes, 32, 1, 8)
+
+    check(pp=2, vpp=2, pp_schedule="interleaved_1f1b")
+    with pytest.raises(QlmError, match=r"^vpp > 1 needs pp > 1; raise parallel.pp"):
+        check(vpp=2)
+    with pytest.raises(QlmError, match="interleaved_1f1b needs vpp >= 2; adjust parallel.pp_schedule"):
+        check(pp=2, pp_schedule="interleaved_1f1b")
+    with pytest.raises(QlmError, match="overlap_param_gather needs zero_stage 1 or 2"):
+        check(zero_stage=3, overlap_param_gather=True)
