@@ -36,112 +36,67 @@ from qlm_core.parallel.param_meta import mark
 # ---- f / g operators ------------------------------------------------------------------------------------------------
 
 
-class _CopyToTP(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
-        ctx.group = group
-        return x
+def _identity(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    return x
+
+
+def _sum(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    return all_reduce(x.contiguous(), group)
+
+
+def _keep_dim0_slice(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    return split_dim(x, group, 0)
+
+
+def _keep_last_dim_slice(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    return split_dim(x, group, -1)
+
+
+class _Conjugate(Function):
+    """`forward_op` on the activations, `backward_op` (its conjugate) on their gradient."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad.contiguous(), ctx.group), None
-
-
-class _ReduceFromTP(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
-        return all_reduce(x.contiguous(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ScatterToSP(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
-        ctx.group = group
-        return split_dim(x, group, 0)
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None, forward_op, backward_op):
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_dim0(grad, ctx.group), None
+        return ctx.backward_op(grad, ctx.group), None, None, None
 
 
-class _GatherFromSP(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
-        ctx.group = group
-        return all_gather_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_dim0(grad, ctx.group), None
-
-
-class _ReduceScatterToSP(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
-        ctx.group = group
-        return reduce_scatter_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_dim0(grad, ctx.group), None
-
-
-class _GatherLastDim(Function):
-    """fwd all-gather the last dim; bwd keep this rank's slice (every rank holds the same full gradient)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
-        ctx.group = group
-        return all_gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split_dim(grad, ctx.group, -1), None
-
-
-class _GatherLastDimSumGrad(Function):
-    """fwd all-gather the last dim; bwd reduce-scatter it (ranks use different parts of the gathered tensor)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None):
-        ctx.group = group
-        return all_gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_last_dim(grad, ctx.group), None
+def _conjugate(x: torch.Tensor, group: ProcessGroup | None, forward_op, backward_op) -> torch.Tensor:
+    return x if group_size(group) == 1 else _Conjugate.apply(x, group, forward_op, backward_op)
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+    return _conjugate(x, group, _identity, _sum)
 
 
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+    return _conjugate(x, group, _sum, _identity)
 
 
 def scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    return x if group_size(group) == 1 else _ScatterToSP.apply(x, group)
+    return _conjugate(x, group, _keep_dim0_slice, all_gather_dim0)
 
 
 def gather_from_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    return x if group_size(group) == 1 else _GatherFromSP.apply(x, group)
+    return _conjugate(x, group, all_gather_dim0, reduce_scatter_dim0)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group)
+    return _conjugate(x, group, reduce_scatter_dim0, all_gather_dim0)
 
 
 def gather_last_dim(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    return x if group_size(group) == 1 else _GatherLastDim.apply(x, group)
+    """fwd all-gather the last dim; bwd keep this rank's slice (every rank holds the same full gradient)."""
+    return _conjugate(x, group, all_gather_last_dim, _keep_last_dim_slice)
 
 
 def gather_last_dim_sum_grad(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    return x if group_size(group) == 1 else _GatherLastDimSumGrad.apply(x, group)
+    """fwd all-gather the last dim; bwd reduce-scatter it (ranks use different parts of the gathered tensor)."""
+    return _conjugate(x, group, all_gather_last_dim, reduce_scatter_last_dim)
 
 
 class _SPGatherLinear(Function):
