@@ -28,3 +28,18 @@ def test_a_bad_choice_is_refused_with_the_choices(run_qlm):
     code, _, err = run_qlm("profile", "--recompute", "most")
     assert code == 2
     assert "'most'" in err and all(f"'{choice}'" in err for choice in ("none", "selective", "full")), err
+
+
+def test_every_cli_choice_is_the_cores_list():
+    """The option Enums hold exactly the values the core defines (one source: a new value needs no CLI edit)."""
+    from qlm_cli import choices as cli
+    from qlm_core import config
+    from qlm_core.hardware import GPUS
+
+    pairs = [(cli.CpComm, config.CpCommType), (cli.PipelineSchedule, config.PpSchedule),
+             (cli.Recompute, config.RecomputeMode), (cli.ComputeDtype, config.TrainDtype),
+             (cli.WeightDtype, config.WeightDtype), (cli.MegatronFormat, config.CheckpointFormat),
+             (cli.EvalBackend, config.EvalBackend)]
+    for enum, literal in pairs:
+        assert [m.value for m in enum] == list(config.choices(literal)), enum
+    assert [m.value for m in cli.Gpu] == list(GPUS)

@@ -160,8 +160,10 @@ def test_lora_layout_matches_one_process(case, reference, parallel_run):
     result = out / f"{case}.json"
     assert result.exists(), f"worker exit {code}: {errors}"
     ref_losses, ref_adapters = reference
-    losses = json.loads(result.read_text())["losses"]
+    run = json.loads(result.read_text())
+    losses = run["losses"]
     assert losses == pytest.approx(ref_losses, rel=1e-4), case
+    assert run["optimizer_params"] == run["trainable_params"], case  # frozen base weights carry no optimizer state
     assert losses[-1] < losses[0]
     saved = MegatronTorchCheckpoint(out / case)
     tensors = {t.name: t for t in all_lora_tensors(saved.layout, saved.lora)}

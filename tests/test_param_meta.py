@@ -24,9 +24,9 @@ def test_mark_sets_only_the_named_flags_and_returns_the_param():
 
 def test_copy_meta_carries_every_flag():
     source, target = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
-    mark(source, tp_split=True, sequence_parallel=True)
+    mark(source, tp_split=True, sequence_parallel=True, shared_embedding=True, tied_copy=True)
     copy_meta(source, target)
-    assert meta_of(target) == meta_of(source)
+    assert meta_of(target) == meta_of(source) == ParamMeta(True, True, True, True)
 
 
 def test_grad_norm_counts_each_element_once():

@@ -27,6 +27,7 @@ def best_and_probe():
 
 
 @pytest.mark.slow
+@pytest.mark.distributed  # the CLI launches the probe's ranks under torchrun
 def test_probe_of_the_search_winner_agrees(best_and_probe):
     best, doc = best_and_probe
     probe = doc["probe"]

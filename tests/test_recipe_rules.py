@@ -94,10 +94,21 @@ def test_a_choice_must_have_the_choices_type():
             load_recipe(None, [f"parallel.zero_stage={value}"])
 
 
-def test_a_resolved_recipe_reads_back():
+def test_a_resolved_recipe_reads_back(tmp_path):
     recipe = load_recipe(None, ["parallel.zero_stage=2", "data.truncation=drop", "parallel.pp_schedule=zero_bubble"])
     text = recipe_to_toml(recipe)
     assert "zero_stage = 2" in text and 'truncation = "drop"' in text
+    (tmp_path / "resolved.toml").write_text(text)
+    assert load_recipe(tmp_path / "resolved.toml") == recipe
+
+
+def test_a_config_built_in_code_is_held_to_the_same_choices():
+    """The Engine and qlm profile take a ParallelConfig built in Python, never read from a recipe."""
+    from qlm_core.config import ParallelConfig
+
+    for key, value in (("zero_stage", 4), ("recompute", "some"), ("cp_comm_type", "ring"), ("pp_schedule", "x")):
+        with pytest.raises(QlmError, match=f"parallel.{key} .* is not one of"):
+            validate_layout(SPEC, ParallelConfig(**{key: value}), resolve_sizes(1), 32, 1, 8)
 
 
 def test_checked_field_names_where_the_value_came_from():

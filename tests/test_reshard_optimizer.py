@@ -15,7 +15,7 @@ from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
 from qlm_core.checkpoint.formats.trainer_state import OPTIMIZER_KEY
 from qlm_core.models.layout import read_range
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # qlm train at up to 8 ranks
 VIEWS = ("master", "exp_avg", "exp_avg_sq")
 COMMON = ["--set", "train.micro_batch_size=1", "--set", "train.train_iters=4", "--set", "checkpoint.save_interval=2",
           "--set", "checkpoint.keep_last=5", "--set", "parallel.zero_stage=1"]

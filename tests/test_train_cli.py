@@ -225,6 +225,7 @@ def test_dry_run_prints_layout_and_memory(run_qlm):
     assert "dp2 x pp1 x cp1 x tp2" in stdout and "[parallel]" in stdout and "optimizer" in stdout
 
 
+@pytest.mark.slow  # the baseline fixture trains a model
 def test_dry_run_of_a_recipe_that_loads_a_qlm_run(run_qlm, baseline):
     """The memory estimate reads the model from whatever model.load holds, as the run itself would."""
     code, stdout, stderr = run_qlm("train", RECIPE, "--set", f"model.load={baseline}", "--dry-run")

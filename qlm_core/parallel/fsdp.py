@@ -55,7 +55,8 @@ class FullyShardedState(TrainingOptimizer):
         # FSDP averages over its mesh; qlm's loss is pre-normalised so gradients must be summed. (Setting FSDP's
         # divide factor to 1 would need ReduceOp.PREMUL_SUM, which gloo lacks: rescale after the reduction.)
         self.dp_cp_size = mesh.size()
-        # fully_shard replaces parameters by DTensor parameters: carry qlm's marks and optimizer groups over.
+        # fully_shard replaces parameters by DTensor parameters: carry qlm's marks and optimizer groups over. Only
+        # the trainable ones (those in param_groups) are `params`: frozen LoRA base weights have no optimizer state.
         self.params: list[nn.Parameter] = []
         groups: list[list[nn.Parameter]] = [[] for _ in param_groups]
         for chunk, name, old_id in names:
@@ -63,7 +64,7 @@ class FullyShardedState(TrainingOptimizer):
             copy_meta(originals[old_id], param)
             if old_id in group_of:
                 groups[group_of[old_id]].append(param)
-            self.params.append(param)
+                self.params.append(param)
         self.tp_group, self.pp_group, self.dp_cp_group = tp_group, pp_group, dp_cp_group
         self.embedding_group = embedding_group
         self.optimizer = torch.optim.AdamW(

@@ -44,10 +44,6 @@ def _sum(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return all_reduce(x.contiguous(), group)
 
 
-def _keep_dim0_slice(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    return split_dim(x, group, 0)
-
-
 def _keep_last_dim_slice(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return split_dim(x, group, -1)
 
@@ -75,10 +71,6 @@ def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return _conjugate(x, group, _sum, _identity)
-
-
-def scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    return _conjugate(x, group, _keep_dim0_slice, all_gather_dim0)
 
 
 def gather_from_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

@@ -4,7 +4,7 @@ Enumerated: tp x pp x cp x dp = N (dp derived), vpp 1-4 where the stages divide 
 zero-bubble schedules for pp > 1, ZeRO 0-3, recompute none / selective / full, and for cp > 1 every CP comm type.
 Fixed: SP on whenever tp > 1 (it only removes memory: the same bytes cross the TP group either way), overlapped
 gradient reduce and parameter gather, the case's micro and global batch. Each candidate passes the trainer's own
-checks (train.validate.validate_layout and checkpoint.layout.ModelLayout: heads, query groups, layers, sequence by
+checks (train.validate.validate_layout and models.layout.ModelLayout: heads, query groups, layers, sequence by
 2·cp (and by tp under SP), batch by mbs·dp, schedule rules) before it is costed. For full recompute the search also
 tries recomputing only the first N layers of each chunk and keeps the smallest N that fits (it is faster).
 GPipe is left out: it holds every micro-batch and is never faster than 1F1B.

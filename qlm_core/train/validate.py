@@ -9,7 +9,7 @@ Engine (built by workers and tests without a Recipe) and `qlm profile`.
 
 from __future__ import annotations
 
-from qlm_core.config import ParallelConfig, Recipe
+from qlm_core.config import ParallelConfig, Recipe, checked_field
 from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.pipeline import validate_schedule
@@ -35,6 +35,8 @@ def validate_recipe(recipe: Recipe):
 def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSizes, seq_length: int,
                     micro_batch_size: int, global_batch_size: int):
     """Everything that can be checked before a process group exists (ModelLayout checks heads/layers)."""
+    for key in ("cp_comm_type", "pp_schedule", "recompute", "zero_stage"):  # a config built in code, not read
+        checked_field(ParallelConfig, key, getattr(config, key), f"parallel.{key}")
     cp, tp = config.cp, config.tp
     if config.vpp > 1 and config.pp == 1:
         raise QlmError("vpp > 1 needs pp > 1", "raise parallel.pp or set vpp = 1")

@@ -80,8 +80,10 @@ def run_case(name: str, outdir: Path):
     rows = GLOBAL_BATCH // sizes.dp
     mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
     losses = [engine.train_step(Batch(input_ids[mine], labels[mine])).loss for _ in range(STEPS)]
-    if grid.rank == 0:
-        (outdir / f"{name}.json").write_text(json.dumps({"losses": losses}))
+    if grid.rank == 0:  # what the optimizer holds (and checkpoints save state for) against what trains
+        trainable = sum(p.requires_grad for chunk in engine.chunks for p in chunk.parameters())
+        (outdir / f"{name}.json").write_text(json.dumps({
+            "losses": losses, "optimizer_params": len(engine.optimizer.params), "trainable_params": trainable}))
     adapters = [lora_state_dict(chunk) for chunk in engine.chunks]  # a collective under ZeRO-3
     if grid.dp_rank == 0:  # the trained adapters, as a LoRA run saves them
         root = outdir / name

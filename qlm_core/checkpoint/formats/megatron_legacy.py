@@ -193,11 +193,8 @@ class MegatronTorchCheckpoint:
         index = {}
         for pp_rank in range(self.pp):
             for chunk in range(self.vpp):
-                entries = self.layout.shard_entries(pp_rank, chunk)
-                if self.lora is not None:
-                    entries += self.layout.lora_shard_entries(pp_rank, chunk, self.lora.rank, self.lora.target_modules)
-                for local, tensor in entries:
-                    if tensor is not None and tensor.name not in index:
+                for local, tensor in self.layout.stored_tensors(pp_rank, chunk, self.lora):
+                    if tensor.name not in index:
                         index[tensor.name] = (pp_rank, chunk, local, tensor)
         return index
 
