@@ -264,7 +264,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
             raise QlmError(f"{path} is not valid TOML ({exc})", "fix the syntax at the position shown") from None
     for text in overrides:
         section, key, value = parse_override(text)
-        data.setdefault(section, {})[key] = value
+        if not isinstance(data.setdefault(section, {}), dict):
+            raise QlmError(f"[{section}] must be a table", f"write [{section}] followed by key = value lines")
+        data[section][key] = value
     return recipe_from_dict(data)
 
 

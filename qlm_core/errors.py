@@ -13,4 +13,5 @@ class QlmError(Exception):
         text = self.problem
         if self.fix:
             text += f"; {self.fix.rstrip('.')}"
-        return " ".join(text.split()) + "."
+        text = " ".join(text.split())
+        return text if text.endswith(("?", "!")) else text + "."

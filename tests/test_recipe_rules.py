@@ -160,3 +160,30 @@ def test_layout_rules_across_fields():
         check(pp=2, pp_schedule="interleaved_1f1b")
     with pytest.raises(QlmError, match="overlap_param_gather needs zero_stage 1 or 2"):
         check(zero_stage=3, overlap_param_gather=True)
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["train.micro_batch_size=0"], "train.micro_batch_size must be at least 1, got 0"),
+    (["data.seq_length=0"], "data.seq_length must be at least 1, got 0"),
+    (["train.loss_chunk_tokens=-1"], "train.loss_chunk_tokens must be >= 0, got -1"),
+])
+def test_counts_out_of_range_are_named(sets, message):
+    with pytest.raises(QlmError, match=message):
+        validate_recipe(load_recipe(None, sets))
+
+
+def test_a_zero_parallel_size_is_named_not_divided_by():
+    with pytest.raises(QlmError, match="tp must be at least 1, got 0"):
+        resolve_sizes(4, tp=0)
+
+
+def test_a_section_that_is_not_a_table_is_named(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("parallel = 3\n")
+    with pytest.raises(QlmError, match=r"\[parallel\] must be a table"):
+        load_recipe(path, ["parallel.tp=2"])
+
+
+def test_an_error_ending_in_a_question_gets_no_period():
+    assert QlmError("bad key x", "did you mean 'y'?").line() == "bad key x; did you mean 'y'?"
+

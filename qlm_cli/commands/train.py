@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -68,7 +69,7 @@ class RunView:
                         "tflops_per_device", "mfu", "mem_peak_gb", "skipped_steps", "run_dir", "plot"):
                 if key in summary and summary[key] is not None:
                     value = summary[key]
-                    table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+                    table.add_row(key, f"{value:.4g}" if isinstance(value, float) else escape(str(value)))
             console.print(table)
 
 

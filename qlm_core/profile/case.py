@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.config import ParallelConfig, Recipe, TrainConfig, checked_field
+from qlm_core.config import ModelConfig, ParallelConfig, Recipe, TrainConfig, checked_field
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import LORA_TARGETS, ModelLayout
 from qlm_core.models.spec import ModelSpec, load_model_spec
 from qlm_core.parallel.state import ParallelSizes, resolve_sizes
-from qlm_core.train.validate import validate_layout
+from qlm_core.train.validate import validate_counts, validate_layout
 
 SEED_PARALLEL = dict(tp=4, cp=4, sp=True, zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True,
                      recompute="full", cp_comm_type="p2p")
@@ -89,23 +89,17 @@ class ProfileCase:
 
 def validate_inputs(case: ProfileCase):
     """The numbers that are wrong whatever the layout (a QlmError says which)."""
-    if case.dtype not in DTYPES:
-        raise QlmError(f"dtype {case.dtype!r} is not one of {', '.join(DTYPES)}", "use bf16 or fp32")
-    for name in ("seq_len", "micro_batch_size", "global_batch_size", "num_gpus"):
-        if getattr(case, name) < 1:
-            raise QlmError(f"{name.replace('_', '-')} must be at least 1, got {getattr(case, name)}",
-                           "pass a positive number")
+    checked_field(ModelConfig, "dtype", case.dtype, "dtype")
+    validate_counts(**{"seq-len": case.seq_len, "mbs": case.micro_batch_size, "gbs": case.global_batch_size,
+                       "num-gpus": case.num_gpus, "loss-chunk-tokens": case.loss_chunk_tokens,
+                       "mean-doc-len": case.mean_doc_len, "tp": case.parallel.tp, "pp": case.parallel.pp,
+                       "vpp": case.parallel.vpp, "cp": case.parallel.cp,
+                       **({"dp": case.parallel.dp} if case.parallel.dp is not None else {})})
     if case.parallel.recompute_num_layers is not None and case.parallel.recompute_num_layers < 0:
         raise QlmError(f"recompute-num-layers must be >= 0, got {case.parallel.recompute_num_layers}",
                        "pass 0 or more")
-    if case.mean_doc_len < 0:
-        raise QlmError(f"mean-doc-len must be >= 0, got {case.mean_doc_len}",
-                       "pass 0 (one document per sample) or the packed data's mean document length")
     if case.lora_rank < 0:
         raise QlmError(f"lora rank must be >= 0, got {case.lora_rank}", "pass 0 (off) or a positive rank")
-    if case.loss_chunk_tokens < 0:
-        raise QlmError(f"loss-chunk-tokens must be >= 0, got {case.loss_chunk_tokens}",
-                       "pass a token count (e.g. 2048) or 0 for the loss over all logits at once")
 
 
 def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:

@@ -16,14 +16,28 @@ from qlm_core.parallel.pipeline import validate_schedule
 from qlm_core.parallel.state import ParallelSizes
 
 
+def validate_counts(**counts: int):
+    """Batch sizes and sequence length at least 1; loss_chunk_tokens and mean_doc_len at least 0 (0: off). Keys are
+    named as the caller's input names them (train.micro_batch_size, --mbs, ...)."""
+    for name, value in counts.items():
+        short = name.rsplit(".", 1)[-1].lstrip("-").replace("-", "_")
+        if short in ("loss_chunk_tokens", "mean_doc_len"):
+            if value < 0:
+                meaning = ("a token count (e.g. 2048), or 0 for the loss over all logits at once"
+                           if short == "loss_chunk_tokens" else
+                           "the packed documents' token-weighted mean length E[L^2]/E[L], or 0 for one document "
+                           "per sequence")
+                raise QlmError(f"{name} must be >= 0, got {value}", f"set it to {meaning}")
+        elif value < 1:
+            raise QlmError(f"{name} must be at least 1, got {value}", "set it to a positive number")
+
+
 def validate_recipe(recipe: Recipe):
-    if recipe.train.loss_chunk_tokens < 0:
-        raise QlmError(f"train.loss_chunk_tokens must be >= 0, got {recipe.train.loss_chunk_tokens}",
-                       "set it to a token count (e.g. 2048) or 0 to compute the loss over all logits at once")
-    if recipe.data.mean_doc_len < 0:
-        raise QlmError(f"data.mean_doc_len must be >= 0, got {recipe.data.mean_doc_len}",
-                       "set it to the packed documents' token-weighted mean length E[L^2]/E[L], or 0 for one "
-                       "document per sequence")
+    validate_counts(**{"train.micro_batch_size": recipe.train.micro_batch_size,
+                       "train.global_batch_size": recipe.train.global_batch_size,
+                       "data.seq_length": recipe.data.seq_length,
+                       "train.loss_chunk_tokens": recipe.train.loss_chunk_tokens,
+                       "data.mean_doc_len": recipe.data.mean_doc_len})
     if recipe.lora.rank > 0:
         if not recipe.model.load:
             raise QlmError("LoRA needs pretrained weights to adapt", "set model.load (an HF model or a checkpoint)")

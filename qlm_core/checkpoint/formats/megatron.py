@@ -11,7 +11,6 @@ from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
 
 TORCH, TORCH_DIST = "torch", "torch_dist"
-FORMATS = (TORCH, TORCH_DIST)
 
 
 def megatron_format(path: str | Path, iteration: int | None = None) -> str:
