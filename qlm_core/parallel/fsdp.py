@@ -20,8 +20,14 @@ from qlm_core.parallel.optimizer_api import TrainingOptimizer
 from qlm_core.parallel.param_meta import copy_meta, counts_in_grad_norm, meta_of
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an FSDP2 DTensor (any other tensor as it is)."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 DTensor, gathered over its mesh (a collective); any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 class FullyShardedState(TrainingOptimizer):
@@ -82,17 +88,16 @@ class FullyShardedState(TrainingOptimizer):
             if param.grad is None:
                 continue
             if self.dp_cp_size > 1:
-                _local(param.grad).mul_(self.dp_cp_size)
+                local_part(param.grad).mul_(self.dp_cp_size)
             meta = meta_of(param)
             if meta.sequence_parallel:
-                all_reduce(_local(param.grad), self.tp_group)
+                all_reduce(local_part(param.grad), self.tp_group)
             if meta.shared_embedding:
-                all_reduce(_local(param.grad), self.embedding_group)
+                all_reduce(local_part(param.grad), self.embedding_group)
 
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         """This rank's whole (TP-local) gradient of `param`, gathered over the data ranks (for inspection)."""
-        grad = param.grad
-        return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        return whole(param.grad)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         total = torch.zeros((), dtype=torch.float32, device=self.params[0].device if self.params else "cpu")
@@ -100,7 +105,7 @@ class FullyShardedState(TrainingOptimizer):
         for param in self.params:
             if param.grad is None or not counts_in_grad_norm(param, tp_rank):
                 continue
-            total += _local(param.grad).float().pow(2).sum()
+            total += local_part(param.grad).float().pow(2).sum()
         for group in (self.dp_cp_group, self.tp_group, self.pp_group):
             all_reduce(total, group)
         norm = math.sqrt(total.item())
@@ -108,7 +113,7 @@ class FullyShardedState(TrainingOptimizer):
             scale = max_norm / (norm + 1e-6)
             for param in self.params:
                 if param.grad is not None:
-                    _local(param.grad).mul_(scale)
+                    local_part(param.grad).mul_(scale)
         return norm
 
     def step(self):
@@ -128,9 +133,9 @@ class FullyShardedState(TrainingOptimizer):
         states, step = [], 0
         for param in self.params:
             state = self.optimizer.state.get(param, {})
-            entry = {"master": _full(param.detach()).cpu()}
+            entry = {"master": whole(param.detach()).float().cpu()}
             for key in ("exp_avg", "exp_avg_sq"):
-                entry[key] = _full(state[key]).cpu() if key in state else torch.zeros_like(entry["master"])
+                entry[key] = whole(state[key]).float().cpu() if key in state else torch.zeros_like(entry["master"])
             if state:
                 step = int(state["step"])
             states.append(entry)
@@ -139,20 +144,16 @@ class FullyShardedState(TrainingOptimizer):
     @torch.no_grad()
     def load_full_param_states(self, states: list[dict[str, torch.Tensor]], step: int):
         for param, entry in zip(self.params, states, strict=True):
-            _local(param).copy_(_shard_like(param, entry["master"]))
+            local_part(param).copy_(local_shard_like(param, entry["master"]))
             if step > 0:
                 state = self.optimizer.state[param]
                 fused = self.optimizer.defaults.get("fused")
-                state["step"] = torch.tensor(float(step), device=_local(param).device if fused else "cpu")
+                state["step"] = torch.tensor(float(step), device=local_part(param).device if fused else "cpu")
                 state["exp_avg"] = _dtensor_like(param, entry["exp_avg"])
                 state["exp_avg_sq"] = _dtensor_like(param, entry["exp_avg_sq"])
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).float()
-
-
-def _shard_like(param, full: torch.Tensor) -> torch.Tensor:
+def local_shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's local shard of `full`, sharded as the DTensor `param` is."""
     from torch.distributed.tensor import distribute_tensor
 

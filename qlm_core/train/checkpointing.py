@@ -48,6 +48,7 @@ from qlm_core.checkpoint.formats.trainer_state import (
 )
 from qlm_core.models.layout import TensorLayout, read_shard_tensor
 from qlm_core.parallel.comm import group_size
+from qlm_core.parallel.fsdp import whole
 from qlm_core.train.engine import Engine
 from qlm_core.train.lora import lora_state_dict
 
@@ -112,7 +113,7 @@ def _model_states(engine: Engine) -> list[dict]:
         full = lora_state_dict(chunk) if engine.lora is not None and engine.lora.rank > 0 else chunk.state_dict()
         for name, value in full.items():
             if isinstance(value, torch.Tensor):
-                value = value.full_tensor() if hasattr(value, "full_tensor") else value
+                value = whole(value)
                 value = value.detach().to(engine.dtype).cpu().clone()
             state[name] = value
         states.append(state)

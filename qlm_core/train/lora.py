@@ -32,6 +32,7 @@ from qlm_core.models.layout import (
     read_shard_tensor,
 )
 from qlm_core.parallel.comm import group_rank, group_size
+from qlm_core.parallel.fsdp import local_part, local_shard_like, whole
 from qlm_core.parallel.param_meta import mark
 from qlm_core.parallel.tensor import (
     ColumnParallelLinear,
@@ -117,7 +118,7 @@ def lora_state_dict(chunk: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's adapter shards of one chunk under their state_dict names (what a LoRA run's checkpoint holds).
     Under ZeRO-3 the parameters are gathered over the data ranks: a collective, every rank calls it."""
     return {
-        name: value.full_tensor() if hasattr(value, "full_tensor") else value
+        name: whole(value)
         for name, value in chunk.state_dict().items()
         if is_adapter_name(name)
     }
@@ -140,9 +141,4 @@ def load_lora_state(chunks: list[GPTModel], source: TensorSource):
 
 
 def _copy_into(param: torch.Tensor, value: torch.Tensor):
-    if hasattr(param, "device_mesh"):  # ZeRO-3 (FSDP2 DTensor): keep this data rank's part
-        from torch.distributed.tensor import distribute_tensor
-
-        value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements).to_local()
-        param = param.to_local()
-    param.copy_(value)
+    local_part(param).copy_(local_shard_like(param, value))  # ZeRO-3: this data rank's part of the DTensor
