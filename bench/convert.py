@@ -24,6 +24,7 @@ import torch
 
 from qlm_core.checkpoint.formats.hf import plan_hf_shards, shard_file_names, write_hf_index, write_hf_shard
 from qlm_core.checkpoint.formats.torch_dist import dist_key
+from qlm_core.config import CheckpointFormat, choices
 from qlm_core.models import load_model_spec
 from qlm_core.models.layout import ModelLayout
 
@@ -89,7 +90,7 @@ def main():
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "qlm-bench")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each; the best is reported")
-    parser.add_argument("--format", default="torch", choices=["torch", "torch_dist"], help="Megatron format to write")
+    parser.add_argument("--format", default="torch", choices=choices(CheckpointFormat), help="Megatron format to write")
     parser.add_argument("--direction", default="hf2mcore", choices=["hf2mcore", "ds2hf"],
                         help="ds2hf: a DeepSpeed ZeRO checkpoint of the same model -> HF (see convert_deepspeed.py)")
     parser.add_argument("--dp", type=int, default=8, help="ds2hf: ZeRO partitions the fp32 masters are split into")
