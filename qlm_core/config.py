@@ -35,15 +35,50 @@ def choices(literal) -> tuple:
     return typing.get_args(literal)
 
 
+def bounded(default: Any, *, least: float | None = None, above: float | None = None, below: float | None = None,
+            most: float | None = None, meaning: str = ""):
+    """A numeric field with its valid range (checked when a recipe is read, see check_range): least <= v, above < v,
+    v < below, v <= most. `meaning` says what the number is, for the error's fix."""
+    return field(default=default, metadata={"least": least, "above": above, "below": below, "most": most,
+                                            "meaning": meaning})
+
+
+def _range_text(meta: dict) -> str:
+    parts = [f"{sign} {meta[key]:g}" for key, sign in (("least", ">="), ("above", ">"), ("below", "<"), ("most", "<="))
+             if meta[key] is not None]
+    return " and ".join(parts)
+
+
+def _outside(v: float, meta: dict) -> bool:
+    return ((meta["least"] is not None and v < meta["least"]) or (meta["above"] is not None and v <= meta["above"])
+            or (meta["below"] is not None and v >= meta["below"]) or (meta["most"] is not None and v > meta["most"]))
+
+
+def check_range(where: str, value: Any, meta: dict):
+    """Raise the one-line error when `value` lies outside the range `bounded` recorded in `meta` (None passes)."""
+    if value is None or not meta or "least" not in meta:
+        return
+    for v in value if isinstance(value, list) else [value]:
+        if _outside(v, meta):
+            fix = f"set it {_range_text(meta)}" + (f" ({meta['meaning']})" if meta["meaning"] else "")
+            raise QlmError(f"{where} must be {_range_text(meta)}, got {v!r}", fix)
+
+
+def check_ranges(section: str, config) -> None:
+    """Every bounded field of one config dataclass (for configs built in code rather than read from a recipe)."""
+    for f in dataclasses.fields(config):
+        check_range(f"{section}.{f.name}", getattr(config, f.name), dict(f.metadata))
+
+
 @dataclass
 class ParallelConfig:
     """[parallel]: the layout. Key names are fixed: scripts rely on them."""
 
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    cp: int = 1
-    dp: int | None = None  # None: world / (tp * pp * cp)
+    tp: int = bounded(1, least=1)
+    pp: int = bounded(1, least=1)
+    vpp: int = bounded(1, least=1)
+    cp: int = bounded(1, least=1)
+    dp: int | None = bounded(None, least=1)  # None: world / (tp * pp * cp)
     sp: bool = False
     cp_comm_type: CpCommType = "p2p"
     pp_schedule: PpSchedule = "1f1b"
@@ -51,22 +86,22 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     recompute: RecomputeMode = "none"
-    recompute_num_layers: int | None = None
-    num_layers_in_first_pipeline_stage: int | None = None
-    num_layers_in_last_pipeline_stage: int | None = None
-    bucket_size_mb: float = 40.0
+    recompute_num_layers: int | None = bounded(None, least=1)
+    num_layers_in_first_pipeline_stage: int | None = bounded(None, least=1)
+    num_layers_in_last_pipeline_stage: int | None = bounded(None, least=1)
+    bucket_size_mb: float = bounded(40.0, above=0)
 
 
 @dataclass
 class OptimConfig:
     """[optim]: AdamW (decoupled weight decay; none on biases and norms) and gradient clipping."""
 
-    lr: float = 3e-4
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr: float = bounded(3e-4, above=0, meaning="the peak learning rate, e.g. 3e-4")
+    weight_decay: float = bounded(0.1, least=0)
+    beta1: float = bounded(0.9, least=0, below=1)
+    beta2: float = bounded(0.95, least=0, below=1)
+    eps: float = bounded(1e-8, above=0)
+    clip_grad: float = bounded(1.0, least=0, meaning="0 turns clipping off")
 
 
 @dataclass
@@ -81,35 +116,43 @@ class ModelConfig:
 class DataConfig:
     kind: DataKind = "sft"
     train: list[str] = field(default_factory=list)  # sft: json/jsonl files; pretrain: indexed-dataset prefixes
-    weights: list[float] = field(default_factory=list)  # pretrain blend weights (default: equal)
+    # pretrain blend weights (default: equal)
+    weights: list[float] = field(default_factory=list, metadata=bounded(None, least=0).metadata)
     valid: list[str] = field(default_factory=list)  # validation files/prefixes (default: split off train)
     split: str = "98,2"  # pretrain: train,valid shares of the documents when `valid` is empty
-    valid_fraction: float = 0.05  # sft: share of the examples held out when `valid` is empty
+    valid_fraction: float = bounded(0.05, least=0, below=1)  # sft: share of the examples held out when `valid` is empty
     format: DataFormat = "auto"  # sft; auto: told by the first record
     chat_template: str = ""  # sft: empty = the tokenizer's own; or chatml (qwen) | llama3
-    seq_length: int = 2048
+    seq_length: int = bounded(2048, least=1)
     packing: bool = True  # sft: pack several samples per sequence (positions restart, attention per sample)
     truncation: Truncation = "right"  # sft: right keeps a long sample's first tokens, drop leaves it out
     reset_position_ids: bool = False  # pretrain: restart positions (and attention) at each document boundary
     # packed data's token-weighted mean document length E[L^2]/E[L] (what attention work scales with: a token's
     # document is long more often than a document is), for qlm profile; 0: one document per sequence
-    mean_doc_len: int = 0
-    workers: int = 1  # tokenisation processes
+    mean_doc_len: int = bounded(0, least=0, meaning="0: one document per sequence")
+    workers: int = bounded(1, least=1)  # tokenisation processes
     seed: int = 1234
     cache_dir: str = ""  # tokenised-data and demo cache; empty = RUN/cache
 
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 1
-    global_batch_size: int = 8
-    train_iters: int = 0  # one of train_iters / train_samples
-    train_samples: int = 0
-    eval_interval: int = 0  # validation loss every N steps (0: only at the end)
-    eval_iters: int = 4
-    max_skipped_steps: int = 3  # stop after this many consecutive non-finite steps
-    exit_interval: int = 0  # save and exit when the step count is a multiple of this (e.g. job time slots)
-    loss_chunk_tokens: int = 2048  # output projection + cross entropy this many tokens at a time (0: all at once)
+    micro_batch_size: int = bounded(1, least=1)
+    global_batch_size: int = bounded(8, least=1)
+    train_iters: int = bounded(0, least=0)  # one of train_iters / train_samples
+    train_samples: int = bounded(0, least=0)
+    eval_interval: int = bounded(0, least=0)  # validation loss every N steps (0: only at the end)
+    eval_iters: int = bounded(4, least=1)
+    max_skipped_steps: int = bounded(3, least=1)  # stop after this many consecutive non-finite steps
+    # save and exit when the step count is a multiple of this (e.g. job time slots)
+    exit_interval: int = bounded(0, least=0)
+    # save and exit once the run has taken this many minutes (Megatron's --exit-duration-in-mins); 0: off
+    exit_duration_minutes: float = bounded(0.0, least=0, meaning="0 turns it off")
+    # on SIGTERM / SIGINT every rank finishes its step, a checkpoint is saved, and the run exits (Megatron's
+    # --exit-signal-handler)
+    exit_signal_handler: bool = True
+    # output projection + cross entropy this many tokens at a time (0: all at once)
+    loss_chunk_tokens: int = bounded(2048, least=0, meaning="0: the loss over all logits at once")
     seed: int = 1234
     output: str = "runs/qlm"
 
@@ -117,16 +160,18 @@ class TrainConfig:
 @dataclass
 class ScheduleConfig:
     lr_schedule: LrSchedule = "cosine"
-    warmup_iters: int = 0
-    min_lr: float = 0.0
-    wsd_decay_fraction: float = 0.1  # wsd: the final share of steps that decays to min_lr
+    warmup_iters: int = bounded(0, least=0)
+    min_lr: float = bounded(0.0, least=0)
+    wsd_decay_fraction: float = bounded(0.1, least=0, most=1)  # wsd: the final share of steps that decays to min_lr
 
 
 @dataclass
 class CheckpointConfig:
-    save_interval: int = 0  # 0: only at the end
-    keep_last: int = 2
+    save_interval: int = bounded(0, least=0)  # 0: only at the end
+    keep_last: int = bounded(2, least=0, meaning="0 keeps every checkpoint")
     resume: bool = True  # continue from the run directory's latest checkpoint if there is one
+    # resume from this iteration of the run directory's checkpoints (None: the latest; Megatron's --ckpt-step)
+    load_iteration: int | None = bounded(None, least=1)
     format: CheckpointFormat = "torch"  # torch: Megatron legacy, a file per TP/PP rank; torch_dist: Megatron's DCP
 
 
@@ -134,14 +179,19 @@ class CheckpointConfig:
 class LoggingConfig:
     tensorboard: bool = True  # when the tensorboard package is installed
     plot: bool = True  # loss-curve PNG at the end (matplotlib when installed)
-    peak_tflops: float = 0.0  # per device, for MFU; 0: a GPU preset or a CPU matmul probe
+    peak_tflops: float = bounded(0.0, least=0)  # per device, for MFU; 0: a GPU preset or a CPU matmul probe
+    # Weights & Biases (when wandb is installed; WANDB_MODE=offline works without a network): empty project = off
+    wandb_project: str = ""
+    wandb_entity: str = ""
+    wandb_exp_name: str = ""  # the run's name (default: the run directory's name)
+    wandb_save_dir: str = ""  # default: RUN/wandb
 
 
 @dataclass
 class LoraConfig:
-    rank: int = 0  # 0: LoRA off
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: int = bounded(0, least=0)  # 0: LoRA off
+    alpha: float = bounded(16.0, above=0)
+    dropout: float = bounded(0.0, least=0, below=1)
     target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
 
 
@@ -218,9 +268,15 @@ def _coerce(where: str, value: Any, kind) -> Any:
     return value
 
 
+def _field_metadata(cls: type, key: str) -> dict:
+    return dict(next(f.metadata for f in dataclasses.fields(cls) if f.name == key))
+
+
 def checked_field(cls: type, key: str, value: Any, where: str) -> Any:
     """`value` for field `key` of the config dataclass `cls`, checked as a recipe's value is (errors name `where`)."""
-    return _coerce(where, value, _field_types(cls)[key])
+    value = _coerce(where, value, _field_types(cls)[key])
+    check_range(where, value, _field_metadata(cls, key))
+    return value
 
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe:
@@ -235,7 +291,9 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
         for key, value in values.items():
             if key not in types:
                 raise QlmError(f"unknown key {section}.{key}", _nearest(key, types))
-            setattr(target, key, _coerce(f"{section}.{key}", value, types[key]))
+            value = _coerce(f"{section}.{key}", value, types[key])
+            check_range(f"{section}.{key}", value, _field_metadata(type(target), key))
+            setattr(target, key, value)
     return recipe
 
 

@@ -343,7 +343,7 @@ def test_recipe_key_default_and_check(tmp_path):
     recipe = load_recipe(None, ["train.loss_chunk_tokens=0"])
     validate_recipe(recipe)
     recipe.train.loss_chunk_tokens = -1
-    with pytest.raises(QlmError, match=r"train.loss_chunk_tokens must be >= 0, got -1; set it to"):
+    with pytest.raises(QlmError, match=r"train.loss_chunk_tokens must be >= 0, got -1; set it"):
         validate_recipe(recipe)
     with pytest.raises(ValueError, match="loss_chunk_tokens"):
         GPTModel(SPEC, num_layers=1, loss_chunk_tokens=-1)

@@ -89,7 +89,7 @@ def test_demo_model_learns_its_task_and_an_untrained_one_does_not(tmp_path):
     recipe = REPO / "recipes" / "tiny-sft.toml"
     scores = {}
     for name, sets in {"trained": ["train.train_iters=120"],
-                       "untrained": ["train.train_iters=1", "optim.lr=0.0", "schedule.min_lr=0.0"]}.items():
+                       "untrained": ["train.train_iters=1", "optim.lr=1e-12", "schedule.min_lr=0.0"]}.items():
         args = [arg for kv in sets + ["train.eval_interval=0", "checkpoint.save_interval=0",
                                       f"data.cache_dir={tmp_path / 'cache'}"] for arg in ("--set", kv)]
         subprocess.run([sys.executable, "-m", "qlm_cli.main", "train", str(recipe), "--output",

@@ -230,8 +230,8 @@ def test_probe_in_process_agrees_within_10_percent(run_qlm):
     (["--tp", "3"], "does not divide num_attention_heads 28"),
     (["--cp", "3", "--num-gpus", "12"], "not divisible by 2*cp"),
     (["--zero", "5"], "zero_stage 5"),
-    (["--tp", "0"], "tp must be at least 1, got 0"),
-    (["--cp", "0"], "cp must be at least 1, got 0"),
+    (["--tp", "0"], "tp must be >= 1, got 0"),
+    (["--cp", "0"], "cp must be >= 1, got 0"),
     (["--model", "gpt-5"], "neither a model preset nor a directory"),
     (["--efficiency", "1.5"], "--efficiency"),
     (["--num-gpus", "24"], "24 GPUs are not divisible by tp*pp*cp = 16"),
@@ -269,7 +269,7 @@ def test_search_reports_a_bad_input_as_itself(run_qlm):
     code, _, stderr = run_qlm("profile", "--search", "--dtype", "fp8", "--num-gpus", "8")
     assert code == 2 and "'fp8' is not one of" in stderr, stderr
     code, _, stderr = run_qlm("profile", "--search", "--seq-len", "0", "--num-gpus", "8")
-    assert code == 2 and "seq-len must be at least 1" in stderr, stderr
+    assert code == 2 and "seq-len must be >= 1" in stderr, stderr
 
 
 def test_user_text_is_not_rich_markup(monkeypatch, tmp_path):

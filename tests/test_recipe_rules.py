@@ -163,8 +163,8 @@ def test_layout_rules_across_fields():
 
 
 @pytest.mark.parametrize("sets,message", [
-    (["train.micro_batch_size=0"], "train.micro_batch_size must be at least 1, got 0"),
-    (["data.seq_length=0"], "data.seq_length must be at least 1, got 0"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size must be >= 1, got 0"),
+    (["data.seq_length=0"], "data.seq_length must be >= 1, got 0"),
     (["train.loss_chunk_tokens=-1"], "train.loss_chunk_tokens must be >= 0, got -1"),
 ])
 def test_counts_out_of_range_are_named(sets, message):
@@ -173,7 +173,7 @@ def test_counts_out_of_range_are_named(sets, message):
 
 
 def test_a_zero_parallel_size_is_named_not_divided_by():
-    with pytest.raises(QlmError, match="tp must be at least 1, got 0"):
+    with pytest.raises(QlmError, match="tp must be >= 1, got 0"):
         resolve_sizes(4, tp=0)
 
 

@@ -44,7 +44,7 @@ def resolve_sizes(world: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | N
     """dp may be omitted: it is then world / (tp * pp * cp)."""
     for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", 1 if dp is None else dp)):
         if size < 1:
-            raise QlmError(f"{name} must be at least 1, got {size}", f"set parallel.{name} (or --{name}) to 1 or more")
+            raise QlmError(f"{name} must be >= 1, got {size}", f"set parallel.{name} (or --{name}) to 1 or more")
     model = tp * pp * cp
     if dp is None:
         if world % model:

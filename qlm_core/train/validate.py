@@ -9,7 +9,7 @@ Engine (built by workers and tests without a Recipe) and `qlm profile`.
 
 from __future__ import annotations
 
-from qlm_core.config import ParallelConfig, Recipe, checked_field
+from qlm_core.config import ParallelConfig, Recipe, check_ranges, checked_field
 from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.pipeline import validate_schedule
@@ -29,7 +29,7 @@ def validate_counts(**counts: int):
                            "per sequence")
                 raise QlmError(f"{name} must be >= 0, got {value}", f"set it to {meaning}")
         elif value < 1:
-            raise QlmError(f"{name} must be at least 1, got {value}", "set it to a positive number")
+            raise QlmError(f"{name} must be >= 1, got {value}", "set it to a positive number")
 
 
 def validate_recipe(recipe: Recipe):
@@ -51,6 +51,7 @@ def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSize
     """Everything that can be checked before a process group exists (ModelLayout checks heads/layers)."""
     for key in ("cp_comm_type", "pp_schedule", "recompute", "zero_stage"):  # a config built in code, not read
         checked_field(ParallelConfig, key, getattr(config, key), f"parallel.{key}")
+    check_ranges("parallel", config)
     cp, tp = config.cp, config.tp
     if config.vpp > 1 and config.pp == 1:
         raise QlmError("vpp > 1 needs pp > 1", "raise parallel.pp or set vpp = 1")
