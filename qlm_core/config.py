@@ -314,10 +314,17 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise QlmError(f"recipe {path} is a directory", "pass the path of a .toml recipe")
         if not path.is_file():
             raise QlmError(f"recipe {path} does not exist", "pass the path of a .toml recipe")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise QlmError(f"recipe {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                           f"{exc.start})", "save the recipe as UTF-8") from None
+        except PermissionError:
+            raise QlmError(f"recipe {path} cannot be read (permission denied)", "make it readable") from None
         except tomllib.TOMLDecodeError as exc:
             raise QlmError(f"{path} is not valid TOML ({exc})", "fix the syntax at the position shown") from None
     for text in overrides:

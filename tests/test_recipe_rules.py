@@ -187,3 +187,37 @@ def test_a_section_that_is_not_a_table_is_named(tmp_path):
 def test_an_error_ending_in_a_question_gets_no_period():
     assert QlmError("bad key x", "did you mean 'y'?").line() == "bad key x; did you mean 'y'?"
 
+
+
+def test_a_recipe_that_is_not_utf8_is_named(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_bytes(b"[train]\n# caf\xe9\ntrain_iters = 1\n")
+    with pytest.raises(QlmError, match=r"r.toml is not UTF-8 text \(byte 0xe9 at offset 13\); save the recipe"):
+        load_recipe(recipe)
+    with pytest.raises(QlmError, match="is a directory"):
+        load_recipe(tmp_path)
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["optim.lr=0"], r"optim.lr must be > 0, got 0.0; set it > 0 \(the peak learning rate"),
+    (["optim.lr=-1e-3"], "optim.lr must be > 0, got -0.001"),
+    (["parallel.cp=-2"], "parallel.cp must be >= 1, got -2"),
+    (["train.train_iters=-1"], "train.train_iters must be >= 0, got -1"),
+    (["data.weights=[0.5, -1]"], "data.weights must be >= 0, got -1.0"),
+    (["lora.dropout=1.0"], "lora.dropout must be >= 0 and < 1, got 1.0"),
+    (["checkpoint.load_iteration=0"], "checkpoint.load_iteration must be >= 1, got 0"),
+    (["parallel.num_layers_in_first_pipeline_stage=0"], "num_layers_in_first_pipeline_stage must be >= 1"),
+])
+def test_out_of_range_values_are_named_when_the_recipe_is_read(sets, message):
+    with pytest.raises(QlmError, match=message):
+        load_recipe(None, sets)
+
+
+def test_a_parallel_config_built_in_code_meets_the_same_ranges():
+    from qlm_core.config import ParallelConfig
+    from qlm_core.models.presets import PRESETS
+    from qlm_core.parallel.state import ParallelSizes
+    from qlm_core.train.validate import validate_layout
+
+    with pytest.raises(QlmError, match="parallel.bucket_size_mb must be > 0"):
+        validate_layout(PRESETS["qlm-tiny"], ParallelConfig(bucket_size_mb=0), ParallelSizes(), 128, 1, 8)
