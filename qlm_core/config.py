@@ -327,6 +327,10 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
             raise QlmError(f"recipe {path} cannot be read (permission denied)", "make it readable") from None
         except tomllib.TOMLDecodeError as exc:
             raise QlmError(f"{path} is not valid TOML ({exc})", "fix the syntax at the position shown") from None
+        try:  # the file's own mistakes name the file; those of --set name the override
+            recipe_from_dict(data)
+        except QlmError as exc:
+            raise QlmError(f"recipe {path}: {exc.problem}", exc.fix) from None
     for text in overrides:
         section, key, value = parse_override(text)
         if not isinstance(data.setdefault(section, {}), dict):

@@ -21,7 +21,8 @@ OPTIONS = {
                  "--num-layers-in-last-pipeline-stage", "--dtype", "--make-vocab-size-divisible-by", "--force",
                  "--verify"],
     "hf2ds": ["--hf", "--out", "--tag", "--dtype", "--fp32-master", "--force", "--verify"],
-    "mcore2ds": ["--mcore", "--out", "--iteration", "--tag", "--dtype", "--fp32-master", "--force", "--verify"],
+    "mcore2ds": ["--mcore", "--out", "--iteration", "--tag", "--dtype", "--fp32-master", "--force", "--verify",
+                 "--config"],
     "inspect": ["--iteration", "--tensors", "--json"],
 }
 

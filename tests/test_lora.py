@@ -265,3 +265,30 @@ def test_mcore2hf_of_adapters_without_a_base_says_what_is_missing(tmp_path):
     write_latest(tmp_path / "run", None)
     with pytest.raises(QlmError, match="qlm_lora_base"):
         mcore_to_hf(tmp_path / "run", tmp_path / "out")
+
+
+@pytest.mark.parametrize("base_format", ["mcore", "relative_hf"])
+def test_mcore2peft_export_loads_with_auto_peft(base_format, hf_models, tmp_path, run_qlm):
+    """adapter_config.json's base_model_name_or_path is an HF directory that loads: the run's HF base (a path
+    relative to the checkpoint made absolute), or a Megatron base exported as HF into OUT/base."""
+    import shutil
+
+    from peft import AutoPeftModelForCausalLM
+
+    config = LoraConfig(rank=4, alpha=16.0, target_modules=ALL_TARGETS)
+    model, layout = qlm_lora_model(hf_models["qwen2"], config)
+    adapters = GlobalTensorSource(lora_state_dict(model))
+    if base_format == "mcore":
+        base = hf_to_mcore(hf_models["qwen2"], tmp_path / "base_mcore", tp=2, verify=False).out
+    else:
+        shutil.copytree(hf_models["qwen2"], tmp_path / "hf_base")
+        base = Path("..") / "hf_base"  # relative to the run's checkpoint root, as a recipe may name it
+    write_adapter_checkpoint(tmp_path / "run", ModelLayout(layout.spec, tp=2), adapters, config, base)
+    code, stdout, stderr = run_qlm("convert", "mcore2peft", "--mcore", tmp_path / "run", "--out", tmp_path / "peft")
+    assert code == 0, stdout + stderr
+    saved = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert Path(saved["base_model_name_or_path"]).is_absolute()
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "peft").eval()
+    ids = token_ids(layout.spec.vocab_size)
+    with torch.no_grad():
+        assert (peft_model(ids).logits - model(ids)).abs().max() <= 1e-5

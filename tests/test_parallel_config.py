@@ -116,3 +116,17 @@ def test_non_finite_gradients_skip_the_update():
     result = engine.train_step(Batch(*make_batch(False)))
     assert result.skipped and not math.isfinite(result.grad_norm)
     assert all(torch.equal(a, b) or torch.isinf(a).any() for a, b in zip(before, engine.params, strict=True))
+
+
+def test_an_sbatch_script_is_not_an_srun_task(monkeypatch):
+    """The batch step of `sbatch --ntasks 8` sees SLURM_NTASKS and SLURM_PROCID too, but is one process: qlm must
+    start the ranks itself there, and run as one rank only inside an srun step."""
+    from qlm_cli.launch import under_launcher
+
+    for name in ("RANK", "WORLD_SIZE", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert not under_launcher()
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert under_launcher()

@@ -221,3 +221,13 @@ def test_a_parallel_config_built_in_code_meets_the_same_ranges():
 
     with pytest.raises(QlmError, match="parallel.bucket_size_mb must be > 0"):
         validate_layout(PRESETS["qlm-tiny"], ParallelConfig(bucket_size_mb=0), ParallelSizes(), 128, 1, 8)
+
+
+def test_a_mistake_in_the_recipe_file_names_the_file(tmp_path):
+    recipe = tmp_path / "my[1].toml"
+    recipe.write_text("[trian]\ntrain_iters = 1\n")
+    with pytest.raises(QlmError, match=r"^recipe .*my\[1\].toml: unknown section \[trian\]; did you mean 'train'"):
+        load_recipe(recipe)
+    recipe.write_text("[train]\ntrain_iters = 1\n")
+    with pytest.raises(QlmError, match=r"^unknown key train.bogus"):
+        load_recipe(recipe, ["train.bogus=1"])

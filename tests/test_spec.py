@@ -62,3 +62,17 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
 def test_unknown_preset_lists_presets():
     with pytest.raises(QlmError, match="qwen2-7b"):
         load_model_spec("qwen3-1000b")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": None}, r"config.json \(qwen2\): has no hidden_size; use a complete config.json"),
+    ({"num_attention_heads": "4"}, r"num_attention_heads is '4', not a positive integer"),
+    ({"num_hidden_layers": 0}, r"num_hidden_layers is 0, not a positive integer"),
+])
+def test_an_incomplete_hf_config_is_named_not_a_key_error(change, message):
+    config = {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4}
+    config.update(change)
+    config = {k: v for k, v in config.items() if v is not None}
+    with pytest.raises(QlmError, match=message):
+        ModelSpec.from_hf_config(config)

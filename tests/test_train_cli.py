@@ -231,3 +231,29 @@ def test_dry_run_of_a_recipe_that_loads_a_qlm_run(run_qlm, baseline):
     code, stdout, stderr = run_qlm("train", RECIPE, "--set", f"model.load={baseline}", "--dry-run")
     assert code == 0, stderr
     assert f"qlm run {baseline}" in " ".join(stdout.split()) and "memory per rank" in stdout
+
+
+def test_workers_get_the_resume_flag_but_not_force():
+    """--resume/--no-resume travel to the torchrun workers; --force does not (the launcher moved the old run)."""
+    from qlm_cli.commands.train import _argv_for_workers
+
+    assert _argv_for_workers(Path("r.toml"), ["a.b=1"], "out", False) == [
+        "train", "r.toml", "--output", "out", "--set", "a.b=1", "--no-resume"]
+    assert _argv_for_workers(Path("r.toml"), [], "out", True)[-1] == "--resume"
+    assert _argv_for_workers(Path("r.toml"), [], "out")[-1] == "out"
+
+
+def test_run_header_says_where_a_resumed_run_starts():
+    from qlm_cli.commands.train import RunView
+    from qlm_cli.render import console
+    from qlm_core.train.trainer import Event
+
+    data = {"layout": "dp1", "model": "random init of qlm-tiny", "steps": 10, "start_step": 4, "params": 1e6,
+            "train_samples": 8, "peak_tflops": 1.0, "peak_source": "recipe",
+            "resumed": "resuming from iteration 4 (layout tp2 pp1 dp1)"}
+    view = RunView()
+    with console.capture() as captured:
+        view(Event("start", data))
+        view.progress.stop()
+    text = " ".join(captured.get().split())
+    assert "resuming from iteration 4 (layout tp2 pp1 dp1)" in text and "random init" not in text

@@ -49,6 +49,11 @@ MAX_SHARD = Annotated[float, typer.Option(
 VOCAB_HELP = ("Pad the vocabulary to a multiple of this times --tp (Megatron's rule); padding rows are zeros and are "
               "excluded from qlm's softmax.")
 VOCAB_DIVISOR = Annotated[int, typer.Option("--make-vocab-size-divisible-by", min=1, help=VOCAB_HELP)]
+MCORE_CONFIG = Annotated[str | None, typer.Option(
+    "--config", help="Architecture of the Megatron checkpoint: an HF model directory (its config.json and tokenizer "
+    "files are used) or a preset name. Needed for checkpoints without Megatron-LM args (megatron-core "
+    "dist_checkpointing, Megatron-Bridge without run_config.yaml); checked against the shards otherwise. "
+    "mcore2hf then writes exactly its vocab_size rows.", show_default=False)]
 
 
 FORMAT_HELP = ("Megatron checkpoint format to write: `torch` (legacy, mp_rank_TT[_PPP]/model_optim_rng.pt) or "
@@ -67,6 +72,8 @@ def _report(result: ConvertResult, verifiable: bool = True):
         console.print("[yellow]not verified[/] (pass --verify to check the result)")
     for note in result.notes:
         console.print(f"[yellow]note[/] {escape(note)}")
+    for warning in [*result.warnings, *(result.verify.warnings() if result.verify is not None else [])]:
+        err_console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)  # one line, never wrapped
 
 
 @app.command("hf2mcore")
@@ -107,6 +114,7 @@ def mcore2hf(
     max_shard_size: MAX_SHARD = 5.0,
     force: FORCE = False,
     verify: VERIFY = None,
+    config: MCORE_CONFIG = None,
 ):
     """Megatron-Core -> HF (config.json, safetensors, tokenizer files), loadable with AutoModelForCausalLM.
 
@@ -116,7 +124,7 @@ def mcore2hf(
     with progress_bar("mcore2hf") as progress:
         result = mcore_to_hf(
             mcore, out, iteration=iteration, dtype=value_of(dtype), max_shard_size_gb=max_shard_size, force=force,
-            verify=verify, progress=progress,
+            verify=verify, progress=progress, config=config,
         )
     _report(result)
 
@@ -138,6 +146,7 @@ def mcore2mcore(
     verify: VERIFY = None,
     fmt: Annotated[MegatronFormat | None, typer.Option(
         "--format", help=FORMAT_HELP + " Default: the source's format.", show_default=False)] = None,
+    config: MCORE_CONFIG = None,
 ):
     """Reshard a Megatron-Core checkpoint (torch or torch_dist) to another TP/PP/VPP or format. Transformer-Engine
     names are read and written back as the local spec; the iteration number is kept. A qlm training checkpoint keeps
@@ -149,7 +158,7 @@ def mcore2mcore(
         result = mcore_to_mcore(
             mcore, out, tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last, iteration=iteration,
             dtype=value_of(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
-            verify=verify, progress=progress, format=value_of(fmt),
+            verify=verify, progress=progress, format=value_of(fmt), config=config,
         )
     _report(result)
 
@@ -160,13 +169,15 @@ def mcore2peft(
     out: Annotated[Path, typer.Option("--out", help="Output directory for the PEFT adapter.")],
     iteration: ITERATION = None,
     force: FORCE = False,
+    config: MCORE_CONFIG = None,
 ):
     """LoRA adapters -> PEFT (adapter_model.safetensors + adapter_config.json with HF module names), for
-    peft.PeftModel.from_pretrained on the base transformers model. For a merged model use mcore2hf."""
+    peft.AutoPeftModelForCausalLM.from_pretrained(OUT): base_model_name_or_path is the run's HF base, or its
+    Megatron base exported as HF into OUT/base. For a merged model use mcore2hf."""
     from qlm_core.checkpoint.convert.hf_megatron import mcore_to_peft
 
     with progress_bar("mcore2peft") as progress:
-        result = mcore_to_peft(mcore, out, iteration=iteration, force=force, progress=progress)
+        result = mcore_to_peft(mcore, out, iteration=iteration, force=force, progress=progress, config=config)
     _report(result, verifiable=False)
 
 
@@ -181,6 +192,9 @@ DS_DTYPE = Annotated[WeightDtype | None, typer.Option(
     "--dtype", help="Weight dtype to write (default: fp32, DeepSpeed's master weights).")]
 DS_OUT_TAG = Annotated[str | None, typer.Option(
     "--tag", help="Tag directory to write (default: global_step0, or global_step<iteration> from Megatron).")]
+ALLOW_BF16 = Annotated[bool, typer.Option(
+    "--allow-bf16-weights", help="Convert a bf16/fp16 ZeRO 1/2 checkpoint whose optimizer files (the fp32 master "
+    "weights) are missing from its module weights; fp32 precision is lost (a warning says so).")]
 FP32_MASTER = Annotated[bool, typer.Option(
     "--fp32-master/--no-fp32-master", help="Also write the fp32 master weights as one ZeRO-2 partition "
     "(zero_pp_rank_0_mp_rank_00_optim_states.pt), which DeepSpeed's zero_to_fp32 and ds2hf read; engines load the "
@@ -197,6 +211,7 @@ def ds2hf(
     max_shard_size: MAX_SHARD = 5.0,
     force: FORCE = False,
     verify: VERIFY = None,
+    allow_bf16_weights: ALLOW_BF16 = False,
 ):
     """DeepSpeed (ZeRO 0-3, fp32/bf16/fp16) -> HF, without deepspeed installed.
 
@@ -206,7 +221,7 @@ def ds2hf(
 
     with progress_bar("ds2hf") as progress:
         result = ds_to_hf(ds, out, tag=tag, config=config, dtype=value_of(dtype), max_shard_size_gb=max_shard_size,
-                          force=force, verify=verify, progress=progress)
+                          force=force, verify=verify, progress=progress, allow_bf16_weights=allow_bf16_weights)
     _report(result)
 
 
@@ -225,6 +240,7 @@ def ds2mcore(
     make_vocab_size_divisible_by: VOCAB_DIVISOR = 128,
     force: FORCE = False,
     verify: VERIFY = None,
+    allow_bf16_weights: ALLOW_BF16 = False,
 ):
     """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy `torch` checkpoint at any TP/PP/VPP, streamed one rank file at
     a time. The HF config and tokenizer files go to OUT/hf/."""
@@ -234,7 +250,7 @@ def ds2mcore(
         result = ds_to_mcore(
             ds, out, tag=tag, config=config, tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last,
             dtype=value_of(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
-            verify=verify, progress=progress,
+            verify=verify, progress=progress, allow_bf16_weights=allow_bf16_weights,
         )
     _report(result)
 
@@ -270,13 +286,14 @@ def mcore2ds(
     fp32_master: FP32_MASTER = True,
     force: FORCE = False,
     verify: VERIFY = None,
+    config: MCORE_CONFIG = None,
 ):
     """Megatron-Core (any TP/PP; a LoRA run merged) -> DeepSpeed, as hf2ds writes it."""
     from qlm_core.checkpoint.convert.deepspeed import mcore_to_ds
 
     with progress_bar("mcore2ds") as progress:
         result = mcore_to_ds(mcore, out, iteration=iteration, tag=tag, dtype=value_of(dtype),
-                             fp32_master=fp32_master, force=force, verify=verify, progress=progress)
+                             fp32_master=fp32_master, force=force, verify=verify, progress=progress, config=config)
     _report(result)
 
 
@@ -286,11 +303,12 @@ def inspect(
     iteration: ITERATION = None,
     tensors: Annotated[bool, typer.Option("--tensors/--no-tensors", help="Print the tensor table.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    config: MCORE_CONFIG = None,
 ):
     """Detect a checkpoint's format and print its layout, args and tensors."""
     from qlm_core.checkpoint.convert.describe import inspect_checkpoint
 
-    report = inspect_checkpoint(path, iteration)
+    report = inspect_checkpoint(path, iteration, config)
     if as_json:
         print(json.dumps(report.to_json(), indent=2, default=str))
         return

@@ -17,15 +17,22 @@ from rich.progress import (
 from rich.table import Table
 
 from qlm_cli.launch import LaunchConfig, relaunch_if_needed, under_launcher
-from qlm_cli.render import console, kv_table, memory_table
+from qlm_cli.render import console, err_console, kv_table, memory_table
 from qlm_core.config import load_recipe, recipe_to_toml
 
 
-def _argv_for_workers(recipe: Path, sets: list[str], output: str) -> list[str]:
+def _argv_for_workers(recipe: Path, sets: list[str], output: str, resume: bool | None = None) -> list[str]:
+    """The workers' command line (no --force: the launcher has moved the old run aside already)."""
     argv = ["train", str(recipe), "--output", output]
     for text in sets:
         argv += ["--set", text]
+    if resume is not None:
+        argv.append("--resume" if resume else "--no-resume")
     return argv
+
+
+def _notice(text: str):
+    err_console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 class RunView:
@@ -39,7 +46,8 @@ class RunView:
         data = event.data
         if event.kind == "start":
             console.print(kv_table("run", {
-                "layout": data["layout"], "model": data["model"], "parameters": f"{data['params'] / 1e6:.2f} M",
+                "layout": data["layout"], "model": data.get("resumed") or data["model"],
+                "parameters": f"{data['params'] / 1e6:.2f} M",
                 "train samples": data["train_samples"], "steps": f"{data['start_step']} -> {data['steps']}",
                 "peak for MFU": f"{data['peak_tflops']:.3g} TFLOP/s ({data['peak_source']})",
             }))
@@ -53,7 +61,7 @@ class RunView:
         elif event.kind == "step":
             m = data["metrics"]
             figures = (f"loss {m.loss:.4f} lr {m.lr:.2e} {m.tokens_per_s:,.0f} tok/s {m.s_per_sample:.3f} s/sample "
-                       f"{m.tflops_per_device:.3g} TFLOP/s MFU {m.mfu:.1%} mem {m.mem_peak_gb:.2f} GB"
+                       f"{m.tflops_per_device:.3g} TFLOP/s MFU {m.mfu:.3f} mem {m.mem_peak_gb:.2f} GB"
                        + (" [red]skipped[/]" if m.skipped else ""))
             self.progress.update(self.task, completed=m.step, figures=figures)
         elif event.kind == "eval":
@@ -71,6 +79,8 @@ class RunView:
                     value = summary[key]
                     table.add_row(key, f"{value:.4g}" if isinstance(value, float) else escape(str(value)))
             console.print(table)
+            if "stopped" in summary:  # a signal or train.exit_duration_minutes: where to resume from
+                err_console.print(escape(summary["stopped"]["line"]), highlight=False, soft_wrap=True)
 
 
 def train(
@@ -89,26 +99,49 @@ def train(
     master_port: Annotated[int, typer.Option("--master-port", help="Rendezvous port on node 0.")] = 29500,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe, the layout and the "
                                           "model-state memory per rank, then exit.")] = False,
+    resume: Annotated[bool | None, typer.Option(
+        "--resume/--no-resume", help="Continue from the run directory's checkpoint (checkpoint.load_iteration, "
+        "else the latest), or start from step 0; overrides checkpoint.resume.")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Start over in a run directory that holds an earlier run: its files are moved to "
+        "OUTPUT.replaced-TIME (nothing is deleted) before the new run writes anything.")] = False,
 ):
     """Pretrain, fine-tune (SFT) or LoRA-tune a model. Starts torchrun itself unless already under torchrun/srun."""
     sets = list(set_ or [])
     resolved = load_recipe(recipe, sets)
     if output:
         resolved.train.output = output
+    if resume is not None:
+        resolved.checkpoint.resume = resume
+    lock = None
     if not under_launcher():
         from qlm_core.train.plan import plan_run, world_size
+        from qlm_core.train.run_dir import claim_run_dir
+        from qlm_core.train.wandb_log import check_wandb
 
+        check_wandb(resolved.logging, Path(resolved.train.output))  # before any process starts
         per_node, world = world_size(resolved, nproc_per_node, nnodes)
-        plan = plan_run(resolved, world, check_files=not dry_run)
+        plan = plan_run(resolved, world, check_files=not dry_run, start_over=force)
+        for line in plan.warnings:
+            _notice(line)
         if dry_run:
             _print_dry_run(resolved, plan)
             return
-        if relaunch_if_needed(LaunchConfig(per_node, nnodes, node_rank, master_addr, master_port),
-                              _argv_for_workers(recipe, sets, resolved.train.output), "training"):
+        if node_rank == 0:  # node 0's launcher holds the run directory; its rank 0 inherits the lock
+            lock = claim_run_dir(Path(resolved.train.output), resolved.checkpoint.resume, force, _notice)
+    try:
+        if not under_launcher() and relaunch_if_needed(
+                LaunchConfig(per_node, nnodes, node_rank, master_addr, master_port),
+                _argv_for_workers(recipe, sets, resolved.train.output, resume), "training"):
             return
-    from qlm_core.train.trainer import Trainer
+        from qlm_core.train.trainer import Trainer
 
-    Trainer(resolved, Path(resolved.train.output), on_event=RunView()).run()
+        summary = Trainer(resolved, Path(resolved.train.output), on_event=RunView()).run()
+    finally:
+        if lock is not None:
+            lock.release()
+    if summary.get("stopped", {}).get("exit_code"):
+        raise typer.Exit(summary["stopped"]["exit_code"])  # 128 + the signal's number (qlm_core/train/signals.py)
 
 
 def _print_dry_run(resolved, plan):
@@ -117,7 +150,7 @@ def _print_dry_run(resolved, plan):
     console.print(recipe_to_toml(resolved), markup=False, highlight=False)
     console.print(kv_table("layout", {
         "world": f"{plan.sizes.world} = dp{plan.sizes.dp} x pp{plan.sizes.pp} x cp{plan.sizes.cp} x tp{plan.sizes.tp}",
-        "model": plan.model_description, "parameters": f"{plan.spec.num_parameters() / 1e6:.2f} M",
+        "model": plan.resume or plan.model_description, "parameters": f"{plan.spec.num_parameters() / 1e6:.2f} M",
         "stage layers": list(plan.layout.stage_layer_counts), "padded vocabulary": plan.layout.padded_vocab,
         "steps": plan.steps,
     }))

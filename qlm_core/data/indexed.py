@@ -17,7 +17,10 @@ reads nothing but its header.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import shutil
 import struct
 from array import array
 from pathlib import Path
@@ -50,24 +53,190 @@ def exists(prefix: str | os.PathLike) -> bool:
     return all(path.is_file() for path in index_paths(prefix))
 
 
+TMP_MARK = ".tmp-"  # PREFIX.bin.tmp-PID / PREFIX.idx.tmp-PID: a run's files, named just before they replace the pair
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # gone / not a pid at all
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(prefix: str | os.PathLike) -> list[Path]:
+    """Remove PREFIX.bin.tmp-PID / PREFIX.idx.tmp-PID left by runs that were killed (their PID is gone)."""
+    removed = []
+    for final in index_paths(prefix):
+        try:
+            names = os.listdir(final.parent)
+        except OSError:
+            continue
+        head = final.name + TMP_MARK
+        for name in names:
+            pid = name[len(head):]
+            if not (name.startswith(head) and pid.isdigit()):
+                continue
+            if int(pid) != os.getpid() and _pid_alive(int(pid)):
+                continue  # a run that is still writing this prefix
+            with contextlib.suppress(FileNotFoundError):
+                (final.parent / name).unlink()
+                removed.append(final.parent / name)
+    return removed
+
+
+def output_error(prefix: str | os.PathLike, exc: OSError) -> QlmError:
+    """A failed write of PREFIX.bin/.idx as one line: what failed and what to do."""
+    where = f"{exc.filename}: " if isinstance(exc.filename, str) else ""
+    code = exc.errno
+    reason = os.strerror(code) if code else str(exc)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free disk space, or write to another output prefix"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "write to a folder you can write to, or fix its permissions"
+    elif code in (errno.ENOTDIR, errno.EEXIST):
+        fix = "part of the output path is a file: choose another output prefix"
+    else:
+        fix = "check the output path, or write to another output prefix"
+    return QlmError(f"cannot write the indexed dataset {prefix}.bin/.idx: {where}{reason}", fix)
+
+
+class _Staged:
+    """One output file written in its final folder but with no name until `stage` (O_TMPFILE where the system has
+    it, so a killed run leaves nothing), then named PATH.tmp-PID, ready to be renamed over PATH."""
+
+    def __init__(self, final: Path):
+        self.final = final
+        self.temporary = Path(f"{final}{TMP_MARK}{os.getpid()}")
+        self.named = False
+        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+        fd = None
+        if hasattr(os, "O_TMPFILE"):
+            try:
+                fd = os.open(final.parent, os.O_TMPFILE | flags, 0o666)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                    raise
+        if fd is None:  # no unnamed files here: a named temporary from the start
+            fd = os.open(self.temporary, os.O_CREAT | os.O_TRUNC | flags, 0o666)
+            self.named = True
+        self.file = os.fdopen(fd, "w+b")
+
+    def write(self, data) -> None:
+        self.file.write(data)
+
+    def stage(self) -> None:
+        """Flush, sync and give the file its temporary name."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        if not self.named:
+            self._link()
+            self.named = True
+        self.file.close()
+
+    def _link(self) -> None:
+        self.temporary.unlink(missing_ok=True)
+        fd = self.file.fileno()
+        try:
+            _linkat_empty_path(fd, self.temporary)
+            return
+        except OSError:
+            pass
+        try:
+            os.link(f"/proc/self/fd/{fd}", self.temporary)
+            return
+        except OSError:
+            pass
+        # no way to name an unnamed file here: copy it to the temporary name (removed by discard if this fails)
+        self.named = True
+        self.file.seek(0)
+        with open(self.temporary, "wb") as out:
+            shutil.copyfileobj(self.file, out, 1 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+        if self.named:
+            self.temporary.unlink(missing_ok=True)
+
+
+def _linkat_empty_path(fd: int, path: Path) -> None:
+    """linkat(fd, "", AT_FDCWD, path, AT_EMPTY_PATH): name an O_TMPFILE file (Linux)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        linkat = libc.linkat
+    except (OSError, AttributeError) as exc:
+        raise OSError(errno.ENOSYS, "no linkat") from exc
+    if linkat(fd, b"", -100, os.fsencode(path), 0x1000) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def _sync_folder(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 class IndexedWriter:
     """Streams documents into PREFIX.bin; PREFIX.idx is written by close() (or leaving the `with` block).
 
-    If the block raises, both files are removed so no half-written dataset is left behind."""
+    Both files are written under temporary names in PREFIX's folder and replace an existing PREFIX.bin/.idx only
+    when both are complete (bin first, then idx, a rename each): an existing pair is never removed first. If the
+    block raises, only this writer's files (and folders it created) are removed. Temporaries of a killed run into
+    the same prefix are removed when the next writer opens. Write errors (disk full, permissions, a file where a
+    folder should be) are QlmErrors naming the path."""
 
     def __init__(self, prefix: str | os.PathLike, dtype: np.dtype | type = np.int32):
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
             raise QlmError(f"token dtype {self.dtype} has no Megatron dtype code",
                            f"use one of {', '.join(str(np.dtype(d)) for d in DTYPE_CODES.values())}")
+        self.prefix = str(prefix)
         self.bin_path, self.idx_path = index_paths(prefix)
-        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
-        self._bin = open(self.bin_path, "wb")
+        for path in (self.bin_path, self.idx_path):
+            if path.is_dir():
+                raise QlmError(f"cannot write the indexed dataset {self.prefix}.bin/.idx: {path} is a folder",
+                               "choose another output prefix")
+        self._created: list[Path] = []  # folders this writer made, removed again if it fails
+        self._staged: list[_Staged] = []
+        self._done = False
+        try:
+            self._make_folders(self.bin_path.parent)
+            remove_stale_temporaries(prefix)
+            self._bin = _Staged(self.bin_path)
+            self._staged.append(self._bin)
+        except OSError as exc:
+            self.abort()
+            raise output_error(self.prefix, exc) from None
         # growable C arrays: a few bytes per sequence, however many documents are streamed
         self._lengths = array("i")
         self._sequences_per_document = array("q")
         self._limits = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         self.num_tokens = 0
+
+    def _make_folders(self, folder: Path) -> None:
+        missing = []
+        while not folder.exists():
+            missing.append(folder)
+            if folder.parent == folder:
+                break
+            folder = folder.parent
+        if folder.exists() and not folder.is_dir():
+            raise QlmError(f"cannot write the indexed dataset {self.prefix}.bin/.idx: {folder} is a file, "
+                           "not a folder", "choose another output prefix")
+        for path in reversed(missing):
+            path.mkdir()
+            self._created.append(path)
 
     def add_document(self, tokens, sequence_lengths=None) -> None:
         """One document of token ids (a list or 1-D array): one sequence, or several of `sequence_lengths`."""
@@ -88,32 +257,59 @@ class IndexedWriter:
                                                          tokens.max() > self._limits.max):
             raise QlmError(f"token ids {tokens.min()}..{tokens.max()} do not fit in {self.dtype}",
                            "write with a wider dtype (int32 when the vocabulary has 65500 ids or more)")
-        self._bin.write(tokens.astype(self.dtype, copy=False).tobytes(order="C"))
+        try:
+            self._write(self._bin, tokens.astype(self.dtype, copy=False).tobytes(order="C"))
+        except OSError as exc:
+            self.abort()
+            raise output_error(self.prefix, exc) from None
         self._lengths.frombytes(lengths.astype(np.int32).tobytes())
         self._sequences_per_document.frombytes(np.asarray(sequences_per_document, dtype=np.int64).tobytes())
         self.num_tokens += tokens.size
 
+    @staticmethod
+    def _write(staged: _Staged, data: bytes) -> None:
+        staged.write(data)
+
     def close(self) -> None:
-        if self._bin.closed:
+        if self._done:
             return
-        self._bin.close()
         lengths = np.frombuffer(self._lengths, dtype=np.int32) if self._lengths else np.zeros(0, np.int32)
         pointers = np.zeros(lengths.size, np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         document_indices = np.zeros(len(self._sequences_per_document) + 1, np.int64)
         if self._sequences_per_document:
             np.cumsum(np.frombuffer(self._sequences_per_document, dtype=np.int64), out=document_indices[1:])
-        with open(self.idx_path, "wb") as idx:
-            idx.write(MAGIC)
-            idx.write(struct.pack("<QBQQ", VERSION, CODE_OF_DTYPE[self.dtype], lengths.size, document_indices.size))
-            idx.write(lengths.tobytes(order="C"))
-            idx.write(pointers.tobytes(order="C"))
-            idx.write(document_indices.tobytes(order="C"))
+        try:
+            idx = _Staged(self.idx_path)
+            self._staged.append(idx)
+            self._write(idx, MAGIC)
+            self._write(idx, struct.pack("<QBQQ", VERSION, CODE_OF_DTYPE[self.dtype], lengths.size,
+                                         document_indices.size))
+            self._write(idx, lengths.tobytes(order="C"))
+            self._write(idx, pointers.tobytes(order="C"))
+            self._write(idx, document_indices.tobytes(order="C"))
+            for staged in self._staged:
+                staged.stage()
+            # both complete: replace the pair (the window between the two renames is microseconds, and a reader
+            # refuses a .bin/.idx that do not belong together)
+            os.replace(self._bin.temporary, self.bin_path)
+            os.replace(idx.temporary, self.idx_path)
+        except OSError as exc:
+            self.abort()
+            raise output_error(self.prefix, exc) from None
+        self._done = True
+        _sync_folder(self.bin_path.parent)
 
     def abort(self) -> None:
-        self._bin.close()
-        for path in (self.bin_path, self.idx_path):
-            path.unlink(missing_ok=True)
+        """Forget this writer's output: its temporaries and the folders it created; an older pair stays."""
+        if self._done:
+            return
+        self._done = True
+        for staged in self._staged:
+            staged.discard()
+        for folder in reversed(self._created):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
     @property
     def num_documents(self) -> int:
@@ -149,6 +345,11 @@ class IndexedDataset:
             raise QlmError(f"{self.idx_path} has version {version} and dtype code {code}; qlm reads version 1 with "
                            f"codes {sorted(DTYPE_CODES)}", "regenerate it with `qlm data preprocess`")
         self.dtype = np.dtype(DTYPE_CODES[code])
+        described = _HEADER_BYTES + num_sequences * 12 + num_document_indices * 8
+        idx_size = self.idx_path.stat().st_size
+        if idx_size not in (described, described + num_sequences):  # megatron-core may add int8 sequence modes
+            raise QlmError(f"{self.idx_path} is {idx_size:,} bytes but its header describes {described:,} "
+                           "(a truncated or damaged index)", "regenerate it with `qlm data preprocess`")
         index = np.memmap(self.idx_path, mode="r", dtype=np.uint8)
         offset = _HEADER_BYTES
         self.sequence_lengths = np.frombuffer(index, np.int32, num_sequences, offset)
@@ -159,8 +360,17 @@ class IndexedDataset:
         if self.document_indices.size == 0 or self.document_indices[-1] != num_sequences:
             raise QlmError(f"{self.idx_path} is inconsistent: its document indices do not end at the sequence count",
                            "regenerate it with `qlm data preprocess`")
-        # np.memmap refuses empty files, and an empty .bin is valid (a dataset of empty documents)
+        # the .idx must describe exactly the .bin beside it: a pair of two runs would read wrong documents
         size = self.bin_path.stat().st_size
+        expected = 0
+        if num_sequences:
+            expected = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+        if expected != size or (num_sequences and self.sequence_pointers[0] != 0):
+            raise QlmError(f"{self.bin_path} ({size:,} bytes) and {self.idx_path} (which indexes {expected:,} bytes) "
+                           "do not belong together",
+                           "regenerate both with `qlm data preprocess` (an interrupted copy or run can leave such a "
+                           "pair)")
+        # np.memmap refuses empty files, and an empty .bin is valid (a dataset of empty documents)
         self._tokens = (np.memmap(self.bin_path, mode="r", dtype=self.dtype) if size
                         else np.zeros(0, self.dtype))
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qlm_core.data.files import cache_errors, quiet, read_dataset
 from qlm_core.data.indexed import IndexedWriter, token_dtype
 from qlm_core.data.tokenizer import load_tokenizer
 from qlm_core.errors import QlmError
@@ -46,8 +47,6 @@ def load_input(path: str | os.PathLike, json_key: str = "text", cache_dir: str |
     import datasets
 
     path = Path(path)
-    if not path.is_file():
-        raise QlmError(f"input file {path} does not exist", "check the path (inputs are files, not folders)")
     suffix = path.suffix.lower()
     if suffix in JSON_SUFFIXES:
         builder, options = "json", {}
@@ -56,21 +55,19 @@ def load_input(path: str | os.PathLike, json_key: str = "text", cache_dir: str |
     elif suffix in TEXT_SUFFIXES:
         builder, options, json_key = "text", {"sample_by": "paragraph"}, "text"
     else:
+        if not path.exists():
+            raise QlmError(f"input file {path} does not exist", "check the path (inputs are files, not folders)")
         raise QlmError(f"input file {path} has an unknown type {suffix or '(no suffix)'}",
                        "use .json, .jsonl, .parquet or .txt")
-    try:
-        dataset = datasets.load_dataset(builder, data_files=[str(path)], split="train", cache_dir=cache_dir, **options)
-    except Exception as exc:  # a malformed file: pyarrow / json errors surface under several types
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise QlmError(f"cannot read {path} as {builder} ({reason})", f"check that {path} is valid {builder}") from None
+    dataset = read_dataset(builder, path, "input file", cache_dir, **options)
     if json_key not in dataset.column_names:
         raise QlmError(f"{path} has no key {json_key!r} (its keys: {', '.join(dataset.column_names) or 'none'})",
-                       "pass the key that holds the text as json_key")
+                       "pass the key that holds the text with --json-key")
     dataset = dataset.select_columns([json_key])
     feature = dataset.features[json_key]
     if not isinstance(feature, datasets.Value) or feature.dtype not in ("string", "large_string"):
         raise QlmError(f"{path}: {json_key!r} holds {feature}, not text",
-                       "pass the key that holds the text as json_key")
+                       "pass the key that holds the text with --json-key")
     if json_key != "text":
         dataset = dataset.rename_column(json_key, "text")
     if feature.dtype != "string":  # parquet may store large_string; concatenating needs one type
@@ -127,14 +124,18 @@ def preprocess(
         raise QlmError("no input files were given", "pass one or more .jsonl, .json, .parquet or .txt files")
     if workers < 1:
         raise QlmError(f"workers must be at least 1, got {workers}", "pass workers >= 1")
+    quiet()
     tokenizer = load_tokenizer(tokenizer_dir)
-    loaded = [load_input(path, json_key, cache_dir) for path in inputs]
-    dataset = loaded[0] if len(loaded) == 1 else datasets.concatenate_datasets(loaded)
-    tokens = tokenize_dataset(dataset, tokenizer, append_eod, workers)
-    total = len(tokens)
     documents = 0
-    rows = tokens.with_format("arrow")
+    # the writer opens first (a bad output path fails before any tokenising) and replaces an existing pair only
+    # when the new one is complete; any error below leaves the old pair as it was
     with IndexedWriter(output_prefix, token_dtype(len(tokenizer))) as writer:
+        loaded = [load_input(path, json_key, cache_dir) for path in inputs]
+        dataset = loaded[0] if len(loaded) == 1 else datasets.concatenate_datasets(loaded)
+        with cache_errors("cannot tokenize the inputs"):
+            tokens = tokenize_dataset(dataset, tokenizer, append_eod, workers)
+        total = len(tokens)
+        rows = tokens.with_format("arrow")
         for start_row in range(0, total, WRITE_BATCH):
             column = rows[start_row:start_row + WRITE_BATCH].column("input_ids").combine_chunks()
             lengths = np.diff(column.offsets.to_numpy())

@@ -20,10 +20,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from qlm_core.config import DataFormat, Truncation, choices
+from qlm_core.data.files import cache_errors, quiet, read_dataset
 from qlm_core.data.tokenizer import has_generation_markers, load_tokenizer, resolve_chat_template
 from qlm_core.errors import QlmError
 
@@ -58,33 +60,56 @@ def detect_format(record: dict) -> str:
                    "use OpenAI messages (messages), sharegpt (conversations) or alpaca (instruction, input, output)")
 
 
+def _text(value, what: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise QlmError(f"{what} holds {type(value).__name__} {str(value)[:40]!r}, not text",
+                       f"make every {what} a string")
+    return value
+
+
 def to_messages(record: dict, format: str) -> list[dict]:
     """One record of `format` as [{"role", "content"}, ...]."""
     if format == "alpaca":
-        messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
-        prompt = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
-        return messages + [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
-    if format == "sharegpt":
-        messages = []
-        for turn in record["conversations"] or []:
+        system, instruction = _text(record.get("system"), "system"), _text(record["instruction"], "instruction")
+        extra, output = _text(record.get("input"), "input"), _text(record["output"], "output")
+        messages = [{"role": "system", "content": system}] if system else []
+        prompt = instruction + (f"\n\n{extra}" if extra else "")
+        return messages + [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+    key, role_key, text_key = ("conversations", "from", "value") if format == "sharegpt" else \
+        ("messages", "role", "content")
+    turns = record[key] or []
+    if not isinstance(turns, list):
+        raise QlmError(f"{key!r} is a {type(turns).__name__}, not a list of turns", f"make {key!r} a list of objects")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise QlmError(f"a turn of {key!r} is a {type(turn).__name__}, not an object ({str(turn)[:40]})",
+                           f"write each turn as {{{role_key!r}: ..., {text_key!r}: ...}}")
+        if format == "sharegpt":
             role = SHAREGPT_ROLES.get(turn.get("from"))
             if role is None:
                 raise QlmError(f"sharegpt role {turn.get('from')!r} is not one of {', '.join(SHAREGPT_ROLES)}",
                                "fix the record's `from` fields")
-            messages.append({"role": role, "content": turn.get("value") or ""})
-        return messages
-    messages = []
-    for message in record["messages"] or []:
-        if message.get("role") not in MESSAGE_ROLES:
-            raise QlmError(f"message role {message.get('role')!r} is not one of {', '.join(MESSAGE_ROLES)}",
-                           "fix the record's `role` fields")
-        messages.append({"role": message["role"], "content": message.get("content") or ""})
+        else:
+            role = turn.get("role")
+            if role not in MESSAGE_ROLES:
+                raise QlmError(f"message role {role!r} is not one of {', '.join(MESSAGE_ROLES)}",
+                               "fix the record's `role` fields")
+        messages.append({"role": role, "content": _text(turn.get(text_key), f"the {role} turn's {text_key}")})
     return messages
 
 
-def _normalise(batch, format: str):
+def _normalise(batch, indices, format: str, path: str):
     rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-    return {"messages": [to_messages(row, format) for row in rows]}
+    out = []
+    for index, row in zip(indices, rows, strict=True):
+        try:
+            out.append(to_messages(row, format))
+        except QlmError as exc:  # name the file and the record
+            raise QlmError(f"{path} record {index + 1} ({format} format): {exc.problem}", exc.fix) from None
+    return {"messages": out}
 
 
 def load_conversations(path: str | os.PathLike, cache_dir: str | None = None, num_proc: int = 1,
@@ -92,15 +117,9 @@ def load_conversations(path: str | os.PathLike, cache_dir: str | None = None, nu
     """A json/jsonl file of `format` (auto: told by its first record) as a `datasets.Dataset` with one column,
     "messages"."""
     assert format in choices(DataFormat), f"SFT format {format!r}"  # the recipe's schema checked it (config.py)
-    import datasets
 
-    if not os.path.isfile(path):
-        raise QlmError(f"SFT data file {path} does not exist", "check the path")
-    try:
-        dataset = datasets.load_dataset("json", data_files=[str(path)], split="train", cache_dir=cache_dir)
-    except Exception as exc:  # malformed json surfaces under several exception types
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise QlmError(f"cannot read {path} as json ({reason})", "write one json record per line (jsonl)") from None
+    quiet()
+    dataset = read_dataset("json", Path(path), "SFT data file", cache_dir)
     if len(dataset) == 0:
         raise QlmError(f"SFT data file {path} has no records", "check the file")
     format = detect_format(dataset[0]) if format == "auto" else format
@@ -108,7 +127,8 @@ def load_conversations(path: str | os.PathLike, cache_dir: str | None = None, nu
     if missing:
         raise QlmError(f"{path} has no {', '.join(missing)} column for the {format} format",
                        "set data.format to the file's format, or auto")
-    return dataset.map(_normalise, batched=True, fn_kwargs={"format": format}, remove_columns=dataset.column_names,
+    return dataset.map(_normalise, batched=True, with_indices=True, fn_kwargs={"format": format, "path": str(path)},
+                       remove_columns=dataset.column_names,
                        num_proc=num_proc if num_proc > 1 else None, desc=f"read {format}")
 
 
@@ -261,8 +281,9 @@ def build_sft_dataset(path: str | os.PathLike, tokenizer, config: SFTConfig,
     if pad_token_id is None:
         raise QlmError("the tokenizer has neither a pad nor an eos token to pad sequences with",
                        "use a tokenizer with a pad or eos token")
-    conversations = load_conversations(path, cache_dir, config.num_proc, config.format)
-    tokenized = tokenize_conversations(conversations, tokenizer, config)
+    with cache_errors(f"cannot prepare {path}"):
+        conversations = load_conversations(path, cache_dir, config.num_proc, config.format)
+        tokenized = tokenize_conversations(conversations, tokenizer, config)
     if len(tokenized) == 0:
         raise QlmError(f"no sample of {path} fits in {config.max_length or config.seq_length} tokens with an "
                        "assistant token to train on", "raise max_length / seq_length, or use truncation = right")

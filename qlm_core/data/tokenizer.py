@@ -51,9 +51,16 @@ def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
     path = Path(path)
+    if path.is_file():
+        raise QlmError(f"tokenizer directory {path} is a file, not a directory",
+                       "point to the directory that holds tokenizer.json or tokenizer_config.json")
     if not path.is_dir():
         raise QlmError(f"tokenizer directory {path} does not exist",
                        "point to a directory holding tokenizer.json or tokenizer_config.json")
+    known = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
+    if not any((path / name).exists() for name in known) and not any(path.glob("*.model")):
+        raise QlmError(f"tokenizer directory {path} holds no tokenizer files",
+                       "point to a directory holding tokenizer.json or tokenizer_config.json with its vocabulary")
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ... for unreadable files

@@ -24,6 +24,7 @@ from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec, padded_vocab_size
 
 REPLICATED, ROWS, COLS, FC1 = "replicated", "rows", "cols", "fc1"
+_FIRST_FLAG, _LAST_FLAG = "--num-layers-in-first-pipeline-stage", "--num-layers-in-last-pipeline-stage"
 
 # Per-layer tensors: Megatron local-spec suffix -> (split rule, HF suffix(es)) ; order = module registration order.
 _LAYER_TENSORS = (
@@ -153,28 +154,48 @@ class ModelLayout:
 
     def _compute_stage_counts(self) -> list[int]:
         L, pp, first, last = self.spec.num_layers, self.pp, self.first_stage_layers, self.last_stage_layers
+        options = " + ".join(f"{flag} {n}" for flag, n in ((_FIRST_FLAG, first), (_LAST_FLAG, last)) if n is not None)
+        both = first is not None and last is not None
         if pp == 1:
             if first is not None or last is not None:
-                raise QlmError("uneven first/last pipeline stages need --pp > 1", "drop those options or raise --pp")
+                raise QlmError(f"{options} need{'' if both else 's'} --pp > 1 (one stage holds all {L} layers)",
+                               "drop those options or raise --pp")
             counts = [L]
         else:
+            if any(n is not None and n < 1 for n in (first, last)):
+                raise QlmError(f"{options}: a pipeline stage needs at least one layer", "pass sizes of 1 or more")
             fixed = (first or 0) + (last or 0)
             middle = pp - (first is not None) - (last is not None)
             rest = L - fixed
-            if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
-                hint = (
-                    "use --num-layers-in-first-pipeline-stage / --num-layers-in-last-pipeline-stage so the rest "
-                    "divides evenly"
-                    if first is None and last is None
-                    else "adjust the first/last stage sizes"
-                )
-                raise QlmError(f"{L} layers cannot be split over {pp} pipeline stages", hint)
-            counts = ([first] if first is not None else []) + [rest // middle] * middle
+            if first is None and last is None:
+                if L % pp:
+                    raise QlmError(
+                        f"{L} layers cannot be split over {pp} pipeline stages",
+                        f"use a --pp that divides {L}, or {_FIRST_FLAG} / {_LAST_FLAG} so the rest divides evenly")
+            elif middle == 0 and rest != 0:  # two stages, both sizes given (Megatron accepts them when they sum up)
+                raise QlmError(f"{options} hold {fixed} layers, but the model has {L} and --pp {pp} has no other stage",
+                               f"make them add up to {L}, or set only one of them")
+            elif rest < middle:
+                raise QlmError(
+                    f"{options} leave{'' if both else 's'} {max(rest, 0)} of the {L} layers for {middle} "
+                    f"other pipeline stage{'s' if middle > 1 else ''}",
+                    f"they must add up to at most {L - middle}, so that each other stage gets a layer")
+            elif middle and rest % middle:
+                if first is None or last is None:
+                    valid = [n for n in range(1, L) if L - n >= middle and (L - n) % middle == 0]
+                    flag = _FIRST_FLAG if first is not None else _LAST_FLAG
+                    hint = f"valid {flag} values at --pp {pp}: {', '.join(map(str, valid[:8])) or 'none'}"
+                else:
+                    hint = f"{L} minus their sum must be a multiple of {middle}"
+                raise QlmError(f"{options} leave{'' if both else 's'} {rest} of the {L} layers, which do "
+                               f"not divide evenly over the {middle} other pipeline stages", hint)
+            counts = ([first] if first is not None else []) + ([rest // middle] * middle if middle else [])
             counts += [last] if last is not None else []
         if any(c % self.vpp for c in counts) or any(c < self.vpp for c in counts):
             raise QlmError(
                 f"stage sizes {counts} are not divisible into {self.vpp} virtual pipeline chunks",
-                "choose --vpp dividing every stage's layer count",
+                "choose --vpp dividing every stage's layer count"
+                + (" (or first/last stage sizes that --vpp divides)" if first is not None or last is not None else ""),
             )
         return counts
 

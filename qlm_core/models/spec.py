@@ -95,6 +95,12 @@ class ModelSpec:
         for flag in ("attention_bias", "mlp_bias"):
             if model_type != "qwen2" and config.get(flag):
                 raise QlmError(f"{flag}=true is not supported for {model_type}", "use a checkpoint without biases")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            value = config.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                found = "has no " + key if key not in config else f"{key} is {value!r}, not a positive integer"
+                raise QlmError(f"config.json ({model_type}): {found}",
+                               "use a complete config.json from transformers (save_pretrained writes one)")
         heads = config["num_attention_heads"]
         theta, scaling = _read_rope(config)
         sliding = None
@@ -184,9 +190,14 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     if not file.exists():
         raise QlmError(f"no config.json in {path}", "point at a Hugging Face model directory")
     try:
-        return json.loads(file.read_text())
+        config = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise QlmError(f"{file} is not UTF-8 text (offset {exc.start})", "restore a valid config.json") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise QlmError(f"cannot read {file}: {exc}", "restore a valid config.json") from None
+    if not isinstance(config, dict):
+        raise QlmError(f"{file} holds a JSON {type(config).__name__}, not an object", "restore a valid config.json")
+    return config
 
 
 def load_model_spec(name_or_path: str | Path) -> ModelSpec:

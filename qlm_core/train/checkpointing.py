@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint.api import CheckpointException
 
 from qlm_core.checkpoint.formats.megatron import TORCH, TORCH_DIST, open_megatron
 from qlm_core.checkpoint.formats.megatron_args import make_args
@@ -46,6 +47,8 @@ from qlm_core.checkpoint.formats.trainer_state import (
     saved_rng_states,
     view_prefix,
 )
+from qlm_core.checkpoint.io.write_faults import as_write_os_error
+from qlm_core.errors import QlmError
 from qlm_core.models.layout import TensorLayout, read_shard_tensor
 from qlm_core.parallel.comm import group_size
 from qlm_core.parallel.fsdp import whole
@@ -120,51 +123,129 @@ def _model_states(engine: Engine) -> list[dict]:
     return states
 
 
+def _first_error(error: str | None) -> str | None:
+    """Every rank's error text (None: fine) gathered: the first one, the same on every rank (so all stop together
+    instead of waiting for a rank that failed)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return error
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+def _write_failure(path: Path, exc: BaseException) -> str:
+    if isinstance(exc, CheckpointException):  # torch_dist: the ranks' exceptions, gathered by dcp
+        exc = next((e for e in _flatten_failures(exc) if isinstance(e, OSError)), exc)
+    if isinstance(exc, OSError):
+        where = exc.filename or path
+        return f"{where}: {exc.strerror or exc}"
+    return f"{path}: {exc}"
+
+
+def _flatten_failures(exc: CheckpointException) -> list[BaseException]:
+    found = []
+    for failure in exc.failures.values():
+        found.append(failure[0] if isinstance(failure, tuple) else failure)
+    return found
+
+
+def _is_write_error(exc: BaseException) -> bool:
+    """An OSError (disk full, permission, I/O), directly or inside torch_dist's gathered CheckpointException; any
+    other exception is a bug and propagates."""
+    if isinstance(exc, OSError):
+        return True
+    return isinstance(exc, CheckpointException) and any(isinstance(e, OSError) for e in _flatten_failures(exc))
+
+
+def latest_iteration(root: Path) -> int | None:
+    """The iteration RUN/checkpoints/latest_checkpointed_iteration.txt names, None without one (or unreadable)."""
+    try:
+        text = (Path(root) / LATEST_FILE).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _stop_on_failure(error: str | None, root: Path, staging: Path, iteration: int, rank: int):
+    error = _first_error(error)
+    if error is None:
+        return
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    kept = latest_iteration(root)
+    intact = (f"the last complete checkpoint (iteration {kept}) is intact" if kept is not None
+              else "no earlier checkpoint was complete")
+    raise QlmError(f"checkpoint iteration {iteration} could not be written ({error}); nothing of it was kept",
+                   f"free space on that disk or fix its permissions, then rerun the same command to resume: {intact}")
+
+
 def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_last: int, extra_args: dict,
                     fmt: str = TORCH):
+    """Write into RUN/checkpoints/.iter_N.partial/iter_N, rename it into place, then replace the latest pointer. A
+    write error (disk full, permission) on any rank removes the partial directory on every rank's agreement and
+    raises one QlmError; the latest pointer still names the last complete checkpoint."""
     g = engine.grid
     root = Path(root)
     name = iteration_dir_name(train_state.iteration)
     staging = root / f".{name}.partial"
+    error = None
     if g.rank == 0:
-        for stale in root.glob(".iter_*.partial"):
-            shutil.rmtree(stale, ignore_errors=True)
-        (staging / name).mkdir(parents=True, exist_ok=True)
-    _barrier()
+        try:
+            for stale in root.glob(".iter_*.partial"):
+                shutil.rmtree(stale, ignore_errors=True)
+            (staging / name).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            error = _write_failure(staging, exc)
+    _stop_on_failure(error, root, staging, train_state.iteration, g.rank)
     param_states, step = engine.optimizer.full_param_states()  # collectives: every rank takes part
     models = _model_states(engine)
     args = make_args(engine.layout, engine.dtype, iteration=train_state.iteration,
                      consumed_train_samples=train_state.consumed_samples, **extra_args)
     scheduler = {"num_steps": train_state.iteration}
-    if fmt == TORCH_DIST:
-        args.ckpt_format = TORCH_DIST
-        common = {OPTIMIZER_KEY: {"step": step}, TRAIN_STATE_KEY: asdict(train_state), RNG_KEY: _rng_by_position(g),
-                  SCHEDULER_KEY: scheduler}
-        parts = _owned_parts(engine, models, param_states) if g.dp_rank == 0 and g.cp_rank == 0 else []
-        save_torch_dist_collectively(staging / name, engine.layout, parts, args, train_state.iteration, common)
-    else:
-        rng = _gather_objects(_rng_state(), g.dp_cp_group)
-        if g.dp_rank == 0 and g.cp_rank == 0:
-            optimizer = {"step": step, **{view: [{} for _ in engine.chunks] for view in OPTIMIZER_VIEWS}}
-            for (chunk, param_name), state in zip(_named_trainable(engine), param_states, strict=True):
-                for view in OPTIMIZER_VIEWS:
-                    optimizer[view][chunk][param_name] = state[view].detach().cpu().clone()
-            extra = {OPTIMIZER_KEY: optimizer, TRAIN_STATE_KEY: asdict(train_state), RNG_KEY: rng,
-                     SCHEDULER_KEY: scheduler}
-            file = staging / name / shard_dir_name(g.tp_rank, g.pp_rank, engine.layout.pp) / SHARD_FILE
-            write_shard_file(file, models, args, train_state.iteration, extra)
-    _barrier()
+    error, target = None, staging / name
+    try:
+        if fmt == TORCH_DIST:
+            args.ckpt_format = TORCH_DIST
+            common = {OPTIMIZER_KEY: {"step": step}, TRAIN_STATE_KEY: asdict(train_state),
+                      RNG_KEY: _rng_by_position(g), SCHEDULER_KEY: scheduler}
+            parts = _owned_parts(engine, models, param_states) if g.dp_rank == 0 and g.cp_rank == 0 else []
+            save_torch_dist_collectively(staging / name, engine.layout, parts, args, train_state.iteration, common)
+        else:
+            rng = _gather_objects(_rng_state(), g.dp_cp_group)
+            if g.dp_rank == 0 and g.cp_rank == 0:
+                optimizer = {"step": step, **{view: [{} for _ in engine.chunks] for view in OPTIMIZER_VIEWS}}
+                for (chunk, param_name), state in zip(_named_trainable(engine), param_states, strict=True):
+                    for view in OPTIMIZER_VIEWS:
+                        optimizer[view][chunk][param_name] = state[view].detach().cpu().clone()
+                extra = {OPTIMIZER_KEY: optimizer, TRAIN_STATE_KEY: asdict(train_state), RNG_KEY: rng,
+                         SCHEDULER_KEY: scheduler}
+                target = staging / name / shard_dir_name(g.tp_rank, g.pp_rank, engine.layout.pp) / SHARD_FILE
+                write_shard_file(target, models, args, train_state.iteration, extra)
+    except (OSError, CheckpointException, RuntimeError) as exc:  # RuntimeError: torch.save on a full disk
+        exc = as_write_os_error(exc, target) or exc
+        if not _is_write_error(exc):
+            raise
+        error = _write_failure(target, exc)
+    _stop_on_failure(error, root, staging, train_state.iteration, g.rank)
     if g.rank == 0:
-        final = root / name
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging / name, final)
-        staging.rmdir()
-        pointer = root / f".{LATEST_FILE}.tmp"
-        pointer.write_text(str(train_state.iteration))
-        os.replace(pointer, root / LATEST_FILE)
-        _prune(root, keep_last, keep=final)
-    _barrier()
+        final, pointer = root / name, root / f".{LATEST_FILE}.tmp"
+        try:
+            pointer.write_text(str(train_state.iteration))  # first: a failure here has moved nothing yet
+            replaced = None
+            if final.exists():  # a checkpoint of this iteration from an earlier trajectory: set aside, then dropped
+                replaced = root / f".{name}.replaced.partial"
+                shutil.rmtree(replaced, ignore_errors=True)
+                os.replace(final, replaced)
+            os.replace(staging / name, final)
+            staging.rmdir()
+            os.replace(pointer, root / LATEST_FILE)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+            _prune(root, keep_last, keep=final)
+        except OSError as exc:
+            pointer.unlink(missing_ok=True)
+            error = _write_failure(pointer, exc)
+    _stop_on_failure(error, root, staging, train_state.iteration, g.rank)
 
 
 def _rng_by_position(g) -> dict[str, list]:
@@ -234,18 +315,81 @@ def has_checkpoint(root: Path) -> bool:
     return (Path(root) / LATEST_FILE).exists()
 
 
-def load_checkpoint(root: Path, engine: Engine) -> TrainState:
-    """Restore weights (through the optimizer's fp32 masters), optimizer state, RNG and data position from the
-    latest checkpoint, whatever TP/PP/DP it was written with."""
+def saved_iterations(root: Path) -> list[int]:
+    """The iterations of the complete checkpoints under RUN/checkpoints (iter_N directories)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in root.glob("iter_*") if p.is_dir() and p.name[5:].isdigit())
+
+
+def resume_iteration(root: Path, load_iteration: int | None = None) -> int | None:
+    """The iteration a resumed run starts from: `load_iteration` (checkpoint.load_iteration) when set, else the one
+    the latest file names; None when RUN/checkpoints holds no checkpoint. A missing iteration, a latest file that
+    names one that is not there, or checkpoints without a latest file are errors naming what is there."""
+    root = Path(root)
+    iterations = saved_iterations(root)
+    have = ", ".join(map(str, iterations)) or "none"
+    latest = root / LATEST_FILE
+    if load_iteration is not None:
+        if load_iteration not in iterations:
+            raise QlmError(f"checkpoint.load_iteration = {load_iteration} is not among the checkpoints in {root} "
+                           f"(iterations: {have})", "set checkpoint.load_iteration to one of them, or remove it to "
+                           "resume from the latest")
+        return load_iteration
+    if not latest.exists():
+        if iterations:
+            raise QlmError(f"{root} holds checkpoints (iterations: {have}) but no {LATEST_FILE}",
+                           "set checkpoint.load_iteration to the one to resume from, or start over with --force")
+        return None
+    try:
+        text = latest.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QlmError(f"{latest} cannot be read ({exc})", "write the iteration to resume from into it, or set "
+                       "checkpoint.load_iteration") from None
+    if not text.isdigit():
+        raise QlmError(f"{latest} holds {text[:40]!r}, not an iteration number",
+                       f"write one of the saved iterations ({have}) into it, or set checkpoint.load_iteration")
+    if int(text) not in iterations:
+        raise QlmError(f"{latest} names iteration {int(text)}, which is not in {root} (iterations: {have})",
+                       "set checkpoint.load_iteration to one of them, or write one into the file")
+    return int(text)
+
+
+def saved_layout(source) -> str:
+    """`tp.. pp.. dp..` of the run that wrote a checkpoint (dp from its per-rank RNG states, cp from its recipe)."""
+    import tomllib
+
+    cp = 1
+    recipe = getattr(source.args, "qlm_recipe", None)
+    if isinstance(recipe, str):
+        try:
+            cp = int(tomllib.loads(recipe).get("parallel", {}).get("cp", 1)) or 1
+        except (tomllib.TOMLDecodeError, TypeError, ValueError):
+            cp = 1
+    rng = saved_rng_states(source, 0, 0)
+    dp = f"dp{max(1, len(rng) // cp)}" if isinstance(rng, list) and rng else "dp?"
+    return f"tp{source.tp} pp{source.pp} {dp}"
+
+
+def describe_resume(root: Path, iteration: int) -> str:
+    """"resuming from iteration N (layout tp.. pp.. dp..)" for the run header and the dry run."""
+    return f"resuming from iteration {iteration} (layout {saved_layout(open_megatron(root, iteration))})"
+
+
+def load_checkpoint(root: Path, engine: Engine, iteration: int | None = None) -> tuple[TrainState, str]:
+    """Restore weights (through the optimizer's fp32 masters), optimizer state, RNG and data position from
+    checkpoint `iteration` (None: the latest), whatever TP/PP/DP it was written with. Returns the train state and
+    "resuming from iteration N (layout ...)"."""
     g = engine.grid
-    source = open_megatron(root, spec=engine.spec)
+    source = open_megatron(root, iteration, spec=engine.spec)
     engine_layout = engine.layout
     names = _named_trainable(engine)
     tensors = [dict(engine.layout.stored_tensors(g.pp_rank, c, engine.lora)) for c in range(len(engine.chunks))]
     states = [{} for _ in names]
     step = 0
     for view in OPTIMIZER_VIEWS:
-        view_source = open_megatron(root, spec=engine.spec, view=view)
+        view_source = open_megatron(root, iteration, spec=engine.spec, view=view)
         for index, (chunk, param_name) in enumerate(names):
             tensor = tensors[chunk][param_name]
             states[index][view] = read_shard_tensor(tensor, engine_layout.tp, g.tp_rank, view_source,
@@ -257,4 +401,4 @@ def load_checkpoint(root: Path, engine: Engine) -> TrainState:
     saved_rng = saved_rng_states(source, g.tp_rank, g.pp_rank) if same_grid else None
     if saved_rng is not None and len(saved_rng) == group_size(g.dp_cp_group):
         _set_rng_state(saved_rng[g.dp_rank * engine.config.cp + g.cp_rank])
-    return train_state
+    return train_state, f"resuming from iteration {train_state.iteration} (layout {saved_layout(source)})"

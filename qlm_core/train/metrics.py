@@ -4,6 +4,8 @@ is installed, and a loss-curve PNG at the end."""
 from __future__ import annotations
 
 import json
+import math
+import os
 import resource
 import sys
 from dataclasses import asdict, dataclass
@@ -39,6 +41,76 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
 
 
+def finite(value):
+    """VALUE with every NaN / inf float (also inside lists and dicts) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def strict_json(value, **kwargs) -> str:
+    """Standard JSON (no bare NaN / Infinity, which strict parsers reject): non-finite floats become null."""
+    return json.dumps(finite(value), allow_nan=False, **kwargs)
+
+
+def parse_log(log: Path) -> tuple[list[tuple[str, dict]], int, bool]:
+    """RUN/metrics.jsonl or RUN/eval.jsonl as (line, row) pairs, the count of non-blank lines, and whether the last
+    line was cut short (a run killed mid-write; left out). Any other line that is not a JSON object with a step is a
+    QlmError naming the file and line (`qlm train` checks this before it starts the ranks)."""
+    from qlm_core.errors import QlmError
+
+    if not log.exists():
+        return [], 0, False
+    try:
+        lines = log.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise QlmError(f"{log} is not UTF-8 text (offset {exc.start})",
+                       "delete the damaged lines (or the file) and re-run to resume") from None
+    except OSError as exc:
+        raise QlmError(f"cannot read {log}: {exc.strerror or exc}", "fix its permissions and re-run") from None
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    rows, dropped_partial = [], False
+    for index, (number, line) in enumerate(numbered):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError
+        except ValueError:  # json.JSONDecodeError included
+            if index == len(numbered) - 1:
+                dropped_partial = True
+                continue
+            raise QlmError(f"{log} line {number} is not a JSON object with a step: {line[:60]!r}",
+                           "delete that line (or the file) and re-run to resume") from None
+        rows.append((line, row))
+    return rows, len(numbered), dropped_partial
+
+
+def _repair_log(log: Path, resumed_from: int) -> list[dict]:
+    """The rows of a log (parse_log) up to step `resumed_from`, the file rewritten to them (temporary + rename)
+    when that drops anything; a cut-short last line is dropped with a notice."""
+    from qlm_core.errors import QlmError
+
+    rows, count, dropped_partial = parse_log(log)
+    kept = [(line, row) for line, row in rows if row["step"] <= resumed_from]
+    if dropped_partial:
+        print(f"note: dropped the incomplete last line of {log} (a run stopped while writing it)", file=sys.stderr,
+              flush=True)
+    if len(kept) != count:
+        temporary = log.with_name(f".{log.name}.tmp")
+        try:
+            temporary.write_text("".join(line + "\n" for line, _ in kept))
+            os.replace(temporary, log)
+        except OSError as exc:
+            temporary.unlink(missing_ok=True)
+            raise QlmError(f"cannot rewrite {log}: {exc.strerror or exc}",
+                           "free space or fix permissions on the run directory and re-run") from None
+    return [row for _, row in kept]
+
+
 class MetricsWriter:
     """Appends to RUN/metrics.jsonl and RUN/eval.jsonl and, if available, TensorBoard. A run resumed from step
     `resumed_from` continues the same files without what was logged after that step (it is about to be redone)."""
@@ -46,11 +118,11 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool = True, resumed_from: int = 0):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
+        self._eval_steps: set[int] = set()  # steps eval.jsonl holds: a re-run of a finished run adds no duplicate
         for log in (self.path, self.run_dir / "eval.jsonl"):
-            if log.exists():
-                lines = [line for line in log.read_text().splitlines() if line]
-                kept = [line for line in lines if json.loads(line)["step"] <= resumed_from]
-                log.write_text("".join(line + "\n" for line in kept))
+            rows = _repair_log(log, resumed_from)
+            if log.name == "eval.jsonl":
+                self._eval_steps = {row["step"] for row in rows}
         self.tb = None
         if tensorboard:
             try:
@@ -63,14 +135,17 @@ class MetricsWriter:
 
     def log_step(self, metrics: StepMetrics):
         with open(self.path, "a") as fh:
-            fh.write(json.dumps(asdict(metrics)) + "\n")
+            fh.write(strict_json(asdict(metrics)) + "\n")
         if self.tb is not None:
             for key in ("loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gb"):
                 self.tb.add_scalar(f"train/{key}", getattr(metrics, key), metrics.step)
 
     def log_eval(self, step: int, loss: float):
+        if step in self._eval_steps:
+            return
+        self._eval_steps.add(step)
         with open(self.run_dir / "eval.jsonl", "a") as fh:
-            fh.write(json.dumps({"step": step, "valid_loss": loss}) + "\n")
+            fh.write(strict_json({"step": step, "valid_loss": loss}) + "\n")
         if self.tb is not None:
             self.tb.add_scalar("valid/loss", loss, step)
 
@@ -84,7 +159,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def plot_loss(run_dir: Path) -> Path | None:
-    """loss.png from metrics.jsonl (and eval.jsonl); None when matplotlib is missing."""
+    """loss.png from metrics.jsonl (and eval.jsonl) on a log y-axis (a loss falls fast, then slowly: on a linear
+    axis most of a run looks flat); None when matplotlib is missing. Non-finite (null) losses are left out."""
     try:
         import matplotlib
 
@@ -92,14 +168,19 @@ def plot_loss(run_dir: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    train = read_jsonl(Path(run_dir) / "metrics.jsonl")
-    valid = read_jsonl(Path(run_dir) / "eval.jsonl")
+    def positive(rows, key):
+        return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and r[key] > 0]
+
+    train = positive(read_jsonl(Path(run_dir) / "metrics.jsonl"), "loss")
+    valid = positive(read_jsonl(Path(run_dir) / "eval.jsonl"), "valid_loss")
     figure, axis = plt.subplots(figsize=(7, 4))
-    axis.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    axis.plot([s for s, _ in train], [v for _, v in train], label="train loss")
     if valid:
-        axis.plot([r["step"] for r in valid], [r["valid_loss"] for r in valid], "o-", label="validation loss")
+        axis.plot([s for s, _ in valid], [v for _, v in valid], "o-", label="validation loss")
+    if train or valid:
+        axis.set_yscale("log")
     axis.set_xlabel("step")
-    axis.set_ylabel("loss")
+    axis.set_ylabel("loss (log scale)")
     axis.legend()
     axis.grid(alpha=0.3)
     out = Path(run_dir) / "loss.png"

@@ -3,14 +3,16 @@ run on, the model's numbers and the data files."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from qlm_core.config import Recipe
+from qlm_core.checkpoint.sources.open import CHECKPOINTS_DIR
+from qlm_core.config import ModelConfig, Recipe
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.state import ParallelSizes, resolve_sizes
+from qlm_core.train.checkpointing import describe_resume, resume_iteration
 from qlm_core.train.data import check_data_files
 from qlm_core.train.sources import resolve_model
 from qlm_core.train.trainer import total_steps
@@ -24,6 +26,8 @@ class RunPlan:
     layout: ModelLayout
     steps: int
     model_description: str
+    resume: str | None = None  # "resuming from iteration N (layout tp.. pp.. dp..)" when the run continues one
+    warnings: list[str] = field(default_factory=list)  # one line each, shown before the run starts
 
 
 def world_size(recipe: Recipe, nproc_per_node: int | None, nnodes: int) -> tuple[int, int]:
@@ -37,19 +41,52 @@ def world_size(recipe: Recipe, nproc_per_node: int | None, nnodes: int) -> tuple
     return per_node, per_node * nnodes
 
 
-def plan_run(recipe: Recipe, world: int, check_files: bool = True) -> RunPlan:
-    """`check_files` False (a dry run on another machine): missing data is not an error, and a missing
-    model.load falls back to model.spec for the numbers."""
+def run_warnings(recipe: Recipe, steps: int) -> list[str]:
+    """Settings that are valid but probably not meant: one line each (not errors)."""
+    found = []
+    warmup = recipe.schedule.warmup_iters
+    if warmup >= steps:
+        found.append(f"warning: schedule.warmup_iters = {warmup} >= the run's {steps} steps: the learning rate "
+                     f"never reaches optim.lr = {recipe.optim.lr:g}")
+    if recipe.checkpoint.load_iteration is not None and not recipe.checkpoint.resume:
+        found.append(f"warning: checkpoint.load_iteration = {recipe.checkpoint.load_iteration} is not used: "
+                     "checkpoint.resume is off (pass --resume to continue from it)")
+    return found
+
+
+def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: bool = False) -> RunPlan:
+    """`check_files` False (a dry run on another machine): missing data is not an error, and a missing model.load
+    is one only when the recipe names no model.spec (else a warning, and the spec's numbers, said as such).
+    `start_over` (--force): the run directory's checkpoints are not resumed."""
     p, t = recipe.parallel, recipe.train
     validate_recipe(recipe)  # before any file it names is opened: a recipe mistake is named as itself
     sizes = resolve_sizes(world, p.tp, p.pp, p.cp, p.dp)
     model = recipe.model
     if check_files:
         check_data_files(recipe.data)
-    elif model.load and not Path(model.load).exists():
-        model = replace(model, load="")
-    source = resolve_model(model)
+    warnings = []
+    if model.load and not Path(model.load).exists():
+        if check_files or model.spec == ModelConfig().spec:
+            raise QlmError(f"model.load {model.load} does not exist",
+                           "point it at an HF model, a Megatron checkpoint or a qlm run directory, or leave it empty "
+                           "for a random init of model.spec")
+        # a dry run on another machine (README: the 7B recipe's memory on a laptop): the numbers of the model.spec
+        # the recipe names, said as such (not "random init")
+        warnings.append(f"warning: model.load {model.load} does not exist here: this dry run takes the model's "
+                        f"numbers from model.spec {model.spec} (a real run stops at this)")
+        source = resolve_model(replace(model, load=""))
+        source = replace(source, description=f"{model.spec} from model.spec (model.load {model.load} not found)")
+    else:
+        source = resolve_model(model)
     layout = ModelLayout(source.spec, p.tp, p.pp, p.vpp, p.num_layers_in_first_pipeline_stage,
                          p.num_layers_in_last_pipeline_stage)
     validate_layout(source.spec, p, sizes, recipe.data.seq_length, t.micro_batch_size, t.global_batch_size)
-    return RunPlan(source.spec, sizes, layout, total_steps(recipe), source.description)
+    steps = total_steps(recipe)
+    resume = None
+    if recipe.checkpoint.resume and not start_over:
+        root = Path(t.output) / CHECKPOINTS_DIR
+        iteration = resume_iteration(root, recipe.checkpoint.load_iteration)
+        if iteration is not None:
+            resume = describe_resume(root, iteration)
+    return RunPlan(source.spec, sizes, layout, steps, source.description, resume,
+                   warnings + run_warnings(recipe, steps))

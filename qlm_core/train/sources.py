@@ -9,6 +9,7 @@ from pathlib import Path
 
 from qlm_core.checkpoint.sources.open import open_checkpoint, tokenizer_near
 from qlm_core.config import ModelConfig
+from qlm_core.errors import QlmError
 from qlm_core.models.layout import TensorSource
 from qlm_core.models.spec import ModelSpec, load_model_spec
 
@@ -21,9 +22,30 @@ class ModelSource:
     description: str
 
 
+# the numbers that fix every weight's shape: model.spec and model.load must agree on them
+SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "vocab_size")
+
+
+def check_spec_matches_load(config: ModelConfig, loaded: ModelSpec):
+    """model.spec set (not the default) beside model.load: the load's own config is what the run uses (as
+    transformers' from_pretrained and Megatron's --use-checkpoint-args do), so a spec that names another shape is
+    a mistake, not a choice: an error naming both. A spec of the same shape is fine."""
+    if not config.spec or config.spec == ModelConfig().spec:
+        return
+    named = load_model_spec(config.spec)
+    differ = [f"{f} {getattr(named, f)} vs {getattr(loaded, f)}" for f in SHAPE_FIELDS
+              if getattr(named, f) != getattr(loaded, f)]
+    if differ:
+        raise QlmError(f"model.spec {config.spec} and model.load {config.load} are different models "
+                       f"({', '.join(differ[:3])})", "remove model.spec (the weights' own config is used) or point "
+                       "it at the loaded model")
+
+
 def resolve_model(config: ModelConfig) -> ModelSource:
     if config.load:
         opened = open_checkpoint(Path(config.load))
+        check_spec_matches_load(config, opened.spec)
         spec, weights, tokenizer, what = opened.spec, opened.weights, opened.tokenizer_dir, opened.description
     else:
         spec, weights, what = load_model_spec(config.spec), None, f"random init of {config.spec}"

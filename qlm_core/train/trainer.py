@@ -4,16 +4,21 @@ RUN/config.toml   the resolved recipe
 RUN/metrics.jsonl one object per step (keys: metrics.StepMetrics)
 RUN/eval.jsonl    validation losses
 RUN/checkpoints/  Megatron-layout checkpoints (checkpointing.py)
-RUN/loss.png      the loss curve, RUN/summary.json the final figures
+RUN/loss.png      the loss curve, RUN/summary.json the final figures (totals of this invocation over its wall time)
+RUN/wandb/        Weights & Biases files when logging.wandb_project is set (wandb_log.py)
+
+SIGTERM / SIGINT (train.exit_signal_handler) and train.exit_duration_minutes stop the run at a step boundary every
+rank agrees on, with a checkpoint (signals.py); `summary["stopped"]` then says why, where and with which exit code.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from qlm_core.checkpoint.formats.hf import copy_side_files
 from qlm_core.checkpoint.formats.lora_args import lora_args
-from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR
+from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, iteration_dir_name
 from qlm_core.checkpoint.sources.open import CHECKPOINTS_DIR, run_checkpoint_dir
 from qlm_core.config import Recipe, recipe_to_toml
 from qlm_core.data.loader import GlobalBatchSampler, collate
@@ -30,14 +35,23 @@ from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.hardware import GPUS, local_gpu, measure_cpu_peak_tflops
 from qlm_core.models.flops import flops_per_sequence
-from qlm_core.parallel.state import Grid, destroy_distributed, init_distributed, resolve_sizes
-from qlm_core.train.checkpointing import TrainState, has_checkpoint, load_checkpoint, save_checkpoint
+from qlm_core.parallel.state import Grid, default_device, destroy_distributed, init_distributed, resolve_sizes
+from qlm_core.train.checkpointing import (
+    TrainState,
+    has_checkpoint,
+    load_checkpoint,
+    resume_iteration,
+    save_checkpoint,
+)
 from qlm_core.train.data import build_run_data
 from qlm_core.train.engine import Batch, Engine
-from qlm_core.train.metrics import MetricsWriter, StepMetrics, peak_memory_gb, plot_loss
+from qlm_core.train.metrics import MetricsWriter, StepMetrics, peak_memory_gb, plot_loss, strict_json
+from qlm_core.train.run_dir import claim_run_dir, os_error
 from qlm_core.train.schedule import learning_rate
+from qlm_core.train.signals import StopControl, StopReason
 from qlm_core.train.sources import resolve_model
 from qlm_core.train.validate import validate_recipe
+from qlm_core.train.wandb_log import WandbLogger, check_wandb
 
 
 @dataclass
@@ -71,7 +85,19 @@ def write_hf_side_dir(root: Path, spec, tokenizer_dir: Path | None):
     side.mkdir(parents=True, exist_ok=True)
     if tokenizer_dir is not None:
         copy_side_files(Path(tokenizer_dir), side)
-    (side / "config.json").write_text(json.dumps(spec.to_hf_config(), indent=2) + "\n")
+    from qlm_core.checkpoint.formats.hf_tokens import add_special_tokens  # eos ids + generation_config.json
+
+    config = add_special_tokens(side, spec.to_hf_config())
+    (side / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def stop_line(reason: StopReason, step: int, checkpoint: Path | None, new: bool = True) -> str:
+    """The one line a stopped run ends with."""
+    when = f"at step {step}" if new else f"before step {step + 1}"
+    if checkpoint is None:
+        return f"{reason.describe()} {when}; no checkpoint yet; re-running the same command starts the run afresh"
+    where = f"checkpoint saved to {checkpoint}" if new else f"the checkpoint {checkpoint} is intact"
+    return f"{reason.describe()} {when}; {where}; resume by re-running the same command"
 
 
 class Trainer:
@@ -86,13 +112,14 @@ class Trainer:
     def _setup(self):
         r = self.recipe
         validate_recipe(r)
+        check_wandb(r.logging, self.run_dir)
         rank, world = init_distributed()
         sizes = resolve_sizes(world, r.parallel.tp, r.parallel.pp, r.parallel.cp, r.parallel.dp)
         self.grid = Grid.build(sizes)
         torch.manual_seed(r.train.seed)
         self.steps = total_steps(r)
         if self.grid.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            claim_run_dir(self.run_dir, r.checkpoint.resume)  # the launcher's lock, or this run's (run_dir.py)
             (self.run_dir / "config.toml").write_text(recipe_to_toml(r))
         source = resolve_model(r.model)
         cache = Path(r.data.cache_dir) if r.data.cache_dir else self.run_dir / "cache"
@@ -115,12 +142,16 @@ class Trainer:
         if self.grid.rank == 0:
             write_hf_side_dir(self.ckpt_root, source.spec, self.data.tokenizer_dir)
         self.state = TrainState()
-        if r.checkpoint.resume and has_checkpoint(self.ckpt_root):
-            self.state = load_checkpoint(self.ckpt_root, self.engine)
+        self.resumed = None  # "resuming from iteration N (layout ...)" for the run header
+        start = resume_iteration(self.ckpt_root, r.checkpoint.load_iteration) if r.checkpoint.resume else None
+        if start is not None:
+            self.state, self.resumed = load_checkpoint(self.ckpt_root, self.engine, start)
         self.metrics = (MetricsWriter(self.run_dir, r.logging.tensorboard, resumed_from=self.state.iteration)
                         if self.grid.rank == 0 else None)
         self.flops = flops_per_sequence(source.spec, r.data.seq_length, r.data.mean_doc_len)
         self.peak, self.peak_source = peak_tflops(r)
+        self.wandb = (WandbLogger(r.logging, self.run_dir, asdict(r))
+                      if self.grid.rank == 0 and r.logging.wandb_project else None)
 
     def _batches(self, dataset, consumed: int):
         sampler = GlobalBatchSampler(len(dataset), self.recipe.train.global_batch_size, self.grid.dp_rank,
@@ -154,16 +185,55 @@ class Trainer:
         self._emit("checkpoint", step=self.state.iteration)
 
     def run(self) -> dict:
+        r = self.recipe
+        self.wandb = None
+        with StopControl(r.train.exit_signal_handler, r.train.exit_duration_minutes) as self.stop:
+            try:
+                summary = self._run_dir_faults_named()
+            except BaseException:
+                if self.wandb is not None:
+                    self.wandb.finish(exit_code=1)
+                raise
+            if self.wandb is not None:
+                self.wandb.finish(exit_code=summary.get("stopped", {}).get("exit_code", 0))
+        return summary
+
+    def _run_dir_faults_named(self) -> dict:
+        """_run, with a write fault inside the run directory (disk full, permissions) as one line naming the file."""
+        try:
+            return self._run()
+        except OSError as exc:
+            where = Path(os.fsdecode(exc.filename)).resolve() if exc.filename else None
+            if where is not None and self.run_dir.resolve() in (where, *where.parents):
+                raise os_error(where, exc) from None
+            raise
+
+    def _raise_peak(self, tflops: float, step: int):
+        """A step ran faster than the peak: the peak was wrong (a CPU probe under load, a FLOPs count above the
+        work done); MFU stays <= 1 by taking the fastest step as the peak from here on, and says so."""
+        given = getattr(self, "_peak_given", None) or (self.peak, self.peak_source)
+        self._peak_given = given
+        self.peak_source = f"{given[1]}; raised from {given[0]:.3g}: step {step} ran at {tflops:.3g} TFLOP/s"
+        self.peak = tflops
+
+    def _run(self) -> dict:
         self._setup()
         r, g = self.recipe, self.grid
+        self.stop.is_rank0 = g.rank == 0
+        device = default_device()
         self._emit("start", layout=g.describe(), model=self.source.description, steps=self.steps,
-                   start_step=self.state.iteration, params=self.source.spec.num_parameters(),
+                   start_step=self.state.iteration, params=self.source.spec.num_parameters(), resumed=self.resumed,
                    train_samples=len(self.data.train), peak_tflops=self.peak, peak_source=self.peak_source)
         batches = self._batches(self.data.train, self.state.consumed_samples)
         world = g.sizes.world
         self._last_eval = (-1, None)
         last_saved = self.state.iteration if has_checkpoint(self.ckpt_root) else -1
-        while self.state.iteration < self.steps:
+        # this invocation's totals, over the loop's wall time (evaluations and checkpoints included)
+        self._totals = {"steps": 0, "samples": 0, "tokens": 0}
+        # a signal during the setup stops the run before its first step
+        stopped = self.stop.poll(device, clock=False) if self.state.iteration < self.steps else None
+        loop_started = time.perf_counter()
+        while stopped is None and self.state.iteration < self.steps:
             step = self.state.iteration
             lr = self._lr(step)
             started = time.perf_counter()
@@ -174,6 +244,11 @@ class Trainer:
             self.state.skipped_in_row = self.state.skipped_in_row + 1 if result.skipped else 0
             self.state.skipped_total += int(result.skipped)
             tflops = self.flops * r.train.global_batch_size / seconds / world / 1e12
+            if tflops > self.peak:
+                self._raise_peak(tflops, self.state.iteration)
+            for key, value in (("steps", 1), ("samples", r.train.global_batch_size),
+                               ("tokens", r.train.global_batch_size * r.data.seq_length)):
+                self._totals[key] += value
             metrics = StepMetrics(
                 step=self.state.iteration, loss=result.loss, grad_norm=result.grad_norm, lr=lr,
                 tokens=result.tokens, samples=self.state.consumed_samples, step_time_s=seconds,
@@ -183,10 +258,14 @@ class Trainer:
             )
             if self.metrics is not None:
                 self.metrics.log_step(metrics)
+            if self.wandb is not None:
+                self.wandb.log_step(metrics)
             self._emit("step", metrics=metrics, total=self.steps)
             if self.state.skipped_in_row >= r.train.max_skipped_steps:
                 raise QlmError(f"{self.state.skipped_in_row} steps in a row had a non-finite loss or gradient",
                                "lower optim.lr or check the data; the last checkpoint is intact")
+            if self.state.iteration < self.steps and (stopped := self.stop.poll(device)) is not None:
+                break  # every rank stops here, after the same step
             if r.train.eval_interval and self.state.iteration % r.train.eval_interval == 0:
                 self._log_eval()
             if r.checkpoint.save_interval and self.state.iteration % r.checkpoint.save_interval == 0:
@@ -195,15 +274,19 @@ class Trainer:
             if r.train.exit_interval and self.state.iteration % r.train.exit_interval == 0 \
                     and self.state.iteration < self.steps:
                 break
+        self._totals["wall_s"] = time.perf_counter() - loop_started
         final_valid = None
-        if self.state.iteration == self.steps:
+        if stopped is None and self.state.iteration == self.steps:
             final_valid = self._last_eval[1] if self._last_eval[0] == self.state.iteration else self._log_eval()
-        if last_saved != self.state.iteration:
+        if last_saved != self.state.iteration and (stopped is None or self._totals["steps"]):
             self._save()
+            last_saved = self.state.iteration
         summary = self._summary(final_valid)
+        if stopped is not None:
+            summary["stopped"] = self._stopped(stopped, last_saved)
         if self.metrics is not None:
             self.metrics.close()
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            (self.run_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
             if r.logging.plot:
                 summary["plot"] = str(plot_loss(self.run_dir))
         self._emit("end", summary=summary)
@@ -216,21 +299,40 @@ class Trainer:
         if loss is not None:
             if self.metrics is not None:
                 self.metrics.log_eval(self.state.iteration, loss)
+            if self.wandb is not None:
+                self.wandb.log_eval(self.state.iteration, loss)
             self._emit("eval", step=self.state.iteration, loss=loss)
         return loss
 
+    def _stopped(self, reason: StopReason, last_saved: int) -> dict:
+        step = self.state.iteration
+        saved = self.ckpt_root / iteration_dir_name(last_saved) if last_saved > 0 else None
+        return {"reason": reason.name, "signal": reason.signum or None, "step": step,
+                "checkpoint": str(saved) if saved is not None else None,
+                "checkpoint_is_new": bool(self._totals["steps"]) and last_saved == step,
+                "exit_code": reason.exit_code, "line": stop_line(reason, step, saved,
+                                                                  new=bool(self._totals["steps"]))}
+
     def _summary(self, final_valid: float | None) -> dict:
+        """The figures of this invocation: totals over its training loop's wall time (not a mean of per-step
+        rates, which hides evaluations, checkpoints and slow steps)."""
         from qlm_core.train.metrics import read_jsonl
 
         rows = read_jsonl(self.run_dir / "metrics.jsonl") if self.metrics is not None else []
-        timed = rows[1:] or rows  # the first step includes one-off warm-up costs
-        mean = (lambda key: sum(r[key] for r in timed) / len(timed)) if timed else (lambda key: float("nan"))
+        totals, world = self._totals, self.grid.sizes.world
+        wall, samples = totals.get("wall_s", 0.0), totals["samples"]
+        nan = float("nan")
+        tflops = self.flops * samples / wall / world / 1e12 if wall > 0 and samples else nan
         return {
             "steps": self.state.iteration, "first_loss": rows[0]["loss"] if rows else None,
             "last_loss": rows[-1]["loss"] if rows else None, "valid_loss": final_valid,
-            "s_per_sample": mean("s_per_sample"), "tokens_per_s": mean("tokens_per_s"),
-            "tflops_per_device": mean("tflops_per_device"), "mfu": mean("mfu"),
-            "mem_peak_gb": max((r["mem_peak_gb"] for r in rows), default=float("nan")),
+            "steps_run": totals["steps"], "train_wall_s": wall, "tokens": totals["tokens"],
+            "s_per_sample": wall / samples if samples else nan,
+            "tokens_per_s": totals["tokens"] / wall if wall > 0 and samples else nan,
+            "tflops_per_device": tflops, "mfu": tflops / self.peak if math.isfinite(tflops) else nan,
+            "peak_tflops": self.peak, "peak_source": self.peak_source,
+            "mem_peak_gb": max((r["mem_peak_gb"] for r in rows if r.get("mem_peak_gb") is not None),
+                               default=nan),
             "skipped_steps": self.state.skipped_total, "layout": self.grid.describe(),
             "run_dir": str(self.run_dir),
         }

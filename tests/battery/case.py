@@ -37,7 +37,8 @@ class Case:
     timeout: float = 300
     # a fault injected while the command runs: (seconds after start, signal number); the case's check judges it
     interrupt: tuple[float, int] | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # "stdin": text fed to the command
+    cleanup: Callable[[Path], None] | None = None  # run after judging, whatever the outcome (e.g. unmount)
 
 
 def judge(case: Case, root: Path, outcome: Outcome) -> str | None:

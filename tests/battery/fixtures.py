@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 
@@ -13,13 +14,15 @@ class Fixtures:
     def __init__(self, cache: Path):
         self.cache = cache
         cache.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()  # cases run on several threads; builders call other builders
 
     def _built(self, name: str, build) -> Path:
         path = self.cache / name
-        if not (self.cache / f"{name}.done").exists():
-            shutil.rmtree(path, ignore_errors=True)
-            build(path)
-            (self.cache / f"{name}.done").touch()
+        with self._lock:
+            if not (self.cache / f"{name}.done").exists():
+                shutil.rmtree(path, ignore_errors=True)
+                build(path)
+                (self.cache / f"{name}.done").touch()
         return path
 
     def copy(self, name: str, root: Path) -> Path:
@@ -66,6 +69,57 @@ class Fixtures:
         if not path.exists():
             path.write_text(recipe_text(self.hf(), self.sft_jsonl() / "chat.jsonl"))
         return path
+
+    def checkpoints(self, name: str) -> Path:
+        """Checkpoint fixture NAME (deepspeed, deepspeed_bf16, torch_dist, hf_sharded, megatron), built once even
+        when cases run in parallel threads (a file lock around the build)."""
+        import fcntl
+
+        def sharded(path: Path):  # the HF fixture re-saved by transformers in shards with an index
+            import transformers
+
+            transformers.AutoModelForCausalLM.from_pretrained(self.hf()).save_pretrained(path, max_shard_size="200KB")
+            for item in self.hf().iterdir():
+                if item.name.startswith("tokenizer"):
+                    shutil.copy2(item, path / item.name)
+
+        builders = {
+            "megatron": self.megatron,
+            "deepspeed": lambda: self._built("deepspeed", lambda p: qlm(
+                "convert", "hf2ds", "--hf", self.hf(), "--out", p, "--no-verify")),
+            "deepspeed_bf16": lambda: self._built("deepspeed_bf16", lambda p: qlm(
+                "convert", "hf2ds", "--hf", self.hf(), "--out", p, "--dtype", "bf16", "--no-verify")),
+            "torch_dist": lambda: self._built("torch_dist", lambda p: qlm(
+                "convert", "hf2mcore", "--hf", self.hf(), "--out", p, "--format", "torch_dist", "--no-verify")),
+            "hf_sharded": lambda: self._built("hf_sharded", sharded),
+        }
+        with open(self.cache / ".checkpoints.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return builders[name]()
+
+    def argsless(self) -> Path:
+        """Megatron checkpoints without Megatron-LM args or hf/ (as megatron-core's dist_checkpointing and
+        Megatron-Bridge write them): ARGSLESS/dist (torch_dist, TP1) and ARGSLESS/torch (legacy, TP2)."""
+        import fcntl
+
+        def build(path: Path):
+            import torch
+
+            from qlm_core.checkpoint.io.safe_load import safe_torch_load
+
+            qlm("convert", "hf2mcore", "--hf", self.hf(), "--out", path / "dist", "--format", "torch_dist",
+                "--no-verify")
+            qlm("convert", "hf2mcore", "--hf", self.hf(), "--out", path / "torch", "--tp", "2", "--no-verify")
+            for root in (path / "dist", path / "torch"):
+                shutil.rmtree(root / "hf")
+                for file in [*root.glob("*/common.pt"), *root.glob("*/mp_rank_*/model_optim_rng.pt")]:
+                    state = safe_torch_load(file)
+                    state.pop("args")
+                    torch.save(state, file)
+
+        with open(self.cache / ".argsless.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._built("argsless", build)
 
 
 def recipe_text(hf: Path, data: Path, steps: int = 4) -> str:

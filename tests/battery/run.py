@@ -42,7 +42,9 @@ def run_case(case: Case, root: Path, fixtures: Fixtures) -> tuple[Case, str | No
     argv, env = made if isinstance(made, tuple) else (made, {})
     env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(HERE.parent.parent), **env}
     proc = subprocess.Popen([sys.executable, "-m", "qlm_cli.main", *map(str, argv)], cwd=root, env=env,
+                            stdin=subprocess.PIPE if "stdin" in case.extra else subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stdin = case.extra.get("stdin")
     if case.interrupt is not None:
         delay, signum = case.interrupt
         try:
@@ -50,13 +52,19 @@ def run_case(case: Case, root: Path, fixtures: Fixtures) -> tuple[Case, str | No
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signum) if signum == signal.SIGKILL else proc.send_signal(signum)
     try:
-        stdout, stderr = proc.communicate(timeout=case.timeout)
+        stdout, stderr = proc.communicate(input=stdin, timeout=case.timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
+        if case.cleanup is not None:
+            case.cleanup(root)
         return case, f"timed out after {case.timeout} s", Outcome(-9, stdout, stderr)
     outcome = Outcome(proc.returncode, stdout, stderr)
-    return case, judge(case, root, outcome), outcome
+    try:
+        return case, judge(case, root, outcome), outcome
+    finally:
+        if case.cleanup is not None:
+            case.cleanup(root)
 
 
 def main():
@@ -69,7 +77,7 @@ def main():
     cases = [c for c in collect() if args.k in c.klass or args.k in c.name]
     base = args.keep or Path(tempfile.mkdtemp(prefix="qlm-battery-"))
     fixtures = Fixtures(base / "_fixtures")
-    for build in ("hf", "tokenizer", "sft_jsonl", "recipe"):
+    for build in ("hf", "tokenizer", "sft_jsonl", "recipe", "megatron", "run"):  # before threads share them
         getattr(fixtures, build)()
     start = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:

@@ -41,12 +41,12 @@ from qlm_core.models.layout import HFTensorSource, ModelLayout, TensorSource
 def ds_to_hf(
     ds: str | Path, out: str | Path, *, tag: str | None = None, config: str | Path | None = None,
     dtype: str | torch.dtype | None = None, max_shard_size_gb: float = 5.0, force: bool = False,
-    verify: bool | None = None, progress: Progress = no_progress,
+    verify: bool | None = None, progress: Progress = no_progress, allow_bf16_weights: bool = False,
 ) -> ConvertResult:
     """DeepSpeed (ZeRO 0-3) -> HF: the fp32 master weights (default dtype fp32), frozen and tied params included.
     `config`: the HF config (dir or config.json) of the trained model; default a config.json next to the checkpoint."""
     started = time.perf_counter()
-    src, spec, config_path = open_deepspeed(ds, tag, config)
+    src, spec, config_path = open_deepspeed(ds, tag, config, allow_bf16_weights)
     out = Path(out)
     check_output_dir(out, force, src.root)
     layout = ModelLayout(spec)
@@ -62,18 +62,19 @@ def ds_to_hf(
             compare_tensors(report, (layout, source), (layout, HFTensorSource(HFCheckpoint(tmp))), dtype)
             compare_logits(report, qlm_logits_fn(layout, source, dtype), hf_logits_fn(tmp, dtype), spec)
             finish_report(report)
-    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, list(src.notes))
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, list(src.notes),
+                         list(src.warnings))
 
 
 def ds_to_mcore(
     ds: str | Path, out: str | Path, *, tag: str | None = None, config: str | Path | None = None, tp: int = 1,
     pp: int = 1, vpp: int = 1, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
     dtype: str | torch.dtype | None = None, make_vocab_size_divisible_by: int = 128, force: bool = False,
-    verify: bool | None = None, progress: Progress = no_progress,
+    verify: bool | None = None, progress: Progress = no_progress, allow_bf16_weights: bool = False,
 ) -> ConvertResult:
     """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy torch (release/), streamed one rank file at a time."""
     started = time.perf_counter()
-    src, spec, config_path = open_deepspeed(ds, tag, config)
+    src, spec, config_path = open_deepspeed(ds, tag, config, allow_bf16_weights)
     out = Path(out)
     check_output_dir(out, force, src.root)
     layout = ModelLayout(spec, tp, pp, vpp, first_stage_layers, last_stage_layers, make_vocab_size_divisible_by)
@@ -91,7 +92,8 @@ def ds_to_mcore(
             compare_logits(report, qlm_logits_fn(layout, source, dtype), qlm_logits_fn(written.layout, written, dtype),
                            spec)
             finish_report(report)
-    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, list(src.notes))
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, list(src.notes),
+                         list(src.warnings))
 
 
 def _write_and_verify_ds(tmp: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype, tag: str,
@@ -134,11 +136,12 @@ def hf_to_ds(
 def mcore_to_ds(
     mcore: str | Path, out: str | Path, *, iteration: int | None = None, tag: str | None = None,
     dtype: str | torch.dtype | None = None, fp32_master: bool = True, force: bool = False,
-    verify: bool | None = None, progress: Progress = no_progress,
+    verify: bool | None = None, progress: Progress = no_progress, config: str | Path | None = None,
 ) -> ConvertResult:
-    """Megatron-Core (any TP/PP, a LoRA run merged) -> DeepSpeed; tag default global_step<iteration>."""
+    """Megatron-Core (any TP/PP, a LoRA run merged) -> DeepSpeed; tag default global_step<iteration>. `config`: the
+    architecture (HF dir, config.json or preset) for a checkpoint without Megatron-LM args."""
     started = time.perf_counter()
-    src, out, dtype, source, side_dir = open_for_export(mcore, iteration, out, force, dtype)
+    src, out, dtype, source, side_dir = open_for_export(mcore, iteration, out, force, dtype, config)
     steps = src.iteration or 0
     with staged_output(out, force) as tmp:
         report = _write_and_verify_ds(tmp, src.layout, source, dtype, tag or f"global_step{steps}", steps, fp32_master,

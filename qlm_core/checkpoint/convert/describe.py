@@ -9,13 +9,14 @@ from typing import Any
 
 import torch
 
+from qlm_core.checkpoint.formats.deepspeed import resolve_tag_dir
 from qlm_core.checkpoint.formats.hf import HFCheckpoint, is_hf_dir
 from qlm_core.checkpoint.formats.megatron_legacy import (
     LATEST_FILE,
-    MegatronTorchCheckpoint,
     is_mcore_torch_dir,
     resolve_iteration_dir,
 )
+from qlm_core.checkpoint.formats.megatron_open import open_megatron_with
 from qlm_core.errors import QlmError
 
 HF, MCORE_TORCH, MCORE_TORCH_DIST, DEEPSPEED = "hf", "mcore-torch", "mcore-torch_dist", "deepspeed"
@@ -60,11 +61,8 @@ def _dtype_name(dtype) -> str:
 
 
 def _deepspeed_tag_dir(path: Path) -> Path | None:
-    if (path / "latest").is_file():
-        tag = (path / "latest").read_text().strip()
-        if (path / tag).is_dir():
-            return path / tag
-        raise QlmError(f"{path / 'latest'} names tag {tag!r}, which does not exist", "fix the file or pass the tag dir")
+    if (path / "latest").is_file():  # the reader's rules: UTF-8, a plain tag name inside the checkpoint
+        return resolve_tag_dir(path)
     if list(path.glob("*mp_rank_*_model_states.pt")) or list(path.glob("*/*mp_rank_*_model_states.pt")):
         return path  # a tag directory, or tags without `latest` (the reader then asks for --iteration)
     return None
@@ -96,11 +94,17 @@ def detect_format(path: Path, iteration: int | None = None) -> str:
     )
 
 
-def inspect_checkpoint(path: str | Path, iteration: int | None = None) -> Inspection:
+def inspect_checkpoint(path: str | Path, iteration: int | None = None,
+                       config: str | Path | None = None) -> Inspection:
+    """`config` (HF directory or preset): the architecture of a Megatron checkpoint that stores no args (else
+    its run_config.yaml is read; see megatron_open.py)."""
     path = Path(path)
     fmt = detect_format(path, iteration)
-    return {HF: _inspect_hf, MCORE_TORCH: _inspect_mcore, MCORE_TORCH_DIST: _inspect_torch_dist,
-            DEEPSPEED: _inspect_deepspeed}[fmt](path, iteration)
+    if fmt in (MCORE_TORCH, MCORE_TORCH_DIST):
+        return {MCORE_TORCH: _inspect_mcore, MCORE_TORCH_DIST: _inspect_torch_dist}[fmt](path, iteration, config)
+    if config is not None:
+        raise QlmError(f"--config applies to Megatron checkpoints and {path} is {fmt}", "drop --config")
+    return {HF: _inspect_hf, DEEPSPEED: _inspect_deepspeed}[fmt](path, iteration)
 
 
 def _inspect_hf(path: Path, iteration) -> Inspection:
@@ -115,15 +119,22 @@ def _inspect_hf(path: Path, iteration) -> Inspection:
     return report
 
 
-def _inspect_mcore(path: Path, iteration) -> Inspection:
-    ckpt = MegatronTorchCheckpoint(path, iteration)
+def _args_row(ckpt) -> dict[str, Any]:
+    args = {k: getattr(ckpt.args, k) for k in _ARG_KEYS if hasattr(ckpt.args, k)}
+    if ckpt.args_from != "checkpoint":
+        args["args_from"] = ckpt.args_from
+    return args
+
+
+def _inspect_mcore(path: Path, iteration, config=None) -> Inspection:
+    ckpt = open_megatron_with(path, iteration, config)
     layout = ckpt.layout
     report = Inspection(MCORE_TORCH, path, layout={
         "iteration": "release" if ckpt.iteration is None else ckpt.iteration, "tp": ckpt.tp, "pp": ckpt.pp,
         "vpp": ckpt.vpp, "stage_layers": list(layout.stage_layer_counts), "padded_vocab": layout.padded_vocab,
         "dtype": _dtype_name(ckpt.dtype),
     })
-    report.args = {k: getattr(ckpt.args, k) for k in _ARG_KEYS if hasattr(ckpt.args, k)}
+    report.args = _args_row(ckpt)
     for (tp_rank, pp_rank), file in sorted(ckpt.files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         for chunk in range(ckpt.vpp):
             where = file.parent.name + (f"/model{chunk}" if ckpt.vpp > 1 else "")
@@ -132,17 +143,15 @@ def _inspect_mcore(path: Path, iteration) -> Inspection:
     return report
 
 
-def _inspect_torch_dist(path: Path, iteration) -> Inspection:
-    from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
-
-    ckpt = TorchDistCheckpoint(path, iteration)
+def _inspect_torch_dist(path: Path, iteration, config=None) -> Inspection:
+    ckpt = open_megatron_with(path, iteration, config)
     report = Inspection(MCORE_TORCH_DIST, path, layout={
         "iteration": "release" if ckpt.iteration is None else ckpt.iteration, "saved_tp": ckpt.tp,
         "saved_pp": ckpt.pp, "padded_vocab": ckpt.layout.padded_vocab, "dtype": _dtype_name(ckpt.dtype),
         "common_state": "common.pt" if (ckpt.dir / "common.pt").exists() else "dcp",
         "files": len({info.relative_path for info in (ckpt.metadata.storage_data or {}).values()}),
     })
-    report.args = {k: getattr(ckpt.args, k) for k in _ARG_KEYS if hasattr(ckpt.args, k)}
+    report.args = _args_row(ckpt)
     for name, meta in sorted(ckpt.tensors.items()):
         report.tensors.append(TensorRow(name, tuple(meta.size), _dtype_name(meta.properties.dtype),
                                         f"dcp ({len(meta.chunks)} chunks)"))

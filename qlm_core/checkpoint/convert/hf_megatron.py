@@ -26,6 +26,7 @@ from qlm_core.checkpoint.convert.verify import (
 from qlm_core.checkpoint.formats.hf import (
     HFCheckpoint,
     copy_side_files,
+    is_hf_dir,
     plan_hf_shards,
     shard_file_names,
     write_hf_config,
@@ -42,6 +43,7 @@ from qlm_core.checkpoint.formats.megatron_legacy import (
     write_latest,
     write_shard_file,
 )
+from qlm_core.checkpoint.formats.megatron_open import config_dir, open_megatron_with
 from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
 from qlm_core.checkpoint.formats.torch_dist_write import write_mcore_torch_dist
 from qlm_core.checkpoint.io.staging import check_output_dir, staged_output
@@ -71,6 +73,7 @@ class ConvertResult:
     seconds: float
     verify: VerifyReport | None
     notes: list[str] = field(default_factory=list)  # what was not carried over, and why
+    warnings: list[str] = field(default_factory=list)  # what the output lost or the source holds (warning lines)
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -172,29 +175,44 @@ def write_hf(out: Path, layout: ModelLayout, source: TensorSource, dtype: torch.
 
 
 def open_for_export(mcore: str | Path, iteration: int | None, out: str | Path, force: bool,
-                    dtype: str | torch.dtype | None) -> tuple:
+                    dtype: str | torch.dtype | None, config: str | Path | None = None) -> tuple:
     """A Megatron checkpoint opened to be written elsewhere: (checkpoint, output path — checked to be writable —,
     output dtype — the checkpoint's unless given —, its weights — a LoRA run: the base merged with the adapters —,
-    the directory of its HF config and tokenizer files)."""
-    src = open_megatron(mcore, iteration)
+    the directory of its HF config and tokenizer files: the `config` directory when one is given).
+    `config` (--config: HF directory or preset) supplies the architecture of a checkpoint without Megatron args
+    and is checked against one with them (megatron_open.py)."""
+    src = open_megatron_with(mcore, iteration, config)
     out = Path(out)
     check_output_dir(out, force, src.root)
     dtype = parse_dtype(dtype) or src.dtype
     source, side_dir = megatron_weights(src)
-    return src, out, dtype, source, side_dir
+    return src, out, dtype, source, config_dir(config) or side_dir
+
+
+def write_export_config(out: Path, side_dir: Path, spec, dtype: torch.dtype, config: str | Path | None):
+    """OUT/config.json (+ tokenizer and generation config). A preset --config describes the model: its config is
+    written from the spec, the tokenizer files still come from the checkpoint's side directory."""
+    if config is not None and config_dir(config) is None:
+        if side_dir.is_dir():
+            copy_side_files(side_dir, out)
+        write_hf_config(out, None, spec, dtype)
+    else:
+        write_hf_config(out, side_dir, spec, dtype)
 
 
 def mcore_to_hf(
     mcore: str | Path, out: str | Path, *, iteration: int | None = None, dtype: str | torch.dtype | None = None,
     max_shard_size_gb: float = 5.0, force: bool = False, verify: bool | None = None,
-    progress: Progress = no_progress,
+    progress: Progress = no_progress, config: str | Path | None = None,
 ) -> ConvertResult:
+    """`config`: an HF directory or preset naming the architecture (needed when the checkpoint stores no Megatron
+    args and has no run_config.yaml); the export then has exactly its vocab_size rows (no Megatron padding)."""
     started = time.perf_counter()
-    src, out, dtype, source, side_dir = open_for_export(mcore, iteration, out, force, dtype)
+    src, out, dtype, source, side_dir = open_for_export(mcore, iteration, out, force, dtype, config)
     report = None
     with staged_output(out, force) as tmp:
         write_hf(tmp, src.layout, source, dtype, int(max_shard_size_gb * 2**30), progress)
-        write_hf_config(tmp, side_dir, src.spec, dtype)
+        write_export_config(tmp, side_dir, src.spec, dtype, config)
         if should_verify(verify, src.spec):
             report = VerifyReport()
             written = HFCheckpoint(tmp)
@@ -209,12 +227,12 @@ def mcore_to_mcore(
     first_stage_layers: int | None = None, last_stage_layers: int | None = None,
     iteration: int | None = None, dtype: str | torch.dtype | None = None,
     make_vocab_size_divisible_by: int | None = None, force: bool = False, verify: bool | None = None,
-    progress: Progress = no_progress, format: str | None = None,
+    progress: Progress = no_progress, format: str | None = None, config: str | Path | None = None,
 ) -> ConvertResult:
     """`format`: "torch" or "torch_dist" (default: the source's). The output also carries qlm's training state
     (Adam states re-sliced like the weights, step, train state, scheduler; see train_state.py)."""
     started = time.perf_counter()
-    src = open_megatron(mcore, iteration)
+    src = open_megatron_with(mcore, iteration, config)
     format = check_format(format or (TORCH_DIST if isinstance(src, TorchDistCheckpoint) else TORCH))
     if src.lora is not None and not src.holds_base:
         raise QlmError(f"{src.root} holds only LoRA adapters", "export them with mcore2peft, or merged with mcore2hf")
@@ -223,15 +241,22 @@ def mcore_to_mcore(
     divisible = make_vocab_size_divisible_by or src.layout.make_vocab_size_divisible_by
     layout = ModelLayout(src.spec, tp, pp, vpp, first_stage_layers, last_stage_layers, divisible)
     dtype = parse_dtype(dtype) or src.dtype
-    args = set_layout_args(argparse.Namespace(**vars(src.args)), layout, dtype)
+    if src.args_from == "checkpoint":
+        args = set_layout_args(argparse.Namespace(**vars(src.args)), layout, dtype)
+    else:  # no Megatron args stored: complete ones from the architecture (--config or run_config.yaml)
+        args = make_args(layout, dtype, iteration=src.iteration or 0)
     args.ckpt_format = format
     carrier = TrainStateCarrier(src, layout)
     notes = list(carrier.notes)
     report = None
     with staged_output(out, force) as tmp:
         write_megatron(format, tmp, layout, src, dtype, args, src.iteration, progress, carrier)
-        if (src.root / HF_SIDE_DIR).is_dir():
-            copy_side_files(src.root / HF_SIDE_DIR, tmp / HF_SIDE_DIR)
+        side = config_dir(config) or src.root / HF_SIDE_DIR
+        if side.is_dir():
+            copy_side_files(side, tmp / HF_SIDE_DIR)
+        elif config is not None:  # a preset: its config keeps the written checkpoint self-describing
+            (tmp / HF_SIDE_DIR).mkdir()
+            write_hf_config(tmp / HF_SIDE_DIR, None, src.spec, dtype)
         if should_verify(verify, src.spec):
             report = VerifyReport()
             written = open_megatron(tmp, src.iteration, spec=src.spec)
@@ -243,20 +268,54 @@ def mcore_to_mcore(
     return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, notes)
 
 
+PEFT_BASE_DIR = "base"  # inside a PEFT export: the base model as HF, when the adapters' base is not one
+
+
+def peft_base(src) -> tuple[Path | str | None, tuple | None, list[str]]:
+    """Where the PEFT adapter's base model is: (base_model_name_or_path — an HF directory when the run's args
+    name one —, what to export as HF into OUT/base when the base is a Megatron checkpoint or the checkpoint itself
+    — (layout, source, spec, dtype, side dir) —, notes)."""
+    if src.holds_base:
+        return None, (src.layout, src, src.spec, src.dtype, src.root / HF_SIDE_DIR), []
+    if not src.lora.base:
+        return None, None, ["the run's args name no base model (qlm_lora_base): base_model_name_or_path is null, "
+                            "load the adapter with peft.PeftModel.from_pretrained(base_model, OUT)"]
+    path = Path(src.lora.base)
+    if not path.exists() and not path.is_absolute():
+        path = src.root / path
+    if not path.exists():
+        return src.lora.base, None, [f"the LoRA base {src.lora.base} does not exist: base_model_name_or_path names "
+                                     "it as the run's args do; put the base back there before loading the adapter"]
+    if is_hf_dir(path):
+        return path.resolve(), None, []
+    base = open_megatron(path)
+    return None, (base.layout, base, base.spec, base.dtype, base.root / HF_SIDE_DIR), []
+
+
 def mcore_to_peft(mcore: str | Path, out: str | Path, *, iteration: int | None = None, force: bool = False,
-                  progress: Progress = no_progress) -> ConvertResult:
+                  progress: Progress = no_progress, config: str | Path | None = None) -> ConvertResult:
     """A LoRA run's adapters (any TP/PP) -> PEFT's adapter_model.safetensors + adapter_config.json, with HF module
-    names, for peft.PeftModel.from_pretrained(base transformers model, OUT)."""
+    names, for peft.PeftModel.from_pretrained(base transformers model, OUT) and AutoPeftModelForCausalLM: its
+    base_model_name_or_path is the HF base the run was trained on (absolute path), or, for a Megatron base (or a
+    checkpoint holding the base weights too), that base exported as HF into OUT/base."""
     from qlm_core.checkpoint.formats.peft import export_peft
 
     started = time.perf_counter()
-    src = open_megatron(mcore, iteration)
+    src = open_megatron_with(mcore, iteration, config)
     if src.lora is None:
         raise QlmError(f"{src.dir} holds no LoRA adapters", "export full models with mcore2hf")
     out = Path(out)
     check_output_dir(out, force, src.root)
+    base_path, base_export, notes = peft_base(src)
     with staged_output(out, force) as tmp:
-        progress(0, 1, "adapters")
-        export_peft(src.layout, src, src.lora, tmp, base_model_name_or_path=src.lora.base)
-        progress(1, 1, "done")
-    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, None)
+        progress(0, 2, "adapters")
+        if base_export is not None:
+            layout, source, spec, dtype, side = base_export
+            (tmp / PEFT_BASE_DIR).mkdir()
+            write_hf(tmp / PEFT_BASE_DIR, layout, source, dtype, 5 * 2**30, no_progress)
+            write_hf_config(tmp / PEFT_BASE_DIR, side if side.is_dir() else None, spec, dtype)
+            base_path = (out / PEFT_BASE_DIR).resolve()
+            notes.append(f"the base model is exported as HF into {out / PEFT_BASE_DIR} (base_model_name_or_path)")
+        export_peft(src.layout, src, src.lora, tmp, base_model_name_or_path=base_path)
+        progress(2, 2, "done")
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, None, notes)

@@ -33,6 +33,7 @@ import torch
 
 from qlm_core.checkpoint.io.prefault import prefault
 from qlm_core.checkpoint.io.safe_load import ForeignObject, safe_torch_load
+from qlm_core.checkpoint.io.text import read_text_file
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout
 
@@ -59,6 +60,11 @@ def _natural(name: str):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
+def _is_plain_name(tag: str) -> bool:
+    """A directory name inside the checkpoint (no separators, not . or ..), as hf2ds --tag requires."""
+    return "/" not in tag and "\\" not in tag and "\0" not in tag and tag not in (".", "..")
+
+
 def _is_tag_dir(path: Path) -> bool:
     return path.is_dir() and any(p.name.endswith("_model_states.pt") for p in path.iterdir())
 
@@ -72,12 +78,19 @@ def resolve_tag_dir(root: Path, tag: str | None = None) -> Path:
     if not root.is_dir():
         raise QlmError(f"{root} is not a directory", "point at the directory DeepSpeed's save_checkpoint wrote")
     if tag is not None:
+        if not _is_plain_name(tag):
+            raise QlmError(f"--tag {tag!r} is not a tag directory inside {root}",
+                           "pass a plain name like global_step100")
         if not (root / tag).is_dir():
             raise QlmError(f"{root} has no tag {tag!r}", f"choose one of {', '.join(list_tags(root)) or 'none'}")
         return root / tag
     latest = root / LATEST
     if latest.is_file():
-        named = latest.read_text().strip()
+        tags = ", ".join(list_tags(root)) or "no tags found"
+        named = read_text_file(latest, f"fix the file or pass --tag ({tags})").strip()
+        if named and not _is_plain_name(named):
+            raise QlmError(f"{latest} names {named!r}, which is not a tag directory inside {root}",
+                           f"write a plain tag name into it or pass --tag ({tags})")
         if not named or not (root / named).is_dir():
             raise QlmError(f"{latest} names tag {named!r}, which does not exist",
                            f"fix the file or pass --tag ({', '.join(list_tags(root)) or 'no tags found'})")
@@ -138,7 +151,10 @@ class DeepSpeedCheckpoint:
     """One tag of a DeepSpeed checkpoint, opened for lazy (mmap) reads of full HF-named tensors. Offers the
     dtype(name) / read_into(name, axis, start, stop, out) reads that layout.HFTensorSource streams from."""
 
-    def __init__(self, root: str | Path, tag: str | None = None, view: str = MASTER):
+    def __init__(self, root: str | Path, tag: str | None = None, view: str = MASTER,
+                 allow_low_precision: bool = False):
+        """`allow_low_precision`: a ZeRO 1/2 checkpoint of a bf16/fp16 run whose optimizer files (the fp32
+        masters) are missing is read from its module weights (with a warning) instead of refused."""
         self.root = Path(root)
         self.dir = resolve_tag_dir(self.root, tag)
         self.tag = self.dir.name
@@ -160,6 +176,7 @@ class DeepSpeedCheckpoint:
         self.optimizer_files: list[Path] = []
         self._optimizer_states: dict[Path, dict] = {}
         self.notes: list[str] = []
+        self.warnings: list[str] = []  # what was lost, printed as warning lines
         module = self.state["module"]
         self.module_dtype = next((t.dtype for t in module.values() if torch.is_tensor(t) and t.is_floating_point()),
                                  torch.float32)
@@ -176,6 +193,8 @@ class DeepSpeedCheckpoint:
             self.zero_stage = self._zero12_stage(optimizers) if optimizers else 0
             if optimizers:
                 self._open_zero12(optimizers)
+            else:
+                self._check_masters_present(allow_low_precision)
         self._add_module_tensors(module)
         self._cache: list[tuple[str, torch.Tensor]] = []
 
@@ -215,6 +234,33 @@ class DeepSpeedCheckpoint:
             raise QlmError(f"{self.dir} lacks {', '.join(missing)} (the run had {count} data-parallel ranks)",
                            "copy the complete checkpoint")
         return files
+
+    def _check_masters_present(self, allow: bool):
+        """A ZeRO 1/2 run keeps its fp32 masters only in the optimizer files: without them a bf16/fp16 run's
+        module is all there is, and reading it as "fp32" would hide the lost precision."""
+        config = self.state.get("ds_config")
+        stage = (config.get("zero_optimization") or {}).get("stage") if isinstance(config, dict) else None
+        if stage is None:  # DeepSpeed saves param_shapes only under ZeRO
+            stage = 2 if self.state.get("param_shapes") else 0
+        try:
+            stage = _enum_value(stage)
+        except (TypeError, ValueError):
+            return
+        if stage not in (1, 2) or self.module_dtype == torch.float32:
+            return
+        low = str(self.module_dtype).replace("torch.", "")
+        bf16 = isinstance(config, dict) and bool((config.get("bf16") or {}).get("enabled"))
+        expected = [f"{'bf16_' if bf16 else ''}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+                    for r in range(self.dp_world_size)]
+        listed = ", ".join(expected[:2]) + (", ..." if len(expected) > 2 else "")
+        if not allow:
+            raise QlmError(f"{self.dir} is a ZeRO-{stage} {low} checkpoint without its optimizer files ({listed}), "
+                           "which hold the fp32 master weights",
+                           f"copy them too, or convert the {low} module weights with ds2hf / ds2mcore "
+                           "--allow-bf16-weights (fp32 precision is lost)")
+        self.zero_stage = stage
+        self.warnings.append(f"{self.dir} lacks its optimizer files ({listed}): converted the {low} module "
+                             "weights, fp32 precision was lost")
 
     def _optimizer_state(self, file: Path) -> dict:
         if file not in self._optimizer_states:  # memory-mapped: only the tensors read later are paged in

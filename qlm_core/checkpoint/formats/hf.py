@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -12,12 +14,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
+from qlm_core.checkpoint.io.text import read_json_object
 from qlm_core.dtypes import HF_DTYPE_NAMES, set_hf_config_dtype
 from qlm_core.errors import QlmError
-from qlm_core.models.spec import ModelSpec, read_hf_config
+from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_BUFFERS = ("rotary_emb.inv_freq",)  # non-persistent buffers older transformers saved
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -31,22 +35,65 @@ def is_hf_dir(path: Path) -> bool:
     )
 
 
+CONFIG_FIX = "restore the model's config.json (UTF-8 JSON, as transformers saves it)"
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_SIZES = _REQUIRED + ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def read_config(path: str | Path) -> dict:
+    """config.json of a model directory (or the file itself), checked to be a UTF-8 JSON object whose layer counts
+    agree with each other."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise QlmError(f"no config.json in {path}", "point at a Hugging Face model directory")
+    config = read_json_object(file, CONFIG_FIX)
+    if config.get("model_type") in SUPPORTED_MODEL_TYPES:  # (others: ModelSpec names the supported ones)
+        for key in _SIZES:
+            value = config.get(key)
+            fix = f"set {key} to the model's size (as transformers saves it)"
+            if value is None and key in _REQUIRED:
+                raise QlmError(f"{file} lacks {key}", fix)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise QlmError(f"{file} has {key} {value!r}, not a positive integer", fix)
+    layers, types = config.get("num_hidden_layers"), config.get("layer_types")
+    if isinstance(types, list) and isinstance(layers, int) and len(types) != layers:
+        raise QlmError(f"{file} says num_hidden_layers {layers} but lists {len(types)} layer_types",
+                       "make num_hidden_layers and layer_types agree (as many layer_types as layers)")
+    return config
+
+
 def _safetensors_header(file: Path) -> tuple[dict, int]:
     """Parse the header and check the file is long enough for every tensor it declares (catches truncation).
     Returns the header and the file offset where tensor data starts."""
+    fix = "re-download or re-export it"
     try:
+        size = file.stat().st_size
         with open(file, "rb") as fh:
             (length,) = struct.unpack("<Q", fh.read(8))
+            if 8 + length > size:
+                raise QlmError(f"{file} is not a safetensors file or is truncated (its header claims {length} "
+                               f"bytes, the file has {size})", fix)
             header = json.loads(fh.read(length))
-        size = file.stat().st_size
     except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise QlmError(f"{file} is not a readable safetensors file ({exc})", "re-download or re-export it") from None
+        raise QlmError(f"{file} is not a readable safetensors file ({exc})", fix) from None
+    if not isinstance(header, dict) or not all(
+        isinstance(info, dict) and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+        and isinstance(info.get("shape"), list) for key, info in header.items() if key != "__metadata__"
+    ):
+        raise QlmError(f"{file} has a malformed safetensors header", fix)
     header.pop("__metadata__", None)
     end = max((info["data_offsets"][1] for info in header.values()), default=0)
     if 8 + length + end > size:
         raise QlmError(
             f"{file} is truncated ({size} bytes, its header needs {8 + length + end})", "re-download or re-export it"
         )
+    for name, info in header.items():  # a shape that disagrees with its byte range would read the wrong bytes
+        dtype = _ST_DTYPES.get(info.get("dtype"))
+        start, stop = info["data_offsets"]
+        if dtype is not None and stop - start != math.prod(info["shape"]) * dtype.itemsize:
+            raise QlmError(f"{file}: tensor {name} claims shape {info['shape']} ({info['dtype']}) but holds "
+                           f"{stop - start} bytes", fix)
     return header, 8 + length
 
 
@@ -57,7 +104,7 @@ class HFCheckpoint:
         self.path = Path(path)
         if not self.path.is_dir():
             raise QlmError(f"{self.path} is not a directory", "point --hf at a Hugging Face model directory")
-        self.config = read_hf_config(self.path)
+        self.config = read_config(self.path)
         self.spec = ModelSpec.from_hf_config(self.config)
         self._files: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -66,7 +113,21 @@ class HFCheckpoint:
         self._bin_cache: dict[Path, dict] = {}
         self._scan()
 
+    def _check_index(self):
+        """A sharded model's index names every weight file: one deleted or never copied is an error here."""
+        index = self.path / INDEX_FILES[0]
+        if not index.exists():
+            return
+        weight_map = read_json_object(index, "restore model.safetensors.index.json").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise QlmError(f"{index} has no weight_map", "restore model.safetensors.index.json")
+        missing = sorted({str(f) for f in weight_map.values() if not (self.path / str(f)).is_file()})
+        if missing:
+            raise QlmError(f"{self.path} lacks {', '.join(missing)}, which {index.name} lists",
+                           "copy the complete model (every shard the index names)")
+
     def _scan(self):
+        self._check_index()
         files = sorted(self.path.glob("*.safetensors"))
         if files:
             for file in files:
@@ -113,7 +174,9 @@ class HFCheckpoint:
         return max(counts, key=counts.get)
 
     def check_shapes(self, expected: dict[str, tuple[int, ...]]):
-        """Every tensor the config implies must exist with that shape, before anything is written."""
+        """Every tensor the config implies must exist with that shape, and no other may be left over (it would be
+        dropped silently), before anything is written (a tied model may still hold its lm_head.weight copy)."""
+        ignorable = ("lm_head.weight",) if self.spec.tie_word_embeddings else ()
         for name, shape in expected.items():
             if name not in self._shapes:
                 raise QlmError(f"tensor {name} is missing from {self.path}", "the weights do not match config.json")
@@ -122,6 +185,22 @@ class HFCheckpoint:
                     f"tensor {name} has shape {list(self._shapes[name])} but config.json implies {list(shape)}",
                     "the weights do not match config.json",
                 )
+        extra = [n for n in self._shapes if n not in expected and n not in ignorable and not n.endswith(_BUFFERS)]
+        if extra:
+            layers = sorted({int(m.group(1)) for n in extra if (m := re.search(r"\.layers\.(\d+)\.", n))})
+            what = f"layers {', '.join(map(str, layers))} and " if layers else ""
+            raise QlmError(
+                f"{self.path} holds {what}{len(extra)} tensors config.json does not describe "
+                f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})",
+                "fix config.json (num_hidden_layers and the sizes) to match the weights",
+            )
+
+    def check_model(self):
+        """check_shapes against everything config.json describes (for readers that do not build a layout)."""
+        from qlm_core.models.layout import ModelLayout
+
+        layout = ModelLayout(self.spec)
+        self.check_shapes({name: layout.hf_shape(name) for name in layout.hf_tensors})
 
     def read(self, name: str, axis: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Entries [start, stop) of tensor `name` along `axis` (all when start is None), reading only those bytes."""
@@ -180,6 +259,9 @@ def write_hf_config(out: Path, side_dir: Path | None, spec: ModelSpec, dtype: to
         config = set_hf_config_dtype(json.loads((out / "config.json").read_text()), dtype)
     else:
         config = spec.to_hf_config(HF_DTYPE_NAMES[dtype])
+    from qlm_core.checkpoint.formats.hf_tokens import add_special_tokens  # eos ids + generation_config.json
+
+    config = add_special_tokens(out, config, side_dir if side_dir is not None and side_dir.is_dir() else None)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -90,15 +90,18 @@ def spec_from_args(args) -> ModelSpec:
         value = getattr(args, name, None)
         if value is None:
             raise QlmError(f"the checkpoint's args lack {name}",
-                           "convert from the HF model instead, or pass its config")
+                           "pass --config with the model's HF directory or a preset name")
         return value
 
+    where = getattr(args, "qlm_args_from", None)  # a Megatron-Bridge run_config.yaml (bridge_config.py)
+    model = f"the model of {where}" if where else "the checkpoint's model"
     if not getattr(args, "swiglu", False):
-        raise QlmError("the checkpoint's model does not use SwiGLU", "qlm converts Llama/Qwen2/Mistral-style models")
+        raise QlmError(f"{model} does not use SwiGLU", "qlm converts Llama/Qwen2/Mistral-style models")
     if getattr(args, "normalization", "LayerNorm") != "RMSNorm":
-        raise QlmError("the checkpoint's model uses LayerNorm", "qlm converts RMSNorm models only")
+        raise QlmError(f"{model} uses {getattr(args, 'normalization', 'LayerNorm')}",
+                       "qlm converts RMSNorm models only")
     if getattr(args, "add_bias_linear", False):
-        raise QlmError("the checkpoint's linear layers have biases", "qlm supports bias on linear_qkv only")
+        raise QlmError(f"{model} has biases on its linear layers", "qlm supports bias on linear_qkv only")
     model_type = getattr(args, "qlm_model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         model_type = "qwen2" if getattr(args, "add_qkv_bias", False) else "llama"

@@ -10,13 +10,15 @@ from pathlib import Path
 
 import torch
 
+from qlm_core.checkpoint.formats.hf import read_config
 from qlm_core.checkpoint.formats.lora_args import adapter_args
 from qlm_core.checkpoint.formats.megatron_args import dtype_from_args, spec_from_args
 from qlm_core.checkpoint.formats.trainer_state import OPTIMIZER_KEY
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
+from qlm_core.checkpoint.io.text import read_text_file
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import REPLICATED, ModelLayout, TensorLayout, normalize_megatron_name
-from qlm_core.models.spec import ModelSpec, read_hf_config
+from qlm_core.models.spec import ModelSpec
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"
@@ -29,7 +31,7 @@ def megatron_spec(root: Path, args) -> ModelSpec:
     """A Megatron checkpoint's architecture: the HF config kept beside it (exact), else its args."""
     side = root / HF_SIDE_DIR / "config.json"
     if side.exists():
-        return ModelSpec.from_hf_config(read_hf_config(side))
+        return ModelSpec.from_hf_config(read_config(side))
     return spec_from_args(args)
 
 
@@ -50,7 +52,7 @@ def resolve_iteration_dir(root: Path, iteration: int | None = None) -> tuple[Pat
         return path, iteration
     latest = root / LATEST_FILE
     if latest.exists():
-        text = latest.read_text().strip()
+        text = read_text_file(latest, "fix the file (an iteration number or 'release') or pass --iteration").strip()
         if text == "release":
             path, found = root / "release", None
         elif text.isdigit():
@@ -98,7 +100,13 @@ class MegatronTorchCheckpoint:
         self.pp = max(1 + max(p for _, p in self.files), getattr(self.args, "pipeline_model_parallel_size", 1) or 1)
         missing = [(t, p) for t in range(self.tp) for p in range(self.pp) if (t, p) not in self.files]
         if missing:
-            names = ", ".join(shard_dir_name(t, p, self.pp) for t, p in missing)
+            names = ", ".join(shard_dir_name(t, p, self.pp) for t, p in missing[:4]) + (", ..." if len(missing) > 4
+                                                                                         else "")
+            found_tp, found_pp = 1 + max(t for t, _ in self.files), 1 + max(p for _, p in self.files)
+            if (found_tp, found_pp) != (self.tp, self.pp) and len(self.files) == found_tp * found_pp:
+                raise QlmError(f"{self.dir} holds rank folders for TP {found_tp} PP {found_pp} but its args say "
+                               f"TP {self.tp} PP {self.pp} (no {names})",
+                               "copy the complete checkpoint, or fix tensor/pipeline_model_parallel_size in the args")
             raise QlmError(f"{self.dir} lacks rank files {names}", "copy the complete checkpoint")
         first = self._state(0, 0)
         self.chunk_keys = sorted((k for k in first if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
@@ -110,6 +118,7 @@ class MegatronTorchCheckpoint:
         self.layout = self._layout()
         self.lora = adapter_args(self.args, self.chunk_state(0, 0, 0))  # None unless it holds LoRA adapters
         self._index = self._build_index()
+        self._check_shapes()
 
     # ---- discovery -------------------------------------------------------------------------------------------------
 
@@ -198,6 +207,28 @@ class MegatronTorchCheckpoint:
                         index[tensor.name] = (pp_rank, chunk, local, tensor)
         return index
 
+    def _check_shapes(self):
+        """Every stored shard must have the shape the architecture implies: args (or hf/config.json) that disagree
+        with the weights are named here, before anything is read or written."""
+        side = self.root / HF_SIDE_DIR / "config.json"
+        described_by = str(side) if side.exists() else "the args"
+        for pp_rank in range(self.pp):
+            for chunk in range(self.vpp):
+                for tp_rank in range(self.tp):
+                    state = self.chunk_state(tp_rank, pp_rank, chunk)
+                    for local, tensor in self.layout.stored_tensors(pp_rank, chunk, self.lora):
+                        stored = state.get(local)
+                        if stored is None:  # a LoRA run's adapters-only file; else read_into names it
+                            continue
+                        expected = tensor.shard_shape(self.tp)
+                        if tuple(stored.shape) != tuple(expected):
+                            raise QlmError(
+                                f"{self.files[(tp_rank, pp_rank)]}: {local} is {list(stored.shape)} but "
+                                f"{described_by} {'imply' if described_by == 'the args' else 'implies'} "
+                                f"{list(expected)} at TP {self.tp}",
+                                f"{_wrong_arg(tensor.name)} in {described_by} does not match the weights: "
+                                "fix it (or restore the checkpoint's hf/config.json)")
+
     @property
     def holds_base(self) -> bool:
         """False for a LoRA run's checkpoint, which holds only the adapters."""
@@ -231,6 +262,17 @@ class MegatronTorchCheckpoint:
                     shard = self._shard(rank, pp_rank, chunk, local)
                     out.narrow(axis, lo - start, hi - lo).copy_(shard.narrow(axis, offset + lo - a, hi - lo))
                 offset += b - a
+
+
+def _wrong_arg(name: str) -> str:
+    """The architecture setting a mis-shaped tensor points at."""
+    if ".linear_fc" in name or ".mlp." in name:
+        return "ffn_hidden_size (intermediate_size)"
+    if ".linear_qkv" in name or ".linear_proj" in name:
+        return "num_attention_heads / num_query_groups / kv_channels or hidden_size"
+    if "embedding" in name or "output_layer" in name:
+        return "padded_vocab_size / hidden_size"
+    return "hidden_size"
 
 
 @contextmanager

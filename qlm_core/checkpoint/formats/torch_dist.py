@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib
 import io
-import json
 import pickle
 import re
 from pathlib import Path
@@ -44,6 +43,7 @@ from torch.distributed.checkpoint.planner import (
 from qlm_core.checkpoint.formats.megatron_legacy import megatron_spec, resolve_iteration_dir
 from qlm_core.checkpoint.formats.trainer_state import OPTIMIZER_VIEWS, view_prefix
 from qlm_core.checkpoint.io.safe_load import ForeignObject, allowed_globals, safe_torch_load
+from qlm_core.checkpoint.io.text import read_json_object
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import LINEARS, TE_NORM_NAMES, ModelLayout, TensorLayout
 from qlm_core.models.spec import ModelSpec
@@ -241,10 +241,7 @@ class TorchDistCheckpoint:
         if not config_file.exists():
             raise QlmError(f"{self.dir} lacks {DIST_CONFIG_FILE} (the save did not finish)", "copy the complete "
                            "checkpoint")
-        try:
-            backend = json.loads(config_file.read_text()).get("sharded_backend")
-        except (ValueError, AttributeError):
-            raise QlmError(f"{config_file} is not valid JSON", "re-copy the checkpoint") from None
+        backend = read_json_object(config_file, "re-copy the checkpoint").get("sharded_backend")
         if backend != "torch_dist":
             raise QlmError(f"{self.dir} uses the {backend!r} sharded backend", "qlm reads torch_dist checkpoints; "
                            "re-save it with --ckpt-format torch_dist")

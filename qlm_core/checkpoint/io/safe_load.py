@@ -89,4 +89,5 @@ def safe_torch_load(path: str | Path, *, mmap: bool = False, extra_globals: list
                        "re-save the checkpoint without it") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first_line = first_line.split(". ")[0]  # torch goes on with advice that does not fit one line
         raise QlmError(f"{path} is truncated or corrupt ({first_line})", "re-copy or re-save it") from None

@@ -5,18 +5,19 @@ their base). Every verb that reads weights (train's model.load, eval, profile) g
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from qlm_core.checkpoint.formats.deepspeed import DeepSpeedCheckpoint
 from qlm_core.checkpoint.formats.deepspeed_config import find_hf_config
-from qlm_core.checkpoint.formats.hf import HFCheckpoint, is_hf_dir
+from qlm_core.checkpoint.formats.hf import HFCheckpoint, is_hf_dir, read_config
 from qlm_core.checkpoint.formats.megatron import open_megatron
 from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, LATEST_FILE
 from qlm_core.checkpoint.sources.lora import merged_source
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import HFTensorSource, TensorSource
-from qlm_core.models.spec import ModelSpec, read_hf_config
+from qlm_core.models.spec import ModelSpec
 
 CHECKPOINTS_DIR = "checkpoints"  # inside a qlm run directory
 
@@ -72,11 +73,12 @@ def megatron_weights(src) -> tuple[TensorSource, Path]:
     return merged_source(base, src, src.layout, src.lora), side_dir
 
 
-def open_deepspeed(ds: str | Path, tag: str | None, config: str | Path | None):
-    """A DeepSpeed checkpoint, the ModelSpec of the config.json that describes it, and that config's path."""
-    src = DeepSpeedCheckpoint(ds, tag)
+def open_deepspeed(ds: str | Path, tag: str | None, config: str | Path | None, allow_bf16_weights: bool = False):
+    """A DeepSpeed checkpoint, the ModelSpec of the config.json that describes it, and that config's path.
+    `allow_bf16_weights`: read a bf16/fp16 ZeRO 1/2 run without its optimizer files from its module weights."""
+    src = DeepSpeedCheckpoint(ds, tag, allow_low_precision=allow_bf16_weights)
     config_path = find_hf_config(src, config)
-    return src, ModelSpec.from_hf_config(read_hf_config(config_path)), config_path
+    return src, ModelSpec.from_hf_config(read_config(config_path)), config_path
 
 
 def _open_megatron(root: Path, iteration: int | None, what: str) -> OpenedCheckpoint:
@@ -92,13 +94,27 @@ def open_checkpoint(path: str | Path, iteration: int | None = None) -> OpenedChe
     path = Path(path)
     if not path.exists():
         raise QlmError(f"{path} does not exist", "point at an HF model, a Megatron checkpoint or a qlm run directory")
+    if not path.is_dir():
+        raise QlmError(f"{path} is not a directory",
+                       "point at an HF model, a Megatron checkpoint or a qlm run directory")
     root = run_checkpoint_dir(path)
     if root is not None:
         return _open_megatron(root, iteration, f"qlm run {path}")
+    named = re.fullmatch(r"iter_(\d+)", path.name)
+    if named:  # one iteration of a Megatron root, e.g. runs/x/checkpoints/iter_0000004
+        number = int(named.group(1))
+        if iteration is not None and iteration != number:
+            raise QlmError(f"{path} is iteration {number}, not {iteration}",
+                           "drop --iteration or point at the checkpoint root")
+        return _open_megatron(path.parent, number, f"Megatron checkpoint {path}")
     if (path / LATEST_FILE).exists() or any(p.name.startswith(("iter_", "release")) for p in path.iterdir()):
         return _open_megatron(path, iteration, f"Megatron checkpoint {path}")
+    if iteration is not None:
+        raise QlmError(f"--iteration {iteration} needs a Megatron checkpoint or a qlm run, and {path} is neither",
+                       "drop --iteration")
     if is_hf_dir(path):
         ckpt = HFCheckpoint(path)
+        ckpt.check_model()  # a config.json with fewer layers than the weights would drop some silently
         return OpenedCheckpoint(ckpt.spec, HFTensorSource(ckpt), tokenizer_near(path), f"HF model {path}")
     if (path / "latest").is_file() or list(path.glob("global_step*")) or list(path.glob("*mp_rank_*_model_states.pt")):
         ckpt, spec, config_path = open_deepspeed(path, None, None)

@@ -1,0 +1,146 @@
+"""Megatron-Bridge's run_config.yaml: the architecture of a checkpoint that stores no Megatron-LM `args`.
+
+Megatron-Bridge saves its whole ConfigContainer as YAML (run_config.yaml) in every iteration directory; its
+`model:` section is the model provider, i.e. megatron-core's TransformerConfig fields (num_layers, hidden_size,
+ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels, layernorm_epsilon, normalization,
+gated_linear_unit, activation_func, add_bias_linear, add_qkv_bias) plus the GPT provider's
+(share_embeddings_and_output_weights, vocab_size, make_vocab_size_divisible_by, seq_length, rotary_base,
+position_embedding_type, rotary_percent, ...). They are turned into the Megatron-LM-style args Namespace the rest of
+qlm reads (megatron_args.spec_from_args); fields left out take TransformerConfig's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from qlm_core.errors import QlmError
+
+RUN_CONFIG_FILE = "run_config.yaml"
+_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
+
+
+def find_run_config(root: Path, iteration_dir: Path) -> Path | None:
+    """run_config.yaml in the iteration directory, the checkpoint root or the directory above it."""
+    for directory in dict.fromkeys((Path(iteration_dir), Path(root), Path(root).parent)):
+        if (directory / RUN_CONFIG_FILE).is_file():
+            return directory / RUN_CONFIG_FILE
+    return None
+
+
+def _load_yaml(path: Path):
+    try:
+        import yaml
+    except ImportError:
+        raise QlmError(f"reading {path} needs PyYAML", "pip install pyyaml (transformers normally brings it)") from None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QlmError(f"cannot read {path} ({type(exc).__name__})", "restore the run's run_config.yaml") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise QlmError(f"{path} is not valid YAML{line}",
+                       "restore the run's run_config.yaml or pass --config") from None
+
+
+def _target_text(value) -> str:
+    """A serialized callable/class: `{_target_: torch.nn.functional.silu, ...}` or a plain string."""
+    if isinstance(value, dict):
+        value = value.get("_target_", "")
+    return str(value or "")
+
+
+def bridge_args(path: str | Path) -> argparse.Namespace:
+    """Megatron-LM-style args from run_config.yaml's `model:` section."""
+    path = Path(path)
+    data = _load_yaml(path)
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict):
+        raise QlmError(f"{path} has no `model:` section", "point at a Megatron-Bridge run_config.yaml or pass --config")
+
+    def integer(key: str, default=None, required: bool = False):
+        value = model.get(key, default)
+        if value is None:
+            if required:
+                raise QlmError(f"{path} lacks model.{key}", "restore the run's run_config.yaml or pass --config")
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise QlmError(f"{path}: model.{key} is {value!r}, not a positive integer",
+                           "restore the run's run_config.yaml or pass --config")
+        return value
+
+    def number(key: str, default: float) -> float:
+        value = model.get(key, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise QlmError(f"{path}: model.{key} is {value!r}, not a number",
+                           "restore the run's run_config.yaml or pass --config")
+        return float(value)
+
+    def flag(key: str, default: bool) -> bool:
+        value = model.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise QlmError(f"{path}: model.{key} is {value!r}, not true/false",
+                           "restore the run's run_config.yaml or pass --config")
+        return value
+
+    for key in _REQUIRED:
+        integer(key, required=True)
+    heads, hidden = model["num_attention_heads"], model["hidden_size"]
+    groups = integer("num_query_groups") or heads
+    position = str(model.get("position_embedding_type", "learned_absolute"))
+    if position != "rope":
+        raise QlmError(f"{path}: the model uses {position} position embeddings", "qlm converts RoPE models only")
+    if number("rotary_percent", 1.0) != 1.0 or model.get("seq_len_interpolation_factor") not in (None, 1, 1.0):
+        raise QlmError(f"{path}: the model uses partial or interpolated RoPE", "qlm converts full RoPE models only")
+    activation = _target_text(model.get("activation_func"))
+    gated = flag("gated_linear_unit", False)
+    seq_length = integer("seq_length", 1024)
+    target = _target_text(model.get("_target_")).lower()
+    scale = model.get("scale_factor") if isinstance(model.get("scale_factor"), (int, float)) else None
+    rope_scaling = None
+    if scale is not None or flag("use_rope_scaling", False):
+        rope_scaling = {
+            "factor": float(scale if scale is not None else number("rope_scaling_factor", 8.0)),
+            "low_freq_factor": number("low_freq_factor", 1.0),
+            "high_freq_factor": number("high_freq_factor", 4.0),
+            "original_max_position_embeddings": integer("old_context_len", 8192),
+        }
+    window = model.get("window_size")
+    return argparse.Namespace(
+        num_layers=model["num_layers"],
+        hidden_size=hidden,
+        ffn_hidden_size=integer("ffn_hidden_size") or 4 * hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        group_query_attention=groups != heads,
+        kv_channels=integer("kv_channels") or hidden // heads,
+        seq_length=seq_length,
+        max_position_embeddings=integer("max_position_embeddings") or seq_length,
+        position_embedding_type="rope",
+        rotary_base=number("rotary_base", 10000.0),
+        use_rope_scaling=rope_scaling is not None,
+        rope_scaling_factor=rope_scaling["factor"] if rope_scaling else 8.0,
+        qlm_rope_scaling=rope_scaling,
+        swiglu=gated and (not activation or "silu" in activation.lower()),
+        normalization=str(model.get("normalization", "LayerNorm")),
+        norm_epsilon=number("layernorm_epsilon", 1e-5),
+        add_bias_linear=flag("add_bias_linear", True),
+        add_qkv_bias=flag("add_qkv_bias", False),
+        untie_embeddings_and_output_weights=not flag("share_embeddings_and_output_weights", True),
+        vocab_size=integer("vocab_size"),
+        make_vocab_size_divisible_by=integer("make_vocab_size_divisible_by", 128),
+        tensor_model_parallel_size=integer("tensor_model_parallel_size", 1),
+        pipeline_model_parallel_size=integer("pipeline_model_parallel_size", 1),
+        window_size=tuple(window) if isinstance(window, (list, tuple)) and len(window) == 2 else None,
+        bf16=flag("bf16", False),
+        fp16=flag("fp16", False),
+        qlm_model_type="mistral" if "mistral" in target else None,
+        qlm_args_from=str(path),
+    )

@@ -1,0 +1,221 @@
+"""Open a Megatron checkpoint whose architecture may come from elsewhere than Megatron-LM's stored `args`.
+
+megatron-core's own `dist_checkpointing.save` and Megatron-Bridge write no `args`. Their architecture comes, in
+this order, from `config` (`--config`: an HF model directory / config.json or a preset name), else a
+Megatron-Bridge run_config.yaml next to or above the iteration directory (bridge_config.py). When the checkpoint
+does carry args, `config` is checked against them and against every stored shard shape; its vocab_size (not the
+padded embedding rows) is what an HF export writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from qlm_core.checkpoint.formats.bridge_config import bridge_args, find_run_config
+from qlm_core.checkpoint.formats.megatron import TORCH_DIST, megatron_format
+from qlm_core.checkpoint.formats.megatron_args import make_args
+from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
+from qlm_core.errors import QlmError
+from qlm_core.models.layout import ModelLayout
+from qlm_core.models.spec import ModelSpec, load_model_spec
+
+EMBEDDING = "embedding.word_embeddings.weight"
+_STRUCTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "kv_channels", "qkv_bias", "tie_word_embeddings")
+FIX_CONFIG = "pass --config with the HF config (or preset) of the model this checkpoint holds"
+NO_ARGS_FIX = ("pass --config with the model's HF directory (config.json) or a preset name, or put the run's "
+               "Megatron-Bridge run_config.yaml beside it")
+
+
+def config_dir(config: str | Path | None) -> Path | None:
+    """The HF directory `config` names (its config.json and tokenizer files describe the export), else None."""
+    if config is None:
+        return None
+    path = Path(config)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_file() and path.name.endswith(".json"):
+        return path.parent if (path.parent / "config.json").resolve() == path.resolve() else None
+    return None
+
+
+def load_config_spec(config: str | Path) -> ModelSpec:
+    """`--config`: a preset name, an HF model directory or its config.json."""
+    path = Path(config)
+    if path.exists() and not path.is_dir() and not path.name.endswith(".json"):
+        raise QlmError(f"--config {config} is a file but not a config.json",
+                       "pass an HF model directory, its config.json or a preset name")
+    try:
+        return load_model_spec(config)
+    except KeyError as exc:  # a config.json without a field every decoder config has
+        raise QlmError(f"--config {config}: its config.json lacks {exc.args[0]!r}",
+                       "point at a complete Hugging Face config.json") from None
+    except TypeError as exc:
+        raise QlmError(f"--config {config}: its config.json has a field of the wrong type ({exc})",
+                       "point at a complete Hugging Face config.json") from None
+
+
+class _ConfiguredMixin:
+    """Supplies args when the checkpoint has none, and the --config spec (checked) instead of the args' one."""
+
+    _config_spec: ModelSpec | None = None
+    _config_name: str = ""
+    args_from = "checkpoint"  # where the args came from: "checkpoint", a run_config.yaml path, or "--config"
+
+    def _fallback_args(self, dtype: torch.dtype, embedding_rows: int | None) -> argparse.Namespace:
+        cached = self.__dict__.get("_fallback")
+        if cached is not None:
+            return cached
+        run_config = find_run_config(self.root, self.dir)
+        if run_config is not None:
+            args = bridge_args(run_config)
+            self.args_from = str(run_config)
+        elif self._config_spec is not None:
+            args = make_args(ModelLayout(self._config_spec, padded_vocab=embedding_rows)
+                             if embedding_rows and embedding_rows >= self._config_spec.vocab_size
+                             else ModelLayout(self._config_spec), dtype)
+            self.args_from = "--config"
+        else:
+            raise QlmError(f"{self.dir} stores no Megatron args (a megatron-core dist_checkpointing or "
+                           "Megatron-Bridge save), so its architecture is unknown", NO_ARGS_FIX)
+        if getattr(args, "vocab_size", None) is None and getattr(args, "padded_vocab_size", None) is None:
+            args.padded_vocab_size = embedding_rows
+        args.bf16, args.fp16, args.params_dtype = dtype == torch.bfloat16, dtype == torch.float16, dtype
+        self._fallback = args
+        return args
+
+    def _embedding_rows(self) -> int | None:
+        raise NotImplementedError
+
+    def _spec(self) -> ModelSpec:
+        if self._config_spec is None:
+            return super()._spec()
+        spec, what = self._config_spec, f"--config {self._config_name}"
+        if self.args_from != "--config":
+            try:
+                stored = super()._spec()
+            except QlmError:
+                stored = None
+            if stored is not None:
+                for key in _STRUCTURE:
+                    if getattr(stored, key) != getattr(spec, key):
+                        where = "the checkpoint's args (or hf/config.json)" if self.args_from == "checkpoint" \
+                            else self.args_from
+                        raise QlmError(f"{what} has {key} = {getattr(spec, key)} but {where} say "
+                                       f"{getattr(stored, key)}", FIX_CONFIG)
+        rows = self._embedding_rows()
+        if rows is not None and rows < spec.vocab_size:
+            raise QlmError(f"{what} has vocab_size {spec.vocab_size} but the checkpoint's embedding has only {rows} "
+                           "rows", FIX_CONFIG)
+        return spec
+
+    def _described_by(self) -> str | None:
+        """What the architecture came from, when not the checkpoint's own args: shape errors name it."""
+        if self._config_spec is not None:
+            return f"--config {self._config_name}"
+        return None if self.args_from == "checkpoint" else self.args_from
+
+
+class ConfiguredTorchDist(_ConfiguredMixin, TorchDistCheckpoint):
+    def __init__(self, root, iteration=None, config_spec=None, config_name="", view="model"):
+        self._config_spec, self._config_name = config_spec, config_name
+        super().__init__(root, iteration, None, view)
+
+    def _embedding_rows(self) -> int | None:
+        meta = self.tensors.get(EMBEDDING)
+        return None if meta is None else meta.size[0]
+
+    def _load_common(self) -> dict:
+        common = super()._load_common()
+        if common.get("args") is None:
+            meta = self.tensors.get(EMBEDDING)
+            dtype = meta.properties.dtype if meta is not None else torch.float32
+            common = {**common, "args": self._fallback_args(dtype, self._embedding_rows())}
+        return common
+
+    def _check_tensors(self):
+        what = self._described_by()
+        if what is not None:
+            for tensor in self.layout.global_tensors:
+                key, layer = self._key(tensor)
+                expected = tensor.shape if layer is None else (self.spec.num_layers, *tensor.shape)
+                meta = self.tensors.get(key)
+                if meta is None:
+                    raise QlmError(f"{self.dir} lacks {key}, which {what} implies",
+                                   FIX_CONFIG)
+                if tuple(meta.size) != tuple(expected):
+                    raise QlmError(f"{self.dir}: {key} is {list(meta.size)} but {what} implies {list(expected)}",
+                                   FIX_CONFIG)
+        super()._check_tensors()
+
+
+class ConfiguredTorch(_ConfiguredMixin, MegatronTorchCheckpoint):
+    def __init__(self, root, iteration=None, config_spec=None, config_name="", view="model"):
+        self._config_spec, self._config_name = config_spec, config_name
+        super().__init__(root, iteration, None, view)
+        if not hasattr(MegatronTorchCheckpoint, "_check_shapes"):
+            self._check_shapes()
+
+    def _check_shapes(self):
+        if self._described_by() is not None:
+            self._check_shard_shapes()
+        elif hasattr(MegatronTorchCheckpoint, "_check_shapes"):
+            super()._check_shapes()
+
+    def _state(self, tp_rank: int, pp_rank: int) -> dict:
+        state = super()._state(tp_rank, pp_rank)
+        if "args" not in state:
+            model = state.get("model", state.get("model0"))
+            first = next((v for v in model.values() if isinstance(v, torch.Tensor)), None) \
+                if isinstance(model, dict) else None
+            embed = model.get(EMBEDDING) if isinstance(model, dict) else None
+            rows = embed.shape[0] * len({t for t, _ in self.files}) if isinstance(embed, torch.Tensor) else None
+            state["args"] = self._fallback_args(first.dtype if first is not None else torch.float32, rows)
+        return state
+
+    def _spec(self) -> ModelSpec:
+        spec = super()._spec()
+        if self._config_spec is not None and sum(self._layer_counts()) != spec.num_layers:
+            raise QlmError(f"--config {self._config_name} has {spec.num_layers} layers but the rank files hold "
+                           f"{sum(self._layer_counts())}", FIX_CONFIG)
+        return spec
+
+    def _embedding_rows(self) -> int | None:
+        embed = self._state(0, 0).get("model", self._state(0, 0).get("model0", {})).get(EMBEDDING)
+        return None if embed is None else embed.shape[0] * len({t for t, _ in self.files})
+
+    def _check_shard_shapes(self):
+        what = self._described_by()
+        for (tp_rank, pp_rank), file in sorted(self.files.items()):
+            for chunk in range(self.vpp):
+                state = self.chunk_state(tp_rank, pp_rank, chunk)
+                for local, tensor in self.layout.stored_tensors(pp_rank, chunk, self.lora):
+                    if local not in state:
+                        if self.holds_base or ".lora_" in local:
+                            raise QlmError(f"{file} lacks {local}, which {what} implies",
+                                           FIX_CONFIG)
+                        continue
+                    expected = tensor.shard_shape(self.tp)
+                    if tuple(state[local].shape) != expected:
+                        raise QlmError(f"{file}: {local} is {list(state[local].shape)} but {what} implies "
+                                       f"{list(expected)}", FIX_CONFIG)
+
+
+def open_megatron_with(path: str | Path, iteration: int | None = None, config: str | Path | None = None,
+                       view: str = "model") -> MegatronTorchCheckpoint | TorchDistCheckpoint:
+    """open_megatron, with the architecture from `config` (checked against the checkpoint) or, for a checkpoint
+    without args, from its run_config.yaml; the result's `args_from` says where the args came from."""
+    spec = load_config_spec(config) if config is not None else None
+    cls = ConfiguredTorchDist if megatron_format(path, iteration) == TORCH_DIST else ConfiguredTorch
+    return cls(path, iteration, spec, str(config or ""), view)
+
+
+def side_dir_of(ckpt, config: str | Path | None) -> Path:
+    """Where the HF config and tokenizer files of `ckpt`'s export are: the --config directory, else OUT/hf."""
+    return config_dir(config) or Path(ckpt.root) / HF_SIDE_DIR
+
+
