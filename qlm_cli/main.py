@@ -9,10 +9,15 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from qlm_cli.commands import convert, data, profile, train
+from qlm_cli.commands import convert, data, generate, profile, train
 from qlm_cli.commands.eval import eval_command
 from qlm_cli.render import console, err_console
 from qlm_core.errors import QlmError
+
+try:  # typer >= 0.20 vendors click as typer._click; its exceptions derive from TyperException
+    from typer import TyperException as ClickError
+except ImportError:  # older typer runs on click itself
+    from click import ClickException as ClickError
 
 app = typer.Typer(
     name="qlm",
@@ -26,6 +31,7 @@ app.add_typer(data.app, name="data")
 app.command("train")(train.train)
 app.command("profile")(profile.profile)
 app.command("eval")(eval_command)
+app.command("generate")(generate.generate_command)
 
 
 def _print_version(wanted: bool):
@@ -44,13 +50,52 @@ def _options(
     pass
 
 
-def main():
-    """Console entry point: user errors become one line on stderr and exit code 2."""
+def _help_as_written(command):
+    """Typer renders help texts as Rich markup: `[model] [parallel]` would vanish. Escape every help text of the
+    command tree once, so brackets show as written (Typer's own additions, defaults and ranges, escape themselves)."""
+    for attr in ("help", "short_help", "epilog"):
+        if getattr(command, attr, None):
+            setattr(command, attr, escape(getattr(command, attr)))
+    for param in command.params:
+        if getattr(param, "help", None):
+            param.help = escape(param.help)
+    for sub in getattr(command, "commands", {}).values():
+        _help_as_written(sub)
+
+
+def command():
+    """The click command tree of `app`, help texts escaped."""
+    tree = typer.main.get_command(app)
+    _help_as_written(tree)
+    return tree
+
+
+def _usage_line(exc: ClickError) -> str:
+    """A click/Typer usage error (missing option, bad choice, bad number) as qlm's one line."""
+    ctx = getattr(exc, "ctx", None)
+    path = ctx.command_path if ctx is not None else "qlm"
+    return QlmError(exc.format_message(), f"run '{path} --help'").line()
+
+
+def _print_error(line: str):
+    err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+
+
+def main(argv: list[str] | None = None):
+    """Console entry point: user errors (qlm's and click's usage errors) become one line on stderr and exit code 2."""
     try:
-        app()
+        code = command().main(args=argv, prog_name="qlm", standalone_mode=False)
     except QlmError as exc:
-        err_console.print(f"[bold red]error:[/] {escape(exc.line())}", highlight=False, soft_wrap=True)
+        _print_error(exc.line())
         sys.exit(2)
+    except ClickError as exc:  # UsageError / BadParameter / NoSuchOption (exit 2), FileError (exit 1)
+        if type(exc).__name__ != "NoArgsIsHelpError":  # `qlm` alone: the help is printed already
+            _print_error(_usage_line(exc))
+        sys.exit(getattr(exc, "exit_code", 2))
+    except typer.Abort:
+        _print_error("interrupted (Ctrl-C); run the command again (a training run resumes from its last checkpoint)")
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

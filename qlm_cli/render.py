@@ -17,15 +17,16 @@ err_console = Console(stderr=True)
 
 @contextmanager
 def progress_bar(description: str) -> Iterator:
-    """Yields a qlm_core progress callback (done, total, what) drawing a rich bar."""
+    """Yields a qlm_core progress callback (done, total, what) drawing a rich bar. DESCRIPTION and WHAT are data
+    (file and tensor names), shown as written."""
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[what]}"),
         TimeElapsedColumn(), console=err_console, transient=True,
     ) as bar:
-        task = bar.add_task(description, total=None, what="")
+        task = bar.add_task(escape(description), total=None, what="")
 
         def report(done: int, total: int, what: str):
-            bar.update(task, completed=done, total=total, what=what)
+            bar.update(task, completed=done, total=total, what=escape(str(what)))
 
         yield report
 

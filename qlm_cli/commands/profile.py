@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from qlm_cli.choices import ComputeDtype, CpComm, Gpu, PipelineSchedule, Recompute, value_of
-from qlm_cli.render import console, memory_table
+from qlm_cli.render import console, err_console, memory_table
 from qlm_core.config import load_recipe
 from qlm_core.errors import QlmError
 
@@ -159,22 +159,35 @@ def profile(
     """
     if not 0 < efficiency <= 1 or not 0 < comm_efficiency <= 1:
         raise QlmError("--efficiency and --comm-efficiency must be in (0, 1]", "e.g. --efficiency 0.45")
+    for flag, value in (("--gpu-memory-gb", gpu_memory_gb), ("--peak-tflops", peak_tflops),
+                        ("--nvlink-gbps", nvlink_gbps), ("--internode-gbps", internode_gbps)):
+        if value is not None and not value > 0:
+            raise QlmError(f"{flag} {value:g} is out of range", f"pass {flag} above 0")
+    if not 0 <= allocator_fraction < 1 or not context_gb >= 0:
+        raise QlmError(f"--allocator-fraction {allocator_fraction:g} / --context-gb {context_gb:g} is out of range",
+                       "pass --allocator-fraction in [0, 1) and --context-gb of 0 or more")
     from qlm_core.hardware import gpu_spec
     from qlm_core.profile import report
     from qlm_core.profile.case import build_case, validate_case
     from qlm_core.profile.memory import Allowance, estimate_memory
     from qlm_core.profile.timing import Efficiency, estimate_time
 
+    if plot is not None:
+        report.check_plot_path(plot)  # before any work
+    layout_options = dict(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, sp=sp, cp_comm_type=value_of(cp_comm_type),
+                          zero_stage=zero, recompute=value_of(recompute), recompute_num_layers=recompute_num_layers,
+                          pp_schedule=value_of(pp_schedule))
     resolved_recipe = load_recipe(recipe) if recipe is not None else None
     case = build_case(resolved_recipe, model=model, seq_len=seq_len, micro_batch_size=mbs, global_batch_size=gbs,
                       num_gpus=num_gpus, dtype=value_of(dtype), lora_rank=lora_rank,
-                      loss_chunk_tokens=loss_chunk_tokens, mean_doc_len=mean_doc_len, tp=tp, pp=pp, vpp=vpp, cp=cp,
-                      dp=dp, sp=sp, cp_comm_type=value_of(cp_comm_type), zero_stage=zero,
-                      recompute=value_of(recompute), recompute_num_layers=recompute_num_layers,
-                      pp_schedule=value_of(pp_schedule))
+                      loss_chunk_tokens=loss_chunk_tokens, mean_doc_len=mean_doc_len, **layout_options)
     device = gpu_spec(gpu.value, memory_gib=gpu_memory_gb, peak_tflops=peak_tflops, nvlink_gbps=nvlink_gbps,
                       internode_gbps=internode_gbps, gpus_per_node=gpus_per_node)
     eff, allowance = Efficiency(efficiency, comm_efficiency), Allowance(allocator_fraction, context_gb)
+    if recipe is None and model is not None:  # the user's model: say what else was assumed
+        given = {k for k, v in layout_options.items() if v is not None}
+        case = _resolve_model_case(case, given, num_gpus, search, device, eff, allowance,
+                                   defaults={"seq": seq_len, "mbs": mbs, "gbs": gbs, "dtype": dtype}, quiet=json_out)
     if search:
         from qlm_core.profile.search import search as run_search
 
@@ -216,6 +229,37 @@ def profile(
             bars = [("predicted", probed.predicted), ("measured", probed.measured)]
             title, capacity = f"probe on {probed.device}: {probed.case.describe()}, stage {probed.stage}", None
         _saved(report.plot_memory(bars, capacity, plot, title), json_out)
+
+
+def _resolve_model_case(case, given: set[str], num_gpus: int | None, search: bool, device, eff, allowance,
+                        defaults: dict, quiet: bool):
+    """--model without a recipe: with no layout option, the smallest layout that fits (the fewest devices, then the
+    fastest); then one line naming the resolved case and which of its values are defaults."""
+    from qlm_core.profile.search import smallest_fitting
+
+    if given:
+        how = (f"layout from {', '.join(sorted('--' + k.replace('_stage', '').replace('_', '-') for k in given))}, "
+               f"the rest qlm's defaults")
+    else:
+        found = smallest_fitting(case, device, eff, allowance, num_gpus=num_gpus)
+        if found is None:
+            how = (f"no layout fits {num_gpus or 'up to 4096'} x {device.name}: qlm's default layout shown "
+                   f"(try --search, --seq-len, --recompute full)")
+        elif search:
+            case = case.replace(num_gpus=found.fitting[0].case.num_gpus)
+            how = f"the fewest devices where a layout fits: {case.num_gpus}"
+        else:
+            case = found.fitting[0].case
+            how = "the smallest layout that fits (fewest devices, then fastest; any layout option fixes it)"
+    assumed = [name for name, value in (("--seq-len", defaults["seq"]), ("--mbs", defaults["mbs"]),
+                                        ("--gbs", defaults["gbs"]), ("--dtype", defaults["dtype"])) if value is None]
+    line = (f"resolved case: {case.model_name}, seq {case.seq_len}, micro-batch {case.micro_batch_size}, global "
+            f"batch {case.global_batch_size}, {case.dtype}"
+            + (f" ({', '.join(assumed)} not given: defaults)" if assumed else "")
+            + (f"; {case.describe()} on {case.num_gpus} x {device.name}" if not search else "")
+            + f"; {how}")
+    (err_console if quiet else console).print(line, markup=False, highlight=False, soft_wrap=True)
+    return case
 
 
 def _saved(path: Path, quiet: bool):

@@ -22,7 +22,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from torch.distributed import ProcessGroup
 
-from qlm_core.checkpoint.sources.open import open_checkpoint
+from qlm_core.checkpoint.sources.open import OpenedCheckpoint, open_checkpoint
 from qlm_core.data.tokenizer import load_tokenizer
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
@@ -35,26 +35,34 @@ from qlm_core.parallel.state import default_device
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               tp_group: ProcessGroup | None = None) -> tuple[GPTModel, object, str]:
-    """qlm's model (this rank's tensor-parallel slice when `tp_group` is given) and the checkpoint's tokenizer."""
-    opened = open_checkpoint(path)
+               tp_group: ProcessGroup | None = None, iteration: int | None = None) -> tuple[GPTModel, object, str]:
+    """qlm's model (this rank's tensor-parallel slice when `tp_group` is given) and the checkpoint's tokenizer;
+    `iteration` of a Megatron root or a qlm run (default: its latest)."""
+    opened = open_checkpoint(path, iteration)
     if opened.tokenizer_dir is None:
         raise QlmError(f"no tokenizer found with {path}", "keep the tokenizer files beside the checkpoint")
+    return build_model(opened, dtype, device, tp_group), load_tokenizer(opened.tokenizer_dir), opened.description
+
+
+def build_model(opened: OpenedCheckpoint, dtype: torch.dtype, device: torch.device,
+                tp_group: ProcessGroup | None = None) -> GPTModel:
+    """qlm's model (in eval mode) of an opened checkpoint: this rank's tensor-parallel slice with `tp_group`."""
     layout = ModelLayout(opened.spec, tp=group_size(tp_group),
                          make_vocab_size_divisible_by=opened.make_vocab_size_divisible_by)
     model = build_rank_model(layout, RankCoords(tp_rank=group_rank(tp_group)), opened.weights,
                              parallel=ParallelOptions(tp_group=tp_group), dtype=dtype, device=device)
-    return model.eval(), load_tokenizer(opened.tokenizer_dir), opened.description
+    return model.eval()
 
 
 @register_model("qlm")
 class QlmLM(TemplateLM):
     def __init__(self, pretrained: str, batch_size: int | str = 8, max_length: int | None = None,
                  dtype: str = "fp32", device: str | None = None, max_gen_toks: int = 256, add_bos_token=None,
-                 tp_group: ProcessGroup | None = None, **kwargs):
+                 tp_group: ProcessGroup | None = None, iteration: int | None = None, **kwargs):
         super().__init__()
         self._device = torch.device(device) if device else default_device()
-        self.model, self.tokenizer, self.description = load_model(pretrained, DTYPES[dtype], self._device, tp_group)
+        self.model, self.tokenizer, self.description = load_model(pretrained, DTYPES[dtype], self._device, tp_group,
+                                                                  iteration)
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self._max_length = max_length or self.model.spec.max_position_embeddings
         self.max_gen_toks = max_gen_toks

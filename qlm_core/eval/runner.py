@@ -4,8 +4,10 @@ files."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,48 @@ class EvalConfig:
     log_samples: bool = False
     tp: int = 1  # tensor-parallel ranks for the qlm backend (one process each, launched by torchrun)
     cache_dir: str | None = None  # where qlm's generated demo tasks live
+    iteration: int | None = None  # of a Megatron checkpoint root or a qlm run (default: its latest)
+
+
+EVAL_EXTRA = 'pip install -e ".[eval]"'
+
+
+def require_module(module: str, needed_by: str):
+    """A missing optional dependency as one line naming the extra that brings it (found without importing it)."""
+    if importlib.util.find_spec(module) is None:
+        raise QlmError(f"{needed_by} needs the Python package {module}, which is not installed",
+                       f"install qlm's eval extra: {EVAL_EXTRA}")
+
+
+def results_folder(config: EvalConfig) -> Path | None:
+    """Where --output puts lm-eval's files: as `lm_eval --output_path DIR` does, DIR/<model name>/ with the model
+    named by the checkpoint path as given (lm-eval's sanitize_model_name: `runs/x` -> `runs__x`); a DIR ending in
+    .json names the results file itself (lm-eval writes NAME_<date>.json beside it)."""
+    if not config.output:
+        return None
+    output = Path(config.output)
+    if output.suffix == ".json":
+        return output.parent
+    from lm_eval.utils import sanitize_model_name
+
+    return output / sanitize_model_name(config.checkpoint)
+
+
+def check_output(output: str):
+    """--output must be a folder qlm can write, checked (created, a probe file written and removed) before any
+    evaluation runs."""
+    path = Path(output)
+    folder = path.parent if path.suffix == ".json" else path
+    if folder.exists() and not folder.is_dir():
+        raise QlmError(f"--output {output} is a file, not a folder", "pass a folder for lm-eval's result files")
+    probe = folder / f".qlm-write-check-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise QlmError(f"cannot write to --output {output} ({exc.strerror or exc})",
+                       "pass a folder you can write to") from None
 
 
 def task_manager(config: EvalConfig):
@@ -66,11 +110,11 @@ def task_manager(config: EvalConfig):
     return manager
 
 
-def _hf_dir_for(checkpoint: str, workdir: Path, dtype: torch.dtype) -> str:
+def _hf_dir_for(checkpoint: str, workdir: Path, dtype: torch.dtype, iteration: int | None = None) -> str:
     """The checkpoint as an HF directory for lm-eval's hf backend (exported when it is not one)."""
-    if is_hf_dir(Path(checkpoint)):
+    if is_hf_dir(Path(checkpoint)) and iteration is None:
         return checkpoint
-    opened = open_checkpoint(checkpoint)
+    opened = open_checkpoint(checkpoint, iteration)
     layout = ModelLayout(opened.spec, make_vocab_size_divisible_by=opened.make_vocab_size_divisible_by)
     out = workdir / "hf"
     out.mkdir(parents=True)
@@ -82,14 +126,32 @@ def _hf_dir_for(checkpoint: str, workdir: Path, dtype: torch.dtype) -> str:
 
 
 def check_config(config: EvalConfig):
-    """Errors a user can fix before any process starts."""
+    """Errors a user can fix before any process starts: every number, the output folder, the packages."""
     if config.backend not in BACKENDS:
         raise QlmError(f"backend {config.backend!r} is not one of {', '.join(BACKENDS)}", "pass --backend qlm or hf")
+    if config.tp < 1:
+        raise QlmError(f"--tp {config.tp} is not a process count", "pass --tp 1 or more")
     if config.tp > 1 and config.backend != "qlm":
         raise QlmError(f"--tp {config.tp} needs the qlm backend", "drop --tp for lm-eval's hf backend (one process)")
     dtype_named(config.dtype, "--dtype")
-    if config.tp < 1:
-        raise QlmError(f"--tp {config.tp} is not a process count", "pass --tp 1 or more")
+    if not Path(config.checkpoint).exists():
+        raise QlmError(f"{config.checkpoint} does not exist",
+                       "point at an HF model, a Megatron or DeepSpeed checkpoint, or a qlm run directory")
+    if not config.tasks:
+        raise QlmError("--tasks names no task", f"pass comma-separated task names, e.g. --tasks {DEMO_TASKS[0]}")
+    if config.limit is not None and (config.limit <= 0 or (config.limit >= 1 and config.limit != int(config.limit))):
+        raise QlmError(f"--limit {config.limit:g} is neither a document count nor a fraction",
+                       "pass a count of 1 or more, or a fraction in (0, 1)")
+    counts = {"--batch-size": (config.batch_size, 1), "--max-length": (config.max_length, 1),
+              "--num-fewshot": (config.num_fewshot, 0), "--iteration": (config.iteration, 0)}
+    for flag, (value, least) in counts.items():
+        if value is not None and value < least:
+            raise QlmError(f"{flag} {value} is out of range", f"pass {least} or more")
+    require_module("lm_eval", "qlm eval")
+    if config.backend == "hf":
+        require_module("accelerate", "lm-eval's hf backend")
+    if config.output:
+        check_output(config.output)
 
 
 def worker_argv(config: EvalConfig) -> list[str]:
@@ -97,7 +159,7 @@ def worker_argv(config: EvalConfig) -> list[str]:
     argv = ["eval", config.checkpoint, "--tasks", ",".join(config.tasks), "--batch-size", str(config.batch_size),
             "--backend", config.backend, "--dtype", config.dtype, "--tp", str(config.tp)]
     optional = {"--include-path": config.include_path, "--num-fewshot": config.num_fewshot, "--limit": config.limit,
-                "--max-length": config.max_length, "--output": config.output}
+                "--max-length": config.max_length, "--output": config.output, "--iteration": config.iteration}
     argv += [arg for flag, value in optional.items() if value is not None for arg in (flag, str(value))]
     flags = {"--apply-chat-template": config.apply_chat_template, "--log-samples": config.log_samples}
     return argv + [flag for flag, on in flags.items() if on]
@@ -116,8 +178,31 @@ def _tensor_parallel_group(config: EvalConfig):
     return Grid.build(resolve_sizes(world, tp=config.tp)).tp_group
 
 
+def _git_hash_quietly() -> str | None:
+    """lm-eval records `git describe` of the cwd; outside a repository its git call prints `fatal: not a git
+    repository` on stderr. The same hash, without the noise."""
+    try:
+        proc = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=False)
+    except OSError:  # no git
+        return None
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
+def _quiet_libraries():
+    """Keep lm-eval's own request progress; drop the loading bars of transformers and datasets and lm-eval's git
+    noise (qlm's tasks carry every metric field, so lm-eval does not warn about them)."""
+    import datasets
+    import lm_eval.evaluator
+    from transformers.utils import logging as transformers_logging
+
+    lm_eval.evaluator.get_git_commit_hash = _git_hash_quietly
+    transformers_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+
 def run_eval(config: EvalConfig) -> dict | None:
     """lm-eval's results dict (with "samples" when log_samples); None on the other ranks of a TP evaluation."""
+    check_config(config)
     import lm_eval
 
     from qlm_core.eval import lm as _register_qlm_backend  # noqa: F401  (registers model "qlm")
@@ -125,7 +210,7 @@ def run_eval(config: EvalConfig) -> dict | None:
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    check_config(config)
+    _quiet_libraries()
     tp_group = _tensor_parallel_group(config)
     manager = task_manager(config)
     workdir = Path(tempfile.mkdtemp(prefix="qlm-eval-"))
@@ -134,12 +219,12 @@ def run_eval(config: EvalConfig) -> dict | None:
             from qlm_core.eval.lm import QlmLM
 
             model = QlmLM(config.checkpoint, batch_size=config.batch_size, max_length=config.max_length,
-                          dtype=config.dtype, tp_group=tp_group)
+                          dtype=config.dtype, tp_group=tp_group, iteration=config.iteration)
             model_args = None
         else:
             dtype = DTYPES[config.dtype]
             model = "hf"
-            model_args = {"pretrained": _hf_dir_for(config.checkpoint, workdir, dtype),
+            model_args = {"pretrained": _hf_dir_for(config.checkpoint, workdir, dtype, config.iteration),
                           "dtype": HF_DTYPE_NAMES[dtype],
                           "device": "cuda" if torch.cuda.is_available() else "cpu"}
             if config.max_length:
@@ -163,22 +248,33 @@ def run_eval(config: EvalConfig) -> dict | None:
         if config.tp > 1:
             destroy_distributed()
     if config.output and results is not None:
-        save_results(results, Path(config.output), config.log_samples)
+        save_results(results, config)
     return results
 
 
-def save_results(results: dict, output: Path, log_samples: bool):
-    """Results (and per-sample logs) in lm-eval's own file layout, via its EvaluationTracker."""
+def save_results(results: dict, config: EvalConfig) -> Path:
+    """Results (and per-sample logs) in lm-eval's own file layout, via its EvaluationTracker, under
+    results_folder(config); returns the results file. lm-eval logs a failed write and carries on: qlm raises."""
     from lm_eval.loggers import EvaluationTracker
 
-    tracker = EvaluationTracker(output_path=str(output))
-    samples = results.pop("samples", None) if log_samples else None
+    tracker = EvaluationTracker(output_path=str(config.output))
+    tracker.general_config_tracker.log_experiment_args(
+        model_source=config.backend, model_args={"pretrained": config.checkpoint},
+        system_instruction=None, chat_template=None, fewshot_as_multiturn=False)
+    samples = results.pop("samples", None) if config.log_samples else None
     tracker.save_results_aggregated(results=results, samples=samples)
+    output, date_id = Path(config.output), getattr(tracker, "date_id", "")
+    written = (output.with_name(f"{output.stem}_{date_id}.json") if output.suffix == ".json"
+               else results_folder(config) / f"results_{date_id}.json")
+    if not date_id or not written.is_file():
+        raise QlmError(f"lm-eval could not write its results under {config.output}",
+                       "pass an --output folder you can write to")
     if samples:
         for task in results["configs"]:
             tracker.save_results_samples(task_name=task, samples=samples[task])
     if samples is not None:
         results["samples"] = samples
+    return written
 
 
 def result_rows(results: dict) -> list[tuple[str, str, str, float, float | None]]:

@@ -168,13 +168,19 @@ def build_case(recipe: Recipe | None = None, *, model: str | None = None, seq_le
                loss_chunk_tokens: int | None = None, mean_doc_len: int | None = None,
                **parallel) -> ProfileCase:
     """The seed's case, replaced by `recipe` when given, then by every option that is not None. `parallel` takes
-    ParallelConfig's keys. The device count is `num_gpus`, else tp·pp·cp·dp when dp is set, else 32."""
+    ParallelConfig's keys. The device count is `num_gpus`, else tp·pp·cp·dp when dp is set, else 32. A `model`
+    without a recipe keeps none of the seed's layout: ParallelConfig's defaults (tp 1, no CP, ZeRO 0, no recompute)
+    under the options given, on tp·pp·cp devices (dp 1) unless num_gpus or dp says otherwise; the CLI then looks
+    for the smallest layout that fits when no layout option is given (search.smallest_fitting)."""
     if recipe is not None:
         case = case_from_recipe(recipe, num_gpus)
+    elif model is not None:  # the user's model: none of the seed's layout, qlm's defaults (ParallelConfig's)
+        spec, name = load_spec(model)
+        case = ProfileCase(spec=spec, model_name=name, parallel=ParallelConfig())
     else:
         spec, name = load_spec(SEED_MODEL)
         case = ProfileCase(spec=spec, model_name=name)
-    if model is not None:
+    if model is not None and recipe is not None:
         spec, name = load_spec(model)
         case = case.replace(spec=spec, model_name=name)
     unknown = set(parallel) - {f.name for f in dataclasses.fields(ParallelConfig)}
@@ -193,4 +199,6 @@ def build_case(recipe: Recipe | None = None, *, model: str | None = None, seq_le
         case = case.replace(num_gpus=num_gpus)
     elif parallel.get("dp") is not None or (recipe is not None and p.dp):
         case = case.replace(num_gpus=p.tp * p.pp * p.cp * p.dp)
+    elif recipe is None and model is not None:  # one model replica: dp 1
+        case = case.replace(num_gpus=p.tp * p.pp * p.cp)
     return case

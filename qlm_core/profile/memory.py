@@ -218,13 +218,19 @@ def estimate_memory(case: ProfileCase, capacity_gib: float, device: str = "cuda"
     return MemoryEstimate([stage_memory(case, s, device, allowance) for s in range(case.parallel.pp)], capacity_gib)
 
 
+PLANNED_PRESET = "a100-80g"  # what `qlm train --dry-run` sizes against on a machine without a GPU
+
+
 def planned_memory(recipe: Recipe, plan: RunPlan):
     """The profile's memory estimate of this run per rank (heaviest stage), against this machine's GPU or, without
-    one, an 80 GiB device; and the device's description."""
+    one, the a100-80g preset, named as such; and the device's description."""
     if torch.cuda.is_available():
-        capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
-        device = "this GPU"
+        properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+        capacity = properties.total_memory / 2**30
+        device = f"this GPU ({properties.name}, {capacity:.0f} GiB)"
     else:
-        capacity, device = GPUS["a100-80g"].memory_gib, "an 80 GiB GPU (qlm profile RECIPE --gpu NAME for others)"
+        capacity = GPUS[PLANNED_PRESET].memory_gib
+        device = (f"the {PLANNED_PRESET} preset, {capacity:g} GiB (no GPU on this machine; qlm profile RECIPE "
+                  f"--gpu NAME for another)")
     case = case_from_recipe(recipe, plan.sizes.world, spec=plan.spec)
     return estimate_memory(case, capacity_gib=capacity), device

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
+from qlm_core.errors import QlmError
 from qlm_core.hardware import GpuSpec
 from qlm_core.profile.case import ProfileCase
 from qlm_core.profile.memory import COMPONENTS, GIB, Allowance, MemoryEstimate
@@ -128,8 +131,6 @@ def plot_memory(bars: list[tuple[str, dict[str, float]]], capacity_gib: float | 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from qlm_core.errors import QlmError
-
         raise QlmError("--plot needs matplotlib", "pip install matplotlib") from None
     figure, axis = plt.subplots(figsize=(max(6.0, 1.3 * len(bars) + 3), 4.8))
     bottoms = [0.0] * len(bars)
@@ -149,6 +150,39 @@ def plot_memory(bars: list[tuple[str, dict[str, float]]], capacity_gib: float | 
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")  # a reader never sees half a PNG
+    try:
+        figure.savefig(partial, dpi=120, format=path.suffix[1:].lower() or "png")
+        os.replace(partial, path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise QlmError(f"cannot write --plot {path} ({exc.strerror or exc})", "pass a path you can write to") from None
+    finally:
+        plt.close(figure)
     return path
+
+
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def check_plot_path(path: Path):
+    """--plot can be written, checked before any work: a known image suffix, matplotlib installed, its folder
+    created and a probe file written and removed there."""
+    path = Path(path)
+    if path.suffix.lower() not in PLOT_FORMATS:
+        raise QlmError(f"--plot {path} has no image suffix", f"end it in one of {', '.join(PLOT_FORMATS)}")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise QlmError("--plot needs matplotlib", "pip install matplotlib")
+    if path.is_dir():
+        raise QlmError(f"--plot {path} is a directory", "pass a file name, e.g. --plot mem.png")
+    folder = path.parent
+    existing = next(p for p in (folder, *folder.parents) if p.exists() or p == Path(p.anchor or "."))
+    if existing.exists() and not existing.is_dir():
+        raise QlmError(f"--plot {path}: {existing} is a file, not a folder", "pass a path inside a folder")
+    probe = folder / f".qlm-write-check-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise QlmError(f"cannot write --plot {path} ({exc.strerror or exc})", "pass a path you can write to") from None

@@ -124,6 +124,23 @@ def search(base: ProfileCase, num_gpus: int, gpu: GpuSpec, eff: Efficiency = Eff
     return SearchResult(fitting, rejected, invalid, gpu, explain_full_sequence(fitting, rejected, base.seq_len))
 
 
+def smallest_fitting(base: ProfileCase, gpu: GpuSpec, eff: Efficiency = Efficiency(),
+                     allowance: Allowance = Allowance(), num_gpus: int | None = None,
+                     max_gpus: int = 4096) -> SearchResult | None:
+    """The search on the fewest devices where some layout fits: `num_gpus` when given, else 1, 2, 4, ... up to
+    max_gpus; None when nothing fits. The result's fitting[0] is the fastest layout at that device count."""
+    validate_inputs(base.replace(num_gpus=num_gpus or 1))
+    counts = [num_gpus] if num_gpus else [2**k for k in range(max_gpus.bit_length()) if 2**k <= max_gpus]
+    for n in counts:
+        try:
+            result = search(base, n, gpu, eff, allowance)
+        except QlmError:  # no layout of n devices passes the trainer's checks (e.g. the batch by dp)
+            continue
+        if result.fitting:
+            return result
+    return None
+
+
 def _dominant(candidate: Candidate) -> str:
     parts = candidate.memory.heaviest.components
     key = max((k for k in parts if k != "allocator"), key=parts.get)
@@ -149,7 +166,10 @@ def explain_full_sequence(fitting: list[Candidate], rejected: list[Candidate], s
             if group and not any(c.case.parallel.recompute == mode for c in full_fit):
                 least = min(group, key=lambda c: c.memory.total_gib)
                 per_layer = least.memory.heaviest.activation_per_layer / GIB
-                note = (f"recompute {mode}: every layout OOMs; at best {least.case.describe()} keeps "
+                # the note is about the cp = 1 layouts; layouts with CP may fit with this mode (and rank above)
+                where = ("every layout without CP OOMs (it fits only with context parallelism)"
+                         if any(c.case.parallel.recompute == mode for c in fitting) else "every layout OOMs")
+                note = (f"recompute {mode}: {where}; at best {least.case.describe()} keeps "
                         f"{per_layer:.2f} GiB per layer per micro-batch, {_dominant(least)}")
                 if mode == "selective":
                     note += (" (selective recompute drops only the attention kernel's output and log-sum-exp: "

@@ -1,0 +1,163 @@
+"""`qlm generate CKPT --prompt TEXT`: try a checkpoint with a chat prompt (qlm's model, KV-cache decoding)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qlm_cli.choices import WeightDtype
+from qlm_cli.render import err_console
+from qlm_core.errors import QlmError
+
+STDIN = "-"
+
+
+def _lines(data: bytes, where: str) -> list[str]:
+    """The non-blank lines of `data` (UTF-8), each one prompt."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise QlmError(f"{where} is not UTF-8 text (byte {exc.start})",
+                       "give prompts as UTF-8 text, one a line") from None
+    lines = [line.removesuffix("\r") for line in text.removeprefix("\ufeff").split("\n")]
+    return [line for line in lines if line.strip()]
+
+
+def _stdin_prompts() -> list[str]:
+    if sys.stdin is not None and sys.stdin.isatty():
+        err_console.print("reading prompts from stdin, one a line (end with Ctrl-D)", markup=False, highlight=False)
+    stream = getattr(sys.stdin, "buffer", None)
+    data = stream.read() if stream is not None else (sys.stdin.read() if sys.stdin else "").encode("utf-8")
+    prompts = _lines(data, "stdin")
+    if not prompts:
+        raise QlmError("--prompt - reads prompts from stdin, but stdin has none", "pipe prompts in, one a line")
+    return prompts
+
+
+def _file_prompts(path: Path) -> list[str]:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise QlmError(f"prompt file {path} does not exist", "check the path") from None
+    except IsADirectoryError:
+        raise QlmError(f"prompt file {path} is a directory", "point --prompt-file at a text file") from None
+    except OSError as exc:
+        raise QlmError(f"cannot read prompt file {path} ({exc.strerror})", "check the file") from None
+    prompts = _lines(data, f"prompt file {path}")
+    if not prompts:
+        raise QlmError(f"prompt file {path} holds no prompt", "write one prompt a line")
+    return prompts
+
+
+def collect_prompts(prompts: list[str], prompt_file: Path | None) -> list[str]:
+    """--prompt values in order (`-`: stdin's lines at that place), then --prompt-file's lines."""
+    if prompts.count(STDIN) > 1:
+        raise QlmError("--prompt - is given twice", "read stdin once")
+    collected = []
+    for prompt in prompts:
+        collected += _stdin_prompts() if prompt == STDIN else [prompt]
+    if prompt_file is not None:
+        collected += _file_prompts(prompt_file)
+    if not collected:
+        raise QlmError("no prompt given", "pass --prompt TEXT (repeatable), --prompt - for stdin, or --prompt-file")
+    for number, prompt in enumerate(collected, 1):
+        what = f"prompt {number}" if len(collected) > 1 else "the prompt"
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise QlmError(f"{what} is not valid UTF-8", "pass prompts as UTF-8 text") from None
+        if not prompt.strip():
+            raise QlmError(f"{what} is empty", "give it some text")
+    return collected
+
+
+def _write(text: str):
+    """Answers go to stdout as written (no Rich markup or emoji codes). A reader that stops early (`| head`) ends the
+    command quietly, as other Unix tools do."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        try:  # the interpreter's last flush would fail again: point stdout at nothing
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        raise typer.Exit(1) from None
+
+
+def _stdout_is_utf8() -> bool:
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    return encoding.lower().replace("-", "").replace("_", "") == "utf8"
+
+
+def generate_command(
+    checkpoint: Annotated[str, typer.Argument(help="An HF model, a Megatron checkpoint (torch or torch_dist, any "
+                                                   "TP/PP; its root or one iter_N directory), a DeepSpeed checkpoint "
+                                                   "or a qlm run directory (its latest checkpoint, or --iteration; "
+                                                   "LoRA adapters merged).")],
+    prompt: Annotated[list[str] | None, typer.Option(
+        "--prompt", "-p", help="A user message (repeatable: one batch, left-padded); - reads one a line from "
+        "stdin.")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(
+        "--prompt-file", help="A UTF-8 text file of prompts, one a line.")] = None,
+    system: Annotated[str | None, typer.Option("--system", help="A system message before each prompt.")] = None,
+    chat_template: Annotated[str | None, typer.Option(
+        "--chat-template", help="chatml, qwen, llama3 or a Jinja template (default: the tokenizer's own).")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="No chat template: the prompt as written.")] = False,
+    tokenizer: Annotated[Path | None, typer.Option(
+        "--tokenizer", help="A tokenizer directory (default: the one beside the checkpoint).")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 256,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", help="0: greedy (the default); above 0: sampling.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1: off).")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k likeliest tokens (0: off).")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 1234,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts decoded together.")] = 8,
+    dtype: Annotated[WeightDtype, typer.Option("--dtype", help="Weights and compute dtype.")] = WeightDtype["fp32"],
+    iteration: Annotated[int | None, typer.Option(
+        "--iteration", help="The iteration of a Megatron checkpoint root or a qlm run (default: its latest).")] = None,
+    jsonl: Annotated[bool, typer.Option(
+        "--jsonl", help="One JSON object a prompt: prompt, answer, token_ids, finish (stop or length).")] = False,
+):
+    """Answer prompts with a checkpoint: its tokenizer's chat template, KV-cache decoding, greedy unless
+    --temperature; a turn ends at eos or the template's end-of-turn token. One answer streams as it is decoded."""
+    from qlm_core.dtypes import DTYPES
+    from qlm_core.eval.generate import Generator, Prompting, Sampling, TextStream, check_sampling
+
+    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    check_sampling(sampling, max_new_tokens)
+    if batch_size < 1:
+        raise QlmError(f"--batch-size {batch_size} holds no prompt", "pass --batch-size 1 or more")
+    if iteration is not None and iteration < 0:
+        raise QlmError(f"--iteration {iteration} is negative", "pass an iteration of the checkpoint, or drop it")
+    prompts = collect_prompts(prompt or [], prompt_file)
+    if hasattr(sys.stdout, "reconfigure"):  # a terminal that cannot show a character gets "?", not a crash
+        sys.stdout.reconfigure(errors="replace")
+    generator = Generator.open(checkpoint, prompting=Prompting(chat_template, raw, system), tokenizer=tokenizer,
+                               iteration=iteration)
+    encoded = generator.encode(prompts)  # every prompt checked before the weights are read
+    generator.load(DTYPES[dtype.value])
+    longest = max(len(ids) for ids in encoded)
+    if longest + max_new_tokens > generator.context:
+        err_console.print(f"warning: answers stop at the context window of {generator.context} tokens (the longest "
+                          f"prompt has {longest})", markup=False, highlight=False, soft_wrap=True)
+    stream = TextStream(generator.tokenizer, generator.stops) if len(prompts) == 1 and not jsonl else None
+    on_token = (lambda _row, token: _write(stream.push(token))) if stream is not None else None
+    for start in range(0, len(prompts), batch_size):
+        batch = encoded[start:start + batch_size]
+        for offset, generation in enumerate(generator.run(batch, max_new_tokens=max_new_tokens, sampling=sampling,
+                                                          on_token=on_token)):
+            number = start + offset
+            if stream is not None:
+                _write(stream.finish(generation.tokens) + "\n")
+            elif jsonl:
+                _write(json.dumps({"prompt": prompts[number], "answer": generator.text(generation),
+                                   "token_ids": generation.tokens, "finish": generation.finish},
+                                  ensure_ascii=not _stdout_is_utf8()) + "\n")  # lossless either way
+            else:
+                _write(f"==> prompt {number + 1} <==\n{generator.text(generation)}\n")
