@@ -40,9 +40,17 @@ def under_launcher() -> bool:
             and "SLURM_STEP_ID" in os.environ)
 
 
+def _torchrun_has(option: str) -> bool:
+    """Whether this torch's torchrun takes `option` (--shutdown-timeout is recent; qlm allows torch >= 2.4)."""
+    from torch.distributed.run import get_args_parser
+
+    return any(option in action.option_strings for action in get_args_parser()._actions)
+
+
 def torchrun_args(config: LaunchConfig, module_argv: list[str]) -> list[str]:
-    args = [f"--nproc-per-node={config.nproc_per_node}", f"--nnodes={config.nnodes}",
-            f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"]
+    args = [f"--nproc-per-node={config.nproc_per_node}", f"--nnodes={config.nnodes}"]
+    if _torchrun_has("--shutdown-timeout"):  # time for the workers' checkpoint after a forwarded signal
+        args.append(f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}")
     if config.nnodes == 1 and config.master_addr is None:
         args.append("--standalone")
     else:

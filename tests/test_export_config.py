@@ -128,6 +128,16 @@ def test_config_that_contradicts_the_shards_is_refused(hf_models, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_config_with_fewer_tokens_than_the_checkpoint_is_refused(hf_models, tmp_path):
+    """hf/config.json (or args.vocab_size) names the real vocabulary: a smaller --config would drop rows."""
+    mcore = hf_to_mcore(hf_models["qwen2"], tmp_path / "mcore", verify=False).out
+    small = tmp_path / "small"
+    make_hf_model(small, "qwen2", vocab_size=TINY["vocab_size"] - 10)
+    with pytest.raises(QlmError, match=r"vocab_size 290 but the checkpoint's model has 300 tokens"):
+        mcore_to_hf(mcore, tmp_path / "out", config=small)
+    assert not (tmp_path / "out").exists()
+
+
 def bridge_yaml(spec_config: dict, **override) -> str:
     model = dict(
         _target_="megatron.bridge.models.qwen.qwen_provider.Qwen2ModelProvider",

@@ -193,6 +193,9 @@ def test_deepspeed_latest_outside_the_checkpoint(run_qlm, ds, tmp_path):
     (d / "latest").write_text("../elsewhere")
     one_error(run_qlm("convert", "ds2hf", "--ds", d, "--out", tmp_path / "out"), "../elsewhere", "latest")
     one_error(run_qlm("convert", "ds2hf", "--ds", d, "--tag", "../elsewhere", "--out", tmp_path / "out"), "--tag")
+    from qlm_core.checkpoint.formats.deepspeed import resolve_tag_dir
+
+    assert resolve_tag_dir(d, "global_step0/") == d / "global_step0"  # a shell-completed tag directory
 
 
 def test_bf16_zero2_without_optimizer_files(run_qlm, ds_bf16, tmp_path):
@@ -207,6 +210,9 @@ def test_bf16_zero2_without_optimizer_files(run_qlm, ds_bf16, tmp_path):
                                    "--no-verify")
     assert code == 0, stderr
     assert "warning:" in stderr and "fp32 precision was lost" in stderr
+    from qlm_core.checkpoint.sources.open import open_checkpoint  # eval / generate / train read the module weights
+
+    assert "module weights, no optimizer files" in open_checkpoint(d).description
 
 
 # ---- NaN ---------------------------------------------------------------------------------------------------------

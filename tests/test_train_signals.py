@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -125,7 +126,14 @@ def test_wandb_offline_run_holds_the_history_and_resumes_the_same_run(run_qlm, c
     offline = sorted((run / "wandb" / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(offline) == 2  # both invocations logged to the one wandb run
     logged = {}
-    for record in wandb_records(next(offline[-1].glob("*.wandb"))):
+    # wandb's service process writes the file; finish() can return before its last records are on disk
+    deadline = time.monotonic() + 60
+    while True:
+        records = wandb_records(next(offline[-1].glob("*.wandb")))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             logged.update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                            for item in record.history.item})
@@ -259,3 +267,22 @@ def test_slurm_example_parses_and_names_the_recipe_and_real_options():
                                            "MASTER_PORT"))
     assert "export MASTER_PORT" in text and "MASTER_ADDR" in text
 
+
+
+def test_a_rank_stuck_after_a_signal_exits_by_itself(monkeypatch):
+    """A survivor blocked in a collective with a dead rank never reaches the next poll: it exits after a bound
+    (below torchrun's shutdown wait); a rank that does reach the poll is not cut short."""
+    from qlm_core.train import signals
+
+    exits = []
+    monkeypatch.setattr(signals, "STUCK_AFTER_SIGNAL_S", 0.2)
+    monkeypatch.setattr(signals, "_exit_stuck", lambda signum: exits.append(signum))
+    with signals.StopControl() as stop:
+        stop._record(signal.SIGTERM, None)
+        time.sleep(0.6)
+    assert exits == [signal.SIGTERM]
+    with signals.StopControl() as stop:
+        stop._record(signal.SIGTERM, None)
+        assert stop.poll() == signals.StopReason(signal.SIGTERM)
+        time.sleep(0.6)
+    assert exits == [signal.SIGTERM]  # the poll cancelled the second watchdog

@@ -95,12 +95,15 @@ class ModelSpec:
         for flag in ("attention_bias", "mlp_bias"):
             if model_type != "qwen2" and config.get(flag):
                 raise QlmError(f"{flag}=true is not supported for {model_type}", "use a checkpoint without biases")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            value = config.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                found = "has no " + key if key not in config else f"{key} is {value!r}, not a positive integer"
-                raise QlmError(f"config.json ({model_type}): {found}",
-                               "use a complete config.json from transformers (save_pretrained writes one)")
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [key for key in sizes if key not in config]
+        wrong = [f"{key} is {config[key]!r}" for key in sizes if key in config and (
+            isinstance(config[key], bool) or not isinstance(config[key], int) or config[key] < 1)]
+        if missing or wrong:
+            found = "; ".join(([f"has no {', '.join(missing)}"] if missing else [])
+                              + ([f"{', '.join(wrong)}, not a positive integer"] if wrong else []))
+            raise QlmError(f"config.json ({model_type}): {found}",
+                           "use a complete config.json from transformers (save_pretrained writes one)")
         heads = config["num_attention_heads"]
         theta, scaling = _read_rope(config)
         sliding = None

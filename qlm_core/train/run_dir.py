@@ -53,6 +53,17 @@ def os_error(path: Path, exc: OSError, what: str = "write to") -> QlmError:
     return QlmError(f"cannot {what} {path}: {cause}", "check the path and the disk, or choose another --output")
 
 
+def write_atomic(path: Path, text: str):
+    """Replace PATH's text whole: a temporary sibling renamed over it, so a full disk never leaves it truncated."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
 def run_history(run_dir: Path) -> list[str]:
     """What of an earlier run RUN holds: logged steps or evals, saved checkpoints (empty: nothing to lose)."""
     run_dir = Path(run_dir)

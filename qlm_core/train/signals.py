@@ -11,12 +11,17 @@ the run did not finish), 0 after the time limit (a planned stop, like train.exit
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
+# After a signal, a rank that does not reach the next poll within this long is stuck (e.g. in an NCCL collective
+# with a rank that died, which is why torchrun signalled the survivors) and exits; below torchrun's shutdown wait.
+STUCK_AFTER_SIGNAL_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class StopControl:
         self.started = time.monotonic() if started is None else started
         self.received = 0
         self._previous: dict[int, object] = {}
+        self._watchdog: threading.Timer | None = None
 
     def __enter__(self) -> StopControl:
         if self.handle_signals and threading.current_thread() is threading.main_thread():
@@ -66,11 +72,20 @@ class StopControl:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        self._cancel_watchdog()
         return False
 
     def _record(self, signum, frame):
         if not self.received:
             self.received = signum
+            self._watchdog = threading.Timer(STUCK_AFTER_SIGNAL_S, _exit_stuck, (signum,))
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def _cancel_watchdog(self):
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     def time_is_up(self) -> bool:
         return self.duration_minutes > 0 and time.monotonic() - self.started >= self.duration_minutes * 60
@@ -88,7 +103,15 @@ class StopControl:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             signum, late = (int(v) for v in flags.tolist())
         if signum:
+            self._cancel_watchdog()  # every rank reached the poll: the stop (and its checkpoint) goes ahead
             return StopReason(signum)
         if late:
             return StopReason(0, self.duration_minutes)
         return None
+
+
+def _exit_stuck(signum: int):
+    print(f"error: stopped by {signal.Signals(signum).name}, but this rank did not finish its step within "
+          f"{STUCK_AFTER_SIGNAL_S:g} s (another rank failed?); no checkpoint was saved by it, resume from the last one",
+          file=sys.stderr, flush=True)
+    os._exit(exit_code_for(signum))

@@ -46,7 +46,7 @@ from qlm_core.train.checkpointing import (
 from qlm_core.train.data import build_run_data
 from qlm_core.train.engine import Batch, Engine
 from qlm_core.train.metrics import MetricsWriter, StepMetrics, peak_memory_gb, plot_loss, strict_json
-from qlm_core.train.run_dir import claim_run_dir, os_error
+from qlm_core.train.run_dir import claim_run_dir, os_error, write_atomic
 from qlm_core.train.schedule import learning_rate
 from qlm_core.train.signals import StopControl, StopReason
 from qlm_core.train.sources import resolve_model
@@ -97,7 +97,8 @@ def stop_line(reason: StopReason, step: int, checkpoint: Path | None, new: bool 
     if checkpoint is None:
         return f"{reason.describe()} {when}; no checkpoint yet; re-running the same command starts the run afresh"
     where = f"checkpoint saved to {checkpoint}" if new else f"the checkpoint {checkpoint} is intact"
-    return f"{reason.describe()} {when}; {where}; resume by re-running the same command"
+    return (f"{reason.describe()} {when}; {where}; resume by re-running the same command with --resume "
+            "(and without --force)")
 
 
 class Trainer:
@@ -118,9 +119,20 @@ class Trainer:
         self.grid = Grid.build(sizes)
         torch.manual_seed(r.train.seed)
         self.steps = total_steps(r)
+        claim_error = None
         if self.grid.rank == 0:
-            claim_run_dir(self.run_dir, r.checkpoint.resume)  # the launcher's lock, or this run's (run_dir.py)
-            (self.run_dir / "config.toml").write_text(recipe_to_toml(r))
+            try:
+                claim_run_dir(self.run_dir, r.checkpoint.resume)  # the launcher's lock, or this run's (run_dir.py)
+                write_atomic(self.run_dir / "config.toml", recipe_to_toml(r))
+            except QlmError as exc:
+                claim_error = exc
+        if dist.is_initialized() and dist.get_world_size() > 1:  # all ranks stop, not only rank 0 (srun, torchrun)
+            shared = [claim_error.line() if claim_error is not None else None]
+            dist.broadcast_object_list(shared, src=0)
+            if shared[0] is not None and claim_error is None:
+                raise SystemExit(2)  # rank 0 prints the line
+        if claim_error is not None:
+            raise claim_error
         source = resolve_model(r.model)
         cache = Path(r.data.cache_dir) if r.data.cache_dir else self.run_dir / "cache"
         valid_samples = r.train.eval_iters * r.train.global_batch_size
@@ -264,13 +276,14 @@ class Trainer:
             if self.state.skipped_in_row >= r.train.max_skipped_steps:
                 raise QlmError(f"{self.state.skipped_in_row} steps in a row had a non-finite loss or gradient",
                                "lower optim.lr or check the data; the last checkpoint is intact")
-            if self.state.iteration < self.steps and (stopped := self.stop.poll(device)) is not None:
-                break  # every rank stops here, after the same step
             if r.train.eval_interval and self.state.iteration % r.train.eval_interval == 0:
                 self._log_eval()
             if r.checkpoint.save_interval and self.state.iteration % r.checkpoint.save_interval == 0:
                 self._save()
                 last_saved = self.state.iteration
+            # after this step's eval and save, as an uninterrupted run does them (its RNG state included)
+            if self.state.iteration < self.steps and (stopped := self.stop.poll(device)) is not None:
+                break  # every rank stops here, after the same step
             if r.train.exit_interval and self.state.iteration % r.train.exit_interval == 0 \
                     and self.state.iteration < self.steps:
                 break
@@ -286,7 +299,7 @@ class Trainer:
             summary["stopped"] = self._stopped(stopped, last_saved)
         if self.metrics is not None:
             self.metrics.close()
-            (self.run_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
+            write_atomic(self.run_dir / "summary.json", strict_json(summary, indent=2) + "\n")
             if r.logging.plot:
                 summary["plot"] = str(plot_loss(self.run_dir))
         self._emit("end", summary=summary)

@@ -78,6 +78,7 @@ def resolve_tag_dir(root: Path, tag: str | None = None) -> Path:
     if not root.is_dir():
         raise QlmError(f"{root} is not a directory", "point at the directory DeepSpeed's save_checkpoint wrote")
     if tag is not None:
+        tag = tag.rstrip("/\\")  # shell completion adds the slash of a directory
         if not _is_plain_name(tag):
             raise QlmError(f"--tag {tag!r} is not a tag directory inside {root}",
                            "pass a plain name like global_step100")

@@ -49,14 +49,7 @@ def load_config_spec(config: str | Path) -> ModelSpec:
     if path.exists() and not path.is_dir() and not path.name.endswith(".json"):
         raise QlmError(f"--config {config} is a file but not a config.json",
                        "pass an HF model directory, its config.json or a preset name")
-    try:
-        return load_model_spec(config)
-    except KeyError as exc:  # a config.json without a field every decoder config has
-        raise QlmError(f"--config {config}: its config.json lacks {exc.args[0]!r}",
-                       "point at a complete Hugging Face config.json") from None
-    except TypeError as exc:
-        raise QlmError(f"--config {config}: its config.json has a field of the wrong type ({exc})",
-                       "point at a complete Hugging Face config.json") from None
+    return load_model_spec(config)  # from_hf_config names a missing or ill-typed size itself
 
 
 class _ConfiguredMixin:
@@ -70,15 +63,15 @@ class _ConfiguredMixin:
         cached = self.__dict__.get("_fallback")
         if cached is not None:
             return cached
-        run_config = find_run_config(self.root, self.dir)
-        if run_config is not None:
-            args = bridge_args(run_config)
-            self.args_from = str(run_config)
-        elif self._config_spec is not None:
+        run_config = find_run_config(self.root, self.dir) if self._config_spec is None else None
+        if self._config_spec is not None:  # --config first: it is how a user overrides a wrong run_config.yaml
             args = make_args(ModelLayout(self._config_spec, padded_vocab=embedding_rows)
                              if embedding_rows and embedding_rows >= self._config_spec.vocab_size
                              else ModelLayout(self._config_spec), dtype)
             self.args_from = "--config"
+        elif run_config is not None:
+            args = bridge_args(run_config)
+            self.args_from = str(run_config)
         else:
             raise QlmError(f"{self.dir} stores no Megatron args (a megatron-core dist_checkpointing or "
                            "Megatron-Bridge save), so its architecture is unknown", NO_ARGS_FIX)
@@ -96,10 +89,12 @@ class _ConfiguredMixin:
             return super()._spec()
         spec, what = self._config_spec, f"--config {self._config_name}"
         if self.args_from != "--config":
-            try:
-                stored = super()._spec()
-            except QlmError:
-                stored = None
+            stored = super()._spec()  # an architecture qlm cannot convert stays refused, --config or not
+            exact_vocab = (self.root / HF_SIDE_DIR / "config.json").is_file() or getattr(
+                self.args, "vocab_size", None) is not None
+            if exact_vocab and spec.vocab_size < stored.vocab_size:
+                raise QlmError(f"{what} has vocab_size {spec.vocab_size} but the checkpoint's model has "
+                               f"{stored.vocab_size} tokens (an export would drop rows)", FIX_CONFIG)
             if stored is not None:
                 for key in _STRUCTURE:
                     if getattr(stored, key) != getattr(spec, key):

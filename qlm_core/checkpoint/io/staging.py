@@ -122,6 +122,7 @@ def staged_output(out: Path, force: bool = False):
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(out)
+        check_output_dir(out, force)  # again: the stale clean-up may have put a killed run's old output back
         tmp.mkdir()
     except OSError as exc:
         error = write_error(out, exc, tmp)

@@ -30,7 +30,7 @@ def as_write_os_error(exc: BaseException, path: Path) -> OSError | None:
         return None
     text = str(exc)
     number = _OS_ERROR_NUMBER.search(text)
-    if number and type(exc).__name__ == "SafetensorError":
+    if number and type(exc).__name__ == "SafetensorError" and "while serializing" in text:  # not a read
         code = int(number.group(1))
         return OSError(code, os.strerror(code), str(path))
     if isinstance(exc, RuntimeError) and any(marker in text for marker in _TORCH_WRITER):

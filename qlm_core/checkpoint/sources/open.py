@@ -117,9 +117,11 @@ def open_checkpoint(path: str | Path, iteration: int | None = None) -> OpenedChe
         ckpt.check_model()  # a config.json with fewer layers than the weights would drop some silently
         return OpenedCheckpoint(ckpt.spec, HFTensorSource(ckpt), tokenizer_near(path), f"HF model {path}")
     if (path / "latest").is_file() or list(path.glob("global_step*")) or list(path.glob("*mp_rank_*_model_states.pt")):
-        ckpt, spec, config_path = open_deepspeed(path, None, None)
+        # reading to evaluate, generate or train from needs no fp32 masters: a bf16 module without them will do
+        ckpt, spec, config_path = open_deepspeed(path, None, None, allow_bf16_weights=True)
         config_dir = config_path.parent if config_path.is_file() else config_path
+        weights = "module weights, no optimizer files" if ckpt.warnings else "fp32 masters"
         return OpenedCheckpoint(spec, HFTensorSource(ckpt), tokenizer_near(config_dir) or tokenizer_near(path),
-                                f"DeepSpeed checkpoint {path} (ZeRO {ckpt.zero_stage}, fp32 masters)")
+                                f"DeepSpeed checkpoint {path} (ZeRO {ckpt.zero_stage}, {weights})")
     raise QlmError(f"cannot tell what {path} holds",
                    "expected an HF model, a Megatron or DeepSpeed checkpoint, or a qlm run directory")
