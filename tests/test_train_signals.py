@@ -154,6 +154,23 @@ def test_wandb_without_the_package_is_one_line_naming_the_extra(run_qlm, cache, 
     assert not (tmp_path / "run").exists()
 
 
+
+def relaunch_exit(monkeypatch, fake_torchrun) -> tuple[int, list]:
+    """qlm's launcher outside torchrun with 2 local ranks and `fake_torchrun` as torchrun: (exit code, what it
+    printed as errors)."""
+    import typer
+
+    from qlm_cli import launch
+
+    monkeypatch.setattr("torch.distributed.run.main", fake_torchrun)
+    for name in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    printed = []
+    monkeypatch.setattr(launch.err_console, "print", lambda *a, **k: printed.append(a))
+    with pytest.raises(typer.Exit) as exit_info:
+        launch.relaunch_if_needed(launch.LaunchConfig(2), ["train", "r.toml"], "training")
+    return exit_info.value.exit_code, printed
+
 def test_launcher_sets_omp_threads_and_turns_a_signal_into_its_exit_code(monkeypatch):
     """torchrun's agent raises SignalException in the parent after forwarding SIGTERM to the workers: qlm exits
     128 + 15 without a traceback or an error line; OMP_NUM_THREADS is set for the workers (torchrun stays quiet)."""
@@ -168,15 +185,8 @@ def test_launcher_sets_omp_threads_and_turns_a_signal_into_its_exit_code(monkeyp
         seen["args"], seen["omp"] = args, os.environ.get("OMP_NUM_THREADS")
         raise SignalException("got SIGTERM", sigval=signal.SIGTERM)
 
-    monkeypatch.setattr("torch.distributed.run.main", fake_torchrun)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for name in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
-        monkeypatch.delenv(name, raising=False)
-    printed = []
-    monkeypatch.setattr(launch.err_console, "print", lambda *a, **k: printed.append(a))
-    with pytest.raises(typer.Exit) as exit_info:
-        launch.relaunch_if_needed(launch.LaunchConfig(2), ["train", "r.toml"], "training")
-    assert exit_info.value.exit_code == 143 and printed == []
+    assert relaunch_exit(monkeypatch, fake_torchrun) == (143, [])
     assert int(seen["omp"]) == max(1, len(os.sched_getaffinity(0)) // 2)
     assert f"--shutdown-timeout={launch.SHUTDOWN_TIMEOUT_S}" in seen["args"]
     assert "OMP_NUM_THREADS" not in os.environ  # the parent's environment is left as it was
@@ -190,24 +200,15 @@ def test_launcher_sets_omp_threads_and_turns_a_signal_into_its_exit_code(monkeyp
 def test_launcher_reports_the_worker_that_stopped_not_the_one_torchrun_then_killed(monkeypatch):
     """Rank 1 stops on SIGINT (exit 130); torchrun then SIGTERMs rank 0 (exit -15) in the same second: qlm exits
     130 (the stop), silently."""
-    import typer
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    import qlm_cli.launch as launch
 
     def fake_torchrun(args):
         failures = {0: ProcessFailure(0, 100, -15, "/nonexistent"), 1: ProcessFailure(1, 101, 130, "/nonexistent")}
         failures[0].timestamp = failures[1].timestamp = 1_700_000_000
         raise ChildFailedError("qlm", failures)
 
-    monkeypatch.setattr("torch.distributed.run.main", fake_torchrun)
-    for name in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
-        monkeypatch.delenv(name, raising=False)
-    printed = []
-    monkeypatch.setattr(launch.err_console, "print", lambda *a, **k: printed.append(a))
-    with pytest.raises(typer.Exit) as exit_info:
-        launch.relaunch_if_needed(launch.LaunchConfig(2), ["train", "r.toml"], "training")
-    assert exit_info.value.exit_code == 130 and printed == []
+    assert relaunch_exit(monkeypatch, fake_torchrun) == (130, [])
 
 @pytest.mark.distributed
 @pytest.mark.slow

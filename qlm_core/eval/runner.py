@@ -16,6 +16,7 @@ import torch
 
 from qlm_core.checkpoint.convert.hf_megatron import write_hf
 from qlm_core.checkpoint.formats.hf import copy_side_files, is_hf_dir, write_hf_config
+from qlm_core.checkpoint.io.staging import probe_writable
 from qlm_core.checkpoint.sources.open import open_checkpoint
 from qlm_core.config import EvalBackend, choices
 from qlm_core.dtypes import DTYPES, HF_DTYPE_NAMES, dtype_named
@@ -76,11 +77,8 @@ def check_output(output: str):
     folder = path.parent if path.suffix == ".json" else path
     if folder.exists() and not folder.is_dir():
         raise QlmError(f"--output {output} is a file, not a folder", "pass a folder for lm-eval's result files")
-    probe = folder / f".qlm-write-check-{os.getpid()}"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
+        probe_writable(folder)
     except OSError as exc:
         raise QlmError(f"cannot write to --output {output} ({exc.strerror or exc})",
                        "pass a folder you can write to") from None

@@ -6,6 +6,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from qlm_core.checkpoint.io.staging import probe_writable
 from qlm_core.errors import QlmError
 from qlm_core.hardware import GpuSpec
 from qlm_core.profile.case import ProfileCase
@@ -179,10 +180,7 @@ def check_plot_path(path: Path):
     existing = next(p for p in (folder, *folder.parents) if p.exists() or p == Path(p.anchor or "."))
     if existing.exists() and not existing.is_dir():
         raise QlmError(f"--plot {path}: {existing} is a file, not a folder", "pass a path inside a folder")
-    probe = folder / f".qlm-write-check-{os.getpid()}"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
+        probe_writable(folder)
     except OSError as exc:
         raise QlmError(f"cannot write --plot {path} ({exc.strerror or exc})", "pass a path you can write to") from None

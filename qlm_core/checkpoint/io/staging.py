@@ -154,3 +154,12 @@ def _replace(tmp: Path, out: Path):
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out)
+
+
+def probe_writable(folder: Path):
+    """Create `folder` and write and remove a probe file in it: an OSError (read-only, permission, a file in the
+    way, full disk) says now, before the work, that the output could not be written later."""
+    probe = Path(folder) / f".qlm-write-check-{os.getpid()}"
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    probe.write_bytes(b"")
+    probe.unlink()
