@@ -4,14 +4,19 @@ under torchrun or Slurm's srun.
 SIGTERM / SIGINT to this (parent) process: torchrun's agent forwards the signal to every worker (they run in their
 own sessions, so a terminal's Ctrl-C reaches only this process), waits up to SHUTDOWN_TIMEOUT_S for them to save
 and exit (the trainer's signal handler, qlm_core/train/signals.py), and raises SignalException here; qlm exits with
-128 + the signal's number and no traceback (rank 0 has printed where the checkpoint is)."""
+128 + the signal's number and no traceback (rank 0 has printed where the checkpoint is). A second signal cuts
+torchrun's wait short; from then on this process ignores signals and waits for the workers itself, so the run's
+lock (held here) is never released while a worker still writes its checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import typer
 
@@ -88,6 +93,40 @@ def worker_threads(nproc_per_node: int) -> int:
     return max(1, cores // max(1, nproc_per_node))
 
 
+def _children() -> list[int]:
+    try:
+        text = " ".join(Path(task, "children").read_text() for task in Path("/proc/self/task").iterdir())
+    except OSError:
+        return []
+    return [int(pid) for pid in text.split()]
+
+
+def _outlive_workers(older_children: set[int], timeout_s: float):
+    """After torchrun gave up waiting (a further signal interrupted it): ignore SIGINT/SIGTERM and wait until every
+    worker (a child of this process not among OLDER_CHILDREN) has exited, killing what is left after TIMEOUT_S (a
+    checkpoint is written to a temporary name and renamed, so a killed save loses nothing written before)."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    waiting, deadline = set(_children()) - older_children, time.monotonic() + timeout_s
+    try:
+        while waiting:
+            for pid in list(waiting):
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0]:
+                        waiting.discard(pid)
+                except ChildProcessError:
+                    waiting.discard(pid)  # reaped elsewhere
+            if waiting and time.monotonic() > deadline:
+                for pid in waiting:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                deadline = float("inf")
+            if waiting:
+                time.sleep(0.1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def launch(config: LaunchConfig, module_argv: list[str]) -> int:
     """Run `python -m qlm_cli.main MODULE_ARGV` on every local rank; returns the exit code (128 + N after signal
     N reached this process)."""
@@ -102,6 +141,7 @@ def launch(config: LaunchConfig, module_argv: list[str]) -> int:
     quiet = _QuietShutdown()
     for name in _TORCHRUN_LOGGERS:
         logging.getLogger(name).addFilter(quiet)
+    older_children = set(_children())
     try:
         torchrun_main(torchrun_args(config, module_argv))
     except ChildFailedError as exc:
@@ -114,6 +154,7 @@ def launch(config: LaunchConfig, module_argv: list[str]) -> int:
             return 128 - code
         return code if isinstance(code, int) and code > 0 else 1
     except SignalException as exc:
+        _outlive_workers(older_children, SHUTDOWN_TIMEOUT_S)
         return 128 + int(exc.sigval)
     finally:
         for name in _TORCHRUN_LOGGERS:

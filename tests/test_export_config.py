@@ -103,6 +103,29 @@ def test_argsless_checkpoint_to_deepspeed_with_config(hf_models, tmp_path):
     assert torch.equal(hf_logits(out, 300), hf_logits(hf_models["qwen2"], 300))
 
 
+def test_a_preset_config_is_the_config_every_megatron_export_writes(tmp_path):
+    """--config PRESET names the architecture: mcore2mcore's hf/ and mcore2ds's config.json are the preset's, not the
+    source's hf/config.json (which --config overrides); the tokenizer files still come from the source."""
+    from qlm_core.checkpoint.convert.deepspeed import mcore_to_ds
+    from qlm_core.models.presets import PRESETS
+
+    hf_config = PRESETS["qlm-tiny"].to_hf_config()
+    make_hf_model(tmp_path / "hf", "qwen2", **{k: hf_config[k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings")})
+    mcore = hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", verify=False, format="torch_dist").out
+    side = json.loads((mcore / "hf" / "config.json").read_text())
+    strip_args(mcore)
+    (mcore / "hf").mkdir()
+    shutil.copy(tmp_path / "hf" / "tokenizer.json", mcore / "hf")
+    (mcore / "hf" / "config.json").write_text(json.dumps({**side, "max_position_embeddings": 77}))
+    resharded = mcore_to_mcore(mcore, tmp_path / "tp2", tp=2, config="qlm-tiny", verify=False).out
+    ds = mcore_to_ds(mcore, tmp_path / "ds", config="qlm-tiny", verify=False).out
+    for written in (resharded / "hf", ds):
+        assert json.loads((written / "config.json").read_text())["max_position_embeddings"] == 4096, written
+        assert (written / "tokenizer.json").exists(), written
+
+
 def test_args_only_checkpoint_exports_the_config_vocabulary(hf_models, tmp_path):
     """Megatron-LM's args name only the padded vocabulary: --config gives the real one."""
     mcore = hf_to_mcore(hf_models["qwen2"], tmp_path / "mcore", verify=False).out
@@ -168,6 +191,9 @@ def test_bridge_run_config_supplies_the_architecture(hf_models, tmp_path):
     assert torch.equal(hf_logits(out, 300), hf_logits(hf_models["qwen2"], 300))
     resharded = mcore_to_mcore(mcore, tmp_path / "tp1", verify=False).out
     assert open_megatron(resharded).spec.num_layers == 4  # written with complete Megatron args
+    from qlm_core.checkpoint.sources.open import open_checkpoint  # what train's model.load, eval, generate read
+
+    assert open_checkpoint(mcore).spec.num_layers == 4
 
 
 def test_bridge_args_read_the_model_section(tmp_path):

@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,46 @@ def test_a_stale_lock_is_recovered_with_a_notice(tmp_path):
     assert not (tmp_path / LOCK_NAME).exists()
 
 
+def test_a_lock_being_written_is_not_taken_for_stale(tmp_path):
+    lock_file = tmp_path / LOCK_NAME
+    lock_file.write_text("")  # another starter between creating and writing it
+
+    def finish_writing():
+        time.sleep(0.3)
+        lock_file.write_text(f"1 {socket.gethostname()} cafe\n")
+
+    writer = threading.Thread(target=finish_writing)
+    writer.start()
+    try:
+        with pytest.raises(QlmError, match="in use by another qlm train .PID 1 "):
+            RunLock(tmp_path).acquire()
+    finally:
+        writer.join()
+    assert lock_file.read_text().startswith("1 ")
+
+
+def test_two_starters_recovering_one_stale_lock_do_not_remove_each_others(tmp_path, monkeypatch):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock_file = tmp_path / LOCK_NAME
+    lock_file.write_text(f"{dead.pid} {socket.gethostname()} cafe\n")
+    real_read = RunLock._read
+    calls = []
+
+    def read_then_rival_recovers(self, *path):
+        held = real_read(self, *path)
+        if not calls:  # the rival removes the stale lock and takes its own after this read
+            calls.append(1)
+            lock_file.write_text(f"1 {socket.gethostname()} rival\n")
+        return held
+
+    monkeypatch.setattr(RunLock, "_read", read_then_rival_recovers)
+    with pytest.raises(QlmError, match="PID 1 "):
+        RunLock(tmp_path).acquire()
+    assert lock_file.read_text().split()[2] == "rival"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]
+
+
 def test_the_lock_is_reentrant_for_its_workers_and_released_by_its_owner(tmp_path, monkeypatch):
     owner = RunLock(tmp_path)
     assert owner.acquire()
@@ -87,12 +129,13 @@ def test_the_lock_is_reentrant_for_its_workers_and_released_by_its_owner(tmp_pat
 def test_permission_denied_on_the_lock_is_one_error(tmp_path, monkeypatch):
     real = os.open
 
-    def denied(path, *args, **kwargs):
+    def denied(source, path, *args, **kwargs):
         if str(path).endswith(LOCK_NAME):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real(path, *args, **kwargs)
+        return real(source, path, *args, **kwargs)
 
-    monkeypatch.setattr(os, "open", denied)
+    real = os.link
+    monkeypatch.setattr(os, "link", denied)
     with pytest.raises(QlmError, match=r"cannot write to .*Permission denied; choose a writable --output"):
         claim_run_dir(tmp_path / "run", resume=True)
 
@@ -194,6 +237,34 @@ def test_disk_full_during_a_checkpoint_keeps_the_last_complete_one(tmp_path, mon
     assert (root / LATEST_FILE).read_text() == "1"
 
 
+def test_resaving_an_iteration_keeps_the_old_copy_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    """checkpoint.load_iteration = 1 in a run that saved 1 and 2: its next save is iteration 2 again."""
+    engine, root = tiny_engine(), tmp_path / "checkpoints"
+    for iteration in (1, 2):
+        save_checkpoint(root, engine, TrainState(iteration=iteration), keep_last=5, extra_args={})
+    old_shard = next((root / "iter_0000002").rglob("*.pt")).read_bytes()
+    real_replace = os.replace
+
+    def failing_move_in(source, target):
+        if Path(source).name == "iter_0000002" and Path(source).parent.name.endswith(".partial"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_replace(source, target)
+
+    monkeypatch.setattr(checkpointing.os, "replace", failing_move_in)
+    with pytest.raises(QlmError, match="Input/output error"):
+        save_checkpoint(root, engine, TrainState(iteration=2, consumed_samples=99), keep_last=5, extra_args={})
+    assert next((root / "iter_0000002").rglob("*.pt")).read_bytes() == old_shard
+    assert (root / LATEST_FILE).read_text() == "2"
+
+
+def test_a_swap_killed_midway_is_finished_before_resuming(tmp_path):
+    engine, root = tiny_engine(), tmp_path / "checkpoints"
+    save_checkpoint(root, engine, TrainState(iteration=2), keep_last=5, extra_args={})
+    os.replace(root / "iter_0000002", root / ".iter_0000002.replaced")  # killed before the new copy moved in
+    assert resume_iteration(root) == 2
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", LATEST_FILE]
+
+
 # --- start-up checks --------------------------------------------------------------------------------------------
 
 
@@ -248,3 +319,25 @@ def test_a_write_fault_in_the_run_directory_is_one_line_naming_the_file(tmp_path
     trainer._run = elsewhere
     with pytest.raises(OSError):
         trainer.run()
+
+
+def test_force_under_a_users_launcher_moves_the_old_run_aside(run_qlm, tmp_path, monkeypatch):
+    """srun or a user's torchrun starts the ranks itself: rank 0 applies --force (there is no qlm launcher)."""
+    run = old_run(tmp_path / "run")
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    code, _, stderr = run_qlm("train", RECIPE, "--output", run, "--force", "--no-resume",
+                              "--set", "train.train_iters=1")
+    assert code == 0, stderr
+    moved = list(tmp_path.glob("run.replaced-*"))
+    assert len(moved) == 1 and (moved[0] / "checkpoints" / "iter_0000004").is_dir(), stderr
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_bad_uneven_pipeline_in_a_recipe_names_the_recipe_keys(run_qlm):
+    code, _, stderr = run_qlm("train", RECIPE, "--dry-run", "--set", "parallel.pp=2",
+                              "--set", "parallel.num_layers_in_first_pipeline_stage=3",
+                              "--set", "parallel.num_layers_in_last_pipeline_stage=3")
+    assert code == 2 and "parallel.num_layers_in_first_pipeline_stage 3 + parallel.num_layers_in_last_pipeline_" \
+        "stage 3 hold 6 layers" in " ".join(stderr.split()), stderr
+    assert "--num-layers" not in stderr and "--pp" not in stderr

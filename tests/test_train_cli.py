@@ -190,7 +190,7 @@ def test_lora_run_exports_to_peft_and_merged_hf_alike(baseline, cache, tmp_path)
     (["parallel.tpp=2"], "unknown key parallel.tpp; did you mean 'tp'?"),
     (["parallel.tp=two"], "parallel.tp must be an integer"),
     (["data.train=['/nonexistent.jsonl']"], "data file /nonexistent.jsonl does not exist"),
-    (["parallel.tp=3"], "--tp 3 does not divide num_attention_heads 4"),
+    (["parallel.tp=3"], "parallel.tp 3 does not divide num_attention_heads 4"),
     (["optim.lrr=1"], "did you mean 'lr'?"),
     (["checkpoint.format=zarr"], "checkpoint.format 'zarr' is not one of torch, torch_dist"),
     (["checkpoint.format=torch_dist", "lora.rank=4", "model.load=base"],

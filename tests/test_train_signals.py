@@ -287,3 +287,21 @@ def test_a_rank_stuck_after_a_signal_exits_by_itself(monkeypatch):
         assert stop.poll() == signals.StopReason(signal.SIGTERM)
         time.sleep(0.6)
     assert exits == [signal.SIGTERM]  # the poll cancelled the second watchdog
+
+
+def test_a_further_signal_does_not_end_the_launcher_before_its_workers(monkeypatch):
+    """A second Ctrl-C cuts torchrun's wait short (SignalException while it shuts the workers down): qlm's launcher
+    still waits for the workers (ignoring further signals) before it returns and releases the run's lock."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    workers = []
+
+    def interrupted_torchrun(args):
+        workers.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"]))
+        raise SignalException("got SIGINT", sigval=signal.SIGINT)
+
+    code, printed = relaunch_exit(monkeypatch, interrupted_torchrun)
+    assert code == 128 + signal.SIGINT and not printed
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the handlers are restored
+    with pytest.raises(ProcessLookupError):
+        os.kill(workers[0].pid, 0)  # exited and reaped before the launcher returned

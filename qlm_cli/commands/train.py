@@ -136,7 +136,8 @@ def train(
             return
         from qlm_core.train.trainer import Trainer
 
-        summary = Trainer(resolved, Path(resolved.train.output), on_event=RunView()).run()
+        summary = Trainer(resolved, Path(resolved.train.output), on_event=RunView(),
+                          force=force and under_launcher()).run()  # srun, a user's torchrun: rank 0 moves it aside
     finally:
         if lock is not None:
             lock.release()

@@ -486,3 +486,18 @@ def normalize_megatron_name(local_name: str) -> str | None:
     if local_name.endswith(("layer_norm_bias", "layernorm.bias")):
         raise QlmError(f"checkpoint tensor {local_name} is a LayerNorm bias", "qlm supports RMSNorm models only")
     return local_name
+
+
+# convert's and profile's flags, as a recipe names them
+_RECIPE_KEYS = {_FIRST_FLAG: "parallel.num_layers_in_first_pipeline_stage",
+                _LAST_FLAG: "parallel.num_layers_in_last_pipeline_stage",
+                "--tp": "parallel.tp", "--pp": "parallel.pp", "--vpp": "parallel.vpp"}
+
+
+def recipe_layout(spec: ModelSpec, parallel) -> ModelLayout:
+    """The layout of a recipe's [parallel] (a ParallelConfig); its errors name the recipe's keys."""
+    try:
+        return ModelLayout(spec, parallel.tp, parallel.pp, parallel.vpp, parallel.num_layers_in_first_pipeline_stage,
+                           parallel.num_layers_in_last_pipeline_stage)
+    except QlmError as exc:
+        raise exc.renamed(_RECIPE_KEYS) from None

@@ -179,6 +179,23 @@ def _stop_on_failure(error: str | None, root: Path, staging: Path, iteration: in
                    f"free space on that disk or fix its permissions, then rerun the same command to resume: {intact}")
 
 
+REPLACED_SUFFIX = ".replaced"  # RUN/checkpoints/.iter_N.replaced: iter_N set aside while a new iter_N moves in
+
+
+def recover_replaced(root: Path):
+    """Finish a swap that a kill interrupted: an iter_N set aside is dropped when the new iter_N is in place, and
+    put back when it is not (before the checkpoints are read or written)."""
+    for replaced in Path(root).glob(f".iter_*{REPLACED_SUFFIX}"):
+        final = replaced.with_name(replaced.name[1:-len(REPLACED_SUFFIX)])
+        if final.exists():
+            shutil.rmtree(replaced, ignore_errors=True)
+            continue
+        try:
+            os.replace(replaced, final)
+        except FileNotFoundError:
+            pass  # another rank put it back first
+
+
 def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_last: int, extra_args: dict,
                     fmt: str = TORCH):
     """Write into RUN/checkpoints/.iter_N.partial/iter_N, rename it into place, then replace the latest pointer. A
@@ -191,6 +208,7 @@ def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_la
     error = None
     if g.rank == 0:
         try:
+            recover_replaced(root)
             for stale in root.glob(".iter_*.partial"):
                 shutil.rmtree(stale, ignore_errors=True)
             (staging / name).mkdir(parents=True, exist_ok=True)
@@ -233,10 +251,14 @@ def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_la
             pointer.write_text(str(train_state.iteration))  # first: a failure here has moved nothing yet
             replaced = None
             if final.exists():  # a checkpoint of this iteration from an earlier trajectory: set aside, then dropped
-                replaced = root / f".{name}.replaced.partial"
-                shutil.rmtree(replaced, ignore_errors=True)
+                replaced = root / f".{name}{REPLACED_SUFFIX}"
                 os.replace(final, replaced)
-            os.replace(staging / name, final)
+            try:
+                os.replace(staging / name, final)
+            except OSError:
+                if replaced is not None:
+                    os.replace(replaced, final)
+                raise
             staging.rmdir()
             os.replace(pointer, root / LATEST_FILE)
             if replaced is not None:
@@ -328,6 +350,8 @@ def resume_iteration(root: Path, load_iteration: int | None = None) -> int | Non
     the latest file names; None when RUN/checkpoints holds no checkpoint. A missing iteration, a latest file that
     names one that is not there, or checkpoints without a latest file are errors naming what is there."""
     root = Path(root)
+    if root.is_dir():
+        recover_replaced(root)
     iterations = saved_iterations(root)
     have = ", ".join(map(str, iterations)) or "none"
     latest = root / LATEST_FILE

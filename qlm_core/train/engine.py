@@ -21,7 +21,7 @@ from qlm_core.checkpoint.sources.random_init import RandomInitSource
 from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig
 from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import ParallelOptions
-from qlm_core.models.layout import ModelLayout, TensorSource
+from qlm_core.models.layout import TensorSource, recipe_layout
 from qlm_core.models.spec import ModelSpec
 from qlm_core.models.stage import StageModel
 from qlm_core.parallel.comm import all_reduce, group_size
@@ -89,8 +89,7 @@ class Engine:
         self.source, self.seed, self.lora, self.loss_chunk_tokens = source, seed, lora, loss_chunk_tokens
         c, g = self.config, self.grid
         validate_layout(self.spec, c, g.sizes, self.seq_length, self.micro_batch_size, self.global_batch_size)
-        self.layout = ModelLayout(self.spec, c.tp, c.pp, c.vpp, c.num_layers_in_first_pipeline_stage,
-                                  c.num_layers_in_last_pipeline_stage)
+        self.layout = recipe_layout(self.spec, c)
         self.num_microbatches = self.global_batch_size // (self.micro_batch_size * g.sizes.dp)
         self.chunks = self._build_chunks(self.source or RandomInitSource(self.layout, seed=self.seed))
         if self.lora is not None and self.lora.rank > 0:

@@ -9,7 +9,7 @@ from pathlib import Path
 from qlm_core.checkpoint.sources.open import CHECKPOINTS_DIR
 from qlm_core.config import ModelConfig, Recipe
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import ModelLayout
+from qlm_core.models.layout import ModelLayout, recipe_layout
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.state import ParallelSizes, resolve_sizes
 from qlm_core.train.checkpointing import describe_resume, resume_iteration
@@ -78,8 +78,7 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
         source = replace(source, description=f"{model.spec} from model.spec (model.load {model.load} not found)")
     else:
         source = resolve_model(model)
-    layout = ModelLayout(source.spec, p.tp, p.pp, p.vpp, p.num_layers_in_first_pipeline_stage,
-                         p.num_layers_in_last_pipeline_stage)
+    layout = recipe_layout(source.spec, p)
     validate_layout(source.spec, p, sizes, recipe.data.seq_length, t.micro_batch_size, t.global_batch_size)
     steps = total_steps(recipe)
     resume = None

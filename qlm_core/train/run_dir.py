@@ -3,7 +3,8 @@ out of one directory, and `--force`.
 
 RUN/.qlm.lock   "PID HOST TOKEN" of the process that holds the run (the launcher, or rank 0 of a run started by
                 srun / a user's torchrun). Workers that qlm's launcher starts inherit TOKEN through QLM_RUN_LOCK and
-                count as the holder. A lock whose PID is gone on this host is stale: recovered with a notice.
+                count as the holder. A lock whose PID is gone on this host is stale: recovered with a notice; one
+                taken on another host cannot be checked from here and is removed by hand.
 
 A directory is accepted when it does not exist, is empty (but for the lock), or is a qlm run (config.toml,
 metrics.jsonl or checkpoints/). A run with history (steps logged or checkpoints saved) is continued only with
@@ -77,7 +78,8 @@ def run_history(run_dir: Path) -> list[str]:
 
 def _contents(run_dir: Path) -> list[Path]:
     try:
-        return [p for p in Path(run_dir).iterdir() if p.name != LOCK_NAME]
+        return [p for p in Path(run_dir).iterdir()
+                if p.name != LOCK_NAME and not p.name.startswith(f"{LOCK_NAME}.")]  # the lock and its temporaries
     except OSError as exc:
         raise os_error(run_dir, exc, "read") from None
 
@@ -128,54 +130,107 @@ class RunLock:
         self.token = secrets.token_hex(8)
         self.owned = False
 
-    def _read(self) -> tuple[int, str, str] | None:
+    def _read(self, path: Path | None = None) -> tuple[int, str, str] | None:
         try:
-            pid, host, token = self.path.read_text().split()
+            pid, host, token = (path or self.path).read_text().split()
             return int(pid), host, token
         except FileNotFoundError:
             raise
         except (OSError, ValueError, UnicodeDecodeError):
-            return None  # empty or garbled (a crash between create and write): stale
+            return None  # garbled (written by hand, or by a file system without hard links and a crash)
+
+    def _create(self, host: str) -> bool:
+        """Put a complete lock file in place, or return False when one exists. The text is written to a private
+        name first and hard-linked into place, so no other process ever reads an empty lock."""
+        private = self.path.with_name(f"{LOCK_NAME}.{self.token}")
+        private.write_text(f"{os.getpid()} {host} {self.token}\n")
+        try:
+            os.link(private, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            try:  # no hard links here: an exclusive create (a reader may see it empty for a moment)
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w") as fh:
+                fh.write(private.read_text())
+            return True
+        finally:
+            private.unlink(missing_ok=True)
+
+    def _take_stale(self, held: tuple[int, str, str] | None) -> bool:
+        """Remove the lock judged stale, unless another process replaced it since it was read: the file is renamed
+        to a private name first and its text compared, so two processes recovering at once cannot remove each
+        other's fresh lock. True when the stale lock is gone."""
+        moved = self.path.with_name(f"{LOCK_NAME}.stale-{self.token}")
+        try:
+            os.replace(self.path, moved)
+        except FileNotFoundError:
+            return True
+        try:
+            now = self._read(moved)
+        except FileNotFoundError:
+            return True
+        if now != held:  # a live lock taken meanwhile: put it back (unless yet another one is in place)
+            try:
+                os.link(moved, self.path)
+            except FileExistsError:
+                pass
+            moved.unlink(missing_ok=True)
+            return False
+        moved.unlink(missing_ok=True)
+        return True
 
     def acquire(self, notice: Callable[[str], None] = _stderr_notice) -> bool:
         """True: this process created the lock; False: it already belonged to this process or its launcher."""
         host = socket.gethostname()
-        for _ in range(3):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
+                if self._create(host):
+                    break
                 try:
                     held = self._read()
                 except FileNotFoundError:
                     continue  # released meanwhile
-                if held is not None:
-                    pid, held_host, token = held
-                    if pid == os.getpid() or token == os.environ.get(LOCK_ENV):
-                        return False
-                    if held_host != host or _pid_alive(pid):
-                        raise QlmError(f"{self.path.parent} is in use by another qlm train (PID {pid} on host "
-                                       f"{held_host}, lock file {self.path})",
-                                       "wait for that run to end or choose another --output; if it is not running, "
-                                       "delete the lock file") from None
-                    what = f"PID {pid} on {held_host} is gone"
-                else:
-                    what = "it is unreadable"
-                notice(f"note: recovered the stale lock {self.path} ({what})")
-                try:
-                    self.path.unlink()
-                except FileNotFoundError:
-                    pass
-                continue
             except OSError as exc:
                 raise os_error(self.path.parent, exc) from None
-            with os.fdopen(fd, "w") as fh:
-                fh.write(f"{os.getpid()} {host} {self.token}\n")
-            self.owned = True
-            os.environ[LOCK_ENV] = self.token  # workers started from here (torchrun) are holders too
-            atexit.register(self.release)
-            return True
-        raise QlmError(f"could not take the lock {self.path} (it keeps changing)", "make sure no other qlm train "
-                       "writes into this directory, then retry")
+            if held is not None:
+                pid, held_host, token = held
+                if pid == os.getpid() or token == os.environ.get(LOCK_ENV):
+                    return False
+                if held_host != host:
+                    raise QlmError(f"{self.path.parent} is in use by another qlm train (PID {pid} on host "
+                                   f"{held_host}, lock file {self.path}); its liveness cannot be checked from "
+                                   f"{host}", "wait for that run to end or choose another --output; if it is not "
+                                   "running, delete the lock file") from None
+                if _pid_alive(pid):
+                    raise QlmError(f"{self.path.parent} is in use by another qlm train (PID {pid} on host "
+                                   f"{held_host}, lock file {self.path})",
+                                   "wait for that run to end or choose another --output; if it is not running, "
+                                   "delete the lock file") from None
+                what = f"PID {pid} on {held_host} is gone"
+            else:
+                try:
+                    if time.time() - self.path.stat().st_mtime < 10:
+                        time.sleep(0.2)  # perhaps being written right now (file systems without hard links)
+                        continue
+                except FileNotFoundError:
+                    continue
+                what = "it is unreadable"
+            if self._take_stale(held):
+                notice(f"note: recovered the stale lock {self.path} ({what})")
+        else:
+            raise QlmError(f"could not take the lock {self.path} (it keeps changing)", "make sure no other qlm "
+                           "train writes into this directory, then retry")
+        self.owned = True
+        os.environ[LOCK_ENV] = self.token  # workers started from here (torchrun) are holders too
+        atexit.register(self.release)
+        return True
 
     def release(self):
         if not self.owned:

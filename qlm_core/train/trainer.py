@@ -102,8 +102,11 @@ def stop_line(reason: StopReason, step: int, checkpoint: Path | None, new: bool 
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, run_dir: Path, on_event: Callable[[Event], None] | None = None):
-        self.recipe, self.run_dir = recipe, Path(run_dir)
+    def __init__(self, recipe: Recipe, run_dir: Path, on_event: Callable[[Event], None] | None = None,
+                 force: bool = False):
+        """`force`: start over in a run directory with an earlier run (moved aside by rank 0), for runs started
+        by srun or a user's torchrun; qlm's own launcher has done that before starting the workers."""
+        self.recipe, self.run_dir, self.force = recipe, Path(run_dir), force
         self.on_event = on_event or (lambda event: None)
 
     def _emit(self, kind: str, **data):
@@ -122,7 +125,7 @@ class Trainer:
         claim_error = None
         if self.grid.rank == 0:
             try:
-                claim_run_dir(self.run_dir, r.checkpoint.resume)  # the launcher's lock, or this run's (run_dir.py)
+                claim_run_dir(self.run_dir, r.checkpoint.resume, self.force)  # the launcher's lock, or this run's
                 write_atomic(self.run_dir / "config.toml", recipe_to_toml(r))
             except QlmError as exc:
                 claim_error = exc

@@ -17,6 +17,7 @@ from qlm_core.checkpoint.convert.hf_megatron import (
     open_for_export,
     parse_dtype,
     should_verify,
+    write_export_config,
     write_hf,
     write_mcore_torch,
 )
@@ -30,7 +31,7 @@ from qlm_core.checkpoint.convert.verify import (
 from qlm_core.checkpoint.formats.deepspeed import MODULE, DeepSpeedCheckpoint
 from qlm_core.checkpoint.formats.deepspeed_config import copy_hf_side_files
 from qlm_core.checkpoint.formats.deepspeed_write import check_tag, write_deepspeed
-from qlm_core.checkpoint.formats.hf import HFCheckpoint, write_hf_config
+from qlm_core.checkpoint.formats.hf import HFCheckpoint
 from qlm_core.checkpoint.formats.megatron_args import make_args
 from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, MegatronTorchCheckpoint
 from qlm_core.checkpoint.io.staging import check_output_dir, staged_output
@@ -147,5 +148,5 @@ def mcore_to_ds(
         report = _write_and_verify_ds(tmp, src.layout, source, dtype, tag or f"global_step{steps}", steps, fp32_master,
                                       lambda: qlm_logits_fn(src.layout, source, dtype),
                                       should_verify(verify, src.spec), progress)
-        write_hf_config(tmp, side_dir, src.spec, dtype, copy=copy_hf_side_files)
+        write_export_config(tmp, side_dir, src.spec, dtype, config, copy=copy_hf_side_files)
     return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)

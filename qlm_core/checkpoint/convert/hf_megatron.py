@@ -189,15 +189,16 @@ def open_for_export(mcore: str | Path, iteration: int | None, out: str | Path, f
     return src, out, dtype, source, config_dir(config) or side_dir
 
 
-def write_export_config(out: Path, side_dir: Path, spec, dtype: torch.dtype, config: str | Path | None):
+def write_export_config(out: Path, side_dir: Path, spec, dtype: torch.dtype, config: str | Path | None,
+                        copy=copy_side_files):
     """OUT/config.json (+ tokenizer and generation config). A preset --config describes the model: its config is
     written from the spec, the tokenizer files still come from the checkpoint's side directory."""
     if config is not None and config_dir(config) is None:
         if side_dir.is_dir():
-            copy_side_files(side_dir, out)
+            copy(side_dir, out)
         write_hf_config(out, None, spec, dtype)
     else:
-        write_hf_config(out, side_dir, spec, dtype)
+        write_hf_config(out, side_dir, spec, dtype, copy=copy)
 
 
 def mcore_to_hf(
@@ -251,12 +252,10 @@ def mcore_to_mcore(
     report = None
     with staged_output(out, force) as tmp:
         write_megatron(format, tmp, layout, src, dtype, args, src.iteration, progress, carrier)
-        side = config_dir(config) or src.root / HF_SIDE_DIR
-        if side.is_dir():
-            copy_side_files(side, tmp / HF_SIDE_DIR)
-        elif config is not None:  # a preset: its config keeps the written checkpoint self-describing
+        if config is not None or (src.root / HF_SIDE_DIR).is_dir():  # the written checkpoint describes itself
             (tmp / HF_SIDE_DIR).mkdir()
-            write_hf_config(tmp / HF_SIDE_DIR, None, src.spec, dtype)
+            write_export_config(tmp / HF_SIDE_DIR, config_dir(config) or src.root / HF_SIDE_DIR, src.spec, dtype,
+                                config)
         if should_verify(verify, src.spec):
             report = VerifyReport()
             written = open_megatron(tmp, src.iteration, spec=src.spec)

@@ -12,8 +12,8 @@ from pathlib import Path
 from qlm_core.checkpoint.formats.deepspeed import DeepSpeedCheckpoint
 from qlm_core.checkpoint.formats.deepspeed_config import find_hf_config
 from qlm_core.checkpoint.formats.hf import HFCheckpoint, is_hf_dir, read_config
-from qlm_core.checkpoint.formats.megatron import open_megatron
 from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, LATEST_FILE
+from qlm_core.checkpoint.formats.megatron_open import open_megatron_with
 from qlm_core.checkpoint.sources.lora import merged_source
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import HFTensorSource, TensorSource
@@ -64,7 +64,7 @@ def megatron_weights(src) -> tuple[TensorSource, Path]:
         hf = HFCheckpoint(path)
         base, base_spec, side_dir = HFTensorSource(hf), hf.spec, path
     else:
-        base = open_megatron(path)
+        base = open_megatron_with(path)
         base_spec, side_dir = base.spec, path / HF_SIDE_DIR
     shape = ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "vocab_size")
     if any(getattr(base_spec, f) != getattr(src.spec, f) for f in shape):
@@ -82,7 +82,7 @@ def open_deepspeed(ds: str | Path, tag: str | None, config: str | Path | None, a
 
 
 def _open_megatron(root: Path, iteration: int | None, what: str) -> OpenedCheckpoint:
-    ckpt = open_megatron(root, iteration)  # legacy torch or torch_dist
+    ckpt = open_megatron_with(root, iteration)  # legacy torch or torch_dist; args or a Bridge run_config.yaml
     weights, side = megatron_weights(ckpt)
     if ckpt.lora is not None:
         what += f" (LoRA rank {ckpt.lora.rank} merged)"
