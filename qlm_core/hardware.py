@@ -1,10 +1,12 @@
 """GPU presets for the time and memory models, with user overrides.
 
-Numbers are vendor datasheet figures for the SXM parts: memory in GiB as the driver reports it (rounded), dense
-bf16 tensor-core TFLOP/s (no sparsity), HBM bandwidth, NVLink bandwidth per GPU per direction (half the
-"bidirectional" figure NVIDIA quotes), and the inter-node bandwidth per GPU of the usual cluster build (one
-HDR 200 Gb/s InfiniBand NIC per A100/A800, one NDR 400 Gb/s NIC per Hopper GPU). Override any of them when your
-cluster differs (`--gpu-memory-gb`, `--peak-tflops`, `--nvlink-gbps`, `--internode-gbps`, `--gpus-per-node`).
+Numbers are vendor datasheet figures for the SXM / OAM parts: memory in GiB as the driver reports it (rounded), dense
+bf16 tensor-core TFLOP/s (no sparsity), HBM bandwidth, NVLink (AMD: Infinity Fabric) bandwidth per GPU per direction
+(half the "bidirectional" figure vendors quote), the NIC bandwidth per GPU of the usual cluster build (one HDR
+200 Gb/s InfiniBand NIC per A100/A800, one NDR 400 Gb/s NIC per Hopper, Blackwell or MI300X GPU), the GPUs per node
+and the NVLink domain (the GPUs one NVLink fabric joins: a node's 8, or GB200 NVL72's 72). `family` picks the fitted
+kernel efficiencies (qlm_core/profile/efficiency.py). Override any figure when your cluster differs
+(`--gpu-memory-gb`, `--peak-tflops`, `--nvlink-gbps`, `--internode-gbps`, `--gpus-per-node`, `--nvlink-domain`).
 """
 
 from __future__ import annotations
@@ -23,21 +25,31 @@ class GpuSpec:
     peak_tflops: float  # dense bf16
     hbm_gbps: float  # GB/s
     nvlink_gbps: float  # GB/s per GPU per direction, inside a node
-    internode_gbps: float  # GB/s per GPU per direction, across nodes
+    internode_gbps: float  # GB/s per GPU per direction, across nodes (its NIC)
     gpus_per_node: int = 8
+    nvlink_domain: int | None = None  # GPUs joined by NVLink (None: a node's)
+    family: str = "hopper"  # whose fitted kernel efficiencies apply (profile/efficiency.py)
+
+    @property
+    def nvlink_gpus(self) -> int:
+        return self.nvlink_domain or self.gpus_per_node
 
     def replace(self, **changes) -> GpuSpec:
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
 GPUS: dict[str, GpuSpec] = {
-    "a100-40g": GpuSpec("a100-40g", 40.0, 312.0, 1555.0, 300.0, 25.0),
-    "a100-80g": GpuSpec("a100-80g", 80.0, 312.0, 2039.0, 300.0, 25.0),
-    "a800": GpuSpec("a800", 80.0, 312.0, 2039.0, 200.0, 25.0),  # A100 with NVLink cut to 400 GB/s bidirectional
+    "a100-40g": GpuSpec("a100-40g", 40.0, 312.0, 1555.0, 300.0, 25.0, family="ampere"),
+    "a100-80g": GpuSpec("a100-80g", 80.0, 312.0, 2039.0, 300.0, 25.0, family="ampere"),
+    "a800": GpuSpec("a800", 80.0, 312.0, 2039.0, 200.0, 25.0, family="ampere"),  # NVLink cut to 400 GB/s bidir.
     "h100": GpuSpec("h100", 80.0, 989.0, 3350.0, 450.0, 50.0),
     "h800": GpuSpec("h800", 80.0, 989.0, 3350.0, 200.0, 50.0),  # H100 with NVLink cut to 400 GB/s bidirectional
     "h20": GpuSpec("h20", 96.0, 148.0, 4000.0, 450.0, 50.0),
     "h200": GpuSpec("h200", 141.0, 989.0, 4800.0, 450.0, 50.0),
+    "b200": GpuSpec("b200", 180.0, 2250.0, 8000.0, 900.0, 50.0, family="blackwell"),
+    "gb200": GpuSpec("gb200", 184.0, 2500.0, 8000.0, 900.0, 50.0, gpus_per_node=4, nvlink_domain=72,
+                     family="blackwell"),  # NVL72: 18 trays of 4 GPUs on one NVLink fabric
+    "mi300x": GpuSpec("mi300x", 192.0, 1307.0, 5300.0, 448.0, 50.0, family="cdna3"),  # Infinity Fabric 7 x 64 GB/s
 }
 
 
@@ -64,8 +76,9 @@ def gpu_spec(name: str, **overrides) -> GpuSpec:
     if key not in GPUS:
         raise QlmError(f"unknown GPU {name!r}", f"use one of {', '.join(GPUS)} (and --peak-tflops etc. to adjust)")
     gpu = GPUS[key].replace(**overrides)
-    for field in ("memory_gib", "peak_tflops", "hbm_gbps", "nvlink_gbps", "internode_gbps", "gpus_per_node"):
-        if getattr(gpu, field) <= 0:
+    for field in ("memory_gib", "peak_tflops", "hbm_gbps", "nvlink_gbps", "internode_gbps", "gpus_per_node",
+                  "nvlink_domain"):
+        if getattr(gpu, field) is not None and getattr(gpu, field) <= 0:
             raise QlmError(f"{field} must be positive, got {getattr(gpu, field)}", "fix the override")
     return gpu
 

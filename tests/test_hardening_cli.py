@@ -198,7 +198,7 @@ def test_profile_model_resolves_its_own_smallest_layout(run_qlm):
     assert code == 0, err
     first = out.splitlines()[0]
     assert first.startswith("resolved case: llama3-8b, seq 8192") and "smallest layout that fits" in first
-    assert "cp1" in first and "on 32 x" not in out and "cp4" not in out
+    assert " on 2 x a100-80g" in first and "on 32 x" not in out and "cp4" not in out
 
 
 def test_profile_model_with_a_layout_option_keeps_no_seed_layout():

@@ -189,7 +189,8 @@ def test_seed_question_answers_at_once(run_qlm):
 JSON_KEYS = {"schema", "kind", "model", "layout", "gpu", "memory", "time"}
 MEMORY_KEYS = {"stage", "components_gib", "total_gib", "capacity_gib", "headroom_gib", "fits",
                "activation_per_layer_gib", "inflight_microbatches", "layers", "stages_total_gib", "allocator"}
-TIME_KEYS = {"step_s", "s_per_sample", "tokens_per_s_per_device", "tflops_per_device", "mfu", "components_s"}
+TIME_KEYS = {"step_s", "s_per_sample", "tokens_per_s_per_device", "tflops_per_device", "mfu",
+             "megatron_tflops_per_device", "megatron_mfu", "components_s"}
 
 
 def test_json_keys_are_stable(run_qlm, tmp_path):
@@ -294,8 +295,7 @@ def test_user_text_is_not_rich_markup(monkeypatch, tmp_path):
 def test_zero_bubble_recomputes_the_chunked_logits_in_both_backward_passes():
     """Under zero-bubble the chunked loss's backward runs twice (dx, then dW), each recomputing the logits: one more
     logits forward of recompute on the last stage than 1F1B; none with a frozen output layer or whole logits."""
-    from qlm_core.models.flops import logits_flops_per_token
-    from qlm_core.profile.timing import Efficiency, microbatch_times
+    from qlm_core.profile.timing import Efficiency, logits_gemm_seconds, microbatch_times
 
     gpu, eff = gpu_spec("h100"), Efficiency()
     for lora_rank, chunk, expected in ((0, 2048, 1), (4, 2048, 0), (0, 0, 0)):
@@ -303,9 +303,8 @@ def test_zero_bubble_recomputes_the_chunked_logits_in_both_backward_passes():
         for schedule in ("1f1b", "zero_bubble"):
             case = build_case(tp=4, pp=2, cp=4, pp_schedule=schedule, lora_rank=lora_rank, loss_chunk_tokens=chunk)
             times[schedule] = microbatch_times(case, gpu, eff, case.parallel.pp - 1)["recompute"]
-        p = case.parallel
-        logits = case.micro_batch_size * case.seq_len * logits_flops_per_token(case.spec) / (p.tp * p.cp)
-        extra = expected * logits / (gpu.peak_tflops * 1e12 * eff.compute)
+        tokens = case.micro_batch_size * case.seq_len / case.parallel.cp
+        extra = expected * tokens * logits_gemm_seconds(case, eff.rates(gpu), gpu.peak_tflops * 1e12)
         assert times["zero_bubble"] - times["1f1b"] == pytest.approx(extra, rel=1e-9, abs=1e-12), (lora_rank, chunk)
 
 

@@ -30,6 +30,31 @@ def _time_table(time) -> Table:
     return table
 
 
+def assumed_lines(case, gpu, rates) -> list[str]:
+    """What the time model assumed, so that a user can see why it predicts what it does."""
+    from qlm_core.profile.topology import group_bandwidth, p2p_bandwidth
+
+    p, sizes = case.parallel, case.sizes
+    gemm = rates.gemm(case.spec.hidden_size, case.spec.ffn_hidden_size / p.tp)
+    lines = [f"kernels ({rates.source}): GEMMs at {gemm:.0%} of {gpu.peak_tflops:g} TFLOP/s for this model's "
+             f"shapes, flash attention forward {rates.attn_fwd:.0%} and backward {rates.attn_bwd:.0%}, "
+             f"{rates.step_overhead_s:.3g} s per step of overhead"]
+    links = []
+    for name, dims, size in (("tp", ("tp",), p.tp), ("cp", ("cp",), p.cp), ("dp", ("dp", "cp"), sizes.dp * p.cp)):
+        if size > 1:
+            links.append(f"{name} {group_bandwidth(gpu, sizes, dims, rates.comm) / 1e9:,.0f} GB/s")
+    if p.pp > 1:
+        links.append(f"pp sends {p2p_bandwidth(gpu, sizes, rates.comm) / 1e9:,.0f} GB/s")
+    if links:
+        lines.append(f"links ({gpu.nvlink_gpus} GPUs per NVLink domain, {gpu.internode_gbps:g} GB/s NIC per GPU, "
+                     f"{rates.comm:.0%} of the link): " + ", ".join(links))
+    overlaps = [name for name, on in (("grad reduce", p.overlap_grad_reduce), ("param gather", p.overlap_param_gather),
+                                      ("TP comm", case.tp_comm_overlap), ("pipeline sends", case.p2p_overlap)) if on]
+    lines.append(f"overlapped: {', '.join(overlaps) or 'nothing'} (hidden communication costs "
+                 f"{rates.overlap_penalty:.0%} of itself); gradients reduced in {case.grad_reduce_dtype}")
+    return lines
+
+
 def _print_profile(case, gpu, memory, time):
     from qlm_core.profile.memory import GIB
 
@@ -46,7 +71,10 @@ def _print_profile(case, gpu, memory, time):
                   f"{heavy.layers} layers x {heavy.inflight_microbatches:.3g} micro-batches in flight", highlight=False)
     console.print(_time_table(time))
     console.print(f"[bold]{time.s_per_sample:.3f} s/sample[/], {time.tokens_per_s_per_device:,.0f} tokens/s per "
-                  f"device, {time.tflops_per_device:.0f} TFLOP/s per device, MFU {time.mfu:.1%}", highlight=False)
+                  f"device, {time.tflops_per_device:.0f} TFLOP/s per device, MFU {time.mfu:.1%} (qlm's FLOPs: causal "
+                  f"attention halved; {time.megatron_mfu:.1%} by Megatron-LM's count)", highlight=False)
+    for line in assumed_lines(case, gpu, time.rates):
+        console.print(f"[dim]assumed: {escape(line)}[/]", highlight=False)
 
 
 def _print_probe(result):
@@ -135,9 +163,13 @@ def profile(
     internode_gbps: Annotated[float | None, typer.Option("--internode-gbps", help="Override inter-node "
                                                                                      "GB/s per GPU.")] = None,
     gpus_per_node: Annotated[int | None, typer.Option("--gpus-per-node", help="Override GPUs per node.")] = None,
-    efficiency: Annotated[float, typer.Option("--efficiency", help="Fraction of peak the compute reaches.")] = 0.5,
-    comm_efficiency: Annotated[float, typer.Option("--comm-efficiency", help="Fraction of link bandwidth "
-                                                                             "collectives reach.")] = 0.8,
+    nvlink_domain: Annotated[int | None, typer.Option(
+        "--nvlink-domain", help="Override the GPUs one NVLink fabric joins (GB200 NVL72: 72).")] = None,
+    efficiency: Annotated[float | None, typer.Option(
+        "--efficiency", help="One fraction of peak for every GEMM and attention kernel (default: the rates "
+                             "fitted to published runs, bench/profile_calibration.py).")] = None,
+    comm_efficiency: Annotated[float | None, typer.Option(
+        "--comm-efficiency", help="Fraction of link bandwidth collectives reach (default: the fitted one).")] = None,
     allocator_fraction: Annotated[float, typer.Option("--allocator-fraction", help="Allocator overhead allowance "
                                                                                    "(fraction).")] = 0.08,
     context_gb: Annotated[float, typer.Option("--context-gb", help="CUDA context + NCCL allowance (GiB).")] = 1.0,
@@ -157,10 +189,11 @@ def profile(
     global batch 16, bf16, 32 x a100-80g as tp 4 x cp 4 x dp 2, SP on, p2p ring attention, ZeRO 1, full recompute;
     every option replaces one of those values (`qlm profile --tp 4 --cp 4` is that case).
     """
-    if not 0 < efficiency <= 1 or not 0 < comm_efficiency <= 1:
+    if any(value is not None and not 0 < value <= 1 for value in (efficiency, comm_efficiency)):
         raise QlmError("--efficiency and --comm-efficiency must be in (0, 1]", "e.g. --efficiency 0.45")
     for flag, value in (("--gpu-memory-gb", gpu_memory_gb), ("--peak-tflops", peak_tflops),
-                        ("--nvlink-gbps", nvlink_gbps), ("--internode-gbps", internode_gbps)):
+                        ("--nvlink-gbps", nvlink_gbps), ("--internode-gbps", internode_gbps),
+                        ("--nvlink-domain", nvlink_domain)):
         if value is not None and not value > 0:
             raise QlmError(f"{flag} {value:g} is out of range", f"pass {flag} above 0")
     if not 0 <= allocator_fraction < 1 or not context_gb >= 0:
@@ -182,8 +215,9 @@ def profile(
                       num_gpus=num_gpus, dtype=value_of(dtype), lora_rank=lora_rank,
                       loss_chunk_tokens=loss_chunk_tokens, mean_doc_len=mean_doc_len, **layout_options)
     device = gpu_spec(gpu.value, memory_gib=gpu_memory_gb, peak_tflops=peak_tflops, nvlink_gbps=nvlink_gbps,
-                      internode_gbps=internode_gbps, gpus_per_node=gpus_per_node)
-    eff, allowance = Efficiency(efficiency, comm_efficiency), Allowance(allocator_fraction, context_gb)
+                      internode_gbps=internode_gbps, gpus_per_node=gpus_per_node, nvlink_domain=nvlink_domain)
+    eff = Efficiency(compute=efficiency, comm=comm_efficiency)
+    allowance = Allowance(allocator_fraction, context_gb)
     if recipe is None and model is not None:  # the user's model: say what else was assumed
         given = {k for k, v in layout_options.items() if v is not None}
         case = _resolve_model_case(case, given, num_gpus, search, device, eff, allowance,

@@ -36,3 +36,16 @@ def flops_per_sequence(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) 
     dense, attention = layer_flops_per_token(spec, seq_length, mean_doc_len)
     per_token = spec.num_layers * (dense + attention) + logits_flops_per_token(spec)
     return 3.0 * per_token * seq_length
+
+
+def megatron_flops_per_sequence(spec: ModelSpec, seq_length: int) -> float:
+    """Megatron-LM's num_floating_point_operations for one sequence (dense models; what NeMo and Megatron report
+    TFLOP/s and MFU with): 12·s·L·h²·((1 + g/a + s/h)·q/h + 1.5·f/h) + 6·s·h·V, with q = a·d. It counts every
+    query-key pair (no causal halving), so the same speed reads as more TFLOP/s than qlm's count
+    (flops_per_sequence); V is the model's vocabulary (Megatron's padded one differs by well under 1%)."""
+    h, a, g = spec.hidden_size, spec.num_attention_heads, spec.num_query_groups
+    q = a * spec.kv_channels
+    attention = (1 + g / a + seq_length / h) * q / h
+    mlp = 1.5 * spec.ffn_hidden_size / h  # SwiGLU: three h x f matrices
+    return (12 * seq_length * spec.num_layers * h * h * (attention + mlp)
+            + 6 * seq_length * h * spec.vocab_size)

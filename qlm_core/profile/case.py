@@ -40,6 +40,13 @@ class ProfileCase:
     lora_targets: tuple[str, ...] = tuple(LORA_TARGETS)
     loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the trainer's loss head chunk (0: whole logits)
     mean_doc_len: int = 0  # packed data: mean document length in tokens (0: one document per sample)
+    # Communication that qlm's trainer does as the defaults say, and other frameworks otherwise (Megatron's
+    # --tp-comm-overlap and --overlap-p2p-comm, bf16 gradient reduction, FSDP gathering fp32 parameters): the
+    # profile predicts their runs too (the calibration, profile/calibration.py)
+    grad_reduce_dtype: str = "fp32"
+    param_gather_dtype: str = ""  # "": the compute dtype
+    tp_comm_overlap: bool = False
+    p2p_overlap: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -45,10 +46,12 @@ def layout_dict(case: ProfileCase) -> dict:
 
 
 def gpu_dict(gpu: GpuSpec, eff: Efficiency) -> dict:
+    rates = eff.rates(gpu)
     return {"name": gpu.name, "memory_gib": gpu.memory_gib, "peak_tflops": gpu.peak_tflops,
             "hbm_gbps": gpu.hbm_gbps, "nvlink_gbps": gpu.nvlink_gbps, "internode_gbps": gpu.internode_gbps,
-            "gpus_per_node": gpu.gpus_per_node, "efficiency": eff.compute, "comm_efficiency": eff.comm,
-            "overlap_penalty": eff.overlap_penalty}
+            "gpus_per_node": gpu.gpus_per_node, "nvlink_domain": gpu.nvlink_gpus, "family": gpu.family,
+            "rates": {k: v for k, v in dataclasses.asdict(rates).items()},
+            "comm_efficiency": rates.comm, "overlap_penalty": rates.overlap_penalty}
 
 
 def memory_dict(memory: MemoryEstimate, allowance: Allowance) -> dict:
@@ -70,6 +73,7 @@ def time_dict(time: TimeEstimate) -> dict:
         "step_s": _r(time.step_s), "s_per_sample": _r(time.s_per_sample),
         "tokens_per_s_per_device": _r(time.tokens_per_s_per_device, 2),
         "tflops_per_device": _r(time.tflops_per_device, 2), "mfu": _r(time.mfu),
+        "megatron_tflops_per_device": _r(time.megatron_tflops_per_device, 2), "megatron_mfu": _r(time.megatron_mfu),
         "components_s": {k: _r(time.components[k]) for k in TIME_COMPONENTS},
     }
 

@@ -1,0 +1,127 @@
+"""The published training runs the profile's time and memory models are held against (calibration_runs.json: one
+row a run — model, GPU, layout, batch, the published tokens/s/GPU and memory, the source and the assumptions that
+map it onto qlm's options), each run as a ProfileCase on its GPU, and the error statistics of a prediction.
+
+What each source's framework does that qlm's trainer does not is set per source group (FRAMEWORKS): NeMo overlaps
+TP communication (70B and 405B recipes) and pipeline sends; Megatron-LM 2021 ran fp16 and reduced gradients in
+fp16; MosaicML's FSDP `DEFAULT` mixed precision gathers fp32 parameters and reduces in bf16; torchtitan and NeMo
+reduce bf16 runs' gradients in fp32, as qlm does.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qlm_core.config import ParallelConfig
+from qlm_core.hardware import GpuSpec, gpu_spec
+from qlm_core.models.presets import PRESETS
+from qlm_core.models.spec import ModelSpec
+from qlm_core.profile.case import ProfileCase
+from qlm_core.profile.efficiency import Efficiency
+from qlm_core.profile.memory import Allowance, estimate_memory
+from qlm_core.profile.timing import estimate_time
+
+RUNS_FILE = Path(__file__).with_name("calibration_runs.json")
+
+# Targets of issue 14, held by tests/test_profile_calibration.py
+MEDIAN_ERROR_AT_MOST = 0.10
+WITHIN_15_AT_LEAST = 24
+WORST_RATIO_AT_MOST = 1.5
+MEMORY_ERROR_AT_MOST = 0.15
+
+FRAMEWORKS = {  # source group prefix -> what its framework does (ProfileCase fields)
+    "torchtitan": dict(grad_reduce_dtype="fp32"),
+    "NeMo": dict(grad_reduce_dtype="fp32", p2p_overlap=True),
+    "Megatron-LM 2021": dict(grad_reduce_dtype="fp16", dtype="fp16"),
+    "MosaicML": dict(grad_reduce_dtype="bf16", param_gather_dtype="fp32"),
+}
+
+
+@dataclass
+class CalibrationRun:
+    id: str
+    group: str
+    case: ProfileCase
+    gpu: GpuSpec
+    published_tokens_per_s: float
+    published_memory_gib: float | None
+    row: dict = field(repr=False)
+
+
+@dataclass
+class RunResult:
+    run: CalibrationRun
+    predicted_tokens_per_s: float
+    memory_gib: float
+    fits: bool
+    megatron_mfu: float
+    mfu: float
+
+    @property
+    def ratio(self) -> float:
+        """Predicted / published tokens/s/GPU."""
+        return self.predicted_tokens_per_s / self.run.published_tokens_per_s
+
+    @property
+    def memory_error(self) -> float | None:
+        published = self.run.published_memory_gib
+        return None if published is None else self.memory_gib / published - 1
+
+
+def _framework(group: str) -> dict:
+    return next((v for k, v in FRAMEWORKS.items() if group.startswith(k)), {})
+
+
+def run_from_row(row: dict) -> CalibrationRun:
+    model = row["model"]
+    spec = PRESETS[model["preset"]] if model.get("preset") else ModelSpec.from_hf_config(model["hf_config"])
+    framework = dict(_framework(row["group"]))
+    dtype = framework.pop("dtype", row["precision"])
+    parallel = ParallelConfig(
+        tp=row["tp"], pp=row["pp"], vpp=row["vpp"], cp=row["cp"], dp=row["dp"], sp=row["sp"],
+        zero_stage=row["zero"], recompute=row["recompute"], pp_schedule=row["pp_schedule"],
+        cp_comm_type=row["cp_comm_type"], overlap_grad_reduce=True, overlap_param_gather=row["zero"] in (1, 2))
+    tp_overlap = "tp_comm_overlap" in row.get("not_expressible", [])  # the source overlaps it; qlm's trainer not
+    case = ProfileCase(spec=spec, model_name=model["name"], parallel=parallel, seq_len=row["seq_len"],
+                       micro_batch_size=row["mbs"], global_batch_size=row["gbs"], num_gpus=row["num_gpus"],
+                       dtype=dtype, tp_comm_overlap=tp_overlap, **framework)
+    gpu = gpu_spec(row["gpu"], memory_gib=row.get("gpu_memory_gb"))
+    published = row["published"]
+    return CalibrationRun(row["id"], row["group"], case, gpu, float(published["tokens_per_s_per_gpu"]),
+                          published.get("memory_gib"), row)
+
+
+def load_runs(path: Path = RUNS_FILE) -> list[CalibrationRun]:
+    return [run_from_row(row) for row in json.loads(Path(path).read_text())]
+
+
+def evaluate(runs: list[CalibrationRun], eff: Efficiency = Efficiency(),
+             allowance: Allowance = Allowance()) -> list[RunResult]:
+    results = []
+    for run in runs:
+        time = estimate_time(run.case, run.gpu, eff)
+        memory = estimate_memory(run.case, run.gpu.memory_gib, "cuda", allowance)
+        results.append(RunResult(run, time.tokens_per_s_per_device, memory.total_gib, memory.fits,
+                                 time.megatron_mfu, time.mfu))
+    return results
+
+
+def statistics_of(results: list[RunResult]) -> dict:
+    """The figures issue 14's targets name."""
+    errors = [abs(r.ratio - 1) for r in results]
+    worst = max(results, key=lambda r: max(r.ratio, 1 / r.ratio))
+    memory_errors = [abs(r.memory_error) for r in results if r.memory_error is not None]
+    return {
+        "runs": len(results),
+        "median_abs_error": statistics.median(errors),
+        "within_10": sum(e <= 0.10 for e in errors),
+        "within_15": sum(e <= 0.15 for e in errors),
+        "worst_run": worst.run.id,
+        "worst_factor": max(worst.ratio, 1 / worst.ratio),
+        "predicted_not_to_fit": [r.run.id for r in results if not r.fits],
+        "memory_runs": len(memory_errors),
+        "memory_worst_abs_error": max(memory_errors, default=0.0),
+    }

@@ -1,0 +1,72 @@
+"""The profile's time model against 32 published training runs (qlm_core/profile/calibration_runs.json, refitted by
+bench/profile_calibration.py): the error targets of issue 14 hold, and the pieces the fit rests on behave as the
+sources do (topology-aware collectives, the flash-attention kernel, Megatron's FLOP count)."""
+
+import pytest
+
+from qlm_core.config import ParallelConfig
+from qlm_core.hardware import GPUS, gpu_spec
+from qlm_core.models.flops import flops_per_sequence, layer_flops_per_token, megatron_flops_per_sequence
+from qlm_core.models.presets import PRESETS
+from qlm_core.parallel.state import ParallelSizes
+from qlm_core.profile import calibration
+from qlm_core.profile.efficiency import Efficiency
+from qlm_core.profile.topology import group_bandwidth, p2p_bandwidth
+
+
+@pytest.fixture(scope="module")
+def figures():
+    return calibration.statistics_of(calibration.evaluate(calibration.load_runs()))
+
+
+def test_the_fitted_time_model_meets_the_calibration_targets(figures):
+    assert figures["runs"] == 32
+    assert figures["median_abs_error"] <= calibration.MEDIAN_ERROR_AT_MOST, figures
+    assert figures["within_15"] >= calibration.WITHIN_15_AT_LEAST, figures
+    assert figures["worst_factor"] <= calibration.WORST_RATIO_AT_MOST, figures
+
+
+def test_a_collective_drives_one_nic_per_rank_it_has_in_each_node():
+    """DP over 128 GPUs: 8 ranks a node at TP 1 (8 NICs, capped by NVLink), 1 at TP 8 (one NIC)."""
+    h100 = gpu_spec("h100")
+    wide = group_bandwidth(h100, ParallelSizes(tp=1, dp=128), ("dp",), 1.0)
+    narrow = group_bandwidth(h100, ParallelSizes(tp=8, dp=16), ("dp",), 1.0)
+    inside = group_bandwidth(h100, ParallelSizes(tp=8, dp=16), ("tp",), 1.0)
+    assert (wide, narrow, inside) == (min(8 * 50, 450) * 1e9, 50e9, 450e9)
+    assert group_bandwidth(h100, ParallelSizes(tp=2, dp=64), ("dp",), 1.0) == 4 * 50e9
+    gb200 = gpu_spec("gb200")  # one NVLink fabric over 72 GPUs: a 64-rank group never leaves it
+    assert group_bandwidth(gb200, ParallelSizes(tp=1, dp=64), ("dp",), 1.0) == 900e9
+    assert p2p_bandwidth(h100, ParallelSizes(tp=8, pp=4), 1.0) == 50e9
+    assert p2p_bandwidth(h100, ParallelSizes(tp=2, pp=4), 1.0) == 450e9
+
+
+def test_megatron_counts_every_query_key_pair():
+    """Megatron's num_floating_point_operations = qlm's count + the causal half of attention qlm leaves out."""
+    spec, seq = PRESETS["llama3.1-8b"], 8192
+    _, attention = layer_flops_per_token(spec, seq)
+    qlm = flops_per_sequence(spec, seq)
+    assert megatron_flops_per_sequence(spec, seq) == pytest.approx(qlm + 3 * spec.num_layers * attention * seq,
+                                                                   rel=1e-12)
+
+
+def test_flash_attention_backward_is_slower_than_its_forward_and_dominates_long_sequences():
+    rates = Efficiency().rates(gpu_spec("h100"))
+    assert rates.attn_bwd <= rates.attn_fwd
+    short, long = (calibration.ProfileCase(spec=PRESETS["llama3.1-8b"], model_name="x", seq_len=s, num_gpus=8,
+                                           global_batch_size=8, parallel=ParallelConfig()) for s in (2048, 65536))
+    from qlm_core.profile.timing import microbatch_times
+
+    gpu = gpu_spec("h100")
+    # at 32x the sequence the compute per token grows by more than its FLOPs: attention runs below the GEMMs' rate
+    per_token = [microbatch_times(case, gpu, Efficiency(), 0)["compute"] / case.seq_len for case in (short, long)]
+    flops = (flops_per_sequence(long.spec, 65536) / 65536) / (flops_per_sequence(short.spec, 2048) / 2048)
+    assert per_token[1] / per_token[0] > 1.2 * flops
+
+
+def test_new_presets_and_families():
+    assert {"b200", "gb200", "mi300x", "h20", "h800", "a800"} <= set(GPUS)
+    assert gpu_spec("gb200").nvlink_gpus == 72
+    rates = Efficiency().rates(gpu_spec("mi300x"))
+    assert "hopper's fit" in rates.source  # no published MI300X runs: said so
+    flat = Efficiency(compute=0.5).rates(gpu_spec("h100"))
+    assert flat.gemm(4096, 4096) == flat.attn_fwd == 0.5 and "--efficiency" in flat.source
