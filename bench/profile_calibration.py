@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qlm_core.profile import efficiency
-from qlm_core.profile.calibration import evaluate, load_runs, statistics_of
+from qlm_core.profile.calibration import evaluate, evaluate_orderings, load_runs, statistics_of
 
 SHARED = ("attn_fwd", "attn_bwd", "elementwise", "comm", "overlap_penalty", "step_overhead_s")
 PER_FAMILY = ("gemm_max", "gemm_half")
@@ -136,6 +136,15 @@ def main(argv=None) -> int:
     for key, value in figures.items():
         shown = f"{value:.3f}" if isinstance(value, float) else value
         console.print(f"{key}: {shown}", markup=False, highlight=False)
+    orderings = evaluate_orderings()
+    table = Table(title="orderings the sources publish (ratio of tokens/s/GPU)", title_justify="left")
+    for name in ("table", "change", "published", "predicted", "error"):
+        table.add_column(name, justify="left" if name in ("table", "change") else "right")
+    for step in orderings:
+        error = f"{step.error:+.1%}"
+        table.add_row(step.ordering, step.change, f"{step.published_ratio:.3f}", f"{step.predicted_ratio:.3f}",
+                      error if abs(step.error) <= 0.10 else f"[yellow]{error}[/]")
+    console.print(table)
     if args.fit:
         console.print(f"median |error| before the fit {before['median_abs_error']:.3f}, after "
                       f"{figures['median_abs_error']:.3f}", markup=False)
@@ -144,7 +153,8 @@ def main(argv=None) -> int:
                  "predicted_tokens_per_s": r.predicted_tokens_per_s, "ratio": r.ratio, "memory_gib": r.memory_gib,
                  "published_memory_gib": r.run.published_memory_gib, "fits": r.fits, "mfu": r.mfu,
                  "megatron_mfu": r.megatron_mfu} for r in results]
-        args.json.write_text(json.dumps({"figures": figures, "runs": rows}, indent=2) + "\n")
+        steps = [asdict(step) | {"error": step.error} for step in orderings]
+        args.json.write_text(json.dumps({"figures": figures, "runs": rows, "orderings": steps}, indent=2) + "\n")
     return 0
 
 

@@ -22,6 +22,7 @@ def progress_bar(description: str) -> Iterator:
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[what]}"),
         TimeElapsedColumn(), console=err_console, transient=True,
+        disable=not err_console.is_terminal,  # a transient bar in a log file leaves only a blank line
     ) as bar:
         task = bar.add_task(escape(description), total=None, what="")
 

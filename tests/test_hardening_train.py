@@ -341,3 +341,15 @@ def test_a_bad_uneven_pipeline_in_a_recipe_names_the_recipe_keys(run_qlm):
     assert code == 2 and "parallel.num_layers_in_first_pipeline_stage 3 + parallel.num_layers_in_last_pipeline_" \
         "stage 3 hold 6 layers" in " ".join(stderr.split()), stderr
     assert "--num-layers" not in stderr and "--pp" not in stderr
+
+
+def test_rerunning_a_finished_run_keeps_its_record(run_qlm, tmp_path):
+    """No step left: nothing is evaluated again and summary.json keeps the figures of the run that trained."""
+    run = tmp_path / "run"
+    code, _, stderr = run_qlm("train", RECIPE, "--output", run, "--set", "train.train_iters=1")
+    assert code == 0, stderr
+    before = {name: (run / name).read_bytes() for name in ("summary.json", "metrics.jsonl", "eval.jsonl")}
+    code, out, stderr = run_qlm("train", RECIPE, "--output", run, "--resume", "--set", "train.train_iters=1")
+    assert code == 0, stderr
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert "already finished at step 1" in " ".join(out.split())

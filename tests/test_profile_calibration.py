@@ -70,3 +70,13 @@ def test_new_presets_and_families():
     assert "hopper's fit" in rates.source  # no published MI300X runs: said so
     flat = Efficiency(compute=0.5).rates(gpu_spec("h100"))
     assert flat.gemm(4096, 4096) == flat.attn_fwd == 0.5 and "--efficiency" in flat.source
+
+
+def test_orderings_agree_with_the_sources():
+    """torchtitan's 405B: interleaved 1F1B 1.28x 1F1B (within 10%); every CP-scaling step (double the sequence and
+    the CP degree at fixed GPUs) loses throughput, as published."""
+    steps = calibration.evaluate_orderings()
+    schedules = [s for s in steps if s.ordering == "tt_t5_405b_schedules"]
+    assert len(schedules) == 1 and abs(schedules[0].error) <= 0.10, schedules
+    cp_steps = [s for s in steps if "cp_scaling" in s.ordering]
+    assert len(cp_steps) == 6 and all(s.predicted_ratio < 1 and s.published_ratio < 1 for s in cp_steps)

@@ -64,7 +64,7 @@ def eval_command(
         return
     table = Table(title=f"{escape(checkpoint)} ({backend.value} backend)", title_justify="left")
     for column in ("task", "version", "filter", "n-shot", "metric", "value", "stderr"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column == "task", overflow="fold")  # the task name is never cut
     for task, filter_name, metric, value, stderr in result_rows(results):
         table.add_row(escape(task), str(results["versions"].get(task, "")), escape(filter_name),
                       str(results["n-shot"].get(task, "")), escape(metric), f"{value:.4f}",

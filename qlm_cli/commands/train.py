@@ -79,6 +79,9 @@ class RunView:
                     value = summary[key]
                     table.add_row(key, f"{value:.4g}" if isinstance(value, float) else escape(str(value)))
             console.print(table)
+            if summary.get("finished_earlier"):
+                console.print(f"the run had already finished at step {summary['steps']}: nothing was trained, "
+                              "its logs and summary.json are as they were", markup=False, highlight=False)
             if "stopped" in summary:  # a signal or train.exit_duration_minutes: where to resume from
                 err_console.print(escape(summary["stopped"]["line"]), highlight=False, soft_wrap=True)
 

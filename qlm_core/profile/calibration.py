@@ -25,6 +25,8 @@ from qlm_core.profile.memory import Allowance, estimate_memory
 from qlm_core.profile.timing import estimate_time
 
 RUNS_FILE = Path(__file__).with_name("calibration_runs.json")
+# orderings the sources publish (the ratio between two runs of one table), for rows outside RUNS_FILE (Float8)
+ORDERINGS_FILE = Path(__file__).with_name("calibration_orderings.json")
 
 # Targets of issue 14, held by tests/test_profile_calibration.py
 MEDIAN_ERROR_AT_MOST = 0.10
@@ -125,3 +127,48 @@ def statistics_of(results: list[RunResult]) -> dict:
         "memory_runs": len(memory_errors),
         "memory_worst_abs_error": max(memory_errors, default=0.0),
     }
+
+
+@dataclass
+class OrderingStep:
+    ordering: str  # its id in ORDERINGS_FILE
+    what: str
+    change: str  # "A -> B"
+    published_ratio: float  # tokens/s/GPU of B / of A
+    predicted_ratio: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted_ratio / self.published_ratio - 1
+
+
+def _named_spec(name: str) -> ModelSpec:
+    if name in PRESETS:
+        return PRESETS[name]
+    rows = json.loads(RUNS_FILE.read_text())
+    return ModelSpec.from_hf_config(next(r["model"]["hf_config"] for r in rows if r["model"]["name"] == name))
+
+
+def evaluate_orderings(eff: Efficiency = Efficiency(), path: Path = ORDERINGS_FILE) -> list[OrderingStep]:
+    """Each published table's consecutive rows as (published, predicted) ratios of tokens/s/GPU."""
+    steps = []
+    for ordering in json.loads(Path(path).read_text()):
+        spec = _named_spec(ordering["model"])
+        gpu = gpu_spec(ordering["gpu"], memory_gib=ordering.get("gpu_memory_gb"))
+        rates = []
+        for row in ordering["rows"]:
+            fields = {**ordering["common"], **row}
+            parallel = ParallelConfig(
+                tp=fields.get("tp", 1), pp=fields.get("pp", 1), vpp=fields.get("vpp", 1), cp=fields.get("cp", 1),
+                dp=fields["dp"], sp=fields.get("sp", False), zero_stage=fields["zero"],
+                recompute=fields["recompute"], pp_schedule=fields.get("pp_schedule", "1f1b"),
+                overlap_grad_reduce=True, overlap_param_gather=fields["zero"] in (1, 2))
+            case = ProfileCase(spec=spec, model_name=ordering["model"], parallel=parallel, seq_len=fields["seq_len"],
+                               micro_batch_size=fields["mbs"], global_batch_size=fields["gbs"],
+                               num_gpus=ordering["num_gpus"], **_framework("torchtitan"))
+            rates.append((row["label"], row["tokens_per_s_per_gpu"], estimate_time(case, gpu, eff)))
+        for (label_a, published_a, time_a), (label_b, published_b, time_b) in zip(rates, rates[1:], strict=False):
+            steps.append(OrderingStep(ordering["id"], ordering["what"], f"{label_a} -> {label_b}",
+                                      published_b / published_a,
+                                      time_b.tokens_per_s_per_device / time_a.tokens_per_s_per_device))
+    return steps

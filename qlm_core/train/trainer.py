@@ -291,6 +291,12 @@ class Trainer:
                     and self.state.iteration < self.steps:
                 break
         self._totals["wall_s"] = time.perf_counter() - loop_started
+        if stopped is None and self._totals["steps"] == 0 and self.state.iteration == self.steps:
+            earlier = self._finished_summary()
+            if earlier is not None:  # a finished run re-run: nothing to add, and its record stays as it was
+                self._emit("end", summary=earlier)
+                destroy_distributed()
+                return earlier
         final_valid = None
         if stopped is None and self.state.iteration == self.steps:
             final_valid = self._last_eval[1] if self._last_eval[0] == self.state.iteration else self._log_eval()
@@ -308,6 +314,16 @@ class Trainer:
         self._emit("end", summary=summary)
         destroy_distributed()
         return summary
+
+    def _finished_summary(self) -> dict | None:
+        """RUN/summary.json of a run that already reached its last step (None: missing, unreadable or earlier)."""
+        try:
+            summary = json.loads((self.run_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(summary, dict) or summary.get("steps") != self.steps or "stopped" in summary:
+            return None
+        return {**summary, "finished_earlier": True}
 
     def _log_eval(self) -> float | None:
         loss = self.evaluate()

@@ -93,10 +93,11 @@ def _open_megatron(root: Path, iteration: int | None, what: str) -> OpenedCheckp
 def open_checkpoint(path: str | Path, iteration: int | None = None) -> OpenedCheckpoint:
     path = Path(path)
     if not path.exists():
-        raise QlmError(f"{path} does not exist", "point at an HF model, a Megatron checkpoint or a qlm run directory")
+        raise QlmError(f"{path} does not exist",
+                       "point at an HF model, a Megatron or DeepSpeed checkpoint, or a qlm run directory")
     if not path.is_dir():
         raise QlmError(f"{path} is not a directory",
-                       "point at an HF model, a Megatron checkpoint or a qlm run directory")
+                       "point at an HF model, a Megatron or DeepSpeed checkpoint, or a qlm run directory")
     root = run_checkpoint_dir(path)
     if root is not None:
         return _open_megatron(root, iteration, f"qlm run {path}")
