@@ -18,7 +18,13 @@ from qlm_core.errors import QlmError
 # CLI option that offers a choice takes its values from here.
 CpCommType = Literal["p2p", "allgather", "a2a"]
 PpSchedule = Literal["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"]
-RecomputeMode = Literal["none", "selective", "full"]
+# selective: the modules in recompute_modules (Megatron's --recompute-granularity selective); full: whole layers;
+# op: torchtitan's per-op selective checkpointing (selective_ac_option = "op": each layer checkpointed, the
+# attention kernel's and every other matmul's outputs saved, the rest recomputed)
+RecomputeMode = Literal["none", "selective", "full", "op"]
+# Megatron's --recompute-modules that apply to a dense decoder: core_attn (the attention kernel), mlp (the whole MLP),
+# layernorm (both norms, their outputs discarded and recomputed)
+RecomputeModule = Literal["core_attn", "mlp", "layernorm"]
 ZeroStage = Literal[0, 1, 2, 3]
 WeightDtype = Literal["fp32", "bf16", "fp16"]  # every dtype qlm reads and writes weights in
 TrainDtype = Literal["bf16", "fp32"]  # fp16 would need loss scaling, which qlm does not do
@@ -87,6 +93,7 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     recompute: RecomputeMode = "none"
     recompute_num_layers: int | None = bounded(None, least=1)
+    recompute_modules: list[RecomputeModule] = field(default_factory=lambda: ["core_attn"])  # with selective
     num_layers_in_first_pipeline_stage: int | None = bounded(None, least=1)
     num_layers_in_last_pipeline_stage: int | None = bounded(None, least=1)
     bucket_size_mb: float = bounded(40.0, above=0)
@@ -325,6 +332,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
                            f"{exc.start})", "save the recipe as UTF-8") from None
         except PermissionError:
             raise QlmError(f"recipe {path} cannot be read (permission denied)", "make it readable") from None
+        except OSError as exc:
+            raise QlmError(f"recipe {path} cannot be read ({exc.strerror or exc})", "check the file and its disk") \
+                from None
         except tomllib.TOMLDecodeError as exc:
             raise QlmError(f"{path} is not valid TOML ({exc})", "fix the syntax at the position shown") from None
         try:  # the file's own mistakes name the file; those of --set name the override

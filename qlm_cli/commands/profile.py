@@ -143,6 +143,9 @@ def profile(
     recompute: Annotated[Recompute | None, typer.Option("--recompute", help="Activation recomputation.")] = None,
     recompute_num_layers: Annotated[int | None, typer.Option(
         "--recompute-num-layers", help="With full: recompute the first N layers of each chunk.")] = None,
+    recompute_modules: Annotated[str | None, typer.Option(
+        "--recompute-modules", help="With selective: what to recompute, comma-separated from core_attn, mlp, "
+        "layernorm (Megatron's --recompute-modules; default core_attn).")] = None,
     pp_schedule: Annotated[PipelineSchedule | None, typer.Option("--pp-schedule", help="Pipeline schedule.")] = None,
     dtype: Annotated[ComputeDtype | None, typer.Option("--dtype", help="Compute dtype.")] = None,
     lora_rank: Annotated[int | None, typer.Option("--lora-rank", help="LoRA rank (0: off).")] = None,
@@ -209,7 +212,9 @@ def profile(
         report.check_plot_path(plot)  # before any work
     layout_options = dict(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, sp=sp, cp_comm_type=value_of(cp_comm_type),
                           zero_stage=zero, recompute=value_of(recompute), recompute_num_layers=recompute_num_layers,
-                          pp_schedule=value_of(pp_schedule))
+                          pp_schedule=value_of(pp_schedule),
+                          recompute_modules=None if recompute_modules is None else
+                          [m.strip() for m in recompute_modules.split(",") if m.strip()])
     resolved_recipe = load_recipe(recipe) if recipe is not None else None
     case = build_case(resolved_recipe, model=model, seq_len=seq_len, micro_batch_size=mbs, global_batch_size=gbs,
                       num_gpus=num_gpus, dtype=value_of(dtype), lora_rank=lora_rank,

@@ -55,12 +55,65 @@ class ParallelOptions:
     sequence_parallel: bool = False
     cp_group: ProcessGroup | None = None
     cp_comm_type: str = "p2p"
-    recompute: str = "none"  # none | selective (core attention only) | full (whole layers)
+    recompute: str = "none"  # none | selective (recompute_modules) | full (whole layers) | op (per-op policy)
     recompute_num_layers: int | None = None  # with full: the first N layers of this module (None: all)
+    recompute_modules: tuple[str, ...] = ("core_attn",)  # with selective: Megatron's --recompute-modules
 
     @property
     def sp(self) -> bool:
         return self.sequence_parallel and group_size(self.tp_group) > 1
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recompute covers `module` (one of config.RecomputeModule) in a forward that trains."""
+        return self.recompute == "selective" and module in self.recompute_modules and torch.is_grad_enabled()
+
+
+def discard_output(output: torch.Tensor, consumer_output: torch.Tensor, recompute) -> None:
+    """Megatron's output-discarding checkpoint (CheckpointWithoutOutput): the ops after a recomputed norm save its
+    output, so keeping it would save nothing. Free its storage now (forward has used it) and, when the gradient of
+    `consumer_output` (the attention or MLP block after the norm) arrives, before any op of that block runs its
+    backward, refill the same storage with `recompute()`. Storage-level, so no version counter moves."""
+    if not consumer_output.requires_grad:
+        return
+    storage = output.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+
+    def refill(grad):
+        if storage.nbytes() == 0:
+            with torch.no_grad():
+                value = recompute()
+            storage.resize_(nbytes)
+            storage.copy_(value.untyped_storage())
+        return grad
+
+    consumer_output.register_hook(refill)
+
+
+# torchtitan's op-level selective checkpointing: the outputs of these ops are saved, and of aten.mm every other one
+# (the first, third, ... of a layer's forward), the rest is recomputed in backward.
+_SAVED_OPS = tuple(op for op in (
+    getattr(torch.ops.aten, name, None) for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+) if op is not None)
+
+
+def op_policy_contexts():
+    """A fresh (forward, recompute) context pair for one checkpointed layer under recompute = "op"."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    counts = {False: 0, True: 0}  # matmuls seen in forward / in the recomputation
+
+    def policy(ctx, op, *args, **kwargs):
+        if op is torch.ops.aten.mm.default:
+            counts[ctx.is_recompute] += 1
+            save = counts[ctx.is_recompute] % 2 == 1
+        else:
+            save = op.overloadpacket in _SAVED_OPS or "flash_attn" in str(op)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 @dataclass
@@ -199,7 +252,7 @@ class SelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if inputs.cache is not None:
             k, v = inputs.cache.extend(self.layer_index, k, v)
-        if self.parallel.recompute == "selective" and torch.is_grad_enabled():
+        if self.parallel.recomputes("core_attn"):
             out = checkpoint(self._core_attention, q, k, v, inputs, use_reentrant=False)
         else:
             out = self._core_attention(q, k, v, inputs)
@@ -242,10 +295,26 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(spec, parallel, dtype, layer_index)
         self.pre_mlp_layernorm = replicated_norm(spec, parallel, dtype)
         self.mlp = MLP(spec, parallel, dtype)
+        self.parallel = parallel
+
+    def _norm_then(self, norm: RMSNorm, block, x: torch.Tensor, *args) -> torch.Tensor:
+        """block(norm(x), *args); with the layernorm module recomputed, the norm keeps only its input and its output
+        is discarded until block's backward (discard_output)."""
+        if not self.parallel.recomputes("layernorm"):
+            return block(norm(x), *args)
+        normed = checkpoint(norm, x, use_reentrant=False)
+        out = block(normed, *args)
+        discard_output(normed, out, lambda: norm(x))
+        return out
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.recomputes("mlp"):
+            return checkpoint(self.mlp, x, use_reentrant=False)
+        return self.mlp(x)
 
     def forward(self, x, cos, sin, inputs: AttentionInputs):
-        x = x + self.self_attention(self.input_layernorm(x), cos, sin, inputs)
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+        x = x + self._norm_then(self.input_layernorm, self.self_attention, x, cos, sin, inputs)
+        return x + self._norm_then(self.pre_mlp_layernorm, self._mlp, x)
 
 
 class TransformerBlock(nn.Module):
@@ -260,6 +329,8 @@ class TransformerBlock(nn.Module):
         for index, layer in enumerate(self.layers):
             if self.parallel.recompute == "full" and index < full and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, inputs, use_reentrant=False)
+            elif self.parallel.recompute == "op" and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, inputs, use_reentrant=False, context_fn=op_policy_contexts)
             else:
                 x = layer(x, cos, sin, inputs)
         return self.final_layernorm(x) if self.final_layernorm is not None else x

@@ -17,9 +17,17 @@ e = bytes of the compute dtype, hq/hk/d/f = heads, query groups, head dim, FFN s
                     return [b, h, s, d]): + e·hq·d·T
   SwiGLU            linear_fc1 output e·2f·T (gate and up are views of it), silu(gate) e·f·T, their product (the
                     linear_fc2 input) e·f·T
-  recompute         selective: the checkpoint keeps q, k, v (already counted) and the attention kernel's output and
-                    log-sum-exp are not saved; the projection still keeps its input. full: only the layer input,
-                    e·h·T_sp, per recomputed layer (`recompute_num_layers`: the first N layers of each chunk).
+  recompute         selective, by Megatron's recompute_modules: core_attn, the checkpoint keeps q, k, v (already
+                    counted) and the attention kernel's output and log-sum-exp are not saved; the projection still
+                    keeps its input. mlp: the checkpoint keeps its input (the pre-MLP norm's output), none of the
+                    SwiGLU terms nor linear_fc2's input. layernorm: each norm keeps only its input e·h·T_sp and its
+                    output, which the next linear saved, is discarded until that block's backward
+                    (models/gpt.discard_output), so neither norm terms nor linear_qkv / linear_fc1 inputs remain.
+                    full: only the layer input, e·h·T_sp, per recomputed layer (`recompute_num_layers`: the first N
+                    layers of each chunk). op (torchtitan's per-op policy): the layer input, the outputs of the
+                    first and third matmul (linear_qkv e·(hq+2hk)·d·T, linear_fc1 e·2f·T) and the attention
+                    kernel's output and log-sum-exp; with LoRA the adapters' matmuls shift which are kept and CP's
+                    ring kernels keep one partial output per step (neither modelled).
   CP a2a (Ulysses)  the kernel saves the all-to-all outputs instead of the local q/k/v (same bytes per token; k/v
                     heads are repeated up to cp when fewer), so neither the RoPE outputs nor linear_qkv's are kept.
   LoRA              the frozen base keeps no norm value before the weight, a frozen linear keeps its input only when
@@ -71,6 +79,10 @@ class ActivationInputs:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = field(default=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # 0: the loss takes the whole logits
+    recompute_modules: tuple[str, ...] = ("core_attn",)  # what recompute = "selective" covers
+
+    def recomputes(self, recompute: str, module: str) -> bool:
+        return recompute == "selective" and module in self.recompute_modules
 
     @property
     def tokens(self) -> int:
@@ -115,32 +127,43 @@ def layer_terms(x: ActivationInputs, recompute: str = "none") -> dict[str, float
         return {"layer input (checkpoint)": e * h * Tsp}
     f = x.spec.ffn_hidden_size / x.tp
     hq, hk, qkv_cols = _heads(x)
-    norm = 4 * h * Tsp + 4 * Tsp + (0 if x.frozen else e * h * Tsp)
-    terms = {
-        "rmsnorm x2": 2 * norm,
-        "linear_qkv input": e * h * Tsp if x.keeps_input("linear_qkv") else 0.0,
-        "linear_fc1 input": e * h * Tsp if x.keeps_input("linear_fc1") else 0.0,
-    }
+    if recompute == "op":
+        return {"layer input (checkpoint)": e * h * Tsp, "linear_qkv output (1st matmul)": e * qkv_cols * d * T,
+                "linear_fc1 output (3rd matmul)": e * 2 * f * T, "attention output": e * hq * d * T,
+                "log-sum-exp": 4 * hq * T}
+    if x.recomputes(recompute, "layernorm"):  # each norm keeps its input; the linear inputs are discarded
+        terms = {"rmsnorm inputs x2 (checkpoint)": 2 * e * h * Tsp, "linear_qkv input": 0.0, "linear_fc1 input": 0.0}
+    else:
+        norm = 4 * h * Tsp + 4 * Tsp + (0 if x.frozen else e * h * Tsp)
+        terms = {
+            "rmsnorm x2": 2 * norm,
+            "linear_qkv input": e * h * Tsp if x.keeps_input("linear_qkv") else 0.0,
+            "linear_fc1 input": e * h * Tsp if x.keeps_input("linear_fc1") else 0.0,
+        }
+    core_attn = x.recomputes(recompute, "core_attn")
     proj = e * hq * d * T if x.keeps_input("linear_proj") else 0.0
     if x.cp > 1 and x.cp_comm_type == "a2a":
         kv_a2a = hk if hk % x.cp == 0 else x.cp
         terms["q, k, v after all-to-all"] = e * (hq + 2 * kv_a2a) * d * T
-        if recompute == "selective":  # the checkpoint keeps the local q, k and v instead
+        if core_attn:  # the checkpoint keeps the local q, k and v instead
             terms["q, k, v after all-to-all"] = e * (hq + hk + qkv_cols) * d * T
     else:
         terms["q, k after RoPE"] = e * (hq + hk) * d * T
         terms["linear_qkv output (v)"] = e * qkv_cols * d * T
     proj_is_copy = x.cp > 1 or (x.device == "cuda" and x.micro_batch_size > 1)
-    if recompute == "selective":
+    if core_attn:
         terms["linear_proj input"] = e * hq * d * T  # the projection keeps its input; the kernel keeps nothing
     else:
         terms["attention output"] = e * hq * d * T
         terms["log-sum-exp"] = 4 * hq * T
         terms["linear_proj input"] = proj if proj_is_copy else 0.0
-    terms["swiglu (fc1 out, silu)"] = e * 3 * f * T
-    terms["linear_fc2 input"] = e * f * T if x.keeps_input("linear_fc2") else 0.0
+    mlp = x.recomputes(recompute, "mlp")  # the checkpoint keeps only its input, the pre-MLP norm's output
+    terms["swiglu (fc1 out, silu)"] = 0.0 if mlp else e * 3 * f * T
+    terms["linear_fc2 input"] = e * f * T if x.keeps_input("linear_fc2") and not mlp else 0.0
     if x.lora_rank:
         for linear in x.lora_targets:
+            if mlp and linear in ("linear_fc1", "linear_fc2"):
+                continue
             column = linear in COLUMN_PARALLEL
             terms[f"lora {linear}"] = e * x.lora_rank * (T if column or not (x.sp and x.tp > 1) else Tsp)
     return terms
@@ -222,9 +245,13 @@ def layer_workspace(x: ActivationInputs, recompute: str) -> float:
     f, h = x.spec.ffn_hidden_size / x.tp, x.spec.hidden_size
     hq, _, _ = _heads(x)
     recomputed = 0.0
-    if recompute == "full":
-        recomputed = layer_bytes(x, "none")
-    elif recompute == "selective":
-        recomputed = e * hq * x.spec.kv_channels * T + 4 * hq * T
+    if recompute in ("full", "op"):  # op: all but what the policy saved, while the layer's backward runs
+        recomputed = layer_bytes(x, "none") - (layer_bytes(x, "op") if recompute == "op" else 0.0)
+    if x.recomputes(recompute, "core_attn"):
+        recomputed += e * hq * x.spec.kv_channels * T + 4 * hq * T
+    if x.recomputes(recompute, "mlp"):
+        recomputed += e * 4 * f * T  # fc1 output, silu, product
+    if x.recomputes(recompute, "layernorm"):
+        recomputed += x.dtype_bytes * h * x.sp_tokens + 4 * h * x.sp_tokens  # one norm's output and fp32 input
     gathered = e * h * T if x.sp and x.tp > 1 else 0.0  # SP: a linear's all-gathered input
     return recomputed + cp_buffers(x) + gathered + e * 2 * f * T + 2 * e * h * x.sp_tokens

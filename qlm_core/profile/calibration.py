@@ -82,9 +82,12 @@ def run_from_row(row: dict) -> CalibrationRun:
     spec = PRESETS[model["preset"]] if model.get("preset") else ModelSpec.from_hf_config(model["hf_config"])
     framework = dict(_framework(row["group"]))
     dtype = framework.pop("dtype", row["precision"])
+    recompute = row["recompute"]
+    if row["group"].startswith("torchtitan") and recompute == "selective":
+        recompute = "op"  # torchtitan's selective_ac_option = "op" (the row maps it to selective: qlm had no op)
     parallel = ParallelConfig(
         tp=row["tp"], pp=row["pp"], vpp=row["vpp"], cp=row["cp"], dp=row["dp"], sp=row["sp"],
-        zero_stage=row["zero"], recompute=row["recompute"], pp_schedule=row["pp_schedule"],
+        zero_stage=row["zero"], recompute=recompute, pp_schedule=row["pp_schedule"],
         cp_comm_type=row["cp_comm_type"], overlap_grad_reduce=True, overlap_param_gather=row["zero"] in (1, 2))
     tp_overlap = "tp_comm_overlap" in row.get("not_expressible", [])  # the source overlaps it; qlm's trainer not
     case = ProfileCase(spec=spec, model_name=model["name"], parallel=parallel, seq_len=row["seq_len"],

@@ -18,6 +18,7 @@ from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import LORA_TARGETS, ModelLayout
 from qlm_core.models.spec import ModelSpec, load_model_spec
+from qlm_core.parallel.pipeline import validate_recompute
 from qlm_core.parallel.state import ParallelSizes, resolve_sizes
 from qlm_core.train.validate import validate_counts, validate_layout
 
@@ -91,6 +92,8 @@ class ProfileCase:
         per_chunk = self.spec.num_layers // (p.pp * p.vpp)
         if p.recompute == "full" and p.recompute_num_layers is not None and p.recompute_num_layers < per_chunk:
             recompute = f"full({p.recompute_num_layers})"
+        if p.recompute == "selective" and list(p.recompute_modules) != ["core_attn"]:
+            recompute = f"selective({'+'.join(p.recompute_modules) or 'nothing'})"
         return f"{text} zero{p.zero_stage} {recompute}"
 
 
@@ -102,9 +105,9 @@ def validate_inputs(case: ProfileCase):
                        "mean-doc-len": case.mean_doc_len, "tp": case.parallel.tp, "pp": case.parallel.pp,
                        "vpp": case.parallel.vpp, "cp": case.parallel.cp,
                        **({"dp": case.parallel.dp} if case.parallel.dp is not None else {})})
-    if case.parallel.recompute_num_layers is not None and case.parallel.recompute_num_layers < 0:
-        raise QlmError(f"recompute-num-layers must be >= 0, got {case.parallel.recompute_num_layers}",
-                       "pass 0 or more")
+    if case.parallel.recompute_num_layers is not None and case.parallel.recompute_num_layers < 1:
+        raise QlmError(f"recompute-num-layers must be >= 1, got {case.parallel.recompute_num_layers}",
+                       "pass 1 or more (the layers of each chunk that full recompute covers), as the recipe does")
     if case.lora_rank < 0:
         raise QlmError(f"lora rank must be >= 0, got {case.lora_rank}", "pass 0 (off) or a positive rank")
 
@@ -120,6 +123,10 @@ def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
                        "pass --num-gpus as a multiple of tp*pp*cp or change the layout")
     sizes = case.sizes
     validate_layout(case.spec, p, sizes, case.seq_len, case.micro_batch_size, case.global_batch_size)
+    try:
+        validate_recompute(p.pp_schedule, p.pp, p.recompute)
+    except ValueError as exc:
+        raise QlmError(str(exc), "use pp_schedule 1f1b or interleaved_1f1b, or another recompute") from None
     return sizes, layout
 
 

@@ -53,12 +53,12 @@ class KernelRates:
 # bench/profile_calibration.py --fit writes these (the 32 published runs of calibration_runs.json)
 FITTED: dict[str, KernelRates] = {
     "ampere": KernelRates(
-        gemm_max=0.7666, gemm_half=1147.7219, attn_fwd=0.25, attn_bwd=0.2,
-        elementwise=0.0, comm=0.9, overlap_penalty=0.045, step_overhead_s=0.3198,
+        gemm_max=0.7792, gemm_half=730.6131, attn_fwd=0.25, attn_bwd=0.2,
+        elementwise=43.1843, comm=0.9, overlap_penalty=0.4488, step_overhead_s=0.1902,
         source='fit to 10 runs of calibration_runs.json'),
     "hopper": KernelRates(
-        gemm_max=0.6194, gemm_half=0.0, attn_fwd=0.25, attn_bwd=0.2,
-        elementwise=0.0, comm=0.9, overlap_penalty=0.045, step_overhead_s=0.3198,
+        gemm_max=0.7345, gemm_half=0.0, attn_fwd=0.25, attn_bwd=0.2,
+        elementwise=43.1843, comm=0.9, overlap_penalty=0.4488, step_overhead_s=0.1902,
         source='fit to 22 runs of calibration_runs.json'),
 }
 STAND_IN = {"blackwell": "hopper", "cdna3": "hopper"}  # no published rows: Hopper's fit, said as such

@@ -3,13 +3,20 @@
 Activations (any device) are counted with torch.autograd.graph.saved_tensors_hooks, each storage once
 (docs/ARCHITECTURE.md §3), parameters skipped. Recomputation hides a checkpointed region's tensors from outer hooks
 (torch's non-reentrant checkpoint keeps its own), so the meter also wraps models.gpt's `checkpoint` to count the
-inputs a checkpoint keeps instead. A saved tensor stays live until autograd releases it; the meter tracks live bytes
-over time and records the peak (which is what pipeline schedules and gradient accumulation decide), split by region:
-`layers` (labelled per transformer layer), `embedding` and `head` (final norm, output layer, loss).
+inputs a checkpoint keeps instead (and, under a per-op policy, the outputs it caches), and `discard_output` to drop
+what an output-discarding checkpoint frees. A saved tensor stays live until autograd releases it; the meter tracks
+live bytes over time and records the peak (which is what pipeline schedules and gradient accumulation decide), split
+by region: `layers` (labelled per transformer layer), `embedding` and `head` (final norm, output layer, loss).
+
+AllocationMeter measures everything else too (receive buffers, gradients, transients): the peak bytes of tensors
+allocated on a device while it is entered, beyond what was allocated when it was entered. CUDA:
+torch.cuda.max_memory_allocated(); CPU: the allocation and free events of torch's profiler (profile_memory), summed
+in time order.
 """
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections import defaultdict
 from contextlib import contextmanager
@@ -66,14 +73,12 @@ class SavedTensorMeter:
         params = (p for m in self.modules for p in m.parameters())
         return {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in params}
 
-    def _release(self, ptr: int):
-        entry = self.live.get(ptr)
-        if entry is None:
-            return
+    def _release(self, ptr: int, entry: list):
         entry[2] -= 1
         if entry[2] == 0:
             self.live_bytes -= entry[0]
-            del self.live[ptr]
+            if self.live.get(ptr) is entry:
+                del self.live[ptr]
 
     def _register(self, tensor: torch.Tensor, label: str):
         if isinstance(tensor, nn.Parameter) or tensor.device.type == "meta":
@@ -90,7 +95,7 @@ class SavedTensorMeter:
                 self.peak_bytes = self.live_bytes
                 self.peak_by_region = self.by_region()
         entry[2] += 1
-        weakref.finalize(tensor, self._release, ptr)
+        weakref.finalize(tensor, self._release, ptr, entry)
 
     def _pack(self, tensor: torch.Tensor):
         alias = tensor.detach()  # what autograd keeps; holding the alias (not the output itself) avoids a cycle
@@ -110,24 +115,58 @@ class SavedTensorMeter:
         """Bytes first saved inside each transformer layer (a forward without backward: what each layer keeps)."""
         return {k: v for k, v in self.first_seen.items() if "layer" in k}
 
+    def _discard(self, tensor: torch.Tensor):
+        """models.gpt.discard_output freed this storage: it no longer counts (its bytes come back in backward)."""
+        ptr = _storage(tensor)[0]
+        entry = self.live.pop(ptr, None)  # its address may be reused before the tensors that held it die
+        if entry is not None:
+            self.live_bytes -= entry[0]
+            self.first_seen[entry[1]] -= entry[0]
+            entry[0] = 0
+
     @contextmanager
     def _checkpoint_counted(self):
+        """A checkpoint keeps its inputs and, under a selective-checkpointing policy (recompute = "op"), the op
+        outputs its forward context caches; both are hidden from the outer hooks, so count them here."""
+        from torch.utils._pytree import tree_leaves
+
         from qlm_core.models import gpt
 
-        original = gpt.checkpoint
+        original, original_discard = gpt.checkpoint, gpt.discard_output
 
         def counted(fn, *args, **kwargs):
             label = self.labels.get(id(fn), self.label)
+            grad = torch.is_grad_enabled()
             for arg in args:
-                if isinstance(arg, torch.Tensor) and torch.is_grad_enabled():
+                if isinstance(arg, torch.Tensor) and grad:
                     self._register(arg, label)
-            return original(fn, *args, **kwargs)
+            contexts = []
+            if "context_fn" in kwargs:
+                make = kwargs["context_fn"]
 
-        gpt.checkpoint = counted
+                def context_fn():
+                    contexts.append(make())
+                    return contexts[-1]
+                kwargs = {**kwargs, "context_fn": context_fn}
+            out = original(fn, *args, **kwargs)
+            for forward_context, _ in contexts:
+                for entries in forward_context.storage.values():
+                    for leaf in tree_leaves(list(entries.values()) if isinstance(entries, dict) else entries):
+                        value = getattr(leaf, "val", None)
+                        if isinstance(value, torch.Tensor):
+                            self._register(value, label)
+            return out
+
+        def discard(output, consumer_output, recompute):
+            if consumer_output.requires_grad:
+                self._discard(output)
+            return original_discard(output, consumer_output, recompute)
+
+        gpt.checkpoint, gpt.discard_output = counted, discard
         try:
             yield
         finally:
-            gpt.checkpoint = original
+            gpt.checkpoint, gpt.discard_output = original, original_discard
 
     def __enter__(self):
         self._params = self._param_storages()
@@ -144,6 +183,46 @@ class SavedTensorMeter:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        return False
+
+
+class AllocationMeter:
+    """`with AllocationMeter(device) as meter: ...`, then `meter.peak`: peak bytes allocated on `device` inside the
+    block above what was allocated on entering it (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.peak = 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.device.type == "cpu":
+            from torch.profiler import ProfilerActivity, profile
+
+            # torch's CPU reporter remembers blocks allocated while any profiler ran: one of an earlier meter's that
+            # is collected in this one would count as a free here
+            gc.collect()
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.__enter__()
+        else:
+            raise ValueError(f"AllocationMeter measures cuda or cpu tensors, not {self.device.type}")
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            return False
+        self._profiler.__exit__(*exc)
+        events = [e for e in self._profiler.profiler.kineto_results.events()
+                  if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+        live = 0
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            live += event.nbytes()
+            self.peak = max(self.peak, live)
         return False
 
 

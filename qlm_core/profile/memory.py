@@ -12,8 +12,10 @@
                 chunked: one chunk's, plus its backward's dW accumulator and input gradient), or one layer's
                 backward (what recompute re-materialises, the CP K/V buffers, the SP-gathered input and the layer's
                 largest gradients)
-  pp_buffers    torch.distributed.pipelining's PipelineStage: input and gradient receive buffers for every
-                micro-batch (allocated once) and the outputs of the chunk forwards in flight (pipeline_buffer_bytes)
+  pp_buffers    the pipeline stages' receive buffers of the micro-batches in flight (allocated per micro-batch,
+                dropped after its backward), the backward at hand's gradients, the outputs of the chunk forwards in
+                flight; with interleaved_1f1b / zero_bubble every sent input gradient until the step ends
+                (pipeline_buffer_bytes)
   comm_buffers  ZeRO 2: fp32 storage of the buckets being filled and reduced (1 + 2 in flight with overlap);
                 ZeRO 3: FSDP's unsharded parameters (the root's embedding/output and two layers, prefetch) in the
                 compute dtype plus one layer's fp32 reduce-scatter input; ZeRO 0/1 reduce in place (0)
@@ -129,7 +131,7 @@ def activation_inputs(case: ProfileCase, device: str = "cuda") -> ActivationInpu
         spec=case.spec, seq_len=case.seq_len, micro_batch_size=case.micro_batch_size, tp=p.tp, sp=p.sp, cp=p.cp,
         cp_comm_type=p.cp_comm_type, dtype_bytes=case.dtype_bytes, padded_vocab=case.layout().padded_vocab,
         device=device, lora_rank=case.lora_rank, lora_targets=tuple(case.lora_targets),
-        loss_chunk_tokens=case.loss_chunk_tokens,
+        loss_chunk_tokens=case.loss_chunk_tokens, recompute_modules=tuple(p.recompute_modules),
     )
 
 
@@ -156,13 +158,15 @@ def comm_buffer_bytes(case: ProfileCase, layout, stage: int, states) -> float:
 
 
 def pipeline_buffer_bytes(case: ProfileCase, x: ActivationInputs, stage: int, chunks: int, held_input: bool) -> float:
-    """What torch.distributed.pipelining's PipelineStage keeps besides autograd: a receive buffer for the input
-    (hidden states + int64 positions) of EVERY micro-batch of every chunk that receives, and a gradient receive
-    buffer for every micro-batch of every chunk that sends, both allocated once for the whole run; the outputs of
-    the chunk forwards in flight (fwd_cache). The last chunk's output is the final norm's, which the loss head
-    (GPTModel.loss, run by the schedule's loss function) saves, except beside a frozen output layer without
-    chunks. Receive buffers of micro-batches in flight are not counted twice when a saved tensor is the buffer
-    itself (fp32 norm input, full-recompute checkpoint input)."""
+    """What the trainer's pipeline stages (parallel/pipeline.py InFlightStage) keep besides autograd. A receive
+    buffer exists only while its micro-batch is in flight: the input (hidden states + int64 positions) of each chunk
+    forward in flight on a chunk that receives, not counted again when a saved tensor is the buffer itself (fp32
+    norm input, full-recompute checkpoint input); one gradient receive buffer and one input gradient at a time (the
+    backward at hand); the outputs of the chunk forwards in flight (fwd_cache). The last chunk's output is the final
+    norm's, which the loss head (GPTModel.loss, run by the schedule's loss function) saves, except beside a frozen
+    output layer without chunks. Under the multi-chunk schedules (interleaved_1f1b, zero_bubble) a sent input
+    gradient is waited for only when the step ends (InFlightStage.finish_sends), so every micro-batch's stays
+    allocated until then: that part does grow with the number of micro-batches."""
     p = case.parallel
     if p.pp == 1:
         return 0.0
@@ -170,9 +174,12 @@ def pipeline_buffer_bytes(case: ProfileCase, x: ActivationInputs, stage: int, ch
     hidden = x.dtype_bytes * case.spec.hidden_size * x.sp_tokens
     receiving = v - 1 if stage == 0 else v  # chunk 0 of stage 0 reads the tokens
     sending = v - 1 if stage == p.pp - 1 else v  # the model's last chunk computes the loss
-    total = m * receiving * (hidden + 8 * x.tokens) + m * sending * hidden
+    total = chunks * (hidden + 8 * x.tokens) * receiving / v
     if held_input:
         total -= chunks * hidden * receiving / v
+    total += hidden * ((sending > 0) + (receiving > 0))  # the backward at hand: its output and input gradients
+    if p.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
+        total += m * hidden * receiving  # sent input gradients, until the step ends
     total += chunks * hidden * sending / v  # outputs in fwd_cache
     if stage == p.pp - 1 and not loss_keeps_input(x):
         total += chunks * hidden / v  # the last chunk's outputs, which a frozen output layer does not save
@@ -203,7 +210,8 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
         kept = sum(terms.values()) if x.chunked_loss else terms["final rmsnorm"] + terms["output layer input"]
         head = sum(terms.values()) * logits_count + kept * deferred_weight_passes(p.pp_schedule, p.pp, p.vpp, m, stage)
     workspace = max(logits_transient(x) if last else 0.0, max(layer_workspace(x, mode) for mode in set(modes)))
-    pp_buffers = pipeline_buffer_bytes(case, x, stage, chunks, held_input=case.dtype_bytes == 4 or modes[0] == "full")
+    held_input = case.dtype_bytes == 4 or modes[0] in ("full", "op")  # a checkpoint keeps the receive buffer
+    pp_buffers = pipeline_buffer_bytes(case, x, stage, chunks, held_input=held_input)
     components = {
         "weights": float(states.weights), "grads": float(states.grads), "optimizer": float(states.optimizer),
         "activations": chunk_bytes * chunks, "logits_loss": head, "workspace": workspace, "pp_buffers": pp_buffers,

@@ -74,6 +74,8 @@ def layouts(base: ProfileCase, num_gpus: int):
                                     yield base.replace(num_gpus=num_gpus).with_parallel(
                                         tp=tp, pp=pp, vpp=vpp, cp=cp, dp=None, sp=tp > 1, cp_comm_type=comm,
                                         pp_schedule=schedule, zero_stage=zero, recompute=recompute,
+                                        recompute_modules=(list(base.parallel.recompute_modules)
+                                                           if recompute == "selective" else ["core_attn"]),
                                         recompute_num_layers=None, overlap_grad_reduce=True,
                                         overlap_param_gather=zero in (1, 2),
                                         num_layers_in_first_pipeline_stage=None,

@@ -7,7 +7,8 @@ Per micro-batch on the slowest pipeline stage (T = mbs·seq/cp tokens per rank, 
               only); flash attention over the keys each token reads (its document, `mean_doc_len` for packed data,
               the sliding window; models/flops.py), forward and a 2.5x backward at their own rates; elementwise
               work (norms, rotary, SwiGLU, residuals) at HBM speed.
-  recompute   one more forward of the recomputed layers (full) or of core attention (selective), and of the
+  recompute   one more forward of the recomputed layers (full), of the recompute_modules (selective: core_attn,
+              mlp, layernorm), of everything but the matmuls and the attention kernel (op), and of the
               logits when the loss runs in chunks (its backward recomputes them; twice under zero-bubble, whose
               input- and weight-gradient passes each recompute them).
   tp_comm     per layer: with SP 4 collectives forward (2 all-gathers, 2 reduce-scatters) and 6 backward (the
@@ -100,12 +101,18 @@ def _recomputed_layers(case: ProfileCase, layers: int) -> int:
     return p.vpp * (per_chunk if p.recompute_num_layers is None else min(per_chunk, p.recompute_num_layers))
 
 
-def layer_gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float) -> float:
-    """Forward seconds per token of one layer's GEMMs on this rank, each at the efficiency of its shape."""
+def gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float) -> dict[str, float]:
+    """Forward seconds per token of each of one layer's GEMMs on this rank, each at the efficiency of its shape."""
     s, tp = case.spec, case.parallel.tp
     h, f, q = s.hidden_size, s.ffn_hidden_size, s.num_attention_heads * s.kv_channels
-    shapes = ((h, s.qkv_rows / tp), (q / tp, h), (h, 2 * f / tp), (f / tp, h))
-    return sum(2 * k * n / (peak * rates.gemm(k, n)) for k, n in shapes)
+    shapes = {"linear_qkv": (h, s.qkv_rows / tp), "linear_proj": (q / tp, h), "linear_fc1": (h, 2 * f / tp),
+              "linear_fc2": (f / tp, h)}
+    return {name: 2 * k * n / (peak * rates.gemm(k, n)) for name, (k, n) in shapes.items()}
+
+
+def layer_gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float) -> float:
+    """Forward seconds per token of one layer's GEMMs on this rank."""
+    return sum(gemm_seconds(case, rates, peak).values())
 
 
 def logits_gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float) -> float:
@@ -114,11 +121,42 @@ def logits_gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float) -> f
     return 2 * h * v / (peak * rates.gemm(h, v))
 
 
+def elementwise_seconds(case: ProfileCase, rates: KernelRates, gpu: GpuSpec) -> dict[str, float]:
+    """Forward + backward seconds per token of one layer's memory-bound work: "norms" (the norms and residuals,
+    on the SP shard under SP) and "mlp" (SwiGLU)."""
+    p, s = case.parallel, case.spec
+    hidden = s.hidden_size / (p.tp if p.sp and p.tp > 1 else 1)
+    rate = rates.elementwise * case.dtype_bytes / (gpu.hbm_gbps * 1e9)
+    return {"norms": rate * hidden, "mlp": rate * s.ffn_hidden_size / p.tp}
+
+
 def layer_elementwise_seconds(case: ProfileCase, rates: KernelRates, gpu: GpuSpec) -> float:
     """Forward + backward seconds per token of one layer's memory-bound work (norms, rotary, SwiGLU, residuals)."""
-    p, s = case.parallel, case.spec
-    hidden = s.hidden_size / (p.tp if p.sp and p.tp > 1 else 1)  # the norms and residuals run on the SP shard
-    return rates.elementwise * case.dtype_bytes * (hidden + s.ffn_hidden_size / p.tp) / (gpu.hbm_gbps * 1e9)
+    return sum(elementwise_seconds(case, rates, gpu).values())
+
+
+def recompute_per_layer(case: ProfileCase, gemm: dict[str, float], attention_s: float,
+                        elementwise: dict[str, float]) -> tuple[float, float]:
+    """(seconds per token, TP collective volumes) that recompute adds to one layer that `selective` or `op` covers:
+    selective recomputes the modules of recompute_modules (core_attn: the attention kernel; mlp: fc1, SwiGLU, fc2
+    and their collectives; layernorm: the norms), op re-runs every op but the matmuls and the attention kernel,
+    whose outputs it keeps (linear_proj and linear_fc2 run again, with their output collectives). `attention_s`
+    is per token too; the elementwise figures are forward + backward (a forward is a third)."""
+    p = case.parallel
+    if p.recompute == "op":
+        return gemm["linear_proj"] + gemm["linear_fc2"] + sum(elementwise.values()) / 3, 2 if p.sp else 4
+    if p.recompute != "selective":
+        return 0.0, 0
+    modules = set(p.recompute_modules)
+    seconds, volumes = 0.0, 0
+    if "core_attn" in modules:
+        seconds += attention_s
+    if "mlp" in modules:
+        seconds += gemm["linear_fc1"] + gemm["linear_fc2"] + elementwise["mlp"] / 3
+        volumes += 2  # SP: the all-gather and reduce-scatter around the MLP; else its all-reduce
+    if "layernorm" in modules:
+        seconds += elementwise["norms"] / 3
+    return seconds, volumes
 
 
 def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRates, stage: int) -> dict[str, float]:
@@ -131,16 +169,18 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
     e, h = case.dtype_bytes, s.hidden_size
     peak = gpu.peak_tflops * 1e12
     _, attention_flops = layer_flops_per_token(s, case.seq_len, case.mean_doc_len)
-    gemm = T * layers * layer_gemm_seconds(case, rates, peak)  # forward
+    per_gemm = gemm_seconds(case, rates, peak)
+    per_elementwise = elementwise_seconds(case, rates, gpu)
+    gemm = T * layers * sum(per_gemm.values())  # forward
     attention = T * attention_flops / p.tp / (peak * rates.attn_fwd)  # forward, one layer
     attention_backward = ATTENTION_BACKWARD_FLOPS * attention * rates.attn_fwd / rates.attn_bwd
-    elementwise = T * layers * layer_elementwise_seconds(case, rates, gpu)
+    elementwise = T * layers * sum(per_elementwise.values())
     backward = 1 if case.lora_rank else 2  # a frozen base computes input gradients only
     compute = (1 + backward) * gemm + layers * (attention + attention_backward) + elementwise
     recomputed = _recomputed_layers(case, layers)
-    extra = recomputed / layers * (gemm + elementwise / 3) + recomputed * attention if layers else 0.0
-    if p.recompute == "selective":
-        extra = layers * attention
+    extra = recomputed / layers * (gemm + elementwise / 3) + recomputed * attention
+    partial_s, partial_volumes = recompute_per_layer(case, per_gemm, attention / T, per_elementwise)
+    extra += T * layers * partial_s
     if stage == p.pp - 1:
         logits = T * logits_gemm_seconds(case, rates, peak)
         compute += (1 + backward) * logits
@@ -153,6 +193,7 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
     if p.tp > 1:
         volume = (p.tp - 1) / p.tp * e * h * T
         per_layer = (10 + 4 * (recomputed > 0)) * volume if p.sp else (4 + 2 * (recomputed > 0)) * 2 * volume
+        per_layer += partial_volumes * volume
         if s.num_query_groups < p.tp:  # the gathered linear_qkv output: all-gather forward, reduce-scatter back
             per_layer += 2 * (p.tp - 1) / p.tp * e * s.qkv_rows * T
         tp_s = layers * per_layer / group_bandwidth(gpu, sizes, ("tp",), rates.comm)
@@ -160,7 +201,7 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
     if p.cp > 1:
         cp_s = _cp_layer_exposed(case, gpu, rates, T, attention, attention_backward)
         times["cp_comm"] = layers * cp_s
-        if recomputed or p.recompute == "selective":  # the forward's exchange is redone in backward
+        if recomputed or (p.recompute == "selective" and "core_attn" in p.recompute_modules):  # redone in backward
             again = recomputed if recomputed else layers
             times["cp_comm"] += again * _cp_layer_exposed(case, gpu, rates, T, attention, attention_backward,
                                                           forward_only=True)

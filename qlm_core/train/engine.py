@@ -102,6 +102,7 @@ class Engine:
             self.runner = PipelineRunner(
                 self.chunks, pp_rank=g.pp_rank, pp_size=c.pp, pp_group=g.pp_group, device=g.device,
                 schedule=c.pp_schedule, num_microbatches=self.num_microbatches, loss_fn=self._loss_fn,
+                recompute=c.recompute,
             )
         self._num_tokens = 1.0
 
@@ -113,6 +114,7 @@ class Engine:
         options = ParallelOptions(
             tp_group=g.tp_group, sequence_parallel=c.sp, cp_group=g.cp_group, cp_comm_type=c.cp_comm_type,
             recompute=c.recompute, recompute_num_layers=c.recompute_num_layers,
+            recompute_modules=tuple(c.recompute_modules),
         )
         # ZeRO-3 keeps fp32 parameters (FSDP's sharded master weights) and computes in self.dtype.
         param_dtype = torch.float32 if c.zero_stage == 3 else self.dtype

@@ -64,6 +64,14 @@ def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSize
     if cp > 1 and config.cp_comm_type == "a2a" and (spec.num_attention_heads // tp) % cp:
         raise QlmError(f"cp_comm_type a2a needs heads per TP rank ({spec.num_attention_heads // tp}) divisible by "
                        f"cp = {cp}", "use p2p or allgather, or change tp/cp")
+    if config.recompute == "op" and config.pp > 1 and config.pp_schedule == "zero_bubble":
+        raise QlmError('recompute "op" cannot run under pp_schedule zero_bubble (its weight pass would recompute '
+                       "each layer a second time, which torch's selective checkpointing refuses)",
+                       'use recompute = "selective" or "full", or another pp_schedule')
+    if config.recompute != "selective" and list(config.recompute_modules) != ["core_attn"]:
+        raise QlmError(f"parallel.recompute_modules {list(config.recompute_modules)} applies only with "
+                       f'recompute = "selective" (it is "{config.recompute}")',
+                       'set parallel.recompute = "selective", or remove recompute_modules')
     if config.overlap_param_gather and config.zero_stage not in (1, 2):
         raise QlmError("overlap_param_gather needs zero_stage 1 or 2", "set parallel.zero_stage or turn it off")
     rows = micro_batch_size * sizes.dp

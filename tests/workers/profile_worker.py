@@ -57,6 +57,7 @@ class LayerCase:
     comm: str = "p2p"  # cp_comm_type
     spec: ModelSpec = SPEC
     recompute: str = "none"
+    modules: tuple[str, ...] = ("core_attn",)  # recompute_modules, with selective
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ LAYER_CASES = {
     "cp2_a2a": LayerCase(1, 2, False, comm="a2a"),
     "cp2_p2p_selective": LayerCase(1, 2, False, recompute="selective"),
     "tp2_cp2_sp_full": LayerCase(2, 2, True, recompute="full"),
+    "tp2_sp_mlp_layernorm": LayerCase(2, 1, True, recompute="selective", modules=("mlp", "layernorm")),
+    "tp2_sp_op": LayerCase(2, 1, True, recompute="op"),
 }
 HEAD_CASES = {  # chunks of 24 do not divide the 64 tokens
     "tp2_sp_whole_logits": HeadCase(2, True, 0),
@@ -161,14 +164,15 @@ def layer_case(name: str, out: Path):
     if grid is None:
         return
     options = ParallelOptions(tp_group=grid.tp_group, sequence_parallel=sp, cp_group=grid.cp_group,
-                              cp_comm_type=comm, recompute=recompute)
+                              cp_comm_type=comm, recompute=recompute, recompute_modules=case.modules)
     model = GPTModel(spec, parallel=options, num_layers=3, dtype=torch.bfloat16)
     ids, labels = batch(2, spec.vocab_size)
     ids, labels = split_for_cp(ids, cp, grid.cp_rank, 1), split_for_cp(labels, cp, grid.cp_rank, 1)
     with SavedTensorMeter(model) as meter:
         loss = model(ids, labels=labels).sum()
     loss.backward()
-    x = ActivationInputs(spec, SEQ, 2, tp=tp, sp=sp, cp=cp, cp_comm_type=comm, dtype_bytes=2, device="cpu")
+    x = ActivationInputs(spec, SEQ, 2, tp=tp, sp=sp, cp=cp, cp_comm_type=comm, dtype_bytes=2, device="cpu",
+                         recompute_modules=case.modules)
     if grid.rank == 0:
         (out / "layer").mkdir(exist_ok=True)
         (out / "layer" / f"{name}.json").write_text(json.dumps(
