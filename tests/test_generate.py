@@ -70,9 +70,9 @@ def test_greedy_matches_transformers_generate(chat_model):
 def forcing(monkeypatch, schedule: dict[int, int]):
     """Make qlm's model choose token schedule[step] at decoding step `step` (0: the first new token)."""
     calls = {"n": 0}
-    original = GPTModel.forward
+    original = GPTModel.logits  # once per decoding step (the prompt's pass projects only its last position)
 
-    def forward(self, *args, **kwargs):
+    def logits_of(self, *args, **kwargs):
         logits = original(self, *args, **kwargs)
         step, calls["n"] = calls["n"], calls["n"] + 1
         if step in schedule:
@@ -80,7 +80,7 @@ def forcing(monkeypatch, schedule: dict[int, int]):
             logits[:, -1, schedule[step]] = 1e4
         return logits
 
-    monkeypatch.setattr(GPTModel, "forward", forward)
+    monkeypatch.setattr(GPTModel, "logits", logits_of)
 
 
 def test_stops_at_im_end(chat_model, monkeypatch):

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from qlm_core.errors import QlmError
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -165,7 +167,7 @@ def test_eval_opens_an_iteration_directory_and_passes_iteration(tmp_path, monkey
     opening.open_checkpoint(root / "iter_0000004")
     opening.open_checkpoint(tmp_path / "run", 4)
     assert calls == [(root, 4), (root, 4)]
-    with pytest.raises(Exception, match="is iteration 4, not 2"):
+    with pytest.raises(QlmError, match="is iteration 4, not 2"):
         opening.open_checkpoint(root / "iter_0000004", 2)
     argv = worker_argv(EvalConfig(checkpoint="r", tasks=["t"], iteration=4))
     assert argv[argv.index("--iteration") + 1] == "4"
@@ -182,11 +184,17 @@ def test_demo_ppl_task_declares_every_metric_field(tmp_path):
 
 
 def test_lm_eval_git_hash_prints_nothing(tmp_path, monkeypatch, capfd):
-    from qlm_core.eval.runner import _git_hash_quietly
+    """Outside a repository lm-eval's own git call prints `fatal: not a git repository`; qlm's replaces it."""
+    import lm_eval.evaluator
 
+    from qlm_core.eval.runner import _git_hash_quietly, _quiet_libraries
+
+    monkeypatch.setattr(lm_eval.evaluator, "get_git_commit_hash", lm_eval.evaluator.get_git_commit_hash)
+    _quiet_libraries()
+    assert lm_eval.evaluator.get_git_commit_hash is _git_hash_quietly
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
-    _git_hash_quietly()
+    lm_eval.evaluator.get_git_commit_hash()
     assert "fatal" not in capfd.readouterr().err
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from qlm_core.data import files
-from qlm_core.data.indexed import IndexedDataset, IndexedWriter
+from qlm_core.data.indexed import IndexedDataset, IndexedWriter, remove_stale_temporaries
 from qlm_core.data.preprocess import preprocess
 from qlm_core.data.sft import load_conversations
 from qlm_core.errors import QlmError
@@ -75,6 +75,21 @@ def test_stale_temporaries_of_killed_runs_are_removed(tmp_path):
     (tmp_path / "other.bin.tmp-999999999").write_bytes(b"another prefix")
     write_pair(tmp_path / "p")
     assert leftovers(tmp_path) == sorted([live.name, "other.bin.tmp-999999999"])
+
+
+def test_a_run_killed_between_its_two_renames_is_finished_not_lost(tmp_path):
+    """The new .bin is in place, its complete .idx still a dead run's temporary: the next run completes the pair
+    (it used to delete that .idx as stale, leaving neither the old dataset nor the new one)."""
+    old = write_pair(tmp_path / "p", count=3)
+    new_dir = tmp_path / "new"
+    new_dir.mkdir()
+    new = write_pair(new_dir / "p", count=5, start=10)
+    (tmp_path / "p.bin").write_bytes(new[".bin"])  # the first rename happened
+    (tmp_path / "p.idx.tmp-999999999").write_bytes(new[".idx"])  # the second did not
+    assert old[".idx"] != new[".idx"]
+    remove_stale_temporaries(tmp_path / "p")
+    assert same_pair(tmp_path / "p", new) and leftovers(tmp_path) == []
+    assert [d.tolist() for d in IndexedDataset(tmp_path / "p")][0] == [10, 1, 2]
 
 
 def test_a_pair_that_does_not_belong_together_is_refused(tmp_path):

@@ -127,8 +127,6 @@ def test_the_lock_is_reentrant_for_its_workers_and_released_by_its_owner(tmp_pat
 
 
 def test_permission_denied_on_the_lock_is_one_error(tmp_path, monkeypatch):
-    real = os.open
-
     def denied(source, path, *args, **kwargs):
         if str(path).endswith(LOCK_NAME):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
@@ -353,3 +351,26 @@ def test_rerunning_a_finished_run_keeps_its_record(run_qlm, tmp_path):
     assert code == 0, stderr
     assert {name: (run / name).read_bytes() for name in before} == before
     assert "already finished at step 1" in " ".join(out.split())
+
+
+def test_a_crash_while_rewriting_the_runs_hf_config_leaves_the_old_one(tmp_path, monkeypatch):
+    """Every start rewrites RUN/checkpoints/hf/config.json, which every checkpoint of the run is read with."""
+    from qlm_core.train.trainer import write_hf_side_dir
+
+    root = tmp_path / "checkpoints"
+    write_hf_side_dir(root, PRESETS["qlm-tiny"], None)
+    before = (root / "hf" / "config.json").read_text()
+    real_write = Path.write_text
+
+    def torn(self, text, *args, **kwargs):
+        if self.name == "config.json":
+            real_write(self, text[:10])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", torn)
+    with pytest.raises(OSError):
+        write_hf_side_dir(root, PRESETS["qlm-tiny"], None)
+    monkeypatch.undo()
+    assert (root / "hf" / "config.json").read_text() == before
+    assert sorted(p.name for p in root.iterdir()) == ["hf"]

@@ -239,7 +239,7 @@ def test_two_ranks_sigterm_to_the_launcher_saves_and_the_resume_finishes(cache, 
     assert [r["step"] for r in rows(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
-def test_slurm_example_parses_and_names_the_recipe_and_real_options():
+def test_slurm_example_parses_and_names_the_recipe_and_real_options(monkeypatch):
     import shlex
 
     import typer
@@ -260,12 +260,14 @@ def test_slurm_example_parses_and_names_the_recipe_and_real_options():
     sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
     recipe = load_recipe(REPO / args[0], sets)  # every --set names a real key with a valid value
     assert recipe.train.exit_signal_handler and recipe.train.exit_duration_minutes > 0
-    # the variables the script sets are the ones qlm's distributed init reads
-    from qlm_core.parallel import state
+    # the variables srun sets for each task are the ones qlm's distributed init reads
+    from qlm_core.parallel.state import launch_env
 
-    source = Path(state.__file__).read_text()
-    assert all(name in source for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR",
-                                           "MASTER_PORT"))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert launch_env() == (5, 16, 1)
     assert "export MASTER_PORT" in text and "MASTER_ADDR" in text
 
 

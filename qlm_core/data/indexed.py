@@ -66,8 +66,28 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _finish_killed_rename(prefix: str | os.PathLike):
+    """A run killed between its two renames left its new .bin in place and its complete .idx as PREFIX.idx.tmp-PID
+    (no .bin.tmp-PID beside it any more): the pair is that run's, so finish the rename."""
+    bin_path, idx_path = index_paths(prefix)
+    try:
+        names = os.listdir(idx_path.parent)
+    except OSError:
+        return
+    head = idx_path.name + TMP_MARK
+    for name in names:
+        pid = name[len(head):]
+        if not (name.startswith(head) and pid.isdigit()) or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        if f"{bin_path.name}{TMP_MARK}{pid}" not in names and bin_path.exists():
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(idx_path.parent / name, idx_path)
+
+
 def remove_stale_temporaries(prefix: str | os.PathLike) -> list[Path]:
-    """Remove PREFIX.bin.tmp-PID / PREFIX.idx.tmp-PID left by runs that were killed (their PID is gone)."""
+    """Remove PREFIX.bin.tmp-PID / PREFIX.idx.tmp-PID left by runs that were killed (their PID is gone), after
+    finishing the rename of a run killed between its .bin's and its .idx's."""
+    _finish_killed_rename(prefix)
     removed = []
     for final in index_paths(prefix):
         try:

@@ -88,7 +88,8 @@ def generate_rows(
     mask = attention_mask.long()
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     cache = KVCache.empty(len(model.decoder.layers))
-    logits = model(input_ids, positions, cache=cache, attention_mask=mask)[:, -1]
+    hidden = model.hidden_states(input_ids, positions, cache=cache, attention_mask=mask)  # [L, b, h]
+    logits = model.logits(hidden[-1:])[:, -1]  # the last position's only: never [b, L, vocab]
     out = [Generation() for _ in range(rows)]
     done = [False] * rows
     next_position = positions[:, -1] + 1

@@ -184,7 +184,12 @@ def plot_loss(run_dir: Path) -> Path | None:
     axis.legend()
     axis.grid(alpha=0.3)
     out = Path(run_dir) / "loss.png"
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}.png")
     figure.tight_layout()
-    figure.savefig(out, dpi=120)
-    plt.close(figure)
+    try:
+        figure.savefig(partial, dpi=120)
+        os.replace(partial, out)  # a full disk mid-write never leaves a truncated loss.png
+    finally:
+        plt.close(figure)
+        partial.unlink(missing_ok=True)
     return out

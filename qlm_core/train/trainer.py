@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -80,15 +81,27 @@ def peak_tflops(recipe: Recipe) -> tuple[float, str]:
 
 
 def write_hf_side_dir(root: Path, spec, tokenizer_dir: Path | None):
-    """config.json and tokenizer files beside the checkpoints, so `qlm convert mcore2hf` exports a complete model."""
-    side = root / HF_SIDE_DIR
-    side.mkdir(parents=True, exist_ok=True)
-    if tokenizer_dir is not None:
-        copy_side_files(Path(tokenizer_dir), side)
+    """config.json and tokenizer files beside the checkpoints, so `qlm convert mcore2hf` exports a complete model.
+    Every start and resume rewrites them: each file is made in a temporary sibling directory and renamed over its
+    old copy, so a crash never leaves a truncated hf/config.json (every checkpoint of the run reads it)."""
     from qlm_core.checkpoint.formats.hf_tokens import add_special_tokens  # eos ids + generation_config.json
 
-    config = add_special_tokens(side, spec.to_hf_config())
-    (side / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    side = root / HF_SIDE_DIR
+    staging = root / f".{HF_SIDE_DIR}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staging.mkdir(parents=True)
+        if side.is_dir():
+            copy_side_files(side, staging)
+        if tokenizer_dir is not None:
+            copy_side_files(Path(tokenizer_dir), staging)
+        config = add_special_tokens(staging, spec.to_hf_config())
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        side.mkdir(exist_ok=True)
+        for item in staging.iterdir():
+            os.replace(item, side / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def stop_line(reason: StopReason, step: int, checkpoint: Path | None, new: bool = True) -> str:
@@ -129,6 +142,8 @@ class Trainer:
                 write_atomic(self.run_dir / "config.toml", recipe_to_toml(r))
             except QlmError as exc:
                 claim_error = exc
+            except OSError as exc:  # config.toml on a full disk: every rank must hear of it, not wait for rank 0
+                claim_error = os_error(self.run_dir, exc)
         if dist.is_initialized() and dist.get_world_size() > 1:  # all ranks stop, not only rank 0 (srun, torchrun)
             shared = [claim_error.line() if claim_error is not None else None]
             dist.broadcast_object_list(shared, src=0)

@@ -29,6 +29,11 @@ _ST_DTYPES = {
 }
 
 
+def _naturals(value) -> bool:
+    """A list of non-negative ints (a safetensors header's shape or data_offsets)."""
+    return isinstance(value, list) and all(type(n) is int and n >= 0 for n in value)
+
+
 def is_hf_dir(path: Path) -> bool:
     return (path / "config.json").exists() and any(
         p.suffix in (".safetensors", ".bin") for p in path.iterdir()
@@ -78,8 +83,8 @@ def _safetensors_header(file: Path) -> tuple[dict, int]:
     except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise QlmError(f"{file} is not a readable safetensors file ({exc})", fix) from None
     if not isinstance(header, dict) or not all(
-        isinstance(info, dict) and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
-        and isinstance(info.get("shape"), list) for key, info in header.items() if key != "__metadata__"
+        isinstance(info, dict) and _naturals(info.get("data_offsets")) and len(info["data_offsets"]) == 2
+        and _naturals(info.get("shape")) for key, info in header.items() if key != "__metadata__"
     ):
         raise QlmError(f"{file} has a malformed safetensors header", fix)
     header.pop("__metadata__", None)

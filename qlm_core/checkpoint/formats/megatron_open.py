@@ -207,10 +207,3 @@ def open_megatron_with(path: str | Path, iteration: int | None = None, config: s
     spec = load_config_spec(config) if config is not None else None
     cls = ConfiguredTorchDist if megatron_format(path, iteration) == TORCH_DIST else ConfiguredTorch
     return cls(path, iteration, spec, str(config or ""), view)
-
-
-def side_dir_of(ckpt, config: str | Path | None) -> Path:
-    """Where the HF config and tokenizer files of `ckpt`'s export are: the --config directory, else OUT/hf."""
-    return config_dir(config) or Path(ckpt.root) / HF_SIDE_DIR
-
-

@@ -28,6 +28,7 @@ _WRITE_ERRORS = {
     errno.EPERM: "choose an --out you may write to (or fix its permissions)",
     errno.ENOTDIR: "choose an --out whose parents are directories",
     errno.ENAMETOOLONG: "choose a shorter --out path",
+    errno.EIO: "check that disk (an I/O error) or choose another --out",
 }
 
 

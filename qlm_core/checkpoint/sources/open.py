@@ -108,7 +108,11 @@ def open_checkpoint(path: str | Path, iteration: int | None = None) -> OpenedChe
             raise QlmError(f"{path} is iteration {number}, not {iteration}",
                            "drop --iteration or point at the checkpoint root")
         return _open_megatron(path.parent, number, f"Megatron checkpoint {path}")
-    if (path / LATEST_FILE).exists() or any(p.name.startswith(("iter_", "release")) for p in path.iterdir()):
+    try:
+        names = [p.name for p in path.iterdir()]
+    except OSError as exc:
+        raise QlmError(f"cannot read {path}: {exc.strerror or exc}", "check its permissions") from None
+    if (path / LATEST_FILE).exists() or any(name.startswith(("iter_", "release")) for name in names):
         return _open_megatron(path, iteration, f"Megatron checkpoint {path}")
     if iteration is not None:
         raise QlmError(f"--iteration {iteration} needs a Megatron checkpoint or a qlm run, and {path} is neither",
