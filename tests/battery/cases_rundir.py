@@ -266,13 +266,17 @@ torch.save = full
 """
 
 EACCES_LOCK = """
-import errno, os
-real = os.open
-def denied(path, *args, **kwargs):
-    if str(path).endswith(".qlm.lock"):
+import errno, os, pathlib
+real_open, real_write = os.open, pathlib.Path.write_text
+def denied_open(path, *args, **kwargs):  # the lock (and its private temporary) cannot be created
+    if ".qlm.lock" in os.path.basename(str(path)):
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
-    return real(path, *args, **kwargs)
-os.open = denied
+    return real_open(path, *args, **kwargs)
+def denied_write(self, *args, **kwargs):
+    if ".qlm.lock" in self.name:
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+    return real_write(self, *args, **kwargs)
+os.open, pathlib.Path.write_text = denied_open, denied_write
 """
 
 EACCES_LATEST = """
