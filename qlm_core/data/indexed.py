@@ -66,20 +66,24 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _temporaries(final: Path) -> list[tuple[str, int]]:
+    """(name, PID) of every FINAL.tmp-PID beside FINAL (none when its folder cannot be listed)."""
+    try:
+        names = os.listdir(final.parent)
+    except OSError:
+        return []
+    head = final.name + TMP_MARK
+    return [(name, int(name[len(head):])) for name in names
+            if name.startswith(head) and name[len(head):].isdigit()]
+
+
 def _finish_killed_rename(prefix: str | os.PathLike):
     """A run killed between its two renames left its new .bin in place and its complete .idx as PREFIX.idx.tmp-PID
     (no .bin.tmp-PID beside it any more): the pair is that run's, so finish the rename."""
     bin_path, idx_path = index_paths(prefix)
-    try:
-        names = os.listdir(idx_path.parent)
-    except OSError:
-        return
-    head = idx_path.name + TMP_MARK
-    for name in names:
-        pid = name[len(head):]
-        if not (name.startswith(head) and pid.isdigit()) or int(pid) == os.getpid() or _pid_alive(int(pid)):
-            continue
-        if f"{bin_path.name}{TMP_MARK}{pid}" not in names and bin_path.exists():
+    bin_pids = {pid for _, pid in _temporaries(bin_path)}
+    for name, pid in _temporaries(idx_path):
+        if pid != os.getpid() and not _pid_alive(pid) and pid not in bin_pids and bin_path.exists():
             with contextlib.suppress(FileNotFoundError):
                 os.replace(idx_path.parent / name, idx_path)
 
@@ -90,16 +94,8 @@ def remove_stale_temporaries(prefix: str | os.PathLike) -> list[Path]:
     _finish_killed_rename(prefix)
     removed = []
     for final in index_paths(prefix):
-        try:
-            names = os.listdir(final.parent)
-        except OSError:
-            continue
-        head = final.name + TMP_MARK
-        for name in names:
-            pid = name[len(head):]
-            if not (name.startswith(head) and pid.isdigit()):
-                continue
-            if int(pid) != os.getpid() and _pid_alive(int(pid)):
+        for name, pid in _temporaries(final):
+            if pid != os.getpid() and _pid_alive(pid):
                 continue  # a run that is still writing this prefix
             with contextlib.suppress(FileNotFoundError):
                 (final.parent / name).unlink()

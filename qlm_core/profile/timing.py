@@ -74,9 +74,12 @@ class TimeEstimate:
     def tokens_per_s_per_device(self) -> float:
         return self.global_batch_size * self.seq_len / self.step_s / self.num_gpus
 
+    def _tflops(self, flops_per_sample: float) -> float:
+        return flops_per_sample * self.global_batch_size / self.step_s / self.num_gpus / 1e12
+
     @property
     def tflops_per_device(self) -> float:
-        return self.model_flops_per_sample * self.global_batch_size / self.step_s / self.num_gpus / 1e12
+        return self._tflops(self.model_flops_per_sample)
 
     @property
     def mfu(self) -> float:
@@ -85,7 +88,7 @@ class TimeEstimate:
 
     @property
     def megatron_tflops_per_device(self) -> float:
-        return self.megatron_flops_per_sample * self.global_batch_size / self.step_s / self.num_gpus / 1e12
+        return self._tflops(self.megatron_flops_per_sample)
 
     @property
     def megatron_mfu(self) -> float:
