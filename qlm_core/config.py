@@ -28,6 +28,9 @@ RecomputeModule = Literal["core_attn", "mlp", "layernorm"]
 ZeroStage = Literal[0, 1, 2, 3]
 WeightDtype = Literal["fp32", "bf16", "fp16"]  # every dtype qlm reads and writes weights in
 TrainDtype = Literal["bf16", "fp32"]  # fp16 would need loss scaling, which qlm does not do
+# the dtype of the gradient buffers and of their data-parallel reduction (fp32, or the training dtype: Megatron's
+# grad_reduce_in_fp32=False); the optimizer's masters and updates stay fp32 either way
+GradReduceDtype = Literal["fp32", "bf16", "fp16"]
 EvalBackend = Literal["qlm", "hf"]  # qlm's own model, or lm-eval's hf model on an HF export
 DataKind = Literal["sft", "pretrain"]
 DataFormat = Literal["auto", "alpaca", "sharegpt", "messages"]
@@ -97,6 +100,7 @@ class ParallelConfig:
     num_layers_in_first_pipeline_stage: int | None = bounded(None, least=1)
     num_layers_in_last_pipeline_stage: int | None = bounded(None, least=1)
     bucket_size_mb: float = bounded(40.0, above=0)
+    grad_reduce_dtype: GradReduceDtype = "fp32"
 
 
 @dataclass

@@ -25,6 +25,7 @@ ENUM_KEYS = {
     "parallel.pp_schedule": "dualpipe",
     "parallel.recompute": "some",
     "parallel.zero_stage": 4,
+    "parallel.grad_reduce_dtype": "int8",
     "model.dtype": "fp16",
     "data.kind": "rlhf",
     "data.format": "csv",

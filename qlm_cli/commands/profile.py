@@ -10,10 +10,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from qlm_cli.choices import ComputeDtype, CpComm, Gpu, PipelineSchedule, Recompute, value_of
+from qlm_cli.choices import ComputeDtype, CpComm, Gpu, PipelineSchedule, Recompute, enum_of, value_of
 from qlm_cli.render import console, err_console, memory_table
-from qlm_core.config import load_recipe
+from qlm_core.config import GradReduceDtype, choices, load_recipe
 from qlm_core.errors import QlmError
+
+GradDtype = enum_of("GradDtype", choices(GradReduceDtype))
 
 
 def _time_table(time) -> Table:
@@ -148,6 +150,9 @@ def profile(
         "layernorm (Megatron's --recompute-modules; default core_attn).")] = None,
     pp_schedule: Annotated[PipelineSchedule | None, typer.Option("--pp-schedule", help="Pipeline schedule.")] = None,
     dtype: Annotated[ComputeDtype | None, typer.Option("--dtype", help="Compute dtype.")] = None,
+    grad_reduce_dtype: Annotated[GradDtype | None, typer.Option(
+        "--grad-reduce-dtype", help="Gradient buffers and their reduction: fp32, or the compute dtype "
+        "(parallel.grad_reduce_dtype; default: the recipe's, else fp32).")] = None,
     lora_rank: Annotated[int | None, typer.Option("--lora-rank", help="LoRA rank (0: off).")] = None,
     loss_chunk_tokens: Annotated[int | None, typer.Option(
         "--loss-chunk-tokens", help="Tokens the loss projects at a time (train.loss_chunk_tokens; default: the "
@@ -207,6 +212,7 @@ def profile(
     from qlm_core.profile.case import build_case, validate_case
     from qlm_core.profile.memory import Allowance, estimate_memory
     from qlm_core.profile.timing import Efficiency, estimate_time
+    from qlm_core.train.validate import validate_grad_reduce_dtype
 
     if plot is not None:
         report.check_plot_path(plot)  # before any work
@@ -219,6 +225,10 @@ def profile(
     case = build_case(resolved_recipe, model=model, seq_len=seq_len, micro_batch_size=mbs, global_batch_size=gbs,
                       num_gpus=num_gpus, dtype=value_of(dtype), lora_rank=lora_rank,
                       loss_chunk_tokens=loss_chunk_tokens, mean_doc_len=mean_doc_len, **layout_options)
+    if grad_reduce_dtype is not None:  # not a layout option: a model's layout search still runs without one
+        case = case.replace(grad_reduce_dtype=grad_reduce_dtype.value).with_parallel(
+            grad_reduce_dtype=grad_reduce_dtype.value)
+    validate_grad_reduce_dtype(case.grad_reduce_dtype, case.dtype)
     device = gpu_spec(gpu.value, memory_gib=gpu_memory_gb, peak_tflops=peak_tflops, nvlink_gbps=nvlink_gbps,
                       internode_gbps=internode_gbps, gpus_per_node=gpus_per_node, nvlink_domain=nvlink_domain)
     eff = Efficiency(compute=efficiency, comm=comm_efficiency)

@@ -1,4 +1,11 @@
-"""RMSNorm, computed in fp32 and cast back before the weight multiply (as HF Llama/Qwen2 do)."""
+"""RMSNorm, computed in fp32 and cast back before the weight multiply (as HF Llama/Qwen2 do).
+
+Autograd on the plain expression would save the fp32 copy of the input, 1/rms and the normalised value (6h bytes a
+token in bf16, 8h in fp32) for a tensor whose input already exists; Megatron's fused norms keep only the input and
+1/rms. `RMSNormFunction` does that: it saves the input (in its own dtype) and the fp32 1/rms and recomputes the rest
+in backward, with the same operations autograd would run, so outputs and gradients are bit-identical to the plain
+expression (tests/test_fused_pointwise.py).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +13,45 @@ import torch
 from torch import nn
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The plain expression, for tests and as the definition of what RMSNormFunction computes."""
     dtype = x.dtype
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        x32 = x.to(torch.float32)
+        normed = (x32 * rstd).to(x.dtype)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed).sum_to_size(weight.shape).to(weight.dtype)
+        if not ctx.needs_input_grad[0]:
+            return None, grad_weight, None
+        grad_normed = (grad * weight).to(normed.dtype).to(torch.float32)
+        # y = x32 * rstd, rstd = (mean(x32^2) + eps)^-1/2: autograd's terms, in its order
+        grad_rstd = (grad_normed * x32).sum(-1, keepdim=True)
+        grad_mean = (-0.5 * grad_rstd) * rstd.pow(3)
+        grad_square = grad_mean.expand_as(x32) / x32.shape[-1]
+        grad_x32 = grad_normed * rstd + grad_square * (2.0 * x32)
+        return grad_x32.to(x.dtype), grad_weight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return RMSNormFunction.apply(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
 
 
 class RMSNorm(nn.Module):

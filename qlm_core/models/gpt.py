@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
@@ -24,6 +23,7 @@ from qlm_core.kernels.norm import RMSNorm
 from qlm_core.kernels.pieces import Documents, Piece, decoding_pieces, self_attention_pieces
 from qlm_core.kernels.piecewise import piecewise_attention
 from qlm_core.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from qlm_core.kernels.swiglu import swiglu
 from qlm_core.models.spec import ModelSpec, padded_vocab_size
 from qlm_core.parallel.comm import group_rank, group_size
 from qlm_core.parallel.context_parallel import (
@@ -276,8 +276,7 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
-        return self.linear_fc2(F.silu(gate) * up)
+        return self.linear_fc2(swiglu(self.linear_fc1(x)))
 
 
 def replicated_norm(spec: ModelSpec, parallel: ParallelOptions, dtype) -> RMSNorm:

@@ -28,7 +28,13 @@ from torch.distributed import ProcessGroup
 from qlm_core.config import CpCommType, choices
 from qlm_core.kernels.attention import accumulation_dtype
 from qlm_core.kernels.pieces import Documents, Piece, Span, band_pieces, coalesce, self_attention_pieces
-from qlm_core.kernels.piecewise import attend_pieces, attend_pieces_backward, empty_result, piecewise_attention
+from qlm_core.kernels.piecewise import (
+    attend_pieces,
+    attend_pieces_backward,
+    empty_result,
+    like_q,
+    piecewise_attention,
+)
 from qlm_core.parallel.comm import all_gather_dim0, all_to_all_dim0, group_rank, group_size, reduce_scatter_dim0
 
 CP_COMM_TYPES = choices(CpCommType)
@@ -214,7 +220,7 @@ class _RingAttention(Function):
             attend_pieces(q, kv[0], kv[1], plan[step], scale, out, lse)
             if step + 1 < cp:
                 kv = ring.finish(pending)[0]
-        out = out.to(q.dtype)
+        out = like_q(q).copy_(out)  # laid out like q: linear_proj reads it as a view
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.plan = group, scale, plan
         return out
@@ -259,7 +265,7 @@ class _AllGatherAttention(Function):
         kv = _gather_kv(k, v, group)
         out, lse = empty_result(q)
         attend_pieces(q, kv[0], kv[1], plan[0], scale, out, lse)
-        out = out.to(q.dtype)
+        out = like_q(q).copy_(out)  # laid out like q: linear_proj reads it as a view
         ctx.save_for_backward(q, k, v, out, lse)  # not the gathered K/V: backward gathers them again
         ctx.group, ctx.scale, ctx.plan = group, scale, plan
         return out

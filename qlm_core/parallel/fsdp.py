@@ -46,14 +46,17 @@ class FullyShardedState(TrainingOptimizer):
         lr: float,
         betas: tuple[float, float],
         eps: float,
+        reduce_dtype: torch.dtype = torch.float32,
     ):
         """`units`: per chunk, the submodules to shard separately (the transformer layers); each chunk itself is
-        the root unit. `param_groups`: [{"params": [...], "weight_decay": wd}, ...] over the chunks' params."""
+        the root unit. `param_groups`: [{"params": [...], "weight_decay": wd}, ...] over the chunks' params.
+        `reduce_dtype`: the gradient reduce-scatter's dtype (FSDP casts the reduced shards back to the fp32
+        parameters' dtype, so the clip and AdamW see fp32 gradients either way)."""
         originals = {id(p): p for c in chunks for p in c.parameters()}
         group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
         names = [(c, n, id(p)) for c in chunks for n, p in c.named_parameters()]
         mesh = DeviceMesh.from_group(dp_cp_group, device.type)
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
         for chunk, chunk_units in zip(chunks, units, strict=True):
             for unit in chunk_units:
                 fully_shard(unit, mesh=mesh, mp_policy=policy)

@@ -1,23 +1,28 @@
-"""Data parallelism: fp32 gradient buckets reduced over the data(×context)-parallel group while backward runs.
+"""Data parallelism: gradient buckets reduced over the data(×context)-parallel group while backward runs.
+
+Gradients are accumulated and reduced in `grad_dtype` (G bytes per element): fp32 by default, or the params' own
+bf16/fp16 (recipe parallel.grad_reduce_dtype), which halves the gradient memory and the reduction's bytes; the
+optimizer still updates fp32 masters (parallel/optimizer.py).
 
 Layout. Parameters are grouped by dtype; each group is walked in REVERSE parameter order (the order backward
-produces gradients) and cut into buckets of about `bucket_size_mb` MB of fp32 gradient; a parameter is never
-split between buckets. Parameters marked `shared_embedding` go to one extra bucket per dtype (see below). Under
-ZeRO 1/2 every bucket is padded at its end to a multiple of dp·shard_alignment, and dp rank r owns the contiguous
-slice [r·n/dp, (r+1)·n/dp) of every bucket: a shard may split a parameter anywhere.
+produces gradients) and cut into buckets of about `bucket_size_mb` MB counted as fp32 gradient (whatever
+`grad_dtype` is, so the layout does not depend on it); a parameter is never split between buckets. Parameters
+marked `shared_embedding` go to one extra bucket per dtype (see below). Under ZeRO 1/2 every bucket is padded at its
+end to a multiple of dp·shard_alignment, and dp rank r owns the contiguous slice [r·n/dp, (r+1)·n/dp) of every
+bucket: a shard may split a parameter anywhere.
 
 Storage per stage (P = elements of this rank's params, B = bucket size):
-  ZeRO 0  one fp32 grad buffer per dtype (4P bytes); buckets are all-reduced (SUM).
-  ZeRO 1  the same fp32 grad buffer, reduce-scattered in place (each rank's slice of a bucket ends up holding the
+  ZeRO 0  one grad buffer per dtype (G·P bytes); buckets are all-reduced (SUM).
+  ZeRO 1  the same grad buffer, reduce-scattered in place (each rank's slice of a bucket ends up holding the
           reduced sum); the params' .data become views into a per-dtype param buffer with the same layout, so the
           optimizer can all-gather updated slices bucket by bucket (parallel/optimizer.py).
-  ZeRO 2  no full grad buffer: a bucket gets fp32 storage when its first gradient of a microbatch arrives; when all
-          its params have accumulated it is reduce-scattered into a per-rank fp32 shard (4P/dp bytes in all) and
-          the storage is freed. Peak gradient memory: 4P/dp + 4B·(buckets being filled + reductions in flight,
+  ZeRO 2  no full grad buffer: a bucket gets storage when its first gradient of a microbatch arrives; when all
+          its params have accumulated it is reduce-scattered into a per-rank shard (G·P/dp bytes in all) and
+          the storage is freed. Peak gradient memory: G·P/dp + G·B·(buckets being filled + reductions in flight,
           at most `max_reductions_in_flight`), plus the shared-embedding bucket, which must stay whole until
           finish_grad_sync. `peak_transient_grad_numel` records what a run really used.
 
-Completion. Each param's post-accumulate-grad hook adds .grad into the fp32 `param.main_grad` (a view into its
+Completion. Each param's post-accumulate-grad hook adds .grad into `param.main_grad` (a grad_dtype view into its
 bucket) and drops .grad. A param fires its hook exactly `num_microbatches` times per step, so a bucket is complete
 when it has seen len(params)·num_microbatches hooks (ZeRO 2: every len(params) hooks, i.e. every microbatch; the
 reductions are linear, so an interleaved order still sums every contribution exactly once). Gradients that skip
@@ -66,7 +71,7 @@ class BucketLayout:
     param_indices: tuple[int, ...]  # indices into the params list, in bucket order (reverse parameter order)
     param_ranges: tuple[tuple[int, int], ...]  # [start, end) of each param's elements within the bucket
     numel: int  # padded size
-    dtype: torch.dtype  # the params' dtype (gradients are always fp32)
+    dtype: torch.dtype  # the params' dtype (gradients are in GradientBuffers.grad_dtype)
     deferred: bool = False  # shared-embedding bucket: reduced only in finish_grad_sync
 
     @property
@@ -109,9 +114,9 @@ def _layout(params, indices, dtype, pad_multiple, deferred) -> BucketLayout:
 
 
 class Bucket:
-    """One bucket's live state. `grad_data` is the full-size fp32 gradient (None between microbatches under
-    ZeRO 2), `param_data` the param-dtype storage its params' .data view (ZeRO 1/2), `grad_shard` this rank's
-    reduced fp32 slice (ZeRO 1/2)."""
+    """One bucket's live state. `grad_data` is the full-size gradient (None between microbatches under ZeRO 2),
+    `param_data` the param-dtype storage its params' .data view (ZeRO 1/2), `grad_shard` this rank's reduced slice
+    (ZeRO 1/2); gradients are in GradientBuffers.grad_dtype."""
 
     def __init__(self, index: int, layout: BucketLayout, params: list[torch.nn.Parameter]):
         self.index = index
@@ -141,18 +146,20 @@ class Bucket:
 
 
 class GradientBuffers:
-    """fp32 gradient accumulation and bucketed data-parallel reduction for `params` (see the module docstring).
+    """Gradient accumulation and bucketed data-parallel reduction for `params` (see the module docstring).
 
     Call zero_grad() at the start of a step and finish_grad_sync() after the last backward; after it, the reduced
     gradients are in `param.main_grad` (ZeRO 0) or in each bucket's `grad_shard` (ZeRO 1/2).
 
     params: trainable params in model.parameters() order (several model chunks may be concatenated), all on one
         device; build this after the model has its final device and dtype (ZeRO 1/2 re-point their .data).
-    bucket_size_mb: MB of fp32 gradient per bucket (elements = MB·2^20/4); None = one bucket per dtype.
+    bucket_size_mb: MB of fp32 gradient per bucket (elements = MB·2^20/4, whatever grad_dtype is); None = one
+        bucket per dtype.
     num_microbatches: how many times each param's gradient is accumulated per step (settable between steps).
     shard_alignment: ZeRO 1/2 pad buckets to a multiple of dp·shard_alignment elements, so every rank's shard
-        starts aligned (64 fp32 elements = 256 bytes).
+        starts aligned (64 elements: 256 bytes in fp32, 128 in bf16).
     max_reductions_in_flight: ZeRO 2 with overlap: pending reduce-scatters (each holds a bucket's storage).
+    grad_dtype: the dtype gradients are accumulated and reduced in (fp32, or the params' bf16/fp16).
     """
 
     def __init__(
@@ -168,6 +175,7 @@ class GradientBuffers:
         embedding_group: ProcessGroup | None = None,
         shard_alignment: int = 64,
         max_reductions_in_flight: int = 2,
+        grad_dtype: torch.dtype = torch.float32,
     ):
         self.params = list(params)
         if zero_stage not in (0, 1, 2):
@@ -188,6 +196,7 @@ class GradientBuffers:
         self.overlap_grad_reduce = overlap_grad_reduce
         self.num_microbatches = num_microbatches
         self.max_reductions_in_flight = max_reductions_in_flight
+        self.grad_dtype = grad_dtype
         bucket_numel = None if bucket_size_mb is None else max(1, int(bucket_size_mb * 2**20) // 4)
         pad = self.dp_size * shard_alignment if zero_stage else 1
         layouts = plan_buckets(self.params, bucket_numel, pad)
@@ -206,18 +215,18 @@ class GradientBuffers:
     # ---- storage -----------------------------------------------------------------------------------------------------
 
     def _allocate(self):
-        """Per dtype: one fp32 grad buffer (ZeRO 0/1) or one fp32 shard buffer (ZeRO 2), and one param buffer
-        (ZeRO 1/2). Buckets are consecutive views into them."""
-        f32 = dict(dtype=torch.float32, device=self.device)
+        """Per dtype: one grad buffer (ZeRO 0/1) or one shard buffer (ZeRO 2), in grad_dtype, and one param
+        buffer (ZeRO 1/2). Buckets are consecutive views into them."""
+        grad = dict(dtype=self.grad_dtype, device=self.device)
         self.grad_buffers, self.param_buffers, self.shard_buffers = {}, {}, {}
         for dtype in dict.fromkeys(b.layout.dtype for b in self.buckets):
             buckets = [b for b in self.buckets if b.layout.dtype == dtype]
             total = sum(b.numel for b in buckets)
             if self.zero_stage < 2:
-                self.grad_buffers[dtype] = torch.zeros(total, **f32)
+                self.grad_buffers[dtype] = torch.zeros(total, **grad)
             else:
                 sharded = sum(b.numel for b in buckets if self._sharded_accumulation(b))
-                self.shard_buffers[dtype] = torch.zeros(sharded // self.dp_size, **f32)
+                self.shard_buffers[dtype] = torch.zeros(sharded // self.dp_size, **grad)
             if self.zero_stage >= 1:
                 self.param_buffers[dtype] = torch.zeros(total, dtype=dtype, device=self.device)
             offset = shard_offset = 0
@@ -225,7 +234,7 @@ class GradientBuffers:
                 if self.zero_stage < 2:
                     b.grad_data = self.grad_buffers[dtype][offset : offset + b.numel]
                 elif b.layout.deferred:  # must stay whole until finish_grad_sync
-                    b.grad_data = torch.zeros(b.numel, **f32)
+                    b.grad_data = torch.zeros(b.numel, **grad)
                 if self._sharded_accumulation(b):
                     size = b.numel // self.dp_size
                     b.grad_shard = self.shard_buffers[dtype][shard_offset : shard_offset + size]
@@ -251,7 +260,7 @@ class GradientBuffers:
         if bucket in self._in_flight:  # last microbatch's reduction still reads the storage
             self._fold_microbatch(bucket)
         if bucket.grad_data is None:
-            bucket.grad_data = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
+            bucket.grad_data = torch.zeros(bucket.numel, dtype=self.grad_dtype, device=self.device)
             for p, view in bucket.views(bucket.grad_data):
                 p.main_grad = view
             self._transient_numel += bucket.numel
@@ -389,7 +398,7 @@ class GradientBuffers:
 
     @torch.no_grad()
     def zero_grad(self):
-        """Start of a step: zero the fp32 accumulators and the completion counts."""
+        """Start of a step: zero the accumulators and the completion counts."""
         for bucket in self.buckets:
             if bucket.work is not None:  # a step abandoned mid-way; never expected in normal training
                 wait(bucket.work)
@@ -413,14 +422,14 @@ class GradientBuffers:
 
     @torch.no_grad()
     def full_grad(self, param) -> torch.Tensor:
-        """The reduced fp32 gradient of `param`, whole (for inspection, after finish_grad_sync). Under ZeRO 1/2 it
-        all-gathers the param's bucket over the dp group: a collective every dp rank must call."""
+        """The reduced gradient of `param` in grad_dtype, whole (for inspection, after finish_grad_sync). Under
+        ZeRO 1/2 it all-gathers the param's bucket over the dp group: a collective every dp rank must call."""
         if self.zero_stage == 0:
             return param.main_grad
         bucket = self.bucket_of[id(param)]
         full = bucket.grad_shard
         if self.dp_size > 1:
-            full = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
+            full = torch.empty(bucket.numel, dtype=self.grad_dtype, device=self.device)
             start_all_gather(full, bucket.grad_shard, self.dp_group, async_op=False)
         lo, hi = bucket.param_range(param)
         return full[lo:hi].view_as(param)

@@ -7,13 +7,19 @@ Master weights and Adam states:
   ZeRO 1/2  one master per FRAGMENT = the part of a param inside this dp rank's shard of its bucket (so a param
           has at most one fragment per rank, and its fragments may be spread over several ranks); an fp32 copy
           whose gradient is a view into the bucket's reduced grad shard.
+Gradients in bf16/fp16 (GradientBuffers.grad_dtype, recipe parallel.grad_reduce_dtype) are not used as they are:
+the first of grad_norm / clip_grad_norm / step of a step copies each bucket's reduced gradient (ZeRO 0: the whole
+bucket, ZeRO 1/2: this rank's shard) into an fp32 tensor that the norm, the clip and AdamW read, and step() (or
+zero_grad(), when a step is skipped) frees it: no fp32 gradient outlives the update.
 After the AdamW update each rank casts its masters into its slices of the bucket param buffers and all-gathers
 every bucket over the dp group, so every rank again holds the full params.
 
-Bytes per param element (bf16 params; fp32 params add 2 to the param and, under ZeRO 0, need no master copy):
-  ZeRO 0  2 param + 4 grad + 12 master/exp_avg/exp_avg_sq
-  ZeRO 1  2 param + 4 grad + 12/dp
-  ZeRO 2  2 param + 4/dp grad shard + 12/dp, plus a few transient fp32 buckets (parallel/grad_buffers.py)
+Bytes per param element (bf16 params; fp32 params add 2 to the param and, under ZeRO 0, need no master copy;
+G = 4 with fp32 gradients, 2 with bf16 ones):
+  ZeRO 0  2 param + G grad + 12 master/exp_avg/exp_avg_sq
+  ZeRO 1  2 param + G grad + 12/dp
+  ZeRO 2  2 param + G/dp grad shard + 12/dp, plus a few transient buckets (parallel/grad_buffers.py)
+  with G = 2, while the optimizer steps: + 4 (ZeRO 0) or 4/dp (ZeRO 1/2) for the fp32 copy of the gradients
 
 Param all-gather overlap (`overlap_param_gather`): step() launches one async all-gather per bucket, in forward
 order, and returns. A forward pre-hook on each module that owns params (register_param_gather_hooks) waits for
@@ -49,8 +55,11 @@ class _Fragment:
     start: int  # [start, end) of the param's flattened elements held by this fragment
     end: int
     master: torch.Tensor  # fp32; the param itself for an fp32 param under ZeRO 0
-    grad: torch.Tensor  # fp32 reduced gradient, same shape as master
+    grad: torch.Tensor  # what the norm, clip and update read: model_grad, or its fp32 copy at step time
     counts_in_norm: bool  # param_meta.counts_in_grad_norm
+    model_grad: torch.Tensor  # the reduced gradient in GradientBuffers.grad_dtype, same shape as master
+    bucket_index: int
+    grad_range: tuple[int, int]  # [lo, hi) of model_grad in the bucket's reduced gradient (see _reduced_grad)
 
     @property
     def master_is_param(self) -> bool:
@@ -85,6 +94,8 @@ class DistributedOptimizer(TrainingOptimizer):
         self.zero_stage = grad_buffers.zero_stage
         self.dp_group, self.tp_group, self.pp_group = grad_buffers.dp_group, tp_group, pp_group
         self.overlap_param_gather = overlap_param_gather and self.zero_stage >= 1
+        self.copy_grads = grad_buffers.grad_dtype != torch.float32  # fp32 copies at step time (module docstring)
+        self._grads_copied = False
         self._gather_work: dict[int, object] = {}
         self._gather_hooks: list = []
         index_of = {id(p): i for i, p in enumerate(grad_buffers.params)}
@@ -117,28 +128,58 @@ class DistributedOptimizer(TrainingOptimizer):
 
     def _make_fragments(self, index: int, param: nn.Parameter) -> list[_Fragment]:
         counts = counts_in_grad_norm(param, group_rank(self.tp_group))
+        bucket = self.buffers.bucket_of[id(param)]
+        lo, hi = bucket.param_range(param)
         if self.zero_stage == 0:
             if param.dtype == torch.float32:
                 master = param
             else:
                 master = param.detach().float().clone()
-                master.grad = param.main_grad
-            return [_Fragment(index, param, 0, param.numel(), master, param.main_grad, counts)]
-        bucket = self.buffers.bucket_of[id(param)]
-        lo, hi = bucket.param_range(param)
+                if not self.copy_grads:  # else step() lends it the fp32 copy
+                    master.grad = param.main_grad
+            return [_Fragment(index, param, 0, param.numel(), master, param.main_grad, counts, param.main_grad,
+                              bucket.index, (lo, hi))]
         shard_lo, shard_hi = bucket.layout.shard_range(self.buffers.dp_rank, self.buffers.dp_size)
         start, end = max(lo, shard_lo), min(hi, shard_hi)
         if start >= end:
             return []
         master = param.detach().reshape(-1)[start - lo : end - lo].float().clone()
-        master.grad = bucket.grad_shard[start - shard_lo : end - shard_lo]
-        return [_Fragment(index, param, start - lo, end - lo, master, master.grad, counts)]
+        grad = bucket.grad_shard[start - shard_lo : end - shard_lo]
+        if not self.copy_grads:
+            master.grad = grad
+        return [_Fragment(index, param, start - lo, end - lo, master, grad, counts, grad, bucket.index,
+                          (start - shard_lo, end - shard_lo))]
+
+    def _reduced_grad(self, bucket) -> torch.Tensor:
+        """The flat reduced gradient this rank updates from: the whole bucket (ZeRO 0) or its shard (ZeRO 1/2)."""
+        return bucket.grad_data if self.zero_stage == 0 else bucket.grad_shard
+
+    @torch.no_grad()
+    def _copy_grads_to_fp32(self):
+        """Non-fp32 gradients: point every fragment's `grad` at an fp32 copy of its reduced gradient, one copy per
+        bucket, once per step (the norm, the clip and the update then all read the same fp32 values)."""
+        if not self.copy_grads or self._grads_copied:
+            return
+        copies = {}
+        for f in self._fragments:
+            if f.bucket_index not in copies:
+                copies[f.bucket_index] = self._reduced_grad(self.buffers.buckets[f.bucket_index]).float()
+            lo, hi = f.grad_range
+            f.grad = copies[f.bucket_index][lo:hi].view_as(f.master)
+        self._grads_copied = True
+
+    def _free_fp32_grads(self):
+        if self._grads_copied:
+            for f in self._fragments:
+                f.grad = f.model_grad
+            self._grads_copied = False
 
     # ---- gradient norm -----------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def grad_norm(self) -> float:
-        """L2 norm over every unique gradient element of the model (all dp/tp/pp ranks)."""
+        """L2 norm over every unique gradient element of the model (all dp/tp/pp ranks), in fp32."""
+        self._copy_grads_to_fp32()
         grads = [f.grad for f in self._fragments if f.counts_in_norm]
         squares = torch.zeros((), dtype=torch.float32, device=self.buffers.device)
         if grads:
@@ -170,12 +211,14 @@ class DistributedOptimizer(TrainingOptimizer):
                 "model_chunks= to DistributedOptimizer or call register_param_gather_hooks(model_chunks) once"
             )
         self.wait_param_gather()
-        as_params = [f for f in self._fragments if f.master_is_param]
-        for f in as_params:
-            f.param.grad = f.grad
+        self._copy_grads_to_fp32()
+        lent = [f for f in self._fragments if f.master_is_param or self.copy_grads]
+        for f in lent:
+            f.master.grad = f.grad
         self.optimizer.step()
-        for f in as_params:
-            f.param.grad = None
+        for f in lent:
+            f.master.grad = None
+        self._free_fp32_grads()
         self._copy_masters_to_params(async_gather=self.overlap_param_gather)
 
     def _copy_masters_to_params(self, async_gather: bool):
@@ -225,6 +268,7 @@ class DistributedOptimizer(TrainingOptimizer):
             group["lr"] = lr
 
     def zero_grad(self):
+        self._free_fp32_grads()
         self.buffers.zero_grad()
 
     def finish_grad_sync(self):

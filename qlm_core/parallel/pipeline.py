@@ -26,6 +26,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
+from torch.distributed.pipelining.schedules import BACKWARD_INPUT, FORWARD, FULL_BACKWARD, SEND_B, SEND_F
 
 from qlm_core.config import PpSchedule, choices
 
@@ -39,6 +40,73 @@ assert tuple(SCHEDULES) == choices(PpSchedule), "SCHEDULES and config.PpSchedule
 _MULTI_STAGE = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
 
+class SendRelease:
+    """When a send posted under the multi-chunk schedules is complete. Each of this rank's stages sends its input
+    gradient to the previous rank and its output to the next (a stage's neighbours all live on those two ranks). A
+    peer runs its schedule's actions in order and waits for what it receives before the computation that reads it;
+    so once this rank has received something the peer sent after that computation, the send is complete and waiting
+    for it returns at once. Works with any backend: gloo marks a send complete only when it is waited for, so
+    polling the Work would hold every micro-batch's tensor until the step ends.
+
+    gradients(): sends to the previous rank, read by its backward of stage - 1, proven by an input it sent after.
+    outputs(): sends to the next rank, read by its forward of stage + 1, proven by a gradient it sent after."""
+
+    def __init__(self, peer_actions: list, offset: int, reads: tuple, proof):
+        self.offset = offset  # the peer's stage = this rank's stage + offset
+        self.read_at: dict[tuple[int, int], int] = {}  # (peer stage, micro-batch) -> where the peer reads it
+        self.proof_at: dict[tuple[int, int], int] = {}  # (peer stage, micro-batch) -> where the peer sends to us
+        for index, action in enumerate(peer_actions):
+            if action is None:
+                continue
+            key = (action.stage_index, action.microbatch_index)
+            if action.computation_type in reads:
+                self.read_at.setdefault(key, index)
+            elif action.computation_type == proof:
+                self.proof_at[key] = index
+        self._pending: list[tuple[int, list, Callable | None]] = []  # (where it is read, works, when done)
+
+    @classmethod
+    def gradients(cls, previous_rank_actions: list) -> SendRelease:
+        return cls(previous_rank_actions, -1, (FULL_BACKWARD, BACKWARD_INPUT), SEND_F)
+
+    @classmethod
+    def outputs(cls, next_rank_actions: list) -> SendRelease:
+        return cls(next_rank_actions, +1, (FORWARD,), SEND_B)
+
+    def posted(self, stage: int, microbatch: int, works: list, done: Callable | None = None) -> None:
+        if works:
+            self._pending.append((self.read_at[(stage + self.offset, microbatch)], works, done))
+
+    def received(self, stage: int, microbatch: int) -> None:
+        """What stage `stage` of this rank receives for `microbatch` from the peer has arrived."""
+        proof = self.proof_at.get((stage + self.offset, microbatch))
+        if proof is None:
+            return
+        complete = [entry for entry in self._pending if entry[0] < proof]
+        self._pending = [entry for entry in self._pending if entry[0] >= proof]
+        self._finish(complete)
+
+    def wait_all(self) -> None:
+        pending, self._pending = self._pending, []
+        self._finish(pending)
+
+    @staticmethod
+    def _finish(entries) -> None:
+        for _, works, done in entries:
+            for work in works:
+                work.wait()
+            if done is not None:
+                done()
+
+
+def release_storage(output: torch.Tensor) -> None:
+    """Free a sent output's storage and keep its autograd node, as Megatron's deallocate_output_tensor does: the
+    stage's backward starts from it and reads only its shape (an expanded one-element tensor keeps the shape). Only
+    for a residual sum, which no operation of the chunk saved for backward."""
+    if output.grad_fn is not None and type(output.grad_fn).__name__ == "AddBackward0" and not output._is_view():
+        output.data = torch.empty((), dtype=output.dtype, device=output.device).expand(output.shape)
+
+
 class InFlightStage(PipelineStage):
     """A PipelineStage whose receive buffers exist only while their micro-batch is in flight (module docstring).
     The schedule's tensors (autograd's saved inputs, a zero-bubble weight pass's state, a send in progress) keep
@@ -46,15 +114,15 @@ class InFlightStage(PipelineStage):
 
     `own_sends` (the multi-chunk schedules): torch's _PipelineScheduleRuntime keeps every send's Work, and with it the
     sent tensor, until the step ends. This stage posts those sends itself, at the same moment and one by one as the
-    runtime would, and lets a micro-batch's sent output go once its gradient has come back (the next stage cannot
-    have sent it before receiving the output, so that send is complete); sent input gradients have no such proof and
-    are waited for when the step ends (finish_sends)."""
+    runtime would; a sent output (its storage too: its backward needs only its autograd node) or input gradient
+    goes once something the peer sent later proves it was received (SendRelease), and the rest are waited for when
+    the step ends (finish_sends)."""
 
     def __init__(self, *args, own_sends: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.own_sends = own_sends
-        self._output_sends: dict[int, list] = {}
-        self._grad_sends: list = []
+        self._output_sends: SendRelease | None = None  # set by PipelineRunner with the schedule's action orders
+        self._grad_sends: SendRelease | None = None
 
     def _post(self, ops) -> list:
         return [dist.isend(op.tensor, op.peer, group=op.group, tag=op.tag) for op in ops]
@@ -63,21 +131,28 @@ class InFlightStage(PipelineStage):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         if not self.own_sends:
             return ops
-        self._output_sends[fwd_chunk_id] = self._post(ops)
+        outputs = self.fwd_cache[fwd_chunk_id][0]
+        self._output_sends.posted(self.stage_index, fwd_chunk_id, self._post(ops),
+                                  lambda: [release_storage(t) for t in outputs if isinstance(t, torch.Tensor)])
         return []
 
     def get_bwd_send_ops(self, bwd_chunk_id: int):
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         if not self.own_sends:
             return ops
-        self._grad_sends += self._post(ops)
+        self._grad_sends.posted(self.stage_index, bwd_chunk_id, self._post(ops))
         return []
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        if self._grad_sends is not None and not self.is_first:  # the runtime has waited for this input
+            self._grad_sends.received(self.stage_index, fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def finish_sends(self) -> None:
         """Wait for every send this stage posted (the end of a step)."""
-        for work in [w for works in self._output_sends.values() for w in works] + self._grad_sends:
-            work.wait()
-        self._output_sends, self._grad_sends = {}, []
+        for release in (self._output_sends, self._grad_sends):
+            if release is not None:
+                release.wait_all()
 
     def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
         super()._setup_forward_recv_info(1, has_backward)  # torch would allocate all of them at once
@@ -127,10 +202,9 @@ class InFlightStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
                            last_backward: bool = False):
+        if self._output_sends is not None and self.has_backward and not self.is_last:  # its gradient has arrived
+            self._output_sends.received(self.stage_index, bwd_chunk_id)
         super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-        if self.has_backward:  # the output's gradient has been received: its send is complete
-            for work in self._output_sends.pop(bwd_chunk_id, []):
-                work.wait()
         if not self.has_backward:  # forward only: nothing reads this micro-batch's inputs and outputs any more
             self.fwd_cache.pop(bwd_chunk_id, None)
         elif full_backward:
@@ -183,14 +257,20 @@ class PipelineRunner:
         validate_recompute(schedule, pp_size, recompute)
         num_stages = pp_size * vpp
         cls = SCHEDULES[schedule]
+        multi = cls in _MULTI_STAGE
         self.stages = [
-            InFlightStage(chunk, c * pp_size + pp_rank, num_stages, device, group=pp_group,
-                          own_sends=cls in _MULTI_STAGE)
+            InFlightStage(chunk, c * pp_size + pp_rank, num_stages, device, group=pp_group, own_sends=multi)
             for c, chunk in enumerate(chunks)
         ]
         # The loss is already normalised by the step's token count, so the schedule must not rescale gradients.
-        target = self.stages if cls in _MULTI_STAGE else self.stages[0]
+        target = self.stages if multi else self.stages[0]
         self.schedule = cls(target, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        if multi:
+            orders = self.schedule.pipeline_order_with_comms
+            gradients = SendRelease.gradients(orders[(pp_rank - 1) % pp_size])
+            outputs = SendRelease.outputs(orders[(pp_rank + 1) % pp_size])
+            for stage in self.stages:
+                stage._grad_sends, stage._output_sends = gradients, outputs
         self.has_first = pp_rank == 0
         self.has_last = any(stage.is_last for stage in self.stages)
 

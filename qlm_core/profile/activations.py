@@ -6,16 +6,16 @@ in fp32, grouped-query attention with RoPE, SwiGLU, a flash / SDPA kernel that k
 Per layer and micro-batch, with T = mbs·seq/cp tokens on this rank, T_sp = T/tp under sequence parallelism (else T),
 e = bytes of the compute dtype, hq/hk/d/f = heads, query groups, head dim, FFN size, all per TP rank (/tp):
 
-  each RMSNorm (2)  its input cast to fp32 4h·T_sp (the input itself when e = 4), 1/rms 4·T_sp, the normalised
-                    value before the weight e·h·T_sp (only when the weight trains), and its output, which the next
-                    linear saves, e·h·T_sp (SP: ColumnParallelLinear keeps the sequence shard, parallel/tensor.py)
+  each RMSNorm (2)  its input e·h·T_sp and the fp32 1/rms 4·T_sp (kernels/norm.RMSNormFunction recomputes the
+                    rest), and its output, which the next linear saves, e·h·T_sp (SP: ColumnParallelLinear keeps the
+                    sequence shard, parallel/tensor.py)
   attention         q after RoPE e·hq·d·T, k after RoPE e·hk·d·T, and v, a view that keeps the whole linear_qkv output
                     alive: e·(hq+2hk)·d·T (with fewer query groups than TP ranks the gathered output, (hq+2hk)·d
                     unsplit); the kernel's output e·hq·d·T and log-sum-exp 4·hq·T (fp32)
   linear_proj input the kernel's output seen as [s, b, hq·d]: the same storage on CPU (torch's CPU flash kernel lays
-                    its output out like q), a copy on CUDA when mbs > 1, and always a copy under CP (qlm's CP kernels
-                    return [b, h, s, d]): + e·hq·d·T
-  SwiGLU            linear_fc1 output e·2f·T (gate and up are views of it), silu(gate) e·f·T, their product (the
+                    its output out like q) and under CP's ring and all-gather kernels (they write it laid out like
+                    q, kernels/piecewise.like_q), a copy on CUDA when mbs > 1 and under CP's all-to-all: + e·hq·d·T
+  SwiGLU            linear_fc1 output e·2f·T (kernels/swiglu.SwiGLUFunction recomputes silu), their product (the
                     linear_fc2 input) e·f·T
   recompute         selective, by Megatron's recompute_modules: core_attn, the checkpoint keeps q, k, v (already
                     counted) and the attention kernel's output and log-sum-exp are not saved; the projection still
@@ -134,7 +134,7 @@ def layer_terms(x: ActivationInputs, recompute: str = "none") -> dict[str, float
     if x.recomputes(recompute, "layernorm"):  # each norm keeps its input; the linear inputs are discarded
         terms = {"rmsnorm inputs x2 (checkpoint)": 2 * e * h * Tsp, "linear_qkv input": 0.0, "linear_fc1 input": 0.0}
     else:
-        norm = 4 * h * Tsp + 4 * Tsp + (0 if x.frozen else e * h * Tsp)
+        norm = e * h * Tsp + 4 * Tsp
         terms = {
             "rmsnorm x2": 2 * norm,
             "linear_qkv input": e * h * Tsp if x.keeps_input("linear_qkv") else 0.0,
@@ -150,7 +150,10 @@ def layer_terms(x: ActivationInputs, recompute: str = "none") -> dict[str, float
     else:
         terms["q, k after RoPE"] = e * (hq + hk) * d * T
         terms["linear_qkv output (v)"] = e * qkv_cols * d * T
-    proj_is_copy = x.cp > 1 or (x.device == "cuda" and x.micro_batch_size > 1)
+    if x.cp > 1:
+        proj_is_copy = x.cp_comm_type == "a2a"
+    else:
+        proj_is_copy = x.device == "cuda" and x.micro_batch_size > 1
     if core_attn:
         terms["linear_proj input"] = e * hq * d * T  # the projection keeps its input; the kernel keeps nothing
     else:
@@ -158,7 +161,7 @@ def layer_terms(x: ActivationInputs, recompute: str = "none") -> dict[str, float
         terms["log-sum-exp"] = 4 * hq * T
         terms["linear_proj input"] = proj if proj_is_copy else 0.0
     mlp = x.recomputes(recompute, "mlp")  # the checkpoint keeps only its input, the pre-MLP norm's output
-    terms["swiglu (fc1 out, silu)"] = 0.0 if mlp else e * 3 * f * T
+    terms["swiglu (fc1 output)"] = 0.0 if mlp else e * 2 * f * T
     terms["linear_fc2 input"] = e * f * T if x.keeps_input("linear_fc2") and not mlp else 0.0
     if x.lora_rank:
         for linear in x.lora_targets:
@@ -197,7 +200,7 @@ def loss_keeps_input(x: ActivationInputs) -> bool:
 def head_terms(x: ActivationInputs) -> dict[str, float]:
     """The last stage's final norm, output layer and loss, for one micro-batch."""
     e, T, Tsp, h = x.dtype_bytes, x.tokens, x.sp_tokens, x.spec.hidden_size
-    terms = {"final rmsnorm": 4 * h * Tsp + 4 * Tsp + (0 if x.frozen else e * h * Tsp)}
+    terms = {"final rmsnorm": e * h * Tsp + 4 * Tsp}
     if x.chunked_loss:
         terms.update({"loss input": e * h * Tsp, "log-sum-exp (fp32)": 4 * T, "targets": 8 * T})
         return terms
@@ -250,7 +253,7 @@ def layer_workspace(x: ActivationInputs, recompute: str) -> float:
     if x.recomputes(recompute, "core_attn"):
         recomputed += e * hq * x.spec.kv_channels * T + 4 * hq * T
     if x.recomputes(recompute, "mlp"):
-        recomputed += e * 4 * f * T  # fc1 output, silu, product
+        recomputed += e * 3 * f * T  # fc1 output and the product
     if x.recomputes(recompute, "layernorm"):
         recomputed += x.dtype_bytes * h * x.sp_tokens + 4 * h * x.sp_tokens  # one norm's output and fp32 input
     gathered = e * h * T if x.sp and x.tp > 1 else 0.0  # SP: a linear's all-gathered input

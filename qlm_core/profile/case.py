@@ -154,7 +154,7 @@ def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpe
         micro_batch_size=recipe.train.micro_batch_size, global_batch_size=recipe.train.global_batch_size,
         num_gpus=num_gpus, dtype=recipe.model.dtype, lora_rank=recipe.lora.rank,
         lora_targets=tuple(recipe.lora.target_modules), loss_chunk_tokens=recipe.train.loss_chunk_tokens,
-        mean_doc_len=recipe.data.mean_doc_len,
+        mean_doc_len=recipe.data.mean_doc_len, grad_reduce_dtype=p.grad_reduce_dtype,
     )
 
 

@@ -14,11 +14,12 @@
                 largest gradients)
   pp_buffers    the pipeline stages' receive buffers of the micro-batches in flight (allocated per micro-batch,
                 dropped after its backward), the backward at hand's gradients, the outputs of the chunk forwards in
-                flight; with interleaved_1f1b / zero_bubble every sent input gradient until the step ends
-                (pipeline_buffer_bytes)
-  comm_buffers  ZeRO 2: fp32 storage of the buckets being filled and reduced (1 + 2 in flight with overlap);
+                flight (interleaved_1f1b / zero_bubble: three but on the last rank, and two sent input gradients
+                not yet proven received; pipeline_buffer_bytes)
+  comm_buffers  ZeRO 2: storage (grad_reduce_dtype) of the buckets being filled and reduced (1 + 2 in flight
+                with overlap);
                 ZeRO 3: FSDP's unsharded parameters (the root's embedding/output and two layers, prefetch) in the
-                compute dtype plus one layer's fp32 reduce-scatter input; ZeRO 0/1 reduce in place (0)
+                compute dtype plus one layer's reduce-scatter input (grad_reduce_dtype); ZeRO 0/1 reduce in place (0)
   allocator     an allowance, not a measurement: `fraction` of the above for the caching allocator's rounding and
                 fragmentation (PyTorch's reserved/allocated ratio is typically 1.03-1.10 in steady training;
                 0.08 by default) plus `context_gib` for the CUDA context, cuBLAS workspaces and NCCL buffers
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from qlm_core.config import Recipe
+from qlm_core.dtypes import DTYPES
 from qlm_core.hardware import GPUS
 from qlm_core.profile.activations import (
     ActivationInputs,
@@ -146,27 +148,30 @@ def chunk_layer_modes(case: ProfileCase, layers: int) -> list[str]:
 
 def comm_buffer_bytes(case: ProfileCase, layout, stage: int, states) -> float:
     p = case.parallel
+    grad_bytes = float(DTYPES[case.grad_reduce_dtype].itemsize)
     if p.zero_stage == 2:  # GradientBuffers' max_reductions_in_flight = 2 with overlap
-        return 4.0 * states.bucket_numel * min(states.num_buckets, 1 + (2 if p.overlap_grad_reduce else 0))
+        return grad_bytes * states.bucket_numel * min(states.num_buckets, 1 + (2 if p.overlap_grad_reduce else 0))
     if p.zero_stage != 3:
         return 0.0
     params = stage_params(layout, stage, case.lora_rank, case.lora_targets)
     layers = layout.stage_layer_counts[stage]
     layer_numel = sum(q.numel for q in params if q.shape and len(q.shape) == 2) / max(1, layers)
     root = sum(q.numel for q in params if q.shape and q.shape[0] == layout.padded_vocab // layout.tp)
-    return case.dtype_bytes * (root + 2 * layer_numel) + 4 * layer_numel
+    return case.dtype_bytes * (root + 2 * layer_numel) + grad_bytes * layer_numel
 
 
-def pipeline_buffer_bytes(case: ProfileCase, x: ActivationInputs, stage: int, chunks: int, held_input: bool) -> float:
+def pipeline_buffer_bytes(case: ProfileCase, x: ActivationInputs, stage: int, chunks: int) -> float:
     """What the trainer's pipeline stages (parallel/pipeline.py InFlightStage) keep besides autograd. A receive
-    buffer exists only while its micro-batch is in flight: the input (hidden states + int64 positions) of each chunk
-    forward in flight on a chunk that receives, not counted again when a saved tensor is the buffer itself (fp32
-    norm input, full-recompute checkpoint input); one gradient receive buffer and one input gradient at a time (the
+    buffer exists only while its micro-batch is in flight: the int64 positions of each chunk forward in flight on a
+    chunk that receives (its hidden states are the first norm's saved input, or the checkpoint's around it, so they
+    are counted as activations); one gradient receive buffer and one input gradient at a time (the
     backward at hand); the outputs of the chunk forwards in flight (fwd_cache). The last chunk's output is the final
     norm's, which the loss head (GPTModel.loss, run by the schedule's loss function) saves, except beside a frozen
     output layer without chunks. Under the multi-chunk schedules (interleaved_1f1b, zero_bubble) a sent input
-    gradient is waited for only when the step ends (InFlightStage.finish_sends), so every micro-batch's stays
-    allocated until then: that part does grow with the number of micro-batches."""
+    gradient, and a sent output's storage, stay until something the peer sent later proves it was received
+    (parallel/pipeline.SendRelease): two gradients and three outputs (the last rank: those of its chunk forwards in
+    flight) at the schedule's activation peak, whatever pp, vpp and the number of micro-batches (torch's action
+    orders replayed in tests/test_send_release.py)."""
     p = case.parallel
     if p.pp == 1:
         return 0.0
@@ -174,13 +179,14 @@ def pipeline_buffer_bytes(case: ProfileCase, x: ActivationInputs, stage: int, ch
     hidden = x.dtype_bytes * case.spec.hidden_size * x.sp_tokens
     receiving = v - 1 if stage == 0 else v  # chunk 0 of stage 0 reads the tokens
     sending = v - 1 if stage == p.pp - 1 else v  # the model's last chunk computes the loss
-    total = chunks * (hidden + 8 * x.tokens) * receiving / v
-    if held_input:
-        total -= chunks * hidden * receiving / v
+    total = chunks * 8 * x.tokens * receiving / v
     total += hidden * ((sending > 0) + (receiving > 0))  # the backward at hand: its output and input gradients
     if p.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
-        total += m * hidden * receiving  # sent input gradients, until the step ends
-    total += chunks * hidden * sending / v  # outputs in fwd_cache
+        total += min(m, 2) * hidden * (receiving > 0)  # sent input gradients not yet proven received
+    if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and stage < p.pp - 1:
+        total += min(chunks, 3) * hidden  # sent outputs not yet proven received
+    else:  # the last rank's go to rank 0, whose gradients for them come last
+        total += chunks * hidden * sending / v  # outputs in fwd_cache
     if stage == p.pp - 1 and not loss_keeps_input(x):
         total += chunks * hidden / v  # the last chunk's outputs, which a frozen output layer does not save
     return total
@@ -193,7 +199,7 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
     shards = case.sizes.dp * p.cp
     states = model_state_bytes(layout, stage, dtype=case.torch_dtype, zero_stage=p.zero_stage, shards=shards,
                                bucket_size_mb=p.bucket_size_mb, lora_rank=case.lora_rank,
-                               lora_targets=case.lora_targets)
+                               lora_targets=case.lora_targets, grad_dtype=DTYPES[case.grad_reduce_dtype])
     layers = layout.stage_layer_counts[stage]
     chunk_layers = layers // p.vpp
     modes = chunk_layer_modes(case, chunk_layers)
@@ -210,8 +216,7 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
         kept = sum(terms.values()) if x.chunked_loss else terms["final rmsnorm"] + terms["output layer input"]
         head = sum(terms.values()) * logits_count + kept * deferred_weight_passes(p.pp_schedule, p.pp, p.vpp, m, stage)
     workspace = max(logits_transient(x) if last else 0.0, max(layer_workspace(x, mode) for mode in set(modes)))
-    held_input = case.dtype_bytes == 4 or modes[0] in ("full", "op")  # a checkpoint keeps the receive buffer
-    pp_buffers = pipeline_buffer_bytes(case, x, stage, chunks, held_input=held_input)
+    pp_buffers = pipeline_buffer_bytes(case, x, stage, chunks)
     components = {
         "weights": float(states.weights), "grads": float(states.grads), "optimizer": float(states.optimizer),
         "activations": chunk_bytes * chunks, "logits_loss": head, "workspace": workspace, "pp_buffers": pp_buffers,

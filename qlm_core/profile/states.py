@@ -6,14 +6,18 @@ This mirrors what train/engine.py builds for a pipeline stage, tensor by tensor:
             tensors shaped like the stage's trainable parameters.
             weights    ZeRO 0: each parameter in the compute dtype. ZeRO 1/2: the trainable parameters live in one
                        padded param buffer per dtype; frozen (LoRA base) parameters keep their own storage.
-            grads      ZeRO 0/1: one fp32 buffer of every (padded) bucket. ZeRO 2: this rank's fp32 shard of each
-                       bucket, plus the shared-embedding bucket whole (it is reduced only at the end of the step).
-                       The bucket storage ZeRO 2 borrows during backward is a transient (memory.py: comm_buffers).
+            grads      in `grad_dtype` (parallel.grad_reduce_dtype: 4 bytes an element in fp32, 2 in bf16).
+                       ZeRO 0/1: one buffer of every (padded) bucket. ZeRO 2: this rank's shard of each bucket, plus
+                       the shared-embedding bucket whole (it is reduced only at the end of the step). The bucket
+                       storage ZeRO 2 borrows during backward is a transient (memory.py: comm_buffers), and so is the
+                       fp32 copy of the owned gradients that the optimizer makes while it steps with bf16 ones
+                       (activations are gone by then).
             optimizer  fp32 master copies (none for fp32 parameters under ZeRO 0: the parameter is the master) and
                        AdamW's exp_avg and exp_avg_sq of the elements this data rank owns.
   ZeRO 3    parallel/fsdp.py (FSDP2): every parameter in fp32, dim 0 chunked over dp·cp with each rank's chunk
             padded to ceil(dim0 / n) rows; fp32 gradients of the trainable ones, padded alike (views into the
-            reduce-scatter output); AdamW moments of the unpadded local rows. The fp32 parameters are the masters.
+            reduce-scatter output, whatever the reduce dtype); AdamW moments of the unpadded local rows. The fp32
+            parameters are the masters.
 AdamW's per-parameter `step` scalars (4 bytes each) are not counted.
 """
 
@@ -95,9 +99,10 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
 
 
 def zero_state_bytes(params: list[ParamInfo], dtype: torch.dtype, zero_stage: int, shards: int,
-                     bucket_size_mb: float | None, dp_rank: int) -> StateBytes:
+                     bucket_size_mb: float | None, dp_rank: int, grad_dtype: torch.dtype = torch.float32) -> StateBytes:
     """ZeRO 0-2 bytes of data rank `dp_rank` of `shards` (data x context ranks)."""
     size = torch.empty((), dtype=dtype).element_size()
+    g = grad_dtype.itemsize
     trainable = [p for p in params if p.trainable]
     frozen_bytes = sum(p.numel for p in params if not p.trainable) * size
     if not trainable:
@@ -109,15 +114,15 @@ def zero_state_bytes(params: list[ParamInfo], dtype: torch.dtype, zero_stage: in
     numel = sum(p.numel for p in trainable)
     if zero_stage == 0:
         weights = frozen_bytes + numel * size
-        grads = 4 * padded
+        grads = g * padded
         owned = numel
         masters = 0 if dtype == torch.float32 else 4 * numel
     else:
         weights = frozen_bytes + padded * size
         if zero_stage == 1:
-            grads = 4 * padded
+            grads = g * padded
         else:
-            grads = 4 * sum(b.numel if b.deferred else b.numel // shards for b in buckets)
+            grads = g * sum(b.numel if b.deferred else b.numel // shards for b in buckets)
         owned = sum(_overlap(span, b.shard_range(dp_rank, shards)) for b in buckets for span in b.param_ranges)
         masters = 4 * owned  # ZeRO 1/2 always keep fp32 copies of the owned slices, whatever the param dtype
     regular = [b.numel for b in buckets if not b.deferred] or [0]
@@ -146,17 +151,20 @@ def fsdp_state_bytes(params: list[ParamInfo], shards: int, dp_rank: int) -> Stat
 
 def model_state_bytes(layout: ModelLayout, pp_rank: int, *, dtype: torch.dtype, zero_stage: int, shards: int,
                       bucket_size_mb: float | None = 40.0, lora_rank: int = 0, lora_targets=None,
-                      dp_rank: int | None = None) -> StateBytes:
+                      dp_rank: int | None = None, grad_dtype: torch.dtype = torch.float32) -> StateBytes:
     """Exact model-state bytes of stage `pp_rank` on data x context rank `dp_rank` (default 0, the largest: padding
-    sits at the end of every bucket / parameter chunk, so the first rank owns the most real elements)."""
+    sits at the end of every bucket / parameter chunk, so the first rank owns the most real elements).
+    `grad_dtype`: ZeRO 0-2's gradient buffers (parallel.grad_reduce_dtype); ZeRO 3 keeps fp32 gradients."""
     targets = tuple(sorted(lora_targets or LORA_TARGETS))
-    key = (repr(layout), pp_rank, dtype, zero_stage, shards, bucket_size_mb, lora_rank, targets, dp_rank or 0)
+    key = (repr(layout), pp_rank, dtype, zero_stage, shards, bucket_size_mb, lora_rank, targets, dp_rank or 0,
+           grad_dtype)
     if key not in _CACHE:  # the layout search asks for the same stage many times
         params = stage_params(layout, pp_rank, lora_rank, targets)
         if zero_stage == 3:
             _CACHE[key] = fsdp_state_bytes(params, shards, dp_rank or 0)
         else:
-            _CACHE[key] = zero_state_bytes(params, dtype, zero_stage, shards, bucket_size_mb, dp_rank or 0)
+            _CACHE[key] = zero_state_bytes(params, dtype, zero_stage, shards, bucket_size_mb, dp_rank or 0,
+                                           grad_dtype)
     return _CACHE[key]
 
 

@@ -19,6 +19,7 @@ import torch
 
 from qlm_core.checkpoint.sources.random_init import RandomInitSource
 from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig
+from qlm_core.dtypes import DTYPES
 from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import ParallelOptions
 from qlm_core.models.layout import TensorSource, recipe_layout
@@ -142,7 +143,7 @@ class Engine:
                 self.chunks, [list(chunk.decoder.layers) for chunk in self.chunks], groups,
                 dp_cp_group=g.dp_cp_group, tp_group=g.tp_group, pp_group=g.pp_group,
                 embedding_group=g.embedding_group, device=g.device, compute_dtype=self.dtype, lr=o.lr,
-                betas=(o.beta1, o.beta2), eps=o.eps,
+                betas=(o.beta1, o.beta2), eps=o.eps, reduce_dtype=DTYPES[c.grad_reduce_dtype],
             )
         from qlm_core.parallel.grad_buffers import GradientBuffers
         from qlm_core.parallel.optimizer import DistributedOptimizer
@@ -150,7 +151,7 @@ class Engine:
         buffers = GradientBuffers(
             trainable, dp_group=g.dp_cp_group, zero_stage=c.zero_stage, bucket_size_mb=c.bucket_size_mb,
             overlap_grad_reduce=c.overlap_grad_reduce, num_microbatches=self.num_microbatches,
-            tp_group=g.tp_group, embedding_group=g.embedding_group,
+            tp_group=g.tp_group, embedding_group=g.embedding_group, grad_dtype=DTYPES[c.grad_reduce_dtype],
         )
         return DistributedOptimizer(
             groups, buffers, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,

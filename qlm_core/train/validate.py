@@ -38,6 +38,7 @@ def validate_recipe(recipe: Recipe):
                        "data.seq_length": recipe.data.seq_length,
                        "train.loss_chunk_tokens": recipe.train.loss_chunk_tokens,
                        "data.mean_doc_len": recipe.data.mean_doc_len})
+    validate_grad_reduce_dtype(recipe.parallel.grad_reduce_dtype, recipe.model.dtype)
     if recipe.lora.rank > 0:
         if not recipe.model.load:
             raise QlmError("LoRA needs pretrained weights to adapt", "set model.load (an HF model or a checkpoint)")
@@ -46,10 +47,18 @@ def validate_recipe(recipe: Recipe):
                            "use checkpoint.format = \"torch\" for LoRA runs")
 
 
+def validate_grad_reduce_dtype(grad_reduce_dtype: str, dtype: str):
+    """Gradients are reduced in fp32 or in the training dtype (model.dtype) itself."""
+    if grad_reduce_dtype not in ("fp32", dtype):
+        raise QlmError(f'parallel.grad_reduce_dtype "{grad_reduce_dtype}" needs model.dtype "{grad_reduce_dtype}" '
+                       f'(it is "{dtype}")',
+                       'set parallel.grad_reduce_dtype = "fp32"' + (f' or "{dtype}"' if dtype != "fp32" else ""))
+
+
 def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSizes, seq_length: int,
                     micro_batch_size: int, global_batch_size: int):
     """Everything that can be checked before a process group exists (ModelLayout checks heads/layers)."""
-    for key in ("cp_comm_type", "pp_schedule", "recompute", "zero_stage"):  # a config built in code, not read
+    for key in ("cp_comm_type", "pp_schedule", "recompute", "zero_stage", "grad_reduce_dtype"):  # built in code
         checked_field(ParallelConfig, key, getattr(config, key), f"parallel.{key}")
     check_ranges("parallel", config)
     cp, tp = config.cp, config.tp
