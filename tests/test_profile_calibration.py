@@ -26,6 +26,15 @@ def test_the_fitted_time_model_meets_the_calibration_targets(figures):
     assert figures["worst_factor"] <= calibration.WORST_RATIO_AT_MOST, figures
 
 
+def test_the_runs_that_ran_fit_and_published_memory_is_met(figures):
+    """31 of the 32 runs predicted to fit (was 11 short before the trainer stopped holding fp32 norm inputs, silu
+    outputs, pipeline outputs and sent gradients, and NeMo's bf16 gradients were modelled); the one left is MosaicML's
+    1B at micro-batch 20, 0.4 GiB over: its ALiBi model keeps no rotated q and k, the RoPE stand-in does (7.5 GiB)."""
+    assert figures["predicted_not_to_fit"] == ["mpt_h100_1b_2048_64"], figures
+    assert figures["memory_runs"] == 4
+    assert figures["memory_worst_abs_error"] <= calibration.MEMORY_ERROR_AT_MOST, figures
+
+
 def test_a_collective_drives_one_nic_per_rank_it_has_in_each_node():
     """DP over 128 GPUs: 8 ranks a node at TP 1 (8 NICs, capped by NVLink), 1 at TP 8 (one NIC)."""
     h100 = gpu_spec("h100")
