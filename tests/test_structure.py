@@ -26,3 +26,19 @@ def test_ruff_is_clean():
         pytest.fail("ruff is missing: pip install -e '.[test]'")
     proc = subprocess.run([exe, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+HEAVY = ("torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch.distributed.fsdp")
+
+
+@pytest.mark.parametrize("module", ["qlm_cli.main", "qlm_core.train.trainer", "qlm_core.checkpoint.convert.hf_megatron",
+                                    "qlm_core.eval.runner", "qlm_core.profile.search"])
+def test_start_up_imports_no_machinery_it_may_not_use(module):
+    """DCP, torch's pipelining (both bring torch._dynamo) and FSDP cost ~2 s per process, paid by every torchrun
+    worker and CLI call: they are imported where a torch_dist checkpoint, pp > 1 or ZeRO 3 needs them, not before."""
+    import sys
+
+    code = f"import sys, {module}; print([m for m in {HEAVY!r} if m in sys.modules])"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

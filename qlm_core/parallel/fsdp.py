@@ -18,16 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from qlm_core.parallel.comm import all_reduce, group_rank
 from qlm_core.parallel.optimizer_api import TrainingOptimizer
 from qlm_core.parallel.param_meta import copy_meta, counts_in_grad_norm, meta_of
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of an FSDP2 DTensor (any other tensor as it is)."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of an FSDP2 DTensor, gathered over its mesh (a collective); any other tensor as it is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+from qlm_core.parallel.sharded_tensors import local_part, local_shard_like, whole
 
 
 class FullyShardedState(TrainingOptimizer):
@@ -154,15 +145,6 @@ class FullyShardedState(TrainingOptimizer):
                 state["step"] = torch.tensor(float(step), device=local_part(param).device if fused else "cpu")
                 state["exp_avg"] = _dtensor_like(param, entry["exp_avg"])
                 state["exp_avg_sq"] = _dtensor_like(param, entry["exp_avg_sq"])
-
-
-def local_shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's local shard of `full`, sharded as the DTensor `param` is."""
-    from torch.distributed.tensor import distribute_tensor
-
-    if not hasattr(param, "device_mesh"):
-        return full.to(param.device)
-    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements).to_local()
 
 
 def _dtensor_like(param, full: torch.Tensor):

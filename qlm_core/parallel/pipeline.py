@@ -29,6 +29,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import BACKWARD_INPUT, FORWARD, FULL_BACKWARD, SEND_B, SEND_F
 
 from qlm_core.config import PpSchedule, choices
+from qlm_core.parallel.pipeline_rules import MULTI_CHUNK_SCHEDULES, validate_recompute, validate_schedule
 
 SCHEDULES = {
     "1f1b": Schedule1F1B,
@@ -37,7 +38,7 @@ SCHEDULES = {
     "zero_bubble": ScheduleInterleavedZeroBubble,  # splits backward into input- and weight-gradient passes
 }
 assert tuple(SCHEDULES) == choices(PpSchedule), "SCHEDULES and config.PpSchedule name the same schedules"
-_MULTI_STAGE = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+_MULTI_STAGE = tuple(SCHEDULES[name] for name in MULTI_CHUNK_SCHEDULES)
 
 
 class SendRelease:
@@ -216,24 +217,6 @@ class InFlightStage(PipelineStage):
         super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
         if state is not None and self.is_last:
             self._cut(state[2])
-
-
-def validate_schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> None:
-    assert name in SCHEDULES, f"pp_schedule {name!r}"  # the recipe's schema checked it (config.py)
-    if vpp > 1 and SCHEDULES[name] not in _MULTI_STAGE:
-        raise ValueError(f"vpp {vpp} needs an interleaved schedule (interleaved_1f1b or zero_bubble), not {name}")
-    if name == "interleaved_1f1b" and vpp < 2:
-        raise ValueError("interleaved_1f1b needs vpp >= 2")
-    if SCHEDULES[name] in _MULTI_STAGE and num_microbatches % pp:
-        raise ValueError(f"{name} needs the number of microbatches ({num_microbatches}) to be a multiple of pp ({pp})")
-
-
-def validate_recompute(schedule: str, pp: int, recompute: str) -> None:
-    """torch's selective checkpointing (recompute = "op") lets a region be recomputed once; zero-bubble's weight pass
-    would recompute each layer a second time after the input-gradient pass."""
-    if pp > 1 and schedule == "zero_bubble" and recompute == "op":
-        raise ValueError('recompute "op" cannot run under pp_schedule zero_bubble (its weight pass recomputes each '
-                         "layer a second time, which torch's selective checkpointing refuses)")
 
 
 class PipelineRunner:

@@ -18,14 +18,15 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint.api import CheckpointException
 
 from qlm_core.checkpoint.formats.megatron import TORCH, TORCH_DIST, open_megatron
 from qlm_core.checkpoint.formats.megatron_args import make_args
@@ -36,7 +37,6 @@ from qlm_core.checkpoint.formats.megatron_legacy import (
     shard_dir_name,
     write_shard_file,
 )
-from qlm_core.checkpoint.formats.torch_dist_write import DistPart, save_torch_dist_collectively
 from qlm_core.checkpoint.formats.trainer_state import (
     OPTIMIZER_KEY,
     OPTIMIZER_VIEWS,
@@ -51,9 +51,24 @@ from qlm_core.checkpoint.io.write_faults import as_write_os_error
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import TensorLayout, read_shard_tensor
 from qlm_core.parallel.comm import group_size
-from qlm_core.parallel.fsdp import whole
+from qlm_core.parallel.sharded_tensors import whole
 from qlm_core.train.engine import Engine
 from qlm_core.train.lora import lora_state_dict
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from qlm_core.checkpoint.formats.torch_dist_write import DistPart
+
+
+class _NeverRaised(Exception):
+    """Stands for torch_dist's CheckpointException while torch.distributed.checkpoint is not imported (only a
+    torch_dist save or load imports it, and nothing else can raise it)."""
+
+
+def _dcp_failure() -> type[BaseException]:
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return api.CheckpointException if api is not None else _NeverRaised
 
 
 @dataclass
@@ -134,7 +149,7 @@ def _first_error(error: str | None) -> str | None:
 
 
 def _write_failure(path: Path, exc: BaseException) -> str:
-    if isinstance(exc, CheckpointException):  # torch_dist: the ranks' exceptions, gathered by dcp
+    if isinstance(exc, _dcp_failure()):  # torch_dist: the ranks' exceptions, gathered by dcp
         exc = next((e for e in _flatten_failures(exc) if isinstance(e, OSError)), exc)
     if isinstance(exc, OSError):
         where = exc.filename or path
@@ -154,7 +169,7 @@ def _is_write_error(exc: BaseException) -> bool:
     other exception is a bug and propagates."""
     if isinstance(exc, OSError):
         return True
-    return isinstance(exc, CheckpointException) and any(isinstance(e, OSError) for e in _flatten_failures(exc))
+    return isinstance(exc, _dcp_failure()) and any(isinstance(e, OSError) for e in _flatten_failures(exc))
 
 
 def latest_iteration(root: Path) -> int | None:
@@ -223,6 +238,8 @@ def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_la
     error, target = None, staging / name
     try:
         if fmt == TORCH_DIST:
+            from qlm_core.checkpoint.formats.torch_dist_write import save_torch_dist_collectively
+
             args.ckpt_format = TORCH_DIST
             common = {OPTIMIZER_KEY: {"step": step}, TRAIN_STATE_KEY: asdict(train_state),
                       RNG_KEY: _rng_by_position(g), SCHEDULER_KEY: scheduler}
@@ -239,7 +256,7 @@ def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_la
                          SCHEDULER_KEY: scheduler}
                 target = staging / name / shard_dir_name(g.tp_rank, g.pp_rank, engine.layout.pp) / SHARD_FILE
                 write_shard_file(target, models, args, train_state.iteration, extra)
-    except (OSError, CheckpointException, RuntimeError) as exc:  # RuntimeError: torch.save on a full disk
+    except (OSError, _dcp_failure(), RuntimeError) as exc:  # RuntimeError: torch.save on a full disk
         exc = as_write_os_error(exc, target) or exc
         if not _is_write_error(exc):
             raise
@@ -303,6 +320,8 @@ class _LocalShards:
 def _owned_parts(engine: Engine, models: list[dict], param_states: list[dict]) -> list[DistPart]:
     """The weights and optimizer views this TP/PP position writes: the chunks of its own TP rank, of the tensors
     its stage holds."""
+    from qlm_core.checkpoint.formats.torch_dist_write import DistPart
+
     g, layout = engine.grid, engine.layout
     global_name = {}  # (chunk, state_dict name) -> global tensor name
     for chunk in range(len(engine.chunks)):

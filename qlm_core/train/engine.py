@@ -30,7 +30,6 @@ from qlm_core.parallel.context_parallel import split_for_cp
 from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS
 from qlm_core.parallel.optimizer_api import TrainingOptimizer
 from qlm_core.parallel.param_meta import mark
-from qlm_core.parallel.pipeline import PipelineRunner
 from qlm_core.parallel.state import Grid
 from qlm_core.train.lora import apply_lora
 from qlm_core.train.validate import validate_layout
@@ -100,6 +99,8 @@ class Engine:
         self.params = self.optimizer.params  # FSDP2 replaces the parameters: the optimizer's are the live ones
         self.runner = None
         if c.pp > 1:
+            from qlm_core.parallel.pipeline import PipelineRunner  # imports torch's pipelining (and dynamo)
+
             self.runner = PipelineRunner(
                 self.chunks, pp_rank=g.pp_rank, pp_size=c.pp, pp_group=g.pp_group, device=g.device,
                 schedule=c.pp_schedule, num_microbatches=self.num_microbatches, loss_fn=self._loss_fn,

@@ -32,8 +32,8 @@ from qlm_core.models.layout import (
     read_shard_tensor,
 )
 from qlm_core.parallel.comm import group_rank, group_size
-from qlm_core.parallel.fsdp import local_part, local_shard_like, whole
 from qlm_core.parallel.param_meta import mark
+from qlm_core.parallel.sharded_tensors import local_part, local_shard_like, whole
 from qlm_core.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,

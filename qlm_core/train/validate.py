@@ -12,7 +12,7 @@ from __future__ import annotations
 from qlm_core.config import ParallelConfig, Recipe, check_ranges, checked_field
 from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
-from qlm_core.parallel.pipeline import validate_schedule
+from qlm_core.parallel.pipeline_rules import validate_schedule
 from qlm_core.parallel.state import ParallelSizes
 
 

@@ -44,8 +44,6 @@ from qlm_core.checkpoint.formats.megatron_legacy import (
     write_shard_file,
 )
 from qlm_core.checkpoint.formats.megatron_open import config_dir, open_megatron_with
-from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
-from qlm_core.checkpoint.formats.torch_dist_write import write_mcore_torch_dist
 from qlm_core.checkpoint.io.staging import check_output_dir, staged_output
 from qlm_core.checkpoint.sources.open import megatron_weights
 from qlm_core.dtypes import dtype_named
@@ -148,6 +146,8 @@ def write_megatron(format: str, root: Path, layout: ModelLayout, source: TensorS
                    carrier: TrainStateCarrier | None = None):
     """A Megatron checkpoint in `format`; `carrier`: a training run's state to write beside the weights."""
     if format == TORCH_DIST:
+        from qlm_core.checkpoint.formats.torch_dist_write import write_mcore_torch_dist  # imports DCP
+
         write_mcore_torch_dist(root, layout, source, dtype, args, iteration, progress,
                                carrier.common_extra() if carrier else None, carrier.dist_parts() if carrier else [])
     else:
@@ -234,7 +234,7 @@ def mcore_to_mcore(
     (Adam states re-sliced like the weights, step, train state, scheduler; see train_state.py)."""
     started = time.perf_counter()
     src = open_megatron_with(mcore, iteration, config)
-    format = check_format(format or (TORCH_DIST if isinstance(src, TorchDistCheckpoint) else TORCH))
+    format = check_format(format or (src.ckpt_format))
     if src.lora is not None and not src.holds_base:
         raise QlmError(f"{src.root} holds only LoRA adapters", "export them with mcore2peft, or merged with mcore2hf")
     out = Path(out)

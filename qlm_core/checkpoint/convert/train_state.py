@@ -5,12 +5,12 @@ only when TP, PP and VPP are unchanged — qlm train restores them only when its
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from qlm_core.checkpoint.formats.megatron import open_megatron
 from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
-from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
-from qlm_core.checkpoint.formats.torch_dist_write import DistPart
 from qlm_core.checkpoint.formats.trainer_state import (
     COPIED_KEYS,
     OPTIMIZER_KEY,
@@ -22,6 +22,10 @@ from qlm_core.checkpoint.formats.trainer_state import (
 )
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout, TensorLayout, read_range, read_shard_tensor
+
+if TYPE_CHECKING:
+    from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
+    from qlm_core.checkpoint.formats.torch_dist_write import DistPart
 
 
 class TrainStateCarrier:
@@ -47,7 +51,7 @@ class TrainStateCarrier:
 
     def _names_with_state(self, view: MegatronTorchCheckpoint | TorchDistCheckpoint) -> set[str]:
         """Global names of the tensors the optimizer holds state for (trainable parameters)."""
-        if isinstance(view, TorchDistCheckpoint):
+        if view.ckpt_format == "torch_dist":
             return {tensor.name for tensor in view.layout.global_tensors if view.holds(tensor)}
         names = set()
         for pp_rank in range(view.pp):
@@ -76,6 +80,8 @@ class TrainStateCarrier:
 
     def dist_parts(self) -> list[DistPart]:
         """torch_dist output: the Adam views, stored like the weights under their prefixes."""
+        from qlm_core.checkpoint.formats.torch_dist_write import DistPart  # imports DCP: only for torch_dist output
+
         return [DistPart(view_prefix(name), view, torch.float32, lambda chunk: self._has_state(chunk.tensor))
                 for name, view in self.views.items()]
 

@@ -79,6 +79,8 @@ def is_mcore_torch_dir(iteration_dir: Path) -> bool:
 class MegatronTorchCheckpoint:
     """A legacy-format checkpoint opened for lazy (mmap) reads of any global tensor range."""
 
+    ckpt_format = "torch"
+
     def __init__(self, root: str | Path, iteration: int | None = None, spec: ModelSpec | None = None,
                  view: str = "model"):
         """`view`: "model" reads the weights; "master", "exp_avg" or "exp_avg_sq" read the per-parameter optimizer

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,10 +19,12 @@ from qlm_core.checkpoint.formats.bridge_config import bridge_args, find_run_conf
 from qlm_core.checkpoint.formats.megatron import TORCH_DIST, megatron_format
 from qlm_core.checkpoint.formats.megatron_args import make_args
 from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, MegatronTorchCheckpoint
-from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout
 from qlm_core.models.spec import ModelSpec, load_model_spec
+
+if TYPE_CHECKING:
+    from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
 
 EMBEDDING = "embedding.word_embeddings.weight"
 _STRUCTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -115,39 +118,6 @@ class _ConfiguredMixin:
         return None if self.args_from == "checkpoint" else self.args_from
 
 
-class ConfiguredTorchDist(_ConfiguredMixin, TorchDistCheckpoint):
-    def __init__(self, root, iteration=None, config_spec=None, config_name="", view="model"):
-        self._config_spec, self._config_name = config_spec, config_name
-        super().__init__(root, iteration, None, view)
-
-    def _embedding_rows(self) -> int | None:
-        meta = self.tensors.get(EMBEDDING)
-        return None if meta is None else meta.size[0]
-
-    def _load_common(self) -> dict:
-        common = super()._load_common()
-        if common.get("args") is None:
-            meta = self.tensors.get(EMBEDDING)
-            dtype = meta.properties.dtype if meta is not None else torch.float32
-            common = {**common, "args": self._fallback_args(dtype, self._embedding_rows())}
-        return common
-
-    def _check_tensors(self):
-        what = self._described_by()
-        if what is not None:
-            for tensor in self.layout.global_tensors:
-                key, layer = self._key(tensor)
-                expected = tensor.shape if layer is None else (self.spec.num_layers, *tensor.shape)
-                meta = self.tensors.get(key)
-                if meta is None:
-                    raise QlmError(f"{self.dir} lacks {key}, which {what} implies",
-                                   FIX_CONFIG)
-                if tuple(meta.size) != tuple(expected):
-                    raise QlmError(f"{self.dir}: {key} is {list(meta.size)} but {what} implies {list(expected)}",
-                                   FIX_CONFIG)
-        super()._check_tensors()
-
-
 class ConfiguredTorch(_ConfiguredMixin, MegatronTorchCheckpoint):
     def __init__(self, root, iteration=None, config_spec=None, config_name="", view="model"):
         self._config_spec, self._config_name = config_spec, config_name
@@ -205,5 +175,8 @@ def open_megatron_with(path: str | Path, iteration: int | None = None, config: s
     """open_megatron, with the architecture from `config` (checked against the checkpoint) or, for a checkpoint
     without args, from its run_config.yaml; the result's `args_from` says where the args came from."""
     spec = load_config_spec(config) if config is not None else None
-    cls = ConfiguredTorchDist if megatron_format(path, iteration) == TORCH_DIST else ConfiguredTorch
-    return cls(path, iteration, spec, str(config or ""), view)
+    if megatron_format(path, iteration) == TORCH_DIST:
+        from qlm_core.checkpoint.formats.megatron_open_dist import ConfiguredTorchDist  # imports DCP: only now
+
+        return ConfiguredTorchDist(path, iteration, spec, str(config or ""), view)
+    return ConfiguredTorch(path, iteration, spec, str(config or ""), view)

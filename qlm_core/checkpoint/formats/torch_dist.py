@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 
-from qlm_core.checkpoint.formats.megatron_legacy import megatron_spec, resolve_iteration_dir
+from qlm_core.checkpoint.formats.megatron_legacy import megatron_spec
+from qlm_core.checkpoint.formats.torch_dist_files import DCP_METADATA_FILE, DIST_CONFIG_FILE, resolve_dist_dir
 from qlm_core.checkpoint.formats.trainer_state import OPTIMIZER_VIEWS, view_prefix
 from qlm_core.checkpoint.io.safe_load import ForeignObject, allowed_globals, safe_torch_load
 from qlm_core.checkpoint.io.text import read_json_object
@@ -48,8 +49,6 @@ from qlm_core.errors import QlmError
 from qlm_core.models.layout import LINEARS, TE_NORM_NAMES, ModelLayout, TensorLayout
 from qlm_core.models.spec import ModelSpec
 
-DIST_CONFIG_FILE = "metadata.json"
-DCP_METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
 COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core >= 0.19: the common dict inside the DCP files
 DIST_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
@@ -69,18 +68,6 @@ def dist_key(name: str) -> tuple[str, int | None]:
 
 def extra_state_key(linear: str, layer: int, num_layers: int) -> str:
     return f"decoder.layers.{linear}._extra_state/shard_{layer}_{num_layers}"
-
-
-def is_torch_dist_dir(iteration_dir: Path) -> bool:
-    return (iteration_dir / DIST_CONFIG_FILE).exists() or (iteration_dir / DCP_METADATA_FILE).exists()
-
-
-def resolve_dist_dir(root: Path, iteration: int | None = None) -> tuple[Path, int | None]:
-    """The iteration directory and its iteration (None for `release`); `root` may also be that directory itself."""
-    if iteration is None and is_torch_dist_dir(root):
-        match = re.fullmatch(r"iter_(\d+)", root.name)
-        return root, int(match.group(1)) if match else None
-    return resolve_iteration_dir(root, iteration)
 
 
 # ---- safe metadata ---------------------------------------------------------------------------------------------
@@ -194,6 +181,8 @@ class _IntoBuffers(LoadPlanner):
 class TorchDistCheckpoint:
     """A torch_dist checkpoint as a TensorSource of global tensors (see layout.py). It has no TP/PP of its own:
     `tp`/`pp` are the sizes it was saved with (from its args), `layout` is the global one-rank view."""
+
+    ckpt_format = "torch_dist"
 
     vpp = 1
     lora = None
