@@ -30,7 +30,7 @@ WeightDtype = Literal["fp32", "bf16", "fp16"]  # every dtype qlm reads and write
 TrainDtype = Literal["bf16", "fp32"]  # fp16 would need loss scaling, which qlm does not do
 # the dtype of the gradient buffers and of their data-parallel reduction (fp32, or the training dtype: Megatron's
 # grad_reduce_in_fp32=False); the optimizer's masters and updates stay fp32 either way
-GradReduceDtype = Literal["fp32", "bf16", "fp16"]
+GradReduceDtype = Literal["fp32", "bf16"]  # bf16 only with bf16 training (train/validate.py)
 EvalBackend = Literal["qlm", "hf"]  # qlm's own model, or lm-eval's hf model on an HF export
 DataKind = Literal["sft", "pretrain"]
 DataFormat = Literal["auto", "alpaca", "sharegpt", "messages"]
@@ -120,7 +120,7 @@ class ModelConfig:
     spec: str = "qwen2-0.5b"  # a preset name or an HF model directory / config.json
     load: str = ""  # weights: an HF directory, a Megatron checkpoint or a qlm run directory; empty = random init
     tokenizer: str = ""  # default: the HF directory given in spec/load (or load's hf/ side directory)
-    dtype: TrainDtype = "bf16"  # compute dtype: bf16 (fp32 master weights and gradients) or fp32
+    dtype: TrainDtype = "bf16"  # compute dtype: bf16 (fp32 master weights; gradients per grad_reduce_dtype) or fp32
 
 
 @dataclass

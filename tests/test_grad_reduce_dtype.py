@@ -147,12 +147,34 @@ def test_fp32_grads_keep_their_views():
 # ---- profile and recipe rules -------------------------------------------------------------------------------------
 
 
+def test_profile_counts_the_optimizers_fp32_copies():
+    """With bf16 gradients the optimizer steps on fp32 copies (4 bytes per element it updates): when little else is
+    held (full recompute, short sequences) they set the peak, which must then cover states plus copies."""
+    for zero in (0, 1):
+        case = build_case(zero_stage=zero, recompute="full", seq_len=256, grad_reduce_dtype="bf16")
+        memory = stage_memory(case, 0)
+        c = memory.components
+        shards = case.sizes.dp * case.parallel.cp if zero else 1
+        copies = 4 * model_state_bytes(case.layout(), 0, dtype=case.torch_dtype, zero_stage=zero,
+                                       shards=case.sizes.dp * case.parallel.cp,
+                                       grad_dtype=torch.bfloat16).trainable_numel / shards
+        held_at_step = c["weights"] + c["grads"] + c["optimizer"] + c["comm_buffers"] + copies
+        assert memory.total - c["allocator"] >= held_at_step - 1, (zero, c, copies)
+        assert c["activations"] < copies  # the case the copies decide
+
+
+def test_an_engine_refuses_a_gradient_dtype_its_training_dtype_cannot_take():
+    with pytest.raises(QlmError, match="grad_reduce_dtype"):
+        Engine(SPEC, ParallelConfig(grad_reduce_dtype="bf16"), Grid.single(), micro_batch_size=1,
+               global_batch_size=1, seq_length=8, dtype=torch.float32)
+
+
 def test_profile_counts_bf16_grads():
     """ZeRO 2: the grad shards and the bucket transients in bf16 are half the fp32 ones; ZeRO 3's reduce-scatter
     input likewise; the recipe's value reaches the case."""
     for zero in (2, 3):
         fp32 = build_case(zero_stage=zero, recompute="full")
-        bf16 = fp32.replace(grad_reduce_dtype="bf16")
+        bf16 = fp32.with_parallel(grad_reduce_dtype="bf16")
         a, b = stage_memory(fp32, 0).components, stage_memory(bf16, 0).components
         if zero == 2:
             assert b["grads"] * 2 == a["grads"] and b["comm_buffers"] * 2 == a["comm_buffers"]

@@ -31,7 +31,7 @@ def results(worker_run, schedule: str, microbatches: int) -> list[dict]:
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_peak_is_the_same_with_64_microbatches_as_with_8(schedule, worker_run):
     """Also the multi-chunk schedules, whose sent input gradients torch's runtime would keep until the step ends
-    (x1.13 and x1.29 on the interleaved stages before GradSendRelease)."""
+    (x1.13 and x1.29 on the interleaved stages before SendRelease)."""
     few, many = (results(worker_run, schedule, m) for m in MICROBATCHES)
     for stage, (a, b) in enumerate(zip(few, many, strict=True)):
         assert b["peak"] / a["peak"] <= 1.05, (stage, a["peak"], b["peak"])

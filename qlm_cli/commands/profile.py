@@ -226,8 +226,7 @@ def profile(
                       num_gpus=num_gpus, dtype=value_of(dtype), lora_rank=lora_rank,
                       loss_chunk_tokens=loss_chunk_tokens, mean_doc_len=mean_doc_len, **layout_options)
     if grad_reduce_dtype is not None:  # not a layout option: a model's layout search still runs without one
-        case = case.replace(grad_reduce_dtype=grad_reduce_dtype.value).with_parallel(
-            grad_reduce_dtype=grad_reduce_dtype.value)
+        case = case.with_parallel(grad_reduce_dtype=grad_reduce_dtype.value)
     validate_grad_reduce_dtype(case.grad_reduce_dtype, case.dtype)
     device = gpu_spec(gpu.value, memory_gib=gpu_memory_gb, peak_tflops=peak_tflops, nvlink_gbps=nvlink_gbps,
                       internode_gbps=internode_gbps, gpus_per_node=gpus_per_node, nvlink_domain=nvlink_domain)

@@ -15,8 +15,8 @@ e = bytes of the compute dtype, hq/hk/d/f = heads, query groups, head dim, FFN s
   linear_proj input the kernel's output seen as [s, b, hq·d]: the same storage on CPU (torch's CPU flash kernel lays
                     its output out like q) and under CP's ring and all-gather kernels (they write it laid out like
                     q, kernels/piecewise.like_q), a copy on CUDA when mbs > 1 and under CP's all-to-all: + e·hq·d·T
-  SwiGLU            linear_fc1 output e·2f·T (kernels/swiglu.SwiGLUFunction recomputes silu), their product (the
-                    linear_fc2 input) e·f·T
+  SwiGLU            linear_fc1 output e·2f·T (kernels/swiglu.SwiGLUFunction recomputes silu), and silu(gate)·up
+                    (the linear_fc2 input) e·f·T
   recompute         selective, by Megatron's recompute_modules: core_attn, the checkpoint keeps q, k, v (already
                     counted) and the attention kernel's output and log-sum-exp are not saved; the projection still
                     keeps its input. mlp: the checkpoint keeps its input (the pre-MLP norm's output), none of the
@@ -30,7 +30,7 @@ e = bytes of the compute dtype, hq/hk/d/f = heads, query groups, head dim, FFN s
                     ring kernels keep one partial output per step (neither modelled).
   CP a2a (Ulysses)  the kernel saves the all-to-all outputs instead of the local q/k/v (same bytes per token; k/v
                     heads are repeated up to cp when fewer), so neither the RoPE outputs nor linear_qkv's are kept.
-  LoRA              the frozen base keeps no norm value before the weight, a frozen linear keeps its input only when
+  LoRA              a frozen linear keeps its input only when
                     an adapter reads it (or under SP, where the gather function always keeps the shard), and each
                     adapter adds its rank-r activation e·r·T (column-parallel, or row-parallel without SP) or
                     e·r·T_sp. Adapter dropout is taken as 0.

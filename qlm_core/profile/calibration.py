@@ -35,11 +35,11 @@ WORST_RATIO_AT_MOST = 1.5
 MEMORY_ERROR_AT_MOST = 0.15
 
 FRAMEWORKS = {  # source group prefix -> what its framework does (ProfileCase fields)
-    "torchtitan": dict(grad_reduce_dtype="fp32", loss_chunk_tokens=0),  # its loss takes the whole logits
+    "torchtitan": dict(framework_reduce_dtype="fp32", loss_chunk_tokens=0),  # its loss takes the whole logits
     # NeMo's performance recipes (performance_mode) set plugins.grad_reduce_in_fp32 = False: bf16 main grads
-    "NeMo": dict(grad_reduce_dtype="bf16", p2p_overlap=True),
-    "Megatron-LM 2021": dict(grad_reduce_dtype="fp16", dtype="fp16"),
-    "MosaicML": dict(grad_reduce_dtype="bf16", param_gather_dtype="fp32"),
+    "NeMo": dict(framework_reduce_dtype="bf16", p2p_overlap=True),
+    "Megatron-LM 2021": dict(framework_reduce_dtype="fp16", dtype="fp16"),
+    "MosaicML": dict(framework_reduce_dtype="bf16", param_gather_dtype="fp32"),
 }
 
 

@@ -41,13 +41,18 @@ class ProfileCase:
     lora_targets: tuple[str, ...] = tuple(LORA_TARGETS)
     loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens  # the trainer's loss head chunk (0: whole logits)
     mean_doc_len: int = 0  # packed data: mean document length in tokens (0: one document per sample)
-    # Communication that qlm's trainer does as the defaults say, and other frameworks otherwise (Megatron's
-    # --tp-comm-overlap and --overlap-p2p-comm, bf16 gradient reduction, FSDP gathering fp32 parameters): the
+    # Communication that qlm's trainer does as its options say, and other frameworks otherwise (Megatron's
+    # --tp-comm-overlap and --overlap-p2p-comm, fp16 gradient reduction, FSDP gathering fp32 parameters): the
     # profile predicts their runs too (the calibration, profile/calibration.py)
-    grad_reduce_dtype: str = "fp32"
+    framework_reduce_dtype: str = ""  # "": what the trainer does, parallel.grad_reduce_dtype
     param_gather_dtype: str = ""  # "": the compute dtype
     tp_comm_overlap: bool = False
     p2p_overlap: bool = False
+
+    @property
+    def grad_reduce_dtype(self) -> str:
+        """The dtype gradients are held and reduced in."""
+        return self.framework_reduce_dtype or self.parallel.grad_reduce_dtype
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -154,7 +159,7 @@ def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpe
         micro_batch_size=recipe.train.micro_batch_size, global_batch_size=recipe.train.global_batch_size,
         num_gpus=num_gpus, dtype=recipe.model.dtype, lora_rank=recipe.lora.rank,
         lora_targets=tuple(recipe.lora.target_modules), loss_chunk_tokens=recipe.train.loss_chunk_tokens,
-        mean_doc_len=recipe.data.mean_doc_len, grad_reduce_dtype=p.grad_reduce_dtype,
+        mean_doc_len=recipe.data.mean_doc_len,
     )
 
 

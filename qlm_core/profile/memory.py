@@ -11,11 +11,12 @@
   workspace     the largest transient at once: either the loss's logits (whole: compute dtype beside the softmax;
                 chunked: one chunk's, plus its backward's dW accumulator and input gradient), or one layer's
                 backward (what recompute re-materialises, the CP K/V buffers, the SP-gathered input and the layer's
-                largest gradients)
+                largest gradients), or, with grad_reduce_dtype bf16, the optimizer's fp32 gradient copies beyond the
+                activations freed before the step
   pp_buffers    the pipeline stages' receive buffers of the micro-batches in flight (allocated per micro-batch,
                 dropped after its backward), the backward at hand's gradients, the outputs of the chunk forwards in
-                flight (interleaved_1f1b / zero_bubble: three but on the last rank, and two sent input gradients
-                not yet proven received; pipeline_buffer_bytes)
+                flight; under interleaved_1f1b / zero_bubble only the few sends not yet proven received
+                (held_sends; the last rank: all its outputs in flight)
   comm_buffers  ZeRO 2: storage (grad_reduce_dtype) of the buckets being filled and reduced (1 + 2 in flight
                 with overlap);
                 ZeRO 3: FSDP's unsharded parameters (the root's embedding/output and two layers, prefetch) in the
@@ -36,6 +37,7 @@ import torch
 from qlm_core.config import Recipe
 from qlm_core.dtypes import DTYPES
 from qlm_core.hardware import GPUS
+from qlm_core.parallel.pipeline_rules import MULTI_CHUNK_SCHEDULES
 from qlm_core.profile.activations import (
     ActivationInputs,
     forward_terms,
@@ -160,18 +162,26 @@ def comm_buffer_bytes(case: ProfileCase, layout, stage: int, states) -> float:
     return case.dtype_bytes * (root + 2 * layer_numel) + grad_bytes * layer_numel
 
 
+def held_sends(schedule: str, pp: int, rank: int, in_flight: int) -> tuple[int, int]:
+    """(sent input gradients, sent outputs) that rank `rank` still holds at its activation peak under a multi-chunk
+    schedule (parallel/pipeline.SendRelease), from torch's own action orders replayed for pp 2-35, vpp 2-8 and up to
+    280 micro-batches (tests/test_send_release.py): they do not depend on the number of micro-batches. The last
+    rank's outputs go to rank 0, whose gradients for them come last: it keeps those of all its forwards in flight;
+    under zero-bubble rank 0's gradients go to the last rank, which reads them last."""
+    outputs = in_flight if rank == pp - 1 else (3 if schedule == "interleaved_1f1b" else 2)
+    gradients = 2 if schedule == "interleaved_1f1b" else (pp + 1 if rank == 0 else 1)
+    return gradients, outputs
+
+
 def pipeline_buffer_bytes(case: ProfileCase, x: ActivationInputs, stage: int, chunks: int) -> float:
     """What the trainer's pipeline stages (parallel/pipeline.py InFlightStage) keep besides autograd. A receive
     buffer exists only while its micro-batch is in flight: the int64 positions of each chunk forward in flight on a
     chunk that receives (its hidden states are the first norm's saved input, or the checkpoint's around it, so they
-    are counted as activations); one gradient receive buffer and one input gradient at a time (the
-    backward at hand); the outputs of the chunk forwards in flight (fwd_cache). The last chunk's output is the final
-    norm's, which the loss head (GPTModel.loss, run by the schedule's loss function) saves, except beside a frozen
-    output layer without chunks. Under the multi-chunk schedules (interleaved_1f1b, zero_bubble) a sent input
-    gradient, and a sent output's storage, stay until something the peer sent later proves it was received
-    (parallel/pipeline.SendRelease): two gradients and three outputs (the last rank: those of its chunk forwards in
-    flight) at the schedule's activation peak, whatever pp, vpp and the number of micro-batches (torch's action
-    orders replayed in tests/test_send_release.py)."""
+    are counted as activations); one gradient receive buffer and one input gradient at a time (the backward at
+    hand); the outputs of the chunk forwards in flight (fwd_cache). The last chunk's output is the final norm's,
+    which the loss head (GPTModel.loss, run by the schedule's loss function) saves, except beside a frozen output
+    layer without chunks. Under the multi-chunk schedules (interleaved_1f1b, zero_bubble) a sent input gradient,
+    and a sent output's storage, stay until something the peer sent later proves it was received: held_sends."""
     p = case.parallel
     if p.pp == 1:
         return 0.0
@@ -181,12 +191,13 @@ def pipeline_buffer_bytes(case: ProfileCase, x: ActivationInputs, stage: int, ch
     sending = v - 1 if stage == p.pp - 1 else v  # the model's last chunk computes the loss
     total = chunks * 8 * x.tokens * receiving / v
     total += hidden * ((sending > 0) + (receiving > 0))  # the backward at hand: its output and input gradients
-    if p.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
-        total += min(m, 2) * hidden * (receiving > 0)  # sent input gradients not yet proven received
-    if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and stage < p.pp - 1:
-        total += min(chunks, 3) * hidden  # sent outputs not yet proven received
-    else:  # the last rank's go to rank 0, whose gradients for them come last
-        total += chunks * hidden * sending / v  # outputs in fwd_cache
+    if p.pp_schedule in MULTI_CHUNK_SCHEDULES and stage < p.pp - 1:
+        gradients, outputs = held_sends(p.pp_schedule, p.pp, stage, chunks)
+        total += (min(m, gradients) * (receiving > 0) + min(chunks, outputs)) * hidden
+    else:
+        if p.pp_schedule in MULTI_CHUNK_SCHEDULES:
+            total += min(m, held_sends(p.pp_schedule, p.pp, stage, chunks)[0]) * hidden
+        total += chunks * hidden * sending / v  # outputs in fwd_cache (the last rank: all of them)
     if stage == p.pp - 1 and not loss_keeps_input(x):
         total += chunks * hidden / v  # the last chunk's outputs, which a frozen output layer does not save
     return total
@@ -217,6 +228,11 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
         head = sum(terms.values()) * logits_count + kept * deferred_weight_passes(p.pp_schedule, p.pp, p.vpp, m, stage)
     workspace = max(logits_transient(x) if last else 0.0, max(layer_workspace(x, mode) for mode in set(modes)))
     pp_buffers = pipeline_buffer_bytes(case, x, stage, chunks)
+    # With gradients kept in the compute dtype the optimizer steps on fp32 copies of what this rank updates; by then
+    # the step's activations, loss and pipeline buffers are gone, so the copies raise the peak only beyond them.
+    if case.grad_reduce_dtype != "fp32" and p.zero_stage < 3:
+        copies = 4.0 * states.trainable_numel / (shards if p.zero_stage else 1)
+        workspace = max(workspace, copies - (chunk_bytes * chunks + head + pp_buffers))
     components = {
         "weights": float(states.weights), "grads": float(states.grads), "optimizer": float(states.optimizer),
         "activations": chunk_bytes * chunks, "logits_loss": head, "workspace": workspace, "pp_buffers": pp_buffers,

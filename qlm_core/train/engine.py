@@ -32,7 +32,7 @@ from qlm_core.parallel.optimizer_api import TrainingOptimizer
 from qlm_core.parallel.param_meta import mark
 from qlm_core.parallel.state import Grid
 from qlm_core.train.lora import apply_lora
-from qlm_core.train.validate import validate_layout
+from qlm_core.train.validate import validate_grad_reduce_dtype, validate_layout
 
 
 @dataclass
@@ -89,6 +89,7 @@ class Engine:
         self.source, self.seed, self.lora, self.loss_chunk_tokens = source, seed, lora, loss_chunk_tokens
         c, g = self.config, self.grid
         validate_layout(self.spec, c, g.sizes, self.seq_length, self.micro_batch_size, self.global_batch_size)
+        validate_grad_reduce_dtype(c.grad_reduce_dtype, next(n for n, t in DTYPES.items() if t == self.dtype))
         self.layout = recipe_layout(self.spec, c)
         self.num_microbatches = self.global_batch_size // (self.micro_batch_size * g.sizes.dp)
         self.chunks = self._build_chunks(self.source or RandomInitSource(self.layout, seed=self.seed))

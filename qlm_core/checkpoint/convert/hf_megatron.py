@@ -234,7 +234,7 @@ def mcore_to_mcore(
     (Adam states re-sliced like the weights, step, train state, scheduler; see train_state.py)."""
     started = time.perf_counter()
     src = open_megatron_with(mcore, iteration, config)
-    format = check_format(format or (src.ckpt_format))
+    format = check_format(format or src.ckpt_format)
     if src.lora is not None and not src.holds_base:
         raise QlmError(f"{src.root} holds only LoRA adapters", "export them with mcore2peft, or merged with mcore2hf")
     out = Path(out)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qlm_core.checkpoint.formats.megatron import open_megatron
+from qlm_core.checkpoint.formats.megatron import TORCH_DIST, open_megatron
 from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
 from qlm_core.checkpoint.formats.trainer_state import (
     COPIED_KEYS,
@@ -51,7 +51,7 @@ class TrainStateCarrier:
 
     def _names_with_state(self, view: MegatronTorchCheckpoint | TorchDistCheckpoint) -> set[str]:
         """Global names of the tensors the optimizer holds state for (trainable parameters)."""
-        if view.ckpt_format == "torch_dist":
+        if view.ckpt_format == TORCH_DIST:
             return {tensor.name for tensor in view.layout.global_tensors if view.holds(tensor)}
         names = set()
         for pp_rank in range(view.pp):
