@@ -26,6 +26,7 @@ from rich.table import Table
 
 from qlm_core.profile import efficiency
 from qlm_core.profile.calibration import evaluate, evaluate_orderings, load_runs, statistics_of
+from qlm_core.train.run_dir import write_atomic
 
 SHARED = ("attn_fwd", "attn_bwd", "elementwise", "comm", "overlap_penalty", "step_overhead_s")
 PER_FAMILY = ("gemm_max", "gemm_half")
@@ -106,7 +107,7 @@ def write_fitted(path: Path, fitted: dict, runs):
     new, count = re.subn(r"FITTED: dict\[str, KernelRates\] = \{\n.*?\n\}", lambda _: block, text, flags=re.S)
     if count != 1:
         raise SystemExit(f"could not find the FITTED block in {path}")
-    path.write_text(new)
+    write_atomic(path, new)  # a killed write never leaves efficiency.py torn
 
 
 def main(argv=None) -> int:

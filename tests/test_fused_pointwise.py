@@ -1,8 +1,10 @@
-"""RMSNormFunction and SwiGLUFunction against the plain expressions they replace: outputs and gradients bit-identical,
-and only the input (plus the norm's fp32 1/rms) saved for backward."""
+"""RMSNormFunction and SwiGLUFunction against transformers' own Qwen2RMSNorm and Qwen2MLP activation: outputs and
+gradients bit-identical, and only the input (plus the norm's fp32 1/rms) saved for backward."""
 
 import pytest
 import torch
+from transformers.activations import ACT2FN
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from qlm_core.kernels.norm import RMSNormFunction, rms_norm_reference
 from qlm_core.kernels.swiglu import SwiGLUFunction, swiglu_reference
@@ -26,36 +28,39 @@ def saved_bytes(fn, *inputs) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight_trains", [True, False])
-def test_rms_norm_matches_the_plain_expression_bit_for_bit(dtype, weight_trains):
+def test_rms_norm_matches_transformers_bit_for_bit(dtype, weight_trains):
     torch.manual_seed(0)
-    x = (torch.randn(3, 5, 64) * 3).to(dtype).requires_grad_()
-    weight = (1 + 0.1 * torch.randn(64)).to(dtype).requires_grad_(weight_trains)
+    x = (torch.randn(3, 5, 64) * 3).to(dtype)
+    weight = (1 + 0.1 * torch.randn(64)).to(dtype)
     grad = torch.randn(3, 5, 64).to(dtype)
-    results = []
-    for fn in (lambda a, w: rms_norm_reference(a, w, 1e-6), lambda a, w: RMSNormFunction.apply(a, w, 1e-6)):
-        a, w = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_(weight_trains)
-        out = fn(a, w)
-        out.backward(grad)
-        results.append((out, a.grad, w.grad))
-    (out0, gx0, gw0), (out1, gx1, gw1) = results
-    assert torch.equal(out0, out1)
-    assert torch.equal(gx0, gx1)
-    assert (gw0 is None and gw1 is None) or torch.equal(gw0, gw1)
+    hf = Qwen2RMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+    hf.weight.requires_grad_(weight_trains)
+    theirs_x, ours_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ours_w = weight.clone().requires_grad_(weight_trains)
+    theirs, ours = hf(theirs_x), RMSNormFunction.apply(ours_x, ours_w, 1e-6)
+    theirs.backward(grad)
+    ours.backward(grad)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours_x.grad, theirs_x.grad)
+    assert (not weight_trains and ours_w.grad is None) or torch.equal(ours_w.grad, hf.weight.grad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu_matches_the_plain_expression_bit_for_bit(dtype):
+def test_swiglu_matches_transformers_bit_for_bit(dtype):
+    """Qwen2MLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)); qlm's linear_fc1 holds [gate; up] in one output."""
     torch.manual_seed(0)
-    y = (torch.randn(4, 3, 2 * 48) * 2).to(dtype)
+    gate, up = ((torch.randn(4, 3, 48) * 2).to(dtype) for _ in range(2))
     grad = torch.randn(4, 3, 48).to(dtype)
-    results = []
-    for fn in (swiglu_reference, SwiGLUFunction.apply):
-        a = y.detach().clone().requires_grad_()
-        out = fn(a)
-        out.backward(grad)
-        results.append((out, a.grad))
-    assert torch.equal(results[0][0], results[1][0])
-    assert torch.equal(results[0][1], results[1][1])
+    g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    theirs = ACT2FN["silu"](g) * u
+    theirs.backward(grad)
+    fc1_out = torch.cat([gate, up], dim=-1).requires_grad_()
+    ours = SwiGLUFunction.apply(fc1_out)
+    ours.backward(grad)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(fc1_out.grad, torch.cat([g.grad, u.grad], dim=-1))
 
 
 def test_rms_norm_keeps_its_input_and_rstd_only():

@@ -186,7 +186,7 @@ def test_seed_question_answers_at_once(run_qlm):
     assert "fits" in out and "s/sample" in out and "MFU" in out
 
 
-JSON_KEYS = {"schema", "kind", "model", "layout", "gpu", "memory", "time"}
+JSON_KEYS = {"schema", "kind", "model", "layout", "gpu", "memory", "time", "assumed"}
 MEMORY_KEYS = {"stage", "components_gib", "total_gib", "capacity_gib", "headroom_gib", "fits",
                "activation_per_layer_gib", "inflight_microbatches", "layers", "stages_total_gib", "allocator"}
 TIME_KEYS = {"step_s", "s_per_sample", "tokens_per_s_per_device", "tflops_per_device", "mfu",

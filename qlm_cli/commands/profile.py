@@ -32,32 +32,8 @@ def _time_table(time) -> Table:
     return table
 
 
-def assumed_lines(case, gpu, rates) -> list[str]:
-    """What the time model assumed, so that a user can see why it predicts what it does."""
-    from qlm_core.profile.topology import group_bandwidth, p2p_bandwidth
-
-    p, sizes = case.parallel, case.sizes
-    gemm = rates.gemm(case.spec.hidden_size, case.spec.ffn_hidden_size / p.tp)
-    lines = [f"kernels ({rates.source}): GEMMs at {gemm:.0%} of {gpu.peak_tflops:g} TFLOP/s for this model's "
-             f"shapes, flash attention forward {rates.attn_fwd:.0%} and backward {rates.attn_bwd:.0%}, "
-             f"{rates.step_overhead_s:.3g} s per step of overhead"]
-    links = []
-    for name, dims, size in (("tp", ("tp",), p.tp), ("cp", ("cp",), p.cp), ("dp", ("dp", "cp"), sizes.dp * p.cp)):
-        if size > 1:
-            links.append(f"{name} {group_bandwidth(gpu, sizes, dims, rates.comm) / 1e9:,.0f} GB/s")
-    if p.pp > 1:
-        links.append(f"pp sends {p2p_bandwidth(gpu, sizes, rates.comm) / 1e9:,.0f} GB/s")
-    if links:
-        lines.append(f"links ({gpu.nvlink_gpus} GPUs per NVLink domain, {gpu.internode_gbps:g} GB/s NIC per GPU, "
-                     f"{rates.comm:.0%} of the link): " + ", ".join(links))
-    overlaps = [name for name, on in (("grad reduce", p.overlap_grad_reduce), ("param gather", p.overlap_param_gather),
-                                      ("TP comm", case.tp_comm_overlap), ("pipeline sends", case.p2p_overlap)) if on]
-    lines.append(f"overlapped: {', '.join(overlaps) or 'nothing'} (hidden communication costs "
-                 f"{rates.overlap_penalty:.0%} of itself); gradients reduced in {case.grad_reduce_dtype}")
-    return lines
-
-
 def _print_profile(case, gpu, memory, time):
+    from qlm_core.profile import report
     from qlm_core.profile.memory import GIB
 
     p, heavy = case.parallel, memory.heaviest
@@ -75,7 +51,7 @@ def _print_profile(case, gpu, memory, time):
     console.print(f"[bold]{time.s_per_sample:.3f} s/sample[/], {time.tokens_per_s_per_device:,.0f} tokens/s per "
                   f"device, {time.tflops_per_device:.0f} TFLOP/s per device, MFU {time.mfu:.1%} (qlm's FLOPs: causal "
                   f"attention halved; {time.megatron_mfu:.1%} by Megatron-LM's count)", highlight=False)
-    for line in assumed_lines(case, gpu, time.rates):
+    for line in report.assumed_lines(case, gpu, time.rates):
         console.print(f"[dim]assumed: {escape(line)}[/]", highlight=False)
 
 
@@ -212,7 +188,6 @@ def profile(
     from qlm_core.profile.case import build_case, validate_case
     from qlm_core.profile.memory import Allowance, estimate_memory
     from qlm_core.profile.timing import Efficiency, estimate_time
-    from qlm_core.train.validate import validate_grad_reduce_dtype
 
     if plot is not None:
         report.check_plot_path(plot)  # before any work
@@ -227,7 +202,6 @@ def profile(
                       loss_chunk_tokens=loss_chunk_tokens, mean_doc_len=mean_doc_len, **layout_options)
     if grad_reduce_dtype is not None:  # not a layout option: a model's layout search still runs without one
         case = case.with_parallel(grad_reduce_dtype=grad_reduce_dtype.value)
-    validate_grad_reduce_dtype(case.grad_reduce_dtype, case.dtype)
     device = gpu_spec(gpu.value, memory_gib=gpu_memory_gb, peak_tflops=peak_tflops, nvlink_gbps=nvlink_gbps,
                       internode_gbps=internode_gbps, gpus_per_node=gpus_per_node, nvlink_domain=nvlink_domain)
     eff = Efficiency(compute=efficiency, comm=comm_efficiency)

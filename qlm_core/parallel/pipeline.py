@@ -113,24 +113,28 @@ class InFlightStage(PipelineStage):
     The schedule's tensors (autograd's saved inputs, a zero-bubble weight pass's state, a send in progress) keep
     their own references, so dropping the stage's changes nothing they read.
 
-    `own_sends` (the multi-chunk schedules): torch's _PipelineScheduleRuntime keeps every send's Work, and with it the
-    sent tensor, until the step ends. This stage posts those sends itself, at the same moment and one by one as the
-    runtime would; a sent output (its storage too: its backward needs only its autograd node) or input gradient
-    goes once something the peer sent later proves it was received (SendRelease), and the rest are waited for when
-    the step ends (finish_sends)."""
+    Under the multi-chunk schedules (release_sends_with): torch's _PipelineScheduleRuntime keeps every send's Work,
+    and with it the sent tensor, until the step ends. This stage posts those sends itself, at the same moment and one
+    by one as the runtime would; a sent output (its storage too: its backward needs only its autograd node) or input
+    gradient goes once something the peer sent later proves it was received (SendRelease), and the rest are waited
+    for when the step ends (finish_sends)."""
 
-    def __init__(self, *args, own_sends: bool = False, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.own_sends = own_sends
-        self._output_sends: SendRelease | None = None  # set by PipelineRunner with the schedule's action orders
+        self._output_sends: SendRelease | None = None  # None: torch's runtime posts and keeps this stage's sends
         self._grad_sends: SendRelease | None = None
+
+    def release_sends_with(self, gradients: SendRelease, outputs: SendRelease) -> None:
+        """Post this stage's sends itself and release them by the schedule's action orders (multi-chunk schedules;
+        the orders exist only once the schedule is built from the stages)."""
+        self._grad_sends, self._output_sends = gradients, outputs
 
     def _post(self, ops) -> list:
         return [dist.isend(op.tensor, op.peer, group=op.group, tag=op.tag) for op in ops]
 
     def get_fwd_send_ops(self, fwd_chunk_id: int):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
-        if not self.own_sends:
+        if self._output_sends is None:
             return ops
         outputs = self.fwd_cache[fwd_chunk_id][0]
         self._output_sends.posted(self.stage_index, fwd_chunk_id, self._post(ops),
@@ -139,7 +143,7 @@ class InFlightStage(PipelineStage):
 
     def get_bwd_send_ops(self, bwd_chunk_id: int):
         ops = super().get_bwd_send_ops(bwd_chunk_id)
-        if not self.own_sends:
+        if self._grad_sends is None:
             return ops
         self._grad_sends.posted(self.stage_index, bwd_chunk_id, self._post(ops))
         return []
@@ -242,7 +246,7 @@ class PipelineRunner:
         cls = SCHEDULES[schedule]
         multi = cls in _MULTI_STAGE
         self.stages = [
-            InFlightStage(chunk, c * pp_size + pp_rank, num_stages, device, group=pp_group, own_sends=multi)
+            InFlightStage(chunk, c * pp_size + pp_rank, num_stages, device, group=pp_group)
             for c, chunk in enumerate(chunks)
         ]
         # The loss is already normalised by the step's token count, so the schedule must not rescale gradients.
@@ -253,7 +257,7 @@ class PipelineRunner:
             gradients = SendRelease.gradients(orders[(pp_rank - 1) % pp_size])
             outputs = SendRelease.outputs(orders[(pp_rank + 1) % pp_size])
             for stage in self.stages:
-                stage._grad_sends, stage._output_sends = gradients, outputs
+                stage.release_sends_with(gradients, outputs)
         self.has_first = pp_rank == 0
         self.has_last = any(stage.is_last for stage in self.stages)
 

@@ -78,22 +78,29 @@ def _framework(group: str) -> dict:
     return next((v for k, v in FRAMEWORKS.items() if group.startswith(k)), {})
 
 
+def case_of(fields: dict, spec: ModelSpec, model_name: str, num_gpus: int, group: str) -> ProfileCase:
+    """A published run's configuration (the rows' field names) as a ProfileCase, plus what its framework does that
+    qlm's trainer does not."""
+    framework = dict(_framework(group))
+    dtype = framework.pop("dtype", fields.get("precision", "bf16"))
+    recompute = fields["recompute"]
+    if group.startswith("torchtitan") and recompute == "selective":
+        recompute = "op"  # torchtitan's selective_ac_option = "op" (the row maps it to selective: qlm had no op)
+    parallel = ParallelConfig(
+        tp=fields.get("tp", 1), pp=fields.get("pp", 1), vpp=fields.get("vpp", 1), cp=fields.get("cp", 1),
+        dp=fields["dp"], sp=fields.get("sp", False), zero_stage=fields["zero"], recompute=recompute,
+        pp_schedule=fields.get("pp_schedule", "1f1b"), cp_comm_type=fields.get("cp_comm_type", "p2p"),
+        overlap_grad_reduce=True, overlap_param_gather=fields["zero"] in (1, 2))
+    tp_overlap = "tp_comm_overlap" in fields.get("not_expressible", [])  # the source overlaps it; qlm's trainer not
+    return ProfileCase(spec=spec, model_name=model_name, parallel=parallel, seq_len=fields["seq_len"],
+                       micro_batch_size=fields["mbs"], global_batch_size=fields["gbs"], num_gpus=num_gpus,
+                       dtype=dtype, tp_comm_overlap=tp_overlap, **framework)
+
+
 def run_from_row(row: dict) -> CalibrationRun:
     model = row["model"]
     spec = PRESETS[model["preset"]] if model.get("preset") else ModelSpec.from_hf_config(model["hf_config"])
-    framework = dict(_framework(row["group"]))
-    dtype = framework.pop("dtype", row["precision"])
-    recompute = row["recompute"]
-    if row["group"].startswith("torchtitan") and recompute == "selective":
-        recompute = "op"  # torchtitan's selective_ac_option = "op" (the row maps it to selective: qlm had no op)
-    parallel = ParallelConfig(
-        tp=row["tp"], pp=row["pp"], vpp=row["vpp"], cp=row["cp"], dp=row["dp"], sp=row["sp"],
-        zero_stage=row["zero"], recompute=recompute, pp_schedule=row["pp_schedule"],
-        cp_comm_type=row["cp_comm_type"], overlap_grad_reduce=True, overlap_param_gather=row["zero"] in (1, 2))
-    tp_overlap = "tp_comm_overlap" in row.get("not_expressible", [])  # the source overlaps it; qlm's trainer not
-    case = ProfileCase(spec=spec, model_name=model["name"], parallel=parallel, seq_len=row["seq_len"],
-                       micro_batch_size=row["mbs"], global_batch_size=row["gbs"], num_gpus=row["num_gpus"],
-                       dtype=dtype, tp_comm_overlap=tp_overlap, **framework)
+    case = case_of(row, spec, model["name"], row["num_gpus"], row["group"])
     gpu = gpu_spec(row["gpu"], memory_gib=row.get("gpu_memory_gb"))
     published = row["published"]
     return CalibrationRun(row["id"], row["group"], case, gpu, float(published["tokens_per_s_per_gpu"]),
@@ -161,15 +168,7 @@ def evaluate_orderings(eff: Efficiency = Efficiency(), path: Path = ORDERINGS_FI
         gpu = gpu_spec(ordering["gpu"], memory_gib=ordering.get("gpu_memory_gb"))
         rates = []
         for row in ordering["rows"]:
-            fields = {**ordering["common"], **row}
-            parallel = ParallelConfig(
-                tp=fields.get("tp", 1), pp=fields.get("pp", 1), vpp=fields.get("vpp", 1), cp=fields.get("cp", 1),
-                dp=fields["dp"], sp=fields.get("sp", False), zero_stage=fields["zero"],
-                recompute=fields["recompute"], pp_schedule=fields.get("pp_schedule", "1f1b"),
-                overlap_grad_reduce=True, overlap_param_gather=fields["zero"] in (1, 2))
-            case = ProfileCase(spec=spec, model_name=ordering["model"], parallel=parallel, seq_len=fields["seq_len"],
-                               micro_batch_size=fields["mbs"], global_batch_size=fields["gbs"],
-                               num_gpus=ordering["num_gpus"], **_framework("torchtitan"))
+            case = case_of({**ordering["common"], **row}, spec, ordering["model"], ordering["num_gpus"], "torchtitan")
             rates.append((row["label"], row["tokens_per_s_per_gpu"], estimate_time(case, gpu, eff)))
         for (label_a, published_a, time_a), (label_b, published_b, time_b) in zip(rates, rates[1:], strict=False):
             steps.append(OrderingStep(ordering["id"], ordering["what"], f"{label_a} -> {label_b}",

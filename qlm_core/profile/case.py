@@ -20,7 +20,7 @@ from qlm_core.models.layout import LORA_TARGETS, ModelLayout
 from qlm_core.models.spec import ModelSpec, load_model_spec
 from qlm_core.parallel.pipeline_rules import validate_recompute
 from qlm_core.parallel.state import ParallelSizes, resolve_sizes
-from qlm_core.train.validate import validate_counts, validate_layout
+from qlm_core.train.validate import validate_counts, validate_grad_reduce_dtype, validate_layout
 
 SEED_PARALLEL = dict(tp=4, cp=4, sp=True, zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True,
                      recompute="full", cp_comm_type="p2p")
@@ -128,6 +128,7 @@ def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
                        "pass --num-gpus as a multiple of tp*pp*cp or change the layout")
     sizes = case.sizes
     validate_layout(case.spec, p, sizes, case.seq_len, case.micro_batch_size, case.global_batch_size)
+    validate_grad_reduce_dtype(p.grad_reduce_dtype, case.dtype)
     try:
         validate_recompute(p.pp_schedule, p.pp, p.recompute)
     except ValueError as exc:

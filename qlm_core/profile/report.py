@@ -11,10 +11,12 @@ from qlm_core.checkpoint.io.staging import probe_writable
 from qlm_core.errors import QlmError
 from qlm_core.hardware import GpuSpec
 from qlm_core.profile.case import ProfileCase
+from qlm_core.profile.efficiency import KernelRates
 from qlm_core.profile.memory import COMPONENTS, GIB, Allowance, MemoryEstimate
 from qlm_core.profile.probe import MEASURED, ProbeResult
 from qlm_core.profile.search import SearchResult, why_faster
 from qlm_core.profile.timing import TIME_COMPONENTS, Efficiency, TimeEstimate
+from qlm_core.profile.topology import group_bandwidth, p2p_bandwidth
 
 SCHEMA = "qlm-profile/1"
 
@@ -38,7 +40,8 @@ def layout_dict(case: ProfileCase) -> dict:
         "dp": case.sizes.dp, "sp": p.sp, "cp_comm_type": p.cp_comm_type, "pp_schedule": p.pp_schedule,
         "zero_stage": p.zero_stage, "recompute": p.recompute, "recompute_num_layers": p.recompute_num_layers,
         "overlap_grad_reduce": p.overlap_grad_reduce, "overlap_param_gather": p.overlap_param_gather,
-        "bucket_size_mb": p.bucket_size_mb, "seq_len": case.seq_len, "micro_batch_size": case.micro_batch_size,
+        "bucket_size_mb": p.bucket_size_mb, "grad_reduce_dtype": case.grad_reduce_dtype, "seq_len": case.seq_len,
+        "micro_batch_size": case.micro_batch_size,
         "global_batch_size": case.global_batch_size, "num_microbatches": case.num_microbatches,
         "dtype": case.dtype, "lora_rank": case.lora_rank, "loss_chunk_tokens": case.loss_chunk_tokens,
         "mean_doc_len": case.mean_doc_len,
@@ -78,10 +81,34 @@ def time_dict(time: TimeEstimate) -> dict:
     }
 
 
+def assumed_lines(case: ProfileCase, gpu: GpuSpec, rates: KernelRates) -> list[str]:
+    """What the time model assumed, so that a user can see why it predicts what it does."""
+    p, sizes = case.parallel, case.sizes
+    gemm = rates.gemm(case.spec.hidden_size, case.spec.ffn_hidden_size / p.tp)
+    lines = [f"kernels ({rates.source}): GEMMs at {gemm:.0%} of {gpu.peak_tflops:g} TFLOP/s for this model's "
+             f"shapes, flash attention forward {rates.attn_fwd:.0%} and backward {rates.attn_bwd:.0%}, "
+             f"{rates.step_overhead_s:.3g} s per step of overhead"]
+    links = []
+    for name, dims, size in (("tp", ("tp",), p.tp), ("cp", ("cp",), p.cp), ("dp", ("dp", "cp"), sizes.dp * p.cp)):
+        if size > 1:
+            links.append(f"{name} {group_bandwidth(gpu, sizes, dims, rates.comm) / 1e9:,.0f} GB/s")
+    if p.pp > 1:
+        links.append(f"pp sends {p2p_bandwidth(gpu, sizes, rates.comm) / 1e9:,.0f} GB/s")
+    if links:
+        lines.append(f"links ({gpu.nvlink_gpus} GPUs per NVLink domain, {gpu.internode_gbps:g} GB/s NIC per GPU, "
+                     f"{rates.comm:.0%} of the link): " + ", ".join(links))
+    overlaps = [name for name, on in (("grad reduce", p.overlap_grad_reduce), ("param gather", p.overlap_param_gather),
+                                      ("TP comm", case.tp_comm_overlap), ("pipeline sends", case.p2p_overlap)) if on]
+    lines.append(f"overlapped: {', '.join(overlaps) or 'nothing'} (hidden communication costs "
+                 f"{rates.overlap_penalty:.0%} of itself); gradients reduced in {case.grad_reduce_dtype}")
+    return lines
+
+
 def profile_dict(case: ProfileCase, gpu: GpuSpec, eff: Efficiency, allowance: Allowance, memory: MemoryEstimate,
                  time: TimeEstimate) -> dict:
     return {"schema": SCHEMA, "kind": "profile", "model": model_dict(case), "layout": layout_dict(case),
-            "gpu": gpu_dict(gpu, eff), "memory": memory_dict(memory, allowance), "time": time_dict(time)}
+            "gpu": gpu_dict(gpu, eff), "memory": memory_dict(memory, allowance), "time": time_dict(time),
+            "assumed": assumed_lines(case, gpu, time.rates)}
 
 
 def search_dict(result: SearchResult, base: ProfileCase, eff: Efficiency, allowance: Allowance, top: int,

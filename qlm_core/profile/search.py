@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from qlm_core.config import CpCommType, RecomputeMode, choices
 from qlm_core.errors import QlmError
 from qlm_core.hardware import GpuSpec
+from qlm_core.parallel.pipeline_rules import MULTI_CHUNK_SCHEDULES
 from qlm_core.profile.case import ProfileCase, validate_case, validate_inputs
 from qlm_core.profile.memory import GIB, Allowance, MemoryEstimate, estimate_memory
 from qlm_core.profile.timing import TIME_COMPONENTS, Efficiency, TimeEstimate, estimate_time
@@ -66,7 +67,7 @@ def layouts(base: ProfileCase, num_gpus: int):
                 vpps = [1] if pp == 1 else [v for v in (1, 2, 3, 4) if layers % (pp * v) == 0]
                 for vpp in vpps:
                     schedules = ["1f1b"] if pp == 1 else (["1f1b", "zero_bubble"] if vpp == 1
-                                                          else ["interleaved_1f1b", "zero_bubble"])
+                                                          else list(MULTI_CHUNK_SCHEDULES))
                     for schedule in schedules:
                         for zero in (0, 1, 2, 3):
                             for recompute in RECOMPUTE:
