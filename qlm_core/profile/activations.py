@@ -80,6 +80,7 @@ class ActivationInputs:
     lora_targets: tuple[str, ...] = field(default=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # 0: the loss takes the whole logits
     recompute_modules: tuple[str, ...] = ("core_attn",)  # what recompute = "selective" covers
+    rotary: bool = True  # RoPE: q and k are rotated copies; without it they stay views of linear_qkv's output
 
     def recomputes(self, recompute: str, module: str) -> bool:
         return recompute == "selective" and module in self.recompute_modules
@@ -147,9 +148,11 @@ def layer_terms(x: ActivationInputs, recompute: str = "none") -> dict[str, float
         terms["q, k, v after all-to-all"] = e * (hq + 2 * kv_a2a) * d * T
         if core_attn:  # the checkpoint keeps the local q, k and v instead
             terms["q, k, v after all-to-all"] = e * (hq + hk + qkv_cols) * d * T
-    else:
+    elif x.rotary:
         terms["q, k after RoPE"] = e * (hq + hk) * d * T
         terms["linear_qkv output (v)"] = e * qkv_cols * d * T
+    else:
+        terms["linear_qkv output (q, k, v)"] = e * qkv_cols * d * T
     if x.cp > 1:
         proj_is_copy = x.cp_comm_type == "a2a"
     else:
@@ -179,7 +182,7 @@ def layer_bytes(x: ActivationInputs, recompute: str = "none") -> float:
 def forward_terms(x: ActivationInputs, embedding: bool) -> dict[str, float]:
     """Saved once per forward of a stage chunk, not per layer."""
     T = x.tokens
-    terms = {"rope cos/sin": 2 * x.dtype_bytes * x.spec.kv_channels * T}
+    terms = {"rope cos/sin": 2 * x.dtype_bytes * x.spec.kv_channels * T} if x.rotary else {}
     if x.cp > 1:
         terms["cp token index"] = 8 * x.seq_len / x.cp
     if embedding and not x.frozen:

@@ -3,9 +3,10 @@ row a run — model, GPU, layout, batch, the published tokens/s/GPU and memory, 
 map it onto qlm's options), each run as a ProfileCase on its GPU, and the error statistics of a prediction.
 
 What each source's framework does that qlm's trainer does not is set per source group (FRAMEWORKS): NeMo overlaps
-TP communication (70B and 405B recipes) and pipeline sends; Megatron-LM 2021 ran fp16 and reduced gradients in
-fp16; MosaicML's FSDP `DEFAULT` mixed precision gathers fp32 parameters and reduces in bf16; torchtitan and NeMo
-reduce bf16 runs' gradients in fp32, as qlm does.
+TP communication (70B and 405B recipes) and pipeline sends and reduces bf16 gradients; Megatron-LM 2021 ran fp16
+and reduced gradients in fp16; MosaicML's FSDP `DEFAULT` mixed precision gathers fp32 parameters and reduces in
+bf16, and MPT's ALiBi rotates no q and k (the RoPE stand-in would count copies MPT never makes); torchtitan reduces
+gradients in fp32.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ FRAMEWORKS = {  # source group prefix -> what its framework does (ProfileCase fi
     # NeMo's performance recipes (performance_mode) set plugins.grad_reduce_in_fp32 = False: bf16 main grads
     "NeMo": dict(framework_reduce_dtype="bf16", p2p_overlap=True),
     "Megatron-LM 2021": dict(framework_reduce_dtype="fp16", dtype="fp16"),
-    "MosaicML": dict(framework_reduce_dtype="bf16", param_gather_dtype="fp32"),
+    "MosaicML": dict(framework_reduce_dtype="bf16", param_gather_dtype="fp32", rotary=False),  # ALiBi positions
 }
 
 
@@ -160,16 +161,25 @@ def _named_spec(name: str) -> ModelSpec:
     return ModelSpec.from_hf_config(next(r["model"]["hf_config"] for r in rows if r["model"]["name"] == name))
 
 
+def _published_rate(row: dict) -> float:
+    """tokens/s/GPU, or TFLOP/s/GPU where the table gives that (its rows share model and sequence, so the ratio
+    between two rows is the same)."""
+    return float(row["tokens_per_s_per_gpu"] if "tokens_per_s_per_gpu" in row else row["tflops_per_gpu"])
+
+
 def evaluate_orderings(eff: Efficiency = Efficiency(), path: Path = ORDERINGS_FILE) -> list[OrderingStep]:
     """Each published table's consecutive rows as (published, predicted) ratios of tokens/s/GPU."""
     steps = []
     for ordering in json.loads(Path(path).read_text()):
-        spec = _named_spec(ordering["model"])
+        spec = (ModelSpec.from_hf_config(ordering["hf_config"]) if "hf_config" in ordering
+                else _named_spec(ordering["model"]))
         gpu = gpu_spec(ordering["gpu"], memory_gib=ordering.get("gpu_memory_gb"))
+        group = ordering.get("group", "torchtitan")
         rates = []
         for row in ordering["rows"]:
-            case = case_of({**ordering["common"], **row}, spec, ordering["model"], ordering["num_gpus"], "torchtitan")
-            rates.append((row["label"], row["tokens_per_s_per_gpu"], estimate_time(case, gpu, eff)))
+            num_gpus = row.get("num_gpus", ordering.get("num_gpus"))
+            case = case_of({**ordering["common"], **row}, spec, ordering["model"], num_gpus, group)
+            rates.append((row["label"], _published_rate(row), estimate_time(case, gpu, eff)))
         for (label_a, published_a, time_a), (label_b, published_b, time_b) in zip(rates, rates[1:], strict=False):
             steps.append(OrderingStep(ordering["id"], ordering["what"], f"{label_a} -> {label_b}",
                                       published_b / published_a,

@@ -48,6 +48,7 @@ class ProfileCase:
     param_gather_dtype: str = ""  # "": the compute dtype
     tp_comm_overlap: bool = False
     p2p_overlap: bool = False
+    rotary: bool = True  # False: the framework's positions rotate nothing (MPT's ALiBi), no RoPE outputs kept
 
     @property
     def grad_reduce_dtype(self) -> str:

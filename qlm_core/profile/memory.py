@@ -135,7 +135,7 @@ def activation_inputs(case: ProfileCase, device: str = "cuda") -> ActivationInpu
         spec=case.spec, seq_len=case.seq_len, micro_batch_size=case.micro_batch_size, tp=p.tp, sp=p.sp, cp=p.cp,
         cp_comm_type=p.cp_comm_type, dtype_bytes=case.dtype_bytes, padded_vocab=case.layout().padded_vocab,
         device=device, lora_rank=case.lora_rank, lora_targets=tuple(case.lora_targets),
-        loss_chunk_tokens=case.loss_chunk_tokens, recompute_modules=tuple(p.recompute_modules),
+        loss_chunk_tokens=case.loss_chunk_tokens, recompute_modules=tuple(p.recompute_modules), rotary=case.rotary,
     )
 
 
