@@ -33,6 +33,16 @@ MODEL_KINDS = {
     "llama3": ("llama", dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)),
     "mistral": ("mistral", dict(sliding_window=8)),
 }
+# Qwen3 (q/k norms, head_dim 24 independent of hidden / heads) and the MoE models: 4 experts, top 2; Qwen2-MoE with
+# a gated shared expert, pre-softmax routing and a dense layer among its MoE layers; expert sizes multiples of 8
+QWEN3_MOE_KINDS = {
+    "qwen3": ("qwen3", dict(head_dim=24, tie_word_embeddings=False)),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[2])),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=True, head_dim=24)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+}
 
 
 def make_tokenizer(path: Path, vocab_size: int = 280):
@@ -54,7 +64,7 @@ def make_hf_model(path: Path, kind: str, dtype=torch.float32, seed: int = 0, **o
     """Save a tiny random HF model of `kind` (see MODEL_KINDS) with a tokenizer; returns the model (eval)."""
     import transformers
 
-    model_type, extra = MODEL_KINDS[kind]
+    model_type, extra = {**MODEL_KINDS, **QWEN3_MOE_KINDS}[kind]
     config = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -62,6 +72,8 @@ def make_hf_model(path: Path, kind: str, dtype=torch.float32, seed: int = 0, **o
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
+            if name.endswith("mlp.gate.weight"):  # MoE routers: distinct logits, so no top-k ties
+                param.copy_(torch.randn_like(param))
     model.to(dtype).save_pretrained(path)
     make_tokenizer(path)
     return model
@@ -105,6 +117,15 @@ def run_worker_jobs(worker_name: str, nproc: int, out: Path, timeout: float = 60
     proc = launch_torchrun(TESTS_DIR / "workers" / worker_name, nproc, out, timeout=timeout)
     errors = "\n".join(p.read_text() for p in out.glob("*.error"))
     return out, proc.returncode, errors or proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory) -> dict[str, Path]:
+    """One saved tiny model per QWEN3_MOE_KINDS entry (fp32)."""
+    root = tmp_path_factory.mktemp("hf_moe")
+    for kind in QWEN3_MOE_KINDS:
+        make_hf_model(root / kind, kind)
+    return {kind: root / kind for kind in QWEN3_MOE_KINDS}
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,8 @@ from qlm_core.kernels.norm import RMSNorm
 from qlm_core.kernels.pieces import Documents, Piece, decoding_pieces, self_attention_pieces
 from qlm_core.kernels.piecewise import piecewise_attention
 from qlm_core.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from qlm_core.kernels.swiglu import swiglu
+from qlm_core.models.mlp import MLP
+from qlm_core.models.moe import MoELayer, MoeOptions, MoeTracker
 from qlm_core.models.spec import ModelSpec, padded_vocab_size
 from qlm_core.parallel.comm import group_rank, group_size
 from qlm_core.parallel.context_parallel import (
@@ -207,6 +208,12 @@ class SelfAttention(nn.Module):
             spec.hidden_size, spec.qkv_rows, bias=spec.qkv_bias,
             tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
         )
+        self.q_layernorm = self.k_layernorm = None
+        if spec.qk_layernorm:  # on each head; every TP rank holds other heads, so their gradients are summed
+            self.q_layernorm = RMSNorm(spec.kv_channels, spec.norm_epsilon, dtype)
+            self.k_layernorm = RMSNorm(spec.kv_channels, spec.norm_epsilon, dtype)
+            for norm in (self.q_layernorm, self.k_layernorm):
+                mark(norm.weight, sequence_parallel=group_size(tp_group) > 1)
 
     def _split_qkv(self, mixed: torch.Tensor):
         """mixed [s, b, local qkv rows] -> q [s, b, local heads, d], k and v [s, b, local groups, d]."""
@@ -247,6 +254,8 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         q, k, v = self._split_qkv(self.linear_qkv(x))
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
@@ -260,25 +269,6 @@ class SelfAttention(nn.Module):
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
-class MLP(nn.Module):
-    """SwiGLU: linear_fc1 holds [gate_r; up_r] on TP rank r, so a local chunk(2) splits gate from up."""
-
-    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype):
-        super().__init__()
-        tp_group, sequence_parallel = parallel.tp_group, parallel.sequence_parallel
-        self.linear_fc1 = ColumnParallelLinear(
-            spec.hidden_size, 2 * spec.ffn_hidden_size, tp_group=tp_group, sequence_parallel=sequence_parallel,
-            dtype=dtype,
-        )
-        self.linear_fc2 = RowParallelLinear(
-            spec.ffn_hidden_size, spec.hidden_size, tp_group=tp_group, sequence_parallel=sequence_parallel,
-            dtype=dtype,
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(swiglu(self.linear_fc1(x)))
-
-
 def replicated_norm(spec: ModelSpec, parallel: ParallelOptions, dtype) -> RMSNorm:
     """An RMSNorm, whose weight every TP rank holds whole. Under sequence parallelism each TP rank sees a different
     slice of tokens, so the weight's gradient must be summed over the TP group."""
@@ -287,13 +277,27 @@ def replicated_norm(spec: ModelSpec, parallel: ParallelOptions, dtype) -> RMSNor
     return norm
 
 
+@dataclass
+class MoeContext:
+    """What a model's MoE layers share: how they train and where they record their losses."""
+
+    options: MoeOptions
+    tracker: MoeTracker
+
+
 class TransformerLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype, layer_index: int = 0):
+    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype, layer_index: int = 0,
+                 global_layer: int = 0, moe: MoeContext | None = None):
+        """`layer_index`: its slot in this module's KVCache; `global_layer`: its index in the whole model."""
         super().__init__()
         self.input_layernorm = replicated_norm(spec, parallel, dtype)
         self.self_attention = SelfAttention(spec, parallel, dtype, layer_index)
         self.pre_mlp_layernorm = replicated_norm(spec, parallel, dtype)
-        self.mlp = MLP(spec, parallel, dtype)
+        if spec.is_moe_layer(global_layer):
+            moe = moe or MoeContext(MoeOptions(), MoeTracker())
+            self.mlp = MoELayer(spec.hidden_size, spec.moe, parallel, moe.options, moe.tracker, global_layer, dtype)
+        else:
+            self.mlp = MLP(spec.hidden_size, spec.ffn_hidden_size, parallel, dtype)
         self.parallel = parallel
 
     def _norm_then(self, norm: RMSNorm, block, x: torch.Tensor, *args) -> torch.Tensor:
@@ -317,10 +321,12 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, spec, num_layers, post_process, parallel: ParallelOptions, dtype):
+    def __init__(self, spec, num_layers, post_process, parallel: ParallelOptions, dtype, layer_offset: int = 0,
+                 moe: MoeContext | None = None):
         super().__init__()
         self.parallel = parallel
-        self.layers = nn.ModuleList(TransformerLayer(spec, parallel, dtype, index) for index in range(num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(spec, parallel, dtype, index, layer_offset + index, moe)
+                                    for index in range(num_layers))
         self.final_layernorm = replicated_norm(spec, parallel, dtype) if post_process else None
 
     def forward(self, x, cos, sin, inputs: AttentionInputs):
@@ -369,6 +375,7 @@ class GPTModel(nn.Module):
         padded_vocab: int | None = None,
         dtype: torch.dtype = torch.float32,
         loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        moe_options: MoeOptions | None = None,
     ):
         super().__init__()
         parallel = parallel or ParallelOptions()
@@ -390,7 +397,9 @@ class GPTModel(nn.Module):
         self.tied_in_stage = spec.tie_word_embeddings and pre_process
         if pre_process:
             self.embedding = LanguageModelEmbedding(spec, self.padded_vocab, parallel, dtype)
-        self.decoder = TransformerBlock(spec, num_layers, post_process, parallel, dtype)
+        # MoE layers record their losses and loads here (one tracker per model chunk)
+        self.moe = MoeContext(moe_options or MoeOptions(), MoeTracker())
+        self.decoder = TransformerBlock(spec, num_layers, post_process, parallel, dtype, layer_offset, self.moe)
         if post_process:
             # With tied embeddings the output layer borrows the embedding weight when both live in this stage;
             # a last stage without the embedding keeps its own copy (synchronised by the pipeline code).

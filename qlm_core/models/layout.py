@@ -26,20 +26,14 @@ from qlm_core.models.spec import ModelSpec, padded_vocab_size
 REPLICATED, ROWS, COLS, FC1 = "replicated", "rows", "cols", "fc1"
 _FIRST_FLAG, _LAST_FLAG = "--num-layers-in-first-pipeline-stage", "--num-layers-in-last-pipeline-stage"
 
-# Per-layer tensors: Megatron local-spec suffix -> (split rule, HF suffix(es)) ; order = module registration order.
-_LAYER_TENSORS = (
-    ("input_layernorm.weight", REPLICATED),
-    ("self_attention.linear_proj.weight", COLS),
-    ("self_attention.linear_qkv.weight", ROWS),
-    ("self_attention.linear_qkv.bias", ROWS),
-    ("pre_mlp_layernorm.weight", REPLICATED),
-    ("mlp.linear_fc1.weight", FC1),
-    ("mlp.linear_fc2.weight", COLS),
-)
 EMBEDDING = "embedding.word_embeddings.weight"
 LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
-# LoRA target name (LoraConfig.target_modules) -> the linear it adapts; in state_dict order.
+# LoRA target name (LoraConfig.target_modules) -> the linear it adapts; in state_dict order. In an MoE layer the MLP
+# targets adapt the shared expert's linears (SHARED_EXPERT_LINEARS); routed experts take no adapters.
 LORA_TARGETS = {linear.rsplit(".", 1)[1]: linear for linear in LINEARS}
+SHARED_EXPERT_LINEARS = {"mlp.linear_fc1": "mlp.shared_experts.linear_fc1",
+                         "mlp.linear_fc2": "mlp.shared_experts.linear_fc2"}
+EXPERT_PREFIX = "mlp.experts.local_experts."  # SequentialMLP: `mlp.experts.local_experts.<e>.linear_fc1.weight`
 
 # Transformer-Engine spec fuses the norms into the following linear; torch_dist always uses these names.
 TE_NORM_NAMES = {
@@ -144,8 +138,15 @@ class ModelLayout:
                 f"--tp {tp} neither divides nor is a multiple of num_query_groups {s.num_query_groups}",
                 f"use a TP size that divides {s.num_query_groups} or a multiple of it",
             )
-        if s.ffn_hidden_size % tp:
+        dense = any(not s.is_moe_layer(i) for i in range(s.num_layers))
+        if dense and s.ffn_hidden_size % tp:
             raise QlmError(f"--tp {tp} does not divide ffn_hidden_size {s.ffn_hidden_size}", "choose another TP size")
+        if s.moe is not None:
+            for what, size in (("moe_intermediate_size", s.moe.ffn_hidden_size),
+                               ("shared_expert_intermediate_size", s.moe.shared_expert_hidden_size)):
+                if size % tp:
+                    raise QlmError(f"--tp {tp} does not divide the MoE {what} {size}",
+                                   f"use a TP size that divides {size}")
         if self.padded_vocab < s.vocab_size or self.padded_vocab % tp:
             raise QlmError(
                 f"padded vocabulary {self.padded_vocab} is smaller than {s.vocab_size} or not divisible by --tp {tp}",
@@ -236,39 +237,66 @@ class ModelLayout:
         segments = (Segment(0, v, hf_name),) + ((Segment(v, p, None, 0),) if p > v else ())
         return TensorLayout(name, (p, h), ROWS, segments, hf_primary=primary, stored_as=stored_as)
 
-    def layer_tensors(self, layer: int) -> list[TensorLayout]:
+    def layer_entries(self, layer: int) -> list[tuple[str, TensorLayout | None]]:
+        """(local-spec suffix, global tensor) of one layer in Megatron-Core's state_dict order; a None tensor is
+        the `_extra_state` that follows each linear's parameters (suffix `<linear>._extra_state`)."""
         s = self.spec
-        h, f, d, g, per_group = s.hidden_size, s.ffn_hidden_size, s.kv_channels, s.num_query_groups, s.heads_per_group
+        h, d, g, per_group = s.hidden_size, s.kv_channels, s.num_query_groups, s.heads_per_group
         hf = f"model.layers.{layer}."
-        out = []
-        for suffix, split in _LAYER_TENSORS:
-            name = f"decoder.layers.{layer}.{suffix}"
-            if suffix == "input_layernorm.weight":
-                out.append(TensorLayout(name, (h,), split, (Segment(0, h, hf + "input_layernorm.weight"),)))
-            elif suffix == "pre_mlp_layernorm.weight":
-                out.append(TensorLayout(name, (h,), split, (Segment(0, h, hf + "post_attention_layernorm.weight"),)))
-            elif suffix == "self_attention.linear_proj.weight":
-                qd = s.num_attention_heads * d
-                out.append(TensorLayout(name, (h, qd), split, (Segment(0, qd, hf + "self_attn.o_proj.weight"),)))
-            elif suffix.startswith("self_attention.linear_qkv."):
-                kind = suffix.rsplit(".", 1)[1]
-                if kind == "bias" and not s.qkv_bias:
-                    continue
-                segs, row = [], 0
-                for group in range(g):
-                    for proj, rows, hf_start in (
-                        ("q", per_group * d, group * per_group * d), ("k", d, group * d), ("v", d, group * d),
-                    ):
-                        segs.append(Segment(row, row + rows, f"{hf}self_attn.{proj}_proj.{kind}", hf_start))
-                        row += rows
-                shape = (s.qkv_rows, h) if kind == "weight" else (s.qkv_rows,)
-                out.append(TensorLayout(name, shape, split, tuple(segs)))
-            elif suffix == "mlp.linear_fc1.weight":
-                segs = (Segment(0, f, hf + "mlp.gate_proj.weight"), Segment(f, 2 * f, hf + "mlp.up_proj.weight"))
-                out.append(TensorLayout(name, (2 * f, h), split, segs))
-            elif suffix == "mlp.linear_fc2.weight":
-                out.append(TensorLayout(name, (h, f), split, (Segment(0, f, hf + "mlp.down_proj.weight"),)))
+        name = f"decoder.layers.{layer}."
+        qd = s.num_attention_heads * d
+        out: list[tuple[str, TensorLayout | None]] = [
+            ("input_layernorm.weight", TensorLayout(name + "input_layernorm.weight", (h,), REPLICATED,
+                                                    (Segment(0, h, hf + "input_layernorm.weight"),))),
+            ("self_attention.linear_proj.weight", TensorLayout(
+                name + "self_attention.linear_proj.weight", (h, qd), COLS,
+                (Segment(0, qd, hf + "self_attn.o_proj.weight"),))),
+            ("self_attention.linear_proj._extra_state", None),
+        ]
+        for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
+            segs, row = [], 0
+            for group in range(g):
+                for proj, rows, hf_start in (
+                    ("q", per_group * d, group * per_group * d), ("k", d, group * d), ("v", d, group * d),
+                ):
+                    segs.append(Segment(row, row + rows, f"{hf}self_attn.{proj}_proj.{kind}", hf_start))
+                    row += rows
+            shape = (s.qkv_rows, h) if kind == "weight" else (s.qkv_rows,)
+            suffix = f"self_attention.linear_qkv.{kind}"
+            out.append((suffix, TensorLayout(name + suffix, shape, ROWS, tuple(segs))))
+        out.append(("self_attention.linear_qkv._extra_state", None))
+        if s.qk_layernorm:
+            for which in ("q", "k"):
+                suffix = f"self_attention.{which}_layernorm.weight"
+                out.append((suffix, TensorLayout(name + suffix, (d,), REPLICATED,
+                                                 (Segment(0, d, f"{hf}self_attn.{which}_norm.weight"),))))
+        out.append(("pre_mlp_layernorm.weight", TensorLayout(name + "pre_mlp_layernorm.weight", (h,), REPLICATED, (
+            Segment(0, h, hf + "post_attention_layernorm.weight"),))))
+        if not s.is_moe_layer(layer):
+            return out + _mlp_entries(name, "mlp.", s.ffn_hidden_size, h, hf + "mlp.", _GATE_UP_DOWN)
+        moe, moe_hf = s.moe, hf + ("block_sparse_moe." if s.model_type == "mixtral" else "mlp.")
+        experts = s.moe.num_experts
+        out.append(("mlp.router.weight", TensorLayout(name + "mlp.router.weight", (experts, h), REPLICATED,
+                                                      (Segment(0, experts, moe_hf + "gate.weight"),))))
+        projections = _W1_W3_W2 if s.model_type == "mixtral" else _GATE_UP_DOWN
+        for e in range(experts):
+            out += _mlp_entries(name, f"{EXPERT_PREFIX}{e}.", moe.ffn_hidden_size, h, f"{moe_hf}experts.{e}.",
+                                projections)
+        if moe.shared_expert_hidden_size:
+            out += _mlp_entries(name, "mlp.shared_experts.", moe.shared_expert_hidden_size, h,
+                                moe_hf + "shared_expert.", _GATE_UP_DOWN)
+        if moe.shared_expert_gate:
+            out.append(("mlp.shared_experts.gate_weight", TensorLayout(
+                name + "mlp.shared_experts.gate_weight", (1, h), REPLICATED,
+                (Segment(0, 1, moe_hf + "shared_expert_gate.weight"),))))
         return out
+
+    def layer_tensors(self, layer: int) -> list[TensorLayout]:
+        return [tensor for _, tensor in self.layer_entries(layer) if tensor is not None]
+
+    def layer_linears(self, layer: int) -> list[str]:
+        """The linears of one layer (local-spec module paths), each of which has an `_extra_state`."""
+        return [suffix[: -len("._extra_state")] for suffix, tensor in self.layer_entries(layer) if tensor is None]
 
     @cached_property
     def global_tensors(self) -> list[TensorLayout]:
@@ -288,14 +316,7 @@ class ModelLayout:
         if first:
             entries.append(("embedding.word_embeddings.weight", self.embedding()))
         for local, layer in enumerate(self.chunk_layers(pp_rank, chunk)):
-            prefix = f"decoder.layers.{local}."
-            by_suffix = {t.name.split(f"decoder.layers.{layer}.", 1)[1]: t for t in self.layer_tensors(layer)}
-            for suffix, _ in _LAYER_TENSORS:
-                if suffix in by_suffix:
-                    entries.append((prefix + suffix, by_suffix[suffix]))
-                linear = suffix.rsplit(".", 1)[0]
-                if linear in LINEARS and suffix.endswith(_last_param_of(linear, by_suffix)):
-                    entries.append((prefix + linear + "._extra_state", None))
+            entries += [(f"decoder.layers.{local}.{suffix}", tensor) for suffix, tensor in self.layer_entries(layer)]
         if last:
             entries.append(("decoder.final_layernorm.weight", self.final_norm()))
             if not (self.spec.tie_word_embeddings and first):
@@ -314,10 +335,19 @@ class ModelLayout:
             raise QlmError(f"unknown LoRA target modules {sorted(unknown)}", f"choose from {', '.join(LORA_TARGETS)}")
         weights = {t.name: t for t in self.layer_tensors(layer)}
         out = []
-        for target, linear in LORA_TARGETS.items():
-            if target in targets:
+        for target in LORA_TARGETS:
+            linear = self.lora_linear(layer, target)
+            if target in targets and linear is not None:
                 out += _lora_pair(weights[f"decoder.layers.{layer}.{linear}.weight"], rank)
         return out
+
+    def lora_linear(self, layer: int, target: str) -> str | None:
+        """The linear (module path in the layer) a LoRA target adapts in `layer`: in an MoE layer the MLP targets
+        adapt the shared expert's linears, and nothing when it has none."""
+        linear = LORA_TARGETS[target]
+        if self.spec.is_moe_layer(layer) and linear in SHARED_EXPERT_LINEARS:
+            return SHARED_EXPERT_LINEARS[linear] if self.spec.moe.shared_expert_hidden_size else None
+        return linear
 
     def lora_shard_entries(self, pp_rank: int, chunk: int, rank: int, targets) -> list[tuple[str, TensorLayout]]:
         """(local name, global tensor) of the adapters of one chunk, in the order of its state_dict."""
@@ -366,9 +396,21 @@ def pieces_shape(parts: list[tuple[TensorLayout, Segment]]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _last_param_of(linear: str, by_suffix: dict) -> str:
-    """`_extra_state` follows a linear's last parameter in Megatron's state_dict order."""
-    return "bias" if f"{linear}.bias" in by_suffix else "weight"
+_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+_W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral's experts: w1 the gate, w3 the up and w2 the down projection
+
+
+def _mlp_entries(name: str, module: str, ffn: int, h: int, hf: str, projections: tuple[str, str, str]):
+    """A SwiGLU MLP's entries (module `module` of layer `name`): linear_fc1 = [gate; up], linear_fc2 = down."""
+    gate, up, down = (f"{hf}{proj}.weight" for proj in projections)
+    fc1, fc2 = f"{module}linear_fc1", f"{module}linear_fc2"
+    return [
+        (fc1 + ".weight", TensorLayout(name + fc1 + ".weight", (2 * ffn, h), FC1,
+                                        (Segment(0, ffn, gate), Segment(ffn, 2 * ffn, up)))),
+        (fc1 + "._extra_state", None),
+        (fc2 + ".weight", TensorLayout(name + fc2 + ".weight", (h, ffn), COLS, (Segment(0, ffn, down),))),
+        (fc2 + "._extra_state", None),
+    ]
 
 
 def _lora_pair(weight: TensorLayout, rank: int) -> tuple[TensorLayout, TensorLayout]:

@@ -1,5 +1,6 @@
 """Architecture numbers of well-known models, copied from their published config.json files (numbers only)."""
 
+from qlm_core.models.moe_spec import MoeSpec
 from qlm_core.models.spec import ModelSpec, RopeScaling
 
 
@@ -21,6 +22,35 @@ def _llama(hidden, ffn, layers, heads, groups, vocab, max_pos, theta, scaling=No
     )
 
 
+def _qwen3(hidden, ffn, layers, heads, groups, tied, moe: MoeSpec | None = None) -> ModelSpec:
+    return ModelSpec(
+        model_type="qwen3_moe" if moe else "qwen3", vocab_size=151936, hidden_size=hidden, ffn_hidden_size=ffn,
+        num_layers=layers, num_attention_heads=heads, num_query_groups=groups, kv_channels=128,
+        max_position_embeddings=40960, rope_theta=1_000_000.0, norm_epsilon=1e-6, qkv_bias=False,
+        tie_word_embeddings=tied, bos_token_id=151643, eos_token_id=151645, qk_layernorm=True, moe=moe,
+    )
+
+
+def _qwen2_moe(hidden, ffn, layers, heads, groups, experts, topk, expert_ffn, shared_ffn, max_pos) -> ModelSpec:
+    return ModelSpec(
+        model_type="qwen2_moe", vocab_size=151936, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
+        num_attention_heads=heads, num_query_groups=groups, kv_channels=hidden // heads,
+        max_position_embeddings=max_pos, rope_theta=1_000_000.0, norm_epsilon=1e-6, qkv_bias=True,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643,
+        moe=MoeSpec(experts, topk, expert_ffn, pre_softmax=True, shared_expert_hidden_size=shared_ffn,
+                    shared_expert_gate=True),
+    )
+
+
+def _mixtral(hidden, ffn, layers, heads, max_pos) -> ModelSpec:
+    return ModelSpec(
+        model_type="mixtral", vocab_size=32000, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
+        num_attention_heads=heads, num_query_groups=8, kv_channels=128, max_position_embeddings=max_pos,
+        rope_theta=1_000_000.0, norm_epsilon=1e-5, qkv_bias=False, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2, moe=MoeSpec(8, 2, ffn),
+    )
+
+
 _LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 PRESETS: dict[str, ModelSpec] = {
@@ -38,6 +68,18 @@ PRESETS: dict[str, ModelSpec] = {
     "llama3-70b": _llama(8192, 28672, 80, 64, 8, 128256, 8192, 500000.0),
     "llama3.1-8b": _llama(4096, 14336, 32, 32, 8, 128256, 131072, 500000.0, _LLAMA31),
     "llama3.1-70b": _llama(8192, 28672, 80, 64, 8, 128256, 131072, 500000.0, _LLAMA31),
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, tied=True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, tied=True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, tied=True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, tied=False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, 8, tied=False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, 8, tied=False),
+    "qwen3-30b-a3b": _qwen3(2048, 6144, 48, 32, 4, tied=False, moe=MoeSpec(128, 8, 768)),
+    "qwen3-235b-a22b": _qwen3(4096, 12288, 94, 64, 4, tied=False, moe=MoeSpec(128, 8, 1536)),
+    "qwen1.5-moe-a2.7b": _qwen2_moe(2048, 5632, 24, 16, 16, 60, 4, 1408, 5632, max_pos=8192),
+    "qwen2-57b-a14b": _qwen2_moe(3584, 18944, 28, 28, 4, 64, 8, 2560, 20480, max_pos=131072),
+    "mixtral-8x7b": _mixtral(4096, 14336, 32, 32, max_pos=32768),
+    "mixtral-8x22b": _mixtral(6144, 16384, 56, 48, max_pos=65536),
     # For CPU demos and tests: a Qwen2-style model of ~0.9M parameters (vocabulary 512 fits qlm's demo tokenizer).
     "qlm-tiny": ModelSpec(
         model_type="qwen2", vocab_size=512, hidden_size=128, ffn_hidden_size=352, num_layers=4,

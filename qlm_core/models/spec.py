@@ -13,9 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from qlm_core.errors import QlmError
+from qlm_core.models.moe_spec import MOE_MODEL_TYPES, MoeSpec, moe_from_hf, moe_to_hf
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
-HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral", "qwen3", *MOE_MODEL_TYPES)
+HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm over head_dim on each q and k head, before RoPE
+QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
+SLIDING_WINDOW_MODEL_TYPES = ("mistral", "mixtral")  # `sliding_window` always applies; the Qwens gate it
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ class ModelSpec:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    qk_layernorm: bool = False  # Qwen3: q_layernorm / k_layernorm [head_dim] on each head before RoPE
+    moe: MoeSpec | None = None  # Mixture of Experts (None: every layer a dense MLP of ffn_hidden_size)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -54,6 +62,9 @@ class ModelSpec:
                 f"unsupported model_type {self.model_type!r}",
                 f"qlm supports {', '.join(SUPPORTED_MODEL_TYPES)}",
             )
+        if (self.moe is not None) != (self.model_type in MOE_MODEL_TYPES):
+            raise QlmError(f"model_type {self.model_type!r} {'needs' if self.moe is None else 'takes no'} MoE numbers",
+                           f"MoE model types are {', '.join(MOE_MODEL_TYPES)}")
         if self.num_attention_heads % self.num_query_groups:
             raise QlmError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -69,12 +80,26 @@ class ModelSpec:
     def qkv_rows(self) -> int:
         return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
 
-    def num_parameters(self) -> int:
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer)
+
+    def _layer_parameters(self, layer: int, active: bool) -> int:
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.kv_channels
         attn = h * self.qkv_rows + (self.qkv_rows if self.qkv_bias else 0) + self.num_attention_heads * d * h
-        layer = attn + 3 * h * f + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        attn += 2 * d if self.qk_layernorm else 0
+        if not self.is_moe_layer(layer):
+            return attn + 3 * h * f + 2 * h
+        moe = self.moe
+        experts = moe.topk if active else moe.num_experts
+        mlp = moe.num_experts * h + experts * 3 * h * moe.ffn_hidden_size  # router + experts
+        mlp += 3 * h * moe.shared_expert_hidden_size + (h if moe.shared_expert_gate else 0)
+        return attn + mlp + 2 * h
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Every parameter (HF's count: the embedding once when tied); `active`: those one token computes with,
+        the routed experts counted top-k times instead of num_experts."""
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return sum(self._layer_parameters(i, active) for i in range(self.num_layers)) + embed + self.hidden_size
 
     def replace(self, **changes) -> ModelSpec:
         return dataclasses.replace(self, **changes)
@@ -93,7 +118,7 @@ class ModelSpec:
         if act != "silu":
             raise QlmError(f"hidden_act {act!r} is not supported", "qlm's MLP is SwiGLU (hidden_act 'silu')")
         for flag in ("attention_bias", "mlp_bias"):
-            if model_type != "qwen2" and config.get(flag):
+            if model_type not in QKV_BIAS_MODEL_TYPES and config.get(flag):
                 raise QlmError(f"{flag}=true is not supported for {model_type}", "use a checkpoint without biases")
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [key for key in sizes if key not in config]
@@ -107,10 +132,12 @@ class ModelSpec:
         heads = config["num_attention_heads"]
         theta, scaling = _read_rope(config)
         sliding = None
-        if model_type == "mistral":
+        if model_type in SLIDING_WINDOW_MODEL_TYPES:
             sliding = config.get("sliding_window")
-        elif model_type == "qwen2" and config.get("use_sliding_window"):
-            raise QlmError("Qwen2 use_sliding_window=true is not supported", "set use_sliding_window to false")
+        elif config.get("use_sliding_window"):
+            raise QlmError(f"{model_type} use_sliding_window=true is not supported", "set use_sliding_window to false")
+        qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(config.get("qkv_bias", True)))
+        moe = moe_from_hf(config, model_type, config["num_hidden_layers"]) if model_type in MOE_MODEL_TYPES else None
         return cls(
             model_type=model_type,
             vocab_size=config["vocab_size"],
@@ -123,12 +150,14 @@ class ModelSpec:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             rope_theta=theta,
             norm_epsilon=config.get("rms_norm_eps", 1e-6),
-            qkv_bias=model_type == "qwen2",
+            qkv_bias=qkv_bias,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
             sliding_window=sliding,
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
+            qk_layernorm=model_type in QK_NORM_MODEL_TYPES,
+            moe=moe,
         )
 
     @classmethod
@@ -158,12 +187,16 @@ class ModelSpec:
         }
         if self.rope_scaling is not None:
             config["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
-        if self.model_type == "mistral":
+        if self.model_type in SLIDING_WINDOW_MODEL_TYPES:
             config["sliding_window"] = self.sliding_window
-        if self.model_type == "qwen2":
+        else:
             config["use_sliding_window"] = False
-        if self.model_type == "llama":
+        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
             config.update(attention_bias=False, mlp_bias=False)
+        if self.model_type == "qwen2_moe":
+            config["qkv_bias"] = self.qkv_bias
+        if self.moe is not None:
+            config.update(moe_to_hf(self.moe, self.model_type, self.num_layers))
         return config
 
 

@@ -113,7 +113,7 @@ class _SPGatherLinear(Function):
 # ---- layers ---------------------------------------------------------------------------------------------------------
 
 
-class _MegatronLinearState:
+class MegatronLinearState:
     """Megatron-Core linear layers carry an `_extra_state` entry (None) in their state_dict; so do ours, so that a
     rank's state_dict is exactly a Megatron checkpoint shard."""
 
@@ -130,7 +130,7 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-class ColumnParallelLinear(_MegatronLinearState, nn.Module):
+class ColumnParallelLinear(MegatronLinearState, nn.Module):
     def __init__(
         self, in_features, out_features, *, bias=False, tp_group: ProcessGroup | None = None,
         sequence_parallel=False, gather_output=False, skip_weight=False, dtype=torch.float32,
@@ -156,7 +156,7 @@ class ColumnParallelLinear(_MegatronLinearState, nn.Module):
         return gather_last_dim(out, self.tp_group) if self.gather_output else out
 
 
-class RowParallelLinear(_MegatronLinearState, nn.Module):
+class RowParallelLinear(MegatronLinearState, nn.Module):
     def __init__(self, in_features, out_features, *, bias=False, tp_group: ProcessGroup | None = None,
                  sequence_parallel=False, dtype=torch.float32):
         super().__init__()

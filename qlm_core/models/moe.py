@@ -1,0 +1,273 @@
+"""The Mixture-of-Experts layer of the one model, with Megatron-Core's local-spec names so that a rank's state_dict
+is still the Megatron shard: `mlp.router.weight` [E, h], SequentialMLP's `mlp.experts.local_experts.<e>.linear_fc1`
+([gate; up] rows) and `.linear_fc2`, and SharedExpertMLP's `mlp.shared_experts.linear_fc1 / linear_fc2 /
+gate_weight`.
+
+Under tensor parallelism every expert is split like the dense MLP (fc1 by rows, fc2 by columns; Megatron's expert
+TP = TP) and every TP rank runs every expert on all of the micro-batch's tokens: the router runs on this rank's
+tokens (its sequence shard under SP), then tokens, probabilities and choices are all-gathered over TP (SP) — the
+all-gather dispatcher — and the experts' partial sums are reduce-scattered (SP) or all-reduced back.
+
+Losses (MoeOptions): the load-balancing loss E·Σᵢ fᵢ·Pᵢ per layer as Megatron computes it (fᵢ the share of the
+top-k choices that went to expert i, Pᵢ its mean router probability over all experts, both over the micro-batch's
+tokens on every sequence shard), or transformers' variant (one such loss over every layer's router logits), and
+the router z-loss mean(logsumexp(logits)²). Their gradients enter backward through the layer's output (Megatron's
+MoEAuxLossAutoScaler), scaled by MoeTracker.loss_scale, so they need no path through the pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from qlm_core.kernels.grouped_mlp import grouped_swiglu_mlp
+from qlm_core.models.mlp import MLP
+from qlm_core.models.moe_spec import MoeSpec
+from qlm_core.parallel.comm import all_gather_dim0, all_reduce, group_size
+from qlm_core.parallel.param_meta import mark
+from qlm_core.parallel.tensor import (
+    MegatronLinearState,
+    copy_to_tp,
+    gather_from_sp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+)
+
+AuxLossType = Literal["megatron", "transformers"]
+
+
+@dataclass(frozen=True)
+class MoeOptions:
+    """How MoE layers train (the recipe's [moe] table)."""
+
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    capacity_factor: float | None = None  # None: drop-less; else each expert takes ceil(T·k/E·cf) tokens at most
+    aux_loss_type: AuxLossType = "megatron"
+
+
+@dataclass
+class MoeRecord:
+    """One MoE layer's forward over one micro-batch (values detached; the losses with their coefficients)."""
+
+    layer: int  # global layer index
+    aux_loss: torch.Tensor  # this rank's part: summed over the sequence shards it is the layer's loss
+    z_loss: torch.Tensor  # likewise
+    tokens_per_expert: torch.Tensor  # [E] over every sequence shard of the micro-batch (before capacity drops)
+
+
+@dataclass
+class MoeTracker:
+    """The MoE records of one model chunk since the last `take_records`, and the scale the losses' gradients get
+    (the engine sets it to its loss normalisation: one over the micro-batches of the global batch)."""
+
+    loss_scale: float = 1.0
+    records: list[MoeRecord] = field(default_factory=list)
+    # transformers' variant: each MoE layer's (router probability sums with grad, token counts, tokens) since the
+    # last transformers_aux_loss()
+    pending: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+
+    def take_records(self) -> list[MoeRecord]:
+        records, self.records = self.records, []
+        return records
+
+    def transformers_aux_loss(self, num_experts: int, coeff: float) -> torch.Tensor | None:
+        """transformers' load_balancing_loss_func over every MoE layer run since the last call (times `coeff`):
+        E·Σᵢ (Σ_layers countᵢ / R)·(Σ_layers probᵢ / R), R the tokens over all layers (its counts are not divided
+        by k: the loss is k times Megatron's for one layer)."""
+        if not self.pending:
+            return None
+        prob_sums, counts, tokens = zip(*self.pending, strict=True)
+        self.pending = []
+        rows = float(sum(tokens))
+        counts_total, probs_total = torch.stack(counts).sum(0), torch.stack(prob_sums).sum(0)
+        return coeff * num_experts * (counts_total / rows * probs_total / rows).sum()
+
+
+class _AttachLoss(Function):
+    """Forward: `output` unchanged. Backward: `output`'s gradient, and `scale` as the gradient of `loss` (a scalar
+    added to the objective without flowing through the rest of the network)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor, scale: float):
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+def route(logits: torch.Tensor, moe: MoeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (probabilities [T, k] in the logits' dtype, expert indices [T, k])."""
+    if moe.score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        top, indices = torch.topk(scores, moe.topk, dim=-1)
+        probs = top / (top.sum(-1, keepdim=True) + 1e-20) if moe.topk > 1 else top
+    elif moe.pre_softmax:
+        probs, indices = torch.topk(torch.softmax(logits.float(), dim=-1), moe.topk, dim=-1)
+    else:
+        top, indices = torch.topk(logits, moe.topk, dim=-1)
+        probs = torch.softmax(top.float(), dim=-1)
+    return probs.to(logits.dtype), indices
+
+
+def aux_loss_scores(logits: torch.Tensor, moe: MoeSpec) -> torch.Tensor:
+    """The per-expert probabilities Pᵢ averages: softmax over all experts (sigmoid scores normalised to sum 1)."""
+    if moe.score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        return scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    return torch.softmax(logits.float(), dim=-1)
+
+
+class Router(nn.Module):
+    """Megatron's TopKRouter weight [E, h], replicated over TP (under SP each rank's gradient is partial)."""
+
+    def __init__(self, hidden: int, moe: MoeSpec, sequence_parallel: bool, dtype):
+        super().__init__()
+        self.weight = mark(nn.Parameter(torch.empty(moe.num_experts, hidden, dtype=dtype)),
+                           sequence_parallel=sequence_parallel)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(tokens, self.weight)
+
+
+class ExpertLinear(MegatronLinearState, nn.Module):
+    """One expert's TP shard of a linear (no collectives of its own: the MoE layer gathers and reduces)."""
+
+    def __init__(self, out_features: int, in_features: int, dtype):
+        super().__init__()
+        self.weight = mark(nn.Parameter(torch.empty(out_features, in_features, dtype=dtype)), tp_split=True)
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self, hidden: int, local_ffn: int, dtype):
+        super().__init__()
+        self.linear_fc1 = ExpertLinear(2 * local_ffn, hidden, dtype)
+        self.linear_fc2 = ExpertLinear(hidden, local_ffn, dtype)
+
+
+def capacity_keep(indices: torch.Tensor, probs: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """Which (token, choice) pairs each expert takes when it takes at most `capacity`: those of highest
+    probability (Megatron's drop policy "probs"). Flat boolean mask over indices.reshape(-1)."""
+    flat, weight = indices.reshape(-1), probs.reshape(-1).float()
+    by_prob = torch.argsort(weight, descending=True, stable=True)
+    order = by_prob[torch.argsort(flat[by_prob], stable=True)]  # by expert, then by falling probability
+    counts = torch.bincount(flat, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    keep[order] = position < capacity
+    return keep
+
+
+class SequentialExperts(nn.Module):
+    """SequentialMLP's names (`local_experts.<e>`); computes every expert at once with the grouped MLP kernel."""
+
+    def __init__(self, hidden: int, moe: MoeSpec, tp: int, dtype):
+        super().__init__()
+        self.moe = moe
+        self.local_experts = nn.ModuleList(ExpertMLP(hidden, moe.ffn_hidden_size // tp, dtype)
+                                           for _ in range(moe.num_experts))
+
+    def forward(self, tokens: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor,
+                capacity_factor: float | None) -> torch.Tensor:
+        """tokens [T, h], probs and indices [T, k] -> [T, h]: Σ over each token's experts of prob · expert(token)."""
+        T, k = indices.shape
+        experts = self.moe.num_experts
+        flat, weight = indices.reshape(-1), probs.reshape(-1)
+        token_of = torch.arange(T * k, device=tokens.device) // k
+        if capacity_factor is not None:
+            keep = capacity_keep(indices, probs, experts, math.ceil(T * k / experts * capacity_factor))
+            flat, weight, token_of = flat[keep], weight[keep], token_of[keep]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=experts).tolist()
+        rows = token_of[order]
+        out = grouped_swiglu_mlp(tokens[rows], counts, [e.linear_fc1.weight for e in self.local_experts],
+                                 [e.linear_fc2.weight for e in self.local_experts])
+        out = out * weight[order].unsqueeze(-1)
+        return tokens.new_zeros(T, tokens.shape[1]).index_add(0, rows, out)
+
+
+class SharedExpertMLP(MLP):
+    """Megatron's SharedExpertMLP: a dense SwiGLU MLP (TP-split like the layer's MLP) and, when gated, its output
+    scaled by sigmoid(x · gate_weight) (Qwen2-MoE's shared_expert_gate)."""
+
+    def __init__(self, hidden: int, moe: MoeSpec, parallel, dtype):
+        super().__init__(hidden, moe.shared_expert_hidden_size, parallel, dtype)
+        self.gate_weight = None
+        if moe.shared_expert_gate:
+            self.gate_weight = mark(nn.Parameter(torch.empty(1, hidden, dtype=dtype)), sequence_parallel=parallel.sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(x, self.gate_weight))
+        return out
+
+
+class MoELayer(nn.Module):
+    """Router, routed experts and optional shared expert of one layer; input and output [s, b, h] (this rank's
+    sequence shard under SP)."""
+
+    def __init__(self, hidden: int, moe: MoeSpec, parallel, options: MoeOptions, tracker: MoeTracker, layer: int,
+                 dtype):
+        super().__init__()
+        self.moe, self.options, self.tracker, self.layer = moe, options, tracker, layer
+        self.tp_group, self.cp_group, self.sp = parallel.tp_group, parallel.cp_group, parallel.sp
+        self.router = Router(hidden, moe, self.sp, dtype)
+        self.experts = SequentialExperts(hidden, moe, group_size(self.tp_group), dtype)
+        self.shared_experts = SharedExpertMLP(hidden, moe, parallel, dtype) if moe.shared_expert_hidden_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        tokens = x.reshape(-1, h)
+        logits = self.router(tokens)
+        probs, indices = route(logits, self.moe)
+        losses = self._losses(logits, indices) if torch.is_grad_enabled() else None
+        tp = group_size(self.tp_group)
+        if tp > 1 and self.sp:
+            all_tokens, all_probs = gather_from_sp(tokens, self.tp_group), gather_from_sp(probs, self.tp_group)
+            all_indices = all_gather_dim0(indices, self.tp_group)
+        else:
+            all_tokens, all_probs = copy_to_tp(tokens, self.tp_group), copy_to_tp(probs, self.tp_group)
+            all_indices = indices
+        out = self.experts(all_tokens, all_probs, all_indices, self.options.capacity_factor)
+        if tp > 1:
+            out = reduce_scatter_to_sp(out, self.tp_group) if self.sp else reduce_from_tp(out, self.tp_group)
+        out = out.view(s, b, h)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if losses is not None and losses.requires_grad:
+            out = _AttachLoss.apply(out, losses, self.tracker.loss_scale)
+        return out
+
+    def _sequence_groups(self):
+        """The groups over which this rank's tokens are a shard of the micro-batch's."""
+        return [g for g in ((self.tp_group if self.sp else None), self.cp_group) if group_size(g) > 1]
+
+    def _losses(self, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
+        """This rank's part of the layer's aux loss (Megatron's variant) plus z-loss, both with their
+        coefficients; records them (not while backward recomputes the layer)."""
+        o, moe = self.options, self.moe
+        counts = torch.bincount(indices.reshape(-1), minlength=moe.num_experts).float()
+        tokens = logits.shape[0]
+        for group in self._sequence_groups():
+            all_reduce(counts, group)
+            tokens *= group_size(group)
+        prob_sum = aux_loss_scores(logits, moe).sum(0)
+        aux = o.aux_loss_coeff * moe.num_experts / (moe.topk * tokens * tokens) * (prob_sum * counts).sum()
+        z = o.z_loss_coeff * torch.logsumexp(logits.float(), dim=-1).square().sum() / tokens
+        recomputing = torch._C._current_graph_task_id() != -1  # inside backward: a checkpoint re-runs the layer
+        if not recomputing:
+            self.tracker.records.append(MoeRecord(self.layer, aux.detach(), z.detach(), counts))
+            if o.aux_loss_type == "transformers":
+                self.tracker.pending.append((prob_sum, counts, tokens))
+        attached = z if o.aux_loss_type == "transformers" else aux + z
+        return attached if (o.aux_loss_coeff or o.z_loss_coeff) else None

@@ -1,0 +1,95 @@
+"""MoeSpec: the Mixture-of-Experts numbers of a decoder (which layers route, to how many experts, how), and their
+Hugging Face config keys for Qwen2-MoE, Qwen3-MoE and Mixtral.
+
+Routing, as Megatron-Core names it: `pre_softmax` (Qwen2-MoE with norm_topk_prob = false) takes the softmax over
+all experts and keeps the top-k probabilities as they are; otherwise the top-k of the logits get a softmax over the
+k (Mixtral; equal to Qwen3-MoE's softmax over all experts renormalised over the top k). `score_function = "sigmoid"`
+scores each expert independently and normalises the top k to sum to one (DeepSeek-V3's router).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from qlm_core.errors import QlmError
+
+ScoreFunction = Literal["softmax", "sigmoid"]
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int  # of one routed expert
+    pre_softmax: bool = False
+    score_function: ScoreFunction = "softmax"
+    shared_expert_hidden_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x . gate_weight)
+    layer_pattern: tuple[int, ...] = ()  # per layer 1 = MoE, 0 = dense MLP (Megatron's --moe-layer-freq list); ()
+    # means every layer is MoE
+
+    def __post_init__(self):
+        if self.num_experts < 1 or not 1 <= self.topk <= self.num_experts:
+            raise QlmError(f"MoE with {self.num_experts} experts and top-{self.topk} routing",
+                           "num_experts_per_tok must be between 1 and the number of experts")
+        if self.ffn_hidden_size < 1:
+            raise QlmError(f"MoE expert size {self.ffn_hidden_size}", "moe_intermediate_size must be positive")
+        if self.score_function not in ("softmax", "sigmoid"):
+            raise QlmError(f"router score function {self.score_function!r}", "use 'softmax' or 'sigmoid'")
+        if self.shared_expert_gate and not self.shared_expert_hidden_size:
+            raise QlmError("a shared-expert gate without a shared expert", "set shared_expert_intermediate_size")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return not self.layer_pattern or bool(self.layer_pattern[layer])
+
+    def num_moe_layers(self, num_layers: int) -> int:
+        return sum(self.is_moe_layer(i) for i in range(num_layers))
+
+
+def moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> MoeSpec:
+    """The MoeSpec of an HF config.json of one of MOE_MODEL_TYPES."""
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    topk = config.get("num_experts_per_tok")
+    if not isinstance(experts, int) or not isinstance(topk, int):
+        raise QlmError(f"config.json ({model_type}) has no integer num_experts / num_experts_per_tok",
+                       "use a complete config.json from transformers")
+    if model_type == "mixtral":
+        if config.get("router_jitter_noise"):
+            raise QlmError(f"router_jitter_noise {config['router_jitter_noise']} is not supported",
+                           "set router_jitter_noise to 0 (Megatron has no router noise)")
+        return MoeSpec(num_experts=experts, topk=topk, ffn_hidden_size=config["intermediate_size"])
+    sparse_step = config.get("decoder_sparse_step", 1) or 1
+    dense = set(config.get("mlp_only_layers") or [])
+    pattern = tuple(int(i not in dense and (i + 1) % sparse_step == 0) for i in range(num_layers))
+    shared = config.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    return MoeSpec(
+        num_experts=experts, topk=topk, ffn_hidden_size=config.get("moe_intermediate_size") or 0,
+        pre_softmax=not config.get("norm_topk_prob", False),
+        shared_expert_hidden_size=shared or 0, shared_expert_gate=bool(shared),
+        layer_pattern=() if all(pattern) else pattern,
+    )
+
+
+def moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[str, Any]:
+    """The config.json keys transformers reads for `moe` (the inverse of moe_from_hf)."""
+    if moe.score_function != "softmax":
+        raise QlmError(f"{model_type} in transformers has no sigmoid router", "export a softmax-routed model")
+    if model_type == "mixtral":
+        if moe.pre_softmax or moe.shared_expert_hidden_size or moe.layer_pattern:
+            raise QlmError("this MoE is not a Mixtral (pre-softmax routing, a shared expert or dense layers)",
+                           "export it as qwen2_moe")
+        return {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+                "intermediate_size": moe.ffn_hidden_size, "router_jitter_noise": 0.0}
+    if model_type == "qwen3_moe" and moe.shared_expert_hidden_size:
+        raise QlmError("Qwen3-MoE has no shared expert", "export it as qwen2_moe")
+    dense = [i for i in range(num_layers) if not moe.is_moe_layer(i)]
+    keys = {"num_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+            "moe_intermediate_size": moe.ffn_hidden_size, "norm_topk_prob": not moe.pre_softmax,
+            "decoder_sparse_step": 1, "mlp_only_layers": dense}
+    if model_type == "qwen2_moe":
+        if moe.shared_expert_hidden_size and not moe.shared_expert_gate:
+            raise QlmError("Qwen2-MoE's shared expert is always gated", "export a model with a shared-expert gate")
+        keys["shared_expert_intermediate_size"] = moe.shared_expert_hidden_size
+    return keys
