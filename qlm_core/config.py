@@ -37,6 +37,9 @@ DataFormat = Literal["auto", "alpaca", "sharegpt", "messages"]
 Truncation = Literal["right", "drop"]
 LrSchedule = Literal["constant", "cosine", "wsd"]
 CheckpointFormat = Literal["torch", "torch_dist"]
+# megatron: E·Σ fᵢ·Pᵢ per MoE layer (Megatron-Core's load-balancing loss); transformers: one such loss over every
+# layer's router logits together (transformers' load_balancing_loss_func, k times larger for one layer)
+MoeAuxLossType = Literal["megatron", "transformers"]
 
 
 def choices(literal) -> tuple:
@@ -207,6 +210,16 @@ class LoraConfig:
 
 
 @dataclass
+class MoeConfig:
+    """How Mixture-of-Experts layers train (ignored by dense models)."""
+
+    aux_loss_coeff: float = bounded(0.0, least=0, meaning="Megatron's --moe-aux-loss-coeff, e.g. 1e-3")
+    z_loss_coeff: float = bounded(0.0, least=0, meaning="Megatron's --moe-z-loss-coeff, e.g. 1e-3")
+    capacity_factor: float | None = bounded(None, above=0)  # absent: drop-less; else ceil(T·k/E·cf) tokens an expert
+    aux_loss_type: MoeAuxLossType = "megatron"
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -217,6 +230,7 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}

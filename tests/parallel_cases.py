@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qlm_core.config import MoeConfig
+from qlm_core.models.moe_spec import MoeSpec
 from qlm_core.models.spec import ModelSpec
 
 # Tiny Qwen2: GQA (4 heads, 2 query groups) and qkv bias; vocabulary 300 exercises Megatron's padding.
@@ -15,11 +17,21 @@ SPEC = ModelSpec(
 SEQ, GLOBAL_BATCH, STEPS, WORLD = 32, 8, 5, 8
 # Mistral's sliding window, shorter than the packed documents can be: the windowed cases' model.
 WINDOWED = SPEC.replace(model_type="mistral", sliding_window=6)
-DATA_KINDS = ("plain", "packed", "window")  # window: packed documents and the windowed model
+# A Qwen3-MoE (q/k norms, top-k then softmax) with a gated shared expert and a dense third layer, trained with
+# Megatron's load-balancing and z-losses: the MoE cases' model
+MOE = SPEC.replace(model_type="qwen3_moe", qkv_bias=False, qk_layernorm=True, moe=MoeSpec(
+    num_experts=4, topk=2, ffn_hidden_size=32, shared_expert_hidden_size=48, shared_expert_gate=True,
+    layer_pattern=(1, 1, 0, 1)))
+MOE_TRAINING = MoeConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001)
+DATA_KINDS = ("plain", "packed", "window", "moe")  # window: packed documents and the windowed model; moe: MOE
 
 
 def case_spec(data: str) -> ModelSpec:
-    return WINDOWED if data == "window" else SPEC
+    return {"window": WINDOWED, "moe": MOE}.get(data, SPEC)
+
+
+def case_moe(data: str) -> MoeConfig | None:
+    return MOE_TRAINING if data == "moe" else None
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,10 @@ class LayoutCase:
     @property
     def spec(self) -> ModelSpec:
         return case_spec(self.data)
+
+    @property
+    def moe(self) -> MoeConfig | None:
+        return case_moe(self.data)
 
 
 CASES = {
@@ -71,6 +87,12 @@ CASES = {
     "window_cp2_p2p": LayoutCase(2, dict(cp=2, cp_comm_type="p2p"), data="window"),
     "window_cp2_allgather": LayoutCase(2, dict(cp=2, cp_comm_type="allgather"), data="window"),
     "window_cp2_a2a": LayoutCase(2, dict(cp=2, cp_comm_type="a2a"), data="window"),
+    "moe_tp2": LayoutCase(2, dict(tp=2), data="moe"),
+    "moe_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="moe"),
+    "moe_pp2": LayoutCase(2, dict(pp=2), data="moe"),
+    "moe_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), micro_batch_size=1, data="moe"),
+    "moe_cp2": LayoutCase(2, dict(cp=2, cp_comm_type="p2p"), data="moe"),
+    "moe_tp2_sp_recompute_full": LayoutCase(2, dict(tp=2, sp=True, recompute="full"), data="moe"),
 }
 
 

@@ -13,10 +13,11 @@ import transformers
 from conftest import QWEN3_MOE_KINDS
 
 from qlm_core.checkpoint.formats.hf import HFCheckpoint
+from qlm_core.config import MoeConfig
 from qlm_core.errors import QlmError
 from qlm_core.models.gpt import GPTModel
 from qlm_core.models.layout import HFTensorSource, ModelLayout, build_shard
-from qlm_core.models.moe import MoELayer, MoeOptions, capacity_keep
+from qlm_core.models.moe import MoELayer, capacity_keep
 from qlm_core.models.presets import PRESETS
 from qlm_core.models.spec import ModelSpec
 
@@ -85,7 +86,7 @@ def test_the_config_reads_each_models_routing(moe_models):
 @pytest.mark.parametrize("kind", MOE_KINDS)
 def test_megatron_aux_loss_is_e_sum_f_p_per_layer(moe_models, kind):
     """E·Σᵢ fᵢ·Pᵢ of each layer from its router logits by hand, and the z-loss mean(logsumexp²)."""
-    model, spec = qlm_from_hf(moe_models[kind], MoeOptions(aux_loss_coeff=1.0, z_loss_coeff=1.0))
+    model, spec = qlm_from_hf(moe_models[kind], MoeConfig(aux_loss_coeff=1.0, z_loss_coeff=1.0))
     logits = router_logits(model, IDS)
     records = model.moe.tracker.take_records()
     E, k, T = spec.moe.num_experts, spec.moe.topk, IDS.numel()
@@ -104,7 +105,7 @@ def test_transformers_aux_loss_and_gradients_equal_transformers(moe_models, kind
     """aux_loss_type = transformers: the loss transformers returns with output_router_logits=True, and the gradient
     of cross entropy + coeff · aux equal to transformers' for the router, an expert and the embedding."""
     coeff = 0.5
-    model, spec = qlm_from_hf(moe_models[kind], MoeOptions(aux_loss_coeff=coeff, aux_loss_type="transformers"))
+    model, spec = qlm_from_hf(moe_models[kind], MoeConfig(aux_loss_coeff=coeff, aux_loss_type="transformers"))
     ref = reference(moe_models[kind], router_aux_loss_coef=coeff)
     out = ref(IDS, labels=IDS, output_router_logits=True)
     loss = model(IDS[:, :-1], labels=IDS[:, 1:]).mean()
@@ -132,7 +133,7 @@ def test_transformers_aux_loss_and_gradients_equal_transformers(moe_models, kind
 def test_megatron_aux_loss_gradient_enters_through_the_layer_output(moe_models):
     """The attached loss adds d(coeff · aux)/d(router) to the router's gradient and nothing to the forward."""
     base, _ = qlm_from_hf(moe_models["qwen3_moe"])
-    with_aux, _ = qlm_from_hf(moe_models["qwen3_moe"], MoeOptions(aux_loss_coeff=0.1))
+    with_aux, _ = qlm_from_hf(moe_models["qwen3_moe"], MoeConfig(aux_loss_coeff=0.1))
     assert torch.equal(base(IDS, labels=LABELS), with_aux(IDS, labels=LABELS))
     base(IDS, labels=LABELS).mean().backward()
     with_aux.moe.tracker.take_records()
@@ -169,10 +170,10 @@ def test_capacity_keeps_each_experts_most_probable_tokens():
 
 def test_capacity_factor_drops_tokens_in_the_model(moe_models):
     model, _ = qlm_from_hf(moe_models["mixtral"])
-    dropping, _ = qlm_from_hf(moe_models["mixtral"], MoeOptions(capacity_factor=0.5))
+    dropping, _ = qlm_from_hf(moe_models["mixtral"], MoeConfig(capacity_factor=0.5))
     with torch.no_grad():
         assert not torch.allclose(model(IDS), dropping(IDS))
-        roomy, _ = qlm_from_hf(moe_models["mixtral"], MoeOptions(capacity_factor=4.0))  # room for every token
+        roomy, _ = qlm_from_hf(moe_models["mixtral"], MoeConfig(capacity_factor=4.0))  # room for every token
         assert torch.equal(model(IDS), roomy(IDS))
 
 

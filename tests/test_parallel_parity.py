@@ -6,7 +6,18 @@ import json
 import pytest
 import torch
 from conftest import run_worker_jobs
-from parallel_cases import CASES, DATA_KINDS, GLOBAL_BATCH, SEQ, STEPS, WINDOWED, WORLD, case_spec, make_batch
+from parallel_cases import (
+    CASES,
+    DATA_KINDS,
+    GLOBAL_BATCH,
+    SEQ,
+    STEPS,
+    WINDOWED,
+    WORLD,
+    case_moe,
+    case_spec,
+    make_batch,
+)
 from workers.parity_worker import OPTIM
 
 from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
@@ -17,12 +28,13 @@ from qlm_core.parallel.state import Grid
 from qlm_core.train.engine import Batch, Engine
 
 
-def reference(data: str):
-    """One process, no parallelism: losses, grad norms and the first step's gradients (global names)."""
-    engine = Engine(case_spec(data), ParallelConfig(), Grid.single(), micro_batch_size=GLOBAL_BATCH,
-                    global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234)
+def reference(data: str, micro_batch_size: int = GLOBAL_BATCH):
+    """One process, no parallelism: losses, grad norms and the first step's gradients (global names). An MoE
+    model's losses are per micro-batch (as Megatron's), so its reference splits the batch as the layout does."""
+    engine = Engine(case_spec(data), ParallelConfig(), Grid.single(), micro_batch_size=micro_batch_size,
+                    global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234, moe=case_moe(data))
     batch = Batch(*make_batch(data))
-    losses, norms, grads = [], [], None
+    losses, norms, grads, moe = [], [], None, []
     for step in range(STEPS):
         loss = engine.forward_backward(batch)
         if step == 0:
@@ -30,12 +42,18 @@ def reference(data: str):
         norm, _ = engine.update()
         losses.append(engine.global_loss(loss))
         norms.append(norm)
-    return losses, norms, grads
+        moe.append(engine.moe_step_figures())
+    return losses, norms, grads, moe
+
+
+def reference_key(case) -> tuple[str, int]:
+    return case.data, case.micro_batch_size if case.moe is not None else GLOBAL_BATCH
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {data: reference(data) for data in DATA_KINDS}
+    keys = {(data, GLOBAL_BATCH) for data in DATA_KINDS} | {reference_key(case) for case in CASES.values()}
+    return {key: reference(*key) for key in keys}
 
 
 def test_windowed_cases_have_documents_longer_than_the_window():
@@ -56,9 +74,13 @@ def test_layout_matches_one_process(case, references, parallel_run):
     result_file = out / f"{case}.json"
     assert result_file.exists(), f"worker exit {code}: {errors}"
     result = json.loads(result_file.read_text())
-    ref_losses, ref_norms, ref_grads = references[CASES[case].data]
+    ref_losses, ref_norms, ref_grads, ref_moe = references[reference_key(CASES[case])]
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-4), case
     assert result["grad_norms"] == pytest.approx(ref_norms, rel=1e-4), case
+    if CASES[case].moe is not None:  # the MoE losses and loads as one process has them, at every step
+        for got, want in zip(result["moe"], ref_moe, strict=True):
+            assert got == pytest.approx(want, rel=1e-4), case
+            assert want["moe_aux_loss"] > 0 and want["moe_z_loss"] > 0 and want["moe_load_max"] > 1
     spec = CASES[case].spec
     reloaded = MegatronTorchCheckpoint(out / case, spec=spec)
     layout = ModelLayout(spec)

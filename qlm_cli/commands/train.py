@@ -47,7 +47,7 @@ class RunView:
         if event.kind == "start":
             console.print(kv_table("run", {
                 "layout": data["layout"], "model": data.get("resumed") or data["model"],
-                "parameters": f"{data['params'] / 1e6:.2f} M",
+                "parameters": parameters_text(data["params"], data.get("active_params")),
                 "train samples": data["train_samples"], "steps": f"{data['start_step']} -> {data['steps']}",
                 "peak for MFU": f"{data['peak_tflops']:.3g} TFLOP/s ({data['peak_source']})",
             }))
@@ -148,13 +148,20 @@ def train(
         raise typer.Exit(summary["stopped"]["exit_code"])  # 128 + the signal's number (qlm_core/train/signals.py)
 
 
+def parameters_text(total: int, active: int | None) -> str:
+    """"1.12 M", or for an MoE model "1.12 M (0.53 M active)"."""
+    text = f"{total / 1e6:.2f} M"
+    return text if active is None or active == total else f"{text} ({active / 1e6:.2f} M active)"
+
+
 def _print_dry_run(resolved, plan):
     from qlm_core.profile.memory import planned_memory
 
     console.print(recipe_to_toml(resolved), markup=False, highlight=False)
     console.print(kv_table("layout", {
         "world": f"{plan.sizes.world} = dp{plan.sizes.dp} x pp{plan.sizes.pp} x cp{plan.sizes.cp} x tp{plan.sizes.tp}",
-        "model": plan.resume or plan.model_description, "parameters": f"{plan.spec.num_parameters() / 1e6:.2f} M",
+        "model": plan.resume or plan.model_description,
+        "parameters": parameters_text(plan.spec.num_parameters(), plan.spec.num_parameters(active=True)),
         "stage layers": list(plan.layout.stage_layer_counts), "padded vocabulary": plan.layout.padded_vocab,
         "steps": plan.steps,
     }))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qlm_core.config import MoeConfig
 from qlm_core.models.gpt import GPTModel, ParallelOptions
 from qlm_core.models.layout import ModelLayout, TensorSource, build_shard
 from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS
@@ -32,15 +33,18 @@ def build_rank_model(
     device: torch.device | str | None = None,
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     model_class: type[GPTModel] = GPTModel,
+    moe_options: MoeConfig | None = None,
 ) -> GPTModel:
     """The model of shard `coords` of `layout`, its parameters in `dtype` on `device`, holding `source`'s values
     read as `read_dtype` (default `dtype`; a narrower one rounds the weights to it first). `parallel` must have
-    groups of `layout`'s TP size; `model_class` GPTModel or a subclass with the same parameters (StageModel)."""
+    groups of `layout`'s TP size; `model_class` GPTModel or a subclass with the same parameters (StageModel);
+    `moe_options` how its MoE layers train (the recipe's [moe])."""
     layers = layout.chunk_layers(coords.pp_rank, coords.chunk)
     model = model_class(
         layout.spec, parallel=parallel, pre_process=layout.is_first(coords.pp_rank, coords.chunk),
         post_process=layout.is_last(coords.pp_rank, coords.chunk), layer_offset=layers.start,
         num_layers=len(layers), padded_vocab=layout.padded_vocab, dtype=dtype, loss_chunk_tokens=loss_chunk_tokens,
+        moe_options=moe_options,
     )
     if device is not None:
         model.to(device)

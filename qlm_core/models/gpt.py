@@ -17,14 +17,14 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
-from qlm_core.config import RecomputeMode, choices
+from qlm_core.config import MoeConfig, RecomputeMode, choices
 from qlm_core.kernels.attention import core_attention
 from qlm_core.kernels.norm import RMSNorm
 from qlm_core.kernels.pieces import Documents, Piece, decoding_pieces, self_attention_pieces
 from qlm_core.kernels.piecewise import piecewise_attention
 from qlm_core.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from qlm_core.models.mlp import MLP
-from qlm_core.models.moe import MoELayer, MoeOptions, MoeTracker
+from qlm_core.models.moe import MoELayer, MoeTracker
 from qlm_core.models.spec import ModelSpec, padded_vocab_size
 from qlm_core.parallel.comm import group_rank, group_size
 from qlm_core.parallel.context_parallel import (
@@ -281,7 +281,7 @@ def replicated_norm(spec: ModelSpec, parallel: ParallelOptions, dtype) -> RMSNor
 class MoeContext:
     """What a model's MoE layers share: how they train and where they record their losses."""
 
-    options: MoeOptions
+    options: MoeConfig
     tracker: MoeTracker
 
 
@@ -294,7 +294,7 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(spec, parallel, dtype, layer_index)
         self.pre_mlp_layernorm = replicated_norm(spec, parallel, dtype)
         if spec.is_moe_layer(global_layer):
-            moe = moe or MoeContext(MoeOptions(), MoeTracker())
+            moe = moe or MoeContext(MoeConfig(), MoeTracker())
             self.mlp = MoELayer(spec.hidden_size, spec.moe, parallel, moe.options, moe.tracker, global_layer, dtype)
         else:
             self.mlp = MLP(spec.hidden_size, spec.ffn_hidden_size, parallel, dtype)
@@ -375,7 +375,7 @@ class GPTModel(nn.Module):
         padded_vocab: int | None = None,
         dtype: torch.dtype = torch.float32,
         loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-        moe_options: MoeOptions | None = None,
+        moe_options: MoeConfig | None = None,
     ):
         super().__init__()
         parallel = parallel or ParallelOptions()
@@ -398,7 +398,7 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = LanguageModelEmbedding(spec, self.padded_vocab, parallel, dtype)
         # MoE layers record their losses and loads here (one tracker per model chunk)
-        self.moe = MoeContext(moe_options or MoeOptions(), MoeTracker())
+        self.moe = MoeContext(moe_options or MoeConfig(), MoeTracker())
         self.decoder = TransformerBlock(spec, num_layers, post_process, parallel, dtype, layer_offset, self.moe)
         if post_process:
             # With tied embeddings the output layer borrows the embedding weight when both live in this stage;

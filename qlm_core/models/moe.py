@@ -8,24 +8,24 @@ TP = TP) and every TP rank runs every expert on all of the micro-batch's tokens:
 tokens (its sequence shard under SP), then tokens, probabilities and choices are all-gathered over TP (SP) — the
 all-gather dispatcher — and the experts' partial sums are reduce-scattered (SP) or all-reduced back.
 
-Losses (MoeOptions): the load-balancing loss E·Σᵢ fᵢ·Pᵢ per layer as Megatron computes it (fᵢ the share of the
-top-k choices that went to expert i, Pᵢ its mean router probability over all experts, both over the micro-batch's
-tokens on every sequence shard), or transformers' variant (one such loss over every layer's router logits), and
-the router z-loss mean(logsumexp(logits)²). Their gradients enter backward through the layer's output (Megatron's
-MoEAuxLossAutoScaler), scaled by MoeTracker.loss_scale, so they need no path through the pipeline.
+Losses (the recipe's [moe], MoeConfig): the load-balancing loss E·Σᵢ fᵢ·Pᵢ per layer as Megatron computes it
+(fᵢ the share of the top-k choices that went to expert i, Pᵢ its mean router probability over all experts, both
+over the micro-batch's tokens on every sequence shard), or transformers' variant (one such loss over every layer's
+router logits), and the router z-loss mean(logsumexp(logits)²). Their gradients enter backward through the layer's
+output (Megatron's MoEAuxLossAutoScaler), scaled by MoeTracker.loss_scale, so they need no path through the pipeline.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
+from qlm_core.config import MoeConfig
 from qlm_core.kernels.grouped_mlp import grouped_swiglu_mlp
 from qlm_core.models.mlp import MLP
 from qlm_core.models.moe_spec import MoeSpec
@@ -38,18 +38,6 @@ from qlm_core.parallel.tensor import (
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
-
-AuxLossType = Literal["megatron", "transformers"]
-
-
-@dataclass(frozen=True)
-class MoeOptions:
-    """How MoE layers train (the recipe's [moe] table)."""
-
-    aux_loss_coeff: float = 0.0
-    z_loss_coeff: float = 0.0
-    capacity_factor: float | None = None  # None: drop-less; else each expert takes ceil(T·k/E·cf) tokens at most
-    aux_loss_type: AuxLossType = "megatron"
 
 
 @dataclass
@@ -216,7 +204,7 @@ class MoELayer(nn.Module):
     """Router, routed experts and optional shared expert of one layer; input and output [s, b, h] (this rank's
     sequence shard under SP)."""
 
-    def __init__(self, hidden: int, moe: MoeSpec, parallel, options: MoeOptions, tracker: MoeTracker, layer: int,
+    def __init__(self, hidden: int, moe: MoeSpec, parallel, options: MoeConfig, tracker: MoeTracker, layer: int,
                  dtype):
         super().__init__()
         self.moe, self.options, self.tracker, self.layer = moe, options, tracker, layer

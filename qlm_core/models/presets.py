@@ -86,6 +86,14 @@ PRESETS: dict[str, ModelSpec] = {
         num_attention_heads=4, num_query_groups=2, kv_channels=32, max_position_embeddings=4096,
         rope_theta=10000.0, norm_epsilon=1e-6, qkv_bias=True, tie_word_embeddings=False,
     ),
+    # For CPU demos and tests: qlm-tiny's attention with Qwen3-MoE's layer (q/k norms, 8 experts, top 2), ~1.4M
+    # parameters of which ~0.6M active
+    "qlm-tiny-moe": ModelSpec(
+        model_type="qwen3_moe", vocab_size=512, hidden_size=128, ffn_hidden_size=352, num_layers=4,
+        num_attention_heads=4, num_query_groups=2, kv_channels=32, max_position_embeddings=4096,
+        rope_theta=10000.0, norm_epsilon=1e-6, qkv_bias=False, tie_word_embeddings=False, qk_layernorm=True,
+        moe=MoeSpec(num_experts=8, topk=2, ffn_hidden_size=64),
+    ),
     "mistral-7b": ModelSpec(
         model_type="mistral", vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
         num_attention_heads=32, num_query_groups=8, kv_channels=128, max_position_embeddings=32768,

@@ -8,6 +8,8 @@ and update with AdamW on fp32 master weights.
 
 The loss of a step is the mean over every non-ignored label of the global batch, whatever the layout: each
 microbatch's summed token loss is divided by the global token count, and gradients are summed, never averaged.
+MoE models add their load-balancing and z-losses (the recipe's [moe]) as the mean over the global batch's
+micro-batches; the step's loss stays the language-model loss, and StepResult.moe reports the MoE terms.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from qlm_core.checkpoint.sources.random_init import RandomInitSource
-from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig
+from qlm_core.config import LoraConfig, MoeConfig, OptimConfig, ParallelConfig
 from qlm_core.dtypes import DTYPES
 from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import ParallelOptions
@@ -32,7 +34,8 @@ from qlm_core.parallel.optimizer_api import TrainingOptimizer
 from qlm_core.parallel.param_meta import mark
 from qlm_core.parallel.state import Grid
 from qlm_core.train.lora import apply_lora
-from qlm_core.train.validate import validate_grad_reduce_dtype, validate_layout
+from qlm_core.train.moe_stats import MoeStepStats
+from qlm_core.train.validate import validate_grad_reduce_dtype, validate_layout, validate_moe
 
 
 @dataclass
@@ -51,6 +54,7 @@ class StepResult:
     grad_norm: float
     tokens: int
     skipped: bool = False
+    moe: dict[str, float] | None = None  # MoE models: moe_aux_loss, moe_z_loss, moe_load_max, moe_load_min
 
 
 def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
@@ -64,7 +68,8 @@ class Engine:
     """This rank's stage models and their optimizer, and the steps that train or evaluate them on a global batch.
 
     `source` fills the weights (default: random init from `seed`); `lora` with rank > 0 trains only adapters on
-    the frozen loaded weights; `loss_chunk_tokens` is the loss head's chunk (GPTModel.loss; 0: whole logits).
+    the frozen loaded weights; `loss_chunk_tokens` is the loss head's chunk (GPTModel.loss; 0: whole logits);
+    `moe` how MoE layers train.
     """
 
     def __init__(
@@ -81,8 +86,10 @@ class Engine:
         seed: int = 1234,
         lora: LoraConfig | None = None,
         loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        moe: MoeConfig | None = None,
     ):
         self.spec, self.config, self.grid = spec, config, grid
+        self.moe = MoeConfig() if moe is None else moe
         self.micro_batch_size, self.global_batch_size, self.seq_length = micro_batch_size, global_batch_size, seq_length
         self.dtype = dtype
         self.optim = OptimConfig() if optim is None else optim
@@ -90,9 +97,15 @@ class Engine:
         c, g = self.config, self.grid
         validate_layout(self.spec, c, g.sizes, self.seq_length, self.micro_batch_size, self.global_batch_size)
         validate_grad_reduce_dtype(c.grad_reduce_dtype, next(n for n, t in DTYPES.items() if t == self.dtype))
+        validate_moe(self.spec, self.moe, c)
         self.layout = recipe_layout(self.spec, c)
         self.num_microbatches = self.global_batch_size // (self.micro_batch_size * g.sizes.dp)
         self.chunks = self._build_chunks(self.source or RandomInitSource(self.layout, seed=self.seed))
+        # an MoE loss enters each micro-batch's backward as a mean over the global batch's micro-batches
+        self.moe_loss_scale = 1.0 / (self.num_microbatches * g.sizes.dp)
+        for chunk in self.chunks:
+            chunk.moe.tracker.loss_scale = self.moe_loss_scale
+        self._moe_stats = MoeStepStats(self.spec, self.moe, self.grid, c.sp, self.num_microbatches)
         if self.lora is not None and self.lora.rank > 0:
             apply_lora(self.chunks, self.lora, self.chunks[0].parallel, self.seed)
         trainable = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
@@ -124,7 +137,7 @@ class Engine:
         chunks = [
             build_rank_model(self.layout, RankCoords(g.tp_rank, g.pp_rank, chunk), source, parallel=options,
                              dtype=param_dtype, device=g.device, loss_chunk_tokens=self.loss_chunk_tokens,
-                             model_class=StageModel)
+                             model_class=StageModel, moe_options=self.moe)
             for chunk in range(c.vpp)
         ]
         if self.spec.tie_word_embeddings and c.pp > 1:
@@ -206,9 +219,20 @@ class Engine:
             seg = None if segment_ids is None else segment_ids[rows_i]
             loss = self._loss_fn(model(input_ids[rows_i], position_ids[rows_i], seg), labels[rows_i])
             if backward:
-                loss.backward()
+                (loss + self._transformers_aux_loss()).backward()
             loss_sum += loss.detach().float()
         return loss_sum
+
+    def _transformers_aux_loss(self) -> torch.Tensor | float:
+        """moe.aux_loss_type = transformers: the micro-batch's one load-balancing loss over every layer (pp = 1, so
+        this chunk ran them all), scaled like the per-layer losses; 0 otherwise."""
+        if self.spec.moe is None or self.moe.aux_loss_type != "transformers":
+            return 0.0
+        aux = self.chunks[0].moe.tracker.transformers_aux_loss(self.spec.moe.num_experts, self.moe.aux_loss_coeff)
+        if aux is None:
+            return 0.0
+        self._moe_stats.add_transformers_aux(aux.detach())
+        return aux * self.moe_loss_scale
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         """Forward and backward over every microbatch; gradients are reduced and final when this returns.
@@ -217,6 +241,7 @@ class Engine:
         if rows != self.micro_batch_size * self.num_microbatches:
             raise ValueError(f"expected {self.micro_batch_size * self.num_microbatches} rows, got {rows}")
         self.optimizer.zero_grad()
+        self._moe_stats.start(self.chunks)
         loss_sum = self._run_microbatches(batch, backward=True)
         self.optimizer.finish_grad_sync()
         return loss_sum
@@ -243,7 +268,13 @@ class Engine:
     def train_step(self, batch: Batch, lr: float | None = None) -> StepResult:
         loss_sum = self.forward_backward(batch)
         grad_norm, skipped = self.update(lr)
-        return StepResult(self.global_loss(loss_sum), grad_norm, int(self._num_tokens), skipped)
+        return StepResult(self.global_loss(loss_sum), grad_norm, int(self._num_tokens), skipped,
+                          self.moe_step_figures())
+
+    def moe_step_figures(self) -> dict[str, float] | None:
+        """An MoE model's figures of the last forward_backward (StepResult.moe); every rank calls it (collectives).
+        None for a dense model."""
+        return self._moe_stats.finish(self.chunks, self.moe_loss_scale)
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> float:

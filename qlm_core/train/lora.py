@@ -87,13 +87,16 @@ def _add_adapter(linear: nn.Module, a: torch.Tensor, b: torch.Tensor, settings: 
 
 
 def adapted_linears(chunk: GPTModel, targets) -> list[tuple[int, str, nn.Module]]:
-    """(global layer, target, module) for each targeted linear of `chunk`, in state_dict order."""
-    return [
-        (chunk.layer_offset + local, target, layer.get_submodule(LORA_TARGETS[target]))
-        for local, layer in enumerate(chunk.decoder.layers)
-        for target in LORA_TARGETS
-        if target in targets
-    ]
+    """(global layer, target, module) for each targeted linear of `chunk`, in state_dict order (an MoE layer's MLP
+    targets are its shared expert's linears, ModelLayout.lora_linear)."""
+    layout = ModelLayout(chunk.spec, padded_vocab=chunk.padded_vocab)
+    out = []
+    for local, layer in enumerate(chunk.decoder.layers):
+        for target in LORA_TARGETS:
+            linear = layout.lora_linear(chunk.layer_offset + local, target) if target in targets else None
+            if linear is not None:
+                out.append((chunk.layer_offset + local, target, layer.get_submodule(linear)))
+    return out
 
 
 def apply_lora(chunks: list[GPTModel], config: LoraSettings, parallel_options: ParallelOptions,

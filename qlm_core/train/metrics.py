@@ -31,6 +31,15 @@ class StepMetrics:
     mfu: float
     mem_peak_gb: float
     skipped: bool = False
+    # MoE models: moe_aux_loss and moe_z_loss (as they entered the objective), moe_load_max / moe_load_min (the
+    # most and least loaded expert's share of its layer's choices over an even split); written as top-level keys
+    moe: dict[str, float] | None = None
+
+    def record(self) -> dict:
+        """The metrics.jsonl line."""
+        line = asdict(self)
+        line.update(line.pop("moe") or {})
+        return line
 
 
 def peak_memory_gb() -> float:
@@ -135,10 +144,12 @@ class MetricsWriter:
 
     def log_step(self, metrics: StepMetrics):
         with open(self.path, "a") as fh:
-            fh.write(strict_json(asdict(metrics)) + "\n")
+            fh.write(strict_json(metrics.record()) + "\n")
         if self.tb is not None:
             for key in ("loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gb"):
                 self.tb.add_scalar(f"train/{key}", getattr(metrics, key), metrics.step)
+            for key, value in (metrics.moe or {}).items():
+                self.tb.add_scalar(f"train/{key}", value, metrics.step)
 
     def log_eval(self, step: int, loss: float):
         if step in self._eval_steps:

@@ -165,7 +165,7 @@ class Trainer:
             source.spec, r.parallel, self.grid, micro_batch_size=r.train.micro_batch_size,
             global_batch_size=r.train.global_batch_size, seq_length=r.data.seq_length, dtype=DTYPES[r.model.dtype],
             optim=r.optim, source=source.weights, seed=r.train.seed, lora=r.lora if r.lora.rank > 0 else None,
-            loss_chunk_tokens=r.train.loss_chunk_tokens,
+            loss_chunk_tokens=r.train.loss_chunk_tokens, moe=r.moe,
         )
         self.source = source
         self.ckpt_root = self.run_dir / CHECKPOINTS_DIR
@@ -252,7 +252,8 @@ class Trainer:
         self.stop.is_rank0 = g.rank == 0
         device = default_device()
         self._emit("start", layout=g.describe(), model=self.source.description, steps=self.steps,
-                   start_step=self.state.iteration, params=self.source.spec.num_parameters(), resumed=self.resumed,
+                   start_step=self.state.iteration, params=self.source.spec.num_parameters(),
+                   active_params=self.source.spec.num_parameters(active=True), resumed=self.resumed,
                    train_samples=len(self.data.train), peak_tflops=self.peak, peak_source=self.peak_source)
         batches = self._batches(self.data.train, self.state.consumed_samples)
         world = g.sizes.world
@@ -284,7 +285,7 @@ class Trainer:
                 tokens=result.tokens, samples=self.state.consumed_samples, step_time_s=seconds,
                 s_per_sample=seconds / r.train.global_batch_size,
                 tokens_per_s=r.train.global_batch_size * r.data.seq_length / seconds, tflops_per_device=tflops,
-                mfu=tflops / self.peak, mem_peak_gb=peak_memory_gb(), skipped=result.skipped,
+                mfu=tflops / self.peak, mem_peak_gb=peak_memory_gb(), skipped=result.skipped, moe=result.moe,
             )
             if self.metrics is not None:
                 self.metrics.log_step(metrics)

@@ -9,7 +9,7 @@ Engine (built by workers and tests without a Recipe) and `qlm profile`.
 
 from __future__ import annotations
 
-from qlm_core.config import ParallelConfig, Recipe, check_ranges, checked_field
+from qlm_core.config import MoeConfig, ParallelConfig, Recipe, check_ranges, checked_field
 from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.pipeline_rules import validate_schedule
@@ -53,6 +53,16 @@ def validate_grad_reduce_dtype(grad_reduce_dtype: str, dtype: str):
         raise QlmError(f'parallel.grad_reduce_dtype "{grad_reduce_dtype}" needs model.dtype "{grad_reduce_dtype}" '
                        f'(it is "{dtype}")',
                        'set parallel.grad_reduce_dtype = "fp32"' + (f' or "{dtype}"' if dtype != "fp32" else ""))
+
+
+def validate_moe(spec: ModelSpec, moe: MoeConfig, config: ParallelConfig):
+    """The recipe's [moe] against the model and layout (a dense model ignores it)."""
+    checked_field(MoeConfig, "aux_loss_type", moe.aux_loss_type, "moe.aux_loss_type")
+    check_ranges("moe", moe)
+    if spec.moe is not None and moe.aux_loss_type == "transformers" and config.pp > 1:
+        raise QlmError("moe.aux_loss_type = 'transformers' needs parallel.pp = 1 (its one loss couples every layer's "
+                       "router, and each pipeline stage holds only some)",
+                       "use moe.aux_loss_type = 'megatron' (per layer) or set parallel.pp = 1")
 
 
 def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSizes, seq_length: int,

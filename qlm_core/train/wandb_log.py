@@ -5,7 +5,6 @@ id is kept in RUN/wandb_run_id, so a resumed qlm run continues the same wandb ru
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 from pathlib import Path
@@ -95,7 +94,7 @@ class WandbLogger:
 
     def log_step(self, metrics) -> None:
         if self.run is not None:
-            values = {f"train/{k}": v for k, v in dataclasses.asdict(metrics).items() if k != "step"}
+            values = {f"train/{k}": v for k, v in metrics.record().items() if k != "step"}
             self.run.log(_finite({"step": metrics.step, **values}))
 
     def log_eval(self, step: int, loss: float) -> None:

@@ -49,13 +49,13 @@ def run_case(name: str, outdir: Path):
     if grid is None:
         return
     engine = Engine(case.spec, config, grid, micro_batch_size=case.micro_batch_size,
-                    global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234)
+                    global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234, moe=case.moe)
     input_ids, labels, position_ids, segment_ids = make_batch(case.data)
     rows = GLOBAL_BATCH // sizes.dp
     mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
     batch = Batch(input_ids[mine], labels[mine], None if position_ids is None else position_ids[mine],
                   None if segment_ids is None else segment_ids[mine])
-    losses, norms = [], []
+    losses, norms, moe_figures = [], [], []
     for step in range(STEPS):
         loss_sum = engine.forward_backward(batch)
         if step == 0:
@@ -70,8 +70,9 @@ def run_case(name: str, outdir: Path):
         norm, _ = engine.update()
         losses.append(engine.global_loss(loss_sum))
         norms.append(norm)
+        moe_figures.append(engine.moe_step_figures())
     if grid.rank == 0:
-        (outdir / f"{name}.json").write_text(json.dumps({"losses": losses, "grad_norms": norms}))
+        (outdir / f"{name}.json").write_text(json.dumps({"losses": losses, "grad_norms": norms, "moe": moe_figures}))
 
 
 def count_layer_collectives(outdir: Path):
