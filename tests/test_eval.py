@@ -19,23 +19,31 @@ REPO = Path(__file__).resolve().parents[1]
 TASKS = ["qlm_demo_mc", "qlm_demo_gen", "qlm_demo_ppl"]
 
 
-@pytest.fixture(scope="module")
-def hf_model(tmp_path_factory):
-    """A random qlm-tiny-shaped Qwen2 in transformers with qlm's demo tokenizer."""
+def random_hf_model(root: Path, preset: str) -> Path:
+    """A random model of `preset`'s shape in transformers with qlm's demo tokenizer, saved under root/hf."""
     import transformers
 
     from qlm_core.data.demo import build_demo
     from qlm_core.models.presets import PRESETS
 
-    root = tmp_path_factory.mktemp("eval-model")
     paths = build_demo(root / "demo", num_train=200, num_eval=5, corpus_paragraphs=20)
-    config = {k: v for k, v in PRESETS["qlm-tiny"].to_hf_config("float32").items() if k != "architectures"}
+    config = {k: v for k, v in PRESETS[preset].to_hf_config("float32").items() if k != "architectures"}
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    with torch.no_grad():  # transformers zero-inits MoE routers: distinct logits, so no top-k ties
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_()
     model.save_pretrained(root / "hf")
     for file in paths.tokenizer.iterdir():
         (root / "hf" / file.name).write_bytes(file.read_bytes())
     return root / "hf"
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A random qlm-tiny-shaped Qwen2."""
+    return random_hf_model(tmp_path_factory.mktemp("eval-model"), "qlm-tiny")
 
 
 def evaluate(checkpoint, backend, tmp_path, limit=12):
@@ -76,6 +84,13 @@ def test_qlm_backend_equals_lm_eval_hf_backend(hf_model, tmp_path):
     theirs = evaluate(hf_model, "hf", tmp_path)
     assert {t for t, *_ in result_rows(ours)} == set(TASKS)
     assert_same(ours, theirs)
+
+
+@pytest.mark.slow
+def test_qlm_backend_equals_lm_eval_hf_backend_on_an_moe_model(tmp_path):
+    """A Qwen3-MoE (qlm-tiny-moe's shape: q/k norms, 8 experts, top 2) in transformers, both backends."""
+    moe_model = random_hf_model(tmp_path / "moe", "qlm-tiny-moe")
+    assert_same(evaluate(moe_model, "qlm", tmp_path), evaluate(moe_model, "hf", tmp_path))
 
 
 @pytest.mark.slow
