@@ -14,6 +14,7 @@ one HF tensor or of Megatron's vocabulary padding; a TP shard is a list of range
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol
@@ -518,16 +519,50 @@ class HFTensorSource:
                                   out.narrow(tensor.axis, lo - start, hi - lo))
 
 
+# TEGroupedMLP keeps expert e's weights as `mlp.experts.linear_fc1.weight<e>` (SequentialMLP: local_experts.<e>.)
+_TE_GROUPED_EXPERT = re.compile(r"(.*\bmlp\.experts\.)(linear_fc[12])\.weight(\d+)")
+
+
 def normalize_megatron_name(local_name: str) -> str | None:
     """Map a Megatron state_dict key to the local-spec name qlm uses; None for entries that carry no weights."""
     if local_name.endswith("_extra_state"):
         return None
+    grouped = _TE_GROUPED_EXPERT.fullmatch(local_name)
+    if grouped is not None:
+        return f"{grouped.group(1)}local_experts.{grouped.group(3)}.{grouped.group(2)}.weight"
+    if re.search(r"\bmlp\.experts\.weight[12]$", local_name):
+        raise QlmError(f"checkpoint tensor {local_name} is a legacy GroupedMLP weight (--moe-grouped-gemm with the "
+                       "grouped_gemm package)", "re-save the model with SequentialMLP or TEGroupedMLP experts")
     for te, local in TE_NORM_NAMES.items():
         if local_name.endswith(te):
             return local_name[: -len(te)] + local
     if local_name.endswith(("layer_norm_bias", "layernorm.bias")):
         raise QlmError(f"checkpoint tensor {local_name} is a LayerNorm bias", "qlm supports RMSNorm models only")
     return local_name
+
+
+def hf_fused_experts(spec: ModelSpec) -> dict[str, tuple[str, int | None, int]]:
+    """transformers >= 5 holds an MoE layer's experts fused (`model.layers.N.mlp.experts.gate_up_proj` [E, 2F, H],
+    rows gate then up, and `...down_proj` [E, H, F]) and Mixtral's router under `mlp.gate.weight`; some saved
+    checkpoints hold that layout. Per-expert HF name (as the layout names it) -> (fused name, expert, first row of
+    this tensor in that expert's matrix); expert None: the whole fused tensor under another name."""
+    if spec.moe is None:
+        return {}
+    mixtral = spec.model_type == "mixtral"
+    gate, up, down = _W1_W3_W2 if mixtral else _GATE_UP_DOWN
+    ffn, out = spec.moe.ffn_hidden_size, {}
+    for layer in range(spec.num_layers):
+        if not spec.is_moe_layer(layer):
+            continue
+        hf = f"model.layers.{layer}."
+        disk, fused = hf + ("block_sparse_moe." if mixtral else "mlp."), hf + "mlp.experts."
+        if mixtral:
+            out[disk + "gate.weight"] = (hf + "mlp.gate.weight", None, 0)
+        for e in range(spec.moe.num_experts):
+            out[f"{disk}experts.{e}.{gate}.weight"] = (fused + "gate_up_proj", e, 0)
+            out[f"{disk}experts.{e}.{up}.weight"] = (fused + "gate_up_proj", e, ffn)
+            out[f"{disk}experts.{e}.{down}.weight"] = (fused + "down_proj", e, 0)
+    return out
 
 
 # convert's and profile's flags, as a recipe names them

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,9 @@ _ARG_KEYS = (
     "untie_embeddings_and_output_weights", "norm_epsilon", "vocab_size", "padded_vocab_size",
     "make_vocab_size_divisible_by", "tensor_model_parallel_size", "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-    "params_dtype", "ckpt_format", "iteration",
+    "params_dtype", "ckpt_format", "iteration", "qk_layernorm", "num_experts", "moe_router_topk",
+    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
+    "moe_router_score_function", "moe_layer_freq",
 )
 
 
@@ -112,6 +115,8 @@ def _inspect_hf(path: Path, iteration) -> Inspection:
     spec = ckpt.spec
     report = Inspection(HF, path, layout={"files": len({ckpt.file_of(n) for n in ckpt.names})})
     report.args = {k: v for k, v in vars(spec).items() if not k.startswith("_")}
+    if spec.moe is not None:
+        report.args["moe"] = dataclasses.asdict(spec.moe)
     report.args["num_parameters"] = spec.num_parameters()
     report.tensors = [
         TensorRow(n, ckpt.shape(n), _dtype_name(ckpt.dtype(n)), ckpt.file_of(n).name) for n in ckpt.names

@@ -5,8 +5,11 @@ Megatron-Bridge saves its whole ConfigContainer as YAML (run_config.yaml) in eve
 ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels, layernorm_epsilon, normalization,
 gated_linear_unit, activation_func, add_bias_linear, add_qkv_bias) plus the GPT provider's
 (share_embeddings_and_output_weights, vocab_size, make_vocab_size_divisible_by, seq_length, rotary_base,
-position_embedding_type, rotary_percent, ...). They are turned into the Megatron-LM-style args Namespace the rest of
-qlm reads (megatron_args.spec_from_args); fields left out take TransformerConfig's defaults.
+position_embedding_type, rotary_percent, ...), and for MoE models TransformerConfig's num_moe_experts,
+moe_router_topk, moe_ffn_hidden_size, moe_shared_expert_intermediate_size, moe_shared_expert_gate,
+moe_router_pre_softmax, moe_router_score_function, moe_layer_freq and qk_layernorm. They are turned into the
+Megatron-LM-style args Namespace the rest of qlm reads (megatron_args.spec_from_args); fields left out take
+TransformerConfig's defaults.
 """
 
 from __future__ import annotations
@@ -113,7 +116,23 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
             "original_max_position_embeddings": integer("old_context_len", 8192),
         }
     window = model.get("window_size")
+    freq = model.get("moe_layer_freq", 1)
+    if not (isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1) and not (
+            isinstance(freq, list) and all(v in (0, 1) for v in freq)):
+        raise QlmError(f"{path}: model.moe_layer_freq is {freq!r}, not a positive integer or a 0/1 list",
+                       "restore the run's run_config.yaml or pass --config")
+    scaling_factor = model.get("moe_router_topk_scaling_factor")
     return argparse.Namespace(
+        qk_layernorm=flag("qk_layernorm", False),
+        num_experts=integer("num_moe_experts"),
+        moe_router_topk=integer("moe_router_topk", 2),
+        moe_ffn_hidden_size=integer("moe_ffn_hidden_size"),
+        moe_shared_expert_intermediate_size=integer("moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=flag("moe_shared_expert_gate", False),
+        moe_router_pre_softmax=flag("moe_router_pre_softmax", False),
+        moe_router_score_function=str(model.get("moe_router_score_function") or "softmax"),
+        moe_router_topk_scaling_factor=scaling_factor if isinstance(scaling_factor, (int, float)) else None,
+        moe_layer_freq=freq,
         num_layers=model["num_layers"],
         hidden_size=hidden,
         ffn_hidden_size=integer("ffn_hidden_size") or 4 * hidden,
@@ -141,6 +160,6 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
         window_size=tuple(window) if isinstance(window, (list, tuple)) and len(window) == 2 else None,
         bf16=flag("bf16", False),
         fp16=flag("fp16", False),
-        qlm_model_type="mistral" if "mistral" in target else None,
+        qlm_model_type="mistral" if "mistral" in target else "mixtral" if "mixtral" in target else None,
         qlm_args_from=str(path),
     )

@@ -17,6 +17,7 @@ from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.checkpoint.io.text import read_json_object
 from qlm_core.dtypes import HF_DTYPE_NAMES, set_hf_config_dtype
 from qlm_core.errors import QlmError
+from qlm_core.models.layout import hf_fused_experts
 from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -116,7 +117,11 @@ class HFCheckpoint:
         self._dtypes: dict[str, torch.dtype] = {}
         self._data_offsets: dict[str, int] = {}  # absolute file offset of each safetensors tensor's bytes
         self._bin_cache: dict[Path, dict] = {}
+        # per-expert name -> (fused tensor, expert, first row): transformers-5's fused MoE layout, read as the
+        # per-expert tensors the layout asks for
+        self._fused: dict[str, tuple[str, int | None, int]] = {}
         self._scan()
+        self._alias_fused_experts()
 
     def _check_index(self):
         """A sharded model's index names every weight file: one deleted or never copied is an error here."""
@@ -152,6 +157,22 @@ class HFCheckpoint:
                 self._shapes[name] = tuple(tensor.shape)
                 self._dtypes[name] = tensor.dtype
 
+    def _alias_fused_experts(self):
+        for name, (fused, expert, row) in hf_fused_experts(self.spec).items():
+            if name in self._shapes or fused not in self._shapes:
+                continue
+            shape = self._shapes[fused]
+            if expert is None:
+                self._shapes[name] = shape
+            elif len(shape) != 3 or expert >= shape[0]:
+                raise QlmError(f"{fused} in {self.path} is {list(shape)}, not [experts, rows, columns]",
+                               "the weights do not match config.json")
+            else:
+                rows = shape[1] // 2 if fused.endswith("gate_up_proj") else shape[1]
+                self._shapes[name] = (rows, shape[2])
+            self._fused[name] = (fused, expert, row)
+            self._dtypes[name] = self._dtypes[fused]
+
     def _load_bin(self, file: Path) -> dict:
         if file not in self._bin_cache:
             self._bin_cache[file] = safe_torch_load(file, mmap=True)
@@ -159,6 +180,7 @@ class HFCheckpoint:
 
     @property
     def names(self) -> list[str]:
+        """The tensors the files hold (a fused MoE layout's fused tensors, not the per-expert views of them)."""
         return list(self._files)
 
     def file_of(self, name: str) -> Path:
@@ -190,7 +212,9 @@ class HFCheckpoint:
                     f"tensor {name} has shape {list(self._shapes[name])} but config.json implies {list(shape)}",
                     "the weights do not match config.json",
                 )
-        extra = [n for n in self._shapes if n not in expected and n not in ignorable and not n.endswith(_BUFFERS)]
+        fused = {source for source, _, _ in self._fused.values()}
+        extra = [n for n in self._shapes
+                 if n not in expected and n not in ignorable and n not in fused and not n.endswith(_BUFFERS)]
         if extra:
             layers = sorted({int(m.group(1)) for n in extra if (m := re.search(r"\.layers\.(\d+)\.", n))})
             what = f"layers {', '.join(map(str, layers))} and " if layers else ""
@@ -209,22 +233,39 @@ class HFCheckpoint:
 
     def read(self, name: str, axis: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Entries [start, stop) of tensor `name` along `axis` (all when start is None), reading only those bytes."""
+        if name in self._fused:
+            return self._read_fused(name, axis, start, stop)
+        index = slice(start, stop)
+        return self._read_index(name, (index,) if axis == 0 else (slice(None), index))
+
+    def _read_index(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         file = self._files.get(name)
         if file is None:
             raise QlmError(f"tensor {name} is missing from {self.path}", "the weights do not match config.json")
-        index = slice(start, stop)
         if file.suffix != ".safetensors":
-            tensor = self._load_bin(file)[name]
-            return (tensor if start is None else tensor.narrow(axis, start, stop - start)).clone()
+            return self._load_bin(file)[name][index].clone()
         try:
             with safe_open(file, framework="pt") as fh:
-                sl = fh.get_slice(name)
-                view = sl[index] if axis == 0 else sl[:, index]
+                view = fh.get_slice(name)[index]
                 # The slice is a view into the memory-mapped file: copy out just its elements, so that nothing
                 # keeps the mapping alive and torch.save does not write the whole underlying tensor.
                 return torch.empty(view.shape, dtype=view.dtype).copy_(view)
         except Exception as exc:  # safetensors raises its own error types
             raise QlmError(f"cannot read {name} from {file} ({exc})", "re-download or re-export it") from None
+
+    def _read_fused(self, name: str, axis: int, start: int | None, stop: int | None) -> torch.Tensor:
+        """A per-expert tensor out of its fused tensor: rows `row`.. of expert `expert` (the whole tensor when
+        expert is None), entries [start, stop) of that along `axis`."""
+        fused, expert, row = self._fused[name]
+        if expert is None:
+            return self.read(fused, axis, start, stop)
+        rows, cols = self._shapes[name]
+        if start is None:
+            start, stop = 0, (rows, cols)[axis]
+        experts = slice(expert, expert + 1)
+        if axis == 0:
+            return self._read_index(fused, (experts, slice(row + start, row + stop)))[0]
+        return self._read_index(fused, (experts, slice(row, row + rows), slice(start, stop)))[0]
 
     def read_into(self, name: str, axis: int, start: int, stop: int, out: torch.Tensor):
         """Copy entries [start, stop) along `axis` into `out`. Row ranges of safetensors files are read with one

@@ -11,6 +11,7 @@ import torch
 
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout
+from qlm_core.models.moe_spec import MoeSpec
 from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec, RopeScaling
 
 
@@ -57,11 +58,77 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         consumed_valid_samples=0,
         qlm_model_type=s.model_type,
         qlm_rope_scaling=None if s.rope_scaling is None else vars(s.rope_scaling).copy(),
+        qk_layernorm=s.qk_layernorm,
+        **moe_args(s),
     )
     set_layout_args(args, layout, dtype)
     for key, value in extra.items():
         setattr(args, key, value)
     return args
+
+
+def moe_args(spec: ModelSpec) -> dict:
+    """Megatron-LM's MoE arguments (num_experts None: a dense model). The experts are SequentialMLPs (no grouped
+    GEMM), so their weights are `mlp.experts.local_experts.<e>.*`; moe_layer_freq is 1 or the per-layer list."""
+    moe = spec.moe
+    if moe is None:
+        return {"num_experts": None, "moe_grouped_gemm": False}
+    return {
+        "num_experts": moe.num_experts,
+        "moe_router_topk": moe.topk,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": moe.shared_expert_hidden_size or None,
+        "moe_shared_expert_gate": moe.shared_expert_gate,
+        "moe_router_pre_softmax": moe.pre_softmax,
+        "moe_router_score_function": moe.score_function,
+        "moe_layer_freq": [int(moe.is_moe_layer(i)) for i in range(spec.num_layers)] if moe.layer_pattern else 1,
+        "moe_grouped_gemm": False,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_router_topk_scaling_factor": None,
+        "moe_router_enable_expert_bias": False,
+    }
+
+
+def moe_from_args(args, num_layers: int) -> MoeSpec | None:
+    """The MoeSpec of Megatron-LM args (None without num_experts)."""
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        return None
+    freq = getattr(args, "moe_layer_freq", 1)
+    if isinstance(freq, int):
+        pattern = tuple(int(i % freq == 0) for i in range(num_layers))
+    elif isinstance(freq, (list, tuple)) and len(freq) == num_layers and set(freq) <= {0, 1}:
+        pattern = tuple(int(v) for v in freq)
+    else:
+        raise QlmError(f"the checkpoint's moe_layer_freq {freq!r} is neither an integer nor a 0/1 list of "
+                       f"{num_layers} layers", "fix moe_layer_freq in the args or pass --config")
+    score = getattr(args, "moe_router_score_function", None) or "softmax"
+    if getattr(args, "moe_router_topk_scaling_factor", None) not in (None, 1, 1.0):
+        raise QlmError("the checkpoint's router scales its top-k weights (moe_router_topk_scaling_factor)",
+                       "qlm converts routers without top-k scaling")
+    return MoeSpec(
+        num_experts=experts,
+        topk=getattr(args, "moe_router_topk", None) or 2,
+        ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
+        pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
+        score_function=score,
+        shared_expert_hidden_size=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
+        shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
+        layer_pattern=() if all(pattern) else pattern,
+    )
+
+
+def _guess_model_type(args, moe: MoeSpec | None) -> str:
+    """The HF family of args Megatron-LM wrote (qlm's own name it in qlm_model_type)."""
+    qk_norm, bias = bool(getattr(args, "qk_layernorm", False)), bool(getattr(args, "add_qkv_bias", False))
+    if moe is None:
+        return "qwen3" if qk_norm else "qwen2" if bias else "llama"
+    if qk_norm and not moe.shared_expert_hidden_size:
+        return "qwen3_moe"
+    if moe.shared_expert_hidden_size or moe.pre_softmax or moe.layer_pattern or bias:
+        return "qwen2_moe"
+    return "mixtral"
 
 
 def set_layout_args(args: argparse.Namespace, layout: ModelLayout, dtype: torch.dtype) -> argparse.Namespace:
@@ -72,6 +139,8 @@ def set_layout_args(args: argparse.Namespace, layout: ModelLayout, dtype: torch.
     args.padded_vocab_size = layout.padded_vocab
     args.make_vocab_size_divisible_by = layout.make_vocab_size_divisible_by
     args.tensor_model_parallel_size = layout.tp
+    args.expert_model_parallel_size = 1
+    args.expert_tensor_parallel_size = layout.tp
     args.pipeline_model_parallel_size = layout.pp
     args.virtual_pipeline_model_parallel_size = layout.vpp if layout.vpp > 1 else None
     args.num_layers_per_virtual_pipeline_stage = counts[0] // layout.vpp if layout.vpp > 1 and not uneven else None
@@ -102,9 +171,10 @@ def spec_from_args(args) -> ModelSpec:
                        "qlm converts RMSNorm models only")
     if getattr(args, "add_bias_linear", False):
         raise QlmError(f"{model} has biases on its linear layers", "qlm supports bias on linear_qkv only")
+    moe = moe_from_args(args, need("num_layers"))
     model_type = getattr(args, "qlm_model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        model_type = "qwen2" if getattr(args, "add_qkv_bias", False) else "llama"
+        model_type = _guess_model_type(args, moe)
     heads = need("num_attention_heads")
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     scaling = None
@@ -129,6 +199,8 @@ def spec_from_args(args) -> ModelSpec:
         tie_word_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
         rope_scaling=scaling,
         sliding_window=window[0] if window and window[0] and window[0] > 0 else None,
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+        moe=moe,
     )
 
 

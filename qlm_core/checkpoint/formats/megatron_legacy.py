@@ -98,6 +98,7 @@ class MegatronTorchCheckpoint:
         if "args" not in state:
             raise QlmError(f"{self.files[some_file]} has no args", "qlm needs Megatron's args to know the architecture")
         self.args = state["args"]
+        _check_expert_parallel(self.args, self.files[some_file])
         self.tp = max(1 + max(t for t, _ in self.files), getattr(self.args, "tensor_model_parallel_size", 1) or 1)
         self.pp = max(1 + max(p for _, p in self.files), getattr(self.args, "pipeline_model_parallel_size", 1) or 1)
         missing = [(t, p) for t in range(self.tp) for p in range(self.pp) if (t, p) not in self.files]
@@ -266,8 +267,25 @@ class MegatronTorchCheckpoint:
                 offset += b - a
 
 
+def _check_expert_parallel(args, file: Path):
+    """Legacy files of an expert-parallel run hold a slice of the experts each (mp_rank_TT_PPP_EEE folders), and
+    with an expert TP size of its own the experts are cut differently from the rest: neither is read here."""
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if ep > 1 or etp not in (None, tp):
+        raise QlmError(f"{file} is from an expert-parallel run (expert_model_parallel_size {ep}, "
+                       f"expert_tensor_parallel_size {etp}, TP {tp})",
+                       "re-save it with expert_model_parallel_size 1 and expert_tensor_parallel_size = TP, "
+                       "or as torch_dist (which qlm reads at any parallelism)")
+
+
 def _wrong_arg(name: str) -> str:
     """The architecture setting a mis-shaped tensor points at."""
+    if ".mlp.experts." in name or ".mlp.router." in name:
+        return "num_experts / moe_ffn_hidden_size (moe_intermediate_size)"
+    if ".shared_experts." in name:
+        return "moe_shared_expert_intermediate_size"
     if ".linear_fc" in name or ".mlp." in name:
         return "ffn_hidden_size (intermediate_size)"
     if ".linear_qkv" in name or ".linear_proj" in name:

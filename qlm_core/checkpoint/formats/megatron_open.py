@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 EMBEDDING = "embedding.word_embeddings.weight"
 _STRUCTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-              "kv_channels", "qkv_bias", "tie_word_embeddings")
+              "kv_channels", "qkv_bias", "tie_word_embeddings", "qk_layernorm", "moe")
 FIX_CONFIG = "pass --config with the HF config (or preset) of the model this checkpoint holds"
 NO_ARGS_FIX = ("pass --config with the model's HF directory (config.json) or a preset name, or put the run's "
                "Megatron-Bridge run_config.yaml beside it")

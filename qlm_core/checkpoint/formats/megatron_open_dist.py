@@ -31,8 +31,7 @@ class ConfiguredTorchDist(_ConfiguredMixin, TorchDistCheckpoint):
         what = self._described_by()
         if what is not None:
             for tensor in self.layout.global_tensors:
-                key, layer = self._key(tensor)
-                expected = tensor.shape if layer is None else (self.spec.num_layers, *tensor.shape)
+                key, expected = self._key(tensor)[0], self.expected_size(tensor)
                 meta = self.tensors.get(key)
                 if meta is None:
                     raise QlmError(f"{self.dir} lacks {key}, which {what} implies",

@@ -53,21 +53,57 @@ COMMON_FILE = "common.pt"
 COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core >= 0.19: the common dict inside the DCP files
 DIST_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                "common_backend_version": 1}
-EXTRA_STATE_LINEARS = LINEARS  # each local-spec linear has an `_extra_state`
+EXTRA_STATE_LINEARS = LINEARS  # each local-spec linear of a dense layer has an `_extra_state`
 _LOCAL_TO_TE = {local: te for te, local in TE_NORM_NAMES.items()}
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
 
-def dist_key(name: str) -> tuple[str, int | None]:
-    """qlm's global tensor name -> (torch_dist key, layer index along the stacked axis; None for non-layer tensors)."""
-    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+def homogeneous(spec: ModelSpec) -> bool:
+    """Megatron-Core stacks per-layer tensors on a layer axis only when every layer has the same modules; a model
+    with dense and MoE layers (moe_layer_freq a list) keeps per-layer keys `decoder.layers.<N>.…`."""
+    return spec.moe is None or not spec.moe.layer_pattern
+
+
+def dist_key(name: str, stacked: bool = True, te_norms: bool = True) -> tuple[str, tuple[int, ...]]:
+    """qlm's global tensor name -> (torch_dist key, index along the key's leading stacked axes): (layer,) for a
+    layer's tensor, (layer, expert) for a routed expert's (key `decoder.layers.mlp.experts.experts.…`, the
+    doubled `experts` is megatron-core's), () for the rest. `stacked` False: the per-layer keys of a non-homogeneous
+    model, the layer in the key ((expert,) or () left). `te_norms` False: the norms under their module names
+    (`pre_mlp_layernorm.weight`, as Transformer-Engine-spec MoE layers store it) instead of the fused names."""
+    match = _LAYER.fullmatch(name)
     if match is None:
-        return name, None
-    suffix = match.group(2)
-    return f"decoder.layers.{_LOCAL_TO_TE.get(suffix, suffix)}", int(match.group(1))
+        return name, ()
+    layer, suffix = int(match.group(1)), match.group(2)
+    index: tuple[int, ...] = (layer,) if stacked else ()
+    expert = _EXPERT.fullmatch(suffix)
+    if expert is not None:
+        suffix, index = f"mlp.experts.experts.{expert.group(2)}", (*index, int(expert.group(1)))
+    elif te_norms:
+        suffix = _LOCAL_TO_TE.get(suffix, suffix)
+    return f"decoder.layers.{suffix}" if stacked else f"decoder.layers.{layer}.{suffix}", index
 
 
-def extra_state_key(linear: str, layer: int, num_layers: int) -> str:
-    return f"decoder.layers.{linear}._extra_state/shard_{layer}_{num_layers}"
+def dist_key_candidates(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Every (key, index) a torch_dist checkpoint may hold `name` under, the local spec's stacked key first."""
+    return list(dict.fromkeys(dist_key(name, stacked, te) for te in (True, False) for stacked in (True, False)))
+
+
+def extra_state_key(linear: str, layer: int, num_layers: int, num_experts: int = 0, stacked: bool = True) -> str:
+    """The ShardedObject key of `linear`'s `_extra_state` in `layer` (a local-spec module path, routed experts as
+    `mlp.experts.local_experts.<e>.linear_fc1`): `<key>/shard_<offset>_<shape>` over the stacked axes."""
+    key, index = dist_key(f"decoder.layers.{layer}.{linear}._extra_state", stacked)
+    shape = ((num_layers,) if stacked else ()) + ((num_experts,) if len(index) > stacked else ())
+    offset, size = ".".join(map(str, index)) or "0", ".".join(map(str, shape)) or "1"
+    return f"{key}/shard_{offset}_{size}"
+
+
+def extra_state_keys(spec: ModelSpec) -> list[str]:
+    """Every `_extra_state` object a model's torch_dist checkpoint holds (megatron-core requires them on load)."""
+    layout, stacked = ModelLayout(spec), homogeneous(spec)
+    experts = spec.moe.num_experts if spec.moe is not None else 0
+    return [extra_state_key(linear, layer, spec.num_layers, experts, stacked)
+            for layer in range(spec.num_layers) for linear in layout.layer_linears(layer)]
 
 
 # ---- safe metadata ---------------------------------------------------------------------------------------------
@@ -259,12 +295,19 @@ class TorchDistCheckpoint:
 
     def _check_tensors(self):
         for tensor in self.layout.global_tensors:
-            key, layer = self._key(tensor)
-            expected = tensor.shape if layer is None else (self.spec.num_layers, *tensor.shape)
+            key, expected = self._key(tensor)[0], self.expected_size(tensor)
             found = tuple(self._tensor_meta(key).size)
-            if found != tuple(expected):
+            if found != expected:
                 raise QlmError(f"{self.dir}: {key} is {list(found)}, the args describe {list(expected)}",
                                "the checkpoint does not match its args (or hf/config.json)")
+
+    def expected_size(self, tensor: TensorLayout) -> tuple[int, ...]:
+        """The global size the key holding `tensor` must have: its stacked axes (layers unless the key is a
+        per-layer one, then experts) and the tensor's shape."""
+        key, index = self._key(tensor)
+        per_layer = re.match(r"(?:.*/)?decoder\.layers\.\d+\.", key) is not None
+        axes = ([] if per_layer else [self.spec.num_layers]) + ([self.spec.moe.num_experts] if self.spec.moe else [])
+        return (*axes[: len(index)], *tensor.shape)
 
     def holds(self, tensor: TensorLayout) -> bool:
         """True when this view stores `tensor` (an optimizer view has no entries for frozen parameters)."""
@@ -280,14 +323,17 @@ class TorchDistCheckpoint:
 
     # ---- reads -----------------------------------------------------------------------------------------------
 
-    def _key(self, tensor: TensorLayout) -> tuple[str, int | None]:
-        name = tensor.stored_name
-        key, layer = dist_key(name)
-        if layer is not None and key not in self.tensors and name in self.tensors:
-            key, layer = name, None  # non-homogeneous models keep per-layer keys instead of a stacked tensor
-        if self.view != "model":
-            key = view_prefix(self.view) + key
-        return key, layer
+    def _key(self, tensor: TensorLayout) -> tuple[str, tuple[int, ...]]:
+        """Where `tensor` is stored: the first candidate key present (the local spec's stacked one, else the
+        per-layer keys of a non-homogeneous model, else the Transformer-Engine spec's norm names), and its index
+        along the key's stacked axes."""
+        prefix = "" if self.view == "model" else view_prefix(self.view)
+        candidates = dist_key_candidates(tensor.stored_name)
+        for key, index in candidates:
+            meta = self.tensors.get(prefix + key)
+            if meta is not None and len(meta.size) == len(index) + len(tensor.shape):
+                return prefix + key, index
+        return prefix + candidates[0][0], candidates[0][1]
 
     def read_bytes(self, key: str) -> bytes:
         index = MetadataIndex(key)
@@ -319,14 +365,14 @@ class TorchDistCheckpoint:
         return self.tensors[self._key(tensor)[0]].properties.dtype
 
     def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor):
-        key, layer = self._key(tensor)
+        key, index = self._key(tensor)
         lo = [0] * len(tensor.shape)
         hi = list(tensor.shape)
         lo[tensor.axis], hi[tensor.axis] = start, stop
-        if layer is not None:  # the stacked axis
-            lo, hi, out = [layer, *lo], [layer + 1, *hi], out.unsqueeze(0)
-        if self._cache_owner != (key, layer):
-            self._cache_owner, self._cache = (key, layer), {}
+        lo, hi = [*index, *lo], [*(i + 1 for i in index), *hi]  # the stacked axes
+        out = out[(None,) * len(index)]
+        if self._cache_owner != (key, index):
+            self._cache_owner, self._cache = (key, index), {}
         for index, chunk in enumerate(self.tensors[key].chunks):
             begin = [max(a, o) for a, o in zip(lo, chunk.offsets, strict=True)]
             end = [min(b, o + s) for b, o, s in zip(hi, chunk.offsets, chunk.sizes, strict=True)]

@@ -44,9 +44,9 @@ from qlm_core.checkpoint.formats.torch_dist import (
     COMMON_FILE,
     DIST_CONFIG,
     DIST_CONFIG_FILE,
-    EXTRA_STATE_LINEARS,
     dist_key,
-    extra_state_key,
+    extra_state_keys,
+    homogeneous,
 )
 from qlm_core.models.layout import ModelLayout, TensorLayout, TensorSource, read_range
 
@@ -56,18 +56,17 @@ CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix
 
 
 class Chunk:
-    """One stored chunk: rows/columns [start, stop) of `tensor` (of `layer` along the stacked axis, if any), the
-    part TP rank `tp_rank` holds."""
+    """One stored chunk: rows/columns [start, stop) of `tensor` (at `index` along the key's stacked axes: (layer,),
+    (layer, expert), (expert,) or ()), the part TP rank `tp_rank` holds."""
 
-    def __init__(self, tensor: TensorLayout, layer: int | None, start: int, stop: int, tp_rank: int):
-        self.tensor, self.layer, self.start, self.stop, self.tp_rank = tensor, layer, start, stop, tp_rank
+    def __init__(self, tensor: TensorLayout, index: tuple[int, ...], start: int, stop: int, tp_rank: int):
+        self.tensor, self.index, self.start, self.stop, self.tp_rank = tensor, index, start, stop, tp_rank
 
     def write_item(self, key: str, global_shape: tuple[int, ...], dtype: torch.dtype) -> WriteItem:
         offsets = [0] * len(self.tensor.shape)
         sizes = list(self.tensor.shape)
         offsets[self.tensor.axis], sizes[self.tensor.axis] = self.start, self.stop - self.start
-        if self.layer is not None:
-            offsets, sizes = [self.layer, *offsets], [1, *sizes]
+        offsets, sizes = [*self.index, *offsets], [*(1 for _ in self.index), *sizes]
         chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=dtype), size=torch.Size(global_shape))
         return WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.SHARD, tensor_data=data)
@@ -76,14 +75,15 @@ class Chunk:
 def plan_chunks(layout: ModelLayout) -> dict[str, tuple[tuple[int, ...], list[Chunk]]]:
     """torch_dist key -> (global shape, chunks), as Megatron writes them at layout.tp."""
     keys: dict[str, tuple[tuple[int, ...], list[Chunk]]] = {}
-    num_layers = layout.spec.num_layers
+    spec, stacked = layout.spec, homogeneous(layout.spec)
+    axes = ((spec.num_layers,) if stacked else ()) + ((spec.moe.num_experts,) if spec.moe is not None else ())
     for tensor in layout.global_tensors:
-        key, layer = dist_key(tensor.name)
-        shape = tensor.shape if layer is None else (num_layers, *tensor.shape)
+        key, index = dist_key(tensor.name, stacked)
+        shape = (*axes[: len(index)], *tensor.shape)
         chunks = keys.setdefault(key, (shape, []))[1]
         for rank in range(1 if tensor.split == "replicated" else layout.tp):
             for start, stop in tensor.tp_ranges(layout.tp, rank):
-                chunks.append(Chunk(tensor, layer, start, stop, rank))
+                chunks.append(Chunk(tensor, index, start, stop, rank))
     return keys
 
 
@@ -120,11 +120,8 @@ class _StreamingSavePlanner(DefaultSavePlanner):
                     item = chunk.write_item(part.prefix + key, shape, part.dtype)
                     self.chunks[item.index] = (part, chunk)
                     self.items.append(item)
-        num_layers = layout.spec.num_layers
-        for layer in range(num_layers if extra_state else 0):
-            for linear in EXTRA_STATE_LINEARS:
-                self.items.append(WriteItem(index=MetadataIndex(extra_state_key(linear, layer, num_layers)),
-                                            type=WriteItemType.BYTE_IO))
+        for key in extra_state_keys(layout.spec) if extra_state else ():
+            self.items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
         self.written = 0
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
@@ -141,7 +138,7 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         self.progress(self.written, len(self.chunks), write_item.index.fqn)
         self.written += 1
         data = read_range(part.source, chunk.tensor, chunk.start, chunk.stop, part.dtype)
-        return data.unsqueeze(0) if chunk.layer is not None else data
+        return data[(None,) * len(chunk.index)]
 
 
 def _common_state(args: argparse.Namespace, iteration: int | None, common_extra: dict | None) -> dict:

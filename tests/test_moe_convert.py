@@ -1,0 +1,231 @@
+"""qlm convert for Qwen3, Qwen2-MoE, Qwen3-MoE and Mixtral: HF <-> Megatron legacy and torch_dist round trips are
+bit-exact (verify on), Megatron's args alone describe the model, torch_dist holds megatron-core 0.16.1's MoE keys
+(the stacked [L, E, ...] experts under `mlp.experts.experts.`, per-layer keys for mixed dense/MoE models, the
+experts' `_extra_state` objects), transformers-5's fused expert layout reads like the per-expert keys, and the
+Transformer-Engine spellings (TEGroupedMLP `weight<e>`, `pre_mlp_layernorm.weight` in torch_dist) read too."""
+
+import shutil
+
+import pytest
+import torch
+import transformers
+from conftest import QWEN3_MOE_KINDS, make_hf_model
+from safetensors.torch import save_file
+from test_convert import assert_same_hf
+from test_convert_errors import assert_clean_failure
+
+from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf, mcore_to_mcore
+from qlm_core.checkpoint.formats import torch_dist_write
+from qlm_core.checkpoint.formats.hf import HFCheckpoint
+from qlm_core.checkpoint.formats.megatron_args import make_args, spec_from_args
+from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR
+from qlm_core.checkpoint.formats.torch_dist import SafeFileSystemReader, dist_key
+from qlm_core.checkpoint.io.safe_load import safe_torch_load
+from qlm_core.errors import QlmError
+from qlm_core.models.layout import HFTensorSource, ModelLayout, build_shard
+from qlm_core.models.spec import ModelSpec
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+KINDS = list(QWEN3_MOE_KINDS)
+
+
+def without_hf_side_dir(ckpt):
+    """The checkpoint as Megatron-LM would leave it: no hf/ config beside it, only the args."""
+    shutil.rmtree(ckpt / HF_SIDE_DIR)
+    return ckpt
+
+
+def same_architecture(a: ModelSpec, b: ModelSpec):
+    assert a.replace(bos_token_id=None, eos_token_id=None) == b.replace(bos_token_id=None, eos_token_id=None)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_mcore_hf_at_tp2_pp2_is_bit_exact_from_the_args_alone(moe_models, tmp_path, kind):
+    src = moe_models[kind]
+    assert hf_to_mcore(src, tmp_path / "mcore", tp=2, pp=2, verify=True).verify.ok
+    args = safe_torch_load(tmp_path / "mcore/release/mp_rank_01_001/model_optim_rng.pt")["args"]
+    spec = ModelSpec.from_hf_dir(src)
+    same_architecture(spec_from_args(args), spec)
+    assert args.qk_layernorm == spec.qk_layernorm and args.moe_grouped_gemm is False
+    if spec.moe is not None:
+        assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (4, 2, 32)
+    back = mcore_to_hf(without_hf_side_dir(tmp_path / "mcore"), tmp_path / "hf", verify=True)
+    assert back.verify.ok and back.verify.tensors_checked == len(HFCheckpoint(src).names)
+    assert_same_hf(src, tmp_path / "hf")
+    same_architecture(ModelSpec.from_hf_dir(tmp_path / "hf"), spec)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_torch_dist_hf_is_bit_exact_and_resharding_into_torch_too(moe_models, tmp_path, kind):
+    src = moe_models[kind]
+    assert hf_to_mcore(src, tmp_path / "dist", tp=2, format="torch_dist", verify=True).verify.ok
+    mcore_to_hf(without_hf_side_dir(tmp_path / "dist"), tmp_path / "hf", verify=False)
+    assert_same_hf(src, tmp_path / "hf")
+    mcore_to_mcore(tmp_path / "dist", tmp_path / "torch", tp=2, pp=2, format="torch", verify=False)
+    hf_to_mcore(src, tmp_path / "direct", tp=2, pp=2)
+    for file in sorted((tmp_path / "direct/release").rglob("model_optim_rng.pt")):
+        ours = safe_torch_load(tmp_path / "torch/release" / file.relative_to(tmp_path / "direct/release"))["model"]
+        direct = safe_torch_load(file)["model"]
+        assert list(ours) == list(direct)
+        for key, tensor in direct.items():
+            assert (tensor is None and ours[key] is None) or torch.equal(tensor, ours[key]), key
+
+
+def dist_metadata(root):
+    md = SafeFileSystemReader(str(root / "release")).read_metadata().state_dict_metadata
+    tensors = {k: (tuple(v.size), len(v.chunks)) for k, v in md.items() if hasattr(v, "size")}
+    return tensors, sorted(k for k in md if k not in tensors)
+
+
+def test_torch_dist_holds_megatron_cores_moe_keys(moe_models, tmp_path):
+    """What a megatron-core 0.16.1 local-spec GPTModel's sharded_state_dict() names (SequentialMLP experts)."""
+    hf_to_mcore(moe_models["qwen3_moe"], tmp_path / "q3", tp=2, format="torch_dist")
+    tensors, objects = dist_metadata(tmp_path / "q3")
+    L, E = 4, 4
+    assert tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == ((L, E, 64, 64), L * E * 4)
+    assert tensors["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == ((L, E, 64, 32), L * E * 2)
+    assert tensors["decoder.layers.mlp.router.weight"] == ((L, E, 64), L)
+    assert tensors["decoder.layers.mlp.linear_fc1.layer_norm_weight"][0] == (L, 64)  # local spec, even for MoE
+    assert tensors["decoder.layers.self_attention.q_layernorm.weight"][0] == (L, 24)
+    experts = [f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{e}_{L}.{E}"
+               for fc in ("linear_fc1", "linear_fc2") for i in range(L) for e in range(E)]
+    attention = [f"decoder.layers.self_attention.{m}._extra_state/shard_{i}_{L}"
+                 for m in ("linear_proj", "linear_qkv") for i in range(L)]
+    assert objects == sorted(experts + attention)
+
+    # mlp_only_layers: the model is not homogeneous, so every layer keeps its own keys
+    hf_to_mcore(moe_models["qwen2_moe"], tmp_path / "q2", format="torch_dist")
+    tensors, objects = dist_metadata(tmp_path / "q2")
+    assert not any(k.startswith("decoder.layers.") and not k[len("decoder.layers."):][0].isdigit() for k in tensors)
+    assert tensors["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"][0] == (E, 64, 64)
+    assert tensors["decoder.layers.0.mlp.shared_experts.gate_weight"][0] == (1, 64)
+    assert tensors["decoder.layers.2.mlp.linear_fc1.weight"][0] == (192, 64)  # the dense layer
+    assert "decoder.layers.2.mlp.router.weight" not in tensors
+    assert "decoder.layers.1.mlp.experts.experts.linear_fc2._extra_state/shard_3_4" in objects
+    assert "decoder.layers.1.mlp.shared_experts.linear_fc1._extra_state/shard_0_1" in objects
+    assert "decoder.layers.2.mlp.linear_fc1._extra_state/shard_0_1" in objects
+
+
+def test_reads_the_te_spec_pre_mlp_layernorm_in_torch_dist(moe_models, tmp_path, monkeypatch):
+    """Transformer-Engine-spec MoE checkpoints (Megatron-Bridge, Pai) store `decoder.layers.pre_mlp_layernorm
+    .weight` where the local spec stores `decoder.layers.mlp.linear_fc1.layer_norm_weight`."""
+    monkeypatch.setattr(torch_dist_write, "dist_key", lambda name, stacked=True: dist_key(
+        name, stacked, te_norms=not name.endswith("pre_mlp_layernorm.weight")))
+    for kind in ("mixtral", "qwen2_moe"):
+        hf_to_mcore(moe_models[kind], tmp_path / kind, format="torch_dist", verify=False)
+        tensors, _ = dist_metadata(tmp_path / kind)
+        assert "decoder.layers.pre_mlp_layernorm.weight" in tensors or "decoder.layers.0.pre_mlp_layernorm.weight" \
+            in tensors
+        assert mcore_to_hf(tmp_path / kind, tmp_path / f"{kind}.hf", verify=True).verify.ok
+        assert_same_hf(moe_models[kind], tmp_path / f"{kind}.hf")
+
+
+def te_renamed(name: str, moe_layer: bool) -> str:
+    """A local-spec name as Megatron-LM's Transformer-Engine spec names it (TEGroupedMLP experts)."""
+    name = name.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+    if not moe_layer:  # an MoE layer keeps its own pre_mlp_layernorm module
+        name = name.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+    for fc in ("linear_fc1", "linear_fc2"):
+        for e in range(4):
+            name = name.replace(f"mlp.experts.local_experts.{e}.{fc}.weight", f"mlp.experts.{fc}.weight{e}")
+    return name
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
+def test_reads_transformer_engine_moe_names_in_legacy_files(moe_models, tmp_path, kind):
+    hf_to_mcore(moe_models[kind], tmp_path / "local", tp=2, pp=2)
+    shutil.copytree(tmp_path / "local", tmp_path / "te")
+    spec, written = ModelSpec.from_hf_dir(moe_models[kind]), set()
+    for file in (tmp_path / "te").rglob("model_optim_rng.pt"):
+        state = safe_torch_load(file)
+        offset = 2 * int(file.parent.name.endswith("_001"))
+        renamed = {}
+        for name, value in state["model"].items():
+            layer = int(name.split(".")[2]) + offset if name.startswith("decoder.layers.") else None
+            if name.endswith("._extra_state") and ".local_experts." in name:
+                continue  # TEGroupedMLP has one _extra_state per fc, not per expert
+            renamed[te_renamed(name, layer is not None and spec.is_moe_layer(layer))] = value
+        state["model"] = renamed
+        written |= set(renamed)
+        torch.save(state, file)
+    assert "decoder.layers.0.mlp.experts.linear_fc1.weight3" in written
+    assert mcore_to_mcore(tmp_path / "te", tmp_path / "resharded", tp=1, verify=True).verify.ok
+    mcore_to_hf(tmp_path / "resharded", tmp_path / "hf")
+    assert_same_hf(moe_models[kind], tmp_path / "hf")
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_fused_expert_layout_reads_as_the_per_expert_keys(moe_models, tmp_path, kind):
+    """transformers >= 5 holds experts as [E, 2F, H] gate_up_proj and [E, H, F] down_proj (Mixtral's too, under
+    mlp.); a safetensors file of that state_dict gives the same shards and converts back to per-expert keys."""
+    src = moe_models[kind]
+    fused = tmp_path / "fused"
+    shutil.copytree(src, fused)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state and "model.layers.0.mlp.gate.weight" in state
+    save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    layout = ModelLayout(ModelSpec.from_hf_dir(src), tp=2, pp=2)
+    per_expert, from_fused = HFTensorSource(HFCheckpoint(src)), HFTensorSource(HFCheckpoint(fused))
+    for tp_rank in range(2):
+        for pp_rank in range(2):
+            a = build_shard(layout, tp_rank, pp_rank, 0, per_expert)
+            b = build_shard(layout, tp_rank, pp_rank, 0, from_fused)
+            assert list(a) == list(b)
+            for name, tensor in a.items():
+                assert (tensor is None and b[name] is None) or torch.equal(tensor, b[name]), name
+    assert hf_to_mcore(fused, tmp_path / "mcore", tp=2, verify=True).verify.ok
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
+    assert_same_hf(tmp_path / "hf", src)  # written per expert, as transformers saves
+
+
+def test_sparse_step_pattern_round_trips_through_the_args(tmp_path):
+    """decoder_sparse_step 2 (MoE on layers 1 and 3) is no megatron moe_layer_freq integer (that puts MoE on
+    layers 0 and 2): the args hold the list, and the checkpoint without hf/ converts back exactly."""
+    make_hf_model(tmp_path / "src", "qwen3_moe", decoder_sparse_step=2)
+    hf_to_mcore(tmp_path / "src", tmp_path / "mcore", pp=2, format="torch_dist")
+    args = safe_torch_load(tmp_path / "mcore/release/common.pt")["args"]
+    assert args.moe_layer_freq == [0, 1, 0, 1]
+    assert mcore_to_hf(without_hf_side_dir(tmp_path / "mcore"), tmp_path / "hf", verify=True).verify.ok
+    assert_same_hf(tmp_path / "src", tmp_path / "hf")
+
+
+def test_megatron_lm_moe_args_without_qlm_names_give_the_family():
+    for kind in KINDS:
+        spec = ModelSpec.from_hf_config(transformers.AutoConfig.for_model(
+            QWEN3_MOE_KINDS[kind][0], **{"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+                                         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                         **QWEN3_MOE_KINDS[kind][1]}).to_dict())
+        args = make_args(ModelLayout(spec), torch.float32)
+        del args.qlm_model_type
+        assert spec_from_args(args).model_type == kind
+        assert spec_from_args(args).moe == spec.moe
+
+
+def test_tp_not_dividing_the_expert_size_is_one_line(run_qlm, tmp_path):
+    make_hf_model(tmp_path / "src", "qwen3_moe", moe_intermediate_size=30)
+    out = tmp_path / "out"
+    assert_clean_failure(run_qlm("convert", "hf2mcore", "--hf", tmp_path / "src", "--out", out, "--tp", "4"), out,
+                         "moe_intermediate_size 30", "--tp 4")
+
+
+def test_legacy_grouped_mlp_weights_are_one_line(run_qlm, moe_models, tmp_path):
+    hf_to_mcore(moe_models["mixtral"], tmp_path / "m")
+    file = tmp_path / "m/release/mp_rank_00/model_optim_rng.pt"
+    state = safe_torch_load(file)
+    state["model"] = {name.replace("mlp.experts.local_experts.0.linear_fc1.weight", "mlp.experts.weight1"): value
+                      for name, value in state["model"].items()}
+    torch.save(state, file)
+    out = tmp_path / "hf"
+    assert_clean_failure(run_qlm("convert", "mcore2hf", "--mcore", tmp_path / "m", "--out", out), out,
+                         "mlp.experts.weight1", "GroupedMLP")
+
+
+def test_expert_parallel_legacy_files_are_refused(moe_models, tmp_path):
+    hf_to_mcore(moe_models["mixtral"], tmp_path / "m")
+    file = tmp_path / "m/release/mp_rank_00/model_optim_rng.pt"
+    state = safe_torch_load(file)
+    state["args"].expert_model_parallel_size = 2
+    torch.save(state, file)
+    with pytest.raises(QlmError, match="expert_model_parallel_size 2"):
+        mcore_to_hf(tmp_path / "m", tmp_path / "hf")
