@@ -43,6 +43,7 @@ def _print_profile(case, gpu, memory, time):
     documents = (f"packed documents of {case.mean_doc_len:,} tokens on average" if case.mean_doc_len
                  else "one document per sample (packed data: --mean-doc-len / data.mean_doc_len)")
     window = f", sliding window {case.spec.sliding_window:,}" if case.spec.sliding_window else ""
+    console.print(report.parameters_line(case.spec), highlight=False)
     console.print(f"attention: {documents}{window}", highlight=False)
     console.print(memory_table(memory, f"memory per rank, heaviest pipeline stage ({heavy.stage} of {p.pp})"))
     console.print(f"activations: {heavy.activation_per_layer / GIB:.3f} GiB per layer per micro-batch x "

@@ -18,12 +18,31 @@ def attended_keys_per_token(seq_length: int, mean_doc_len: int = 0, window: int 
 
 
 def layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> tuple[float, float]:
-    """Forward FLOPs per token of one layer: (dense matmuls, causal attention over the keys each token reads)."""
+    """Forward FLOPs per token of one dense layer: (dense matmuls, causal attention over the keys each token
+    reads)."""
     h, d, f = spec.hidden_size, spec.kv_channels, spec.ffn_hidden_size
     dense = 2 * (h * spec.qkv_rows + spec.num_attention_heads * d * h + 3 * h * f)
     keys = attended_keys_per_token(seq_length, mean_doc_len, spec.sliding_window)
     attention = 2 * 2 * keys * spec.num_attention_heads * d
     return dense, attention
+
+
+def moe_mlp_flops_per_token(spec: ModelSpec) -> float:
+    """Forward FLOPs per token of an MoE layer's MLP, from its active parameters: the router GEMM [h -> E], top-k
+    SwiGLU experts, the shared expert and its gate [h -> 1] (the routing's softmax and sort are not counted)."""
+    moe, h = spec.moe, spec.hidden_size
+    active = moe.topk * moe.ffn_hidden_size + moe.shared_expert_hidden_size
+    return 2 * (h * moe.num_experts + 3 * h * active + (h if moe.shared_expert_gate else 0))
+
+
+def model_layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> float:
+    """Forward FLOPs per token of all layers (matmuls and attention), each MoE layer at its active parameters."""
+    dense, attention = layer_flops_per_token(spec, seq_length, mean_doc_len)
+    if spec.moe is None:
+        return spec.num_layers * (dense + attention)
+    moe_layers = spec.moe.num_moe_layers(spec.num_layers)
+    moe = dense - 2 * 3 * spec.hidden_size * spec.ffn_hidden_size + moe_mlp_flops_per_token(spec)
+    return (spec.num_layers - moe_layers) * (dense + attention) + moe_layers * (moe + attention)
 
 
 def logits_flops_per_token(spec: ModelSpec) -> float:
@@ -33,8 +52,7 @@ def logits_flops_per_token(spec: ModelSpec) -> float:
 def flops_per_sequence(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> float:
     """Forward + backward model FLOPs (3x forward, recomputation not counted) of one sequence: the layers and the
     logits."""
-    dense, attention = layer_flops_per_token(spec, seq_length, mean_doc_len)
-    per_token = spec.num_layers * (dense + attention) + logits_flops_per_token(spec)
+    per_token = model_layer_flops_per_token(spec, seq_length, mean_doc_len) + logits_flops_per_token(spec)
     return 3.0 * per_token * seq_length
 
 
@@ -42,10 +60,18 @@ def megatron_flops_per_sequence(spec: ModelSpec, seq_length: int) -> float:
     """Megatron-LM's num_floating_point_operations for one sequence (dense models; what NeMo and Megatron report
     TFLOP/s and MFU with): 12·s·L·h²·((1 + g/a + s/h)·q/h + 1.5·f/h) + 6·s·h·V, with q = a·d. It counts every
     query-key pair (no causal halving), so the same speed reads as more TFLOP/s than qlm's count
-    (flops_per_sequence); V is the model's vocabulary (Megatron's padded one differs by well under 1%)."""
+    (flops_per_sequence); V is the model's vocabulary (Megatron's padded one differs by well under 1%). MoE (as
+    Megatron-LM's num_floating_point_operations with num_experts, moe_router_topk, moe_ffn_hidden_size,
+    moe_shared_expert_intermediate_size and moe_layer_freq): an MoE layer's f is k·F + S, its top-k experts and
+    shared expert; the router is not counted."""
     h, a, g = spec.hidden_size, spec.num_attention_heads, spec.num_query_groups
     q = a * spec.kv_channels
     attention = (1 + g / a + seq_length / h) * q / h
     mlp = 1.5 * spec.ffn_hidden_size / h  # SwiGLU: three h x f matrices
+    if spec.moe is not None:  # per-layer mean: dense layers' f, MoE layers' top-k experts and shared expert
+        moe_layers = spec.moe.num_moe_layers(spec.num_layers)
+        routed = spec.moe.topk * spec.moe.ffn_hidden_size + spec.moe.shared_expert_hidden_size
+        mlp = 1.5 * ((spec.num_layers - moe_layers) * spec.ffn_hidden_size + moe_layers * routed) / (
+            spec.num_layers * h)
     return (12 * seq_length * spec.num_layers * h * h * (attention + mlp)
             + 6 * seq_length * h * spec.vocab_size)

@@ -17,6 +17,11 @@ e = bytes of the compute dtype, hq/hk/d/f = heads, query groups, head dim, FFN s
                     q, kernels/piecewise.like_q), a copy on CUDA when mbs > 1 and under CP's all-to-all: + e·hq·d·T
   SwiGLU            linear_fc1 output e·2f·T (kernels/swiglu.SwiGLUFunction recomputes silu), and silu(gate)·up
                     (the linear_fc2 input) e·f·T
+  q/k norm          (Qwen3) each keeps its input and fp32 1/rms 4·(hq+hk)·T; k's input is a view of linear_qkv's
+                    output, q's too unless the rank's heads span several groups of several heads, when it is a copy
+                    e·hq·d·T (qk_norm_terms)
+  MoE layer         instead of SwiGLU: the router, the experts' sorted rows and the shared expert
+                    (profile/moe_activations.py); the MLP input is the "linear_fc1 input" term
   recompute         selective, by Megatron's recompute_modules: core_attn, the checkpoint keeps q, k, v (already
                     counted) and the attention kernel's output and log-sum-exp are not saved; the projection still
                     keeps its input. mlp: the checkpoint keeps its input (the pre-MLP norm's output), none of the
@@ -27,7 +32,8 @@ e = bytes of the compute dtype, hq/hk/d/f = heads, query groups, head dim, FFN s
                     layers of each chunk). op (torchtitan's per-op policy): the layer input, the outputs of the
                     first and third matmul (linear_qkv e·(hq+2hk)·d·T, linear_fc1 e·2f·T) and the attention
                     kernel's output and log-sum-exp; with LoRA the adapters' matmuls shift which are kept and CP's
-                    ring kernels keep one partial output per step (neither modelled).
+                    ring kernels keep one partial output per step (neither modelled). An MoE layer: the
+                    router's logits (its 3rd matmul) and, with a shared expert, that expert's linear_fc2 output.
   CP a2a (Ulysses)  the kernel saves the all-to-all outputs instead of the local q/k/v (same bytes per token; k/v
                     heads are repeated up to cp when fewer), so neither the RoPE outputs nor linear_qkv's are kept.
   LoRA              a frozen linear keeps its input only when
@@ -60,6 +66,7 @@ from dataclasses import dataclass, field
 
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, loss_is_chunked
+from qlm_core.profile.moe_activations import moe_backward_transient, moe_mlp_terms
 
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 
@@ -81,6 +88,8 @@ class ActivationInputs:
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # 0: the loss takes the whole logits
     recompute_modules: tuple[str, ...] = ("core_attn",)  # what recompute = "selective" covers
     rotary: bool = True  # RoPE: q and k are rotated copies; without it they stay views of linear_qkv's output
+    moe_losses: bool = False  # an MoE aux or z-loss coefficient is set: the losses' graphs stay until backward
+    moe_capacity_factor: float | None = None  # None: drop-less routing
 
     def recomputes(self, recompute: str, module: str) -> bool:
         return recompute == "selective" and module in self.recompute_modules
@@ -121,17 +130,54 @@ def _heads(x: ActivationInputs) -> tuple[float, float, float]:
     return hq, 1, s.num_attention_heads + 2 * s.num_query_groups  # gathered whole, one group kept
 
 
-def layer_terms(x: ActivationInputs, recompute: str = "none") -> dict[str, float]:
-    """Saved bytes of one transformer layer for one micro-batch, by what keeps them (see the module docstring)."""
+def _is_moe(x: ActivationInputs, moe_layer: bool | None) -> bool:
+    """Whether the layer's `mlp` is an MoE layer (None: the model's kind, MoE when it has experts)."""
+    return x.spec.moe is not None if moe_layer is None else moe_layer
+
+
+def q_copied(x: ActivationInputs) -> bool:
+    """Whether q is a copy of linear_qkv's output: reshaping a rank's query heads out of more than one group of
+    [q heads; k; v] rows cannot be a view (one group, or one head per group, can)."""
+    s = x.spec
+    return s.num_query_groups > x.tp and s.heads_per_group > 1
+
+
+def qk_norm_terms(x: ActivationInputs) -> dict[str, float]:
+    """Qwen3's q/k RMSNorm per head (kernels/norm.RMSNormFunction): each keeps its input and fp32 1/rms. k's input is
+    a view of linear_qkv's output (counted with v, or here under CP's all-to-all, which keeps no v view); q's is that
+    view too, or its own copy (q_copied)."""
+    if not x.spec.qk_layernorm:
+        return {}
+    e, T, d = x.dtype_bytes, x.tokens, x.spec.kv_channels
+    hq, hk, qkv_cols = _heads(x)
+    terms = {"q/k norm 1/rms (fp32)": 4 * (hq + hk) * T, "q norm input": e * hq * d * T if q_copied(x) else 0.0}
+    if x.cp > 1 and x.cp_comm_type == "a2a":
+        terms["linear_qkv output (k norm input)"] = e * qkv_cols * d * T
+    return terms
+
+
+def layer_terms(x: ActivationInputs, recompute: str = "none", moe_layer: bool | None = None) -> dict[str, float]:
+    """Saved bytes of one transformer layer for one micro-batch, by what keeps them (see the module docstring).
+    `moe_layer`: whether its MLP is an MoE layer (profile/moe_activations.py); None: the model's kind."""
     e, T, Tsp, h, d = x.dtype_bytes, x.tokens, x.sp_tokens, x.spec.hidden_size, x.spec.kv_channels
     if recompute == "full":
         return {"layer input (checkpoint)": e * h * Tsp}
+    moe = _is_moe(x, moe_layer)
     f = x.spec.ffn_hidden_size / x.tp
     hq, hk, qkv_cols = _heads(x)
     if recompute == "op":
-        return {"layer input (checkpoint)": e * h * Tsp, "linear_qkv output (1st matmul)": e * qkv_cols * d * T,
-                "linear_fc1 output (3rd matmul)": e * 2 * f * T, "attention output": e * hq * d * T,
-                "log-sum-exp": 4 * hq * T}
+        if not moe:
+            return {"layer input (checkpoint)": e * h * Tsp, "linear_qkv output (1st matmul)": e * qkv_cols * d * T,
+                    "linear_fc1 output (3rd matmul)": e * 2 * f * T, "attention output": e * hq * d * T,
+                    "log-sum-exp": 4 * hq * T}
+        # MoE: the router's is the 3rd matmul (the grouped expert GEMMs are no aten.mm), the shared expert's
+        # linear_fc2 the 5th
+        terms = {"layer input (checkpoint)": e * h * Tsp, "linear_qkv output (1st matmul)": e * qkv_cols * d * T,
+                 "router logits (3rd matmul)": e * x.spec.moe.num_experts * Tsp, "attention output": e * hq * d * T,
+                 "log-sum-exp": 4 * hq * T}
+        if x.spec.moe.shared_expert_hidden_size:
+            terms["shared expert fc2 output (5th matmul)"] = e * h * T
+        return terms
     if x.recomputes(recompute, "layernorm"):  # each norm keeps its input; the linear inputs are discarded
         terms = {"rmsnorm inputs x2 (checkpoint)": 2 * e * h * Tsp, "linear_qkv input": 0.0, "linear_fc1 input": 0.0}
     else:
@@ -163,20 +209,24 @@ def layer_terms(x: ActivationInputs, recompute: str = "none") -> dict[str, float
         terms["attention output"] = e * hq * d * T
         terms["log-sum-exp"] = 4 * hq * T
         terms["linear_proj input"] = proj if proj_is_copy else 0.0
+    terms.update(qk_norm_terms(x))
     mlp = x.recomputes(recompute, "mlp")  # the checkpoint keeps only its input, the pre-MLP norm's output
-    terms["swiglu (fc1 output)"] = 0.0 if mlp else e * 2 * f * T
-    terms["linear_fc2 input"] = e * f * T if x.keeps_input("linear_fc2") and not mlp else 0.0
+    if moe:  # its input is "linear_fc1 input" (the router keeps it); LoRA on its shared expert is not modelled
+        terms.update(moe_mlp_terms(x, recompute))
+    else:
+        terms["swiglu (fc1 output)"] = 0.0 if mlp else e * 2 * f * T
+        terms["linear_fc2 input"] = e * f * T if x.keeps_input("linear_fc2") and not mlp else 0.0
     if x.lora_rank:
         for linear in x.lora_targets:
-            if mlp and linear in ("linear_fc1", "linear_fc2"):
+            if (mlp or moe) and linear in ("linear_fc1", "linear_fc2"):
                 continue
             column = linear in COLUMN_PARALLEL
             terms[f"lora {linear}"] = e * x.lora_rank * (T if column or not (x.sp and x.tp > 1) else Tsp)
     return terms
 
 
-def layer_bytes(x: ActivationInputs, recompute: str = "none") -> float:
-    return sum(layer_terms(x, recompute).values())
+def layer_bytes(x: ActivationInputs, recompute: str = "none", moe_layer: bool | None = None) -> float:
+    return sum(layer_terms(x, recompute, moe_layer).values())
 
 
 def forward_terms(x: ActivationInputs, embedding: bool) -> dict[str, float]:
@@ -243,18 +293,24 @@ def cp_buffers(x: ActivationInputs) -> float:
     return e * (hq + 2 * max(hk, x.cp)) * d * T  # a2a: the re-laid-out q, k, v
 
 
-def layer_workspace(x: ActivationInputs, recompute: str) -> float:
+def layer_workspace(x: ActivationInputs, recompute: str, moe_layer: bool | None = None) -> float:
     """Transient bytes while one layer's backward runs: the recomputed activations (full: the whole layer;
     selective: the attention kernel's output and log-sum-exp), the CP buffers, SP's all-gathered linear input, and
-    the layer's largest gradients (the fc1 output's and two hidden-size ones)."""
+    the layer's largest gradients (the fc1 output's and two hidden-size ones; an MoE layer's: moe_activations)."""
     e, T = x.dtype_bytes, x.tokens
     f, h = x.spec.ffn_hidden_size / x.tp, x.spec.hidden_size
     hq, _, _ = _heads(x)
+    moe = _is_moe(x, moe_layer)
     recomputed = 0.0
     if recompute in ("full", "op"):  # op: all but what the policy saved, while the layer's backward runs
-        recomputed = layer_bytes(x, "none") - (layer_bytes(x, "op") if recompute == "op" else 0.0)
+        recomputed = layer_bytes(x, "none", moe) - (layer_bytes(x, "op", moe) if recompute == "op" else 0.0)
     if x.recomputes(recompute, "core_attn"):
         recomputed += e * hq * x.spec.kv_channels * T + 4 * hq * T
+    if moe:
+        if x.recomputes(recompute, "mlp"):
+            recomputed += sum(moe_mlp_terms(x, "none").values())
+        gathered = e * h * T if x.sp and x.tp > 1 else 0.0
+        return recomputed + cp_buffers(x) + gathered + moe_backward_transient(x) + 2 * e * h * x.sp_tokens
     if x.recomputes(recompute, "mlp"):
         recomputed += e * 3 * f * T  # fc1 output and the product
     if x.recomputes(recompute, "layernorm"):

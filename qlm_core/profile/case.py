@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.config import ModelConfig, ParallelConfig, Recipe, TrainConfig, checked_field
+from qlm_core.config import ModelConfig, MoeConfig, ParallelConfig, Recipe, TrainConfig, checked_field
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import LORA_TARGETS, ModelLayout
@@ -49,6 +49,7 @@ class ProfileCase:
     tp_comm_overlap: bool = False
     p2p_overlap: bool = False
     rotary: bool = True  # False: the framework's positions rotate nothing (MPT's ALiBi), no RoPE outputs kept
+    moe: MoeConfig = field(default_factory=MoeConfig)  # the recipe's [moe]: losses and capacity (MoE models)
 
     @property
     def grad_reduce_dtype(self) -> str:
@@ -161,7 +162,7 @@ def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpe
         micro_batch_size=recipe.train.micro_batch_size, global_batch_size=recipe.train.global_batch_size,
         num_gpus=num_gpus, dtype=recipe.model.dtype, lora_rank=recipe.lora.rank,
         lora_targets=tuple(recipe.lora.target_modules), loss_chunk_tokens=recipe.train.loss_chunk_tokens,
-        mean_doc_len=recipe.data.mean_doc_len,
+        mean_doc_len=recipe.data.mean_doc_len, moe=dataclasses.replace(recipe.moe),
     )
 
 
@@ -173,14 +174,17 @@ def case_to_dict(case: ProfileCase) -> dict:
 
 
 def case_from_dict(data: dict) -> ProfileCase:
+    from qlm_core.models.moe_spec import MoeSpec
     from qlm_core.models.spec import RopeScaling
 
     spec = dict(data["spec"])
     if spec.get("rope_scaling") is not None:
         spec["rope_scaling"] = RopeScaling(**spec["rope_scaling"])
-    fields = {k: v for k, v in data.items() if k not in ("spec", "parallel", "lora_targets")}
+    if spec.get("moe") is not None:
+        spec["moe"] = MoeSpec(**{**spec["moe"], "layer_pattern": tuple(spec["moe"]["layer_pattern"])})
+    fields = {k: v for k, v in data.items() if k not in ("spec", "parallel", "lora_targets", "moe")}
     return ProfileCase(spec=ModelSpec(**spec), parallel=ParallelConfig(**data["parallel"]),
-                       lora_targets=tuple(data["lora_targets"]), **fields)
+                       lora_targets=tuple(data["lora_targets"]), moe=MoeConfig(**data.get("moe", {})), **fields)
 
 
 def build_case(recipe: Recipe | None = None, *, model: str | None = None, seq_len: int | None = None,

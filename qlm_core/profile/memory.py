@@ -136,6 +136,7 @@ def activation_inputs(case: ProfileCase, device: str = "cuda") -> ActivationInpu
         cp_comm_type=p.cp_comm_type, dtype_bytes=case.dtype_bytes, padded_vocab=case.layout().padded_vocab,
         device=device, lora_rank=case.lora_rank, lora_targets=tuple(case.lora_targets),
         loss_chunk_tokens=case.loss_chunk_tokens, recompute_modules=tuple(p.recompute_modules), rotary=case.rotary,
+        moe_losses=bool(case.moe.aux_loss_coeff or case.moe.z_loss_coeff), moe_capacity_factor=case.moe.capacity_factor,
     )
 
 
@@ -157,9 +158,23 @@ def comm_buffer_bytes(case: ProfileCase, layout, stage: int, states) -> float:
         return 0.0
     params = stage_params(layout, stage, case.lora_rank, case.lora_targets)
     layers = layout.stage_layer_counts[stage]
-    layer_numel = sum(q.numel for q in params if q.shape and len(q.shape) == 2) / max(1, layers)
-    root = sum(q.numel for q in params if q.shape and q.shape[0] == layout.padded_vocab // layout.tp)
+    matrices, root = _matrix_numels(params, layout.padded_vocab // layout.tp)
+    layer_numel = matrices / max(1, layers)
     return case.dtype_bytes * (root + 2 * layer_numel) + grad_bytes * layer_numel
+
+
+def _matrix_numels(params, vocab_rows: int) -> tuple[int, int]:
+    """(elements of the 2-D parameters, of those with vocab_rows rows) of a stage list that stage_params caches
+    (the search asks for each stage many times; an MoE stage has thousands of expert matrices)."""
+    key = (id(params), vocab_rows)
+    if key not in _MATRIX_NUMELS or _MATRIX_NUMELS[key][0] is not params:
+        matrices = sum(q.numel for q in params if q.shape and len(q.shape) == 2)
+        root = sum(q.numel for q in params if q.shape and q.shape[0] == vocab_rows)
+        _MATRIX_NUMELS[key] = (params, (matrices, root))
+    return _MATRIX_NUMELS[key][1]
+
+
+_MATRIX_NUMELS: dict[tuple, tuple[list, tuple[int, int]]] = {}
 
 
 def held_sends(schedule: str, pp: int, rank: int, in_flight: int) -> tuple[int, int]:
@@ -217,7 +232,12 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
     m = case.num_microbatches
     chunks = inflight_chunk_forwards(p.pp_schedule, p.pp, p.vpp, m, stage)
     first, last = stage == 0, stage == p.pp - 1
-    chunk_bytes = sum(modes.count(mode) * layer_bytes(x, mode) for mode in set(modes))
+    kinds = [[case.spec.is_moe_layer(i) for i in layout.chunk_layers(stage, c)] for c in range(p.vpp)]
+    if case.spec.moe is None:
+        chunk_bytes = sum(modes.count(mode) * layer_bytes(x, mode) for mode in set(modes))
+    else:  # the heaviest chunk: an MoE layer pattern can mix dense layers in
+        chunk_bytes = max(sum(layer_bytes(x, mode, moe) for mode, moe in zip(modes, chunk, strict=True))
+                          for chunk in kinds)
     chunk_bytes += sum(forward_terms(x, embedding=first).values())
     logits_count = m if (p.pp > 1 and p.pp_schedule == "gpipe") else 1
     head = 0.0
@@ -226,7 +246,9 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
         terms = head_terms(x)
         kept = sum(terms.values()) if x.chunked_loss else terms["final rmsnorm"] + terms["output layer input"]
         head = sum(terms.values()) * logits_count + kept * deferred_weight_passes(p.pp_schedule, p.pp, p.vpp, m, stage)
-    workspace = max(logits_transient(x) if last else 0.0, max(layer_workspace(x, mode) for mode in set(modes)))
+    layer_kinds = {moe for chunk in kinds for moe in chunk}
+    workspace = max(logits_transient(x) if last else 0.0,
+                    max(layer_workspace(x, mode, moe) for mode in set(modes) for moe in layer_kinds))
     pp_buffers = pipeline_buffer_bytes(case, x, stage, chunks)
     # With gradients kept in the compute dtype the optimizer steps on fp32 copies of what this rank updates; by then
     # the step's activations, loss and pipeline buffers are gone, so the copies raise the peak only beyond them.
@@ -239,7 +261,7 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
         "comm_buffers": comm_buffer_bytes(case, layout, stage, states),
     }
     components["allocator"] = allowance.fraction * sum(components.values()) + allowance.context_gib * GIB
-    return StageMemory(stage, components, layers, chunks, layer_bytes(x, modes[0]), p.vpp)
+    return StageMemory(stage, components, layers, chunks, layer_bytes(x, modes[0], kinds[0][0]), p.vpp)
 
 
 def estimate_memory(case: ProfileCase, capacity_gib: float, device: str = "cuda",

@@ -2,7 +2,8 @@
 measured beside what memory.py / timing.py predict for the very same case.
 
 On a CPU-only machine the model is scaled down to a tiny one of the same structure (the same heads and query groups,
-head dim 8, the same FFN/hidden and vocabulary/hidden ratios, 2 layers per pipeline chunk), the sequence to a few
+head dim 8, the same FFN/hidden and vocabulary/hidden ratios, 2 layers per pipeline chunk; MoE: the same experts and
+top-k, their sizes in the same ratio), the sequence to a few
 hundred tokens divisible as the layout needs (a chunked loss keeps its number of chunks where the tokens allow), and
 data parallelism to at most 2; the ranks are gloo processes.
 On GPUs the model is the real one and data parallelism shrinks only to fit the local devices. Measured:
@@ -95,7 +96,8 @@ def scale_down(case: ProfileCase, max_ranks: int = 16, target_seq: int = 128) ->
     m = case.num_microbatches
     m = min(m, 2) if p.pp == 1 else (p.pp * (2 if p.vpp > 1 else 1) if m >= p.pp else m)
     spec = s.replace(hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers, kv_channels=d, vocab_size=vocab,
-                     max_position_embeddings=max(seq, 256), sliding_window=None)
+                     max_position_embeddings=max(seq, 256), sliding_window=None,
+                     moe=_scaled_moe(s, hidden, layers, p.tp))
     parallel = replace(p, dp=None, num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
                        recompute_num_layers=None if p.recompute_num_layers is None else min(p.recompute_num_layers, 2))
     tokens, chunk = case.micro_batch_size * case.seq_len // p.cp, case.loss_chunk_tokens
@@ -107,6 +109,21 @@ def scale_down(case: ProfileCase, max_ranks: int = 16, target_seq: int = 128) ->
                           loss_chunk_tokens=chunk)
     validate_case(scaled)
     return scaled
+
+
+def _scaled_moe(spec, hidden: int, layers: int, tp: int):
+    """The experts of a scaled-down model: the same number, top-k and routing, expert and shared-expert sizes in
+    the same ratio to the hidden size, the layer pattern's first `layers` entries."""
+    moe = spec.moe
+    if moe is None:
+        return None
+
+    def scaled(size: int) -> int:
+        return size and max(2 * tp, _round_up(round(size / spec.hidden_size * hidden), 2 * tp))
+    pattern = moe.layer_pattern[:layers]
+    return replace(moe, ffn_hidden_size=scaled(moe.ffn_hidden_size),
+                   shared_expert_hidden_size=scaled(moe.shared_expert_hidden_size),
+                   layer_pattern=() if all(pattern) else pattern)
 
 
 def fit_to_gpus(case: ProfileCase, devices: int) -> ProfileCase:

@@ -43,7 +43,8 @@ def run_rank(case: ProfileCase, steps: int, grid: Grid) -> dict:
     lora = LoraConfig(rank=case.lora_rank, target_modules=list(case.lora_targets)) if case.lora_rank else None
     engine = Engine(case.spec, case.parallel, grid, micro_batch_size=case.micro_batch_size,
                     global_batch_size=case.global_batch_size, seq_length=case.seq_len, dtype=case.torch_dtype,
-                    optim=OptimConfig(lr=1e-4), seed=1234, lora=lora, loss_chunk_tokens=case.loss_chunk_tokens)
+                    optim=OptimConfig(lr=1e-4), seed=1234, lora=lora, loss_chunk_tokens=case.loss_chunk_tokens,
+                    moe=case.moe)
     batch = _batch(case, grid)
     cuda = grid.device.type == "cuda"
     if cuda:

@@ -27,10 +27,31 @@ def _r(value: float, digits: int = 4) -> float:
 
 def model_dict(case: ProfileCase) -> dict:
     s = case.spec
-    return {"name": case.model_name, "parameters": s.num_parameters(), "hidden_size": s.hidden_size,
+    return {"name": case.model_name, "parameters": s.num_parameters(),
+            "active_parameters": s.num_parameters(active=True), "hidden_size": s.hidden_size,
             "ffn_hidden_size": s.ffn_hidden_size, "num_layers": s.num_layers,
             "num_attention_heads": s.num_attention_heads, "num_query_groups": s.num_query_groups,
-            "vocab_size": s.vocab_size}
+            "vocab_size": s.vocab_size, "moe": moe_dict(s.moe)}
+
+
+def parameters_line(spec) -> str:
+    """The model's parameter count; an MoE model's total and active (per token) counts and its experts."""
+    total = spec.num_parameters()
+    if spec.moe is None:
+        return f"parameters: {total / 1e9:.2f}B"
+    moe = spec.moe
+    shared = f", shared expert FFN {moe.shared_expert_hidden_size:,}" if moe.shared_expert_hidden_size else ""
+    return (f"parameters: {total / 1e9:.2f}B total, {spec.num_parameters(active=True) / 1e9:.2f}B active per token "
+            f"(MoE: {moe.num_experts} experts, top-{moe.topk}, expert FFN {moe.ffn_hidden_size:,}{shared}; "
+            f"{moe.num_moe_layers(spec.num_layers)} of {spec.num_layers} layers)")
+
+
+def moe_dict(moe) -> dict | None:
+    if moe is None:
+        return None
+    return {"num_experts": moe.num_experts, "topk": moe.topk, "ffn_hidden_size": moe.ffn_hidden_size,
+            "shared_expert_hidden_size": moe.shared_expert_hidden_size,
+            "moe_layers": None if not moe.layer_pattern else sum(moe.layer_pattern)}
 
 
 def layout_dict(case: ProfileCase) -> dict:
@@ -101,6 +122,16 @@ def assumed_lines(case: ProfileCase, gpu: GpuSpec, rates: KernelRates) -> list[s
                                       ("TP comm", case.tp_comm_overlap), ("pipeline sends", case.p2p_overlap)) if on]
     lines.append(f"overlapped: {', '.join(overlaps) or 'nothing'} (hidden communication costs "
                  f"{rates.overlap_penalty:.0%} of itself); gradients reduced in {case.grad_reduce_dtype}")
+    moe = case.spec.moe
+    if moe is not None:
+        options = case.moe
+        routing = "drop-less" if options.capacity_factor is None else f"capacity factor {options.capacity_factor:g}"
+        losses = "kept" if options.aux_loss_coeff or options.z_loss_coeff else "not kept (no coefficient)"
+        rows = case.micro_batch_size * case.seq_len // p.cp * moe.topk
+        lines.append(f"MoE: {routing} routing, {rows:,} routed rows per micro-batch on every TP rank (all-gather "
+                     f"dispatch, no expert parallelism), expert GEMMs at "
+                     f"{rates.gemm(case.spec.hidden_size, moe.ffn_hidden_size / p.tp):.0%} for their shape, the "
+                     f"permutation at HBM speed; aux/z-loss graphs {losses}")
     return lines
 
 

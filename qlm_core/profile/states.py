@@ -23,7 +23,9 @@ AdamW's per-parameter `step` scalars (4 bytes each) are not counted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -40,9 +42,9 @@ class ParamInfo:
     trainable: bool
     shared_embedding: bool = False
 
-    @property
-    def numel(self) -> int:
-        return torch.Size(self.shape).numel()
+    @cached_property
+    def numel(self) -> int:  # cached: an MoE stage lists thousands of expert tensors, summed per layout searched
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,30 @@ def stage_params(layout: ModelLayout, pp_rank: int, lora_rank: int = 0, lora_tar
     return _PARAMS[key]
 
 
+def _layer_params(layout: ModelLayout, layer: int) -> list[ParamInfo]:
+    """One layer's parameters on one TP rank (without LoRA); every layer of a kind (MoE or dense) has the same."""
+    key = (repr(layout.spec), layout.tp, layout.spec.is_moe_layer(layer))
+    if key not in _LAYER_PARAMS:
+        _LAYER_PARAMS[key] = [ParamInfo(t.shard_shape(layout.tp), True) for t in layout.layer_tensors(layer)]
+    return _LAYER_PARAMS[key]
+
+
 def _stage_params(layout: ModelLayout, pp_rank: int, lora_rank: int, targets: set[str]) -> list[ParamInfo]:
     spec = layout.spec
     out: list[ParamInfo] = []
+    if lora_rank == 0 and spec.moe is not None:  # shard_entries' order, its layers' parameters shared by kind
+        for chunk in range(layout.vpp):
+            first, last = layout.is_first(pp_rank, chunk), layout.is_last(pp_rank, chunk)
+            shared = spec.tie_word_embeddings and layout.pp > 1
+            if first:
+                out.append(ParamInfo(layout.embedding().shard_shape(layout.tp), True, shared))
+            for layer in layout.chunk_layers(pp_rank, chunk):
+                out += _layer_params(layout, layer)
+            if last:
+                out.append(ParamInfo(layout.final_norm().shard_shape(layout.tp), True))
+                if not (spec.tie_word_embeddings and first):
+                    out.append(ParamInfo(layout.output_layer().shard_shape(layout.tp), True, shared))
+        return out
     for chunk in range(layout.vpp):
         adapters: dict[str, list] = {}
         if lora_rank > 0:
@@ -94,6 +117,14 @@ def _meta(info: ParamInfo, dtype: torch.dtype) -> torch.Tensor:
     return mark(t, shared_embedding=True) if info.shared_embedding else t
 
 
+def _trainable_metas(params: list[ParamInfo], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Meta tensors of the trainable `params`, made once per stage list (which stage_params caches)."""
+    key = (id(params), dtype)
+    if key not in _METAS or _METAS[key][0] is not params:
+        _METAS[key] = (params, [_meta(p, dtype) for p in params if p.trainable])
+    return _METAS[key][1]
+
+
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
     return max(0, min(a[1], b[1]) - max(a[0], b[0]))
 
@@ -109,7 +140,7 @@ def zero_state_bytes(params: list[ParamInfo], dtype: torch.dtype, zero_stage: in
         return StateBytes(frozen_bytes, 0, 0, 0, 0, 0)
     bucket_numel = None if bucket_size_mb is None else max(1, int(bucket_size_mb * 2**20) // 4)
     pad = shards * SHARD_ALIGNMENT if zero_stage else 1
-    buckets = plan_buckets([_meta(p, dtype) for p in trainable], bucket_numel, pad)
+    buckets = plan_buckets(_trainable_metas(params, dtype), bucket_numel, pad)
     padded = sum(b.numel for b in buckets)
     numel = sum(p.numel for p in trainable)
     if zero_stage == 0:
@@ -170,3 +201,5 @@ def model_state_bytes(layout: ModelLayout, pp_rank: int, *, dtype: torch.dtype, 
 
 _CACHE: dict[tuple, StateBytes] = {}
 _PARAMS: dict[tuple, list[ParamInfo]] = {}
+_LAYER_PARAMS: dict[tuple, list[ParamInfo]] = {}
+_METAS: dict[tuple, tuple[list[ParamInfo], list[torch.Tensor]]] = {}

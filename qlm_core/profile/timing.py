@@ -18,6 +18,8 @@ Per micro-batch on the slowest pipeline stage (T = mbs·seq/cp tokens per rank, 
   cp_comm     p2p: cp-1 K/V hops forward, cp-1 K/V hops and cp fp32 dK/dV hops backward, each overlapped with one
               block of attention (only the excess is exposed); allgather: one all-gather forward, all-gather and
               fp32 reduce-scatter backward, exposed; a2a: four all-to-alls each way, exposed.
+  MoE layers  their router, experts and shared expert, elementwise work and TP collectives: profile/moe_timing.py;
+              a stage's layers are costed as their mean.
   pp_p2p      one send forward and one backward per chunk and micro-batch (the SP shard under SP): exposed, or
               hidden under the chunk's compute with `p2p_overlap` (Megatron's --overlap-p2p-comm).
 Per step: m micro-batches, plus the bubble (p-1)/v micro-batch times (1F1B, GPipe and interleaved: bubble fraction
@@ -44,6 +46,12 @@ from qlm_core.models.flops import (
 from qlm_core.parallel.cross_entropy import loss_is_chunked
 from qlm_core.profile.case import ProfileCase
 from qlm_core.profile.efficiency import ATTENTION_BACKWARD_FLOPS, Efficiency, KernelRates
+from qlm_core.profile.moe_timing import (
+    moe_elementwise_seconds,
+    moe_layer_gemm_seconds,
+    moe_layer_tp_bytes,
+    moe_mlp_volumes,
+)
 from qlm_core.profile.states import model_state_bytes
 from qlm_core.profile.topology import group_bandwidth, p2p_bandwidth
 
@@ -139,7 +147,7 @@ def layer_elementwise_seconds(case: ProfileCase, rates: KernelRates, gpu: GpuSpe
 
 
 def recompute_per_layer(case: ProfileCase, gemm: dict[str, float], attention_s: float,
-                        elementwise: dict[str, float]) -> tuple[float, float]:
+                        elementwise: dict[str, float], mlp_volumes: int = 2) -> tuple[float, float]:
     """(seconds per token, TP collective volumes) that recompute adds to one layer that `selective` or `op` covers:
     selective recomputes the modules of recompute_modules (core_attn: the attention kernel; mlp: fc1, SwiGLU, fc2
     and their collectives; layernorm: the norms), op re-runs every op but the matmuls and the attention kernel,
@@ -156,7 +164,7 @@ def recompute_per_layer(case: ProfileCase, gemm: dict[str, float], attention_s: 
         seconds += attention_s
     if "mlp" in modules:
         seconds += gemm["linear_fc1"] + gemm["linear_fc2"] + elementwise["mlp"] / 3
-        volumes += 2  # SP: the all-gather and reduce-scatter around the MLP; else its all-reduce
+        volumes += mlp_volumes  # SP: the all-gather and reduce-scatter around the MLP; else its all-reduce
     if "layernorm" in modules:
         seconds += elementwise["norms"] / 3
     return seconds, volumes
@@ -174,15 +182,26 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
     _, attention_flops = layer_flops_per_token(s, case.seq_len, case.mean_doc_len)
     per_gemm = gemm_seconds(case, rates, peak)
     per_elementwise = elementwise_seconds(case, rates, gpu)
-    gemm = T * layers * sum(per_gemm.values())  # forward
     attention = T * attention_flops / p.tp / (peak * rates.attn_fwd)  # forward, one layer
     attention_backward = ATTENTION_BACKWARD_FLOPS * attention * rates.attn_fwd / rates.attn_bwd
-    elementwise = T * layers * sum(per_elementwise.values())
+    recomputed = _recomputed_layers(case, layers)
+    moe_layers = stage_moe_layers(case, stage)
+    dense_layers = layers - moe_layers
+    layer_gemm, layer_elementwise = sum(per_gemm.values()), sum(per_elementwise.values())
+    partial_s, partial_volumes = recompute_per_layer(case, per_gemm, attention / T, per_elementwise)
+    if moe_layers:  # the stage's mean layer; its MoE layers' MLPs (profile/moe_timing.py)
+        moe_gemm = moe_layer_gemm_seconds(case, rates, peak, per_gemm)
+        moe_elementwise = moe_elementwise_seconds(case, rates, gpu, per_elementwise)
+        layer_gemm = (dense_layers * layer_gemm + moe_layers * sum(moe_gemm.values())) / layers
+        layer_elementwise = (dense_layers * layer_elementwise + moe_layers * sum(moe_elementwise.values())) / layers
+        moe_partial_s, moe_partial_volumes = recompute_per_layer(case, moe_gemm, attention / T, moe_elementwise,
+                                                                 moe_mlp_volumes(case))
+        partial_s = (dense_layers * partial_s + moe_layers * moe_partial_s) / layers
+    gemm = T * layers * layer_gemm  # forward
+    elementwise = T * layers * layer_elementwise
     backward = 1 if case.lora_rank else 2  # a frozen base computes input gradients only
     compute = (1 + backward) * gemm + layers * (attention + attention_backward) + elementwise
-    recomputed = _recomputed_layers(case, layers)
     extra = recomputed / layers * (gemm + elementwise / 3) + recomputed * attention
-    partial_s, partial_volumes = recompute_per_layer(case, per_gemm, attention / T, per_elementwise)
     extra += T * layers * partial_s
     if stage == p.pp - 1:
         logits = T * logits_gemm_seconds(case, rates, peak)
@@ -199,7 +218,13 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
         per_layer += partial_volumes * volume
         if s.num_query_groups < p.tp:  # the gathered linear_qkv output: all-gather forward, reduce-scatter back
             per_layer += 2 * (p.tp - 1) / p.tp * e * s.qkv_rows * T
-        tp_s = layers * per_layer / group_bandwidth(gpu, sizes, ("tp",), rates.comm)
+        tp_bytes = layers * per_layer
+        if moe_layers:
+            moe_layer = moe_layer_tp_bytes(case, T, recomputed > 0) + moe_partial_volumes * volume
+            if s.num_query_groups < p.tp:
+                moe_layer += 2 * (p.tp - 1) / p.tp * e * s.qkv_rows * T
+            tp_bytes = dense_layers * per_layer + moe_layers * moe_layer
+        tp_s = tp_bytes / group_bandwidth(gpu, sizes, ("tp",), rates.comm)
         times["tp_comm"] = rates.overlapped(tp_s, (1 + backward) * gemm) if case.tp_comm_overlap else tp_s
     if p.cp > 1:
         cp_s = _cp_layer_exposed(case, gpu, rates, T, attention, attention_backward)
@@ -213,6 +238,14 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
         p2p_s = 2 * p.vpp * shard / p2p_bandwidth(gpu, sizes, rates.comm)
         times["pp_p2p"] = rates.overlapped(p2p_s, compute) if case.p2p_overlap else p2p_s
     return times
+
+
+def stage_moe_layers(case: ProfileCase, stage: int) -> int:
+    """MoE layers among stage `stage`'s (all its chunks)."""
+    if case.spec.moe is None:
+        return 0
+    layout = case.layout()
+    return sum(case.spec.is_moe_layer(i) for c in range(case.parallel.vpp) for i in layout.chunk_layers(stage, c))
 
 
 def _cp_layer_exposed(case: ProfileCase, gpu: GpuSpec, rates: KernelRates, T: float, attention_s: float,

@@ -1,0 +1,111 @@
+"""Activation bytes of an MoE layer's `mlp` (models/moe.py MoELayer), derived from what each of its operations saves
+for backward, as activations.py does for the dense layer (whose norms and attention an MoE layer shares).
+
+Per micro-batch, T the rank's tokens, T_r the router's (T/tp under SP, else T), k experts per token, E experts,
+R = T·k routed rows (with a capacity factor at most E·capacity), F' = expert FFN / tp, S' = shared FFN / tp:
+
+  router and routing  the MLP input (the pre-MLP norm's output, which F.linear keeps: e·h·T_r, activations.py's
+                      "linear_fc1 input"), the int64 top-k choices 8·k·T_r, and the fp32 scores: top-k then
+                      softmax keeps the k probabilities 4·k·T_r; pre-softmax the softmax over all experts 4·E·T_r;
+                      sigmoid its E scores and the top-k normalisation's top k and sum 4·(E + k + 1)·T_r
+  aux / z losses      only while a coefficient is set (their graphs are attached to the output; else freed at the
+                      end of the layer's forward): aux's fp32 softmax 4·E·T_r (sigmoid: + its sum 4·T_r), the
+                      expert counts 4·E, z-loss's fp32 logits 4·E·T_r and log-sum-exp 4·T_r
+  dispatch            the token of each sorted row (int64, kept by the gather `tokens[rows]` and by index_add) 8·R;
+                      under TP the all-gathered tokens are not kept (the gather keeps only the row index)
+  experts             kernels/grouped_mlp.py keeps the sorted tokens e·h·R and linear_fc1's output e·2F'·R'; its
+                      output e·h·R' is kept by the probability multiply, with the sorted probabilities e·R and
+                      their order (int64) 8·R; index_add keeps its source, the weighted output, e·h·R. R' is R
+                      rounded up to 8 rows where the grouped GEMM runs (its padding rows share the storage)
+  shared expert       a dense SwiGLU MLP: linear_fc1's output e·2S'·T, linear_fc2's input e·S'·T; gated, its output
+                      e·h·T_r and the sigmoid gate e·T_r (both kept by the multiply)
+Selective recompute of `mlp` keeps only the MLP input; full keeps the layer input (activations.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qlm_core.kernels.grouped_mlp import _ROW_PAD, grouped_mm_fits
+
+DTYPE_OF_BYTES = {2: torch.bfloat16, 4: torch.float32}
+
+
+def routed_rows(x) -> int:
+    """R: the (token, expert) pairs the experts run on this rank (all TP ranks run every expert on all T tokens)."""
+    moe, T = x.spec.moe, x.tokens
+    rows = T * moe.topk
+    if x.moe_capacity_factor is not None:  # each expert takes at most ceil(T·k/E·cf): a bound, not the drops
+        rows = min(rows, moe.num_experts * math.ceil(rows / moe.num_experts * x.moe_capacity_factor))
+    return rows
+
+
+def padded_rows(x, rows: int) -> int:
+    """Rows of the grouped kernel's fc1 output and output storage (it pads to _ROW_PAD where it runs)."""
+    h, ffn = x.spec.hidden_size, x.spec.moe.ffn_hidden_size // x.tp
+    dtype = DTYPE_OF_BYTES.get(x.dtype_bytes, torch.bfloat16)
+    return -(-rows // _ROW_PAD) * _ROW_PAD if grouped_mm_fits(dtype, h, ffn) else rows
+
+
+def router_terms(x) -> dict[str, float]:
+    moe, Tr = x.spec.moe, x.sp_tokens
+    E, k = moe.num_experts, moe.topk
+    if moe.score_function == "sigmoid":
+        scores = 4 * E * Tr + (4 * (k + 1) * Tr if k > 1 else 0.0)
+    elif moe.pre_softmax:
+        scores = 4 * E * Tr
+    else:
+        scores = 4 * k * Tr
+    terms = {"router scores (fp32)": scores, "router choices (int64)": 8 * k * Tr}
+    if x.moe_losses:
+        aux = 4 * E * Tr + (4 * Tr if moe.score_function == "sigmoid" else 0.0)
+        terms["aux / z-loss graphs (fp32)"] = aux + 4 * E + 4 * E * Tr + 4 * Tr
+    return terms
+
+
+def expert_terms(x) -> dict[str, float]:
+    e, h = x.dtype_bytes, x.spec.hidden_size
+    R = routed_rows(x)
+    padded = padded_rows(x, R)
+    ffn = x.spec.moe.ffn_hidden_size / x.tp
+    return {
+        "token rows (int64)": 8 * R,
+        "sorted tokens (expert fc1 input)": e * h * R,
+        "expert fc1 output": e * 2 * ffn * padded,
+        "expert output (probability multiply)": e * h * padded,
+        "sorted probabilities and order": e * R + 8 * R,
+        "weighted expert output (index_add)": e * h * R,
+    }
+
+
+def shared_expert_terms(x) -> dict[str, float]:
+    moe = x.spec.moe
+    if not moe.shared_expert_hidden_size:
+        return {}
+    e, T, Tr = x.dtype_bytes, x.tokens, x.sp_tokens
+    s = moe.shared_expert_hidden_size / x.tp
+    terms = {"shared expert fc1 output": e * 2 * s * T, "shared expert fc2 input": e * s * T}
+    if moe.shared_expert_gate:
+        terms["shared expert output and gate"] = e * x.spec.hidden_size * Tr + e * Tr
+    return terms
+
+
+def moe_mlp_terms(x, recompute: str) -> dict[str, float]:
+    """What the MoE layer's `mlp` saves besides its input (0 when selective recompute covers `mlp`)."""
+    if x.recomputes(recompute, "mlp"):
+        return {}
+    return {**router_terms(x), **expert_terms(x), **shared_expert_terms(x)}
+
+
+def moe_backward_transient(x) -> float:
+    """Bytes that exist only while one MoE layer's backward runs (not measured; the larger terms): the grouped
+    kernel stacks every expert's weights (torch.stack copies them, e·3F'·h·E) and returns their gradients in the
+    compute dtype (as many again) beside the rows' gradients: fc1 output's e·2F'·R', SwiGLU's e·F'·R' and the
+    input's e·h·R'."""
+    moe, e, h = x.spec.moe, x.dtype_bytes, x.spec.hidden_size
+    ffn = moe.ffn_hidden_size / x.tp
+    padded = padded_rows(x, routed_rows(x))
+    weights = e * 3 * ffn * h * moe.num_experts
+    return 2 * weights + e * (3 * ffn + h) * padded

@@ -1,0 +1,81 @@
+"""Step-time terms of an MoE layer (models/moe.py MoELayer) for timing.py, per token of the rank's T and forward.
+
+  GEMMs        the router [h -> E] (and the shared expert's gate [h -> 1]) on the router's tokens (T/tp under SP);
+               every expert's TP shard over its share of the T·k routed rows, fc1 [h -> 2F/tp] and fc2
+               [F/tp -> h], each at the fitted efficiency of its own weight shape (as the dense GEMMs: the fit
+               knows weight dimensions only, so the few rows each expert gets, T·k/E, cost nothing extra; one
+               grouped GEMM runs them all); the shared expert like the dense MLP.
+               Keyed as the dense layer's (linear_fc1: the GEMMs before SwiGLU, the router's with them; linear_fc2:
+               those after), so the recompute rules apply unchanged.
+  elementwise  SwiGLU over the routed rows and the shared expert (k·F/tp + S/tp in the dense layer's units), and
+               the permutation at HBM speed: the gather of the sorted rows, the probability multiply and
+               index_add, forward and backward, about PERMUTE_PASSES passes over e·h bytes per routed row.
+  TP comm      (volume = (tp-1)/tp · e·h·T bytes) SP: all-gather of the tokens and reduce-scatter of the output
+               forward, their transposes backward: 4 volumes, 2 more when the layer is recomputed (the expert
+               GEMMs keep the gathered rows they need, so there is no re-gather); the probabilities (e) and choices
+               (int64) all-gathered forward, the probabilities' gradient reduce-scattered backward. Without SP an
+               all-reduce of the output forward and of the tokens' and probabilities' gradients backward. The shared
+               expert adds the dense MLP's collectives.
+"""
+
+from __future__ import annotations
+
+from qlm_core.hardware import GpuSpec
+from qlm_core.profile.case import ProfileCase
+from qlm_core.profile.efficiency import KernelRates
+
+PERMUTE_PASSES = 12  # reads and writes of e·h per routed row: gather, multiply, index_add, and their backward
+
+
+def moe_layer_gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float,
+                           attention: dict[str, float]) -> dict[str, float]:
+    """Forward seconds per token of an MoE layer's GEMMs on this rank; `attention`: the dense layer's linear_qkv
+    and linear_proj figures (timing.gemm_seconds)."""
+    s, p = case.spec, case.parallel
+    moe, h, tp = s.moe, s.hidden_size, p.tp
+    router_share = 1 / tp if p.sp and tp > 1 else 1.0  # the router runs on the rank's sequence shard under SP
+    router_n = moe.num_experts + (1 if moe.shared_expert_gate else 0)
+    router = router_share * 2 * h * router_n / (peak * rates.gemm(h, router_n))
+    ffn = moe.ffn_hidden_size / tp
+    fc1 = moe.topk * 2 * h * 2 * ffn / (peak * rates.gemm(h, 2 * ffn))
+    fc2 = moe.topk * 2 * ffn * h / (peak * rates.gemm(ffn, h))
+    shared = moe.shared_expert_hidden_size / tp
+    if shared:
+        fc1 += 2 * h * 2 * shared / (peak * rates.gemm(h, 2 * shared))
+        fc2 += 2 * shared * h / (peak * rates.gemm(shared, h))
+    return {"linear_qkv": attention["linear_qkv"], "linear_proj": attention["linear_proj"],
+            "linear_fc1": router + fc1, "linear_fc2": fc2}
+
+
+def moe_elementwise_seconds(case: ProfileCase, rates: KernelRates, gpu: GpuSpec,
+                            dense: dict[str, float]) -> dict[str, float]:
+    """Forward + backward seconds per token of an MoE layer's memory-bound work; `dense`: the dense layer's
+    (timing.elementwise_seconds), whose norms it shares. "mlp" holds SwiGLU and the permutation."""
+    s, p = case.spec, case.parallel
+    moe = s.moe
+    rate = rates.elementwise * case.dtype_bytes / (gpu.hbm_gbps * 1e9)
+    swiglu = rate * (moe.topk * moe.ffn_hidden_size + moe.shared_expert_hidden_size) / p.tp
+    permute = PERMUTE_PASSES * case.dtype_bytes * moe.topk * s.hidden_size / (gpu.hbm_gbps * 1e9)
+    return {"norms": dense["norms"], "mlp": swiglu + (permute if rates.elementwise else 0.0)}
+
+
+def moe_mlp_volumes(case: ProfileCase) -> int:
+    """TP volumes (see the module docstring) of one forward of the MoE layer's MLP, as timing.py counts a forward
+    of the dense MLP's (2: SP's all-gather and reduce-scatter, or one all-reduce of two volumes)."""
+    return 2 + (2 if case.spec.moe.shared_expert_hidden_size else 0)
+
+
+def moe_layer_tp_bytes(case: ProfileCase, tokens: float, recomputed: bool) -> float:
+    """TP bytes per rank of one MoE layer and micro-batch (attention's and the MLP's)."""
+    p, s = case.parallel, case.spec
+    e, k = case.dtype_bytes, s.moe.topk
+    frac = (p.tp - 1) / p.tp
+    volume = frac * e * s.hidden_size * tokens
+    shared = bool(s.moe.shared_expert_hidden_size)
+    if p.sp:
+        volumes = 5 + 4 + (5 if shared else 0) + recomputed * (2 + 2 + (2 if shared else 0))
+        routing = frac * k * tokens * ((2 * e + 8) + recomputed * (e + 8))
+    else:
+        volumes = 2 * (2 + 2 + (2 if shared else 0) + recomputed * (1 + 1 + (1 if shared else 0)))
+        routing = 2 * frac * e * k * tokens
+    return volumes * volume + routing
