@@ -155,6 +155,23 @@ def capacity_keep(indices: torch.Tensor, probs: torch.Tensor, num_experts: int, 
     return keep
 
 
+class _Unpermute(Function):
+    """out[t] = Σ over the rows r routed from token t of weight[r] · expert_out[r]. Keeps expert_out, the weights
+    and the row index; index_add on the weighted rows would keep that weighted copy too (e·h a routed row)."""
+
+    @staticmethod
+    def forward(ctx, expert_out: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, num_tokens: int):
+        ctx.save_for_backward(expert_out, weight, rows)
+        out = expert_out.new_zeros(num_tokens, expert_out.shape[1])
+        return out.index_add_(0, rows, expert_out * weight.unsqueeze(-1))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        expert_out, weight, rows = ctx.saved_tensors
+        routed = grad.index_select(0, rows)
+        return routed * weight.unsqueeze(-1), (routed * expert_out).sum(-1), None, None
+
+
 class SequentialExperts(nn.Module):
     """SequentialMLP's names (`local_experts.<e>`); computes every expert at once with the grouped MLP kernel."""
 
@@ -179,8 +196,7 @@ class SequentialExperts(nn.Module):
         rows = token_of[order]
         out = grouped_swiglu_mlp(tokens[rows], counts, [e.linear_fc1.weight for e in self.local_experts],
                                  [e.linear_fc2.weight for e in self.local_experts])
-        out = out * weight[order].unsqueeze(-1)
-        return tokens.new_zeros(T, tokens.shape[1]).index_add(0, rows, out)
+        return _Unpermute.apply(out, weight[order], rows, T)
 
 
 class SharedExpertMLP(MLP):

@@ -14,9 +14,9 @@ R = T·k routed rows (with a capacity factor at most E·capacity), F' = expert F
   dispatch            the token of each sorted row (int64, kept by the gather `tokens[rows]` and by index_add) 8·R;
                       under TP the all-gathered tokens are not kept (the gather keeps only the row index)
   experts             kernels/grouped_mlp.py keeps the sorted tokens e·h·R and linear_fc1's output e·2F'·R'; its
-                      output e·h·R' is kept by the probability multiply, with the sorted probabilities e·R and
-                      their order (int64) 8·R; index_add keeps its source, the weighted output, e·h·R. R' is R
-                      rounded up to 8 rows where the grouped GEMM runs (its padding rows share the storage)
+                      output e·h·R' is kept by the weighted unpermute (models/moe.py _Unpermute), with the
+                      sorted probabilities e·R and their order (int64) 8·R. R' is R rounded up to 8 rows where the
+                      grouped GEMM runs (its padding rows share the storage)
   shared expert       a dense SwiGLU MLP: linear_fc1's output e·2S'·T, linear_fc2's input e·S'·T; gated, its output
                       e·h·T_r and the sigmoid gate e·T_r (both kept by the multiply)
 Selective recompute of `mlp` keeps only the MLP input; full keeps the layer input (activations.py).
@@ -74,9 +74,8 @@ def expert_terms(x) -> dict[str, float]:
         "token rows (int64)": 8 * R,
         "sorted tokens (expert fc1 input)": e * h * R,
         "expert fc1 output": e * 2 * ffn * padded,
-        "expert output (probability multiply)": e * h * padded,
+        "expert output (weighted unpermute)": e * h * padded,
         "sorted probabilities and order": e * R + 8 * R,
-        "weighted expert output (index_add)": e * h * R,
     }
 
 
