@@ -86,6 +86,7 @@ def test_torch_dist_holds_megatron_cores_moe_keys(moe_models, tmp_path):
     assert tensors["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == ((L, E, 64, 32), L * E * 2)
     assert tensors["decoder.layers.mlp.router.weight"] == ((L, E, 64), L)
     assert tensors["decoder.layers.mlp.linear_fc1.layer_norm_weight"][0] == (L, 64)  # local spec, even for MoE
+    assert tensors["decoder.layers.pre_mlp_layernorm.weight"][0] == (L, 64)  # and where the TE spec looks
     assert tensors["decoder.layers.self_attention.q_layernorm.weight"][0] == (L, 24)
     experts = [f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{e}_{L}.{E}"
                for fc in ("linear_fc1", "linear_fc2") for i in range(L) for e in range(E)]
@@ -100,6 +101,8 @@ def test_torch_dist_holds_megatron_cores_moe_keys(moe_models, tmp_path):
     assert tensors["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"][0] == (E, 64, 64)
     assert tensors["decoder.layers.0.mlp.shared_experts.gate_weight"][0] == (1, 64)
     assert tensors["decoder.layers.2.mlp.linear_fc1.weight"][0] == (192, 64)  # the dense layer
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in tensors  # an MoE layer's norm: the TE spec's key too
+    assert "decoder.layers.2.pre_mlp_layernorm.weight" not in tensors  # a dense layer's: fused in both specs
     assert "decoder.layers.2.mlp.router.weight" not in tensors
     assert "decoder.layers.1.mlp.experts.experts.linear_fc2._extra_state/shard_3_4" in objects
     assert "decoder.layers.1.mlp.shared_experts.linear_fc1._extra_state/shard_0_1" in objects

@@ -216,3 +216,8 @@ def test_unsupported_moe_configs_say_what_to_change(moe_models):
     sigmoid = spec.replace(moe=dataclasses.replace(spec.moe, score_function="sigmoid"))
     with pytest.raises(QlmError, match="sigmoid"):
         sigmoid.to_hf_config()
+    with pytest.raises(QlmError, match="qk_layernorm goes with model types qwen3, qwen3_moe"):
+        spec.replace(model_type="qwen2_moe", qkv_bias=True, moe=dataclasses.replace(
+            spec.moe, shared_expert_hidden_size=32, shared_expert_gate=True)).to_hf_config()
+    with pytest.raises(QlmError, match="qkv_bias goes with model types qwen2, qwen2_moe"):
+        spec.replace(qkv_bias=True).to_hf_config()

@@ -85,6 +85,17 @@ def test_bad_moe_settings_get_one_line_errors():
     with pytest.raises(QlmError, match="moe.aux_loss_coeff"):
         Engine(MOE, ParallelConfig(), Grid.single(), micro_batch_size=2, global_batch_size=GLOBAL_BATCH,
                seq_length=SEQ, moe=MoeConfig(aux_loss_coeff=-1.0))
+    with pytest.raises(QlmError, match="moe.capacity_factor with parallel.cp > 1"):
+        Engine(MOE, ParallelConfig(cp=2), Grid.single(), micro_batch_size=2, global_batch_size=GLOBAL_BATCH,
+               seq_length=SEQ, moe=MoeConfig(capacity_factor=1.5))
+
+
+def test_the_transformers_variant_keeps_no_router_graph_without_a_coefficient():
+    engine = Engine(MOE, ParallelConfig(), Grid.single(), micro_batch_size=2, global_batch_size=GLOBAL_BATCH,
+                    seq_length=SEQ, moe=MoeConfig(aux_loss_type="transformers", z_loss_coeff=0.01))
+    input_ids = make_batch("plain")[0][:2]
+    engine.chunks[0](input_ids, torch.arange(SEQ)[None].expand(2, SEQ))
+    assert engine.chunks[0].moe.tracker.pending == []
 
 
 @pytest.mark.parametrize("sets, message", [
@@ -96,3 +107,28 @@ def test_bad_moe_recipe_keys_name_the_key(run_qlm, sets, message, tmp_path):
     args = [a for kv in sets for a in ("--set", kv)]
     code, _, stderr = run_qlm("train", RECIPE, *args, "--output", str(tmp_path / "run"))
     assert code != 0 and message in stderr, stderr
+
+
+def test_a_mixed_dense_and_moe_torch_dist_checkpoint_reopens_with_its_optimizer_views(tmp_path):
+    """A Qwen2-MoE-like model (a dense layer among MoE layers: per-layer torch_dist keys) with 8 experts over 4
+    layers, so an expert axis cannot pass for a layer axis: the trainer's torch_dist checkpoint reopens in every view
+    (its Adam states included) with the tensors the engine held."""
+    import dataclasses
+
+    from qlm_core.checkpoint.formats.megatron import open_megatron
+    from qlm_core.checkpoint.formats.trainer_state import OPTIMIZER_VIEWS
+    from qlm_core.models.layout import read_range
+    from qlm_core.train.checkpointing import TrainState, save_checkpoint
+
+    spec = MOE.replace(moe=dataclasses.replace(MOE.moe, num_experts=8))
+    engine = Engine(spec, ParallelConfig(), Grid.single(), micro_batch_size=2, global_batch_size=GLOBAL_BATCH,
+                    seq_length=SEQ, optim=OptimConfig(lr=1e-3), moe=MOE_TRAINING)
+    engine.train_step(Batch(*make_batch("plain")))
+    save_checkpoint(tmp_path, engine, TrainState(iteration=1), keep_last=1, extra_args={}, fmt="torch_dist")
+    for view in ("model", *OPTIMIZER_VIEWS):
+        ckpt = open_megatron(tmp_path, 1, view=view)
+        fc1 = next(t for t in ckpt.layout.global_tensors if t.name.endswith("local_experts.7.linear_fc1.weight"))
+        assert read_range(ckpt, fc1, 0, fc1.real_extent).shape == fc1.shape, view
+    weights = open_megatron(tmp_path, 1)
+    router = next(t for t in weights.layout.global_tensors if t.name == "decoder.layers.3.mlp.router.weight")
+    assert torch.equal(read_range(weights, router, 0, 8), engine.chunks[0].decoder.layers[3].mlp.router.weight)

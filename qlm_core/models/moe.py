@@ -271,7 +271,7 @@ class MoELayer(nn.Module):
         recomputing = torch._C._current_graph_task_id() != -1  # inside backward: a checkpoint re-runs the layer
         if not recomputing:
             self.tracker.records.append(MoeRecord(self.layer, aux.detach(), z.detach(), counts))
-            if o.aux_loss_type == "transformers":
+            if o.aux_loss_type == "transformers" and o.aux_loss_coeff:
                 self.tracker.pending.append((prob_sum, counts, tokens))
         attached = z if o.aux_loss_type == "transformers" else aux + z
         return attached if (o.aux_loss_coeff or o.z_loss_coeff) else None

@@ -166,6 +166,10 @@ class ModelSpec:
 
     def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A config.json transformers loads (4.x `rope_theta`/`rope_scaling` keys, which 5.x also reads)."""
+        for flag, types in (("qk_layernorm", QK_NORM_MODEL_TYPES), ("qkv_bias", QKV_BIAS_MODEL_TYPES)):
+            if getattr(self, flag) != (self.model_type in types):  # its HF model would ignore or lack the tensors
+                raise QlmError(f"a {self.model_type} model {'with' if getattr(self, flag) else 'without'} {flag} "
+                               "has no Hugging Face config", f"{flag} goes with model types {', '.join(types)}")
         config: dict[str, Any] = {
             "architectures": [HF_ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,

@@ -58,7 +58,9 @@ class MoeStepStats:
         spread = torch.tensor([0.0, -float("inf")], device=device)  # (largest, -smallest) share over even
         if counts:
             layers = torch.stack([counts[layer] for layer in sorted(counts)])
-            all_reduce(layers, g.dp_cp_group)  # every rank of the group holds the same layers
+            # every rank of the group holds the same layers; CP ranks hold the same counts (whole over the
+            # sequence), so this sums them cp times: only the shares below are reported
+            all_reduce(layers, g.dp_cp_group)
             share = layers / layers.mean(dim=1, keepdim=True).clamp(min=1e-12)
             spread = torch.stack([share.max(), -share.min()])
         all_reduce(spread, g.pp_group, op=dist.ReduceOp.MAX)

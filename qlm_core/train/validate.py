@@ -63,6 +63,10 @@ def validate_moe(spec: ModelSpec, moe: MoeConfig, config: ParallelConfig):
         raise QlmError("moe.aux_loss_type = 'transformers' needs parallel.pp = 1 (its one loss couples every layer's "
                        "router, and each pipeline stage holds only some)",
                        "use moe.aux_loss_type = 'megatron' (per layer) or set parallel.pp = 1")
+    if spec.moe is not None and moe.capacity_factor is not None and config.cp > 1:
+        raise QlmError("moe.capacity_factor with parallel.cp > 1: each context-parallel rank would drop tokens by "
+                       "its own share of the sequence, unlike one process", "drop moe.capacity_factor (drop-less) "
+                       "or set parallel.cp = 1")
 
 
 def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSizes, seq_length: int,

@@ -84,6 +84,17 @@ def dist_key(name: str, stacked: bool = True, te_norms: bool = True) -> tuple[st
     return f"decoder.layers.{suffix}" if stacked else f"decoder.layers.{layer}.{suffix}", index
 
 
+def te_spec_norm_key(name: str, spec: ModelSpec, stacked: bool) -> str | None:
+    """The key a Transformer-Engine-spec MoE layer's pre_mlp_layernorm (its own module there, not fused into
+    linear_fc1) is stored under, for an MoE layer's norm; None for every other tensor. Writers store it beside the
+    local spec's key, so a torch_dist checkpoint loads into either spec (Megatron-LM's default strictness accepts
+    the key the other spec does not use)."""
+    match = _LAYER.fullmatch(name)
+    if match is None or match.group(2) != "pre_mlp_layernorm.weight" or not spec.is_moe_layer(int(match.group(1))):
+        return None
+    return dist_key(name, stacked, te_norms=False)[0]
+
+
 def dist_key_candidates(name: str) -> list[tuple[str, tuple[int, ...]]]:
     """Every (key, index) a torch_dist checkpoint may hold `name` under, the local spec's stacked key first."""
     return list(dict.fromkeys(dist_key(name, stacked, te) for te in (True, False) for stacked in (True, False)))
@@ -305,6 +316,7 @@ class TorchDistCheckpoint:
         """The global size the key holding `tensor` must have: its stacked axes (layers unless the key is a
         per-layer one, then experts) and the tensor's shape."""
         key, index = self._key(tensor)
+        key = key.removeprefix("" if self.view == "model" else view_prefix(self.view))
         per_layer = re.match(r"(?:.*/)?decoder\.layers\.\d+\.", key) is not None
         axes = ([] if per_layer else [self.spec.num_layers]) + ([self.spec.moe.num_experts] if self.spec.moe else [])
         return (*axes[: len(index)], *tensor.shape)

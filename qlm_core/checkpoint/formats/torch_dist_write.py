@@ -47,6 +47,7 @@ from qlm_core.checkpoint.formats.torch_dist import (
     dist_key,
     extra_state_keys,
     homogeneous,
+    te_spec_norm_key,
 )
 from qlm_core.models.layout import ModelLayout, TensorLayout, TensorSource, read_range
 
@@ -80,10 +81,12 @@ def plan_chunks(layout: ModelLayout) -> dict[str, tuple[tuple[int, ...], list[Ch
     for tensor in layout.global_tensors:
         key, index = dist_key(tensor.name, stacked)
         shape = (*axes[: len(index)], *tensor.shape)
-        chunks = keys.setdefault(key, (shape, []))[1]
-        for rank in range(1 if tensor.split == "replicated" else layout.tp):
-            for start, stop in tensor.tp_ranges(layout.tp, rank):
-                chunks.append(Chunk(tensor, index, start, stop, rank))
+        alias = te_spec_norm_key(tensor.name, spec, stacked)
+        for name in (key, alias) if alias not in (None, key) else (key,):
+            chunks = keys.setdefault(name, (shape, []))[1]
+            for rank in range(1 if tensor.split == "replicated" else layout.tp):
+                for start, stop in tensor.tp_ranges(layout.tp, rank):
+                    chunks.append(Chunk(tensor, index, start, stop, rank))
     return keys
 
 
