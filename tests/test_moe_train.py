@@ -1,6 +1,7 @@
 """Training MoE models: the tiny MoE recipe through `qlm train` reproduces its one-process losses and MoE figures at
-tp2 x SP x pp2 x dp2 (ZeRO 1) (each dimension alone: the Engine-level parity suite's moe_* cases), metrics.jsonl
-carries the MoE terms, LoRA adapts attention and the shared expert, and bad [moe] settings get one-line errors."""
+tp2 x SP x pp2 x dp2 (ZeRO 1, both overlaps: the CLI's one 8-rank run; each dimension alone: the Engine-level
+parity suite's moe_* cases), metrics.jsonl carries the MoE terms, LoRA adapts attention and the shared expert, and
+bad [moe] settings get one-line errors."""
 
 import json
 from pathlib import Path
@@ -51,7 +52,7 @@ def test_the_recipe_logs_the_moe_terms_and_its_loss_falls(baseline):
 @pytest.mark.distributed
 def test_tp2_sp_pp2_dp2_zero1_reproduces_the_one_process_run(baseline, cache, tmp_path):
     layout = ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1",
-              "parallel.overlap_grad_reduce=true"]
+              "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
     sets = [arg for kv in layout for arg in ("--set", kv)]
     qlm_train(RECIPE, "--output", tmp_path / "run", "--set", f"data.cache_dir={cache!s}", *SHORT, *sets,
               timeout=900)

@@ -32,6 +32,7 @@ ENUM_KEYS = {
     "data.truncation": "left",
     "schedule.lr_schedule": "linear",
     "checkpoint.format": "zarr",
+    "moe.aux_loss_type": "switch",
 }
 
 

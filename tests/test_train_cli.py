@@ -47,13 +47,12 @@ def baseline(tmp_path_factory, cache):
 
 
 # Through the CLI (recipe -> launcher -> torchrun -> workers): one run per distinct code path. Each dimension alone,
-# and more combinations, reproduce the 1-process losses in the Engine-level parity suite (tests/parallel_cases.py).
+# and more combinations, reproduce the 1-process losses in the Engine-level parity suite (tests/parallel_cases.py);
+# the 8-rank tp2·SP x pp2 x dp2 ZeRO 1 run with both overlaps is tests/test_moe_train.py's (an MoE model, which
+# takes every path a dense one does).
 LAYOUTS = {
     "cp2": ["parallel.cp=2"],
     "dp2_zero3": ["parallel.dp=2", "parallel.zero_stage=3"],
-    "tp2_sp_pp2_dp2_zero1": ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "parallel.dp=2",
-                             "parallel.zero_stage=1", "parallel.overlap_grad_reduce=true",
-                             "parallel.overlap_param_gather=true", "train.micro_batch_size=1"],
 }
 
 
