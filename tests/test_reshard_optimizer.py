@@ -36,10 +36,17 @@ def adam_tensors(root, iteration=None, views=VIEWS) -> dict[str, torch.Tensor]:
     return merged
 
 
-def test_adam_states_survive_tp2pp2dp2_to_tp1pp1_to_tp2pp1(tmp_path, run_qlm):
-    cache, run = tmp_path / "cache", tmp_path / "run"
-    qlm_train(RECIPE, "--output", run, "--set", f"data.cache_dir={cache}", *layout_args(2, 2, 2), *COMMON,
-              timeout=900)
+@pytest.fixture(scope="module")
+def torch_run(tmp_path_factory):
+    """`qlm train` at TP2·PP2·DP2 (ZeRO 1), checkpoints in Megatron's torch format at steps 2 and 4."""
+    root = tmp_path_factory.mktemp("reshard")
+    qlm_train(RECIPE, "--output", root / "run", "--set", f"data.cache_dir={root / 'cache'}", *layout_args(2, 2, 2),
+              *COMMON, timeout=900)
+    return root / "run", root / "cache"
+
+
+def test_adam_states_survive_tp2pp2dp2_to_tp1pp1_to_tp2pp1(torch_run, tmp_path, run_qlm):
+    run, cache = torch_run
     source = run / "checkpoints"
     assert MegatronTorchCheckpoint(source, 2).tp == 2
 
@@ -83,15 +90,14 @@ def test_adam_states_survive_tp2pp2dp2_to_tp1pp1_to_tp2pp1(tmp_path, run_qlm):
     assert continued == pytest.approx(uninterrupted[2:], rel=1e-5)
 
 
-def test_torch_dist_checkpoints_hold_the_torch_state_and_resume_at_another_layout(tmp_path):
-    cache = tmp_path / "cache"
-    for fmt in ("torch", "torch_dist"):
-        qlm_train(RECIPE, "--output", tmp_path / fmt, "--set", f"data.cache_dir={cache}", *layout_args(2, 2, 1),
-                  *COMMON, "--set", f"checkpoint.format={fmt}", timeout=900)
-    legacy, dist = tmp_path / "torch" / "checkpoints", tmp_path / "torch_dist" / "checkpoints"
+def test_torch_dist_checkpoints_hold_the_torch_state_and_resume_at_another_layout(torch_run, tmp_path):
+    run, cache = torch_run
+    qlm_train(RECIPE, "--output", tmp_path / "torch_dist", "--set", f"data.cache_dir={cache}", *layout_args(2, 2, 2),
+              *COMMON, "--set", "checkpoint.format=torch_dist", timeout=900)
+    legacy, dist = run / "checkpoints", tmp_path / "torch_dist" / "checkpoints"
     assert isinstance(open_megatron(dist, 2), TorchDistCheckpoint)
-    assert len(list((dist / "iter_0000002").glob("__*_0.distcp"))) == 4  # every rank wrote its own chunks
-    assert losses(tmp_path / "torch_dist") == losses(tmp_path / "torch")
+    assert len(list((dist / "iter_0000002").glob("__*_0.distcp"))) == 8  # every rank wrote its own chunks
+    assert losses(tmp_path / "torch_dist") == losses(run)
     ours, theirs = adam_tensors(dist, 2, VIEWS + ("model",)), adam_tensors(legacy, 2, VIEWS + ("model",))
     assert ours.keys() == theirs.keys() and len(ours) == 4 * 31
     for name, tensor in theirs.items():
