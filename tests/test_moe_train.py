@@ -3,13 +3,12 @@ tp2 x SP x pp2 x dp2 (ZeRO 1, both overlaps: the CLI's one 8-rank run; each dime
 parity suite's moe_* cases), metrics.jsonl carries the MoE terms, LoRA adapts attention and the shared expert, and
 bad [moe] settings get one-line errors."""
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from parallel_cases import GLOBAL_BATCH, MOE, MOE_TRAINING, SEQ, make_batch
-from test_train_cli import qlm_train
+from test_train_cli import metrics, qlm_train
 
 from qlm_core.config import LoraConfig, MoeConfig, OptimConfig, ParallelConfig
 from qlm_core.errors import QlmError
@@ -21,10 +20,6 @@ RECIPE = REPO / "recipes" / "tiny-moe.toml"
 SHORT = ["--set", "train.train_iters=6", "--set", "train.eval_interval=0", "--set", "train.micro_batch_size=4",
          "--set", "checkpoint.save_interval=0", "--set", "logging.tensorboard=false", "--set", "logging.plot=false"]
 MOE_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_load_min")
-
-
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
 
 
 @pytest.fixture(scope="module")

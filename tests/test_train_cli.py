@@ -29,8 +29,13 @@ def qlm_train(*args, timeout=600, check=True, env_extra=None, child_code=None):
     return proc
 
 
+def metrics(run: Path) -> list[dict]:
+    """The run's metrics.jsonl, a dict a step."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+
+
 def losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+    return [line["loss"] for line in metrics(run)]
 
 
 @pytest.fixture(scope="module")

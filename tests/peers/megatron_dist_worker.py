@@ -10,14 +10,12 @@ docs/ARCHITECTURE.md §7.
 import argparse
 import json
 import math
-import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from peers.megatron_logits import build_model  # its module-level CPU patches apply too
+from peers.megatron_logits import build_model, run_cases  # its module-level CPU patches apply too
 
 torch.cuda.current_device = lambda: "cpu"
 torch.cuda.synchronize = lambda *a, **k: None
@@ -95,13 +93,5 @@ def run_case(case):
     ps.destroy_model_parallel()
 
 
-def main():
-    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
-    for case in json.loads(Path(sys.argv[1]).read_text()):
-        run_case(case)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(run_case)

@@ -16,24 +16,60 @@ torch.cuda.current_device = lambda: "cpu"
 torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings with PP>1 call .cuda() during setup
 
 
-def build_model(args, pre, post):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def transformer_config(args, **extra):
+    """megatron-core's TransformerConfig of a checkpoint's Megatron-LM args, for CPU (no fusions, no dropout);
+    `extra` adds fields (the MoE ones)."""
     from megatron.core.transformer import TransformerConfig
 
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, add_bias_linear=False, add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
         layernorm_epsilon=args.norm_epsilon, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=torch.float32,
-        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=False, **extra,
     )
+
+
+def forward(model, args, ids, pre, post):
+    """The pipeline stage's forward of `ids` (receiving / sending hidden states between stages): the logits on the
+    last stage's TP rank 0, else None."""
+    from megatron.core import parallel_state as ps
+
+    b, s = ids.shape
+    position_ids = torch.arange(s)[None].expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad():
+        if not pre:
+            hidden = torch.empty(s, b, args.hidden_size)
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(ids if pre else None, position_ids, mask)
+        if not post:
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+        return out if ps.get_tensor_model_parallel_rank() == 0 else None
+
+
+def run_cases(run_case):
+    """A worker's main: every case of the JSON file argv[1], in one gloo process group."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    for case in json.loads(open(sys.argv[1]).read()):
+        run_case(case)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def build_model(args, pre, post):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(args)
     return GPTModel(
         config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre, post_process=post,
@@ -43,7 +79,7 @@ def build_model(args, pre, post):
     ).eval()
 
 
-def run_case(case, rank):
+def run_case(case):
     from pathlib import Path
 
     import megatron.core  # noqa: F401  registers Megatron's safe globals (argparse.Namespace, ...)
@@ -66,36 +102,15 @@ def run_case(case, rank):
     model = build_model(args, pre, post)
     model.load_state_dict(state["model"], strict=True)
 
-    ids = torch.load(case["ids"], weights_only=True)
-    b, s = ids.shape
-    position_ids = torch.arange(s)[None].expand(b, s)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
-    prev, nxt = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
-    with torch.no_grad():
-        if not pre:
-            hidden = torch.empty(s, b, args.hidden_size)
-            dist.recv(hidden, src=prev)
-            model.set_input_tensor(hidden)
-        out = model(ids if pre else None, position_ids, mask)
-        if not post:
-            dist.send(out.contiguous(), dst=nxt)
-        elif tp_rank == 0:
-            expected = torch.load(case["expected"], weights_only=True)
-            logits = out[..., : expected.shape[-1]]
-            diff = (logits - expected).abs().max().item()
-            Path(case["result"]).write_text(json.dumps({"max_abs_diff": diff, "shape": list(logits.shape)}))
+    logits = forward(model, args, torch.load(case["ids"], weights_only=True), pre, post)
+    if logits is not None:
+        expected = torch.load(case["expected"], weights_only=True)
+        logits = logits[..., : expected.shape[-1]]
+        diff = (logits - expected).abs().max().item()
+        Path(case["result"]).write_text(json.dumps({"max_abs_diff": diff, "shape": list(logits.shape)}))
     dist.barrier()
     ps.destroy_model_parallel()
 
 
-def main():
-    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
-    cases = json.loads(open(sys.argv[1]).read())
-    for case in cases:
-        run_case(case, dist.get_rank())
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(run_case)

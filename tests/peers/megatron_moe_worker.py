@@ -4,31 +4,28 @@ compares its logits with transformers' (saved by the test).
 
 Run as: torchrun --nproc-per-node TP*PP megatron_moe_worker.py CASES.json
 Each case: {"ckpt", "format" ("torch": legacy files at their own TP/PP; "torch_dist": loaded with
-dist_checkpointing at "tp" x "pp", strict RAISE_ALL), "ids", "expected", "result"}. CPU monkeypatches as for the
-dense peers, plus `te_general_gemm`, which megatron-core 0.16.1's router names without importing it when
-Transformer Engine is absent.
+dist_checkpointing at "tp" x "pp", nothing asked for absent), "ids", "expected", "result"}. CPU patches as for the
+dense peers (peers/megatron_logits.py), plus `te_general_gemm`, which megatron-core 0.16.1's router names without
+importing it when Transformer Engine is absent.
 """
 
 import argparse
 import json
 import math
-import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-torch.cuda.current_device = lambda: "cpu"
-torch.cuda.synchronize = lambda *a, **k: None
-torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings with PP>1 (and the router) call .cuda()
+from peers.megatron_logits import forward, run_cases, transformer_config  # and its module-level CPU patches
+
+torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing
 
 
 def build_model(args, pre, post):
     import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
 
     moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
     experts = getattr(args, "num_experts", None)
@@ -39,17 +36,7 @@ def build_model(args, pre, post):
         moe_router_score_function=args.moe_router_score_function, moe_layer_freq=args.moe_layer_freq,
         moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
     ) if experts else {}
-    config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels, add_bias_linear=False, add_qkv_bias=args.add_qkv_bias,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
-        layernorm_epsilon=args.norm_epsilon, tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=torch.float32,
-        qk_layernorm=args.qk_layernorm, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        masked_softmax_fusion=False, gradient_accumulation_fusion=False, **moe,
-    )
+    config = transformer_config(args, qk_layernorm=args.qk_layernorm, **moe)
     if experts:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     else:
@@ -59,24 +46,6 @@ def build_model(args, pre, post):
         pre_process=pre, post_process=post, position_embedding_type="rope", rotary_base=args.rotary_base,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, parallel_output=False,
     ).eval()
-
-
-def forward(model, args, ids, pre, post):
-    from megatron.core import parallel_state as ps
-
-    b, s = ids.shape
-    position_ids = torch.arange(s)[None].expand(b, s)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
-    with torch.no_grad():
-        if not pre:
-            hidden = torch.empty(s, b, args.hidden_size)
-            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-            model.set_input_tensor(hidden)
-        out = model(ids if pre else None, position_ids, mask)
-        if not post:
-            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-            return None
-        return out if ps.get_tensor_model_parallel_rank() == 0 else None
 
 
 def open_case(case):
@@ -138,13 +107,5 @@ def run_case(case):
     ps.destroy_model_parallel()
 
 
-def main():
-    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
-    for case in json.loads(Path(sys.argv[1]).read_text()):
-        run_case(case)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(run_case)
