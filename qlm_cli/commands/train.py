@@ -19,6 +19,7 @@ from rich.table import Table
 from qlm_cli.launch import LaunchConfig, relaunch_if_needed, under_launcher
 from qlm_cli.render import console, err_console, kv_table, memory_table
 from qlm_core.config import load_recipe, recipe_to_toml
+from qlm_core.models.spec import parameters_text
 
 
 def _argv_for_workers(recipe: Path, sets: list[str], output: str, resume: bool | None = None) -> list[str]:
@@ -146,12 +147,6 @@ def train(
             lock.release()
     if summary.get("stopped", {}).get("exit_code"):
         raise typer.Exit(summary["stopped"]["exit_code"])  # 128 + the signal's number (qlm_core/train/signals.py)
-
-
-def parameters_text(total: int, active: int | None) -> str:
-    """"1.12 M", or for an MoE model "1.12 M (0.53 M active)"."""
-    text = f"{total / 1e6:.2f} M"
-    return text if active is None or active == total else f"{text} ({active / 1e6:.2f} M active)"
 
 
 def _print_dry_run(resolved, plan):

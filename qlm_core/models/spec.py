@@ -255,6 +255,14 @@ def load_model_spec(name_or_path: str | Path) -> ModelSpec:
     )
 
 
+def parameters_text(total: int, active: int | None = None) -> str:
+    """A parameter count as people write it ("1.12M", "30.53B"); an MoE model's as "30.53B total, 3.35B active"."""
+    def count(n: int) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+    return count(total) if active is None or active == total else f"{count(total)} total, {count(active)} active"
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> int:
     """Megatron's rule: round the vocabulary up to a multiple of divisible_by * TP (pad rows go at the end)."""
     multiple = divisible_by * tp

@@ -10,6 +10,7 @@ from pathlib import Path
 from qlm_core.checkpoint.io.staging import probe_writable
 from qlm_core.errors import QlmError
 from qlm_core.hardware import GpuSpec
+from qlm_core.models.spec import parameters_text
 from qlm_core.profile.case import ProfileCase
 from qlm_core.profile.efficiency import KernelRates
 from qlm_core.profile.memory import COMPONENTS, GIB, Allowance, MemoryEstimate
@@ -36,14 +37,13 @@ def model_dict(case: ProfileCase) -> dict:
 
 def parameters_line(spec) -> str:
     """The model's parameter count; an MoE model's total and active (per token) counts and its experts."""
-    total = spec.num_parameters()
+    counts = parameters_text(spec.num_parameters(), spec.num_parameters(active=True))
     if spec.moe is None:
-        return f"parameters: {total / 1e9:.2f}B"
+        return f"parameters: {counts}"
     moe = spec.moe
     shared = f", shared expert FFN {moe.shared_expert_hidden_size:,}" if moe.shared_expert_hidden_size else ""
-    return (f"parameters: {total / 1e9:.2f}B total, {spec.num_parameters(active=True) / 1e9:.2f}B active per token "
-            f"(MoE: {moe.num_experts} experts, top-{moe.topk}, expert FFN {moe.ffn_hidden_size:,}{shared}; "
-            f"{moe.num_moe_layers(spec.num_layers)} of {spec.num_layers} layers)")
+    return (f"parameters: {counts} per token (MoE: {moe.num_experts} experts, top-{moe.topk}, expert FFN "
+            f"{moe.ffn_hidden_size:,}{shared}; {moe.num_moe_layers(spec.num_layers)} of {spec.num_layers} layers)")
 
 
 def moe_dict(moe) -> dict | None:
