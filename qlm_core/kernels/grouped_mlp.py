@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 _ALIGN_BYTES = 16
-_ROW_PAD = 8  # token rows padded to a multiple of this (16 bytes of bf16; of fp32 it is 32)
+ROW_PAD = 8  # token rows padded to a multiple of this (16 bytes of bf16; of fp32 it is 32)
 
 
 def grouped_mm_fits(dtype: torch.dtype, hidden: int, ffn: int) -> bool:
@@ -49,7 +49,7 @@ class _GroupedSwiGLU(Function):
         ctx.counts, ctx.grouped, ctx.ffn = counts, grouped, ffn
         with torch.no_grad():
             if grouped:
-                rows = -(-x.shape[0] // _ROW_PAD) * _ROW_PAD
+                rows = -(-x.shape[0] // ROW_PAD) * ROW_PAD
                 offsets = _offsets(counts, rows, x.device)
                 fc1_out = torch._grouped_mm(_padded(x, rows), torch.stack(fc1).transpose(1, 2), offs=offsets)
                 out = torch._grouped_mm(_swiglu(fc1_out, ffn), torch.stack(fc2).transpose(1, 2), offs=offsets)
@@ -69,7 +69,7 @@ class _GroupedSwiGLU(Function):
         fc1, fc2 = weights[:experts], weights[experts:]
         grad = grad.contiguous()
         if ctx.grouped:
-            rows = -(-x.shape[0] // _ROW_PAD) * _ROW_PAD
+            rows = -(-x.shape[0] // ROW_PAD) * ROW_PAD
             offsets = _offsets(counts, rows, x.device)
             grad_p, x_p, fc1_out_p = _padded(grad, rows), _padded(x, rows), _padded(fc1_out, rows)
             act = _swiglu(fc1_out_p, ffn)

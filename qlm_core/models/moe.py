@@ -234,7 +234,7 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, h)
         logits = self.router(tokens)
         probs, indices = route(logits, self.moe)
-        losses = self._losses(logits, indices) if torch.is_grad_enabled() else None
+        losses = self._losses(logits, indices) if torch.is_grad_enabled() else None  # training forwards only
         tp = group_size(self.tp_group)
         if tp > 1 and self.sp:
             all_tokens, all_probs = gather_from_sp(tokens, self.tp_group), gather_from_sp(probs, self.tp_group)
@@ -258,20 +258,25 @@ class MoELayer(nn.Module):
 
     def _losses(self, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
         """This rank's part of the layer's aux loss (Megatron's variant) plus z-loss, both with their
-        coefficients; records them (not while backward recomputes the layer)."""
+        coefficients (None when neither is set: nothing to attach), recorded with the token counts (not while
+        backward recomputes the layer)."""
         o, moe = self.options, self.moe
         counts = torch.bincount(indices.reshape(-1), minlength=moe.num_experts).float()
         tokens = logits.shape[0]
         for group in self._sequence_groups():
             all_reduce(counts, group)
             tokens *= group_size(group)
+        recomputing = torch._C._current_graph_task_id() != -1  # inside backward: a checkpoint re-runs the layer
+        if not (o.aux_loss_coeff or o.z_loss_coeff):
+            if not recomputing:
+                zero = counts.new_zeros(())
+                self.tracker.records.append(MoeRecord(self.layer, zero, zero, counts))
+            return None
         prob_sum = aux_loss_scores(logits, moe).sum(0)
         aux = o.aux_loss_coeff * moe.num_experts / (moe.topk * tokens * tokens) * (prob_sum * counts).sum()
         z = o.z_loss_coeff * torch.logsumexp(logits.float(), dim=-1).square().sum() / tokens
-        recomputing = torch._C._current_graph_task_id() != -1  # inside backward: a checkpoint re-runs the layer
         if not recomputing:
             self.tracker.records.append(MoeRecord(self.layer, aux.detach(), z.detach(), counts))
             if o.aux_loss_type == "transformers" and o.aux_loss_coeff:
                 self.tracker.pending.append((prob_sum, counts, tokens))
-        attached = z if o.aux_loss_type == "transformers" else aux + z
-        return attached if (o.aux_loss_coeff or o.z_loss_coeff) else None
+        return z if o.aux_loss_type == "transformers" else aux + z

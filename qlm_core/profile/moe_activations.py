@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from qlm_core.kernels.grouped_mlp import _ROW_PAD, grouped_mm_fits
+from qlm_core.kernels.grouped_mlp import ROW_PAD, grouped_mm_fits
 
 DTYPE_OF_BYTES = {2: torch.bfloat16, 4: torch.float32}
 
@@ -43,10 +43,10 @@ def routed_rows(x) -> int:
 
 
 def padded_rows(x, rows: int) -> int:
-    """Rows of the grouped kernel's fc1 output and output storage (it pads to _ROW_PAD where it runs)."""
+    """Rows of the grouped kernel's fc1 output and output storage (it pads to ROW_PAD where it runs)."""
     h, ffn = x.spec.hidden_size, x.spec.moe.ffn_hidden_size // x.tp
     dtype = DTYPE_OF_BYTES.get(x.dtype_bytes, torch.bfloat16)
-    return -(-rows // _ROW_PAD) * _ROW_PAD if grouped_mm_fits(dtype, h, ffn) else rows
+    return -(-rows // ROW_PAD) * ROW_PAD if grouped_mm_fits(dtype, h, ffn) else rows
 
 
 def router_terms(x) -> dict[str, float]:
