@@ -91,6 +91,8 @@ class ParallelConfig:
     vpp: int = bounded(1, least=1)
     cp: int = bounded(1, least=1)
     dp: int | None = bounded(None, least=1)  # None: world / (tp * pp * cp)
+    ep: int = bounded(1, least=1)  # expert model parallel (MoE): the routed experts divided among ep ranks
+    etp: int | None = bounded(None, least=1)  # expert tensor parallel; None: tp, as Megatron-Core
     sp: bool = False
     cp_comm_type: CpCommType = "p2p"
     pp_schedule: PpSchedule = "1f1b"

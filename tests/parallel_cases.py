@@ -93,6 +93,16 @@ CASES = {
     "moe_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), micro_batch_size=1, data="moe"),
     "moe_cp2": LayoutCase(2, dict(cp=2, cp_comm_type="p2p"), data="moe"),
     "moe_tp2_sp_recompute_full": LayoutCase(2, dict(tp=2, sp=True, recompute="full"), data="moe"),
+    "moe_ep2": LayoutCase(2, dict(ep=2), micro_batch_size=1, data="moe"),
+    "moe_ep4": LayoutCase(4, dict(ep=4), micro_batch_size=1, data="moe"),
+    "moe_ep2_tp2_etp1": LayoutCase(4, dict(ep=2, tp=2, sp=True, etp=1), micro_batch_size=1, data="moe"),
+    "moe_ep2_tp2_etp2": LayoutCase(4, dict(ep=2, tp=2, sp=True), micro_batch_size=1, data="moe"),
+    "moe_ep2_pp2": LayoutCase(4, dict(ep=2, pp=2), micro_batch_size=1, data="moe"),
+    "moe_ep2_cp2": LayoutCase(2, dict(ep=2, cp=2), data="moe"),
+    "moe_ep2_dp4_zero1": LayoutCase(4, dict(ep=2, zero_stage=1, overlap_grad_reduce=True), micro_batch_size=1,
+                                   data="moe"),
+    "moe_ep2_dp4_zero2": LayoutCase(4, dict(ep=2, zero_stage=2, overlap_grad_reduce=True), micro_batch_size=1,
+                                   data="moe"),
 }
 
 

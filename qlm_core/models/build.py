@@ -20,6 +20,8 @@ class RankCoords:
     tp_rank: int = 0
     pp_rank: int = 0
     chunk: int = 0  # virtual pipeline chunk of the stage
+    ep_rank: int = 0  # whose routed experts (expert parallelism)
+    etp_rank: int | None = None  # which expert-TP part of them; None: tp_rank
 
 
 def build_rank_model(
@@ -48,7 +50,8 @@ def build_rank_model(
     )
     if device is not None:
         model.to(device)
-    state = build_shard(layout, coords.tp_rank, coords.pp_rank, coords.chunk, source, read_dtype or dtype)
+    state = build_shard(layout, coords.tp_rank, coords.pp_rank, coords.chunk, source, read_dtype or dtype,
+                        ep_rank=coords.ep_rank, etp_rank=coords.etp_rank)
     target = next(model.parameters()).device
     model.load_state_dict({k: v if v is None else v.to(target) for k, v in state.items()}, strict=True)
     return model

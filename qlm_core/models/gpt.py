@@ -35,6 +35,7 @@ from qlm_core.parallel.context_parallel import (
     gather_sequence,
 )
 from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, OutputLayer, loss_is_chunked
+from qlm_core.parallel.expert_dispatch import ExpertParallel
 from qlm_core.parallel.param_meta import mark
 from qlm_core.parallel.tensor import (
     ColumnParallelLinear,
@@ -59,6 +60,7 @@ class ParallelOptions:
     recompute: str = "none"  # none | selective (recompute_modules) | full (whole layers) | op (per-op policy)
     recompute_num_layers: int | None = None  # with full: the first N layers of this module (None: all)
     recompute_modules: tuple[str, ...] = ("core_attn",)  # with selective: Megatron's --recompute-modules
+    experts: ExpertParallel | None = None  # expert parallelism (None: the routed experts follow the TP split)
 
     @property
     def sp(self) -> bool:

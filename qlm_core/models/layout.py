@@ -5,7 +5,9 @@ Three views of the same weights:
   global      Megatron names with layers numbered globally, fused tensors (grouped linear_qkv, fc1 = [gate; up]),
               vocabulary padded for the target TP size (this is also torch_dist's view)
   shard       what TP rank t of pipeline stage p (virtual chunk c) holds: Megatron's legacy file content and,
-              identically, the state_dict of qlm's model built for (t, p, c)
+              identically, the state_dict of qlm's model built for (t, p, c). Under expert parallelism the
+              routed experts of a shard are those of its EP rank (renumbered locally from 0, as Megatron names
+              them) and are split over the expert-TP size `etp` instead of `tp`.
 
 A global tensor is split along one axis. Along that axis it is a concatenation of `Segment`s, each a row range of
 one HF tensor or of Megatron's vocabulary padding; a TP shard is a list of ranges of that axis. Every conversion is
@@ -62,6 +64,7 @@ class TensorLayout:
     segments: tuple[Segment, ...]
     hf_primary: bool = True  # False for the tied output layer, a copy of the embedding
     stored_as: str | None = None  # the tensor checkpoints hold this one as (the tied output layer: the embedding)
+    expert: bool = False  # a routed expert's linear: divided over EP ranks, split over the expert-TP size
 
     @property
     def stored_name(self) -> str:
@@ -114,9 +117,13 @@ class ModelLayout:
     last_stage_layers: int | None = None
     make_vocab_size_divisible_by: int = 128
     padded_vocab: int | None = None  # None: Megatron's rule for this TP size
+    ep: int = 1  # expert model parallel size
+    etp: int | None = None  # expert tensor parallel size; None: tp
     _stage_counts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
         if self.padded_vocab is None:
             padded = padded_vocab_size(self.spec.vocab_size, self.make_vocab_size_divisible_by, self.tp)
             object.__setattr__(self, "padded_vocab", padded)
@@ -143,16 +150,31 @@ class ModelLayout:
         if dense and s.ffn_hidden_size % tp:
             raise QlmError(f"--tp {tp} does not divide ffn_hidden_size {s.ffn_hidden_size}", "choose another TP size")
         if s.moe is not None:
-            for what, size in (("moe_intermediate_size", s.moe.ffn_hidden_size),
-                               ("shared_expert_intermediate_size", s.moe.shared_expert_hidden_size)):
-                if size % tp:
-                    raise QlmError(f"--tp {tp} does not divide the MoE {what} {size}",
-                                   f"use a TP size that divides {size}")
+            expert_split = ("--tp" if self.etp == tp else "--etp", self.etp)
+            for what, size, split in (("moe_intermediate_size", s.moe.ffn_hidden_size, expert_split),
+                                      ("shared_expert_intermediate_size", s.moe.shared_expert_hidden_size,
+                                       ("--tp", tp))):
+                if size % split[1]:
+                    raise QlmError(f"{split[0]} {split[1]} does not divide the MoE {what} {size}",
+                                   f"use a size that divides {size}")
+            if s.moe.num_experts % self.ep:
+                raise QlmError(f"--ep {self.ep} does not divide num_experts {s.moe.num_experts}",
+                               f"use an EP size that divides {s.moe.num_experts}")
+        elif (self.ep, self.etp) != (1, tp):
+            raise QlmError(f"--ep {self.ep} / --etp {self.etp} needs a Mixture-of-Experts model", "drop --ep / --etp")
         if self.padded_vocab < s.vocab_size or self.padded_vocab % tp:
             raise QlmError(
                 f"padded vocabulary {self.padded_vocab} is smaller than {s.vocab_size} or not divisible by --tp {tp}",
                 "check --make-vocab-size-divisible-by",
             )
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.spec.moe.num_experts // self.ep if self.spec.moe is not None else 0
+
+    def split_size(self, tensor: TensorLayout) -> int:
+        """The number of ranks `tensor` is split over: etp for a routed expert's linear, else tp."""
+        return self.etp if tensor.expert else self.tp
 
     def _compute_stage_counts(self) -> list[int]:
         L, pp, first, last = self.spec.num_layers, self.pp, self.first_stage_layers, self.last_stage_layers
@@ -282,7 +304,7 @@ class ModelLayout:
         projections = _W1_W3_W2 if s.model_type == "mixtral" else _GATE_UP_DOWN
         for e in range(experts):
             out += _mlp_entries(name, f"{EXPERT_PREFIX}{e}.", moe.ffn_hidden_size, h, f"{moe_hf}experts.{e}.",
-                                projections)
+                                projections, expert=True)
         if moe.shared_expert_hidden_size:
             out += _mlp_entries(name, "mlp.shared_experts.", moe.shared_expert_hidden_size, h,
                                 moe_hf + "shared_expert.", _GATE_UP_DOWN)
@@ -310,14 +332,27 @@ class ModelLayout:
             tensors.append(self.output_layer())
         return tensors
 
-    def shard_entries(self, pp_rank: int, chunk: int = 0) -> list[tuple[str, TensorLayout | None]]:
-        """(local name, global tensor) in the order of the model's state_dict; None marks an `_extra_state`."""
+    def local_expert_suffix(self, suffix: str, ep_rank: int) -> str | None:
+        """A layer entry's suffix as EP rank `ep_rank` names it: a routed expert's with its local index, None for
+        another rank's expert; other suffixes unchanged."""
+        if not suffix.startswith(EXPERT_PREFIX):
+            return suffix
+        expert, rest = suffix[len(EXPERT_PREFIX):].split(".", 1)
+        local = int(expert) - ep_rank * self.experts_per_rank
+        return f"{EXPERT_PREFIX}{local}.{rest}" if 0 <= local < self.experts_per_rank else None
+
+    def shard_entries(self, pp_rank: int, chunk: int = 0, ep_rank: int = 0) -> list[tuple[str, TensorLayout | None]]:
+        """(local name, global tensor) in the order of the model's state_dict; None marks an `_extra_state`.
+        `ep_rank`: whose routed experts (all of them when ep is 1)."""
         entries: list[tuple[str, TensorLayout | None]] = []
         first, last = self.is_first(pp_rank, chunk), self.is_last(pp_rank, chunk)
         if first:
             entries.append(("embedding.word_embeddings.weight", self.embedding()))
         for local, layer in enumerate(self.chunk_layers(pp_rank, chunk)):
-            entries += [(f"decoder.layers.{local}.{suffix}", tensor) for suffix, tensor in self.layer_entries(layer)]
+            for suffix, tensor in self.layer_entries(layer):
+                mine = self.local_expert_suffix(suffix, ep_rank)
+                if mine is not None:
+                    entries.append((f"decoder.layers.{local}.{mine}", tensor))
         if last:
             entries.append(("decoder.final_layernorm.weight", self.final_norm()))
             if not (self.spec.tie_word_embeddings and first):
@@ -359,10 +394,11 @@ class ModelLayout:
                 entries.append((f"decoder.layers.{local}.{suffix}", tensor))
         return entries
 
-    def stored_tensors(self, pp_rank: int, chunk: int, lora=None) -> list[tuple[str, TensorLayout]]:
+    def stored_tensors(self, pp_rank: int, chunk: int, lora=None, ep_rank: int = 0) -> list[tuple[str, TensorLayout]]:
         """(local name, global tensor) of every tensor a chunk's checkpoint entry holds: its weights (no
         `_extra_state`) and, when `lora` (anything with .rank and .target_modules) has rank > 0, its adapters."""
-        entries = [(name, tensor) for name, tensor in self.shard_entries(pp_rank, chunk) if tensor is not None]
+        entries = [(name, tensor) for name, tensor in self.shard_entries(pp_rank, chunk, ep_rank)
+                   if tensor is not None]
         if lora is not None and lora.rank > 0:
             entries += self.lora_shard_entries(pp_rank, chunk, lora.rank, lora.target_modules)
         return entries
@@ -401,15 +437,17 @@ _GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 _W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral's experts: w1 the gate, w3 the up and w2 the down projection
 
 
-def _mlp_entries(name: str, module: str, ffn: int, h: int, hf: str, projections: tuple[str, str, str]):
+def _mlp_entries(name: str, module: str, ffn: int, h: int, hf: str, projections: tuple[str, str, str],
+                 expert: bool = False):
     """A SwiGLU MLP's entries (module `module` of layer `name`): linear_fc1 = [gate; up], linear_fc2 = down."""
     gate, up, down = (f"{hf}{proj}.weight" for proj in projections)
     fc1, fc2 = f"{module}linear_fc1", f"{module}linear_fc2"
     return [
         (fc1 + ".weight", TensorLayout(name + fc1 + ".weight", (2 * ffn, h), FC1,
-                                        (Segment(0, ffn, gate), Segment(ffn, 2 * ffn, up)))),
+                                        (Segment(0, ffn, gate), Segment(ffn, 2 * ffn, up)), expert=expert)),
         (fc1 + "._extra_state", None),
-        (fc2 + ".weight", TensorLayout(name + fc2 + ".weight", (h, ffn), COLS, (Segment(0, ffn, down),))),
+        (fc2 + ".weight", TensorLayout(name + fc2 + ".weight", (h, ffn), COLS, (Segment(0, ffn, down),),
+                                        expert=expert)),
         (fc2 + "._extra_state", None),
     ]
 
@@ -473,11 +511,15 @@ def read_shard_tensor(tensor: TensorLayout, tp: int, rank: int, source: TensorSo
 
 
 def build_shard(layout: ModelLayout, tp_rank: int, pp_rank: int, chunk: int, source: TensorSource,
-                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor | None]:
-    """One shard's state_dict (= a Megatron legacy `model`/`modelN` entry = qlm's model state_dict)."""
+                dtype: torch.dtype | None = None, ep_rank: int = 0,
+                etp_rank: int | None = None) -> dict[str, torch.Tensor | None]:
+    """One shard's state_dict (= a Megatron legacy `model`/`modelN` entry = qlm's model state_dict). `ep_rank`,
+    `etp_rank` (default tp_rank): which routed experts, and which expert-TP part of them."""
+    etp_rank = tp_rank if etp_rank is None else etp_rank
     return {
-        name: None if tensor is None else read_shard_tensor(tensor, layout.tp, tp_rank, source, dtype)
-        for name, tensor in layout.shard_entries(pp_rank, chunk)
+        name: None if tensor is None else read_shard_tensor(
+            tensor, layout.split_size(tensor), etp_rank if tensor.expert else tp_rank, source, dtype)
+        for name, tensor in layout.shard_entries(pp_rank, chunk, ep_rank)
     }
 
 
@@ -568,13 +610,15 @@ def hf_fused_experts(spec: ModelSpec) -> dict[str, tuple[str, int | None, int]]:
 # convert's and profile's flags, as a recipe names them
 _RECIPE_KEYS = {_FIRST_FLAG: "parallel.num_layers_in_first_pipeline_stage",
                 _LAST_FLAG: "parallel.num_layers_in_last_pipeline_stage",
-                "--tp": "parallel.tp", "--pp": "parallel.pp", "--vpp": "parallel.vpp"}
+                "--tp": "parallel.tp", "--pp": "parallel.pp", "--vpp": "parallel.vpp", "--ep": "parallel.ep",
+                "--etp": "parallel.etp"}
 
 
 def recipe_layout(spec: ModelSpec, parallel) -> ModelLayout:
     """The layout of a recipe's [parallel] (a ParallelConfig); its errors name the recipe's keys."""
     try:
         return ModelLayout(spec, parallel.tp, parallel.pp, parallel.vpp, parallel.num_layers_in_first_pipeline_stage,
-                           parallel.num_layers_in_last_pipeline_stage)
+                           parallel.num_layers_in_last_pipeline_stage, ep=getattr(parallel, "ep", 1),
+                           etp=getattr(parallel, "etp", None))
     except QlmError as exc:
         raise exc.renamed(_RECIPE_KEYS) from None

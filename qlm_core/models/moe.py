@@ -3,10 +3,13 @@ is still the Megatron shard: `mlp.router.weight` [E, h], SequentialMLP's `mlp.ex
 ([gate; up] rows) and `.linear_fc2`, and SharedExpertMLP's `mlp.shared_experts.linear_fc1 / linear_fc2 /
 gate_weight`.
 
-Under tensor parallelism every expert is split like the dense MLP (fc1 by rows, fc2 by columns; Megatron's expert
+Without expert parallelism (ParallelOptions.experts None), under tensor parallelism every expert is split like the
+dense MLP (fc1 by rows, fc2 by columns; Megatron's expert
 TP = TP) and every TP rank runs every expert on all of the micro-batch's tokens: the router runs on this rank's
 tokens (its sequence shard under SP), then tokens, probabilities and choices are all-gathered over TP (SP) — the
-all-gather dispatcher — and the experts' partial sums are reduce-scattered (SP) or all-reduced back.
+all-gather dispatcher — and the experts' partial sums are reduce-scattered (SP) or all-reduced back. With expert
+parallelism each rank holds E/ep experts (named locally from 0, as Megatron does), each split over etp ranks, and
+sends its own tokens to them by all-to-all (parallel/expert_dispatch.py).
 
 Losses (the recipe's [moe], MoeConfig): the load-balancing loss E·Σᵢ fᵢ·Pᵢ per layer as Megatron computes it
 (fᵢ the share of the top-k choices that went to expert i, Pᵢ its mean router probability over all experts, both
@@ -30,6 +33,7 @@ from qlm_core.kernels.grouped_mlp import grouped_swiglu_mlp
 from qlm_core.models.mlp import MLP
 from qlm_core.models.moe_spec import MoeSpec
 from qlm_core.parallel.comm import all_gather_dim0, all_reduce, group_size
+from qlm_core.parallel.expert_dispatch import ExpertParallel, all_to_all, inverse_permutation, plan_dispatch
 from qlm_core.parallel.param_meta import mark
 from qlm_core.parallel.tensor import (
     MegatronLinearState,
@@ -127,18 +131,20 @@ class Router(nn.Module):
 
 
 class ExpertLinear(MegatronLinearState, nn.Module):
-    """One expert's TP shard of a linear (no collectives of its own: the MoE layer gathers and reduces)."""
+    """One expert's (expert-)TP shard of a linear (no collectives of its own: the MoE layer moves the tokens).
+    `expert_parallel`: its gradient is reduced over the expert-data-parallel group (ParamMeta.expert)."""
 
-    def __init__(self, out_features: int, in_features: int, dtype):
+    def __init__(self, out_features: int, in_features: int, dtype, expert_parallel: bool = False):
         super().__init__()
-        self.weight = mark(nn.Parameter(torch.empty(out_features, in_features, dtype=dtype)), tp_split=True)
+        self.weight = mark(nn.Parameter(torch.empty(out_features, in_features, dtype=dtype)), tp_split=True,
+                           expert=expert_parallel)
 
 
 class ExpertMLP(nn.Module):
-    def __init__(self, hidden: int, local_ffn: int, dtype):
+    def __init__(self, hidden: int, local_ffn: int, dtype, expert_parallel: bool = False):
         super().__init__()
-        self.linear_fc1 = ExpertLinear(2 * local_ffn, hidden, dtype)
-        self.linear_fc2 = ExpertLinear(hidden, local_ffn, dtype)
+        self.linear_fc1 = ExpertLinear(2 * local_ffn, hidden, dtype, expert_parallel)
+        self.linear_fc2 = ExpertLinear(hidden, local_ffn, dtype, expert_parallel)
 
 
 def capacity_keep(indices: torch.Tensor, probs: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
@@ -173,13 +179,21 @@ class _Unpermute(Function):
 
 
 class SequentialExperts(nn.Module):
-    """SequentialMLP's names (`local_experts.<e>`); computes every expert at once with the grouped MLP kernel."""
+    """SequentialMLP's names (`local_experts.<e>`); computes its experts at once with the grouped MLP kernel.
+    Holds every expert split over TP, or under expert parallelism (`parallel`) the E/ep of its EP rank split
+    over etp."""
 
-    def __init__(self, hidden: int, moe: MoeSpec, tp: int, dtype):
+    def __init__(self, hidden: int, moe: MoeSpec, tp: int, dtype, parallel: ExpertParallel | None = None):
         super().__init__()
-        self.moe = moe
-        self.local_experts = nn.ModuleList(ExpertMLP(hidden, moe.ffn_hidden_size // tp, dtype)
-                                           for _ in range(moe.num_experts))
+        self.moe, self.parallel = moe, parallel
+        count, split = (moe.num_experts, tp) if parallel is None else (moe.num_experts // parallel.ep, parallel.etp)
+        self.local_experts = nn.ModuleList(ExpertMLP(hidden, moe.ffn_hidden_size // split, dtype, parallel is not None)
+                                           for _ in range(count))
+
+    def _mlp(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return grouped_swiglu_mlp(rows, counts, [e.linear_fc1.weight for e in self.local_experts],
+                                  [e.linear_fc2.weight for e in self.local_experts],
+                                  grouped=None if rows.shape[0] else False)
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor,
                 capacity_factor: float | None) -> torch.Tensor:
@@ -192,11 +206,17 @@ class SequentialExperts(nn.Module):
             keep = capacity_keep(indices, probs, experts, math.ceil(T * k / experts * capacity_factor))
             flat, weight, token_of = flat[keep], weight[keep], token_of[keep]
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=experts).tolist()
+        counts = torch.bincount(flat, minlength=experts)
         rows = token_of[order]
-        out = grouped_swiglu_mlp(tokens[rows], counts, [e.linear_fc1.weight for e in self.local_experts],
-                                 [e.linear_fc2.weight for e in self.local_experts])
-        return _Unpermute.apply(out, weight[order], rows, T)
+        if self.parallel is None:
+            return _Unpermute.apply(self._mlp(tokens[rows], counts.tolist()), weight[order], rows, T)
+        plan = plan_dispatch(counts, self.parallel)
+        sent_rows = rows[plan.send_positions]
+        received = all_to_all(tokens[sent_rows], plan.output_splits, plan.input_splits, self.parallel.group)
+        out = self._mlp(received[plan.to_expert_major], plan.expert_counts)
+        returned = all_to_all(out[inverse_permutation(plan.to_expert_major)], plan.input_splits, plan.output_splits,
+                              self.parallel.group)
+        return _Unpermute.apply(returned, weight[order][plan.send_positions], sent_rows, T)
 
 
 class SharedExpertMLP(MLP):
@@ -225,8 +245,9 @@ class MoELayer(nn.Module):
         super().__init__()
         self.moe, self.options, self.tracker, self.layer = moe, options, tracker, layer
         self.tp_group, self.cp_group, self.sp = parallel.tp_group, parallel.cp_group, parallel.sp
+        self.expert_parallel = parallel.experts
         self.router = Router(hidden, moe, self.sp, dtype)
-        self.experts = SequentialExperts(hidden, moe, group_size(self.tp_group), dtype)
+        self.experts = SequentialExperts(hidden, moe, group_size(self.tp_group), dtype, parallel.experts)
         self.shared_experts = SharedExpertMLP(hidden, moe, parallel, dtype) if moe.shared_expert_hidden_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,15 +257,18 @@ class MoELayer(nn.Module):
         probs, indices = route(logits, self.moe)
         losses = self._losses(logits, indices) if torch.is_grad_enabled() else None  # training forwards only
         tp = group_size(self.tp_group)
-        if tp > 1 and self.sp:
-            all_tokens, all_probs = gather_from_sp(tokens, self.tp_group), gather_from_sp(probs, self.tp_group)
-            all_indices = all_gather_dim0(indices, self.tp_group)
+        if self.expert_parallel is not None:  # each rank dispatches its own tokens (validate: SP under TP)
+            out = self.experts(tokens, probs, indices, self.options.capacity_factor)
         else:
-            all_tokens, all_probs = copy_to_tp(tokens, self.tp_group), copy_to_tp(probs, self.tp_group)
-            all_indices = indices
-        out = self.experts(all_tokens, all_probs, all_indices, self.options.capacity_factor)
-        if tp > 1:
-            out = reduce_scatter_to_sp(out, self.tp_group) if self.sp else reduce_from_tp(out, self.tp_group)
+            if tp > 1 and self.sp:
+                all_tokens, all_probs = gather_from_sp(tokens, self.tp_group), gather_from_sp(probs, self.tp_group)
+                all_indices = all_gather_dim0(indices, self.tp_group)
+            else:
+                all_tokens, all_probs = copy_to_tp(tokens, self.tp_group), copy_to_tp(probs, self.tp_group)
+                all_indices = indices
+            out = self.experts(all_tokens, all_probs, all_indices, self.options.capacity_factor)
+            if tp > 1:
+                out = reduce_scatter_to_sp(out, self.tp_group) if self.sp else reduce_from_tp(out, self.tp_group)
         out = out.view(s, b, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

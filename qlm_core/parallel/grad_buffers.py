@@ -43,6 +43,10 @@ reduction (TP ranks run backward in lockstep). `shared_embedding` grads (the tie
 pipeline stage) are all-reduced over the embedding group inside finish_grad_sync only: the stages are not in
 lockstep during backward, so doing it there could deadlock.
 
+Expert parallelism. Given an `expert_dp_group`, the routed experts' params (marked `expert`) get buckets of their
+own, after the dense ones of each dtype, reduced (and, under ZeRO 1/2, sharded) over that group instead of the dp
+group: each bucket carries its group, size and rank.
+
 The dp reduction is always a SUM: the caller normalises the loss by the global token count of the step.
 """
 
@@ -73,6 +77,7 @@ class BucketLayout:
     numel: int  # padded size
     dtype: torch.dtype  # the params' dtype (gradients are in GradientBuffers.grad_dtype)
     deferred: bool = False  # shared-embedding bucket: reduced only in finish_grad_sync
+    expert: bool = False  # routed experts' params: reduced over the expert-data-parallel group
 
     @property
     def numel_unpadded(self) -> int:
@@ -83,34 +88,42 @@ class BucketLayout:
         return rank * size, (rank + 1) * size
 
 
-def plan_buckets(params, bucket_numel: int | None, pad_multiple: int = 1) -> list[BucketLayout]:
-    """Bucket layouts for `params` (see the module docstring). `bucket_numel` None = one bucket per dtype."""
+def plan_buckets(params, bucket_numel: int | None, pad_multiple: int = 1,
+                 expert_pad_multiple: int | None = None) -> list[BucketLayout]:
+    """Bucket layouts for `params` (see the module docstring). `bucket_numel` None = one bucket per dtype (and
+    domain). `expert_pad_multiple` not None: the `expert` params get buckets of their own, padded to it."""
     dtypes = list(dict.fromkeys(p.dtype for p in params))
     layouts = []
+
+    def expert(i: int) -> bool:
+        return expert_pad_multiple is not None and meta_of(params[i]).expert
+
     for dtype in dtypes:
         indices = [i for i in reversed(range(len(params))) if params[i].dtype == dtype]
-        regular = [i for i in indices if not meta_of(params[i]).shared_embedding]
         shared = [i for i in indices if meta_of(params[i]).shared_embedding]
-        current: list[int] = []
-        for i in regular:
-            current.append(i)
-            if bucket_numel is not None and sum(params[j].numel() for j in current) >= bucket_numel:
-                layouts.append(_layout(params, current, dtype, pad_multiple, False))
-                current = []
-        if current:
-            layouts.append(_layout(params, current, dtype, pad_multiple, False))
+        for in_expert_domain in (False, True):
+            regular = [i for i in indices if not meta_of(params[i]).shared_embedding and expert(i) == in_expert_domain]
+            pad = expert_pad_multiple if in_expert_domain else pad_multiple
+            current: list[int] = []
+            for i in regular:
+                current.append(i)
+                if bucket_numel is not None and sum(params[j].numel() for j in current) >= bucket_numel:
+                    layouts.append(_layout(params, current, dtype, pad, False, in_expert_domain))
+                    current = []
+            if current:
+                layouts.append(_layout(params, current, dtype, pad, False, in_expert_domain))
         if shared:
             layouts.append(_layout(params, shared, dtype, pad_multiple, True))
     return layouts
 
 
-def _layout(params, indices, dtype, pad_multiple, deferred) -> BucketLayout:
+def _layout(params, indices, dtype, pad_multiple, deferred, expert=False) -> BucketLayout:
     ranges, start = [], 0
     for i in indices:
         ranges.append((start, start + params[i].numel()))
         start += params[i].numel()
     padded = -(-start // pad_multiple) * pad_multiple
-    return BucketLayout(tuple(indices), tuple(ranges), padded, dtype, deferred)
+    return BucketLayout(tuple(indices), tuple(ranges), padded, dtype, deferred, expert)
 
 
 class Bucket:
@@ -118,9 +131,11 @@ class Bucket:
     `param_data` the param-dtype storage its params' .data view (ZeRO 1/2), `grad_shard` this rank's reduced slice
     (ZeRO 1/2); gradients are in GradientBuffers.grad_dtype."""
 
-    def __init__(self, index: int, layout: BucketLayout, params: list[torch.nn.Parameter]):
+    def __init__(self, index: int, layout: BucketLayout, params: list[torch.nn.Parameter],
+                 group: ProcessGroup | None):
         self.index = index
         self.layout = layout
+        self.group, self.dp_size, self.dp_rank = group, group_size(group), group_rank(group)  # its reduction's
         self.params = [params[i] for i in layout.param_indices]
         self.grad_data: torch.Tensor | None = None
         self.param_data: torch.Tensor | None = None
@@ -160,6 +175,7 @@ class GradientBuffers:
         starts aligned (64 elements: 256 bytes in fp32, 128 in bf16).
     max_reductions_in_flight: ZeRO 2 with overlap: pending reduce-scatters (each holds a bucket's storage).
     grad_dtype: the dtype gradients are accumulated and reduced in (fp32, or the params' bf16/fp16).
+    expert_dp_group: with expert parallelism, the group the `expert` params' gradients are reduced over.
     """
 
     def __init__(
@@ -176,6 +192,7 @@ class GradientBuffers:
         shard_alignment: int = 64,
         max_reductions_in_flight: int = 2,
         grad_dtype: torch.dtype = torch.float32,
+        expert_dp_group: ProcessGroup | None = None,
     ):
         self.params = list(params)
         if zero_stage not in (0, 1, 2):
@@ -192,6 +209,7 @@ class GradientBuffers:
         self.device = devices.pop()
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
         self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
+        self.expert_dp_group = expert_dp_group
         self.zero_stage = zero_stage
         self.overlap_grad_reduce = overlap_grad_reduce
         self.num_microbatches = num_microbatches
@@ -199,8 +217,12 @@ class GradientBuffers:
         self.grad_dtype = grad_dtype
         bucket_numel = None if bucket_size_mb is None else max(1, int(bucket_size_mb * 2**20) // 4)
         pad = self.dp_size * shard_alignment if zero_stage else 1
-        layouts = plan_buckets(self.params, bucket_numel, pad)
-        self.buckets = [Bucket(i, layout, self.params) for i, layout in enumerate(layouts)]
+        expert_pad = None
+        if expert_dp_group is not None:
+            expert_pad = group_size(expert_dp_group) * shard_alignment if zero_stage else 1
+        layouts = plan_buckets(self.params, bucket_numel, pad, expert_pad)
+        self.buckets = [Bucket(i, layout, self.params, expert_dp_group if layout.expert else dp_group)
+                        for i, layout in enumerate(layouts)]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._allocate()
         self._in_flight: list[Bucket] = []  # ZeRO 2: reductions issued but not yet folded into their shard
@@ -225,8 +247,8 @@ class GradientBuffers:
             if self.zero_stage < 2:
                 self.grad_buffers[dtype] = torch.zeros(total, **grad)
             else:
-                sharded = sum(b.numel for b in buckets if self._sharded_accumulation(b))
-                self.shard_buffers[dtype] = torch.zeros(sharded // self.dp_size, **grad)
+                sharded = sum(b.numel // b.dp_size for b in buckets if self._sharded_accumulation(b))
+                self.shard_buffers[dtype] = torch.zeros(sharded, **grad)
             if self.zero_stage >= 1:
                 self.param_buffers[dtype] = torch.zeros(total, dtype=dtype, device=self.device)
             offset = shard_offset = 0
@@ -236,11 +258,11 @@ class GradientBuffers:
                 elif b.layout.deferred:  # must stay whole until finish_grad_sync
                     b.grad_data = torch.zeros(b.numel, **grad)
                 if self._sharded_accumulation(b):
-                    size = b.numel // self.dp_size
+                    size = b.numel // b.dp_size
                     b.grad_shard = self.shard_buffers[dtype][shard_offset : shard_offset + size]
                     shard_offset += size
                 elif self.zero_stage >= 1:  # reduce-scattered in place: the owned slice holds the sum
-                    lo, hi = b.layout.shard_range(self.dp_rank, self.dp_size)
+                    lo, hi = b.layout.shard_range(b.dp_rank, b.dp_size)
                     b.grad_shard = b.grad_data[lo:hi]
                 if self.zero_stage >= 1:
                     b.param_data = self.param_buffers[dtype][offset : offset + b.numel]
@@ -271,7 +293,7 @@ class GradientBuffers:
         wait(bucket.work)
         bucket.work = None
         self._in_flight.remove(bucket)
-        lo, hi = bucket.layout.shard_range(self.dp_rank, self.dp_size)
+        lo, hi = bucket.layout.shard_range(bucket.dp_rank, bucket.dp_size)
         bucket.grad_shard.add_(bucket.grad_data[lo:hi])
         bucket.grad_data = None
         for p in bucket.params:
@@ -320,10 +342,10 @@ class GradientBuffers:
     def _start_reduction(self, bucket: Bucket, async_op: bool):
         self._all_reduce_sequence_parallel_grads(bucket)
         if self.zero_stage == 0:
-            bucket.work = start_all_reduce(bucket.grad_data, self.dp_group, async_op)
+            bucket.work = start_all_reduce(bucket.grad_data, bucket.group, async_op)
         else:
-            lo, hi = bucket.layout.shard_range(self.dp_rank, self.dp_size)
-            bucket.work = start_reduce_scatter(bucket.grad_data[lo:hi], bucket.grad_data, self.dp_group, async_op)
+            lo, hi = bucket.layout.shard_range(bucket.dp_rank, bucket.dp_size)
+            bucket.work = start_reduce_scatter(bucket.grad_data[lo:hi], bucket.grad_data, bucket.group, async_op)
         bucket.reduce_started = True
 
     def _all_reduce_sequence_parallel_grads(self, bucket: Bucket):
@@ -428,8 +450,8 @@ class GradientBuffers:
             return param.main_grad
         bucket = self.bucket_of[id(param)]
         full = bucket.grad_shard
-        if self.dp_size > 1:
+        if bucket.dp_size > 1:
             full = torch.empty(bucket.numel, dtype=self.grad_dtype, device=self.device)
-            start_all_gather(full, bucket.grad_shard, self.dp_group, async_op=False)
+            start_all_gather(full, bucket.grad_shard, bucket.group, async_op=False)
         lo, hi = bucket.param_range(param)
         return full[lo:hi].view_as(param)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from qlm_core.parallel.comm import all_reduce, group_rank, start_all_gather, wait
+from qlm_core.parallel.comm import all_reduce, group_rank, group_size, start_all_gather, wait
 from qlm_core.parallel.grad_buffers import GradientBuffers
 from qlm_core.parallel.optimizer_api import TrainingOptimizer
 from qlm_core.parallel.param_meta import counts_in_grad_norm
@@ -88,11 +88,15 @@ class DistributedOptimizer(TrainingOptimizer):
         tp_group: ProcessGroup | None = None,
         pp_group: ProcessGroup | None = None,
         model_chunks=None,
+        expert_group: ProcessGroup | None = None,
     ):
+        """`expert_group`: with expert parallelism, the ep x etp ranks the experts' gradient norm is summed over
+        (their data-parallel group is grad_buffers.expert_dp_group)."""
         self.buffers = grad_buffers
         self.params = grad_buffers.params
         self.zero_stage = grad_buffers.zero_stage
         self.dp_group, self.tp_group, self.pp_group = grad_buffers.dp_group, tp_group, pp_group
+        self.expert_group, self.expert_dp_group = expert_group, grad_buffers.expert_dp_group
         self.overlap_param_gather = overlap_param_gather and self.zero_stage >= 1
         self.copy_grads = grad_buffers.grad_dtype != torch.float32  # fp32 copies at step time (module docstring)
         self._grads_copied = False
@@ -139,7 +143,7 @@ class DistributedOptimizer(TrainingOptimizer):
                     master.grad = param.main_grad
             return [_Fragment(index, param, 0, param.numel(), master, param.main_grad, counts, param.main_grad,
                               bucket.index, (lo, hi))]
-        shard_lo, shard_hi = bucket.layout.shard_range(self.buffers.dp_rank, self.buffers.dp_size)
+        shard_lo, shard_hi = bucket.layout.shard_range(bucket.dp_rank, bucket.dp_size)
         start, end = max(lo, shard_lo), min(hi, shard_hi)
         if start >= end:
             return []
@@ -178,17 +182,30 @@ class DistributedOptimizer(TrainingOptimizer):
 
     @torch.no_grad()
     def grad_norm(self) -> float:
-        """L2 norm over every unique gradient element of the model (all dp/tp/pp ranks), in fp32."""
+        """L2 norm over every unique gradient element of the model (all dp/tp/pp ranks), in fp32. Dense params sum
+        over (ZeRO: dp and) tp, the routed experts' under expert parallelism over (ZeRO: edp and) ep x etp."""
         self._copy_grads_to_fp32()
-        grads = [f.grad for f in self._fragments if f.counts_in_norm]
-        squares = torch.zeros((), dtype=torch.float32, device=self.buffers.device)
-        if grads:
-            squares = torch.stack(torch._foreach_norm(grads)).square().sum()
-        if self.zero_stage >= 1:
-            all_reduce(squares, self.dp_group)
-        all_reduce(squares, self.tp_group)
-        all_reduce(squares, self.pp_group)
-        return squares.sqrt().item()
+        squares = torch.zeros(2, dtype=torch.float32, device=self.buffers.device)  # dense, experts
+        for domain in (0, 1):
+            grads = [f.grad for f in self._fragments
+                     if f.counts_in_norm and self.buffers.buckets[f.bucket_index].layout.expert == bool(domain)]
+            if grads:
+                squares[domain] = torch.stack(torch._foreach_norm(grads)).square().sum()
+        if self.expert_dp_group is None:
+            total = squares.sum()
+            if self.zero_stage >= 1:
+                all_reduce(total, self.dp_group)
+            all_reduce(total, self.tp_group)
+        else:
+            dense, experts = squares[0].clone(), squares[1].clone()
+            if self.zero_stage >= 1:
+                all_reduce(dense, self.dp_group)
+                all_reduce(experts, self.expert_dp_group)
+            all_reduce(dense, self.tp_group)
+            all_reduce(experts, self.expert_group)
+            total = dense + experts
+        all_reduce(total, self.pp_group)
+        return total.sqrt().item()
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -227,10 +244,9 @@ class DistributedOptimizer(TrainingOptimizer):
                 f.param.detach().view(-1)[f.start : f.end].copy_(f.master.view(-1))
         if self.zero_stage == 0:
             return
-        rank, world = self.buffers.dp_rank, self.buffers.dp_size
         for bucket in reversed(self.buffers.buckets):  # forward order: the last bucket holds the first params
-            lo, hi = bucket.layout.shard_range(rank, world)
-            work = start_all_gather(bucket.param_data, bucket.param_data[lo:hi], self.dp_group)
+            lo, hi = bucket.layout.shard_range(bucket.dp_rank, bucket.dp_size)
+            work = start_all_gather(bucket.param_data, bucket.param_data[lo:hi], bucket.group)
             if work is not None:
                 self._gather_work[bucket.index] = work
         if not async_gather:
@@ -296,6 +312,7 @@ class DistributedOptimizer(TrainingOptimizer):
         if self.zero_stage >= 1:
             step_tensor = torch.tensor(float(step), device=device)
             all_reduce(step_tensor, self.dp_group, op=torch.distributed.ReduceOp.MAX)
+            all_reduce(step_tensor, self.expert_dp_group, op=torch.distributed.ReduceOp.MAX)
             step = int(step_tensor.item())
         states = []
         for param, own in zip(self.buffers.params, fragments, strict=True):
@@ -306,7 +323,7 @@ class DistributedOptimizer(TrainingOptimizer):
                     if value is not None:
                         full[row, f.start:f.end] = value.reshape(-1)
             if self.zero_stage >= 1:  # fragments are disjoint across dp ranks: a sum assembles them
-                all_reduce(full, self.dp_group)
+                all_reduce(full, self.buffers.bucket_of[id(param)].group)
             full = full.cpu()
             states.append({view: full[row].view(param.shape) for row, view in enumerate(OPTIMIZER_VIEWS)})
         return states, step
@@ -347,6 +364,7 @@ class DistributedOptimizer(TrainingOptimizer):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         return {"format": "qlm-distributed-optimizer-1", "zero_stage": self.zero_stage,
                 "dp_rank": self.buffers.dp_rank, "dp_size": self.buffers.dp_size,
+                "expert_dp_size": group_size(self.expert_dp_group),
                 "param_groups": groups, "fragments": fragments}
 
     @torch.no_grad()
@@ -356,7 +374,8 @@ class DistributedOptimizer(TrainingOptimizer):
         self.wait_param_gather()
         mine = [(f.param_index, f.start, f.end) for f in self._fragments]
         saved = [(e["param_index"], e["start"], e["end"]) for e in state["fragments"]]
-        if (state["zero_stage"], state["dp_size"]) != (self.zero_stage, self.buffers.dp_size) or mine != saved:
+        saved_layout = (state["zero_stage"], state["dp_size"], state.get("expert_dp_size", 1))
+        if saved_layout != (self.zero_stage, self.buffers.dp_size, group_size(self.expert_dp_group)) or mine != saved:
             raise ValueError(
                 f"optimizer state layout differs (saved ZeRO {state['zero_stage']} dp {state['dp_size']}, "
                 f"{len(saved)} fragments; here ZeRO {self.zero_stage} dp {self.buffers.dp_size}, {len(mine)}): "

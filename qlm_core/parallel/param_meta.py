@@ -28,6 +28,9 @@ class ParamMeta:
     # The last stage's copy of the tied embedding: the same values as the first stage's, so left out of the
     # gradient norm.
     tied_copy: bool = False
+    # A routed expert's weight under expert parallelism: held by one expert-model-parallel position (ep x etp),
+    # replicated over the expert-data-parallel group, over which its gradient is reduced.
+    expert: bool = False
 
 
 _UNMARKED = ParamMeta()
@@ -50,6 +53,7 @@ def copy_meta(source: torch.Tensor, target: torch.Tensor) -> None:
 
 def counts_in_grad_norm(param: torch.Tensor, tp_rank: int) -> bool:
     """Whether this rank adds `param`'s gradient to the global gradient norm, so that every gradient element of
-    the model counts exactly once: a TP-replicated parameter only on TP rank 0, the tied copy never."""
+    the model counts exactly once: a TP-replicated parameter only on TP rank 0, the tied copy never, an expert's
+    on every rank (its norm is summed over the expert-model-parallel group, not the TP group)."""
     meta = meta_of(param)
-    return not meta.tied_copy and (meta.tp_split or tp_rank == 0)
+    return not meta.tied_copy and (meta.tp_split or meta.expert or tp_rank == 0)

@@ -1,6 +1,12 @@
 """The process-group grid: world = dp x pp x cp x tp, tp fastest-varying (a TP group's ranks are adjacent, so they
 share a node's NVLink), then cp, pp, dp:  rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank.
 
+Routed experts fold the same ranks differently, as Megatron-Core does: within one pipeline stage the dp·cp·tp ranks,
+numbered i = (dp_rank * cp + cp_rank) * tp + tp_rank, are etp x ep x edp with etp fastest: etp_rank = i % etp,
+ep_rank = i // etp % ep, edp_rank = i // (etp * ep). Expert e lives on ep rank e // (E / ep), split over its etp
+group like a TP linear; its gradients are reduced over the edp group (dp·cp·tp / (ep·etp) ranks). Dense parameters
+keep the groups above.
+
 Built once per process from torchrun's (or Slurm's) environment. Backend nccl on CUDA, gloo otherwise.
 """
 
@@ -24,10 +30,31 @@ class ParallelSizes:
     pp: int = 1
     cp: int = 1
     dp: int = 1
+    ep: int = 1  # expert model parallel: the routed experts are divided among ep ranks
+    etp: int | None = None  # expert tensor parallel; None: tp (Megatron-Core's default)
+
+    def __post_init__(self):
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel: the ranks of a pipeline stage that hold the same experts."""
+        return self.dp * self.cp * self.tp // (self.ep * self.etp)
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the routed experts are laid out differently from the dense TP split (EP, or ETP != TP)."""
+        return self.ep > 1 or self.etp != self.tp
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        c = self.coords(rank)
+        inner = (c["dp"] * self.cp + c["cp"]) * self.tp + c["tp"]
+        return {"etp": inner % self.etp, "ep": inner // self.etp % self.ep, "edp": inner // (self.etp * self.ep)}
 
     def coords(self, rank: int) -> dict[str, int]:
         tp_rank = rank % self.tp
@@ -40,9 +67,11 @@ class ParallelSizes:
         return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
 
 
-def resolve_sizes(world: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None) -> ParallelSizes:
-    """dp may be omitted: it is then world / (tp * pp * cp)."""
-    for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", 1 if dp is None else dp)):
+def resolve_sizes(world: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, ep: int = 1,
+                  etp: int | None = None) -> ParallelSizes:
+    """dp may be omitted: it is then world / (tp * pp * cp); etp: tp when omitted."""
+    for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", 1 if dp is None else dp), ("ep", ep),
+                       ("etp", 1 if etp is None else etp)):
         if size < 1:
             raise QlmError(f"{name} must be >= 1, got {size}", f"set parallel.{name} (or --{name}) to 1 or more")
     model = tp * pp * cp
@@ -54,7 +83,11 @@ def resolve_sizes(world: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | N
     if dp * model != world:
         raise QlmError(f"world size {world} != dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {dp * model}",
                        "launch dp*pp*cp*tp processes (or omit dp)")
-    return ParallelSizes(tp=tp, pp=pp, cp=cp, dp=dp)
+    sizes = ParallelSizes(tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, etp=etp)
+    if (dp * cp * tp) % (sizes.ep * sizes.etp):
+        raise QlmError(f"ep*etp = {sizes.ep}*{sizes.etp} does not divide dp*cp*tp = {dp}*{cp}*{tp} = {dp * cp * tp}",
+                       "choose ep and etp whose product divides the ranks of a pipeline stage")
+    return sizes
 
 
 def _env_int(*names: str) -> int | None:
@@ -127,6 +160,11 @@ class Grid:
     cp_group: ProcessGroup | None = None
     dp_cp_group: ProcessGroup | None = None  # gradients are reduced over data x context ranks
     embedding_group: ProcessGroup | None = None  # first and last pipeline stage, for tied embeddings
+    # routed experts (see the module docstring); all None when the experts follow the dense TP split
+    expert_group: ProcessGroup | None = None  # ep x etp: the ranks tokens are dispatched among
+    expert_tp_group: ProcessGroup | None = None  # etp
+    expert_dp_group: ProcessGroup | None = None  # edp: expert gradients are reduced over it
+    expert_coords: dict[str, int] = field(default_factory=lambda: {"etp": 0, "ep": 0, "edp": 0})
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, stage order
     device: torch.device = field(default_factory=default_device)
 
@@ -145,6 +183,14 @@ class Grid:
     @property
     def dp_rank(self) -> int:
         return self.coords["dp"]
+
+    @property
+    def ep_rank(self) -> int:
+        return self.expert_coords["ep"]
+
+    @property
+    def etp_rank(self) -> int:
+        return self.expert_coords["etp"]
 
     @property
     def is_first_stage(self) -> bool:
@@ -174,7 +220,7 @@ class Grid:
                            "launch dp*pp*cp*tp processes")
         me = dist.get_rank()
         rank = ranks.index(me) if me in ranks else None
-        grid = cls(sizes, rank=rank or 0, coords=sizes.coords(rank or 0))
+        grid = cls(sizes, rank=rank or 0, coords=sizes.coords(rank or 0), expert_coords=sizes.expert_coords(rank or 0))
         axes = {"dp": range(sizes.dp), "pp": range(sizes.pp), "cp": range(sizes.cp), "tp": range(sizes.tp)}
 
         def groups_varying(varying: tuple[str, ...]):
@@ -203,8 +249,29 @@ class Grid:
             group = dist.new_group(members)
             if me in members:
                 grid.embedding_group = group
+        if sizes.expert_parallel:
+            grid.expert_group, grid.expert_tp_group, grid.expert_dp_group = (
+                _expert_groups(sizes, ranks, me, varying) for varying in (("ep", "etp"), ("etp",), ("edp",)))
         return grid if rank is not None else None
 
     def describe(self) -> str:
         s = self.sizes
-        return f"dp{s.dp} x pp{s.pp} x cp{s.cp} x tp{s.tp} (rank {self.rank}: {self.coords})"
+        experts = f", experts ep{s.ep} x etp{s.etp} x edp{s.edp}" if s.expert_parallel else ""
+        return f"dp{s.dp} x pp{s.pp} x cp{s.cp} x tp{s.tp}{experts} (rank {self.rank}: {self.coords})"
+
+
+def _expert_groups(sizes: ParallelSizes, ranks: list[int], me: int, varying: tuple[str, ...]) -> ProcessGroup | None:
+    """One group per pipeline stage and assignment of the expert axes not in `varying`; returns this rank's.
+    Collective: every rank creates every group in the same order."""
+    by_key: dict[tuple, list[int]] = {}
+    for position in range(sizes.world):
+        coords = sizes.expert_coords(position)
+        key = (sizes.coords(position)["pp"],) + tuple(coords[a] for a in ("etp", "ep", "edp") if a not in varying)
+        by_key.setdefault(key, []).append(ranks[position])
+    mine = None
+    for key in sorted(by_key):
+        members = sorted(by_key[key])
+        group = dist.new_group(members)
+        if me in members:
+            mine = group
+    return mine

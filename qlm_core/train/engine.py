@@ -30,6 +30,7 @@ from qlm_core.models.stage import StageModel
 from qlm_core.parallel.comm import all_reduce, group_size
 from qlm_core.parallel.context_parallel import split_for_cp
 from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS
+from qlm_core.parallel.expert_dispatch import ExpertParallel
 from qlm_core.parallel.optimizer_api import TrainingOptimizer
 from qlm_core.parallel.param_meta import mark
 from qlm_core.parallel.state import Grid
@@ -130,12 +131,13 @@ class Engine:
         options = ParallelOptions(
             tp_group=g.tp_group, sequence_parallel=c.sp, cp_group=g.cp_group, cp_comm_type=c.cp_comm_type,
             recompute=c.recompute, recompute_num_layers=c.recompute_num_layers,
-            recompute_modules=tuple(c.recompute_modules),
+            recompute_modules=tuple(c.recompute_modules), experts=self._expert_parallel(),
         )
         # ZeRO-3 keeps fp32 parameters (FSDP's sharded master weights) and computes in self.dtype.
         param_dtype = torch.float32 if c.zero_stage == 3 else self.dtype
         chunks = [
-            build_rank_model(self.layout, RankCoords(g.tp_rank, g.pp_rank, chunk), source, parallel=options,
+            build_rank_model(self.layout, RankCoords(g.tp_rank, g.pp_rank, chunk, g.ep_rank, g.etp_rank), source,
+                             parallel=options,
                              dtype=param_dtype, device=g.device, loss_chunk_tokens=self.loss_chunk_tokens,
                              model_class=StageModel, moe_options=self.moe)
             for chunk in range(c.vpp)
@@ -146,6 +148,12 @@ class Engine:
             if g.is_last_stage:
                 mark(chunks[-1].output_layer.weight, shared_embedding=True, tied_copy=True)
         return chunks
+
+    def _expert_parallel(self) -> ExpertParallel | None:
+        s = self.grid.sizes
+        if not s.expert_parallel:
+            return None
+        return ExpertParallel(s.ep, s.etp, self.grid.ep_rank, self.grid.etp_rank, self.grid.expert_group)
 
     def _build_optimizer(self, trainable: list[torch.nn.Parameter]) -> TrainingOptimizer:
         """ZeRO 3: FSDP2; ZeRO 0-2: bucketed gradient buffers under the distributed optimizer."""
@@ -167,11 +175,12 @@ class Engine:
             trainable, dp_group=g.dp_cp_group, zero_stage=c.zero_stage, bucket_size_mb=c.bucket_size_mb,
             overlap_grad_reduce=c.overlap_grad_reduce, num_microbatches=self.num_microbatches,
             tp_group=g.tp_group, embedding_group=g.embedding_group, grad_dtype=DTYPES[c.grad_reduce_dtype],
+            expert_dp_group=g.expert_dp_group if g.sizes.expert_parallel else None,
         )
         return DistributedOptimizer(
             groups, buffers, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             overlap_param_gather=c.overlap_param_gather, tp_group=g.tp_group, pp_group=g.pp_group,
-            model_chunks=self.chunks,
+            model_chunks=self.chunks, expert_group=g.expert_group,
         )
 
     # ---- the step --------------------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
     `start_over` (--force): the run directory's checkpoints are not resumed."""
     p, t = recipe.parallel, recipe.train
     validate_recipe(recipe)  # before any file it names is opened: a recipe mistake is named as itself
-    sizes = resolve_sizes(world, p.tp, p.pp, p.cp, p.dp)
+    sizes = resolve_sizes(world, p.tp, p.pp, p.cp, p.dp, p.ep, p.etp)
     model = recipe.model
     if check_files:
         check_data_files(recipe.data)

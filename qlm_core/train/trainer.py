@@ -131,7 +131,8 @@ class Trainer:
         validate_recipe(r)
         check_wandb(r.logging, self.run_dir)
         rank, world = init_distributed()
-        sizes = resolve_sizes(world, r.parallel.tp, r.parallel.pp, r.parallel.cp, r.parallel.dp)
+        sizes = resolve_sizes(world, r.parallel.tp, r.parallel.pp, r.parallel.cp, r.parallel.dp, r.parallel.ep,
+                              r.parallel.etp)
         self.grid = Grid.build(sizes)
         torch.manual_seed(r.train.seed)
         self.steps = total_steps(r)

@@ -63,10 +63,31 @@ def validate_moe(spec: ModelSpec, moe: MoeConfig, config: ParallelConfig):
         raise QlmError("moe.aux_loss_type = 'transformers' needs parallel.pp = 1 (its one loss couples every layer's "
                        "router, and each pipeline stage holds only some)",
                        "use moe.aux_loss_type = 'megatron' (per layer) or set parallel.pp = 1")
+    validate_experts(spec, config)
     if spec.moe is not None and moe.capacity_factor is not None and config.cp > 1:
         raise QlmError("moe.capacity_factor with parallel.cp > 1: each context-parallel rank would drop tokens by "
                        "its own share of the sequence, unlike one process", "drop moe.capacity_factor (drop-less) "
                        "or set parallel.cp = 1")
+
+
+def validate_experts(spec: ModelSpec, config: ParallelConfig):
+    """parallel.ep / parallel.etp against the model (each rule Megatron-Core has too)."""
+    ep, etp, tp = config.ep, config.tp if config.etp is None else config.etp, config.tp
+    if (ep, etp) == (1, tp):
+        return
+    if spec.moe is None:
+        raise QlmError(f"parallel.ep = {ep} / etp = {etp} needs a Mixture-of-Experts model "
+                       f"({spec.model_type} is dense)",
+                       "remove parallel.ep and parallel.etp")
+    if spec.moe.num_experts % ep:
+        raise QlmError(f"parallel.ep = {ep} does not divide the model's {spec.moe.num_experts} experts",
+                       "choose ep dividing num_experts")
+    if spec.moe.ffn_hidden_size % etp:
+        raise QlmError(f"parallel.etp = {etp} does not divide the experts' ffn size {spec.moe.ffn_hidden_size}",
+                       "choose etp dividing moe_intermediate_size")
+    if tp > 1 and not config.sp:
+        raise QlmError(f"parallel.ep = {ep} / etp = {etp} with tp = {tp} needs sequence parallelism (each rank "
+                       "dispatches its own tokens; Megatron-Core has the same rule)", "set parallel.sp = true")
 
 
 def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSizes, seq_length: int,
@@ -76,6 +97,9 @@ def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSize
         checked_field(ParallelConfig, key, getattr(config, key), f"parallel.{key}")
     check_ranges("parallel", config)
     cp, tp = config.cp, config.tp
+    if (sizes.ep, sizes.etp) != (config.ep, tp if config.etp is None else config.etp):
+        raise QlmError(f"the process grid has ep {sizes.ep} / etp {sizes.etp}, the recipe ep {config.ep} / etp "
+                       f"{config.etp}", "build the grid with the recipe's parallel.ep and parallel.etp")
     if config.vpp > 1 and config.pp == 1:
         raise QlmError("vpp > 1 needs pp > 1", "raise parallel.pp or set vpp = 1")
     if cp > 1 and seq_length % (2 * cp):

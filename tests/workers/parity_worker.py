@@ -44,7 +44,7 @@ def full_grads(engine: Engine) -> list[dict[str, torch.Tensor]]:
 def run_case(name: str, outdir: Path):
     case = CASES[name]
     config = ParallelConfig(**case.parallel)
-    sizes = resolve_sizes(case.world, tp=config.tp, pp=config.pp, cp=config.cp)
+    sizes = resolve_sizes(case.world, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep, etp=config.etp)
     grid = Grid.build(sizes, ranks=list(range(case.world)))
     if grid is None:
         return
