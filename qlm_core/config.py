@@ -37,9 +37,12 @@ DataFormat = Literal["auto", "alpaca", "sharegpt", "messages"]
 Truncation = Literal["right", "drop"]
 LrSchedule = Literal["constant", "cosine", "wsd"]
 CheckpointFormat = Literal["torch", "torch_dist"]
-# megatron: E·Σ fᵢ·Pᵢ per MoE layer (Megatron-Core's load-balancing loss); transformers: one such loss over every
+# megatron: E·Σ fᵢ·Pᵢ per MoE layer over the micro-batch (Megatron-Core's aux_loss); sequence: the same per row of
+# the micro-batch, averaged over its rows (Megatron-Core's seq_aux_loss, DeepSeek-V2's sequence-wise loss); global:
+# fᵢ over every data-parallel rank's micro-batch, averaged over the step's micro-batches so far (Megatron-Core's
+# global_aux_loss, the global-batch balancing Qwen3-MoE was trained with); transformers: one such loss over every
 # layer's router logits together (transformers' load_balancing_loss_func, k times larger for one layer)
-MoeAuxLossType = Literal["megatron", "transformers"]
+MoeAuxLossType = Literal["megatron", "sequence", "global", "transformers"]
 
 
 def choices(literal) -> tuple:

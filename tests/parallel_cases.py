@@ -23,15 +23,20 @@ MOE = SPEC.replace(model_type="qwen3_moe", qkv_bias=False, qk_layernorm=True, mo
     num_experts=4, topk=2, ffn_hidden_size=32, shared_expert_hidden_size=48, shared_expert_gate=True,
     layer_pattern=(1, 1, 0, 1)))
 MOE_TRAINING = MoeConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001)
-DATA_KINDS = ("plain", "packed", "window", "moe")  # window: packed documents and the windowed model; moe: MOE
+# moe_seq: MOE with the sequence-wise load-balancing loss (per row of a micro-batch)
+MOE_SEQ_TRAINING = MoeConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001, aux_loss_type="sequence")
+# moe_global: the global-batch loss (the same as one process unless data-parallel ranks share it)
+MOE_GLOBAL_TRAINING = MoeConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001, aux_loss_type="global")
+# window: packed documents and the windowed model; moe: MOE
+DATA_KINDS = ("plain", "packed", "window", "moe", "moe_seq", "moe_global")
 
 
 def case_spec(data: str) -> ModelSpec:
-    return {"window": WINDOWED, "moe": MOE}.get(data, SPEC)
+    return {"window": WINDOWED, "moe": MOE, "moe_seq": MOE, "moe_global": MOE}.get(data, SPEC)
 
 
 def case_moe(data: str) -> MoeConfig | None:
-    return MOE_TRAINING if data == "moe" else None
+    return {"moe": MOE_TRAINING, "moe_seq": MOE_SEQ_TRAINING, "moe_global": MOE_GLOBAL_TRAINING}.get(data)
 
 
 @dataclass(frozen=True)
@@ -101,8 +106,19 @@ CASES = {
     "moe_ep2_cp2": LayoutCase(2, dict(ep=2, cp=2), data="moe"),
     "moe_ep2_dp4_zero1": LayoutCase(4, dict(ep=2, zero_stage=1, overlap_grad_reduce=True), micro_batch_size=1,
                                    data="moe"),
+    "moe_ep2_dp4_zero3": LayoutCase(4, dict(ep=2, zero_stage=3), micro_batch_size=1, data="moe"),
+    "moe_ep2_tp2_pp2": LayoutCase(8, dict(ep=2, tp=2, sp=True, pp=2), micro_batch_size=1, data="moe"),
+    "moe_ep2_recompute_full": LayoutCase(2, dict(ep=2, recompute="full"), micro_batch_size=1, data="moe"),
     "moe_ep2_dp4_zero2": LayoutCase(4, dict(ep=2, zero_stage=2, overlap_grad_reduce=True), micro_batch_size=1,
                                    data="moe"),
+    "moe_ep2_pp2_interleaved": LayoutCase(4, dict(ep=2, pp=2, vpp=2, pp_schedule="interleaved_1f1b"),
+                                         micro_batch_size=1, data="moe"),
+    "moe_seq_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="moe_seq"),
+    "moe_seq_ep2_cp2": LayoutCase(2, dict(ep=2, cp=2), data="moe_seq"),
+    # 1F1B runs stage 0's second forward before its first backward recomputes: the recompute must not see it
+    "moe_global_pp2_recompute_full": LayoutCase(2, dict(pp=2, recompute="full"), data="moe_global"),
+    "moe_global_pp2": LayoutCase(2, dict(pp=2), data="moe_global"),
+    "moe_global_ep2_cp2": LayoutCase(2, dict(ep=2, cp=2), data="moe_global"),
 }
 
 

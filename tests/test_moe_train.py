@@ -1,5 +1,5 @@
 """Training MoE models: the tiny MoE recipe through `qlm train` reproduces its one-process losses and MoE figures at
-tp2 x SP x pp2 x dp2 (ZeRO 1, both overlaps: the CLI's one 8-rank run; each dimension alone: the Engine-level
+ep2 x tp2 x SP x pp2 x dp2 (ZeRO 1, both overlaps: the CLI's one 8-rank run; each dimension alone: the Engine-level
 parity suite's moe_* cases), metrics.jsonl carries the MoE terms, LoRA adapts attention and the shared expert, and
 bad [moe] settings get one-line errors."""
 
@@ -17,7 +17,7 @@ from qlm_core.train.engine import Batch, Engine
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny-moe.toml"
-SHORT = ["--set", "train.train_iters=6", "--set", "train.eval_interval=0", "--set", "train.micro_batch_size=4",
+SHORT = ["--set", "train.train_iters=10", "--set", "train.eval_interval=0", "--set", "train.micro_batch_size=4",
          "--set", "checkpoint.save_interval=0", "--set", "logging.tensorboard=false", "--set", "logging.plot=false"]
 MOE_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_load_min")
 
@@ -37,7 +37,7 @@ def baseline(tmp_path_factory, cache):
 @pytest.mark.slow
 def test_the_recipe_logs_the_moe_terms_and_its_loss_falls(baseline):
     lines = metrics(baseline)
-    assert len(lines) == 6 and lines[-1]["loss"] < lines[0]["loss"]
+    assert len(lines) == 10 and lines[-1]["loss"] < lines[0]["loss"]
     for line in lines:
         assert all(key in line for key in MOE_KEYS), line
         assert line["moe_aux_loss"] > 0 and line["moe_z_loss"] > 0
@@ -45,8 +45,8 @@ def test_the_recipe_logs_the_moe_terms_and_its_loss_falls(baseline):
 
 
 @pytest.mark.distributed
-def test_tp2_sp_pp2_dp2_zero1_reproduces_the_one_process_run(baseline, cache, tmp_path):
-    layout = ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1",
+def test_ep2_tp2_sp_pp2_dp2_zero1_reproduces_the_one_process_run(baseline, cache, tmp_path):
+    layout = ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1",
               "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
     sets = [arg for kv in layout for arg in ("--set", kv)]
     qlm_train(RECIPE, "--output", tmp_path / "run", "--set", f"data.cache_dir={cache!s}", *SHORT, *sets,
@@ -95,7 +95,7 @@ def test_the_transformers_variant_keeps_no_router_graph_without_a_coefficient():
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["moe.aux_loss_type=\"switch\""], "moe.aux_loss_type 'switch' is not one of megatron, transformers"),
+    (["moe.aux_loss_type=\"switch\""], "moe.aux_loss_type 'switch' is not one of megatron, sequence, transformers"),
     (["moe.capacity_factor=0"], "moe.capacity_factor must be > 0"),
     (["moe.experts=4"], "unknown key moe.experts"),
 ])

@@ -61,6 +61,7 @@ class ParallelOptions:
     recompute_num_layers: int | None = None  # with full: the first N layers of this module (None: all)
     recompute_modules: tuple[str, ...] = ("core_attn",)  # with selective: Megatron's --recompute-modules
     experts: ExpertParallel | None = None  # expert parallelism (None: the routed experts follow the TP split)
+    dp_cp_group: ProcessGroup | None = None  # the data x context ranks (the global MoE load-balancing loss)
 
     @property
     def sp(self) -> bool:

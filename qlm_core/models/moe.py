@@ -32,6 +32,7 @@ from qlm_core.config import MoeConfig
 from qlm_core.kernels.grouped_mlp import grouped_swiglu_mlp
 from qlm_core.models.mlp import MLP
 from qlm_core.models.moe_spec import MoeSpec
+from qlm_core.parallel import shape_inference
 from qlm_core.parallel.comm import all_gather_dim0, all_reduce, group_size
 from qlm_core.parallel.expert_dispatch import ExpertParallel, all_to_all, inverse_permutation, plan_dispatch
 from qlm_core.parallel.param_meta import mark
@@ -64,6 +65,19 @@ class MoeTracker:
     # transformers' variant: each MoE layer's (router probability sums with grad, token counts, tokens) since the
     # last transformers_aux_loss()
     pending: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+    # the global variant: per layer, the token counts over every data-parallel rank summed over the step's
+    # micro-batches so far, and how many (reset_step at each step's start)
+    step_counts: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+
+    def reset_step(self) -> None:
+        self.step_counts.clear()
+
+    def running_mean_counts(self, layer: int, counts: torch.Tensor, record: bool) -> torch.Tensor:
+        """The mean of `layer`'s counts over the step's micro-batches, this one included (`record`: count it)."""
+        total, seen = self.step_counts.get(layer, (torch.zeros_like(counts), 0))
+        if record:
+            self.step_counts[layer] = (total + counts, seen + 1)
+        return (total + counts) / (seen + 1)
 
     def take_records(self) -> list[MoeRecord]:
         records, self.records = self.records, []
@@ -80,6 +94,20 @@ class MoeTracker:
         rows = float(sum(tokens))
         counts_total, probs_total = torch.stack(counts).sum(0), torch.stack(prob_sums).sum(0)
         return coeff * num_experts * (counts_total / rows * probs_total / rows).sum()
+
+
+class _WeightedSum(Function):
+    """Σ values · weights with the weights held by the node itself rather than saved for backward: recompute
+    (torch's checkpoint re-creates saved tensors) must not replace them with values from a later state."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, weights: torch.Tensor):
+        ctx.weights = weights.detach()
+        return (values * weights).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.weights, None
 
 
 class _AttachLoss(Function):
@@ -245,6 +273,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.moe, self.options, self.tracker, self.layer = moe, options, tracker, layer
         self.tp_group, self.cp_group, self.sp = parallel.tp_group, parallel.cp_group, parallel.sp
+        self.dp_cp_group = parallel.dp_cp_group
         self.expert_parallel = parallel.experts
         self.router = Router(hidden, moe, self.sp, dtype)
         self.experts = SequentialExperts(hidden, moe, group_size(self.tp_group), dtype, parallel.experts)
@@ -255,7 +284,7 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, h)
         logits = self.router(tokens)
         probs, indices = route(logits, self.moe)
-        losses = self._losses(logits, indices) if torch.is_grad_enabled() else None  # training forwards only
+        losses = self._losses(logits, indices, b) if torch.is_grad_enabled() else None  # training forwards only
         tp = group_size(self.tp_group)
         if self.expert_parallel is not None:  # each rank dispatches its own tokens (validate: SP under TP)
             out = self.experts(tokens, probs, indices, self.options.capacity_factor)
@@ -280,27 +309,48 @@ class MoELayer(nn.Module):
         """The groups over which this rank's tokens are a shard of the micro-batch's."""
         return [g for g in ((self.tp_group if self.sp else None), self.cp_group) if group_size(g) > 1]
 
-    def _losses(self, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
-        """This rank's part of the layer's aux loss (Megatron's variant) plus z-loss, both with their
+    def _losses(self, logits: torch.Tensor, indices: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """This rank's part of the layer's aux loss (Megatron's variants) plus z-loss, both with their
         coefficients (None when neither is set: nothing to attach), recorded with the token counts (not while
-        backward recomputes the layer)."""
+        backward recomputes the layer). `rows`: the micro-batch's rows (token t is in row t % rows)."""
         o, moe = self.options, self.moe
-        counts = torch.bincount(indices.reshape(-1), minlength=moe.num_experts).float()
-        tokens = logits.shape[0]
+        experts = moe.num_experts
+        per_row = o.aux_loss_type == "sequence"
+        flat = indices.reshape(-1)
+        if per_row:  # counts per (row, expert)
+            row_of = torch.arange(flat.numel(), device=flat.device) // moe.topk % rows
+            flat = row_of * experts + flat
+        counts = torch.bincount(flat, minlength=experts * (rows if per_row else 1)).float()
+        tokens = logits.shape[0] // (rows if per_row else 1)  # over the micro-batch, or one row
         for group in self._sequence_groups():
             all_reduce(counts, group)
             tokens *= group_size(group)
-        recomputing = torch._C._current_graph_task_id() != -1  # inside backward: a checkpoint re-runs the layer
+        layer_counts = counts.view(rows, experts).sum(0) if per_row else counts
+        # inside backward a checkpoint re-runs the layer; torch pipelining's first step runs a shape-finding forward
+        recomputing = torch._C._current_graph_task_id() != -1 or shape_inference.active()
+        balance_counts = counts
+        if o.aux_loss_type == "global":  # every data-parallel rank's micro-batch (the cp ranks' counts are whole)
+            cp = group_size(self.cp_group)
+            balance_counts = all_reduce(counts.clone(), self.dp_cp_group) / cp
+            tokens *= group_size(self.dp_cp_group) // cp
+            balance_counts = self.tracker.running_mean_counts(self.layer, balance_counts, record=not recomputing)
         if not (o.aux_loss_coeff or o.z_loss_coeff):
             if not recomputing:
                 zero = counts.new_zeros(())
-                self.tracker.records.append(MoeRecord(self.layer, zero, zero, counts))
+                self.tracker.records.append(MoeRecord(self.layer, zero, zero, layer_counts))
             return None
-        prob_sum = aux_loss_scores(logits, moe).sum(0)
-        aux = o.aux_loss_coeff * moe.num_experts / (moe.topk * tokens * tokens) * (prob_sum * counts).sum()
-        z = o.z_loss_coeff * torch.logsumexp(logits.float(), dim=-1).square().sum() / tokens
+        scores = aux_loss_scores(logits, moe)
+        prob_sum = scores.view(-1, rows, experts).sum(0).reshape(-1) if per_row else scores.sum(0)
+        aux = o.aux_loss_coeff * experts / (moe.topk * tokens * tokens) * _WeightedSum.apply(prob_sum, balance_counts)
+        if per_row:
+            aux = aux / rows
+        z = o.z_loss_coeff * torch.logsumexp(logits.float(), dim=-1).square().sum() / (logits.shape[0] * self._shards())
         if not recomputing:
-            self.tracker.records.append(MoeRecord(self.layer, aux.detach(), z.detach(), counts))
+            self.tracker.records.append(MoeRecord(self.layer, aux.detach(), z.detach(), layer_counts))
             if o.aux_loss_type == "transformers" and o.aux_loss_coeff:
                 self.tracker.pending.append((prob_sum, counts, tokens))
         return z if o.aux_loss_type == "transformers" else aux + z
+
+    def _shards(self) -> int:
+        """How many ranks hold a shard of this micro-batch's tokens."""
+        return math.prod(group_size(g) for g in self._sequence_groups())

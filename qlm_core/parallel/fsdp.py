@@ -1,5 +1,7 @@
 """ZeRO-3: FSDP2 `fully_shard` over the data x context group, composed with qlm's hand-written TP (FSDP only
-sees each TP rank's local shards) and with pipelining (torch's schedules drive FSDP's gradient sync).
+sees each TP rank's local shards) and with pipelining (torch's schedules drive FSDP's gradient sync). Under expert
+parallelism the routed experts of each layer are a unit of their own, sharded over the expert-data-parallel group
+(their replicas) instead of dp x cp, as torchtitan shards them.
 
 The ZeRO 3 TrainingOptimizer (parallel/optimizer_api.py), as DistributedOptimizer over GradientBuffers is for
 ZeRO 0-2.
@@ -15,7 +17,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from qlm_core.parallel.comm import all_reduce, group_rank
+from qlm_core.parallel.comm import all_reduce, group_rank, group_size
 from qlm_core.parallel.optimizer_api import TrainingOptimizer
 from qlm_core.parallel.param_meta import copy_meta, counts_in_grad_norm, meta_of
 from qlm_core.parallel.sharded_tensors import local_part, local_shard_like, whole
@@ -38,16 +40,25 @@ class FullyShardedState(TrainingOptimizer):
         betas: tuple[float, float],
         eps: float,
         reduce_dtype: torch.dtype = torch.float32,
+        expert_units: list[nn.Module] = (),
+        expert_dp_group: ProcessGroup | None = None,
+        expert_group: ProcessGroup | None = None,
     ):
         """`units`: per chunk, the submodules to shard separately (the transformer layers); each chunk itself is
         the root unit. `param_groups`: [{"params": [...], "weight_decay": wd}, ...] over the chunks' params.
         `reduce_dtype`: the gradient reduce-scatter's dtype (FSDP casts the reduced shards back to the fp32
-        parameters' dtype, so the clip and AdamW see fp32 gradients either way)."""
+        parameters' dtype, so the clip and AdamW see fp32 gradients either way). `expert_units`: with expert
+        parallelism, the routed experts' modules (inside `units`), sharded over `expert_dp_group`; their gradient
+        norm is summed over `expert_group` (ep x etp)."""
         originals = {id(p): p for c in chunks for p in c.parameters()}
         group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
         names = [(c, n, id(p)) for c in chunks for n, p in c.named_parameters()]
         mesh = DeviceMesh.from_group(dp_cp_group, device.type)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+        if expert_units:
+            expert_mesh = DeviceMesh.from_group(expert_dp_group, device.type)
+            for unit in expert_units:  # before their layers: a layer's unit then leaves their params alone
+                fully_shard(unit, mesh=expert_mesh, mp_policy=policy)
         for chunk, chunk_units in zip(chunks, units, strict=True):
             for unit in chunk_units:
                 fully_shard(unit, mesh=mesh, mp_policy=policy)
@@ -55,6 +66,8 @@ class FullyShardedState(TrainingOptimizer):
         # FSDP averages over its mesh; qlm's loss is pre-normalised so gradients must be summed. (Setting FSDP's
         # divide factor to 1 would need ReduceOp.PREMUL_SUM, which gloo lacks: rescale after the reduction.)
         self.dp_cp_size = mesh.size()
+        self.expert_dp_size = group_size(expert_dp_group) if expert_units else self.dp_cp_size
+        self.expert_dp_group, self.expert_group = (expert_dp_group, expert_group) if expert_units else (None, None)
         # fully_shard replaces parameters by DTensor parameters: carry qlm's marks and optimizer groups over. Only
         # the trainable ones (those in param_groups) are `params`: frozen LoRA base weights have no optimizer state.
         self.params: list[nn.Parameter] = []
@@ -81,9 +94,10 @@ class FullyShardedState(TrainingOptimizer):
         for param in self.params:
             if param.grad is None:
                 continue
-            if self.dp_cp_size > 1:
-                local_part(param.grad).mul_(self.dp_cp_size)
             meta = meta_of(param)
+            replicas = self.expert_dp_size if meta.expert else self.dp_cp_size
+            if replicas > 1:
+                local_part(param.grad).mul_(replicas)
             if meta.sequence_parallel:
                 all_reduce(local_part(param.grad), self.tp_group)
             if meta.shared_embedding:
@@ -94,14 +108,22 @@ class FullyShardedState(TrainingOptimizer):
         return whole(param.grad)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        total = torch.zeros((), dtype=torch.float32, device=self.params[0].device if self.params else "cpu")
+        device = self.params[0].device if self.params else "cpu"
+        dense, experts = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
         tp_rank = group_rank(self.tp_group)
         for param in self.params:
             if param.grad is None or not counts_in_grad_norm(param, tp_rank):
                 continue
-            total += local_part(param.grad).float().pow(2).sum()
-        for group in (self.dp_cp_group, self.tp_group, self.pp_group):
-            all_reduce(total, group)
+            square = local_part(param.grad).float().pow(2).sum()
+            if meta_of(param).expert:
+                experts += square
+            else:
+                dense += square
+        for group in (self.dp_cp_group, self.tp_group):
+            all_reduce(dense, group)
+        for group in (self.expert_dp_group, self.expert_group):
+            all_reduce(experts, group)
+        total = all_reduce(dense + experts, self.pp_group)
         norm = math.sqrt(total.item())
         if math.isfinite(norm) and max_norm > 0 and norm > max_norm:
             scale = max_norm / (norm + 1e-6)

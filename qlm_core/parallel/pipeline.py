@@ -29,6 +29,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import BACKWARD_INPUT, FORWARD, FULL_BACKWARD, SEND_B, SEND_F
 
 from qlm_core.config import PpSchedule, choices
+from qlm_core.parallel import shape_inference
 from qlm_core.parallel.pipeline_rules import MULTI_CHUNK_SCHEDULES, validate_recompute, validate_schedule
 
 SCHEDULES = {
@@ -118,6 +119,10 @@ class InFlightStage(PipelineStage):
     by one as the runtime would; a sent output (its storage too: its backward needs only its autograd node) or input
     gradient goes once something the peer sent later proves it was received (SendRelease), and the rest are waited
     for when the step ends (finish_sends)."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with shape_inference.inferring():
+            return super()._forward_metadata_inference(*args, **kwargs)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

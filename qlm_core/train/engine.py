@@ -25,6 +25,7 @@ from qlm_core.dtypes import DTYPES
 from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import ParallelOptions
 from qlm_core.models.layout import TensorSource, recipe_layout
+from qlm_core.models.moe import MoELayer
 from qlm_core.models.spec import ModelSpec
 from qlm_core.models.stage import StageModel
 from qlm_core.parallel.comm import all_reduce, group_size
@@ -132,6 +133,7 @@ class Engine:
             tp_group=g.tp_group, sequence_parallel=c.sp, cp_group=g.cp_group, cp_comm_type=c.cp_comm_type,
             recompute=c.recompute, recompute_num_layers=c.recompute_num_layers,
             recompute_modules=tuple(c.recompute_modules), experts=self._expert_parallel(),
+            dp_cp_group=g.dp_cp_group,
         )
         # ZeRO-3 keeps fp32 parameters (FSDP's sharded master weights) and computes in self.dtype.
         param_dtype = torch.float32 if c.zero_stage == 3 else self.dtype
@@ -155,6 +157,13 @@ class Engine:
             return None
         return ExpertParallel(s.ep, s.etp, self.grid.ep_rank, self.grid.etp_rank, self.grid.expert_group)
 
+    def _expert_units(self) -> list[torch.nn.Module]:
+        """Under expert parallelism, each MoE layer's routed experts (ZeRO 3 shards them over their own group)."""
+        if not self.grid.sizes.expert_parallel:
+            return []
+        return [layer.mlp.experts for chunk in self.chunks for layer in chunk.decoder.layers
+                if isinstance(layer.mlp, MoELayer)]
+
     def _build_optimizer(self, trainable: list[torch.nn.Parameter]) -> TrainingOptimizer:
         """ZeRO 3: FSDP2; ZeRO 0-2: bucketed gradient buffers under the distributed optimizer."""
         c, g, o = self.config, self.grid, self.optim
@@ -167,6 +176,7 @@ class Engine:
                 dp_cp_group=g.dp_cp_group, tp_group=g.tp_group, pp_group=g.pp_group,
                 embedding_group=g.embedding_group, device=g.device, compute_dtype=self.dtype, lr=o.lr,
                 betas=(o.beta1, o.beta2), eps=o.eps, reduce_dtype=DTYPES[c.grad_reduce_dtype],
+                expert_units=self._expert_units(), expert_dp_group=g.expert_dp_group, expert_group=g.expert_group,
             )
         from qlm_core.parallel.grad_buffers import GradientBuffers
         from qlm_core.parallel.optimizer import DistributedOptimizer

@@ -33,6 +33,7 @@ class MoeStepStats:
         for chunk in chunks:
             chunk.moe.tracker.take_records()
             chunk.moe.tracker.pending.clear()
+            chunk.moe.tracker.reset_step()
         self._transformers_aux = torch.zeros((), device=self.grid.device)
 
     def add_transformers_aux(self, value: torch.Tensor) -> None:
