@@ -17,12 +17,13 @@ from test_convert_errors import assert_clean_failure
 from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf, mcore_to_mcore
 from qlm_core.checkpoint.formats import torch_dist_write
 from qlm_core.checkpoint.formats.hf import HFCheckpoint
+from qlm_core.checkpoint.formats.megatron import open_megatron
 from qlm_core.checkpoint.formats.megatron_args import make_args, spec_from_args
 from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR
 from qlm_core.checkpoint.formats.torch_dist import SafeFileSystemReader, dist_key
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import HFTensorSource, ModelLayout, build_shard
+from qlm_core.models.layout import HFTensorSource, ModelLayout, build_shard, read_range
 from qlm_core.models.spec import ModelSpec
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -224,11 +225,117 @@ def test_legacy_grouped_mlp_weights_are_one_line(run_qlm, moe_models, tmp_path):
                          "mlp.experts.weight1", "GroupedMLP")
 
 
-def test_expert_parallel_legacy_files_are_refused(moe_models, tmp_path):
-    hf_to_mcore(moe_models["mixtral"], tmp_path / "m")
-    file = tmp_path / "m/release/mp_rank_00/model_optim_rng.pt"
-    state = safe_torch_load(file)
-    state["args"].expert_model_parallel_size = 2
-    torch.save(state, file)
-    with pytest.raises(QlmError, match="expert_model_parallel_size 2"):
-        mcore_to_hf(tmp_path / "m", tmp_path / "hf")
+EP_LAYOUTS = {"ep2": dict(ep=2), "tp2_ep2_etp1": dict(tp=2, ep=2, etp=1), "tp2_pp2_ep4": dict(tp=2, pp=2, ep=4),
+              "tp4_ep2_etp1": dict(tp=4, ep=2, etp=1)}
+
+
+def rank_folders(root) -> list[str]:
+    return sorted(p.name for p in (root / "release").iterdir() if p.name.startswith("mp_rank_"))
+
+
+@pytest.mark.parametrize("name", EP_LAYOUTS)
+def test_expert_parallel_hf_mcore_mcore_hf_is_bit_exact(moe_models, tmp_path, name):
+    """hf2mcore --ep/--etp writes Megatron's folders (mp_rank_TT[_PPP]_EEE of the expert-data-parallel rank 0
+    ranks, plus the dense TP shards those miss), mcore2mcore across EP in both formats, mcore2hf gives back the
+    same HF files."""
+    src = moe_models["qwen3_moe"]
+    assert hf_to_mcore(src, tmp_path / "ep", verify=True, **EP_LAYOUTS[name]).verify.ok
+    folders = {"ep2": ["mp_rank_00_000", "mp_rank_00_001"], "tp2_ep2_etp1": ["mp_rank_00_000", "mp_rank_01_001"],
+               "tp4_ep2_etp1": ["mp_rank_00_000", "mp_rank_01_001", "mp_rank_02_000", "mp_rank_03_001"],
+               "tp2_pp2_ep4": [f"mp_rank_{t:02d}_{p:03d}_{e:03d}" for t in range(2) for p in range(2)
+                               for e in range(4)]}[name]
+    assert rank_folders(tmp_path / "ep") == folders
+    args = safe_torch_load(tmp_path / "ep/release" / folders[-1] / "model_optim_rng.pt")["args"]
+    layout = EP_LAYOUTS[name]
+    assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (
+        layout["ep"], layout.get("etp", layout.get("tp", 1)))
+    assert mcore_to_mcore(tmp_path / "ep", tmp_path / "ep4", ep=4, verify=True).verify.ok
+    assert rank_folders(tmp_path / "ep4") == [f"mp_rank_00_{e:03d}" for e in range(4)]
+    assert mcore_to_mcore(tmp_path / "ep4", tmp_path / "dist", tp=2, ep=2, etp=1, format="torch_dist",
+                          verify=True).verify.ok
+    assert mcore_to_mcore(tmp_path / "dist", tmp_path / "back", tp=2, ep=2, format="torch", verify=True).verify.ok
+    mcore_to_hf(without_hf_side_dir(tmp_path / "back"), tmp_path / "hf", verify=True)
+    assert_same_hf(src, tmp_path / "hf")
+
+
+def test_expert_parallel_file_holds_its_ep_ranks_experts_split_by_etp(moe_models, tmp_path):
+    """tp2 ep2 etp1: mp_rank_01_001 holds TP shard 1 of the dense tensors and EP rank 1's experts whole (global
+    experts 2 and 3, numbered 0 and 1), exactly the state_dict of the model built for that rank."""
+    src = moe_models["qwen3_moe"]
+    hf_to_mcore(src, tmp_path / "m", tp=2, ep=2, etp=1)
+    model = safe_torch_load(tmp_path / "m/release/mp_rank_01_001/model_optim_rng.pt")["model"]
+    layout = ModelLayout(ModelSpec.from_hf_dir(src), tp=2, ep=2, etp=1)
+    expected = build_shard(layout, 1, 0, 0, HFTensorSource(HFCheckpoint(src)), torch.float32, ep_rank=1, etp_rank=0)
+    assert list(model) == list(expected)
+    for key, tensor in expected.items():
+        assert (tensor is None and model[key] is None) or torch.equal(tensor, model[key]), key
+    assert model["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"].shape == (64, 64)  # 2F whole
+    assert model["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"].shape == (64, 32)
+    assert model["decoder.layers.0.self_attention.linear_proj.weight"].shape[1] * 2 == \
+        layout.spec.num_attention_heads * layout.spec.kv_channels  # dense: TP 2
+    assert "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight" not in model
+
+
+def test_torch_dist_chunks_experts_by_the_expert_tp_size(moe_models, tmp_path):
+    hf_to_mcore(moe_models["qwen3_moe"], tmp_path / "d", tp=2, ep=2, etp=1, format="torch_dist")
+    tensors, _ = dist_metadata(tmp_path / "d")
+    L, E = 4, 4
+    assert tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == ((L, E, 64, 64), L * E * 2)  # gate, up
+    assert tensors["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == ((L, E, 64, 32), L * E)
+    assert tensors["decoder.layers.self_attention.linear_proj.weight"][1] == L * 2  # dense: TP 2
+
+
+def fake_training_state(root):
+    """Give every rank file of a converted checkpoint qlm's optimizer views, named like its weights: master = w,
+    exp_avg = 2w, exp_avg_sq = 3w (as a training run at that layout would have stored them)."""
+    for file in (root / "release").rglob("model_optim_rng.pt"):
+        state = safe_torch_load(file)
+        weights = {k: v for k, v in state["model"].items() if v is not None}
+        state["qlm_optimizer"] = {"step": 7, **{view: [{k: v.float() * factor for k, v in weights.items()}]
+                                                 for view, factor in (("master", 1), ("exp_avg", 2),
+                                                                      ("exp_avg_sq", 3))}}
+        torch.save(state, file)
+
+
+def test_adam_states_follow_their_experts_across_ep(moe_models, tmp_path):
+    src = moe_models["qwen3_moe"]
+    hf_to_mcore(src, tmp_path / "a", tp=2, ep=2)
+    fake_training_state(tmp_path / "a")
+    for name, kw in {"b": dict(ep=4), "c": dict(tp=2, ep=2, etp=1, format="torch_dist"), "d": dict(tp=2, ep=4)}.items():
+        source = {"b": "a", "c": "b", "d": "c"}[name]
+        result = mcore_to_mcore(tmp_path / source, tmp_path / name, verify=True, **kw)
+        # 87 HF weights + 3 Adam views x 63 global tensors, every expert's among them
+        assert result.verify.ok and result.verify.tensors_checked == 87 + 3 * 63, result.verify.summary()
+    weights = open_megatron(tmp_path / "d")
+    exp_avg = open_megatron(tmp_path / "d", view="exp_avg")
+    assert exp_avg.extra_state("qlm_optimizer")["step"] == 7
+    for tensor in weights.layout.global_tensors:
+        want = read_range(weights, tensor, 0, tensor.real_extent).float() * 2
+        assert torch.equal(read_range(exp_avg, tensor, 0, tensor.real_extent), want), tensor.name
+
+
+def test_a_missing_expert_parallel_folder_is_named(moe_models, tmp_path):
+    hf_to_mcore(moe_models["qwen3_moe"], tmp_path / "m", tp=2, ep=2, etp=1)
+    shutil.rmtree(tmp_path / "m/release/mp_rank_01_001")
+    with pytest.raises(QlmError, match=r"no mp_rank_01_001\)"):  # its dense TP shard is missing too
+        open_megatron(tmp_path / "m")
+    hf_to_mcore(moe_models["qwen3_moe"], tmp_path / "n", tp=2, ep=2, etp=1, force=True)
+    shutil.copytree(tmp_path / "n/release/mp_rank_01_001", tmp_path / "n/release/mp_rank_01_000")
+    shutil.rmtree(tmp_path / "n/release/mp_rank_01_001")  # TP shard 1 is there, EP rank 1's experts are not
+    with pytest.raises(QlmError, match=r"lacks mp_rank_00_001/model_optim_rng.pt \(the experts of EP rank 1"):
+        open_megatron(tmp_path / "n")
+
+
+def test_ep_flags_get_one_line_errors(run_qlm, moe_models, tmp_path):
+    out = tmp_path / "out"
+    assert_clean_failure(run_qlm("convert", "hf2mcore", "--hf", moe_models["qwen3"], "--out", out, "--ep", "2"),
+                         out, "--ep 2", "Mixture-of-Experts")
+    assert_clean_failure(run_qlm("convert", "hf2mcore", "--hf", moe_models["qwen3"], "--out", out, "--etp", "1"),
+                         out, "--etp 1", "drop --ep and --etp")
+    assert_clean_failure(run_qlm("convert", "hf2mcore", "--hf", moe_models["qwen3_moe"], "--out", out, "--ep", "3"),
+                         out, "--ep 3", "num_experts 4")
+    assert_clean_failure(run_qlm("convert", "hf2mcore", "--hf", moe_models["qwen3_moe"], "--out", out, "--etp", "2"),
+                         out, "expert TP size 2 does not divide TP 1", "torch_dist")
+    code, stdout, stderr = run_qlm("convert", "hf2mcore", "--hf", moe_models["qwen3_moe"], "--out", out, "--ep", "2",
+                                   "--etp", "2", "--format", "torch_dist")
+    assert code == 0, stderr

@@ -46,8 +46,8 @@ def test_the_recipe_logs_the_moe_terms_and_its_loss_falls(baseline):
 
 @pytest.mark.distributed
 def test_ep2_tp2_sp_pp2_dp2_zero1_reproduces_the_one_process_run(baseline, cache, tmp_path):
-    layout = ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1",
-              "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
+    layout = ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "parallel.dp=2",
+              "parallel.zero_stage=1", "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
     sets = [arg for kv in layout for arg in ("--set", kv)]
     qlm_train(RECIPE, "--output", tmp_path / "run", "--set", f"data.cache_dir={cache!s}", *SHORT, *sets,
               timeout=900)

@@ -26,6 +26,11 @@ app = typer.Typer(
 TP = Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size of the output.")]
 PP = Annotated[int, typer.Option("--pp", min=1, help="Pipeline-parallel size of the output.")]
 VPP = Annotated[int, typer.Option("--vpp", min=1, help="Virtual pipeline chunks per stage (interleaved 1F1B).")]
+EP = Annotated[int, typer.Option("--ep", min=1, help="Expert-parallel size of the output (MoE models): the routed "
+                                 "experts divided among EP ranks, legacy folders mp_rank_TT[_PPP]_EEE.")]
+ETP = Annotated[int | None, typer.Option("--etp", min=1, help="Expert tensor-parallel size of the output (MoE "
+                                         "models; default: --tp). The legacy format needs it to divide --tp.",
+                                         show_default=False)]
 FIRST = Annotated[int | None, typer.Option(
     "--num-layers-in-first-pipeline-stage", min=1, help="Layers on the first stage (uneven pipeline split).")]
 LAST = Annotated[int | None, typer.Option(
@@ -83,6 +88,8 @@ def hf2mcore(
     tp: TP = 1,
     pp: PP = 1,
     vpp: VPP = 1,
+    ep: EP = 1,
+    etp: ETP = None,
     first: FIRST = None,
     last: LAST = None,
     dtype: DTYPE = None,
@@ -98,9 +105,9 @@ def hf2mcore(
 
     with progress_bar("hf2mcore") as progress:
         result = hf_to_mcore(
-            hf, out, tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last, dtype=value_of(dtype),
-            make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force, verify=verify, progress=progress,
-            format=fmt.value,
+            hf, out, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, first_stage_layers=first, last_stage_layers=last,
+            dtype=value_of(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
+            verify=verify, progress=progress, format=fmt.value,
         )
     _report(result)
 
@@ -136,6 +143,8 @@ def mcore2mcore(
     tp: TP = 1,
     pp: PP = 1,
     vpp: VPP = 1,
+    ep: EP = 1,
+    etp: ETP = None,
     first: FIRST = None,
     last: LAST = None,
     iteration: ITERATION = None,
@@ -148,17 +157,17 @@ def mcore2mcore(
         "--format", help=FORMAT_HELP + " Default: the source's format.", show_default=False)] = None,
     config: MCORE_CONFIG = None,
 ):
-    """Reshard a Megatron-Core checkpoint (torch or torch_dist) to another TP/PP/VPP or format. Transformer-Engine
-    names are read and written back as the local spec; the iteration number is kept. A qlm training checkpoint keeps
-    its Adam states (re-sliced like the weights), step, train state and scheduler, so `qlm train` resumes it at the
-    new layout."""
+    """Reshard a Megatron-Core checkpoint (torch or torch_dist) to another TP/PP/VPP/EP/ETP or format.
+    Transformer-Engine names are read and written back as the local spec; the iteration number is kept. A qlm
+    training checkpoint keeps its Adam states (re-sliced like the weights), step, train state and scheduler, so
+    `qlm train` resumes it at the new layout."""
     from qlm_core.checkpoint.convert.hf_megatron import mcore_to_mcore
 
     with progress_bar("mcore2mcore") as progress:
         result = mcore_to_mcore(
-            mcore, out, tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last, iteration=iteration,
-            dtype=value_of(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
-            verify=verify, progress=progress, format=value_of(fmt), config=config,
+            mcore, out, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, first_stage_layers=first, last_stage_layers=last,
+            iteration=iteration, dtype=value_of(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            force=force, verify=verify, progress=progress, format=value_of(fmt), config=config,
         )
     _report(result)
 

@@ -153,8 +153,11 @@ def _print_dry_run(resolved, plan):
     from qlm_core.profile.memory import planned_memory
 
     console.print(recipe_to_toml(resolved), markup=False, highlight=False)
+    sizes = plan.sizes
+    experts = {"experts": f"ep{sizes.ep} x etp{sizes.etp} x edp{sizes.edp} (expert data parallel) per stage"}
     console.print(kv_table("layout", {
-        "world": f"{plan.sizes.world} = dp{plan.sizes.dp} x pp{plan.sizes.pp} x cp{plan.sizes.cp} x tp{plan.sizes.tp}",
+        "world": f"{sizes.world} = dp{sizes.dp} x pp{sizes.pp} x cp{sizes.cp} x tp{sizes.tp}",
+        **(experts if sizes.expert_parallel else {}),
         "model": plan.resume or plan.model_description,
         "parameters": parameters_text(plan.spec.num_parameters(), plan.spec.num_parameters(active=True)),
         "stage layers": list(plan.layout.stage_layer_counts), "padded vocabulary": plan.layout.padded_vocab,

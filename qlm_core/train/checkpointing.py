@@ -1,13 +1,17 @@
 """Save and resume training in Megatron's layouts, legacy `torch` (the default) or `torch_dist`:
 
     RUN/checkpoints/latest_checkpointed_iteration.txt
-    RUN/checkpoints/iter_%07d/mp_rank_TT[_PPP]/model_optim_rng.pt        torch
+    RUN/checkpoints/iter_%07d/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt  torch
     RUN/checkpoints/iter_%07d/{common.pt, metadata.json, .metadata, __R_0.distcp}   torch_dist
 
 Beside Megatron's entries each checkpoint holds qlm's (checkpoint/formats/trainer_state.py): the optimizer state per
 parameter, named and sharded like the weights (so a resume on another TP/PP/DP reshards it like the weights), the
-LR-scheduler position, the data position and every data/context rank's RNG state. In torch_dist every rank writes
-the chunks it owns (data/context rank 0 of each TP/PP position).
+LR-scheduler position, the data position and every data/context rank's RNG state. Under expert parallelism the
+legacy folders are those Megatron writes (megatron_legacy.legacy_shard_ranks: expert-data-parallel rank 0 of each
+EP x ETP position, plus any dense TP shard those miss), each with its dense TP shard and its EP rank's experts; the
+experts' optimizer views travel in the same file. In torch_dist every rank writes the chunks it owns: dense chunks
+from data/context rank 0 of each TP/PP position, routed experts' chunks from expert-data-parallel rank 0 of each
+EP/ETP/PP position (each chunk exactly once).
 
 A checkpoint is written into a hidden directory that is renamed into place when complete; the `latest` pointer is
 replaced last, atomically. A run killed at any moment therefore leaves only loadable checkpoints.
@@ -34,6 +38,7 @@ from qlm_core.checkpoint.formats.megatron_legacy import (
     LATEST_FILE,
     SHARD_FILE,
     iteration_dir_name,
+    legacy_writer,
     shard_dir_name,
     write_shard_file,
 )
@@ -49,9 +54,10 @@ from qlm_core.checkpoint.formats.trainer_state import (
 )
 from qlm_core.checkpoint.io.write_faults import as_write_os_error
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import TensorLayout, read_shard_tensor
+from qlm_core.models.layout import ModelLayout, TensorLayout, read_shard_tensor
 from qlm_core.parallel.comm import group_size
 from qlm_core.parallel.sharded_tensors import whole
+from qlm_core.parallel.state import Grid
 from qlm_core.train.engine import Engine
 from qlm_core.train.lora import lora_state_dict
 
@@ -243,18 +249,19 @@ def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_la
             args.ckpt_format = TORCH_DIST
             common = {OPTIMIZER_KEY: {"step": step}, TRAIN_STATE_KEY: asdict(train_state),
                       RNG_KEY: _rng_by_position(g), SCHEDULER_KEY: scheduler}
-            parts = _owned_parts(engine, models, param_states) if g.dp_rank == 0 and g.cp_rank == 0 else []
+            parts = _owned_parts(engine, models, param_states)
             save_torch_dist_collectively(staging / name, engine.layout, parts, args, train_state.iteration, common)
         else:
             rng = _gather_objects(_rng_state(), g.dp_cp_group)
-            if g.dp_rank == 0 and g.cp_rank == 0:
+            rank_dir = legacy_shard_dir(g, engine.layout.pp)
+            if rank_dir is not None:
                 optimizer = {"step": step, **{view: [{} for _ in engine.chunks] for view in OPTIMIZER_VIEWS}}
                 for (chunk, param_name), state in zip(_named_trainable(engine), param_states, strict=True):
                     for view in OPTIMIZER_VIEWS:
                         optimizer[view][chunk][param_name] = state[view].detach().cpu().clone()
                 extra = {OPTIMIZER_KEY: optimizer, TRAIN_STATE_KEY: asdict(train_state), RNG_KEY: rng,
                          SCHEDULER_KEY: scheduler}
-                target = staging / name / shard_dir_name(g.tp_rank, g.pp_rank, engine.layout.pp) / SHARD_FILE
+                target = staging / name / rank_dir / SHARD_FILE
                 write_shard_file(target, models, args, train_state.iteration, extra)
     except (OSError, _dcp_failure(), RuntimeError) as exc:  # RuntimeError: torch.save on a full disk
         exc = as_write_os_error(exc, target) or exc
@@ -287,6 +294,17 @@ def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_la
     _stop_on_failure(error, root, staging, train_state.iteration, g.rank)
 
 
+def legacy_shard_dir(g: Grid, pp: int) -> str | None:
+    """The legacy rank folder this rank writes (megatron_legacy.legacy_writer), None when it writes none."""
+    s = g.sizes
+    stage_index = (g.dp_rank * s.cp + g.cp_rank) * s.tp + g.tp_rank
+    position = legacy_writer(stage_index, s.tp, s.ep, s.etp)
+    if position is None:
+        return None
+    tp_rank, ep_rank = position
+    return shard_dir_name(tp_rank, g.pp_rank, pp, ep_rank, s.ep)
+
+
 def _rng_by_position(g) -> dict[str, list]:
     """Every rank's RNG state, as "TP_PP" -> [state of each data x context rank] (the torch layout's per-file list)."""
     states = [_rng_state()]
@@ -302,30 +320,36 @@ def _rng_by_position(g) -> dict[str, list]:
 
 
 class _LocalShards:
-    """This rank's tensors as a TensorSource of the global tensors, for the ranges this TP rank holds."""
+    """This rank's tensors as a TensorSource of the global tensors, for the ranges this rank holds: its TP part of
+    a dense tensor, its expert-TP part of a routed expert's."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], tp: int, tp_rank: int):
-        self.tensors, self.tp, self.tp_rank = tensors, tp, tp_rank
+    def __init__(self, tensors: dict[str, torch.Tensor], layout: ModelLayout, tp_rank: int, etp_rank: int):
+        self.tensors, self.layout, self.tp_rank, self.etp_rank = tensors, layout, tp_rank, etp_rank
 
     def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor):
-        offset = 0
-        for begin, end in tensor.tp_ranges(self.tp, self.tp_rank):
+        offset, rank = 0, self.etp_rank if tensor.expert else self.tp_rank
+        for begin, end in tensor.tp_ranges(self.layout.split_size(tensor), rank):
             if begin <= start and stop <= end:
                 out.copy_(self.tensors[tensor.name].narrow(tensor.axis, offset + start - begin, stop - start))
                 return
             offset += end - begin
-        raise KeyError(f"{tensor.name}[{start}:{stop}] is not held by TP rank {self.tp_rank}")
+        raise KeyError(f"{tensor.name}[{start}:{stop}] is not held by TP rank {self.tp_rank} / ETP rank "
+                       f"{self.etp_rank}")
 
 
 def _owned_parts(engine: Engine, models: list[dict], param_states: list[dict]) -> list[DistPart]:
-    """The weights and optimizer views this TP/PP position writes: the chunks of its own TP rank, of the tensors
-    its stage holds."""
+    """The weights and optimizer views this rank writes: of the tensors its stage (and EP rank) holds, the dense
+    chunks of its TP rank when it is data/context rank 0, the routed experts' chunks of its expert-TP rank when it
+    is expert-data-parallel rank 0; every chunk is written by exactly one rank."""
     from qlm_core.checkpoint.formats.torch_dist_write import DistPart
 
     g, layout = engine.grid, engine.layout
+    dense_writer, expert_writer = g.dp_rank == 0 and g.cp_rank == 0, g.expert_coords["edp"] == 0
+    if not (dense_writer or expert_writer):
+        return []
     global_name = {}  # (chunk, state_dict name) -> global tensor name
     for chunk in range(len(engine.chunks)):
-        for state_name, tensor in engine.layout.stored_tensors(g.pp_rank, chunk, engine.lora):
+        for state_name, tensor in layout.stored_tensors(g.pp_rank, chunk, engine.lora, g.ep_rank):
             global_name[chunk, state_name] = tensor.name
     weights = {global_name[c, n]: t for c, model in enumerate(models) for n, t in model.items()
                if (c, n) in global_name}
@@ -335,11 +359,17 @@ def _owned_parts(engine: Engine, models: list[dict], param_states: list[dict]) -
             views[view][global_name[chunk, param_name]] = state[view].detach().float().cpu()
 
     def mine(chunk) -> bool:
-        return chunk.tensor.name in weights and chunk.tp_rank == g.tp_rank
+        if chunk.tensor.name not in weights:
+            return False
+        if chunk.tensor.expert:
+            return expert_writer and chunk.tp_rank == g.etp_rank
+        return dense_writer and chunk.tp_rank == g.tp_rank
 
-    parts = [DistPart("", _LocalShards(weights, layout.tp, g.tp_rank), engine.dtype, mine)]
-    parts += [DistPart(view_prefix(view), _LocalShards(views[view], layout.tp, g.tp_rank), torch.float32, mine)
-              for view in OPTIMIZER_VIEWS]
+    def local(tensors):
+        return _LocalShards(tensors, layout, g.tp_rank, g.etp_rank)
+
+    parts = [DistPart("", local(weights), engine.dtype, mine)]
+    parts += [DistPart(view_prefix(view), local(views[view]), torch.float32, mine) for view in OPTIMIZER_VIEWS]
     return parts
 
 
@@ -412,7 +442,10 @@ def saved_layout(source) -> str:
             cp = 1
     rng = saved_rng_states(source, 0, 0)
     dp = f"dp{max(1, len(rng) // cp)}" if isinstance(rng, list) and rng else "dp?"
-    return f"tp{source.tp} pp{source.pp} {dp}"
+    ep = getattr(source.args, "expert_model_parallel_size", 1) or 1
+    etp = getattr(source.args, "expert_tensor_parallel_size", None) or source.tp
+    experts = (f" ep{ep}" if ep > 1 else "") + (f" etp{etp}" if etp != source.tp else "")
+    return f"tp{source.tp} pp{source.pp} {dp}{experts}"
 
 
 def describe_resume(root: Path, iteration: int) -> str:
@@ -428,14 +461,16 @@ def load_checkpoint(root: Path, engine: Engine, iteration: int | None = None) ->
     source = open_megatron(root, iteration, spec=engine.spec)
     engine_layout = engine.layout
     names = _named_trainable(engine)
-    tensors = [dict(engine.layout.stored_tensors(g.pp_rank, c, engine.lora)) for c in range(len(engine.chunks))]
+    tensors = [dict(engine_layout.stored_tensors(g.pp_rank, c, engine.lora, g.ep_rank))
+               for c in range(len(engine.chunks))]
     states = [{} for _ in names]
     step = 0
     for view in OPTIMIZER_VIEWS:
         view_source = open_megatron(root, iteration, spec=engine.spec, view=view)
         for index, (chunk, param_name) in enumerate(names):
             tensor = tensors[chunk][param_name]
-            states[index][view] = read_shard_tensor(tensor, engine_layout.tp, g.tp_rank, view_source,
+            rank = g.etp_rank if tensor.expert else g.tp_rank
+            states[index][view] = read_shard_tensor(tensor, engine_layout.split_size(tensor), rank, view_source,
                                                     torch.float32).to(g.device)
         step = view_source.extra_state(OPTIMIZER_KEY)["step"]
     engine.optimizer.load_full_param_states(states, step)

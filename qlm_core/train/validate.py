@@ -39,6 +39,11 @@ def validate_recipe(recipe: Recipe):
                        "train.loss_chunk_tokens": recipe.train.loss_chunk_tokens,
                        "data.mean_doc_len": recipe.data.mean_doc_len})
     validate_grad_reduce_dtype(recipe.parallel.grad_reduce_dtype, recipe.model.dtype)
+    p = recipe.parallel
+    if recipe.checkpoint.format == "torch" and p.etp is not None and p.tp % p.etp:
+        raise QlmError(f"parallel.etp = {p.etp} does not divide parallel.tp = {p.tp}: the legacy `torch` checkpoint's "
+                       "rank folders cannot tell its expert parts apart",
+                       'use an etp dividing tp, or checkpoint.format = "torch_dist"')
     if recipe.lora.rank > 0:
         if not recipe.model.load:
             raise QlmError("LoRA needs pretrained weights to adapt", "set model.load (an HF model or a checkpoint)")
@@ -63,7 +68,6 @@ def validate_moe(spec: ModelSpec, moe: MoeConfig, config: ParallelConfig):
         raise QlmError("moe.aux_loss_type = 'transformers' needs parallel.pp = 1 (its one loss couples every layer's "
                        "router, and each pipeline stage holds only some)",
                        "use moe.aux_loss_type = 'megatron' (per layer) or set parallel.pp = 1")
-    validate_experts(spec, config)
     if spec.moe is not None and moe.capacity_factor is not None and config.cp > 1:
         raise QlmError("moe.capacity_factor with parallel.cp > 1: each context-parallel rank would drop tokens by "
                        "its own share of the sequence, unlike one process", "drop moe.capacity_factor (drop-less) "
@@ -100,6 +104,7 @@ def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSize
     if (sizes.ep, sizes.etp) != (config.ep, tp if config.etp is None else config.etp):
         raise QlmError(f"the process grid has ep {sizes.ep} / etp {sizes.etp}, the recipe ep {config.ep} / etp "
                        f"{config.etp}", "build the grid with the recipe's parallel.ep and parallel.etp")
+    validate_experts(spec, config)
     if config.vpp > 1 and config.pp == 1:
         raise QlmError("vpp > 1 needs pp > 1", "raise parallel.pp or set vpp = 1")
     if cp > 1 and seq_length % (2 * cp):

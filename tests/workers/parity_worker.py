@@ -18,12 +18,12 @@ from qlm_core.checkpoint.formats.megatron_args import make_args
 from qlm_core.checkpoint.formats.megatron_legacy import (
     SHARD_FILE,
     iteration_dir_name,
-    shard_dir_name,
     write_latest,
     write_shard_file,
 )
 from qlm_core.config import OptimConfig, ParallelConfig
 from qlm_core.parallel.state import Grid, resolve_sizes
+from qlm_core.train.checkpointing import legacy_shard_dir
 from qlm_core.train.engine import Batch, Engine
 from workers.harness import run_jobs
 
@@ -60,9 +60,9 @@ def run_case(name: str, outdir: Path):
         loss_sum = engine.forward_backward(batch)
         if step == 0:
             grads = full_grads(engine)  # a collective over the data ranks under ZeRO 1-3: every rank calls it
-            if grid.dp_rank == 0 and grid.cp_rank == 0:
+            rank_dir = legacy_shard_dir(grid, sizes.pp)  # Megatron's writers under expert parallelism too
+            if rank_dir is not None:
                 root = outdir / name
-                rank_dir = shard_dir_name(grid.tp_rank, grid.pp_rank, sizes.pp)
                 file = root / iteration_dir_name(None) / rank_dir / SHARD_FILE
                 write_shard_file(file, grads, make_args(engine.layout, torch.float32), None)
                 if grid.rank == 0:

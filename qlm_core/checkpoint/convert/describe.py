@@ -140,10 +140,11 @@ def _inspect_mcore(path: Path, iteration, config=None) -> Inspection:
         "dtype": _dtype_name(ckpt.dtype),
     })
     report.args = _args_row(ckpt)
-    for (tp_rank, pp_rank), file in sorted(ckpt.files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (tp_rank, pp_rank, ep_rank), file in sorted(ckpt.rank_files.items(), key=lambda kv: (kv[0][1], kv[0][2],
+                                                                                          kv[0][0])):
         for chunk in range(ckpt.vpp):
             where = file.parent.name + (f"/model{chunk}" if ckpt.vpp > 1 else "")
-            for name, tensor in ckpt.chunk_state(tp_rank, pp_rank, chunk).items():
+            for name, tensor in ckpt.chunk_state(tp_rank, pp_rank, chunk, ep_rank).items():
                 report.tensors.append(TensorRow(name, tuple(tensor.shape), _dtype_name(tensor.dtype), where))
     return report
 

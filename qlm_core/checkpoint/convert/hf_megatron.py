@@ -38,7 +38,9 @@ from qlm_core.checkpoint.formats.megatron_args import make_args, set_layout_args
 from qlm_core.checkpoint.formats.megatron_legacy import (
     HF_SIDE_DIR,
     SHARD_FILE,
+    check_legacy_experts,
     iteration_dir_name,
+    legacy_shard_ranks,
     shard_dir_name,
     write_latest,
     write_shard_file,
@@ -96,34 +98,55 @@ def finish_report(report: VerifyReport | None):
 
 def write_mcore_torch(root: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype,
                       args: argparse.Namespace, iteration: int | None, progress: Progress,
-                      extra_for: Callable[[int, int], dict] | None = None):
+                      extra_for: Callable[[int, int, int], dict] | None = None):
+    """One rank folder per (TP, PP, EP) position Megatron writes (megatron_legacy.legacy_shard_ranks)."""
     iteration_dir = root / iteration_dir_name(iteration)
-    total = layout.tp * layout.pp
+    ranks = legacy_shard_ranks(layout.tp, layout.ep, layout.etp)
+    total = len(ranks) * layout.pp
     for pp_rank in range(layout.pp):
-        for tp_rank in range(layout.tp):
-            name = shard_dir_name(tp_rank, pp_rank, layout.pp)
-            progress(pp_rank * layout.tp + tp_rank, total, name)
-            chunks = [build_shard(layout, tp_rank, pp_rank, c, source, dtype) for c in range(layout.vpp)]
-            extra = extra_for(tp_rank, pp_rank) if extra_for is not None else None
+        for index, (tp_rank, ep_rank) in enumerate(ranks):
+            name = shard_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
+            progress(pp_rank * len(ranks) + index, total, name)
+            etp_rank = tp_rank % layout.etp
+            chunks = [build_shard(layout, tp_rank, pp_rank, c, source, dtype, ep_rank, etp_rank)
+                      for c in range(layout.vpp)]
+            extra = extra_for(tp_rank, pp_rank, ep_rank) if extra_for is not None else None
             write_shard_file(iteration_dir / name / SHARD_FILE, chunks, args, iteration, extra)
             del chunks
     progress(total, total, "done")
     write_latest(root, iteration)
 
 
+def expert_layout(spec, ep: int, etp: int | None) -> dict:
+    """--ep / --etp as ModelLayout arguments; a dense model takes neither."""
+    if spec.moe is None and (ep != 1 or etp is not None):
+        raise QlmError(f"--ep {ep} / --etp {etp} need a Mixture-of-Experts model ({spec.model_type} is dense)",
+                       "drop --ep and --etp")
+    return {"ep": ep, "etp": etp}
+
+
+def check_output_layout(layout: ModelLayout, format: str):
+    """Legacy rank folders need an expert-TP size dividing TP; refused before anything is written."""
+    if format == TORCH and layout.spec.moe is not None:
+        check_legacy_experts(layout.tp, layout.etp)
+
+
 def hf_to_mcore(
-    hf: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+    hf: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None,
     first_stage_layers: int | None = None, last_stage_layers: int | None = None,
     dtype: str | torch.dtype | None = None, make_vocab_size_divisible_by: int = 128,
     force: bool = False, verify: bool | None = None, progress: Progress = no_progress, format: str = TORCH,
 ) -> ConvertResult:
-    """`format`: "torch" (legacy, one file per TP/PP rank) or "torch_dist" (megatron-core's DCP layout)."""
+    """`format`: "torch" (legacy, one file per TP/PP(/EP) rank) or "torch_dist" (megatron-core's DCP layout); `ep`,
+    `etp`: expert parallel and expert tensor parallel sizes (MoE models; etp None: tp)."""
     started = time.perf_counter()
     check_format(format)
     src = HFCheckpoint(hf)
     out = Path(out)
     check_output_dir(out, force, src.path)
-    layout = ModelLayout(src.spec, tp, pp, vpp, first_stage_layers, last_stage_layers, make_vocab_size_divisible_by)
+    layout = ModelLayout(src.spec, tp, pp, vpp, first_stage_layers, last_stage_layers, make_vocab_size_divisible_by,
+                         **expert_layout(src.spec, ep, etp))
+    check_output_layout(layout, format)
     src.check_shapes({name: layout.hf_shape(name) for name in layout.hf_tensors})
     dtype = parse_dtype(dtype) or src.weights_dtype
     source = HFTensorSource(src)
@@ -224,8 +247,8 @@ def mcore_to_hf(
 
 
 def mcore_to_mcore(
-    mcore: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, vpp: int = 1,
-    first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+    mcore: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
+    etp: int | None = None, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
     iteration: int | None = None, dtype: str | torch.dtype | None = None,
     make_vocab_size_divisible_by: int | None = None, force: bool = False, verify: bool | None = None,
     progress: Progress = no_progress, format: str | None = None, config: str | Path | None = None,
@@ -240,7 +263,9 @@ def mcore_to_mcore(
     out = Path(out)
     check_output_dir(out, force, src.root)
     divisible = make_vocab_size_divisible_by or src.layout.make_vocab_size_divisible_by
-    layout = ModelLayout(src.spec, tp, pp, vpp, first_stage_layers, last_stage_layers, divisible)
+    layout = ModelLayout(src.spec, tp, pp, vpp, first_stage_layers, last_stage_layers, divisible,
+                         **expert_layout(src.spec, ep, etp))
+    check_output_layout(layout, format)
     dtype = parse_dtype(dtype) or src.dtype
     if src.args_from == "checkpoint":
         args = set_layout_args(argparse.Namespace(**vars(src.args)), layout, dtype)

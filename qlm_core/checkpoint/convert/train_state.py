@@ -29,11 +29,12 @@ if TYPE_CHECKING:
 
 
 class TrainStateCarrier:
-    """What each output rank file holds beside its weights: extra_for(tp_rank, pp_rank) -> top-level entries."""
+    """What each output rank file holds beside its weights: extra_for(tp_rank, pp_rank, ep_rank) -> top-level
+    entries."""
 
     def __init__(self, src: MegatronTorchCheckpoint | TorchDistCheckpoint, layout: ModelLayout):
         self.src, self.layout, self.notes = src, layout, []
-        self.same_grid = (src.tp, src.pp, src.vpp) == (layout.tp, layout.pp, layout.vpp)
+        self.same_grid = (src.tp, src.pp, src.vpp) == (layout.tp, layout.pp, layout.vpp)  # RNG: per TP/PP rank
         optimizer = src.extra_state(OPTIMIZER_KEY)
         self.views: dict[str, MegatronTorchCheckpoint | TorchDistCheckpoint] = {}
         if optimizer is not None:
@@ -54,12 +55,14 @@ class TrainStateCarrier:
         if view.ckpt_format == TORCH_DIST:
             return {tensor.name for tensor in view.layout.global_tensors if view.holds(tensor)}
         names = set()
-        for pp_rank in range(view.pp):
+        for (tp_rank, pp_rank, ep_rank), file in view.rank_files.items():
+            if tp_rank != 0 and ep_rank == 0:
+                continue  # the other TP ranks hold the same parameters; each EP rank its own experts
             for chunk in range(view.vpp):
-                local = dict(view.layout.stored_tensors(pp_rank, chunk, view.lora))
-                for name in view.chunk_state(0, pp_rank, chunk):
+                local = dict(view.layout.stored_tensors(pp_rank, chunk, view.lora, ep_rank))
+                for name in view.chunk_state(tp_rank, pp_rank, chunk, ep_rank):
                     if name not in local:
-                        raise QlmError(f"optimizer state for unknown parameter {name} in {view.files[(0, pp_rank)]}",
+                        raise QlmError(f"optimizer state for unknown parameter {name} in {file}",
                                        "the checkpoint's optimizer state does not match its model")
                     names.add(local[name].name)
         return names
@@ -85,18 +88,22 @@ class TrainStateCarrier:
         return [DistPart(view_prefix(name), view, torch.float32, lambda chunk: self._has_state(chunk.tensor))
                 for name, view in self.views.items()]
 
-    def extra_for(self, tp_rank: int, pp_rank: int) -> dict:
+    def extra_for(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict:
+        """The optimizer views follow the weights of that file: its dense TP shard and EP rank `ep_rank`'s experts,
+        expert-TP part tp_rank % etp (megatron_legacy.legacy_shard_ranks)."""
         extra = dict(self.copied)
         if self.same_grid and (rng := saved_rng_states(self.src, tp_rank, pp_rank)) is not None:
             extra[RNG_KEY] = rng
         if self.views:
             optimizer = {"step": self.step}
+            layout = self.layout
             for view_name, view in self.views.items():
                 optimizer[view_name] = [
-                    {name: read_shard_tensor(tensor, self.layout.tp, tp_rank, view)
-                     for name, tensor in self.layout.stored_tensors(pp_rank, chunk, self.src.lora)
+                    {name: read_shard_tensor(tensor, layout.split_size(tensor),
+                                             tp_rank % layout.etp if tensor.expert else tp_rank, view)
+                     for name, tensor in layout.stored_tensors(pp_rank, chunk, self.src.lora, ep_rank)
                      if self._has_state(tensor)}
-                    for chunk in range(self.layout.vpp)
+                    for chunk in range(layout.vpp)
                 ]
             extra[OPTIMIZER_KEY] = optimizer
         return extra
@@ -109,9 +116,10 @@ class TrainStateCarrier:
         tensors = {}
         for pp_rank in range(self.layout.pp):
             for chunk in range(self.layout.vpp):
-                for _, tensor in self.layout.stored_tensors(pp_rank, chunk, self.src.lora):
-                    if tensor.hf_primary and self._has_state(tensor):
-                        tensors.setdefault(tensor.name, tensor)
+                for ep_rank in range(self.layout.ep):
+                    for _, tensor in self.layout.stored_tensors(pp_rank, chunk, self.src.lora, ep_rank):
+                        if tensor.hf_primary and self._has_state(tensor):
+                            tensors.setdefault(tensor.name, tensor)
         for view_name, view in self.views.items():
             written = open_megatron(written_root, self.src.iteration, spec=self.src.spec, view=view_name)
             for name, tensor in tensors.items():

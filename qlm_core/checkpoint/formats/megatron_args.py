@@ -139,8 +139,8 @@ def set_layout_args(args: argparse.Namespace, layout: ModelLayout, dtype: torch.
     args.padded_vocab_size = layout.padded_vocab
     args.make_vocab_size_divisible_by = layout.make_vocab_size_divisible_by
     args.tensor_model_parallel_size = layout.tp
-    args.expert_model_parallel_size = 1
-    args.expert_tensor_parallel_size = layout.tp
+    args.expert_model_parallel_size = layout.ep
+    args.expert_tensor_parallel_size = layout.etp
     args.pipeline_model_parallel_size = layout.pp
     args.virtual_pipeline_model_parallel_size = layout.vpp if layout.vpp > 1 else None
     args.num_layers_per_virtual_pipeline_stage = counts[0] // layout.vpp if layout.vpp > 1 and not uneven else None

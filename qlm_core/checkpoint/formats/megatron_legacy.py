@@ -1,5 +1,11 @@
 """Megatron-LM legacy `torch` checkpoints: latest_checkpointed_iteration.txt, iter_%07d/ or release/,
-mp_rank_TT[_PPP]/model_optim_rng.pt holding args, checkpoint_version, iteration and model / model0, model1, ...
+mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt holding args, checkpoint_version, iteration and model / model0, model1, ...
+
+Expert parallelism (`_EEE`, present when expert_model_parallel_size > 1): Megatron writes from the ranks whose
+expert-data-parallel rank is 0; each file holds the dense TP shard TT and the routed experts of EP rank EEE
+(numbered locally), split over the expert-TP size etp and holding etp part TT % etp (with etp dividing TP, the
+writer's etp rank always is). A reader takes dense shard TT from any file named TT and expert part k of EP rank e
+from any file of e whose TT % etp is k.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"
 HF_SIDE_DIR = "hf"  # config + tokenizer of the source HF model, kept so the way back is lossless
 CHECKPOINT_VERSION = 3.0
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
 def megatron_spec(root: Path, args) -> ModelSpec:
@@ -39,8 +45,36 @@ def iteration_dir_name(iteration: int | None) -> str:
     return "release" if iteration is None else f"iter_{iteration:07d}"
 
 
-def shard_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def shard_dir_name(tp_rank: int, pp_rank: int, pp: int, ep: int = 0, ep_size: int = 1) -> str:
+    """Megatron's rank folder: `_PPP` when pp > 1, then `_EEE` (the EP rank) when ep_size > 1."""
+    return (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+            + (f"_{ep:03d}" if ep_size > 1 else ""))
+
+
+def check_legacy_experts(tp: int, etp: int):
+    """Legacy rank folders name only the TP and EP ranks: an expert-TP size that does not divide TP would give two
+    ranks holding different expert parts the same folder."""
+    if tp % etp:
+        raise QlmError(f"expert TP size {etp} does not divide TP {tp}: legacy `torch` rank folders cannot tell its "
+                       "expert parts apart", "use an etp dividing tp, or the torch_dist format")
+
+
+def legacy_shard_ranks(tp: int, ep: int = 1, etp: int | None = None) -> list[tuple[int, int]]:
+    """(TP rank, EP rank) of every rank folder of one pipeline stage; the folder's experts are etp part
+    tp_rank % etp. These are the ranks i = (dp_rank·cp + cp_rank)·tp + tp_rank below max(tp, ep·etp): those
+    of expert-data-parallel rank 0 (Megatron's writers) and, when ep·etp < tp, the remaining dense TP shards."""
+    etp = tp if etp is None else etp
+    check_legacy_experts(tp, etp)
+    return sorted({(i % tp, i // etp % ep) for i in range(max(tp, ep * etp))})
+
+
+def legacy_writer(stage_index: int, tp: int, ep: int = 1, etp: int | None = None) -> tuple[int, int] | None:
+    """(TP rank, EP rank) of the folder that rank i = stage_index of a pipeline stage writes, None: no folder."""
+    etp = tp if etp is None else etp
+    check_legacy_experts(tp, etp)
+    if stage_index >= max(tp, ep * etp):
+        return None
+    return stage_index % tp, stage_index // etp % ep
 
 
 def resolve_iteration_dir(root: Path, iteration: int | None = None) -> tuple[Path, int | None]:
@@ -90,21 +124,25 @@ class MegatronTorchCheckpoint:
         if not self.root.is_dir():
             raise QlmError(f"{self.root} is not a directory", "point at a Megatron checkpoint directory")
         self.dir, self.iteration = resolve_iteration_dir(self.root, iteration)
-        self.files = self._find_files()
-        self._states: dict[tuple[int, int], dict] = {}
-        self._chunks: dict[tuple[int, int, int], dict] = {}
+        self._named = self._find_files()
+        self._set_rank_files(None)
+        self._states: dict[Path, dict] = {}
+        self._chunks: dict[tuple[Path, int], dict] = {}
         some_file = min(self.files)
         state = self._state(*some_file)
         if "args" not in state:
             raise QlmError(f"{self.files[some_file]} has no args", "qlm needs Megatron's args to know the architecture")
         self.args = state["args"]
-        _check_expert_parallel(self.args, self.files[some_file])
+        self._set_rank_files(self.args)
         self.tp = max(1 + max(t for t, _ in self.files), getattr(self.args, "tensor_model_parallel_size", 1) or 1)
         self.pp = max(1 + max(p for _, p in self.files), getattr(self.args, "pipeline_model_parallel_size", 1) or 1)
+        self.ep = max(1 + max(e for _, _, e in self.rank_files),
+                      getattr(self.args, "expert_model_parallel_size", 1) or 1)
+        self.etp = getattr(self.args, "expert_tensor_parallel_size", None) or self.tp
         missing = [(t, p) for t in range(self.tp) for p in range(self.pp) if (t, p) not in self.files]
         if missing:
-            names = ", ".join(shard_dir_name(t, p, self.pp) for t, p in missing[:4]) + (", ..." if len(missing) > 4
-                                                                                         else "")
+            names = ", ".join(shard_dir_name(t, p, self.pp, t // self.etp % self.ep, self.ep)
+                              for t, p in missing[:4]) + (", ..." if len(missing) > 4 else "")
             found_tp, found_pp = 1 + max(t for t, _ in self.files), 1 + max(p for _, p in self.files)
             if (found_tp, found_pp) != (self.tp, self.pp) and len(self.files) == found_tp * found_pp:
                 raise QlmError(f"{self.dir} holds rank folders for TP {found_tp} PP {found_pp} but its args say "
@@ -119,13 +157,15 @@ class MegatronTorchCheckpoint:
         self.spec = spec or self._spec()
         self.dtype = dtype_from_args(self.args)
         self.layout = self._layout()
+        self._expert_files = self._find_expert_files()
         self.lora = adapter_args(self.args, self.chunk_state(0, 0, 0))  # None unless it holds LoRA adapters
         self._index = self._build_index()
         self._check_shapes()
 
     # ---- discovery -------------------------------------------------------------------------------------------------
 
-    def _find_files(self) -> dict[tuple[int, int], Path]:
+    def _find_files(self) -> dict[tuple[int, ...], Path]:
+        """(TT, then the folder name's 3-digit numbers) -> its model_optim_rng.pt."""
         files = {}
         for sub in self.dir.iterdir():
             match = _RANK_DIR.match(sub.name)
@@ -133,16 +173,55 @@ class MegatronTorchCheckpoint:
                 file = sub / SHARD_FILE
                 if not file.exists():
                     raise QlmError(f"{file} is missing", "copy the complete checkpoint")
-                files[(int(match.group(1)), int(match.group(2) or 0))] = file
+                files[tuple(int(g) for g in match.groups() if g is not None)] = file
         if not files:
             raise QlmError(f"{self.dir} has no mp_rank_* folders", "point at a legacy (torch) Megatron checkpoint")
         return files
 
-    def _state(self, tp_rank: int, pp_rank: int) -> dict:
-        key = (tp_rank, pp_rank)
-        if key not in self._states:
-            self._states[key] = safe_torch_load(self.files[key], mmap=True)
-        return self._states[key]
+    def _set_rank_files(self, args):
+        """rank_files: (TP, PP, EP rank) -> file; files: (TP, PP) -> a file holding that dense shard (the lowest
+        EP rank's). One 3-digit number in a folder name is the EP rank when the args (None: not read yet) say
+        EP > 1 without PP, else the PP rank."""
+        ep = (getattr(args, "expert_model_parallel_size", 1) or 1) if args is not None else 1
+        pp = (getattr(args, "pipeline_model_parallel_size", 1) or 1) if args is not None else 1
+        one_is_ep = ep > 1 and pp == 1
+        self.rank_files: dict[tuple[int, int, int], Path] = {}
+        for numbers, file in sorted(self._named.items()):
+            t, rest = numbers[0], numbers[1:]
+            p, e = (0, rest[0]) if one_is_ep and len(rest) == 1 else ((*rest, 0, 0)[:2])
+            self.rank_files[(t, p, e)] = file
+        self.files: dict[tuple[int, int], Path] = {}
+        for (t, p, _), file in sorted(self.rank_files.items()):
+            self.files.setdefault((t, p), file)
+
+    def _find_expert_files(self) -> dict[tuple[int, int, int], Path]:
+        """(PP, EP rank, expert-TP part) -> a file holding that part of those experts; any absent one is named."""
+        if self.spec.moe is None:
+            return {}
+        check_legacy_experts(self.tp, self.etp)
+        found: dict[tuple[int, int, int], Path] = {}
+        for (t, p, e), file in sorted(self.rank_files.items()):
+            found.setdefault((p, e, t % self.etp), file)
+        for p in range(self.pp):
+            for e in range(self.ep):
+                for k in range(self.etp):
+                    if (p, e, k) not in found:
+                        name = shard_dir_name(k, p, self.pp, e, self.ep)
+                        raise QlmError(f"{self.dir} lacks {name}/{SHARD_FILE} (the experts of EP rank {e}, expert-TP "
+                                       f"part {k})", "copy the complete checkpoint")
+        return found
+
+    def _file(self, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> Path:
+        return self.files[(tp_rank, pp_rank)] if ep_rank is None else self.rank_files[(tp_rank, pp_rank, ep_rank)]
+
+    def _state(self, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> dict:
+        """One rank file's contents: the dense shard's file (`ep_rank` None) or folder TT_PPP_EEE."""
+        return self._load(self._file(tp_rank, pp_rank, ep_rank))
+
+    def _load(self, file: Path) -> dict:
+        if file not in self._states:
+            self._states[file] = safe_torch_load(file, mmap=True)
+        return self._states[file]
 
     def _spec(self) -> ModelSpec:
         return megatron_spec(self.root, self.args)
@@ -151,17 +230,22 @@ class MegatronTorchCheckpoint:
         """A top-level entry other than the weights (e.g. qlm's optimizer or train state), or None."""
         return self._state(tp_rank, pp_rank).get(key)
 
-    def chunk_state(self, tp_rank: int, pp_rank: int, chunk: int) -> dict[str, torch.Tensor]:
-        """One chunk's tensors under local-spec names (TE norm names mapped, _extra_state dropped)."""
-        key = (tp_rank, pp_rank, chunk)
+    def chunk_state(self, tp_rank: int, pp_rank: int, chunk: int,
+                    ep_rank: int | None = None) -> dict[str, torch.Tensor]:
+        """One chunk's tensors under local-spec names (TE norm names mapped, _extra_state dropped); `ep_rank` as
+        in _state."""
+        return self._file_chunk(self._file(tp_rank, pp_rank, ep_rank), chunk)
+
+    def _file_chunk(self, file: Path, chunk: int) -> dict[str, torch.Tensor]:
+        key = (file, chunk)
         if key not in self._chunks:
-            state = self._state(tp_rank, pp_rank)
+            state = self._load(file)
             if self.view == "model":
                 raw = state[self.chunk_keys[chunk]]
             elif OPTIMIZER_KEY in state:
                 raw = state[OPTIMIZER_KEY][self.view][chunk]
             else:
-                raise QlmError(f"{self.files[(tp_rank, pp_rank)]} holds no optimizer state",
+                raise QlmError(f"{file} holds no optimizer state",
                                "it was not written by qlm's trainer (or was saved without the optimizer)")
             self._chunks[key] = {
                 local: value for name, value in raw.items() if (local := normalize_megatron_name(name)) is not None
@@ -192,22 +276,27 @@ class MegatronTorchCheckpoint:
             raise QlmError(f"{self.files[(0, 0)]} has no embedding.word_embeddings.weight", "is it a GPT checkpoint?")
         divisible = getattr(self.args, "make_vocab_size_divisible_by", 128) or 128
         candidates = [(None, None), (counts[0], None), (None, counts[-1]), (counts[0], counts[-1])]
+        # a dense model's args may still carry expert sizes of Megatron's defaults: they do not apply
+        experts = {"ep": self.ep, "etp": self.etp} if self.spec.moe is not None else {}
         for first, last in candidates if self.pp > 1 else [(None, None)]:
             try:
-                layout = ModelLayout(self.spec, self.tp, self.pp, self.vpp, first, last, divisible, padded)
+                layout = ModelLayout(self.spec, self.tp, self.pp, self.vpp, first, last, divisible, padded,
+                                     **experts)
             except QlmError:
                 continue
             if list(layout.stage_layer_counts) == counts:
                 return layout
         raise QlmError(f"unsupported pipeline split {counts}", "qlm reads even splits with uneven first/last stages")
 
-    def _build_index(self) -> dict[str, tuple[int, int, str, TensorLayout]]:
+    def _build_index(self) -> dict[str, tuple[int, int, str, TensorLayout, int]]:
+        """Global name -> (PP rank, chunk, local name, tensor, EP rank holding it)."""
         index = {}
         for pp_rank in range(self.pp):
             for chunk in range(self.vpp):
-                for local, tensor in self.layout.stored_tensors(pp_rank, chunk, self.lora):
-                    if tensor.name not in index:
-                        index[tensor.name] = (pp_rank, chunk, local, tensor)
+                for ep_rank in range(self.ep):
+                    for local, tensor in self.layout.stored_tensors(pp_rank, chunk, self.lora, ep_rank):
+                        if tensor.name not in index:
+                            index[tensor.name] = (pp_rank, chunk, local, tensor, ep_rank)
         return index
 
     def _check_shapes(self):
@@ -215,18 +304,17 @@ class MegatronTorchCheckpoint:
         with the weights are named here, before anything is read or written."""
         side = self.root / HF_SIDE_DIR / "config.json"
         described_by = str(side) if side.exists() else "the args"
-        for pp_rank in range(self.pp):
+        for (_, pp_rank, ep_rank), file in sorted(self.rank_files.items()):
             for chunk in range(self.vpp):
-                for tp_rank in range(self.tp):
-                    state = self.chunk_state(tp_rank, pp_rank, chunk)
-                    for local, tensor in self.layout.stored_tensors(pp_rank, chunk, self.lora):
-                        stored = state.get(local)
-                        if stored is None:  # a LoRA run's adapters-only file; else read_into names it
-                            continue
-                        expected = tensor.shard_shape(self.tp)
-                        if tuple(stored.shape) != tuple(expected):
-                            raise QlmError(
-                                f"{self.files[(tp_rank, pp_rank)]}: {local} is {list(stored.shape)} but "
+                state = self._file_chunk(file, chunk)
+                for local, tensor in self.layout.stored_tensors(pp_rank, chunk, self.lora, ep_rank):
+                    stored = state.get(local)
+                    if stored is None:  # a LoRA run's adapters-only file; else read_into names it
+                        continue
+                    expected = tensor.shard_shape(self.layout.split_size(tensor))
+                    if tuple(stored.shape) != tuple(expected):
+                        raise QlmError(
+                                f"{file}: {local} is {list(stored.shape)} but "
                                 f"{described_by} {'imply' if described_by == 'the args' else 'implies'} "
                                 f"{list(expected)} at TP {self.tp}",
                                 f"{_wrong_arg(tensor.name)} in {described_by} does not match the weights: "
@@ -239,45 +327,36 @@ class MegatronTorchCheckpoint:
 
     # ---- reads -----------------------------------------------------------------------------------------------------
 
-    def _shard(self, tp_rank, pp_rank, chunk, local) -> torch.Tensor:
-        state = self.chunk_state(tp_rank, pp_rank, chunk)
+    def _shard(self, file: Path, chunk: int, local: str) -> torch.Tensor:
+        state = self._file_chunk(file, chunk)
         if local not in state:
-            raise QlmError(f"{self.files[(tp_rank, pp_rank)]} lacks {local}", "the checkpoint is incomplete")
+            raise QlmError(f"{file} lacks {local}", "the checkpoint is incomplete")
         return state[local]
+
+    def _part_file(self, tensor: TensorLayout, part: int, pp_rank: int, ep_rank: int) -> Path:
+        """The file holding split part `part` of `tensor`: a routed expert's etp part, else TP shard `part`."""
+        return self._expert_files[(pp_rank, ep_rank, part)] if tensor.expert else self.files[(part, pp_rank)]
 
     # ---- TensorSource (layout.py): ranges of global tensors, assembled from the TP shards -------------------------
 
-    def _locate(self, tensor: TensorLayout) -> tuple[int, int, str, TensorLayout]:
+    def _locate(self, tensor: TensorLayout) -> tuple[int, int, str, TensorLayout, int]:
         return self._index[tensor.stored_name]
 
     def stored_dtype(self, tensor: TensorLayout) -> torch.dtype:
-        pp_rank, chunk, local, _ = self._locate(tensor)
-        return self._shard(0, pp_rank, chunk, local).dtype
+        pp_rank, chunk, local, source, ep_rank = self._locate(tensor)
+        return self._shard(self._part_file(source, 0, pp_rank, ep_rank), chunk, local).dtype
 
     def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor):
-        pp_rank, chunk, local, source = self._locate(tensor)
-        axis = source.axis
-        for rank in range(1 if source.split == REPLICATED else self.tp):
+        pp_rank, chunk, local, source, ep_rank = self._locate(tensor)
+        axis, split = source.axis, self.layout.split_size(source)
+        for rank in range(1 if source.split == REPLICATED else split):
             offset = 0
-            for a, b in source.tp_ranges(self.tp, rank):
+            for a, b in source.tp_ranges(split, rank):
                 lo, hi = max(a, start), min(b, stop)
                 if lo < hi:
-                    shard = self._shard(rank, pp_rank, chunk, local)
+                    shard = self._shard(self._part_file(source, rank, pp_rank, ep_rank), chunk, local)
                     out.narrow(axis, lo - start, hi - lo).copy_(shard.narrow(axis, offset + lo - a, hi - lo))
                 offset += b - a
-
-
-def _check_expert_parallel(args, file: Path):
-    """Legacy files of an expert-parallel run hold a slice of the experts each (mp_rank_TT_PPP_EEE folders), and
-    with an expert TP size of its own the experts are cut differently from the rest: neither is read here."""
-    ep = getattr(args, "expert_model_parallel_size", 1) or 1
-    etp = getattr(args, "expert_tensor_parallel_size", None)
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    if ep > 1 or etp not in (None, tp):
-        raise QlmError(f"{file} is from an expert-parallel run (expert_model_parallel_size {ep}, "
-                       f"expert_tensor_parallel_size {etp}, TP {tp})",
-                       "re-save it with expert_model_parallel_size 1 and expert_tensor_parallel_size = TP, "
-                       "or as torch_dist (which qlm reads at any parallelism)")
 
 
 def _wrong_arg(name: str) -> str:

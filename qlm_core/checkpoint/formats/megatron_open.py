@@ -131,8 +131,8 @@ class ConfiguredTorch(_ConfiguredMixin, MegatronTorchCheckpoint):
         elif hasattr(MegatronTorchCheckpoint, "_check_shapes"):
             super()._check_shapes()
 
-    def _state(self, tp_rank: int, pp_rank: int) -> dict:
-        state = super()._state(tp_rank, pp_rank)
+    def _load(self, file: Path) -> dict:
+        state = super()._load(file)
         if "args" not in state:
             model = state.get("model", state.get("model0"))
             first = next((v for v in model.values() if isinstance(v, torch.Tensor)), None) \
@@ -155,16 +155,16 @@ class ConfiguredTorch(_ConfiguredMixin, MegatronTorchCheckpoint):
 
     def _check_shard_shapes(self):
         what = self._described_by()
-        for (tp_rank, pp_rank), file in sorted(self.files.items()):
+        for (_, pp_rank, ep_rank), file in sorted(self.rank_files.items()):
             for chunk in range(self.vpp):
-                state = self.chunk_state(tp_rank, pp_rank, chunk)
-                for local, tensor in self.layout.stored_tensors(pp_rank, chunk, self.lora):
+                state = self._file_chunk(file, chunk)
+                for local, tensor in self.layout.stored_tensors(pp_rank, chunk, self.lora, ep_rank):
                     if local not in state:
                         if self.holds_base or ".lora_" in local:
                             raise QlmError(f"{file} lacks {local}, which {what} implies",
                                            FIX_CONFIG)
                         continue
-                    expected = tensor.shard_shape(self.tp)
+                    expected = tensor.shard_shape(self.layout.split_size(tensor))
                     if tuple(state[local].shape) != expected:
                         raise QlmError(f"{file}: {local} is {list(state[local].shape)} but {what} implies "
                                        f"{list(expected)}", FIX_CONFIG)

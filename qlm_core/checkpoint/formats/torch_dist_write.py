@@ -58,7 +58,8 @@ CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix
 
 class Chunk:
     """One stored chunk: rows/columns [start, stop) of `tensor` (at `index` along the key's stacked axes: (layer,),
-    (layer, expert), (expert,) or ()), the part TP rank `tp_rank` holds."""
+    (layer, expert), (expert,) or ()), the part TP rank `tp_rank` holds (for a routed expert: its expert-TP
+    rank, the experts being split over layout.etp)."""
 
     def __init__(self, tensor: TensorLayout, index: tuple[int, ...], start: int, stop: int, tp_rank: int):
         self.tensor, self.index, self.start, self.stop, self.tp_rank = tensor, index, start, stop, tp_rank
@@ -74,7 +75,7 @@ class Chunk:
 
 
 def plan_chunks(layout: ModelLayout) -> dict[str, tuple[tuple[int, ...], list[Chunk]]]:
-    """torch_dist key -> (global shape, chunks), as Megatron writes them at layout.tp."""
+    """torch_dist key -> (global shape, chunks), as Megatron writes them at layout.tp (routed experts: layout.etp)."""
     keys: dict[str, tuple[tuple[int, ...], list[Chunk]]] = {}
     spec, stacked = layout.spec, homogeneous(layout.spec)
     axes = ((spec.num_layers,) if stacked else ()) + ((spec.moe.num_experts,) if spec.moe is not None else ())
@@ -84,8 +85,9 @@ def plan_chunks(layout: ModelLayout) -> dict[str, tuple[tuple[int, ...], list[Ch
         alias = te_spec_norm_key(tensor.name, spec, stacked)
         for name in (key, alias) if alias not in (None, key) else (key,):
             chunks = keys.setdefault(name, (shape, []))[1]
-            for rank in range(1 if tensor.split == "replicated" else layout.tp):
-                for start, stop in tensor.tp_ranges(layout.tp, rank):
+            split = layout.split_size(tensor)
+            for rank in range(1 if tensor.split == "replicated" else split):
+                for start, stop in tensor.tp_ranges(split, rank):
                     chunks.append(Chunk(tensor, index, start, stop, rank))
     return keys
 
