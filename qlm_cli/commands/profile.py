@@ -118,6 +118,14 @@ def profile(
     dp: Annotated[int | None, typer.Option("--dp", help="Data parallel size (default: what --num-gpus "
                                                            "leaves).")] = None,
     sp: Annotated[bool | None, typer.Option("--sp/--no-sp", help="Sequence parallelism.")] = None,
+    ep: Annotated[int | None, typer.Option("--ep", help="Expert parallel size (MoE; parallel.ep): the routed "
+                                                           "experts divided over ep ranks.")] = None,
+    etp: Annotated[int | None, typer.Option("--etp", help="Expert tensor parallel size (MoE; parallel.etp; "
+                                                             "default tp).")] = None,
+    moe_imbalance: Annotated[float | None, typer.Option(
+        "--moe-imbalance", help="Under EP: the rows the busiest EP rank receives over the mean, which the profile "
+                                "sizes its dispatch buffers, expert activations and all-to-alls for (default 1.25, "
+                                "Switch Transformer's training capacity factor; a capacity factor caps it).")] = None,
     zero: Annotated[int | None, typer.Option("--zero", help="ZeRO stage 0-3.")] = None,
     recompute: Annotated[Recompute | None, typer.Option("--recompute", help="Activation recomputation.")] = None,
     recompute_num_layers: Annotated[int | None, typer.Option(
@@ -192,7 +200,8 @@ def profile(
 
     if plot is not None:
         report.check_plot_path(plot)  # before any work
-    layout_options = dict(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, sp=sp, cp_comm_type=value_of(cp_comm_type),
+    layout_options = dict(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, sp=sp, ep=ep, etp=etp,
+                          cp_comm_type=value_of(cp_comm_type),
                           zero_stage=zero, recompute=value_of(recompute), recompute_num_layers=recompute_num_layers,
                           pp_schedule=value_of(pp_schedule),
                           recompute_modules=None if recompute_modules is None else
@@ -201,6 +210,8 @@ def profile(
     case = build_case(resolved_recipe, model=model, seq_len=seq_len, micro_batch_size=mbs, global_batch_size=gbs,
                       num_gpus=num_gpus, dtype=value_of(dtype), lora_rank=lora_rank,
                       loss_chunk_tokens=loss_chunk_tokens, mean_doc_len=mean_doc_len, **layout_options)
+    if moe_imbalance is not None:
+        case = case.replace(moe_imbalance=moe_imbalance)
     if grad_reduce_dtype is not None:  # not a layout option: a model's layout search still runs without one
         case = case.with_parallel(grad_reduce_dtype=grad_reduce_dtype.value)
     device = gpu_spec(gpu.value, memory_gib=gpu_memory_gb, peak_tflops=peak_tflops, nvlink_gbps=nvlink_gbps,

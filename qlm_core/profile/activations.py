@@ -90,6 +90,18 @@ class ActivationInputs:
     rotary: bool = True  # RoPE: q and k are rotated copies; without it they stay views of linear_qkv's output
     moe_losses: bool = False  # an MoE aux or z-loss coefficient is set: the losses' graphs stay until backward
     moe_capacity_factor: float | None = None  # None: drop-less routing
+    ep: int = 1  # expert parallelism (moe_activations.py): the experts divided over ep ranks
+    etp: int = 0  # their expert-TP size; 0: tp
+    moe_load: float = 1.0  # under EP: the rows the busiest EP rank receives over the mean (case.load_factor)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def dispatches(self) -> bool:
+        """Whether the routed experts get their rows by all-to-all (expert parallelism) instead of all-gather."""
+        return self.spec.moe is not None and (self.ep > 1 or self.expert_tp != self.tp)
 
     def recomputes(self, recompute: str, module: str) -> bool:
         return recompute == "selective" and module in self.recompute_modules
@@ -309,7 +321,7 @@ def layer_workspace(x: ActivationInputs, recompute: str, moe_layer: bool | None 
     if moe:
         if x.recomputes(recompute, "mlp"):
             recomputed += sum(moe_mlp_terms(x, "none").values())
-        gathered = e * h * T if x.sp and x.tp > 1 else 0.0
+        gathered = e * h * T if x.sp and x.tp > 1 and not x.dispatches else 0.0
         return recomputed + cp_buffers(x) + gathered + moe_backward_transient(x) + 2 * e * h * x.sp_tokens
     if x.recomputes(recompute, "mlp"):
         recomputed += e * 3 * f * T  # fc1 output and the product

@@ -20,11 +20,16 @@ from qlm_core.models.layout import LORA_TARGETS, ModelLayout
 from qlm_core.models.spec import ModelSpec, load_model_spec
 from qlm_core.parallel.pipeline_rules import validate_recompute
 from qlm_core.parallel.state import ParallelSizes, resolve_sizes
-from qlm_core.train.validate import validate_counts, validate_grad_reduce_dtype, validate_layout
+from qlm_core.train.validate import validate_counts, validate_experts, validate_grad_reduce_dtype, validate_layout
 
 SEED_PARALLEL = dict(tp=4, cp=4, sp=True, zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True,
                      recompute="full", cp_comm_type="p2p")
 SEED_MODEL, SEED_SEQ, SEED_GBS, SEED_GPUS = "qwen2-7b", 131072, 16, 32
+# Under expert parallelism: the most (token, choice) rows an EP rank receives over the mean, which its dispatch
+# buffers, expert activations and expert GEMMs are sized for. 1.25 is the capacity factor Switch Transformer
+# (Fedus et al. 2021, sec. 2.2) and GShard train with, i.e. what capacity-bounded MoE runs budget an expert's
+# max/mean load at; an EP rank holds E/ep experts, so its load is at most its busiest expert's.
+DEFAULT_MOE_IMBALANCE = 1.25
 
 
 @dataclass
@@ -50,6 +55,7 @@ class ProfileCase:
     p2p_overlap: bool = False
     rotary: bool = True  # False: the framework's positions rotate nothing (MPT's ALiBi), no RoPE outputs kept
     moe: MoeConfig = field(default_factory=MoeConfig)  # the recipe's [moe]: losses and capacity (MoE models)
+    moe_imbalance: float = DEFAULT_MOE_IMBALANCE  # expert parallelism: max/mean rows an EP rank receives
 
     @property
     def grad_reduce_dtype(self) -> str:
@@ -67,7 +73,20 @@ class ProfileCase:
     @property
     def sizes(self) -> ParallelSizes:
         p = self.parallel
-        return resolve_sizes(self.num_gpus, p.tp, p.pp, p.cp, p.dp)
+        return resolve_sizes(self.num_gpus, p.tp, p.pp, p.cp, p.dp, p.ep, p.etp)
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the routed experts are dispatched by all-to-all (EP, or an expert-TP size other than tp)."""
+        p = self.parallel
+        return self.spec.moe is not None and (p.ep > 1 or (p.etp is not None and p.etp != p.tp))
+
+    @property
+    def load_factor(self) -> float:
+        """The max/mean rows an EP rank receives that the profile sizes for: the allowance, or, with a capacity
+        factor, at most that (no expert takes more than its capacity from any source)."""
+        cf = self.moe.capacity_factor
+        return self.moe_imbalance if cf is None else min(self.moe_imbalance, cf)
 
     @property
     def num_microbatches(self) -> int:
@@ -76,7 +95,7 @@ class ProfileCase:
     def layout(self) -> ModelLayout:
         p = self.parallel
         return ModelLayout(self.spec, p.tp, p.pp, p.vpp, p.num_layers_in_first_pipeline_stage,
-                           p.num_layers_in_last_pipeline_stage)
+                           p.num_layers_in_last_pipeline_stage, ep=p.ep, etp=p.etp)
 
     def replace(self, **changes) -> ProfileCase:
         return dataclasses.replace(self, **changes)
@@ -95,6 +114,8 @@ class ProfileCase:
             text += " sp" if p.sp else " no-sp"
         if p.cp > 1:
             text += f" {p.cp_comm_type}"
+        if self.expert_parallel:
+            text += f" ep{s.ep}" + (f" etp{s.etp}" if s.etp != p.tp else "")
         recompute = p.recompute
         per_chunk = self.spec.num_layers // (p.pp * p.vpp)
         if p.recompute == "full" and p.recompute_num_layers is not None and p.recompute_num_layers < per_chunk:
@@ -117,6 +138,9 @@ def validate_inputs(case: ProfileCase):
                        "pass 1 or more (the layers of each chunk that full recompute covers), as the recipe does")
     if case.lora_rank < 0:
         raise QlmError(f"lora rank must be >= 0, got {case.lora_rank}", "pass 0 (off) or a positive rank")
+    if not case.moe_imbalance >= 1:
+        raise QlmError(f"moe imbalance must be >= 1 (the busiest EP rank's rows over the mean), got "
+                       f"{case.moe_imbalance:g}", "pass --moe-imbalance 1 (perfectly balanced) or more")
 
 
 def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
@@ -130,6 +154,7 @@ def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
                        "pass --num-gpus as a multiple of tp*pp*cp or change the layout")
     sizes = case.sizes
     validate_layout(case.spec, p, sizes, case.seq_len, case.micro_batch_size, case.global_batch_size)
+    validate_experts(case.spec, p)
     validate_grad_reduce_dtype(p.grad_reduce_dtype, case.dtype)
     try:
         validate_recompute(p.pp_schedule, p.pp, p.recompute)

@@ -226,6 +226,56 @@ class AllocationMeter:
         return False
 
 
+class ExpertLoadMeter:
+    """Rows each expert-parallel MoE layer of `modules` sends and receives on this rank, per forward outside
+    backward (a recompute re-runs the same dispatch): `with ExpertLoadMeter(chunks) as meter: step`, then
+    meter.load, the rows received over the rows sent (1.0 when every rank receives what it sends: balanced).
+    A pair routed to EP rank d is received once by each of d's etp ranks, so this rank receives what every rank
+    of its expert group routed to its EP rank; one all-reduce of ep counts per layer and forward finds it (every
+    rank of the group runs the layer's dispatch at the same point, so this collective cannot deadlock)."""
+
+    def __init__(self, modules: list[nn.Module] | nn.Module):
+        from qlm_core.models.moe import SequentialExperts
+
+        chunks = [modules] if isinstance(modules, nn.Module) else list(modules)
+        self.experts = [m for chunk in chunks for m in chunk.modules()
+                        if isinstance(m, SequentialExperts) and m.parallel is not None]
+        self.sent = self.received = 0
+        self.calls: list[tuple[int, int]] = []  # (sent, received) per layer forward
+        self._handles = []
+
+    def _hook(self, module, args):
+        import torch.distributed as dist
+
+        if torch._C._current_graph_task_id() != -1:  # recomputation inside backward
+            return
+        indices, p = args[2], module.parallel
+        counts = torch.bincount(indices.reshape(-1), minlength=module.moe.num_experts).view(p.ep, -1).sum(1)
+        if p.group is not None and dist.get_world_size(p.group) > 1:
+            dist.all_reduce(counts, group=p.group)
+        totals = counts.tolist()
+        sent, received = p.etp * indices.numel(), int(totals[p.ep_rank])
+        if p.group is None or dist.get_world_size(p.group) == 1:  # one rank: it receives what it sends
+            received = sent
+        self.calls.append((sent, received))
+        self.sent += sent
+        self.received += received
+
+    @property
+    def load(self) -> float | None:
+        return self.received / self.sent if self.sent else None
+
+    def __enter__(self):
+        self._handles = [m.register_forward_pre_hook(self._hook) for m in self.experts]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return False
+
+
 def unique_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (DTensors by their local shard)."""
     seen: dict[int, int] = {}

@@ -137,6 +137,7 @@ def activation_inputs(case: ProfileCase, device: str = "cuda") -> ActivationInpu
         device=device, lora_rank=case.lora_rank, lora_targets=tuple(case.lora_targets),
         loss_chunk_tokens=case.loss_chunk_tokens, recompute_modules=tuple(p.recompute_modules), rotary=case.rotary,
         moe_losses=bool(case.moe.aux_loss_coeff or case.moe.z_loss_coeff), moe_capacity_factor=case.moe.capacity_factor,
+        ep=p.ep, etp=p.etp or 0, moe_load=case.load_factor,
     )
 
 
@@ -253,7 +254,8 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
     # With gradients kept in the compute dtype the optimizer steps on fp32 copies of what this rank updates; by then
     # the step's activations, loss and pipeline buffers are gone, so the copies raise the peak only beyond them.
     if case.grad_reduce_dtype != "fp32" and p.zero_stage < 3:
-        copies = 4.0 * states.trainable_numel / (shards if p.zero_stage else 1)
+        copies = 4.0 * (states.owned_numel(shards, case.sizes.edp if case.expert_parallel else None)
+                        if p.zero_stage else states.trainable_numel)
         workspace = max(workspace, copies - (chunk_bytes * chunks + head + pp_buffers))
     components = {
         "weights": float(states.weights), "grads": float(states.grads), "optimizer": float(states.optimizer),

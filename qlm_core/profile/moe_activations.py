@@ -9,8 +9,9 @@ R = T·k routed rows (with a capacity factor at most E·capacity), F' = expert F
                       softmax keeps the k probabilities 4·k·T_r; pre-softmax the softmax over all experts 4·E·T_r;
                       sigmoid its E scores and the top-k normalisation's top k and sum 4·(E + k + 1)·T_r
   aux / z losses      only while a coefficient is set (their graphs are attached to the output; else freed at the
-                      end of the layer's forward): aux's fp32 softmax 4·E·T_r (sigmoid: + its sum 4·T_r), the
-                      expert counts 4·E, z-loss's fp32 logits 4·E·T_r and log-sum-exp 4·T_r
+                      end of the layer's forward): aux's fp32 softmax 4·E·T_r (sigmoid: + its sum 4·T_r) (the
+                      expert counts, 4·E, are held by the loss's node, not saved), z-loss's fp32 logits 4·E·T_r
+                      and log-sum-exp 4·T_r
   dispatch            the token of each sorted row (int64, kept by the gather `tokens[rows]` and by index_add) 8·R;
                       under TP the all-gathered tokens are not kept (the gather keeps only the row index)
   experts             kernels/grouped_mlp.py keeps the sorted tokens e·h·R and linear_fc1's output e·2F'·R'; its
@@ -20,6 +21,20 @@ R = T·k routed rows (with a capacity factor at most E·capacity), F' = expert F
   shared expert       a dense SwiGLU MLP: linear_fc1's output e·2S'·T, linear_fc2's input e·S'·T; gated, its output
                       e·h·T_r and the sigmoid gate e·T_r (both kept by the multiply)
 Selective recompute of `mlp` keeps only the MLP input; full keeps the layer input (activations.py).
+
+Under expert parallelism (parallel/expert_dispatch.py) a rank routes only its own tokens (T_r: its sequence shard
+under SP) and holds E/ep experts of F_e = expert FFN / etp. R = T_r·k pairs (capacity: per rank), S = etp·R rows
+sent (each pair to every etp rank of its destination), V = α·etp·R rows received, α the busiest EP rank's load over
+the mean (ActivationInputs.moe_load: the case's allowance, or a probe's measured load). Saved instead of the
+"dispatch" and "experts" terms above:
+  routing indices     the pairs' order 8·R (weight[order]), the rows sent (int64, kept by the gather
+                      `tokens[sent]` and by the unpermute) 8·S and their positions among the pairs 8·S
+  received rows       the expert-major permutation of the received rows and its inverse, 8·V each (kept by the
+                      two index_selects); the permuted rows, the grouped kernel's input e·h·V
+  experts             linear_fc1's output e·2F_e·V' (V' padded to ROW_PAD where the grouped GEMM runs); the
+                      kernel's output is not kept (it is permuted back and sent), the returned rows are: e·h·S, with
+                      the sorted probabilities of the rows sent e·S (kept by the weighted unpermute)
+The all-to-all buffers keep nothing for backward (its autograd twin keeps only the split sizes).
 """
 
 from __future__ import annotations
@@ -34,17 +49,33 @@ DTYPE_OF_BYTES = {2: torch.bfloat16, 4: torch.float32}
 
 
 def routed_rows(x) -> int:
-    """R: the (token, expert) pairs the experts run on this rank (all TP ranks run every expert on all T tokens)."""
-    moe, T = x.spec.moe, x.tokens
-    rows = T * moe.topk
+    """R: the (token, expert) pairs this rank's experts run (all TP ranks run every expert on all T tokens), or
+    under expert parallelism the pairs of this rank's own tokens, which it dispatches."""
+    moe, T = x.spec.moe, (x.sp_tokens if x.dispatches else x.tokens)
+    rows = int(T * moe.topk)
     if x.moe_capacity_factor is not None:  # each expert takes at most ceil(T·k/E·cf): a bound, not the drops
         rows = min(rows, moe.num_experts * math.ceil(rows / moe.num_experts * x.moe_capacity_factor))
     return rows
 
 
+def sent_rows(x) -> int:
+    """S: rows a rank sends under expert parallelism (every pair once per etp rank of its destination)."""
+    return x.expert_tp * routed_rows(x)
+
+
+def received_rows(x) -> int:
+    """V: rows the busiest rank receives under expert parallelism, α·S (S on average: every rank sends S)."""
+    return math.ceil(x.moe_load * sent_rows(x) - 1e-6)
+
+
+def expert_ffn(x) -> float:
+    """An expert's FFN on one rank: split over etp under expert parallelism, else over tp."""
+    return x.spec.moe.ffn_hidden_size / (x.expert_tp if x.dispatches else x.tp)
+
+
 def padded_rows(x, rows: int) -> int:
     """Rows of the grouped kernel's fc1 output and output storage (it pads to ROW_PAD where it runs)."""
-    h, ffn = x.spec.hidden_size, x.spec.moe.ffn_hidden_size // x.tp
+    h, ffn = x.spec.hidden_size, int(expert_ffn(x))
     dtype = DTYPE_OF_BYTES.get(x.dtype_bytes, torch.bfloat16)
     return -(-rows // ROW_PAD) * ROW_PAD if grouped_mm_fits(dtype, h, ffn) else rows
 
@@ -61,11 +92,27 @@ def router_terms(x) -> dict[str, float]:
     terms = {"router scores (fp32)": scores, "router choices (int64)": 8 * k * Tr}
     if x.moe_losses:
         aux = 4 * E * Tr + (4 * Tr if moe.score_function == "sigmoid" else 0.0)
-        terms["aux / z-loss graphs (fp32)"] = aux + 4 * E + 4 * E * Tr + 4 * Tr
+        # the expert counts (4·E) are held by the aux loss's node (models/moe.py _WeightedSum), not saved: left out
+        terms["aux / z-loss graphs (fp32)"] = aux + 4 * E * Tr + 4 * Tr
     return terms
 
 
+def dispatch_terms(x) -> dict[str, float]:
+    """The expert-parallel dispatch's and experts' saved bytes (module docstring)."""
+    e, h = x.dtype_bytes, x.spec.hidden_size
+    R, S, V = routed_rows(x), sent_rows(x), received_rows(x)
+    return {
+        "routing indices (int64)": 8 * R + 16 * S,
+        "received-row permutations (int64)": 16 * V,
+        "received rows (expert fc1 input)": e * h * V,
+        "expert fc1 output": e * 2 * expert_ffn(x) * padded_rows(x, V),
+        "returned rows and probabilities (weighted unpermute)": e * h * S + e * S,
+    }
+
+
 def expert_terms(x) -> dict[str, float]:
+    if x.dispatches:
+        return dispatch_terms(x)
     e, h = x.dtype_bytes, x.spec.hidden_size
     R = routed_rows(x)
     padded = padded_rows(x, R)
@@ -102,9 +149,14 @@ def moe_backward_transient(x) -> float:
     """Bytes that exist only while one MoE layer's backward runs (not measured; the larger terms): the grouped
     kernel stacks every expert's weights (torch.stack copies them, e·3F'·h·E) and returns their gradients in the
     compute dtype (as many again) beside the rows' gradients: fc1 output's e·2F'·R', SwiGLU's e·F'·R' and the
-    input's e·h·R'."""
+    input's e·h·R'. Under expert parallelism the rank's E/ep experts of F_e over its V received rows, and the
+    gradients of the S returned rows and of the V rows sent back by the reverse all-to-all, e·h·(S + V)."""
     moe, e, h = x.spec.moe, x.dtype_bytes, x.spec.hidden_size
-    ffn = moe.ffn_hidden_size / x.tp
-    padded = padded_rows(x, routed_rows(x))
-    weights = e * 3 * ffn * h * moe.num_experts
-    return 2 * weights + e * (3 * ffn + h) * padded
+    ffn = expert_ffn(x)
+    if x.dispatches:
+        rows, experts = received_rows(x), moe.num_experts // x.ep
+        exchanged = e * h * (sent_rows(x) + rows)
+    else:
+        rows, experts, exchanged = routed_rows(x), moe.num_experts, 0.0
+    weights = e * 3 * ffn * h * experts
+    return 2 * weights + e * (3 * ffn + h) * padded_rows(x, rows) + exchanged

@@ -12,6 +12,9 @@ On GPUs the model is the real one and data parallelism shrinks only to fit the l
                                once), split at the peak into the layers (+ embedding) and the loss region
   total                        CUDA: torch.cuda.max_memory_allocated(); CPU: the sum of the measured components
   comm_buffers                 ZeRO 2: the peak bucket storage GradientBuffers borrowed during backward
+  expert load                  expert parallelism: the rows the rank's MoE layers received over those they sent
+                               (measure.ExpertLoadMeter); the prediction is made at the measured rank's load (a
+                               tiny random router is not the full model's), the case's allowance is reported beside
 Other transients (workspace, pipeline buffers, ZeRO 3's gathered parameters) and the allocator allowance are only
 predicted on CPU: hooks do not see them.
 """
@@ -49,6 +52,7 @@ class ProbeResult:
     measured: dict[str, float]  # bytes, MEASURED (+ "total" on CUDA)
     predicted_s_per_sample: float
     measured_s_per_sample: float
+    expert_load: float | None = None  # EP: the measured rank's rows received / sent (the prediction's load)
 
     def error(self, key: str) -> float | None:
         if key not in self.measured or not self.measured[key]:
@@ -87,17 +91,19 @@ def scale_down(case: ProfileCase, max_ranks: int = 16, target_seq: int = 128) ->
     unit = math.lcm(2 * p.cp if p.cp > 1 else 1, p.cp * p.tp if p.sp and p.tp > 1 else 1)
     seq = _round_up(target_seq, unit)
     model_ranks = p.tp * p.pp * p.cp
-    dp = min(case.sizes.dp, 2)
+    experts = case.sizes.ep * case.sizes.etp  # ep·etp must divide dp·cp·tp: the fewest data ranks that allow it
+    least_dp = experts // math.gcd(experts, p.cp * p.tp)
+    dp = max(min(case.sizes.dp, 2), least_dp)
     if model_ranks * dp > max_ranks:
-        dp = 1
-    if model_ranks > max_ranks:
-        raise QlmError(f"the layout needs {model_ranks} ranks even with dp = 1; a CPU probe runs at most {max_ranks}",
-                       "raise --probe-max-ranks or probe a smaller tp/pp/cp")
+        dp = least_dp
+    if model_ranks * dp > max_ranks:
+        raise QlmError(f"the layout needs {model_ranks * dp} ranks even with dp = {dp}; a CPU probe runs at most "
+                       f"{max_ranks}", "raise --probe-max-ranks or probe a smaller tp/pp/cp/ep")
     m = case.num_microbatches
     m = min(m, 2) if p.pp == 1 else (p.pp * (2 if p.vpp > 1 else 1) if m >= p.pp else m)
     spec = s.replace(hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers, kv_channels=d, vocab_size=vocab,
                      max_position_embeddings=max(seq, 256), sliding_window=None,
-                     moe=_scaled_moe(s, hidden, layers, p.tp))
+                     moe=_scaled_moe(s, hidden, layers, math.lcm(p.tp, case.sizes.etp)))
     parallel = replace(p, dp=None, num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
                        recompute_num_layers=None if p.recompute_num_layers is None else min(p.recompute_num_layers, 2))
     tokens, chunk = case.micro_batch_size * case.seq_len // p.cp, case.loss_chunk_tokens
@@ -118,7 +124,7 @@ def _scaled_moe(spec, hidden: int, layers: int, tp: int):
     if moe is None:
         return None
 
-    def scaled(size: int) -> int:
+    def scaled(size: int) -> int:  # `tp`: what the sizes split over (tp, and etp for the experts)
         return size and max(2 * tp, _round_up(round(size / spec.hidden_size * hidden), 2 * tp))
     pattern = moe.layer_pattern[:layers]
     return replace(moe, ffn_hidden_size=scaled(moe.ffn_hidden_size),
@@ -183,6 +189,9 @@ def probe(case: ProfileCase, gpu: GpuSpec, *, steps: int = 3, efficiency: Effici
     stage = memory.heaviest.stage
     mine = [r for r in ranks if r["stage"] == stage]
     worst = max(mine, key=lambda r: sum(r["states"].values()) + r["activations"] + r["logits_loss"])
+    load = worst.get("expert_load")
+    if load is not None:  # predict at the load the measured rank saw (ProfileCase.moe_imbalance, unchecked here)
+        memory = estimate_memory(ran.replace(moe_imbalance=load), gpu.memory_gib, device, allowance)
     measured = {**{k: float(v) for k, v in worst["states"].items()}, "activations": float(worst["activations"]),
                 "logits_loss": float(worst["logits_loss"])}
     if "comm_buffers" in worst:
@@ -192,7 +201,7 @@ def probe(case: ProfileCase, gpu: GpuSpec, *, steps: int = 3, efficiency: Effici
     step_s = max(sum(r["step_times"]) / len(r["step_times"]) for r in ranks)
     predicted = estimate_time(ran, gpu, efficiency)
     return ProbeResult(ran, device, stage, dict(memory.stages[stage].components), measured,
-                       predicted.s_per_sample, step_s / ran.global_batch_size)
+                       predicted.s_per_sample, step_s / ran.global_batch_size, load)
 
 
 def probe_rows(result: ProbeResult) -> list[tuple[str, float, float | None, float | None]]:

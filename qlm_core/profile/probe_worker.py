@@ -7,7 +7,8 @@ Also called in-process for a one-rank case (run_rank). Each rank writes OUTDIR/r
   stage, dp_rank, tp_rank, cp_rank; states (bytes of weights, grads, optimizer actually allocated after a step);
   activations / logits_loss (peak live bytes saved for backward during the first step, saved-tensor hooks);
   max_allocated (CUDA only, the first step); comm_buffers (ZeRO 2: peak fp32 bucket storage borrowed in backward);
-  step_times (seconds of the timed steps after the first).
+  step_times (seconds of the timed steps after the first); expert_load (expert parallelism: the rows this rank's
+  MoE layers received over those they sent in the first step, measure.ExpertLoadMeter; else absent).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from qlm_core.config import LoraConfig, OptimConfig
 from qlm_core.parallel.state import Grid, default_device, destroy_distributed, init_distributed
 from qlm_core.profile.case import ProfileCase, case_from_dict
-from qlm_core.profile.measure import SavedTensorMeter, measure_model_states
+from qlm_core.profile.measure import ExpertLoadMeter, SavedTensorMeter, measure_model_states
 from qlm_core.train.engine import Batch, Engine
 
 
@@ -49,12 +50,14 @@ def run_rank(case: ProfileCase, steps: int, grid: Grid) -> dict:
     cuda = grid.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(grid.device)
-    with SavedTensorMeter(engine.chunks) as meter:
+    with SavedTensorMeter(engine.chunks) as meter, ExpertLoadMeter(engine.chunks) as load:
         engine.train_step(batch)
     _sync(grid.device)
     result = {"stage": grid.pp_rank, "dp_rank": grid.dp_rank, "cp_rank": grid.cp_rank, "tp_rank": grid.tp_rank,
               "states": measure_model_states(engine)}
     regions = meter.peak_by_region
+    if load.load is not None:
+        result["expert_load"] = load.load
     result["logits_loss"] = regions.get("head", 0)
     result["activations"] = sum(v for k, v in regions.items() if k != "head")
     result["max_allocated"] = torch.cuda.max_memory_allocated(grid.device) if cuda else None

@@ -65,7 +65,9 @@ def layout_dict(case: ProfileCase) -> dict:
         "micro_batch_size": case.micro_batch_size,
         "global_batch_size": case.global_batch_size, "num_microbatches": case.num_microbatches,
         "dtype": case.dtype, "lora_rank": case.lora_rank, "loss_chunk_tokens": case.loss_chunk_tokens,
-        "mean_doc_len": case.mean_doc_len,
+        "mean_doc_len": case.mean_doc_len, "ep": case.sizes.ep, "etp": case.sizes.etp,
+        "edp": case.sizes.edp if case.expert_parallel else None,
+        "moe_imbalance": case.load_factor if case.expert_parallel else None,
     }
 
 
@@ -127,12 +129,37 @@ def assumed_lines(case: ProfileCase, gpu: GpuSpec, rates: KernelRates) -> list[s
         options = case.moe
         routing = "drop-less" if options.capacity_factor is None else f"capacity factor {options.capacity_factor:g}"
         losses = "kept" if options.aux_loss_coeff or options.z_loss_coeff else "not kept (no coefficient)"
-        rows = case.micro_batch_size * case.seq_len // p.cp * moe.topk
-        lines.append(f"MoE: {routing} routing, {rows:,} routed rows per micro-batch on every TP rank (all-gather "
-                     f"dispatch, no expert parallelism), expert GEMMs at "
-                     f"{rates.gemm(case.spec.hidden_size, moe.ffn_hidden_size / p.tp):.0%} for their shape, the "
-                     f"permutation at HBM speed; aux/z-loss graphs {losses}")
+        if case.expert_parallel:
+            lines.append(_expert_parallel_line(case, gpu, rates, routing, losses))
+        else:
+            rows = case.micro_batch_size * case.seq_len // p.cp * moe.topk
+            lines.append(f"MoE: {routing} routing, {rows:,} routed rows per micro-batch on every TP rank (all-gather "
+                         f"dispatch, no expert parallelism), expert GEMMs at "
+                         f"{rates.gemm(case.spec.hidden_size, moe.ffn_hidden_size / p.tp):.0%} for their shape, the "
+                         f"permutation at HBM speed; aux/z-loss graphs {losses}")
     return lines
+
+
+def _expert_parallel_line(case: ProfileCase, gpu: GpuSpec, rates: KernelRates, routing: str, losses: str) -> str:
+    """The EP assumptions: experts per rank, the load allowance, all-to-all volume per layer and its links."""
+    from qlm_core.profile.moe_timing import ep_layer_bytes, expert_ffn
+    from qlm_core.profile.topology import all_to_all_seconds, expert_bandwidth, expert_group_fits_domain
+
+    p, sizes, moe = case.parallel, case.sizes, case.spec.moe
+    T = case.micro_batch_size * case.seq_len / p.cp
+    token_bytes, counts = ep_layer_bytes(case, T, 1)
+    seconds = all_to_all_seconds(gpu, sizes, token_bytes + counts, rates.comm)
+    where = ("inside one NVLink domain" if expert_group_fits_domain(gpu, sizes)
+             else f"across NVLink domains (the NIC's {gpu.internode_gbps:g} GB/s for the remote share)")
+    edp_bw = expert_bandwidth(gpu, sizes, ("edp",), rates.comm) / 1e9 if sizes.edp > 1 else 0.0
+    return (f"MoE expert parallelism: ep {sizes.ep} x etp {sizes.etp} (edp {sizes.edp}"
+            + (f", expert gradients over {edp_bw:,.0f} GB/s" if sizes.edp > 1 else "") + "), "
+            f"{moe.num_experts // sizes.ep} experts of FFN {expert_ffn(case):g} per rank; {routing} routing sized "
+            f"for a busiest-rank load of {case.load_factor:g}x the mean (--moe-imbalance); all-to-all per MoE layer "
+            f"and micro-batch (forward + backward, counts included) {(token_bytes + counts) / 2**20:,.1f} MiB on "
+            f"the busiest rank, {seconds * 1e3:.3g} ms {where}; expert GEMMs at "
+            f"{rates.gemm(case.spec.hidden_size, 2 * expert_ffn(case)):.0%} for their shape; aux/z-loss graphs "
+            f"{losses}")
 
 
 def profile_dict(case: ProfileCase, gpu: GpuSpec, eff: Efficiency, allowance: Allowance, memory: MemoryEstimate,

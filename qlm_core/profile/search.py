@@ -8,11 +8,14 @@ checks (train.validate.validate_layout and models.layout.ModelLayout: heads, que
 2·cp (and by tp under SP), batch by mbs·dp, schedule rules) before it is costed. For full recompute the search also
 tries recomputing only the first N layers of each chunk and keeps the smallest N that fits (it is faster).
 GPipe is left out: it holds every micro-batch and is never faster than 1F1B.
+MoE models also enumerate expert parallelism (expert_layouts): ep dividing num_experts, etp 1 or tp, ep·etp dividing
+the dp·cp·tp ranks of a stage (ep 1 with etp tp is the all-gather dispatch); dense models are enumerated as before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import product
 
 from qlm_core.config import CpCommType, RecomputeMode, choices
 from qlm_core.errors import QlmError
@@ -58,6 +61,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def expert_layouts(base: ProfileCase, tp: int, stage_ranks: int) -> list[tuple[int, int | None]]:
+    """(ep, etp) candidates of an MoE model on a stage of `stage_ranks` = dp·cp·tp ranks; [(1, None)] when dense."""
+    moe = base.spec.moe
+    if moe is None:
+        return [(1, None)]
+    out = []
+    for ep in _divisors(moe.num_experts):
+        for etp in dict.fromkeys((tp, 1)):
+            if stage_ranks % (ep * etp) == 0:
+                out.append((ep, None if etp == tp else etp))
+    return out
+
+
 def layouts(base: ProfileCase, num_gpus: int):
     """Every combination before validation (dp is what remains of num_gpus)."""
     layers = base.spec.num_layers
@@ -69,11 +85,12 @@ def layouts(base: ProfileCase, num_gpus: int):
                     schedules = ["1f1b"] if pp == 1 else (["1f1b", "zero_bubble"] if vpp == 1
                                                           else list(MULTI_CHUNK_SCHEDULES))
                     for schedule in schedules:
-                        for zero in (0, 1, 2, 3):
+                        for (ep, etp), zero in product(expert_layouts(base, tp, num_gpus // pp), (0, 1, 2, 3)):
                             for recompute in RECOMPUTE:
                                 for comm in (CP_COMM if cp > 1 else ("p2p",)):
                                     yield base.replace(num_gpus=num_gpus).with_parallel(
                                         tp=tp, pp=pp, vpp=vpp, cp=cp, dp=None, sp=tp > 1, cp_comm_type=comm,
+                                        ep=ep, etp=etp,
                                         pp_schedule=schedule, zero_stage=zero, recompute=recompute,
                                         recompute_modules=(list(base.parallel.recompute_modules)
                                                            if recompute == "selective" else ["core_attn"]),

@@ -18,6 +18,10 @@ This mirrors what train/engine.py builds for a pipeline stage, tensor by tensor:
             padded to ceil(dim0 / n) rows; fp32 gradients of the trainable ones, padded alike (views into the
             reduce-scatter output, whatever the reduce dtype); AdamW moments of the unpadded local rows. The fp32
             parameters are the masters.
+Expert parallelism (layout.ep > 1 or etp != tp): a stage holds the routed experts of EP rank 0 only (E/ep of them,
+each split over etp instead of tp), and their gradients are bucketed apart and reduced over the expert-data-parallel
+group (`expert_shards` = dp·cp·tp / (ep·etp) ranks): ZeRO 1/2 pad those buckets to edp·64 and shard them over edp,
+ZeRO 3 chunks the experts' dim 0 over edp (the dense parameters keep dp·cp).
 AdamW's per-parameter `step` scalars (4 bytes each) are not counted.
 """
 
@@ -41,6 +45,7 @@ class ParamInfo:
     shape: tuple[int, ...]
     trainable: bool
     shared_embedding: bool = False
+    expert: bool = False  # a routed expert's weight under expert parallelism (its own buckets, the edp group)
 
     @cached_property
     def numel(self) -> int:  # cached: an MoE stage lists thousands of expert tensors, summed per layout searched
@@ -55,10 +60,16 @@ class StateBytes:
     trainable_numel: int  # this stage's trainable elements on one rank, before ZeRO sharding
     bucket_numel: int  # largest gradient bucket (elements), for the ZeRO 2 transient
     num_buckets: int = 0
+    expert_numel: int = 0  # of trainable_numel, the routed experts' under expert parallelism (sharded over edp)
 
     @property
     def total(self) -> int:
         return self.weights + self.grads + self.optimizer
+
+    def owned_numel(self, shards: int, expert_shards: int | None) -> float:
+        """Trainable elements this rank's optimizer steps when they are sharded (ZeRO 1-3)."""
+        dense = self.trainable_numel - self.expert_numel
+        return dense / shards + (self.expert_numel / expert_shards if expert_shards else 0.0)
 
 
 def stage_params(layout: ModelLayout, pp_rank: int, lora_rank: int = 0, lora_targets=None) -> list[ParamInfo]:
@@ -71,11 +82,23 @@ def stage_params(layout: ModelLayout, pp_rank: int, lora_rank: int = 0, lora_tar
     return _PARAMS[key]
 
 
+def expert_parallel(layout: ModelLayout) -> bool:
+    return layout.spec.moe is not None and (layout.ep > 1 or layout.etp != layout.tp)
+
+
+def _info(layout: ModelLayout, tensor, trainable: bool, shared: bool = False) -> ParamInfo:
+    """A parameter's shard on rank 0 of its split (etp for a routed expert's linear, else tp)."""
+    expert = tensor.expert and expert_parallel(layout)
+    return ParamInfo(tensor.shard_shape(layout.split_size(tensor)), trainable, shared, expert and trainable)
+
+
 def _layer_params(layout: ModelLayout, layer: int) -> list[ParamInfo]:
-    """One layer's parameters on one TP rank (without LoRA); every layer of a kind (MoE or dense) has the same."""
-    key = (repr(layout.spec), layout.tp, layout.spec.is_moe_layer(layer))
+    """One layer's parameters on one TP rank (without LoRA), EP rank 0's experts; every layer of a kind (MoE or
+    dense) has the same."""
+    key = (repr(layout.spec), layout.tp, layout.ep, layout.etp, layout.spec.is_moe_layer(layer))
     if key not in _LAYER_PARAMS:
-        _LAYER_PARAMS[key] = [ParamInfo(t.shard_shape(layout.tp), True) for t in layout.layer_tensors(layer)]
+        _LAYER_PARAMS[key] = [_info(layout, t, True) for suffix, t in layout.layer_entries(layer)
+                              if t is not None and layout.local_expert_suffix(suffix, 0) is not None]
     return _LAYER_PARAMS[key]
 
 
@@ -101,20 +124,22 @@ def _stage_params(layout: ModelLayout, pp_rank: int, lora_rank: int, targets: se
             for name, tensor in layout.lora_shard_entries(pp_rank, chunk, lora_rank, sorted(targets)):
                 adapters.setdefault(name.rsplit(".lora_", 1)[0], []).append(tensor)
         shared = spec.tie_word_embeddings and layout.pp > 1
-        for name, tensor in layout.shard_entries(pp_rank, chunk):
+        for name, tensor in layout.shard_entries(pp_rank, chunk, ep_rank=0):
             if tensor is None:
                 linear = name[: -len("._extra_state")]
                 for adapter in adapters.get(linear, []):
                     out.append(ParamInfo(adapter.shard_shape(layout.tp), True))
                 continue
             is_shared = shared and name in ("embedding.word_embeddings.weight", "output_layer.weight")
-            out.append(ParamInfo(tensor.shard_shape(layout.tp), lora_rank == 0, is_shared))
+            out.append(_info(layout, tensor, lora_rank == 0, is_shared))
     return out
 
 
 def _meta(info: ParamInfo, dtype: torch.dtype) -> torch.Tensor:
     t = torch.empty(info.shape, dtype=dtype, device="meta")
-    return mark(t, shared_embedding=True) if info.shared_embedding else t
+    if info.shared_embedding:
+        return mark(t, shared_embedding=True)
+    return mark(t, expert=True) if info.expert else t
 
 
 def _trainable_metas(params: list[ParamInfo], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -130,8 +155,10 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
 
 
 def zero_state_bytes(params: list[ParamInfo], dtype: torch.dtype, zero_stage: int, shards: int,
-                     bucket_size_mb: float | None, dp_rank: int, grad_dtype: torch.dtype = torch.float32) -> StateBytes:
-    """ZeRO 0-2 bytes of data rank `dp_rank` of `shards` (data x context ranks)."""
+                     bucket_size_mb: float | None, dp_rank: int, grad_dtype: torch.dtype = torch.float32,
+                     expert_shards: int | None = None, expert_rank: int = 0) -> StateBytes:
+    """ZeRO 0-2 bytes of data rank `dp_rank` of `shards` (data x context ranks); `expert_shards` (expert
+    parallelism): the edp ranks the expert buckets are reduced and sharded over, `expert_rank` this rank's."""
     size = torch.empty((), dtype=dtype).element_size()
     g = grad_dtype.itemsize
     trainable = [p for p in params if p.trainable]
@@ -140,7 +167,11 @@ def zero_state_bytes(params: list[ParamInfo], dtype: torch.dtype, zero_stage: in
         return StateBytes(frozen_bytes, 0, 0, 0, 0, 0)
     bucket_numel = None if bucket_size_mb is None else max(1, int(bucket_size_mb * 2**20) // 4)
     pad = shards * SHARD_ALIGNMENT if zero_stage else 1
-    buckets = plan_buckets(_trainable_metas(params, dtype), bucket_numel, pad)
+    expert_pad = None if expert_shards is None else (expert_shards * SHARD_ALIGNMENT if zero_stage else 1)
+    buckets = plan_buckets(_trainable_metas(params, dtype), bucket_numel, pad, expert_pad)
+
+    def group(b) -> tuple[int, int]:  # (shards, this rank's index) of the bucket's reduction
+        return (expert_shards, expert_rank) if b.expert else (shards, dp_rank)
     padded = sum(b.numel for b in buckets)
     numel = sum(p.numel for p in trainable)
     if zero_stage == 0:
@@ -153,11 +184,13 @@ def zero_state_bytes(params: list[ParamInfo], dtype: torch.dtype, zero_stage: in
         if zero_stage == 1:
             grads = g * padded
         else:
-            grads = g * sum(b.numel if b.deferred else b.numel // shards for b in buckets)
-        owned = sum(_overlap(span, b.shard_range(dp_rank, shards)) for b in buckets for span in b.param_ranges)
+            grads = g * sum(b.numel if b.deferred else b.numel // group(b)[0] for b in buckets)
+        owned = sum(_overlap(span, b.shard_range(group(b)[1], group(b)[0])) for b in buckets
+                    for span in b.param_ranges)
         masters = 4 * owned  # ZeRO 1/2 always keep fp32 copies of the owned slices, whatever the param dtype
     regular = [b.numel for b in buckets if not b.deferred] or [0]
-    return StateBytes(weights, grads, masters + 8 * owned, numel, max(regular), len(regular))
+    return StateBytes(weights, grads, masters + 8 * owned, numel, max(regular), len(regular),
+                      sum(p.numel for p in trainable if p.expert))
 
 
 def _fsdp_rows(dim0: int, shards: int, rank: int) -> tuple[int, int]:
@@ -166,36 +199,44 @@ def _fsdp_rows(dim0: int, shards: int, rank: int) -> tuple[int, int]:
     return chunk, max(0, min(chunk, dim0 - rank * chunk))
 
 
-def fsdp_state_bytes(params: list[ParamInfo], shards: int, dp_rank: int) -> StateBytes:
+def fsdp_state_bytes(params: list[ParamInfo], shards: int, dp_rank: int,
+                     expert_shards: int | None = None, expert_rank: int = 0) -> StateBytes:
+    """FSDP2's bytes; under expert parallelism the experts are chunked over their `expert_shards` (edp) ranks."""
     weights = grads = moments = 0
     for p in params:
         dim0 = p.shape[0] if p.shape else 1
         row = p.numel // dim0 if dim0 else 0
-        padded, real = _fsdp_rows(dim0, shards, dp_rank)
+        n, rank = (expert_shards, expert_rank) if p.expert and expert_shards else (shards, dp_rank)
+        padded, real = _fsdp_rows(dim0, n, rank)
         weights += 4 * padded * row
         if p.trainable:
             grads += 4 * padded * row
             moments += 8 * real * row
     numel = sum(p.numel for p in params if p.trainable)
-    return StateBytes(weights, grads, moments, numel, 0)
+    return StateBytes(weights, grads, moments, numel, 0, 0, sum(p.numel for p in params if p.trainable and p.expert))
 
 
 def model_state_bytes(layout: ModelLayout, pp_rank: int, *, dtype: torch.dtype, zero_stage: int, shards: int,
                       bucket_size_mb: float | None = 40.0, lora_rank: int = 0, lora_targets=None,
-                      dp_rank: int | None = None, grad_dtype: torch.dtype = torch.float32) -> StateBytes:
+                      dp_rank: int | None = None, grad_dtype: torch.dtype = torch.float32,
+                      expert_shards: int | None = None, expert_rank: int | None = None) -> StateBytes:
     """Exact model-state bytes of stage `pp_rank` on data x context rank `dp_rank` (default 0, the largest: padding
     sits at the end of every bucket / parameter chunk, so the first rank owns the most real elements).
-    `grad_dtype`: ZeRO 0-2's gradient buffers (parallel.grad_reduce_dtype); ZeRO 3 keeps fp32 gradients."""
+    `grad_dtype`: ZeRO 0-2's gradient buffers (parallel.grad_reduce_dtype); ZeRO 3 keeps fp32 gradients.
+    `expert_shards`: the edp size under expert parallelism (default: edp = shards·tp / (ep·etp) when the layout
+    has EP, else None); `expert_rank` this rank's edp rank (default 0)."""
     targets = tuple(sorted(lora_targets or LORA_TARGETS))
+    if expert_shards is None and expert_parallel(layout):
+        expert_shards = shards * layout.tp // (layout.ep * layout.etp)
     key = (repr(layout), pp_rank, dtype, zero_stage, shards, bucket_size_mb, lora_rank, targets, dp_rank or 0,
-           grad_dtype)
+           grad_dtype, expert_shards, expert_rank or 0)
     if key not in _CACHE:  # the layout search asks for the same stage many times
         params = stage_params(layout, pp_rank, lora_rank, targets)
         if zero_stage == 3:
-            _CACHE[key] = fsdp_state_bytes(params, shards, dp_rank or 0)
+            _CACHE[key] = fsdp_state_bytes(params, shards, dp_rank or 0, expert_shards, expert_rank or 0)
         else:
             _CACHE[key] = zero_state_bytes(params, dtype, zero_stage, shards, bucket_size_mb, dp_rank or 0,
-                                           grad_dtype)
+                                           grad_dtype, expert_shards, expert_rank or 0)
     return _CACHE[key]
 
 

@@ -20,13 +20,16 @@ Per micro-batch on the slowest pipeline stage (T = mbs·seq/cp tokens per rank, 
               fp32 reduce-scatter backward, exposed; a2a: four all-to-alls each way, exposed.
   MoE layers  their router, experts and shared expert, elementwise work and TP collectives: profile/moe_timing.py;
               a stage's layers are costed as their mean.
+  ep_comm     expert parallelism: each MoE layer's all-to-alls (counts, dispatch, combine; forward, backward and
+              recompute), exposed (moe_timing.ep_layer_bytes, topology.all_to_all_seconds).
   pp_p2p      one send forward and one backward per chunk and micro-batch (the SP shard under SP): exposed, or
               hidden under the chunk's compute with `p2p_overlap` (Megatron's --overlap-p2p-comm).
 Per step: m micro-batches, plus the bubble (p-1)/v micro-batch times (1F1B, GPipe and interleaved: bubble fraction
 (p-1)/(v·m + p-1); zero-bubble schedules recover about two thirds of it, as ZB-H1 does), plus data-parallel traffic
-over dp·cp ranks of the gradients (in `grad_reduce_dtype`) and parameters (in `param_gather_dtype`) (ZeRO 0
-all-reduce; 1 reduce-scatter + all-gather; 2 reduce-scatter every micro-batch; 3 FSDP all-gathers forward and
-backward and a reduce-scatter per micro-batch), hidden behind backward/forward when overlap is on except what
+over dp·cp ranks (the routed experts' under EP over their edp ranks) of the gradients (in `grad_reduce_dtype`)
+and parameters (in `param_gather_dtype`) (ZeRO 0 all-reduce; 1 reduce-scatter + all-gather; 2 reduce-scatter
+every micro-batch; 3 FSDP all-gathers forward and backward and a reduce-scatter per micro-batch), hidden behind
+backward/forward when overlap is on except what
 exceeds the compute it overlaps (and, at least, the last bucket), plus AdamW over this rank's fp32 shard at HBM
 speed (~28 + e bytes moved per element), plus the fitted per-step overhead. Every collective's bandwidth follows
 where its group's ranks sit (profile/topology.py).
@@ -47,16 +50,17 @@ from qlm_core.parallel.cross_entropy import loss_is_chunked
 from qlm_core.profile.case import ProfileCase
 from qlm_core.profile.efficiency import ATTENTION_BACKWARD_FLOPS, Efficiency, KernelRates
 from qlm_core.profile.moe_timing import (
+    ep_layer_bytes,
     moe_elementwise_seconds,
     moe_layer_gemm_seconds,
     moe_layer_tp_bytes,
     moe_mlp_volumes,
 )
 from qlm_core.profile.states import model_state_bytes
-from qlm_core.profile.topology import group_bandwidth, p2p_bandwidth
+from qlm_core.profile.topology import all_to_all_seconds, expert_bandwidth, group_bandwidth, p2p_bandwidth
 
-TIME_COMPONENTS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_p2p", "pp_bubble", "dp_comm", "optimizer",
-                   "overhead")
+TIME_COMPONENTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_p2p", "pp_bubble", "dp_comm",
+                   "optimizer", "overhead")
 
 
 @dataclass
@@ -210,7 +214,9 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
             # once per backward pass that runs it: twice when zero-bubble splits dx from dW (a trainable output layer)
             passes = 2 if p.pp_schedule == "zero_bubble" and not case.lora_rank else 1
             extra += passes * logits
-    times = {"compute": compute, "recompute": extra, "tp_comm": 0.0, "cp_comm": 0.0, "pp_p2p": 0.0}
+    times = {"compute": compute, "recompute": extra, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "pp_p2p": 0.0}
+    if moe_layers and case.expert_parallel:
+        times["ep_comm"] = _ep_seconds(case, gpu, rates, T, moe_layers, round(moe_layers * recomputed / layers))
     sizes = case.sizes
     if p.tp > 1:
         volume = (p.tp - 1) / p.tp * e * h * T
@@ -238,6 +244,20 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
         p2p_s = 2 * p.vpp * shard / p2p_bandwidth(gpu, sizes, rates.comm)
         times["pp_p2p"] = rates.overlapped(p2p_s, compute) if case.p2p_overlap else p2p_s
     return times
+
+
+def _ep_seconds(case: ProfileCase, gpu: GpuSpec, rates: KernelRates, T: float, moe_layers: int,
+                recomputed: int) -> float:
+    """Exposed all-to-all seconds of a stage's MoE layers for one micro-batch (`recomputed` of them under full
+    recompute; selective `mlp` and `op` re-run every layer's dispatch)."""
+    p = case.parallel
+    again = p.recompute == "op" or (p.recompute == "selective" and "mlp" in p.recompute_modules)
+    total = 0.0
+    for layers, forwards in ((moe_layers - recomputed, 1 + again), (recomputed, 2)):
+        if layers:
+            token_bytes, counts = ep_layer_bytes(case, T, forwards)  # the time is linear in the bytes
+            total += layers * all_to_all_seconds(gpu, case.sizes, token_bytes + counts, rates.comm)
+    return total
 
 
 def stage_moe_layers(case: ProfileCase, stage: int) -> int:
@@ -275,27 +295,35 @@ def dp_times(case: ProfileCase, gpu: GpuSpec, rates: KernelRates, stage: int, fo
     micro-batch's forward and backward compute."""
     p = case.parallel
     n = case.sizes.dp * p.cp
+    edp = case.sizes.edp if case.expert_parallel else None
     states = model_state_bytes(case.layout(), stage, dtype=case.torch_dtype, zero_stage=p.zero_stage, shards=n,
                                bucket_size_mb=p.bucket_size_mb, lora_rank=case.lora_rank,
                                lora_targets=case.lora_targets)
-    owned = states.trainable_numel / (n if p.zero_stage else 1)
+    owned = states.owned_numel(n, edp) if p.zero_stage else states.trainable_numel
     optimizer = owned * (28 + case.dtype_bytes) / (gpu.hbm_gbps * 1e9)
-    if n == 1:
+    # seconds per byte-per-element of traffic: (n-1)/n of each domain's elements over its group's bandwidth
+    domains = [(states.trainable_numel - states.expert_numel, n, group_bandwidth(gpu, case.sizes, ("dp", "cp"),
+                                                                                 rates.comm))]
+    if edp is not None:
+        domains.append((states.expert_numel, edp, expert_bandwidth(gpu, case.sizes, ("edp",), rates.comm)))
+    unit = sum(numel * (size - 1) / size / bw for numel, size, bw in domains if size > 1)
+    if unit == 0:
         return 0.0, optimizer
-    bw = group_bandwidth(gpu, case.sizes, ("dp", "cp"), rates.comm)
-    P, m, frac = states.trainable_numel, case.num_microbatches, (n - 1) / n
+    bw = group_bandwidth(gpu, case.sizes, ("dp", "cp"), rates.comm) if n > 1 else domains[-1][2]
+    frac = (n - 1) / n if n > 1 else (edp - 1) / edp
+    P, m = states.trainable_numel, case.num_microbatches
     r = DTYPES[case.grad_reduce_dtype].itemsize
     g = DTYPES[case.param_gather_dtype].itemsize if case.param_gather_dtype else case.dtype_bytes
     bucket = min(P, p.bucket_size_mb * 2**20 / r) * r * frac / bw
     if p.zero_stage == 3:
-        per_mb = frac * (2 * g + r) * P / bw
+        per_mb = (2 * g + r) * unit
         return m * rates.overlapped(per_mb, forward_s + backward_s), optimizer
     if p.zero_stage == 0:
-        reduce = 2 * frac * r * P / bw
+        reduce = 2 * r * unit
         gather = 0.0
     else:
-        reduce = frac * r * P / bw
-        gather = frac * g * P / bw
+        reduce = r * unit
+        gather = g * unit
     hidden = lambda comm, compute: max(bucket, rates.overlapped(comm, compute))  # noqa: E731 - the last bucket waits
     if p.zero_stage == 2:
         exposed = m * (hidden(reduce, backward_s) if p.overlap_grad_reduce else reduce)
@@ -318,7 +346,7 @@ def estimate_time(case: ProfileCase, gpu: GpuSpec, eff: Efficiency = Efficiency(
         bubble /= 3
     forward_s = mb["compute"] / (2 if case.lora_rank else 3)
     dp, optimizer = dp_times(case, gpu, rates, slowest, forward_s, mb["compute"] - forward_s + mb["recompute"])
-    components = {key: m * mb[key] for key in ("compute", "recompute", "tp_comm", "cp_comm", "pp_p2p")}
+    components = {key: m * mb[key] for key in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_p2p")}
     components.update(pp_bubble=bubble, dp_comm=dp, optimizer=optimizer, overhead=rates.step_overhead_s)
     return TimeEstimate(components, case.global_batch_size, case.seq_len, case.num_gpus,
                         flops_per_sequence(case.spec, case.seq_len, case.mean_doc_len),

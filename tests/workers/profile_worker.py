@@ -5,17 +5,22 @@
   head/<case>.json             saved bytes of the loss region (final norm + loss head, whole logits or chunked)
   stage/<case>.json            peak saved bytes on pipeline stage 0 over a whole 1F1B / interleaved step, and
                                memory.py's activations + logits_loss for that stage
+With `ep` after OUTDIR only the expert-parallel jobs run (tests/test_profile_ep.py):
+  ep_states/<case>.rank<R>.json  as states/, for EP layouts of the tiny MoE model
+  ep_layer/<case>.rank<R>.json   saved bytes of MoE layer 1 on every rank, the rows it received (ExpertLoadMeter)
+                                 and activations.py's formula at that load
 
-    torchrun --nproc-per-node 4 tests/workers/profile_worker.py OUTDIR
+    torchrun --nproc-per-node 4 tests/workers/profile_worker.py OUTDIR [ep]
 """
 
 import json
+import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
-from parallel_cases import SPEC
+from parallel_cases import MOE, SPEC
 
 from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig
 from qlm_core.models.gpt import GPTModel, ParallelOptions
@@ -23,10 +28,11 @@ from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.comm import group_rank
 from qlm_core.parallel.context_parallel import split_for_cp
 from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS
+from qlm_core.parallel.expert_dispatch import ExpertParallel
 from qlm_core.parallel.state import Grid, resolve_sizes
 from qlm_core.profile.activations import ActivationInputs, head_terms, layer_bytes
 from qlm_core.profile.case import ProfileCase
-from qlm_core.profile.measure import SavedTensorMeter, measure_model_states
+from qlm_core.profile.measure import ExpertLoadMeter, SavedTensorMeter, measure_model_states
 from qlm_core.profile.memory import stage_memory
 from qlm_core.profile.states import model_state_bytes
 from qlm_core.train.engine import Batch, Engine
@@ -128,6 +134,20 @@ STAGE_CASES = {
 }
 
 
+EP_STATE_CASES = {
+    "ep2_zero1_bf16": StateCase(2, dict(ep=2, zero_stage=1), torch.bfloat16, MOE),
+    "ep2_dp4_zero2_bf16": StateCase(4, dict(ep=2, zero_stage=2, bucket_size_mb=0.01), torch.bfloat16, MOE),
+    "ep2_tp2_sp_zero1_bf16": StateCase(4, dict(ep=2, tp=2, sp=True, zero_stage=1), torch.bfloat16, MOE),
+    "ep2_tp2_sp_etp1_zero0_fp32": StateCase(4, dict(ep=2, tp=2, sp=True, etp=1), torch.float32, MOE),
+}
+EP_LAYER_CASES = {  # world, parallel (the layer's tp / sp / ep / etp)
+    "ep2": (2, dict(ep=2)),
+    "ep4": (4, dict(ep=4)),
+    "ep2_tp2_sp": (4, dict(ep=2, tp=2, sp=True)),
+    "ep2_tp2_sp_etp1": (4, dict(ep=2, tp=2, sp=True, etp=1)),
+}
+
+
 def batch(rows: int, vocab: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (rows, SEQ + 1), generator=g)
@@ -155,6 +175,52 @@ def state_case(name: str, out: Path):
                                                   "optimizer": predicted.optimizer}}
     (out / "states").mkdir(exist_ok=True)
     (out / "states" / f"{name}.rank{grid.rank}.json").write_text(json.dumps(result))
+
+
+def ep_state_case(name: str, out: Path):
+    """An EP layout's measured model states against profile.states, on every rank (its dp·cp and edp ranks)."""
+    case = EP_STATE_CASES[name]
+    config = ParallelConfig(**case.parallel)
+    sizes = resolve_sizes(case.world, config.tp, config.pp, config.cp, ep=config.ep, etp=config.etp)
+    grid = Grid.build(sizes, ranks=list(range(case.world)))
+    if grid is None:
+        return
+    engine = Engine(case.spec, config, grid, micro_batch_size=1, global_batch_size=2 * sizes.dp, seq_length=SEQ,
+                    dtype=case.dtype, optim=OptimConfig(lr=1e-3))
+    ids, labels = batch(2, case.spec.vocab_size, grid.dp_rank)
+    engine.train_step(Batch(ids, labels))
+    predicted = model_state_bytes(engine.layout, grid.pp_rank, dtype=case.dtype, zero_stage=config.zero_stage,
+                                  shards=sizes.dp * sizes.cp, bucket_size_mb=config.bucket_size_mb,
+                                  dp_rank=group_rank(grid.dp_cp_group), expert_rank=group_rank(grid.expert_dp_group))
+    result = {"measured": measure_model_states(engine), "predicted": {
+        "weights": predicted.weights, "grads": predicted.grads, "optimizer": predicted.optimizer}}
+    (out / "ep_states").mkdir(exist_ok=True)
+    (out / "ep_states" / f"{name}.rank{grid.rank}.json").write_text(json.dumps(result))
+
+
+def ep_layer_case(name: str, out: Path):
+    """MoE layer 1's saved bytes (held at the end of forward) under EP, and the formula at the rows it received."""
+    world, parallel = EP_LAYER_CASES[name]
+    tp, sp, ep, etp = parallel.get("tp", 1), parallel.get("sp", False), parallel["ep"], parallel.get("etp")
+    sizes = resolve_sizes(world, tp=tp, ep=ep, etp=etp)
+    grid = Grid.build(sizes, ranks=list(range(world)))
+    if grid is None:
+        return
+    experts = ExpertParallel(sizes.ep, sizes.etp, grid.ep_rank, grid.etp_rank, grid.expert_group)
+    options = ParallelOptions(tp_group=grid.tp_group, sequence_parallel=sp, experts=experts)
+    model = GPTModel(MOE, parallel=options, num_layers=3, dtype=torch.bfloat16)
+    ids, labels = batch(2, MOE.vocab_size, seed=grid.dp_rank)
+    layer1 = model.decoder.layers[1]
+    with SavedTensorMeter(model) as meter, ExpertLoadMeter(layer1) as load:
+        loss = model(ids, labels=labels).sum()
+        held = sum(nbytes for nbytes, label, _ in meter.live.values() if label == "layer1")
+    loss.backward()
+    x = ActivationInputs(MOE, SEQ, 2, tp=tp, sp=sp, dtype_bytes=2, device="cpu", ep=ep, etp=etp or 0,
+                         moe_load=load.load)
+    (out / "ep_layer").mkdir(exist_ok=True)
+    (out / "ep_layer" / f"{name}.rank{grid.rank}.json").write_text(json.dumps(
+        {"measured": held, "predicted": layer_bytes(x), "load": load.load,
+         "balanced": layer_bytes(x.__class__(**{**x.__dict__, "moe_load": 1.0}))}))
 
 
 def layer_case(name: str, out: Path):
@@ -226,6 +292,8 @@ def stage_case(name: str, out: Path):
 
 def main():
     cases = [(state_case, STATE_CASES), (layer_case, LAYER_CASES), (head_case, HEAD_CASES), (stage_case, STAGE_CASES)]
+    if sys.argv[2:] == ["ep"]:
+        cases = [(ep_state_case, EP_STATE_CASES), (ep_layer_case, EP_LAYER_CASES)]
     run_jobs([(name, partial(job, name)) for job, names in cases for name in names], num_threads=1)
 
 
