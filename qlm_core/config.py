@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,6 +256,7 @@ def _nearest(name: str, options) -> str:
     return f"did you mean {match!r}?" if match is not None else f"valid keys: {', '.join(sorted(options))}"
 
 
+@functools.cache
 def _field_types(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

@@ -1,12 +1,16 @@
 """qlm's MoE and Qwen3 checkpoints load into REAL megatron-core 0.16.1 (local spec, SequentialMLP experts, the
 allgather dispatcher, the gated shared expert, q/k layernorm): legacy files written at TP2 x PP2 with strict
 load_state_dict (every key and shape), torch_dist written at TP1 through dist_checkpointing at TP2 x PP2 (strict:
-no key missing or left over); megatron-core's logits equal transformers'. One torchrun launch (4 gloo ranks)."""
+no key missing or left over); megatron-core's logits equal transformers'. Expert parallel legacy files (EP2 at TP2,
+expert-TP 1 and 2, sequence parallel): every global rank loads the mp_rank_TT_EEE folder qlm named for
+megatron-core's own TP and EP ranks, strictly, and holds the HF experts qlm says it does. One torchrun launch (4
+gloo ranks)."""
 
 import json
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 import transformers
 from conftest import QWEN3_MOE_KINDS, launch_torchrun
@@ -18,14 +22,21 @@ pytestmark = [pytest.mark.peer, pytest.mark.distributed,
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 CASES = {f"{kind}_{fmt}": (kind, fmt) for kind in QWEN3_MOE_KINDS for fmt in ("torch", "torch_dist")}
+# legacy EP at TP2 on the 4 ranks: expert-TP 1 (expert-data-parallel 2: qlm writes 2 folders, each read by 2 ranks)
+# and expert-TP 2 (one folder per rank); the shared expert and the attention stay TP-split
+EP_CASES = {"qwen2_moe_torch_ep2_etp1": ("qwen2_moe", dict(tp=2, ep=2, etp=1)),
+            "qwen3_moe_torch_ep2_etp2": ("qwen3_moe", dict(tp=2, ep=2, etp=2))}
+RANKS = 4
 
 
 @pytest.fixture(scope="module")
 def peer_run(moe_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_peer")
     cases = []
-    for i, (name, (kind, fmt)) in enumerate(CASES.items()):
-        layout = dict(tp=2, pp=2) if fmt == "torch" else dict(tp=1)
+    every = {name: (kind, fmt, None) for name, (kind, fmt) in CASES.items()}
+    every |= {name: (kind, "torch", layout) for name, (kind, layout) in EP_CASES.items()}
+    for i, (name, (kind, fmt, ep_layout)) in enumerate(every.items()):
+        layout = ep_layout or (dict(tp=2, pp=2) if fmt == "torch" else dict(tp=1))
         hf_to_mcore(moe_models[kind], tmp / name, **layout, format=fmt, verify=False)
         ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(i))
         model = transformers.AutoModelForCausalLM.from_pretrained(moe_models[kind], dtype=torch.float32).eval()
@@ -34,9 +45,11 @@ def peer_run(moe_models, tmp_path_factory):
         torch.save(ids, tmp / f"{name}.ids.pt")
         cases.append({"ckpt": str(tmp / name), "format": fmt, "tp": 2, "pp": 2, "ids": str(tmp / f"{name}.ids.pt"),
                       "expected": str(tmp / f"{name}.expected.pt"), "result": str(tmp / f"{name}.json")})
+        if ep_layout:  # megatron-core wants sequence parallelism for MoE under TP
+            cases[-1] |= {"sequence_parallel": True, "ranks": str(tmp / f"{name}.rank{{rank}}.pt")}
     (tmp / "cases.json").write_text(json.dumps(cases))
     worker = Path(__file__).parent / "peers" / "megatron_moe_worker.py"
-    proc = launch_torchrun(worker, 4, tmp / "cases.json", timeout=600)
+    proc = launch_torchrun(worker, RANKS, tmp / "cases.json", timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp
 
@@ -45,4 +58,46 @@ def peer_run(moe_models, tmp_path_factory):
 def test_megatron_core_loads_qlm_moe_checkpoints_and_gives_transformers_logits(peer_run, name):
     result = json.loads((peer_run / f"{name}.json").read_text())
     assert result["shape"] == [2, 16, 512]  # megatron's padding at TP2 (qlm wrote 512 at TP2, 384 at TP1)
+    assert result["max_abs_diff"] <= 1e-4, result
+
+
+@pytest.mark.parametrize("name", EP_CASES)
+def test_megatron_core_loads_qlm_expert_parallel_legacy_files_for_its_own_ranks(peer_run, moe_models, name):
+    """Each of megatron-core's 4 ranks (its parallel_state at TP2 x EP2, expert-TP 1 or 2) opens the folder qlm
+    named for its TP and EP ranks: the keys and shapes of its state_dict() are exactly the file's, the strict load
+    passes, and its local expert l is HF expert ep_rank * E_local + l (its expert-TP part); logits as transformers'."""
+    kind, layout = EP_CASES[name]
+    tp, ep, etp = layout["tp"], layout["ep"], layout["etp"]
+    hf = {}
+    for file in sorted(moe_models[kind].glob("*.safetensors")):
+        hf |= safetensors.torch.load_file(file)
+    experts = transformers.AutoConfig.from_pretrained(moe_models[kind]).num_experts
+    local_count = experts // ep
+    seen = set()
+    for rank in range(RANKS):
+        report = torch.load(peer_run / f"{name}.rank{rank}.pt", weights_only=True)
+        tp_rank, ep_rank, etp_rank = report["tp_rank"], report["ep_rank"], report["etp_rank"]
+        assert report["folder"] == f"mp_rank_{tp_rank:02d}_{ep_rank:03d}", report["folder"]
+        assert etp_rank == tp_rank % etp and report["sequence_parallel"]
+        assert report["keys"] > 0 and report["differ"] == [], (rank, report["differ"][:8])
+        seen.add(report["folder"])
+        checked = 0
+        for key, value in report["experts"].items():
+            layer, local, proj = key.split(".")[2], int(key.split(".")[6]), key.split(".")[7]
+            prefix = f"model.layers.{layer}.mlp.experts.{ep_rank * local_count + local}"
+            if proj == "linear_fc1":
+                gate, up = (hf[f"{prefix}.{part}.weight"].chunk(etp)[etp_rank] for part in ("gate_proj", "up_proj"))
+                want = torch.cat([gate, up])
+            else:
+                want = hf[f"{prefix}.down_proj.weight"].chunk(etp, dim=1)[etp_rank]
+            assert torch.equal(value, want), (rank, key, prefix)
+            checked += 1
+        moe_layers = sum(1 for k in hf if k.endswith(".mlp.experts.0.down_proj.weight"))
+        assert checked == 2 * local_count * moe_layers
+    # the ranks opened every folder qlm wrote, and no other: at expert-TP 1 the two of expert-data-parallel rank 0
+    # (mp_rank_00_000, mp_rank_01_001), each read by two ranks; at expert-TP 2 one per rank
+    written = {d.name for d in (peer_run / name / "release").iterdir() if d.name.startswith("mp_rank_")}
+    assert seen == written and len(written) == (2 if etp == 1 else tp * ep), (seen, written)
+    result = json.loads((peer_run / f"{name}.json").read_text())
+    assert result["shape"] == [2, 16, 512]
     assert result["max_abs_diff"] <= 1e-4, result

@@ -11,6 +11,7 @@ stacked only for the duration of one call.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,7 @@ _ALIGN_BYTES = 16
 ROW_PAD = 8  # token rows padded to a multiple of this (16 bytes of bf16; of fp32 it is 32)
 
 
+@functools.cache
 def grouped_mm_fits(dtype: torch.dtype, hidden: int, ffn: int) -> bool:
     """Whether torch._grouped_mm can take experts of this hidden / (per-rank) expert size in `dtype`."""
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -93,35 +93,36 @@ def plan_buckets(params, bucket_numel: int | None, pad_multiple: int = 1,
     """Bucket layouts for `params` (see the module docstring). `bucket_numel` None = one bucket per dtype (and
     domain). `expert_pad_multiple` not None: the `expert` params get buckets of their own, padded to it."""
     dtypes = list(dict.fromkeys(p.dtype for p in params))
+    metas = [meta_of(p) for p in params]
+    numels = [p.numel() for p in params]
+    expert = [expert_pad_multiple is not None and m.expert for m in metas]
     layouts = []
-
-    def expert(i: int) -> bool:
-        return expert_pad_multiple is not None and meta_of(params[i]).expert
-
     for dtype in dtypes:
         indices = [i for i in reversed(range(len(params))) if params[i].dtype == dtype]
-        shared = [i for i in indices if meta_of(params[i]).shared_embedding]
+        shared = [i for i in indices if metas[i].shared_embedding]
         for in_expert_domain in (False, True):
-            regular = [i for i in indices if not meta_of(params[i]).shared_embedding and expert(i) == in_expert_domain]
+            regular = [i for i in indices if not metas[i].shared_embedding and expert[i] == in_expert_domain]
             pad = expert_pad_multiple if in_expert_domain else pad_multiple
             current: list[int] = []
+            filled = 0
             for i in regular:
                 current.append(i)
-                if bucket_numel is not None and sum(params[j].numel() for j in current) >= bucket_numel:
-                    layouts.append(_layout(params, current, dtype, pad, False, in_expert_domain))
-                    current = []
+                filled += numels[i]
+                if bucket_numel is not None and filled >= bucket_numel:
+                    layouts.append(_layout(numels, current, dtype, pad, False, in_expert_domain))
+                    current, filled = [], 0
             if current:
-                layouts.append(_layout(params, current, dtype, pad, False, in_expert_domain))
+                layouts.append(_layout(numels, current, dtype, pad, False, in_expert_domain))
         if shared:
-            layouts.append(_layout(params, shared, dtype, pad_multiple, True))
+            layouts.append(_layout(numels, shared, dtype, pad_multiple, True))
     return layouts
 
 
-def _layout(params, indices, dtype, pad_multiple, deferred, expert=False) -> BucketLayout:
+def _layout(numels: list[int], indices, dtype, pad_multiple, deferred, expert=False) -> BucketLayout:
     ranges, start = [], 0
     for i in indices:
-        ranges.append((start, start + params[i].numel()))
-        start += params[i].numel()
+        ranges.append((start, start + numels[i]))
+        start += numels[i]
     padded = -(-start // pad_multiple) * pad_multiple
     return BucketLayout(tuple(indices), tuple(ranges), padded, dtype, deferred, expert)
 

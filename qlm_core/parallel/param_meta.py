@@ -7,6 +7,7 @@ Layers mark their parameters when they create them (`mark`); gradient buffers, o
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import TypeVar
 
 import torch
@@ -40,9 +41,14 @@ def meta_of(param: torch.Tensor) -> ParamMeta:
     return getattr(param, _ATTRIBUTE, _UNMARKED)
 
 
+@lru_cache(maxsize=None)
+def _with_flags(meta: ParamMeta, flags: tuple[tuple[str, bool], ...]) -> ParamMeta:
+    return replace(meta, **dict(flags))
+
+
 def mark(param: Param, **flags: bool) -> Param:
     """Set the named ParamMeta flags of `param` (the others keep their values); returns `param`."""
-    setattr(param, _ATTRIBUTE, replace(meta_of(param), **flags))
+    setattr(param, _ATTRIBUTE, _with_flags(meta_of(param), tuple(sorted(flags.items()))))
     return param
 
 

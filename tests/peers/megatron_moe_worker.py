@@ -3,13 +3,17 @@ SequentialMLP experts, allgather dispatcher, shared expert + gate, q/k layernorm
 compares its logits with transformers' (saved by the test).
 
 Run as: torchrun --nproc-per-node TP*PP megatron_moe_worker.py CASES.json
-Each case: {"ckpt", "format" ("torch": legacy files at their own TP/PP; "torch_dist": loaded with
-dist_checkpointing at "tp" x "pp", nothing asked for absent), "ids", "expected", "result"}. CPU patches as for the
-dense peers (peers/megatron_logits.py), plus `te_general_gemm`, which megatron-core 0.16.1's router names without
-importing it when Transformer Engine is absent.
+Each case: {"ckpt", "format" ("torch": legacy files at their own TP/PP/EP; "torch_dist": loaded with
+dist_checkpointing at "tp" x "pp", nothing asked for absent), "ids", "expected", "result"}, and optionally
+"sequence_parallel" and "ranks" (a path with "{rank}"): each global rank then writes there, before its strict load,
+megatron-core's own TP / EP / expert-TP ranks, the legacy folder qlm named for them, every key whose presence or
+shape differs between megatron-core's state_dict() and that file (_extra_state aside), and, after the load, the
+routed-expert tensors the model holds. CPU patches as for the dense peers (peers/megatron_logits.py), plus
+`te_general_gemm`, which megatron-core 0.16.1's router names without importing it when Transformer Engine is absent.
 """
 
 import argparse
+import copy
 import json
 import math
 from pathlib import Path
@@ -22,7 +26,27 @@ from peers.megatron_logits import forward, run_cases, transformer_config  # and 
 torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing
 
 
-def build_model(args, pre, post):
+def _sequence_parallel_torch_norm():
+    """megatron-core's local-spec norm (torch RMSNorm, no Apex / TE here) refuses sequence_parallel, which only
+    changes which tokens a rank normalizes (and, in training, all-reduces the norm's gradient): build it from a
+    copy of the config with the flag off. Nothing changes for a config without sequence parallelism."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    build = WrappedTorchNorm.__new__
+
+    def new(cls, config, *args, **kwargs):
+        if config.sequence_parallel:
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        return build(cls, config, *args, **kwargs)
+
+    WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+_sequence_parallel_torch_norm()
+
+
+def build_model(args, pre, post, sequence_parallel=False):
     import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
@@ -35,7 +59,11 @@ def build_model(args, pre, post):
         moe_shared_expert_gate=args.moe_shared_expert_gate, moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_router_score_function=args.moe_router_score_function, moe_layer_freq=args.moe_layer_freq,
         moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
     ) if experts else {}
+    if sequence_parallel:
+        moe["sequence_parallel"] = True
     config = transformer_config(args, qk_layernorm=args.qk_layernorm, **moe)
     if experts:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
@@ -59,9 +87,11 @@ def open_case(case):
         iteration_dir, _ = resolve_iteration_dir(Path(case["ckpt"]))
         peek = torch.load(next(iteration_dir.glob(f"mp_rank_*/{SHARD_FILE}")), weights_only=True, map_location="cpu")
 
-        def state(model, tp_rank, pp_rank):
-            file = iteration_dir / shard_dir_name(tp_rank, pp_rank, peek["args"].pipeline_model_parallel_size)
-            return torch.load(file / SHARD_FILE, weights_only=True, map_location="cpu")["model"]
+        def state(model, tp_rank, pp_rank, ep_rank=0):
+            args = peek["args"]
+            file = iteration_dir / shard_dir_name(tp_rank, pp_rank, args.pipeline_model_parallel_size, ep_rank,
+                                                  getattr(args, "expert_model_parallel_size", 1) or 1)
+            return torch.load(file / SHARD_FILE, weights_only=True, map_location="cpu")["model"], file.name
 
         return peek["args"], state
     from megatron.core import dist_checkpointing
@@ -72,8 +102,9 @@ def open_case(case):
     multiple = (args.make_vocab_size_divisible_by or 128) * case["tp"]
     args.padded_vocab_size = math.ceil(args.vocab_size / multiple) * multiple
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = case["tp"], case["pp"]
+    args.expert_model_parallel_size, args.expert_tensor_parallel_size = 1, None  # the load's, not the writer's
 
-    def state(model, tp_rank, pp_rank):
+    def state(model, tp_rank, pp_rank, ep_rank=0):
         # megatron-core's words: "unexpected" = asked for but not in the checkpoint, "missing" = in the checkpoint
         # but not asked for. Nothing may be unexpected; the one key the local spec leaves is the Transformer-Engine
         # spec's spelling of an MoE layer's pre_mlp_layernorm, written beside the local spec's for that spec
@@ -81,9 +112,34 @@ def open_case(case):
             {"model": model.sharded_state_dict()}, str(iteration_dir), strict=StrictHandling.RETURN_ALL)
         assert not unexpected, sorted(unexpected)
         assert all(key.endswith("pre_mlp_layernorm.weight") for key in missing), sorted(missing)
-        return loaded["model"]
+        return loaded["model"], None
 
     return args, state
+
+
+def report_ranks(path, model, weights, folder, tp_rank, pp_rank, ep_rank):
+    """megatron-core's ranks, the folder qlm named for them and the keys whose presence or shape differs between
+    the model's state_dict() and that file (_extra_state aside), to `path` (a torch file), before the load."""
+    from megatron.core import parallel_state as ps
+
+    def shapes(state):
+        return {k: list(v.shape) for k, v in state.items() if not k.endswith("_extra_state")}
+
+    ours, theirs = shapes(model.state_dict()), shapes(weights)
+    torch.save({
+        "tp_rank": tp_rank, "pp_rank": pp_rank, "ep_rank": ep_rank,
+        "etp_rank": ps.get_expert_tensor_parallel_rank(), "sequence_parallel": model.config.sequence_parallel,
+        "folder": folder, "keys": len(ours),
+        "differ": sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)),
+    }, path)
+
+
+def report_experts(path, model):
+    """After the strict load: the routed-expert tensors the model holds, added to `path`."""
+    report = torch.load(path, weights_only=True)
+    report["experts"] = {k: v.detach().clone() for k, v in model.state_dict().items()
+                         if ".local_experts." in k and not k.endswith("_extra_state")}
+    torch.save(report, path)
 
 
 def run_case(case):
@@ -92,12 +148,20 @@ def run_case(case):
 
     args, state = open_case(case)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    ps.initialize_model_parallel(tp, pp)
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()  # megatron-core's own EP rank of this global rank
     pre, post = pp_rank == 0, pp_rank == pp - 1
-    model = build_model(args, pre, post)
-    model.load_state_dict(state(model, tp_rank, pp_rank), strict=True)  # every key, every shape
+    model = build_model(args, pre, post, case.get("sequence_parallel", False))
+    weights, folder = state(model, tp_rank, pp_rank, ep_rank)
+    if case.get("ranks"):
+        report_ranks(case["ranks"].format(rank=dist.get_rank()), model, weights, folder, tp_rank, pp_rank, ep_rank)
+    model.load_state_dict(weights, strict=True)  # every key, every shape
+    if case.get("ranks"):
+        report_experts(case["ranks"].format(rank=dist.get_rank()), model)
     logits = forward(model, args, torch.load(case["ids"], weights_only=True), pre, post)
     if logits is not None:
         expected = torch.load(case["expected"], weights_only=True)
