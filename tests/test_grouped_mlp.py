@@ -54,3 +54,29 @@ def test_shapes_the_grouped_gemm_cannot_align_use_the_loop():
     x, fc1, fc2 = tensors(counts, 12, 6, torch.float32)
     out = grouped_swiglu_mlp(x, counts, fc1, fc2)  # grouped=None: chooses the loop
     assert torch.equal(out, reference(x, counts, fc1, fc2))
+
+
+@pytest.mark.parametrize("counts", [(8, 0), (0, 8), (5, 0, 3, 0)])
+def test_an_empty_experts_weight_gradient_is_zero_even_where_the_kernel_leaves_it_unwritten(monkeypatch, counts):
+    """Some GPU kernels leave an empty group's weight gradient as it was; imitate that (NaN in every group without
+    rows) on CPU: the kernel must zero those gradients itself, the last expert's too when no padding rows join it."""
+    real = torch._grouped_mm
+
+    def unwritten_empty_groups(a, b, offs):
+        out = real(a, b, offs=offs)
+        if out.dim() != 3:  # only the weight gradients are [groups, ...]
+            return out
+        starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+        out[(offs - starts) == 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", unwritten_empty_groups)
+    hidden, ffn = 16, 8
+    x = torch.randn(sum(counts), hidden, requires_grad=True)
+    fc1 = [torch.randn(2 * ffn, hidden, requires_grad=True) for _ in counts]
+    fc2 = [torch.randn(hidden, ffn, requires_grad=True) for _ in counts]
+    grouped_swiglu_mlp(x, counts, fc1, fc2, grouped=True).sum().backward()
+    for count, w1, w2 in zip(counts, fc1, fc2, strict=True):
+        assert torch.isfinite(w1.grad).all() and torch.isfinite(w2.grad).all()
+        if count == 0:
+            assert not w1.grad.any() and not w2.grad.any()

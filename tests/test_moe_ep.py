@@ -72,3 +72,14 @@ def test_ep_needs_an_moe_model_and_a_dividing_grid():
                global_batch_size=GLOBAL_BATCH, seq_length=SEQ)
     with pytest.raises(QlmError, match="ep\\*etp = 4\\*1 does not divide dp\\*cp\\*tp"):
         resolve_sizes(2, ep=4, etp=1)
+
+
+def test_capacity_under_ep_and_tp_is_refused():
+    """Each SP rank would drop by its own share of the micro-batch (Megatron's per-rank rule), not as one process."""
+    from qlm_core.config import MoeConfig
+
+    config = ParallelConfig(ep=2, tp=2, sp=True)
+    with pytest.raises(QlmError, match="moe.capacity_factor with expert parallelism under tp > 1"):
+        Engine(MOE, config, Grid(resolve_sizes(4, tp=2, ep=2)), micro_batch_size=1, global_batch_size=GLOBAL_BATCH,
+               seq_length=SEQ, moe=MoeConfig(capacity_factor=1.0))
+

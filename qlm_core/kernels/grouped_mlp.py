@@ -79,8 +79,11 @@ class _GroupedSwiGLU(Function):
             grad_fc1_out = _swiglu_backward(torch._grouped_mm(grad_p, torch.stack(fc2), offs=offsets), fc1_out_p, ffn)
             grad_fc1 = torch._grouped_mm(grad_fc1_out.t(), x_p, offs=offsets)
             grad_x = torch._grouped_mm(grad_fc1_out, torch.stack(fc1), offs=offsets)[: x.shape[0]]
-            empty = [e for e, count in enumerate(counts[:-1]) if count == 0]  # the last group holds the padding
-            if empty:  # some GPU kernels leave an empty group's weight gradient unwritten
+            # groups without rows (the last one holds the padding rows, when there are any); some GPU kernels leave
+            # an empty group's weight gradient unwritten
+            padded_last = rows > x.shape[0]
+            empty = [e for e, count in enumerate(counts) if count == 0 and not (padded_last and e == experts - 1)]
+            if empty:
                 grad_fc1[empty] = 0
                 grad_fc2[empty] = 0
             grads_w = list(grad_fc1.unbind(0)) + list(grad_fc2.unbind(0))

@@ -215,6 +215,8 @@ class Grid:
                                "launch with torchrun (qlm train does it for you)")
             return cls.single()
         ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
+        if ranks != sorted(ranks):  # torch numbers a group's members by global rank; the expert dispatch relies on it
+            raise ValueError(f"Grid.build needs its ranks in increasing order, got {ranks}")
         if len(ranks) != sizes.world:
             raise QlmError(f"world size {len(ranks)} != dp*pp*cp*tp = {sizes.world}",
                            "launch dp*pp*cp*tp processes")

@@ -3,8 +3,10 @@
   GEMMs        the router [h -> E] (and the shared expert's gate [h -> 1]) on the router's tokens (T/tp under SP);
                every expert's TP shard over its share of the T·k routed rows, fc1 [h -> 2F/tp] and fc2
                [F/tp -> h], each at the fitted efficiency of its own weight shape (as the dense GEMMs: the fit
-               knows weight dimensions only, so the few rows each expert gets, T·k/E, cost nothing extra; one
-               grouped GEMM runs them all); the shared expert like the dense MLP.
+               knows weight dimensions only; one grouped GEMM runs them all), but never faster than reading the
+               rank's expert weights from HBM once per pass (a roofline floor: with few rows per expert, T·k/E,
+               a grouped GEMM is bound by its weights' bytes, not its FLOPs — Qwen3-30B-A3B at 1024 tokens a rank
+               reads 128 experts' 400 MB per layer for 26 GFLOP); the shared expert like the dense MLP.
                Keyed as the dense layer's (linear_fc1: the GEMMs before SwiGLU, the router's with them; linear_fc2:
                those after), so the recompute rules apply unchanged.
   elementwise  SwiGLU over the routed rows and the shared expert (k·F/tp + S/tp in the dense layer's units), and
@@ -20,8 +22,9 @@ Expert parallelism (parallel/expert_dispatch.py; α = case.load_factor, the busi
 which every rank waits for at the all-to-all): a rank routes its own T_r tokens (T/tp under SP) and runs its E/ep
 experts of F/etp over α·etp·T_r·k received rows:
   GEMMs        α·k·(T_r/T)·2h·2F (fc1) and α·k·(T_r/T)·2F·h (fc2) FLOPs per token of T, at the efficiency of the
-               [h -> 2F/etp] and [F/etp -> h] weights (the same rule as above: more rows per expert cost nothing
-               extra in the fit);
+               [h -> 2F/etp] and [F/etp -> h] weights, with the same floor over the E/ep experts' weights (what
+               makes EP faster than every rank running every expert: each rank reads 1/ep of the weights for
+               ep times the rows);
   elementwise  SwiGLU over the received rows; the permutation's PERMUTE_PASSES over the etp·T_r·k rows sent and
                RECEIVED_PASSES over the received ones (their expert-major index_select and its inverse, each a read
                and a write, forward and backward);
@@ -62,18 +65,23 @@ def expert_ffn(case: ProfileCase) -> float:
     return case.spec.moe.ffn_hidden_size / (case.sizes.etp if case.expert_parallel else case.parallel.tp)
 
 
-def moe_layer_gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float,
-                           attention: dict[str, float]) -> dict[str, float]:
+def local_experts(case: ProfileCase) -> int:
+    return case.spec.moe.num_experts // (case.sizes.ep if case.expert_parallel else 1)
+
+
+def moe_layer_gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float, attention: dict[str, float],
+                           hbm_bytes_per_s: float, tokens: float) -> dict[str, float]:
     """Forward seconds per token of an MoE layer's GEMMs on this rank; `attention`: the dense layer's linear_qkv
-    and linear_proj figures (timing.gemm_seconds)."""
+    and linear_proj figures (timing.gemm_seconds); `tokens`: the rank's T of one micro-batch."""
     s, p = case.spec, case.parallel
     moe, h, tp = s.moe, s.hidden_size, p.tp
     router_share = 1 / tp if p.sp and tp > 1 else 1.0  # the router runs on the rank's sequence shard under SP
     router_n = moe.num_experts + (1 if moe.shared_expert_gate else 0)
     router = router_share * 2 * h * router_n / (peak * rates.gemm(h, router_n))
     ffn, rows = expert_ffn(case), expert_rows_per_token(case)
-    fc1 = rows * 2 * h * 2 * ffn / (peak * rates.gemm(h, 2 * ffn))
-    fc2 = rows * 2 * ffn * h / (peak * rates.gemm(ffn, h))
+    weight_read = local_experts(case) * h * ffn * case.dtype_bytes / (hbm_bytes_per_s * tokens)  # per token, F x h
+    fc1 = max(rows * 2 * h * 2 * ffn / (peak * rates.gemm(h, 2 * ffn)), 2 * weight_read)
+    fc2 = max(rows * 2 * ffn * h / (peak * rates.gemm(ffn, h)), weight_read)
     shared = moe.shared_expert_hidden_size / tp
     if shared:
         fc1 += 2 * h * 2 * shared / (peak * rates.gemm(h, 2 * shared))

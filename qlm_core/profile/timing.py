@@ -194,7 +194,7 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
     layer_gemm, layer_elementwise = sum(per_gemm.values()), sum(per_elementwise.values())
     partial_s, partial_volumes = recompute_per_layer(case, per_gemm, attention / T, per_elementwise)
     if moe_layers:  # the stage's mean layer; its MoE layers' MLPs (profile/moe_timing.py)
-        moe_gemm = moe_layer_gemm_seconds(case, rates, peak, per_gemm)
+        moe_gemm = moe_layer_gemm_seconds(case, rates, peak, per_gemm, gpu.hbm_gbps * 1e9, T)
         moe_elementwise = moe_elementwise_seconds(case, rates, gpu, per_elementwise)
         layer_gemm = (dense_layers * layer_gemm + moe_layers * sum(moe_gemm.values())) / layers
         layer_elementwise = (dense_layers * layer_elementwise + moe_layers * sum(moe_elementwise.values())) / layers

@@ -68,6 +68,11 @@ def validate_moe(spec: ModelSpec, moe: MoeConfig, config: ParallelConfig):
         raise QlmError("moe.aux_loss_type = 'transformers' needs parallel.pp = 1 (its one loss couples every layer's "
                        "router, and each pipeline stage holds only some)",
                        "use moe.aux_loss_type = 'megatron' (per layer) or set parallel.pp = 1")
+    expert_parallel = config.ep > 1 or (config.etp is not None and config.etp != config.tp)
+    if spec.moe is not None and moe.capacity_factor is not None and expert_parallel and config.tp > 1:
+        raise QlmError("moe.capacity_factor with expert parallelism under tp > 1: each sequence-parallel rank would "
+                       "drop tokens by its own share of the micro-batch, unlike one process",
+                       "drop moe.capacity_factor (drop-less), or set parallel.tp = 1")
     if spec.moe is not None and moe.capacity_factor is not None and config.cp > 1:
         raise QlmError("moe.capacity_factor with parallel.cp > 1: each context-parallel rank would drop tokens by "
                        "its own share of the sequence, unlike one process", "drop moe.capacity_factor (drop-less) "
@@ -91,7 +96,7 @@ def validate_experts(spec: ModelSpec, config: ParallelConfig):
                        "choose etp dividing moe_intermediate_size")
     if tp > 1 and not config.sp:
         raise QlmError(f"parallel.ep = {ep} / etp = {etp} with tp = {tp} needs sequence parallelism (each rank "
-                       "dispatches its own tokens; Megatron-Core has the same rule)", "set parallel.sp = true")
+                       "dispatches its own tokens, so TP ranks must not hold the same ones)", "set parallel.sp = true")
 
 
 def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSizes, seq_length: int,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from parallel_cases import CASES, GLOBAL_BATCH, SEQ, SPEC, STEPS, make_batch
+from parallel_cases import CASES, GLOBAL_BATCH, SEQ, SPEC, make_batch
 
 from qlm_core.checkpoint.formats.megatron_args import make_args
 from qlm_core.checkpoint.formats.megatron_legacy import (
@@ -56,7 +56,7 @@ def run_case(name: str, outdir: Path):
     batch = Batch(input_ids[mine], labels[mine], None if position_ids is None else position_ids[mine],
                   None if segment_ids is None else segment_ids[mine])
     losses, norms, moe_figures = [], [], []
-    for step in range(STEPS):
+    for step in range(case.steps):
         loss_sum = engine.forward_backward(batch)
         if step == 0:
             grads = full_grads(engine)  # a collective over the data ranks under ZeRO 1-3: every rank calls it
