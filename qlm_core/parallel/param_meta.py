@@ -7,7 +7,7 @@ Layers mark their parameters when they create them (`mark`); gradient buffers, o
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cache
 from typing import TypeVar
 
 import torch
@@ -41,7 +41,7 @@ def meta_of(param: torch.Tensor) -> ParamMeta:
     return getattr(param, _ATTRIBUTE, _UNMARKED)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _with_flags(meta: ParamMeta, flags: tuple[tuple[str, bool], ...]) -> ParamMeta:
     return replace(meta, **dict(flags))
 
