@@ -119,10 +119,10 @@ CASES = {
                                    data="moe"),
     "moe_ep2_pp2_interleaved": LayoutCase(4, dict(ep=2, pp=2, vpp=2, pp_schedule="interleaved_1f1b"),
                                          micro_batch_size=1, data="moe"),
-    "moe_seq_ep2_cp2": LayoutCase(2, dict(ep=2, cp=2), data="moe_seq"),
+    "moe_seq_cp2": LayoutCase(2, dict(cp=2), data="moe_seq"),
     # 1F1B runs stage 0's second forward before its first backward recomputes: the recompute must not see it
     "moe_global_pp2_recompute_full": LayoutCase(2, dict(pp=2, recompute="full"), data="moe_global"),
-    "moe_global_ep2_cp2": LayoutCase(2, dict(ep=2, cp=2), data="moe_global"),
+    "moe_global_cp2": LayoutCase(2, dict(cp=2), data="moe_global"),
 }
 
 
