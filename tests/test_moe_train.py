@@ -95,7 +95,8 @@ def test_the_transformers_variant_keeps_no_router_graph_without_a_coefficient():
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["moe.aux_loss_type=\"switch\""], "moe.aux_loss_type 'switch' is not one of megatron, sequence, global, transformers"),
+    (["moe.aux_loss_type=\"switch\""],
+     "moe.aux_loss_type 'switch' is not one of megatron, sequence, global, transformers"),
     (["moe.capacity_factor=0"], "moe.capacity_factor must be > 0"),
     (["moe.experts=4"], "unknown key moe.experts"),
 ])
