@@ -92,7 +92,7 @@ def _ep_rank(rank: int, args, init_file: str, results):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     moe = MoeSpec(args.experts, args.topk, args.ffn)
     ep1 = SequentialExperts(args.hidden, moe, 1, torch.float32)
-    ep2 = SequentialExperts(args.hidden, moe, 1, torch.float32, ExpertParallel(2, 1, rank, 0, dist.group.WORLD))
+    ep2 = SequentialExperts(args.hidden, moe, 1, torch.float32, ExpertParallel(2, 1, dist.group.WORLD))
     init_experts(ep1, 0)
     init_experts(ep2, 1 + rank)
     tokens, probs, indices = routed(args, torch.Generator().manual_seed(100 + rank))

@@ -30,12 +30,10 @@ from qlm_core.parallel.comm import group_size
 
 @dataclass(frozen=True)
 class ExpertParallel:
-    """This rank's place among the routed experts' ranks (parallel/state.py's expert axes)."""
+    """The routed experts' split (parallel/state.py's expert axes) and the group its tokens move in."""
 
     ep: int = 1
     etp: int = 1
-    ep_rank: int = 0
-    etp_rank: int = 0
     group: ProcessGroup | None = None  # the ep x etp ranks tokens are dispatched among
 
 

@@ -162,7 +162,6 @@ class Grid:
     embedding_group: ProcessGroup | None = None  # first and last pipeline stage, for tied embeddings
     # routed experts (see the module docstring); all None when the experts follow the dense TP split
     expert_group: ProcessGroup | None = None  # ep x etp: the ranks tokens are dispatched among
-    expert_tp_group: ProcessGroup | None = None  # etp
     expert_dp_group: ProcessGroup | None = None  # edp: expert gradients are reduced over it
     expert_coords: dict[str, int] = field(default_factory=lambda: {"etp": 0, "ep": 0, "edp": 0})
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, stage order
@@ -252,8 +251,8 @@ class Grid:
             if me in members:
                 grid.embedding_group = group
         if sizes.expert_parallel:
-            grid.expert_group, grid.expert_tp_group, grid.expert_dp_group = (
-                _expert_groups(sizes, ranks, me, varying) for varying in (("ep", "etp"), ("etp",), ("edp",)))
+            grid.expert_group, grid.expert_dp_group = (
+                _expert_groups(sizes, ranks, me, varying) for varying in (("ep", "etp"), ("edp",)))
         return grid if rank is not None else None
 
     def describe(self) -> str:

@@ -155,7 +155,7 @@ class Engine:
         s = self.grid.sizes
         if not s.expert_parallel:
             return None
-        return ExpertParallel(s.ep, s.etp, self.grid.ep_rank, self.grid.etp_rank, self.grid.expert_group)
+        return ExpertParallel(s.ep, s.etp, self.grid.expert_group)
 
     def _expert_units(self) -> list[torch.nn.Module]:
         """Under expert parallelism, each MoE layer's routed experts (ZeRO 3 shards them over their own group)."""

@@ -15,11 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from peers.megatron_logits import build_model, run_cases  # its module-level CPU patches apply too
+from peers.megatron_logits import build_model, forward, run_cases  # its module-level CPU patches apply too
 
-torch.cuda.current_device = lambda: "cpu"
-torch.cuda.synchronize = lambda *a, **k: None
-torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings with PP>1 call .cuda() during setup
+torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing synchronises
 
 
 def megatron_args(common_args, tp, pp):
@@ -31,24 +29,6 @@ def megatron_args(common_args, tp, pp):
     args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
     args.ckpt_format = "torch_dist"
     return args
-
-
-def forward(model, args, ids, pre, post, tp_rank):
-    from megatron.core import parallel_state as ps
-
-    b, s = ids.shape
-    position_ids = torch.arange(s)[None].expand(b, s)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
-    with torch.no_grad():
-        if not pre:
-            hidden = torch.empty(s, b, args.hidden_size)
-            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-            model.set_input_tensor(hidden)
-        out = model(ids if pre else None, position_ids, mask)
-        if not post:
-            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-            return None
-        return out if tp_rank == 0 else None
 
 
 def run_case(case):
@@ -64,7 +44,7 @@ def run_case(case):
     args = megatron_args(common["args"], case["tp"], case["pp"])
     ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    tp_rank, pp_rank, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), case["pp"]
+    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), case["pp"]
     pre, post = pp_rank == 0, pp_rank == pp - 1
     model = build_model(args, pre, post)
     # As Megatron-LM loads it (the model under "model", the common state beside it). RAISE_ALL: every key the
@@ -75,7 +55,7 @@ def run_case(case):
     assert state["checkpoint_version"] == 3.0 and "args" in state
     model.load_state_dict(state["model"], strict=True)
 
-    logits = forward(model, args, torch.load(case["ids"], weights_only=True), pre, post, tp_rank)
+    logits = forward(model, args, torch.load(case["ids"], weights_only=True), pre, post)
     if logits is not None:
         expected = torch.load(case["expected"], weights_only=True)
         diff = (logits[..., : expected.shape[-1]] - expected).abs().max().item()

@@ -41,7 +41,7 @@ def dispatch_plan(outdir: Path):
     """ep2 x etp1 over both ranks: rank r routes r+1 pairs to each of the 4 experts (2 per rank)."""
     grid = Grid.build(resolve_sizes(2, ep=2))
     counts = torch.full((4,), grid.rank + 1, dtype=torch.long)
-    plan = plan_dispatch(counts, ExpertParallel(2, 1, grid.ep_rank, grid.etp_rank, grid.expert_group))
+    plan = plan_dispatch(counts, ExpertParallel(2, 1, grid.expert_group))
     (outdir / f"plan.rank{grid.rank}.json").write_text(json.dumps({
         "input_splits": plan.input_splits, "output_splits": plan.output_splits,
         "expert_counts": plan.expert_counts, "to_expert_major": plan.to_expert_major.tolist()}))

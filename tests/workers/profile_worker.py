@@ -206,7 +206,7 @@ def ep_layer_case(name: str, out: Path):
     grid = Grid.build(sizes, ranks=list(range(world)))
     if grid is None:
         return
-    experts = ExpertParallel(sizes.ep, sizes.etp, grid.ep_rank, grid.etp_rank, grid.expert_group)
+    experts = ExpertParallel(sizes.ep, sizes.etp, grid.expert_group)
     options = ParallelOptions(tp_group=grid.tp_group, sequence_parallel=sp, experts=experts)
     model = GPTModel(MOE, parallel=options, num_layers=3, dtype=torch.bfloat16)
     ids, labels = batch(2, MOE.vocab_size, seed=grid.dp_rank)
