@@ -254,7 +254,8 @@ class ExpertLoadMeter:
         if p.group is not None and dist.get_world_size(p.group) > 1:
             dist.all_reduce(counts, group=p.group)
         totals = counts.tolist()
-        sent, received = p.etp * indices.numel(), int(totals[p.ep_rank])
+        ep_rank = dist.get_rank(p.group) // p.etp if p.group is not None else 0  # group rank d·etp + j
+        sent, received = p.etp * indices.numel(), int(totals[ep_rank])
         if p.group is None or dist.get_world_size(p.group) == 1:  # one rank: it receives what it sends
             received = sent
         self.calls.append((sent, received))
