@@ -44,6 +44,8 @@ CheckpointFormat = Literal["torch", "torch_dist"]
 # global_aux_loss, the global-batch balancing Qwen3-MoE was trained with); transformers: one such loss over every
 # layer's router logits together (transformers' load_balancing_loss_func, k times larger for one layer)
 MoeAuxLossType = Literal["megatron", "sequence", "global", "transformers"]
+# softmax over the experts, or each expert's sigmoid score (DeepSeek-V3; Megatron's --moe-router-score-function)
+RouterScoreFunction = Literal["softmax", "sigmoid"]
 
 
 def choices(literal) -> tuple:
@@ -223,6 +225,13 @@ class MoeConfig:
     z_loss_coeff: float = bounded(0.0, least=0, meaning="Megatron's --moe-z-loss-coeff, e.g. 1e-3")
     capacity_factor: float | None = bounded(None, above=0)  # absent: drop-less; else ceil(T·k/E·cf) tokens an expert
     aux_loss_type: MoeAuxLossType = "megatron"
+    # the router of a model trained from scratch (absent: the model's own; a loaded model keeps its router):
+    # Megatron's --moe-router-score-function and --moe-router-enable-expert-bias. The expert bias is aux-loss-free
+    # balancing (DeepSeek-V3): a per-expert bias added to the scores only to choose the top k, moved after every step
+    # by router_bias_update_rate toward an even load over the global batch; sigmoid routing only, as in Megatron
+    router_score_function: RouterScoreFunction | None = None
+    router_expert_bias: bool | None = None
+    router_bias_update_rate: float = bounded(1e-3, least=0, meaning="Megatron's --moe-router-bias-update-rate")
 
 
 @dataclass

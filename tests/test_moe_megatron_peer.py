@@ -26,7 +26,49 @@ CASES = {f"{kind}_{fmt}": (kind, fmt) for kind in QWEN3_MOE_KINDS for fmt in ("t
 # and expert-TP 2 (one folder per rank); the shared expert and the attention stay TP-split
 EP_CASES = {"qwen2_moe_torch_ep2_etp1": ("qwen2_moe", dict(tp=2, ep=2, etp=1)),
             "qwen3_moe_torch_ep2_etp2": ("qwen3_moe", dict(tp=2, ep=2, etp=2))}
+# a sigmoid router with expert biases (aux-loss-free balancing; no transformers family has it): qlm's own logits
+BIAS_CASES = {f"qwen3_moe_bias_{fmt}": fmt for fmt in ("torch", "torch_dist")}
 RANKS = 4
+
+
+class _BiasedSource:
+    """`base`'s weights, and for each router's expert bias values large enough to change the routing."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def stored_dtype(self, tensor):
+        return torch.float32 if tensor.buffer else self.base.stored_dtype(tensor)
+
+    def read_into(self, tensor, start, stop, out):
+        if not tensor.buffer:
+            return self.base.read_into(tensor, start, stop, out)
+        layer = int(tensor.name.split(".")[2])
+        bias = torch.randn(tensor.shape, generator=torch.Generator().manual_seed(layer)) * 0.3
+        out.copy_(bias[start:stop])
+
+
+def write_biased(hf_dir: Path, out: Path, fmt: str, ids: torch.Tensor, **layout) -> torch.Tensor:
+    """The HF model with a sigmoid router and expert biases, written by qlm at `layout`; qlm's logits of `ids`."""
+    import dataclasses
+
+    from qlm_core.checkpoint.convert.hf_megatron import no_progress, write_megatron
+    from qlm_core.checkpoint.convert.verify import qlm_logits_fn
+    from qlm_core.checkpoint.formats.hf import HFCheckpoint
+    from qlm_core.checkpoint.formats.megatron_args import make_args
+    from qlm_core.models.layout import HFTensorSource, ModelLayout
+
+    hf = HFCheckpoint(hf_dir)
+    spec = hf.spec.replace(moe=dataclasses.replace(hf.spec.moe, score_function="sigmoid", expert_bias=True))
+    source = _BiasedSource(HFTensorSource(hf))
+    written = ModelLayout(spec, **layout)
+    write_megatron(fmt, out, written, source, torch.float32, make_args(written, torch.float32, ckpt_format=fmt), None,
+                   no_progress)
+    with torch.no_grad():
+        logits = qlm_logits_fn(ModelLayout(spec), source, torch.float32)(ids)
+        unbiased = qlm_logits_fn(ModelLayout(hf.spec), HFTensorSource(hf), torch.float32)(ids)
+    assert (logits - unbiased).abs().max() > 1e-2  # the router and its biases change the outputs
+    return logits
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +89,13 @@ def peer_run(moe_models, tmp_path_factory):
                       "expected": str(tmp / f"{name}.expected.pt"), "result": str(tmp / f"{name}.json")})
         if ep_layout:  # megatron-core wants sequence parallelism for MoE under TP
             cases[-1] |= {"sequence_parallel": True, "ranks": str(tmp / f"{name}.rank{{rank}}.pt")}
+    for i, (name, fmt) in enumerate(BIAS_CASES.items()):
+        ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(100 + i))
+        layout = dict(tp=2, pp=2) if fmt == "torch" else dict(tp=1)
+        torch.save(write_biased(moe_models["qwen3_moe"], tmp / name, fmt, ids, **layout), tmp / f"{name}.expected.pt")
+        torch.save(ids, tmp / f"{name}.ids.pt")
+        cases.append({"ckpt": str(tmp / name), "format": fmt, "tp": 2, "pp": 2, "ids": str(tmp / f"{name}.ids.pt"),
+                      "expected": str(tmp / f"{name}.expected.pt"), "result": str(tmp / f"{name}.json")})
     (tmp / "cases.json").write_text(json.dumps(cases))
     worker = Path(__file__).parent / "peers" / "megatron_moe_worker.py"
     proc = launch_torchrun(worker, RANKS, tmp / "cases.json", timeout=600)
@@ -100,4 +149,12 @@ def test_megatron_core_loads_qlm_expert_parallel_legacy_files_for_its_own_ranks(
     assert seen == written and len(written) == (2 if etp == 1 else tp * ep), (seen, written)
     result = json.loads((peer_run / f"{name}.json").read_text())
     assert result["shape"] == [2, 16, 512]
+    assert result["max_abs_diff"] <= 1e-4, result
+
+
+@pytest.mark.parametrize("name", BIAS_CASES)
+def test_megatron_core_loads_qlm_expert_biases_and_gives_qlms_logits(peer_run, name):
+    """megatron-core with moe_router_enable_expert_bias (from the args qlm wrote) loads the routers' expert_bias
+    strictly and routes by it: its logits are qlm's, which the biases move away from the unbiased model's."""
+    result = json.loads((peer_run / f"{name}.json").read_text())
     assert result["max_abs_diff"] <= 1e-4, result

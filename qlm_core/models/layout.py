@@ -65,6 +65,8 @@ class TensorLayout:
     hf_primary: bool = True  # False for the tied output layer, a copy of the embedding
     stored_as: str | None = None  # the tensor checkpoints hold this one as (the tied output layer: the embedding)
     expert: bool = False  # a routed expert's linear: divided over EP ranks, split over the expert-TP size
+    dtype: torch.dtype | None = None  # held in this dtype whatever the model's (the routers' expert bias: fp32)
+    buffer: bool = False  # a module buffer (the routers' expert bias): saved with the weights, no optimizer state
 
     @property
     def stored_name(self) -> str:
@@ -301,6 +303,10 @@ class ModelLayout:
         experts = s.moe.num_experts
         out.append(("mlp.router.weight", TensorLayout(name + "mlp.router.weight", (experts, h), REPLICATED,
                                                       (Segment(0, experts, moe_hf + "gate.weight"),))))
+        if moe.expert_bias:  # a buffer (no _extra_state); HF: DeepSeek-V3's name for it
+            out.append(("mlp.router.expert_bias", TensorLayout(
+                name + "mlp.router.expert_bias", (experts,), REPLICATED,
+                (Segment(0, experts, moe_hf + "gate.e_score_correction_bias"),), dtype=torch.float32, buffer=True)))
         projections = _W1_W3_W2 if s.model_type == "mixtral" else _GATE_UP_DOWN
         for e in range(experts):
             out += _mlp_entries(name, f"{EXPERT_PREFIX}{e}.", moe.ffn_hidden_size, h, f"{moe_hf}experts.{e}.",
@@ -490,10 +496,15 @@ def _read_padded_into(source: TensorSource, tensor: TensorLayout, start: int, st
         out.narrow(tensor.axis, max(start, real) - start, stop - max(start, real)).zero_()
 
 
+def held_dtype(tensor: TensorLayout, source: TensorSource, dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype `tensor` is read and written in: its own fixed one, else `dtype`, else the source's."""
+    return tensor.dtype or dtype or source.stored_dtype(tensor)
+
+
 def read_range(source: TensorSource, tensor: TensorLayout, start: int, stop: int,
                dtype: torch.dtype | None = None) -> torch.Tensor:
     """Entries [start, stop) of `tensor` along its axis (zeros past the real vocabulary)."""
-    out = torch.empty(_range_shape(tensor, stop - start), dtype=dtype or source.stored_dtype(tensor))
+    out = torch.empty(_range_shape(tensor, stop - start), dtype=held_dtype(tensor, source, dtype))
     _read_padded_into(source, tensor, start, stop, out)
     return out
 
@@ -502,7 +513,7 @@ def read_shard_tensor(tensor: TensorLayout, tp: int, rank: int, source: TensorSo
                       dtype: torch.dtype | None = None) -> torch.Tensor:
     """TP rank `rank`'s shard of `tensor`: its ranges read straight into one buffer, zeros where they are
     vocabulary padding."""
-    out = torch.empty(tensor.shard_shape(tp), dtype=dtype or source.stored_dtype(tensor))
+    out = torch.empty(tensor.shard_shape(tp), dtype=held_dtype(tensor, source, dtype))
     offset = 0
     for start, stop in tensor.tp_ranges(tp, rank):
         _read_padded_into(source, tensor, start, stop, out.narrow(tensor.axis, offset, stop - start))
@@ -532,7 +543,7 @@ def assemble_hf_tensor(layout: ModelLayout, hf_name: str, source: TensorSource,
 def assemble_pieces(parts: list[tuple[TensorLayout, Segment]], source: TensorSource,
                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """The HF tensor made of `parts` (one entry of hf_pieces), read from `source`."""
-    out = torch.empty(pieces_shape(parts), dtype=dtype or source.stored_dtype(parts[0][0]))
+    out = torch.empty(pieces_shape(parts), dtype=held_dtype(parts[0][0], source, dtype))
     offset = 0
     for tensor, seg in parts:
         source.read_into(tensor, seg.start, seg.stop, out.narrow(tensor.axis, offset, seg.stop - seg.start))

@@ -124,11 +124,17 @@ class _AttachLoss(Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
-def route(logits: torch.Tensor, moe: MoeSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (probabilities [T, k] in the logits' dtype, expert indices [T, k])."""
+def route(logits: torch.Tensor, moe: MoeSpec,
+          expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (probabilities [T, k] in the logits' dtype, expert indices [T, k]). `expert_bias`
+    (sigmoid routing): added to the scores to choose the experts, not to weigh them."""
     if moe.score_function == "sigmoid":
         scores = torch.sigmoid(logits.float())
-        top, indices = torch.topk(scores, moe.topk, dim=-1)
+        if expert_bias is not None:
+            indices = torch.topk(scores + expert_bias, moe.topk, dim=-1).indices
+            top = scores.gather(-1, indices)
+        else:
+            top, indices = torch.topk(scores, moe.topk, dim=-1)
         probs = top / (top.sum(-1, keepdim=True) + 1e-20) if moe.topk > 1 else top
     elif moe.pre_softmax:
         probs, indices = torch.topk(torch.softmax(logits.float(), dim=-1), moe.topk, dim=-1)
@@ -136,6 +142,12 @@ def route(logits: torch.Tensor, moe: MoeSpec) -> tuple[torch.Tensor, torch.Tenso
         top, indices = torch.topk(logits, moe.topk, dim=-1)
         probs = torch.softmax(top.float(), dim=-1)
     return probs.to(logits.dtype), indices
+
+
+def updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, rate: float) -> torch.Tensor:
+    """Aux-loss-free balancing's step (Loss-Free Balancing, arXiv 2408.15664): each expert's bias moves by `rate`
+    up when it got fewer than the mean of its layer's choices, down when more. [..., E] counts and biases."""
+    return expert_bias + torch.sign(tokens_per_expert.mean(dim=-1, keepdim=True) - tokens_per_expert) * rate
 
 
 def aux_loss_scores(logits: torch.Tensor, moe: MoeSpec) -> torch.Tensor:
@@ -147,12 +159,28 @@ def aux_loss_scores(logits: torch.Tensor, moe: MoeSpec) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """Megatron's TopKRouter weight [E, h], replicated over TP (under SP each rank's gradient is partial)."""
+    """Megatron's TopKRouter weight [E, h], replicated over TP (under SP each rank's gradient is partial), and with
+    MoeSpec.expert_bias its `expert_bias` [E] (saved) and `local_tokens_per_expert` [E] (this rank's routed choices
+    since the last bias update; not saved), both fp32 whatever the model's dtype, as Megatron keeps them."""
+
+    _FP32_BUFFERS = ("expert_bias", "local_tokens_per_expert")
 
     def __init__(self, hidden: int, moe: MoeSpec, sequence_parallel: bool, dtype):
         super().__init__()
         self.weight = mark(nn.Parameter(torch.empty(moe.num_experts, hidden, dtype=dtype)),
                            sequence_parallel=sequence_parallel)
+        zeros = torch.zeros(moe.num_experts, dtype=torch.float32) if moe.expert_bias else None
+        self.register_buffer("expert_bias", zeros)
+        self.register_buffer("local_tokens_per_expert", None if zeros is None else zeros.clone(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """Moves (and casts) like any module, except that the bias buffers keep fp32 values: a bf16 bias would
+        move by its update rate in steps bf16 cannot resolve."""
+        kept = {name: self._buffers.pop(name) for name in self._FP32_BUFFERS if self._buffers.get(name) is not None}
+        super()._apply(fn, recurse)
+        for name, value in kept.items():
+            self._buffers[name] = value.to(fn(value).device)
+        return self
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.linear(tokens, self.weight)
@@ -283,7 +311,7 @@ class MoELayer(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(-1, h)
         logits = self.router(tokens)
-        probs, indices = route(logits, self.moe)
+        probs, indices = route(logits, self.moe, self.router.expert_bias)
         losses = self._losses(logits, indices, b) if torch.is_grad_enabled() else None  # training forwards only
         tp = group_size(self.tp_group)
         if self.expert_parallel is not None:  # each rank dispatches its own tokens (validate: SP under TP)
@@ -316,6 +344,17 @@ class MoELayer(nn.Module):
         o, moe = self.options, self.moe
         experts = moe.num_experts
         per_row = o.aux_loss_type == "sequence"
+        # inside backward a checkpoint re-runs the layer; torch pipelining's first step runs a shape-finding forward
+        recomputing = torch._C._current_graph_task_id() != -1 or shape_inference.active()
+        routed_counts = None  # with an expert bias: the experts chosen with it (the load the bias balances)
+        if self.router.expert_bias is not None:
+            routed_counts = torch.bincount(indices.reshape(-1), minlength=experts).float()
+            if not recomputing:
+                self.router.local_tokens_per_expert += routed_counts
+            for group in self._sequence_groups():
+                all_reduce(routed_counts, group)
+            # fᵢ counts the choices the unbiased scores make (Megatron-Core's aux-loss routing map)
+            indices = torch.topk(logits, moe.topk, dim=-1).indices
         flat = indices.reshape(-1)
         if per_row:  # counts per (row, expert)
             row_of = torch.arange(flat.numel(), device=flat.device) // moe.topk % rows
@@ -326,8 +365,8 @@ class MoELayer(nn.Module):
             all_reduce(counts, group)
             tokens *= group_size(group)
         layer_counts = counts.view(rows, experts).sum(0) if per_row else counts
-        # inside backward a checkpoint re-runs the layer; torch pipelining's first step runs a shape-finding forward
-        recomputing = torch._C._current_graph_task_id() != -1 or shape_inference.active()
+        if routed_counts is not None:
+            layer_counts = routed_counts
         balance_counts = counts
         if o.aux_loss_type == "global":  # every data-parallel rank's micro-batch (the cp ranks' counts are whole)
             cp = group_size(self.cp_group)

@@ -4,17 +4,20 @@ Hugging Face config keys for Qwen2-MoE, Qwen3-MoE and Mixtral.
 Routing, as Megatron-Core names it: `pre_softmax` (Qwen2-MoE with norm_topk_prob = false) takes the softmax over
 all experts and keeps the top-k probabilities as they are; otherwise the top-k of the logits get a softmax over the
 k (Mixtral; equal to Qwen3-MoE's softmax over all experts renormalised over the top k). `score_function = "sigmoid"`
-scores each expert independently and normalises the top k to sum to one (DeepSeek-V3's router).
+scores each expert independently and normalises the top k to sum to one (DeepSeek-V3's router); with
+`expert_bias` a per-expert bias (a fp32 buffer the trainer moves toward an even load) is added to those scores to
+choose the top k, and the chosen experts' unbiased scores weigh them (aux-loss-free balancing).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from qlm_core.config import RouterScoreFunction
 from qlm_core.errors import QlmError
 
-ScoreFunction = Literal["softmax", "sigmoid"]
+ScoreFunction = RouterScoreFunction
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 
@@ -25,6 +28,7 @@ class MoeSpec:
     ffn_hidden_size: int  # of one routed expert
     pre_softmax: bool = False
     score_function: ScoreFunction = "softmax"
+    expert_bias: bool = False  # the router's aux-loss-free balancing bias (Megatron's mlp.router.expert_bias)
     shared_expert_hidden_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x . gate_weight)
     layer_pattern: tuple[int, ...] = ()  # per layer 1 = MoE, 0 = dense MLP (Megatron's --moe-layer-freq list); ()
@@ -38,6 +42,9 @@ class MoeSpec:
             raise QlmError(f"MoE expert size {self.ffn_hidden_size}", "moe_intermediate_size must be positive")
         if self.score_function not in ("softmax", "sigmoid"):
             raise QlmError(f"router score function {self.score_function!r}", "use 'softmax' or 'sigmoid'")
+        if self.expert_bias and self.score_function != "sigmoid":
+            raise QlmError("a router expert bias with softmax scores (Megatron allows it with sigmoid routing only)",
+                           "set moe.router_score_function = 'sigmoid', or drop moe.router_expert_bias")
         if self.shared_expert_gate and not self.shared_expert_hidden_size:
             raise QlmError("a shared-expert gate without a shared expert", "set shared_expert_intermediate_size")
 

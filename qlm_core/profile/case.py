@@ -178,7 +178,7 @@ def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpe
     if model.load and not Path(model.load).exists():
         model = dataclasses.replace(model, load="")
     name = model.load or model.spec
-    spec = spec or resolve_model(model).spec
+    spec = spec or resolve_model(model, recipe.moe).spec
     p = dataclasses.replace(recipe.parallel)
     if num_gpus is None:
         num_gpus = p.tp * p.pp * p.cp * p.dp if p.dp else SEED_GPUS

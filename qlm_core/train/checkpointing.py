@@ -135,10 +135,11 @@ def _model_states(engine: Engine) -> list[dict]:
     for chunk in engine.chunks:
         state = {}
         full = lora_state_dict(chunk) if engine.lora is not None and engine.lora.rank > 0 else chunk.state_dict()
+        buffers = {name for name, _ in chunk.named_buffers()}  # keep their dtype (the routers' fp32 expert bias)
         for name, value in full.items():
             if isinstance(value, torch.Tensor):
                 value = whole(value)
-                value = value.detach().to(engine.dtype).cpu().clone()
+                value = value.detach().to(value.dtype if name in buffers else engine.dtype).cpu().clone()
             state[name] = value
         states.append(state)
     return states
@@ -358,18 +359,22 @@ def _owned_parts(engine: Engine, models: list[dict], param_states: list[dict]) -
         for view in OPTIMIZER_VIEWS:
             views[view][global_name[chunk, param_name]] = state[view].detach().float().cpu()
 
-    def mine(chunk) -> bool:
-        if chunk.tensor.name not in weights:
-            return False
-        if chunk.tensor.expert:
-            return expert_writer and chunk.tp_rank == g.etp_rank
-        return dense_writer and chunk.tp_rank == g.tp_rank
+    def mine(held: dict):
+        """Which chunks this rank writes of the tensors `held` (buffers have weights but no optimizer views)."""
+        def owns(chunk) -> bool:
+            if chunk.tensor.name not in held:
+                return False
+            if chunk.tensor.expert:
+                return expert_writer and chunk.tp_rank == g.etp_rank
+            return dense_writer and chunk.tp_rank == g.tp_rank
+        return owns
 
     def local(tensors):
         return _LocalShards(tensors, layout, g.tp_rank, g.etp_rank)
 
-    parts = [DistPart("", local(weights), engine.dtype, mine)]
-    parts += [DistPart(view_prefix(view), local(views[view]), torch.float32, mine) for view in OPTIMIZER_VIEWS]
+    parts = [DistPart("", local(weights), engine.dtype, mine(weights))]
+    parts += [DistPart(view_prefix(view), local(views[view]), torch.float32, mine(views[view]))
+              for view in OPTIMIZER_VIEWS]
     return parts
 
 
@@ -453,6 +458,17 @@ def describe_resume(root: Path, iteration: int) -> str:
     return f"resuming from iteration {iteration} (layout {saved_layout(open_megatron(root, iteration))})"
 
 
+def _load_buffers(engine: Engine, source, tensors: list[dict]) -> None:
+    """The module buffers a checkpoint holds (the routers' expert biases): read with the weights; no optimizer
+    state restores them."""
+    for chunk, held in zip(engine.chunks, tensors, strict=True):
+        buffers = dict(chunk.named_buffers())
+        for name, tensor in held.items():
+            if tensor.buffer:
+                buffers[name].copy_(read_shard_tensor(tensor, engine.layout.split_size(tensor), engine.grid.tp_rank,
+                                                      source))
+
+
 def load_checkpoint(root: Path, engine: Engine, iteration: int | None = None) -> tuple[TrainState, str]:
     """Restore weights (through the optimizer's fp32 masters), optimizer state, RNG and data position from
     checkpoint `iteration` (None: the latest), whatever TP/PP/DP it was written with. Returns the train state and
@@ -474,6 +490,7 @@ def load_checkpoint(root: Path, engine: Engine, iteration: int | None = None) ->
                                                     torch.float32).to(g.device)
         step = view_source.extra_state(OPTIMIZER_KEY)["step"]
     engine.optimizer.load_full_param_states(states, step)
+    _load_buffers(engine, source, tensors)
     train_state = TrainState(**source.extra_state(TRAIN_STATE_KEY))
     same_grid = (source.tp, source.pp) == (engine_layout.tp, engine_layout.pp)
     saved_rng = saved_rng_states(source, g.tp_rank, g.pp_rank) if same_grid else None

@@ -25,7 +25,7 @@ from qlm_core.dtypes import DTYPES
 from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import ParallelOptions
 from qlm_core.models.layout import TensorSource, recipe_layout
-from qlm_core.models.moe import MoELayer
+from qlm_core.models.moe import MoELayer, updated_expert_bias
 from qlm_core.models.spec import ModelSpec
 from qlm_core.models.stage import StageModel
 from qlm_core.parallel.comm import all_reduce, group_size
@@ -99,7 +99,7 @@ class Engine:
         c, g = self.config, self.grid
         validate_layout(self.spec, c, g.sizes, self.seq_length, self.micro_batch_size, self.global_batch_size)
         validate_grad_reduce_dtype(c.grad_reduce_dtype, next(n for n, t in DTYPES.items() if t == self.dtype))
-        validate_moe(self.spec, self.moe, c)
+        validate_moe(self.spec, self.moe, c, self.lora.rank if self.lora is not None else 0)
         self.layout = recipe_layout(self.spec, c)
         self.num_microbatches = self.global_batch_size // (self.micro_batch_size * g.sizes.dp)
         self.chunks = self._build_chunks(self.source or RandomInitSource(self.layout, seed=self.seed))
@@ -263,7 +263,26 @@ class Engine:
         self._moe_stats.start(self.chunks)
         loss_sum = self._run_microbatches(batch, backward=True)
         self.optimizer.finish_grad_sync()
+        self._update_expert_bias()
         return loss_sum
+
+    @torch.no_grad()
+    def _update_expert_bias(self) -> None:
+        """Aux-loss-free balancing (Megatron-Core's finalize_model_grads): each router's expert bias moves by
+        moe.router_bias_update_rate toward an even load, the step's routed choices summed over every rank of the
+        stage (TP's shards, data and context ranks; copies scale every count alike and leave the signs alone)."""
+        routers = [layer.mlp.router for chunk in self.chunks for layer in chunk.decoder.layers
+                   if isinstance(layer.mlp, MoELayer) and layer.mlp.router.expert_bias is not None]
+        if not routers:
+            return
+        counts = torch.stack([router.local_tokens_per_expert for router in routers])
+        all_reduce(counts, self.grid.tp_group)
+        all_reduce(counts, self.grid.dp_cp_group)
+        biases = updated_expert_bias(counts, torch.stack([router.expert_bias for router in routers]),
+                                     self.moe.router_bias_update_rate)
+        for router, bias in zip(routers, biases, strict=True):
+            router.expert_bias.copy_(bias)
+            router.local_tokens_per_expert.zero_()
 
     def update(self, lr: float | None = None) -> tuple[float, bool]:
         """Clip by the global gradient norm and apply AdamW; a non-finite norm skips the update.

@@ -74,10 +74,10 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
         # the recipe names, said as such (not "random init")
         warnings.append(f"warning: model.load {model.load} does not exist here: this dry run takes the model's "
                         f"numbers from model.spec {model.spec} (a real run stops at this)")
-        source = resolve_model(replace(model, load=""))
+        source = resolve_model(replace(model, load=""), recipe.moe)
         source = replace(source, description=f"{model.spec} from model.spec (model.load {model.load} not found)")
     else:
-        source = resolve_model(model)
+        source = resolve_model(model, recipe.moe)
     layout = recipe_layout(source.spec, p)
     validate_layout(source.spec, p, sizes, recipe.data.seq_length, t.micro_batch_size, t.global_batch_size)
     steps = total_steps(recipe)

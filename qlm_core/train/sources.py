@@ -4,11 +4,11 @@ TensorSource, so each rank reads only its own shard, streaming, with no conversi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from qlm_core.checkpoint.sources.open import open_checkpoint, tokenizer_near
-from qlm_core.config import ModelConfig
+from qlm_core.config import ModelConfig, MoeConfig
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import TensorSource
 from qlm_core.models.spec import ModelSpec, load_model_spec
@@ -42,13 +42,33 @@ def check_spec_matches_load(config: ModelConfig, loaded: ModelSpec):
                        "it at the loaded model")
 
 
-def resolve_model(config: ModelConfig) -> ModelSource:
+def with_recipe_router(spec: ModelSpec, moe: MoeConfig, loaded: bool) -> ModelSpec:
+    """The spec with [moe]'s router choices (router_score_function, router_expert_bias; absent: the model's own).
+    A loaded model's router is part of its weights: a different choice is an error there."""
+    if spec.moe is None:
+        return spec
+    wanted = {"score_function": moe.router_score_function, "expert_bias": moe.router_expert_bias}
+    changes = {key: value for key, value in wanted.items() if value is not None and getattr(spec.moe, key) != value}
+    if not changes:
+        return spec
+    if loaded:
+        key, value = next(iter(changes.items()))
+        raise QlmError(f"moe.router_{key} = {value} but model.load's router has {key} = {getattr(spec.moe, key)}",
+                       f"drop moe.router_{key} (a loaded model keeps its router)")
+    return replace(spec, moe=replace(spec.moe, **changes))
+
+
+def resolve_model(config: ModelConfig, moe: MoeConfig | None = None) -> ModelSource:
+    """`moe`: the recipe's [moe], whose router choices apply to a model trained from scratch."""
+    moe = MoeConfig() if moe is None else moe
     if config.load:
         opened = open_checkpoint(Path(config.load))
         check_spec_matches_load(config, opened.spec)
         spec, weights, tokenizer, what = opened.spec, opened.weights, opened.tokenizer_dir, opened.description
+        spec = with_recipe_router(spec, moe, loaded=True)
     else:
         spec, weights, what = load_model_spec(config.spec), None, f"random init of {config.spec}"
+        spec = with_recipe_router(spec, moe, loaded=False)
         tokenizer = tokenizer_near(Path(config.spec)) if Path(config.spec).exists() else None
     if config.tokenizer:
         tokenizer = Path(config.tokenizer)

@@ -152,7 +152,7 @@ class Trainer:
                 raise SystemExit(2)  # rank 0 prints the line
         if claim_error is not None:
             raise claim_error
-        source = resolve_model(r.model)
+        source = resolve_model(r.model, r.moe)
         cache = Path(r.data.cache_dir) if r.data.cache_dir else self.run_dir / "cache"
         valid_samples = r.train.eval_iters * r.train.global_batch_size
         # rank 0 builds (tokenises, caches) first; the others then read the caches

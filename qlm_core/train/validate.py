@@ -60,10 +60,14 @@ def validate_grad_reduce_dtype(grad_reduce_dtype: str, dtype: str):
                        'set parallel.grad_reduce_dtype = "fp32"' + (f' or "{dtype}"' if dtype != "fp32" else ""))
 
 
-def validate_moe(spec: ModelSpec, moe: MoeConfig, config: ParallelConfig):
+def validate_moe(spec: ModelSpec, moe: MoeConfig, config: ParallelConfig, lora_rank: int = 0):
     """The recipe's [moe] against the model and layout (a dense model ignores it)."""
     checked_field(MoeConfig, "aux_loss_type", moe.aux_loss_type, "moe.aux_loss_type")
     check_ranges("moe", moe)
+    if spec.moe is not None and spec.moe.expert_bias and lora_rank and moe.router_bias_update_rate:
+        raise QlmError("moe.router_bias_update_rate with LoRA: the routers' expert biases would change while a LoRA "
+                       "checkpoint saves only the adapters", "set moe.router_bias_update_rate = 0 (the loaded "
+                       "biases stay as they are) or train without LoRA")
     if spec.moe is not None and moe.aux_loss_type == "transformers" and config.pp > 1:
         raise QlmError("moe.aux_loss_type = 'transformers' needs parallel.pp = 1 (its one loss couples every layer's "
                        "router, and each pipeline stage holds only some)",

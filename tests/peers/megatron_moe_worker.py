@@ -58,6 +58,7 @@ def build_model(args, pre, post, sequence_parallel=False):
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate, moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_router_score_function=args.moe_router_score_function, moe_layer_freq=args.moe_layer_freq,
+        moe_router_enable_expert_bias=getattr(args, "moe_router_enable_expert_bias", False),
         moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),

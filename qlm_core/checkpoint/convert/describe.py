@@ -30,7 +30,7 @@ _ARG_KEYS = (
     "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
     "params_dtype", "ckpt_format", "iteration", "qk_layernorm", "num_experts", "moe_router_topk",
     "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
-    "moe_router_score_function", "moe_layer_freq",
+    "moe_router_score_function", "moe_router_enable_expert_bias", "moe_layer_freq",
 )
 
 

@@ -7,9 +7,9 @@ gated_linear_unit, activation_func, add_bias_linear, add_qkv_bias) plus the GPT 
 (share_embeddings_and_output_weights, vocab_size, make_vocab_size_divisible_by, seq_length, rotary_base,
 position_embedding_type, rotary_percent, ...), and for MoE models TransformerConfig's num_moe_experts,
 moe_router_topk, moe_ffn_hidden_size, moe_shared_expert_intermediate_size, moe_shared_expert_gate,
-moe_router_pre_softmax, moe_router_score_function, moe_layer_freq and qk_layernorm. They are turned into the
-Megatron-LM-style args Namespace the rest of qlm reads (megatron_args.spec_from_args); fields left out take
-TransformerConfig's defaults.
+moe_router_pre_softmax, moe_router_score_function, moe_router_enable_expert_bias, moe_layer_freq and
+qk_layernorm. They are turned into the Megatron-LM-style args Namespace the rest of qlm reads
+(megatron_args.spec_from_args); fields left out take TransformerConfig's defaults.
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
         moe_shared_expert_gate=flag("moe_shared_expert_gate", False),
         moe_router_pre_softmax=flag("moe_router_pre_softmax", False),
         moe_router_score_function=str(model.get("moe_router_score_function") or "softmax"),
+        moe_router_enable_expert_bias=flag("moe_router_enable_expert_bias", False),
         moe_router_topk_scaling_factor=scaling_factor if isinstance(scaling_factor, (int, float)) else None,
         moe_layer_freq=freq,
         num_layers=model["num_layers"],

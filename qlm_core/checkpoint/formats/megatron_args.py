@@ -86,7 +86,7 @@ def moe_args(spec: ModelSpec) -> dict:
         "moe_token_dispatcher_type": "allgather",
         "moe_router_load_balancing_type": "aux_loss",
         "moe_router_topk_scaling_factor": None,
-        "moe_router_enable_expert_bias": False,
+        "moe_router_enable_expert_bias": moe.expert_bias,
     }
 
 
@@ -113,6 +113,7 @@ def moe_from_args(args, num_layers: int) -> MoeSpec | None:
         ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
         pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
         score_function=score,
+        expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
         shared_expert_hidden_size=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
         shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         layer_pattern=() if all(pattern) else pattern,

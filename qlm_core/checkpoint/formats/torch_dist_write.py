@@ -122,7 +122,7 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         for part in parts:
             for key, (shape, chunks) in planned.items():
                 for chunk in filter(part.owns, chunks):
-                    item = chunk.write_item(part.prefix + key, shape, part.dtype)
+                    item = chunk.write_item(part.prefix + key, shape, chunk.tensor.dtype or part.dtype)
                     self.chunks[item.index] = (part, chunk)
                     self.items.append(item)
         for key in extra_state_keys(layout.spec) if extra_state else ():

@@ -13,7 +13,7 @@ from qlm_core.models.layout import ModelLayout, TensorLayout
 
 class RandomInitSource:
     """Megatron's default init: N(0, std) weights, std / sqrt(2 L) for the layers that feed the residual stream
-    (linear_proj, linear_fc2), ones for norms, zeros for biases."""
+    (linear_proj, linear_fc2), ones for norms, zeros for biases (and the routers' expert biases)."""
 
     def __init__(self, layout: ModelLayout, seed: int = 1234, std: float = 0.02):
         self.layout, self.seed, self.std = layout, seed, std
@@ -29,7 +29,7 @@ class RandomInitSource:
             shape[tensor.axis] = tensor.real_extent  # padding rows are never read
             if name.endswith("layernorm.weight"):
                 value = torch.ones(shape)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", ".expert_bias")):
                 value = torch.zeros(shape)
             else:
                 std = self.std
