@@ -7,7 +7,8 @@ collectives; each reports rank 0 to lm-eval, which then builds the results on LO
 
 Request handling mirrors lm-eval's `hf` backend (same tokenisation, truncation, batching order, stop handling) so
 that both give the same numbers on the same weights: requests are sorted and restored with lm-eval's Collator,
-rolling windows come from lm-eval's utilities, and generation uses a KV cache.
+rolling windows come from lm-eval's utilities, and generation uses a KV cache. Requests that share a context (multiple
+choice) run it once and score each continuation from its KV cache (prefix_cache.py), with the same numbers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -27,6 +27,8 @@ from qlm_core.data.tokenizer import load_tokenizer
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.eval.generate import Sampling, generate
+from qlm_core.eval.prefix_cache import score_shared, split_shared
+from qlm_core.eval.scoring import score_plain
 from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import GPTModel, ParallelOptions
 from qlm_core.models.layout import ModelLayout
@@ -111,30 +113,18 @@ class QlmLM(TemplateLM):
 
     # ---- scoring ---------------------------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def _logits(self, rows: list[list[int]]) -> torch.Tensor:
-        """Right-padded batch -> log-probabilities [b, L, vocab] (padding comes after every real token)."""
-        width = max(len(r) for r in rows)
-        batch = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, r in enumerate(rows):
-            batch[i, : len(r)] = torch.tensor(r)
-        return F.log_softmax(self.model(batch.to(self.device)).float(), dim=-1)
-
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        ordered = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])))
-        results = []
-        for chunk in ordered.get_batched(n=self.batch_size):
-            inputs = [(ctx + cont)[-(self.max_length + 1):][:-1] for _, ctx, cont in chunk]
-            logprobs = self._logits(inputs)
-            for (cache_key, _, cont), row, scores in zip(chunk, inputs, logprobs, strict=True):
-                scores = scores[len(row) - len(cont): len(row)]
-                target = torch.tensor(cont, device=scores.device)
-                greedy = bool((scores.argmax(dim=-1) == target).all())
-                answer = (float(scores.gather(-1, target[:, None]).sum()), greedy)
-                results.append(answer)
-                if cache_key is not None:
-                    self.cache_hook.add_partial("loglikelihood", cache_key, answer)
-        return ordered.get_original(results)
+        """Requests that share a context score from its KV cache (prefix_cache.py), the rest each on its own row;
+        both give the numbers of lm-eval's hf path."""
+        groups, alone = split_shared(requests, self.max_length)
+        answers = score_shared(self.model, groups, self.batch_size)
+        answers.update(zip(alone, score_plain(self.model, [requests[i] for i in alone], self.batch_size,
+                                              self.max_length), strict=True))
+        results = [answers[i] for i in range(len(requests))]
+        for (cache_key, _, _), answer in zip(requests, results, strict=True):
+            if cache_key is not None:
+                self.cache_hook.add_partial("loglikelihood", cache_key, answer)
+        return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owners = [], []
@@ -144,7 +134,8 @@ class QlmLM(TemplateLM):
                     max_seq_len=self.max_length, context_len=1)):
                 windows.append((None,) + window)
                 owners.append(index)
-        scores = self._loglikelihood_tokens(windows)
+        # each window's context is the window before it: nothing to share
+        scores = score_plain(self.model, windows, self.batch_size, self.max_length)
         totals = [0.0] * len(requests)
         for owner, (logprob, _) in zip(owners, scores, strict=True):
             totals[owner] += logprob
@@ -174,8 +165,13 @@ class QlmLM(TemplateLM):
             for i, e in enumerate(encoded):
                 ids[i, width - len(e):], mask[i, width - len(e):] = torch.tensor(e), 1
 
-            def reached_stop(tokens: list[int], until=until) -> bool:  # special tokens count, as in lm-eval's hf
-                text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+            # lm-eval's hf stop rule: a stop string within the decoded last len(its tokens) + 2 tokens (special
+            # tokens count); decoding only that tail keeps each step's check short
+            lookback = max((len(self.tokenizer.encode(term, add_special_tokens=False)) + 2 for term in until),
+                           default=1)
+
+            def reached_stop(tokens: list[int], until=until, lookback=lookback) -> bool:
+                text = self.tokenizer.decode(tokens[-lookback:], skip_special_tokens=False)
                 return any(term in text for term in until)
 
             outputs = generate(self.model, ids.to(self.device), mask.to(self.device), max_new_tokens=max_gen_toks,
