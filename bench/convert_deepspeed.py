@@ -96,7 +96,7 @@ def run(args, hf: Path):
     raw_copy(partition_files(ds), args.workdir / "warm", source_bytes)  # page-cache the source for both
 
     runs = {"raw": [], "convert": []}
-    for i in range(args.repeats):
+    for i in range(args.pairs):
         for mode in ("raw", "convert") if i % 2 == 0 else ("convert", "raw"):
             os.sync()
             runs[mode].append(child(mode, ds, args.workdir / f"{mode}-out", output_bytes))

@@ -33,6 +33,7 @@ from qlm_core.checkpoint.formats.hf import (
     write_hf_index,
     write_hf_shard,
 )
+from qlm_core.checkpoint.formats.legacy_stream import STREAMING, StageWriter
 from qlm_core.checkpoint.formats.megatron import TORCH, TORCH_DIST, check_format, open_megatron
 from qlm_core.checkpoint.formats.megatron_args import make_args, set_layout_args
 from qlm_core.checkpoint.formats.megatron_legacy import (
@@ -103,16 +104,24 @@ def write_mcore_torch(root: Path, layout: ModelLayout, source: TensorSource, dty
     iteration_dir = root / iteration_dir_name(iteration)
     ranks = legacy_shard_ranks(layout.tp, layout.ep, layout.etp)
     total = len(ranks) * layout.pp
+    streams = STREAMING and isinstance(source, HFTensorSource) and isinstance(source.hf, HFCheckpoint)
     for pp_rank in range(layout.pp):
+        stage = StageWriter(source.hf) if streams else None  # the stage's files filled together, at the end
         for index, (tp_rank, ep_rank) in enumerate(ranks):
             name = shard_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
             progress(pp_rank * len(ranks) + index, total, name)
             etp_rank = tp_rank % layout.etp
-            chunks = [build_shard(layout, tp_rank, pp_rank, c, source, dtype, ep_rank, etp_rank)
-                      for c in range(layout.vpp)]
+            chunks = [build_shard(layout, tp_rank, pp_rank, c, stage.source if stage else source, dtype, ep_rank,
+                                  etp_rank) for c in range(layout.vpp)]
             extra = extra_for(tp_rank, pp_rank, ep_rank) if extra_for is not None else None
-            write_shard_file(iteration_dir / name / SHARD_FILE, chunks, args, iteration, extra)
+            path = iteration_dir / name / SHARD_FILE
+            if stage is None:
+                write_shard_file(path, chunks, args, iteration, extra)
+            else:
+                stage.add_file(path, write_shard_file(path, chunks, args, iteration, extra, tensor_bytes=False))
             del chunks
+        if stage is not None:
+            stage.fill()
     progress(total, total, "done")
     write_latest(root, iteration)
 

@@ -267,6 +267,15 @@ class HFCheckpoint:
             return self._read_index(fused, (experts, slice(row + start, row + stop)))[0]
         return self._read_index(fused, (experts, slice(row, row + rows), slice(start, stop)))[0]
 
+    def byte_span(self, name: str, start: int, stop: int) -> tuple[Path, int, int] | None:
+        """(file, offset, bytes) of rows [start, stop) of a safetensors tensor, which lie contiguous in the file;
+        None when the tensor is not stored that way (a .bin file, a view of a fused expert tensor)."""
+        if name not in self._data_offsets:
+            return None
+        shape = self._shapes[name]
+        row_bytes = self._dtypes[name].itemsize * math.prod(shape[1:])
+        return self._files[name], self._data_offsets[name] + start * row_bytes, (stop - start) * row_bytes
+
     def read_into(self, name: str, axis: int, start: int, stop: int, out: torch.Tensor):
         """Copy entries [start, stop) along `axis` into `out`. Row ranges of safetensors files are read with one
         readinto straight into `out` (twice as fast as copying out of the memory map)."""

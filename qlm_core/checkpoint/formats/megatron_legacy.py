@@ -378,7 +378,10 @@ def _wrong_arg(name: str) -> str:
 def without_crc32():
     """torch.save without the zip CRC32 pass, which costs about as much as writing the bytes (torch.load does not
     need it); where the switch does not exist (older torch) saves are unchanged."""
-    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
+    try:  # imported here: torch does not import it by itself, and an attribute lookup would miss it until then
+        import torch.utils.serialization.config as config
+    except ImportError:
+        config = None
     save_config = getattr(config, "save", None)
     if save_config is None or not hasattr(save_config, "compute_crc32"):
         yield
@@ -396,16 +399,23 @@ def fast_torch_save(obj, path: Path):
         torch.save(obj, path)
 
 
-def write_shard_file(path: Path, chunks: list[dict], args, iteration: int | None, extra: dict | None = None):
+def write_shard_file(path: Path, chunks: list[dict], args, iteration: int | None, extra: dict | None = None,
+                     tensor_bytes: bool = True) -> dict:
     """One mp_rank folder's model_optim_rng.pt: `model`, or `model0`, `model1`, ... with virtual pipelining, and
-    any `extra` top-level entries (qlm's optimizer state, scheduler, RNG, data position)."""
+    any `extra` top-level entries (qlm's optimizer state, scheduler, RNG, data position). `tensor_bytes` False:
+    the tensors' bytes are left as holes for the caller to write (legacy_stream.py). Returns what was saved."""
     state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0, **(extra or {})}
     if len(chunks) == 1:
         state["model"] = chunks[0]
     else:
         state.update({f"model{i}": chunk for i, chunk in enumerate(chunks)})
     path.parent.mkdir(parents=True, exist_ok=True)
-    fast_torch_save(state, path)
+    if tensor_bytes:
+        fast_torch_save(state, path)
+    else:
+        with without_crc32(), torch.serialization.skip_data():
+            torch.save(state, path)
+    return state
 
 
 def write_latest(root: Path, iteration: int | None):

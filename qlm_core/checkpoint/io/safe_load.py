@@ -74,12 +74,14 @@ def allowed_globals() -> list:
     ]
 
 
-def safe_torch_load(path: str | Path, *, mmap: bool = False, extra_globals: list | None = None):
-    """Load a torch file with weights_only=True and qlm's allow-list; one-line errors for bad files."""
+def safe_torch_load(path: str | Path, *, mmap: bool = False, extra_globals: list | None = None,
+                    map_location: str = "cpu"):
+    """Load a torch file with weights_only=True and qlm's allow-list; one-line errors for bad files. `map_location`
+    "meta": the structure without the bytes (each storage's file offset in `_checkpoint_offset`)."""
     path = Path(path)
     try:
         with torch.serialization.safe_globals(allowed_globals() + list(extra_globals or [])):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise QlmError(f"{path} does not exist", "check the checkpoint path") from None
     except pickle.UnpicklingError as exc:
