@@ -175,6 +175,10 @@ class TrainConfig:
     exit_signal_handler: bool = True
     # output projection + cross entropy this many tokens at a time (0: all at once)
     loss_chunk_tokens: int = bounded(2048, least=0, meaning="0: the loss over all logits at once")
+    # torch.compile each decoder layer (regional compilation); its compile cost is paid once, in the first step
+    compile: bool = False
+    # hand the caching allocator's unused blocks back to the device every N steps (torch.cuda.empty_cache; 0: never)
+    empty_cache_interval: int = bounded(0, least=0, meaning="0 turns it off")
     seed: int = 1234
     output: str = "runs/qlm"
 
@@ -195,6 +199,9 @@ class CheckpointConfig:
     # resume from this iteration of the run directory's checkpoints (None: the latest; Megatron's --ckpt-step)
     load_iteration: int | None = bounded(None, least=1)
     format: CheckpointFormat = "torch"  # torch: Megatron legacy, a file per TP/PP rank; torch_dist: Megatron's DCP
+    # copy each checkpoint to host memory and write it on a background thread while training goes on (the next
+    # save, the end and the exits wait for it); the staging, rename and latest-last rules are the same
+    async_save: bool = False
 
 
 @dataclass

@@ -12,7 +12,9 @@ kernel efficiencies (qlm_core/profile/efficiency.py). Override any figure when y
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 from qlm_core.errors import QlmError
@@ -81,6 +83,41 @@ def gpu_spec(name: str, **overrides) -> GpuSpec:
         if getattr(gpu, field) is not None and getattr(gpu, field) <= 0:
             raise QlmError(f"{field} must be positive, got {getattr(gpu, field)}", "fix the override")
     return gpu
+
+
+# torch >= 2.9 reads PYTORCH_ALLOC_CONF first and PYTORCH_CUDA_ALLOC_CONF after it; older torch only the second
+ALLOCATOR_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def configure_cuda_allocator(environ: MutableMapping[str, str] | None = None,
+                             cuda_available: bool | None = None) -> str | None:
+    """On CUDA, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (as torchtitan runs) unless the user set an allocator
+    configuration in either variable: segments then grow in place instead of fragmenting into fixed-size blocks,
+    so reserved memory stays close to allocated memory. Returns the value set, None when nothing was. The caching
+    allocator reads the variable once, when CUDA first allocates: call this before that (each rank's set-up does),
+    and child processes inherit it."""
+    environ = os.environ if environ is None else environ
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available or any(name in environ for name in ALLOCATOR_CONF_VARIABLES):  # even set empty
+        return None
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
+    return EXPANDABLE_SEGMENTS
+
+
+def empty_device_cache(device) -> bool:
+    """Hand the caching allocator's unused blocks of DEVICE (a torch.device) back to the driver (torch.cuda.empty_cache
+    and its peers); False for a device without a caching allocator (the CPU)."""
+    import torch
+
+    empty = getattr(torch.get_device_module(device.type), "empty_cache", None)
+    if empty is None:
+        return False
+    empty()
+    return True
 
 
 def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5, min_seconds: float = 0.3) -> float:

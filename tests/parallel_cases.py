@@ -48,6 +48,7 @@ class LayoutCase:
     parallel: dict = field(default_factory=dict)
     micro_batch_size: int = 2
     data: str = "plain"  # one of DATA_KINDS: the batch (make_batch) and the model (case_spec)
+    compile: bool = False  # train.compile: each decoder layer through torch.compile
 
     @property
     def steps(self) -> int:
@@ -123,6 +124,18 @@ CASES = {
     # 1F1B runs stage 0's second forward before its first backward recomputes: the recompute must not see it
     "moe_global_pp2_recompute_full": LayoutCase(2, dict(pp=2, recompute="full"), data="moe_global"),
     "moe_global_cp2": LayoutCase(2, dict(cp=2), data="moe_global"),
+}
+
+
+# train.compile = true, in a launch of their own (2 ranks; the cases share one process, so they share compiled graphs)
+COMPILED_WORLD = 2
+COMPILED_CASES = {
+    "compiled_tp2": LayoutCase(2, dict(tp=2), compile=True),
+    "compiled_pp2": LayoutCase(2, dict(pp=2, pp_schedule="1f1b"), compile=True),
+    "compiled_cp2": LayoutCase(2, dict(cp=2, cp_comm_type="p2p"), compile=True),
+    "compiled_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True),
+                                     compile=True),
+    "compiled_dp2_zero3": LayoutCase(2, dict(zero_stage=3), compile=True),
 }
 
 

@@ -19,6 +19,16 @@ def test_importing_the_cli_loads_no_heavy_library():
     )
 
 
+
+def test_the_convert_path_loads_no_compiler():
+    """`qlm convert` imports the model definition (verify) and the formats: none of them may import torch.compile's
+    dynamo at import time (1.5 s of every conversion's start-up); it is imported when train.compile asks for it."""
+    code = ("import sys; import qlm_core.checkpoint.convert.hf_megatron, qlm_core.checkpoint.convert.deepspeed; "
+            "print('torch._dynamo' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "False", "find the importer with `python -X importtime -c 'import ...'`"
+
 def test_version(run_qlm):
     code, out, _ = run_qlm("--version")
     assert code == 0 and out.strip() == f"qlm {version('qlm')}"

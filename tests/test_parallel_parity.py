@@ -1,14 +1,16 @@
 """Every parallel layout reproduces the one-process run: 5 AdamW steps' losses (10 for the expert-parallel cases)
 within rtol 1e-4 and the first step's reduced gradients within 1e-5 (relative L2 per tensor). One torchrun launch
-(8 gloo ranks) runs all cases."""
+(8 gloo ranks) runs all cases; a second one (2 ranks) runs the train.compile = true cases (COMPILED_CASES)."""
 
 import json
 
 import pytest
 import torch
-from conftest import run_worker_jobs
+from conftest import TESTS_DIR, launch_torchrun, run_worker_jobs
 from parallel_cases import (
     CASES,
+    COMPILED_CASES,
+    COMPILED_WORLD,
     DATA_KINDS,
     GLOBAL_BATCH,
     SEQ,
@@ -71,24 +73,47 @@ def parallel_run(tmp_path_factory):
     return run_worker_jobs("parity_worker.py", WORLD, tmp_path_factory.mktemp("parity"), timeout=1200)
 
 
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parity_compiled")
+    proc = launch_torchrun(TESTS_DIR / "workers" / "parity_worker.py", COMPILED_WORLD, out, *COMPILED_CASES,
+                           timeout=1500)
+    errors = "\n".join(p.read_text() for p in out.glob("*.error"))
+    return out, proc.returncode, errors or proc.stderr[-3000:]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES)
 def test_layout_matches_one_process(case, references, parallel_run):
-    out, code, errors = parallel_run
+    check_case(case, CASES[case], references, parallel_run)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", COMPILED_CASES)
+def test_compiled_layout_matches_one_process(case, references, compiled_run):
+    """train.compile = true under TP, PP, CP, ZeRO 1 and FSDP2 against the eager one-process run; the worker
+    records the frames torch.compile captured, so an eager fallback cannot pass."""
+    check_case(case, COMPILED_CASES[case], references, compiled_run)
+    assert json.loads((compiled_run[0] / f"{case}.json").read_text())["compiled_frames"] > 0
+
+
+def check_case(case: str, layout_case, references, run):
+    out, code, errors = run
     result_file = out / f"{case}.json"
     assert result_file.exists(), f"worker exit {code}: {errors}"
     result = json.loads(result_file.read_text())
-    ref_losses, ref_norms, ref_grads, ref_moe = references[reference_key(CASES[case])]
-    steps = CASES[case].steps
+    ref_losses, ref_norms, ref_grads, ref_moe = references[reference_key(layout_case)]
+    steps = layout_case.steps
     ref_losses, ref_norms, ref_moe = ref_losses[:steps], ref_norms[:steps], ref_moe[:steps]
     assert len(result["losses"]) == steps
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-4), case
     assert result["grad_norms"] == pytest.approx(ref_norms, rel=1e-4), case
-    if CASES[case].moe is not None:  # the MoE losses and loads as one process has them, at every step
+    if layout_case.moe is not None:  # the MoE losses and loads as one process has them, at every step
         for got, want in zip(result["moe"], ref_moe, strict=True):
             assert got == pytest.approx(want, rel=1e-4), case
             assert want["moe_aux_loss"] > 0 and want["moe_z_loss"] > 0 and want["moe_load_max"] > 1
-    spec = CASES[case].spec
+    spec = layout_case.spec
     reloaded = MegatronTorchCheckpoint(out / case, spec=spec)
     layout = ModelLayout(spec)
     for hf_name, parts in layout.hf_tensors.items():

@@ -69,6 +69,8 @@ class RunView:
             console.print(f"step {data['step']}: validation loss {data['loss']:.4f}")
         elif event.kind == "checkpoint":
             console.print(f"step {data['step']}: checkpoint saved")
+        elif event.kind == "compile":
+            console.print(f"compiled the decoder layers in the first step: {data['seconds']:.1f} s")
         elif event.kind == "end":
             if self.progress is not None:
                 self.progress.stop()

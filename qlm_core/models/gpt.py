@@ -26,6 +26,7 @@ from qlm_core.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from qlm_core.models.mlp import MLP
 from qlm_core.models.moe import MoELayer, MoeTracker
 from qlm_core.models.spec import ModelSpec, padded_vocab_size
+from qlm_core.parallel import shape_inference
 from qlm_core.parallel.comm import group_rank, group_size
 from qlm_core.parallel.context_parallel import (
     CP_COMM_TYPES,
@@ -47,6 +48,19 @@ from qlm_core.parallel.tensor import (
 )
 
 RECOMPUTE_MODES = choices(RecomputeMode)
+
+
+_eager_call = None  # torch.compiler.disable'd call, made by the first compile_forward (it imports dynamo: 1.5 s)
+
+
+def outside_compile(fn, *args):
+    """fn(*args), run eagerly where a compiled layer reaches it: a graph break torch.compile takes on purpose, for
+    the regions compilation leaves out (TransformerLayer.compile_forward)."""
+    return fn(*args) if _eager_call is None else _eager_call(fn, *args)
+
+
+def _call(fn, *args):
+    return fn(*args)
 
 
 @dataclass(frozen=True)
@@ -255,6 +269,9 @@ class SelfAttention(nn.Module):
             return piecewise_attention(q, k, v, inputs.pieces, scale)
         return core_attention(q, k, v, causal=True, softmax_scale=scale)
 
+    def _recomputed_attention(self, q, k, v, inputs: AttentionInputs) -> torch.Tensor:
+        return checkpoint(self._core_attention, q, k, v, inputs, use_reentrant=False)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         q, k, v = self._split_qkv(self.linear_qkv(x))
         if self.q_layernorm is not None:
@@ -264,10 +281,13 @@ class SelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if inputs.cache is not None:
             k, v = inputs.cache.extend(self.layer_index, k, v)
+        plain = inputs.pieces is None and inputs.cp_plan is None and group_size(self.parallel.cp_group) == 1
         if self.parallel.recomputes("core_attn"):
-            out = checkpoint(self._core_attention, q, k, v, inputs, use_reentrant=False)
-        else:
+            out = outside_compile(self._recomputed_attention, q, k, v, inputs)
+        elif plain:
             out = self._core_attention(q, k, v, inputs)
+        else:  # packed documents, windows, context parallelism: the pieces are Python data, computed eagerly
+            out = outside_compile(self._core_attention, q, k, v, inputs)
         s, b = out.shape[2], out.shape[0]
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
@@ -302,12 +322,29 @@ class TransformerLayer(nn.Module):
         else:
             self.mlp = MLP(spec.hidden_size, spec.ffn_hidden_size, parallel, dtype)
         self.parallel = parallel
+        self._compiled = None
+
+    def compile_forward(self, **options) -> None:
+        """Regional compilation (torchtitan's): this layer's forward through torch.compile, used by the forwards
+        that train (eval, decoding and torch pipelining's shape-finding forward stay eager, so they add no
+        graphs). Only the forward is compiled, so module hooks (FSDP2's gathers, the optimizer's param-gather
+        waits) and a checkpoint around the layer (recompute full / op) stay outside the graph. Parameters are graph
+        inputs, so every layer of one type shares one graph. Left out, eagerly: the attention of packed documents,
+        windows and context parallelism (outside_compile in SelfAttention), a routed MoE block, and whatever
+        selective recompute wraps (its checkpoint and the layernorm's discarded output)."""
+        global _eager_call
+        if _eager_call is None:
+            _eager_call = torch.compiler.disable(_call)
+        self._compiled = torch.compile(self._forward, **options)
 
     def _norm_then(self, norm: RMSNorm, block, x: torch.Tensor, *args) -> torch.Tensor:
         """block(norm(x), *args); with the layernorm module recomputed, the norm keeps only its input and its output
         is discarded until block's backward (discard_output)."""
         if not self.parallel.recomputes("layernorm"):
             return block(norm(x), *args)
+        return outside_compile(self._discarded_norm_then, norm, block, x, *args)
+
+    def _discarded_norm_then(self, norm: RMSNorm, block, x: torch.Tensor, *args) -> torch.Tensor:
         normed = checkpoint(norm, x, use_reentrant=False)
         out = block(normed, *args)
         discard_output(normed, out, lambda: norm(x))
@@ -315,10 +352,20 @@ class TransformerLayer(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.recomputes("mlp"):
-            return checkpoint(self.mlp, x, use_reentrant=False)
+            return outside_compile(self._recomputed_mlp, x)
+        if isinstance(self.mlp, MoELayer):  # data-dependent routing and dispatch: eager
+            return outside_compile(self.mlp, x)
         return self.mlp(x)
 
+    def _recomputed_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.mlp, x, use_reentrant=False)
+
     def forward(self, x, cos, sin, inputs: AttentionInputs):
+        if self._compiled is not None and torch.is_grad_enabled() and not shape_inference.active():
+            return self._compiled(x, cos, sin, inputs)
+        return self._forward(x, cos, sin, inputs)
+
+    def _forward(self, x, cos, sin, inputs: AttentionInputs):
         x = x + self._norm_then(self.input_layernorm, self.self_attention, x, cos, sin, inputs)
         return x + self._norm_then(self.pre_mlp_layernorm, self._mlp, x)
 
@@ -425,6 +472,11 @@ class GPTModel(nn.Module):
             else:
                 scale = out_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
                 param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * scale)
+
+    def compile_layers(self, **options) -> None:
+        """Compile each decoder layer (TransformerLayer.compile_forward); never the whole model."""
+        for layer in self.decoder.layers:
+            layer.compile_forward(**options)
 
     def output_weight(self) -> torch.Tensor:
         if self.tied_in_stage:

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from qlm_core.parallel.comm import all_reduce, group_rank, group_size
-from qlm_core.parallel.optimizer_api import TrainingOptimizer
+from qlm_core.parallel.optimizer_api import HostTarget, TrainingOptimizer
 from qlm_core.parallel.param_meta import copy_meta, counts_in_grad_norm, meta_of
 from qlm_core.parallel.sharded_tensors import local_part, local_shard_like, whole
 
@@ -143,18 +143,22 @@ class FullyShardedState(TrainingOptimizer):
             group["lr"] = lr
 
     @torch.no_grad()
-    def full_param_states(self) -> tuple[list[dict[str, torch.Tensor]], int]:
+    def full_param_states(self, into: HostTarget | None = None) -> tuple[list[dict[str, torch.Tensor]], int]:
         """Per param: whole fp32 master / exp_avg / exp_avg_sq on the CPU (gathered over dp x cp: a collective; one
-        param at a time is whole on the device), and the step."""
+        param at a time is whole on the device), and the step. `into`: the host tensors to fill, per param."""
         states, step = [], 0
-        for param in self.params:
+        for index, param in enumerate(self.params):
             state = self.optimizer.state.get(param, {})
-            entry = {"master": whole(param.detach()).float().cpu()}
-            for key in ("exp_avg", "exp_avg_sq"):
-                entry[key] = whole(state[key]).float().cpu() if key in state else torch.zeros_like(entry["master"])
+            views = [whole(param.detach()).float()]
+            views += [whole(state[key]).float() if key in state else None for key in ("exp_avg", "exp_avg_sq")]
+            if into is None:
+                full = [v.cpu() if v is not None else torch.zeros_like(views[0], device="cpu") for v in views]
+            else:
+                full = [host.zero_() if value is None else host.copy_(value, non_blocking=True)
+                        for host, value in zip(into(index, tuple(views[0].shape)), views, strict=True)]
             if state:
                 step = int(state["step"])
-            states.append(entry)
+            states.append(dict(zip(("master", "exp_avg", "exp_avg_sq"), full, strict=True)))
         return states, step
 
     @torch.no_grad()

@@ -8,10 +8,15 @@ One step: zero_grad(); forward and backward over every microbatch; finish_grad_s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import nn
+
+# (param index, its shape) -> the fp32 host tensors its master, exp_avg and exp_avg_sq go into (an asynchronous
+# save's reused buffers)
+HostTarget = Callable[[int, tuple[int, ...]], list[torch.Tensor]]
 
 
 class TrainingOptimizer(Protocol):
@@ -49,9 +54,10 @@ class TrainingOptimizer(Protocol):
         a collective over the data ranks."""
         ...
 
-    def full_param_states(self) -> tuple[list[dict[str, torch.Tensor]], int]:
+    def full_param_states(self, into: HostTarget | None = None) -> tuple[list[dict[str, torch.Tensor]], int]:
         """Per entry of `params`: its whole fp32 master, exp_avg and exp_avg_sq on the CPU, shaped like the
-        parameter (a collective over the data ranks); and the step count."""
+        parameter (a collective over the data ranks); and the step count. `into`: the host tensors
+        to fill per entry (reused across saves) instead of fresh ones."""
         ...
 
     def load_full_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:

@@ -52,6 +52,7 @@ from qlm_core.checkpoint.formats.trainer_state import (
     saved_rng_states,
     view_prefix,
 )
+from qlm_core.checkpoint.io.host_buffers import HostBuffers
 from qlm_core.checkpoint.io.write_faults import as_write_os_error
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout, TensorLayout, read_shard_tensor
@@ -128,30 +129,45 @@ def _named_trainable(engine: Engine) -> list[tuple[int, str]]:
     return [names[id(p)] for p in engine.params]
 
 
-def _model_states(engine: Engine) -> list[dict]:
-    """Each chunk's weights in the compute dtype, cloned (ZeRO 1/2 params are views of a shared buffer, ZeRO 3
+def _host_copy(host: HostBuffers | None, key, tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` on the host with a storage of its own: a clone, or (asynchronous saves) the reused
+    buffer of `key`."""
+    return tensor.detach().cpu().clone() if host is None else host.copy(key, tensor)
+
+
+def _model_states(engine: Engine, host: HostBuffers | None = None) -> list[dict]:
+    """Each chunk's weights in the compute dtype, copied (ZeRO 1/2 params are views of a shared buffer, ZeRO 3
     params are shards: both need a copy of their own). LoRA runs store only the adapters."""
     states = []
-    for chunk in engine.chunks:
+    for index, chunk in enumerate(engine.chunks):
         state = {}
         full = lora_state_dict(chunk) if engine.lora is not None and engine.lora.rank > 0 else chunk.state_dict()
         buffers = {name for name, _ in chunk.named_buffers()}  # keep their dtype (the routers' fp32 expert bias)
         for name, value in full.items():
             if isinstance(value, torch.Tensor):
-                value = whole(value)
-                value = value.detach().to(value.dtype if name in buffers else engine.dtype).cpu().clone()
+                dtype = value.dtype if name in buffers else engine.dtype
+                value = _host_copy(host, ("model", index, name), whole(value).detach().to(dtype))
             state[name] = value
         states.append(state)
     return states
 
 
-def _first_error(error: str | None) -> str | None:
+def first_error(error: str | None) -> str | None:
     """Every rank's error text (None: fine) gathered: the first one, the same on every rank (so all stop together
     instead of waiting for a rank that failed)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return error
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    return _gathered_first(error, None)  # torch's None: the default group
+
+
+def first_error_in(error: str | None, group: ProcessGroup | None) -> str | None:
+    """first_error over `group`, a group of every rank (qlm's None: this process alone)."""
+    return error if group_size(group) == 1 else _gathered_first(error, group)
+
+
+def _gathered_first(error: str | None, group: ProcessGroup | None) -> str | None:
+    errors = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
     return next((e for e in errors if e is not None), None)
 
 
@@ -189,7 +205,11 @@ def latest_iteration(root: Path) -> int | None:
 
 
 def _stop_on_failure(error: str | None, root: Path, staging: Path, iteration: int, rank: int):
-    error = _first_error(error)
+    raise_write_failure(first_error(error), root, staging, iteration, rank)
+
+
+def raise_write_failure(error: str | None, root: Path, staging: Path, iteration: int, rank: int):
+    """The QlmError for checkpoint `iteration` when the ranks agreed on an `error`; its staging removed."""
     if error is None:
         return
     if rank == 0:
@@ -223,76 +243,134 @@ def save_checkpoint(root: Path, engine: Engine, train_state: TrainState, keep_la
     """Write into RUN/checkpoints/.iter_N.partial/iter_N, rename it into place, then replace the latest pointer. A
     write error (disk full, permission) on any rank removes the partial directory on every rank's agreement and
     raises one QlmError; the latest pointer still names the last complete checkpoint."""
-    g = engine.grid
-    root = Path(root)
-    name = iteration_dir_name(train_state.iteration)
-    staging = root / f".{name}.partial"
-    error = None
-    if g.rank == 0:
-        try:
-            recover_replaced(root)
-            for stale in root.glob(".iter_*.partial"):
-                shutil.rmtree(stale, ignore_errors=True)
-            (staging / name).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            error = _write_failure(staging, exc)
-    _stop_on_failure(error, root, staging, train_state.iteration, g.rank)
-    param_states, step = engine.optimizer.full_param_states()  # collectives: every rank takes part
-    models = _model_states(engine)
-    args = make_args(engine.layout, engine.dtype, iteration=train_state.iteration,
-                     consumed_train_samples=train_state.consumed_samples, **extra_args)
-    scheduler = {"num_steps": train_state.iteration}
-    error, target = None, staging / name
-    try:
-        if fmt == TORCH_DIST:
-            from qlm_core.checkpoint.formats.torch_dist_write import save_torch_dist_collectively
+    write = snapshot_checkpoint(root, engine, train_state, extra_args, fmt)
+    _stop_on_failure(write.write_files(), write.root, write.staging, write.iteration, write.rank)
+    error = write.publish(keep_last) if write.rank == 0 else None
+    _stop_on_failure(error, write.root, write.staging, write.iteration, write.rank)
 
-            args.ckpt_format = TORCH_DIST
-            common = {OPTIMIZER_KEY: {"step": step}, TRAIN_STATE_KEY: asdict(train_state),
-                      RNG_KEY: _rng_by_position(g), SCHEDULER_KEY: scheduler}
-            parts = _owned_parts(engine, models, param_states)
-            save_torch_dist_collectively(staging / name, engine.layout, parts, args, train_state.iteration, common)
-        else:
-            rng = _gather_objects(_rng_state(), g.dp_cp_group)
-            rank_dir = legacy_shard_dir(g, engine.layout.pp)
-            if rank_dir is not None:
-                optimizer = {"step": step, **{view: [{} for _ in engine.chunks] for view in OPTIMIZER_VIEWS}}
-                for (chunk, param_name), state in zip(_named_trainable(engine), param_states, strict=True):
-                    for view in OPTIMIZER_VIEWS:
-                        optimizer[view][chunk][param_name] = state[view].detach().cpu().clone()
-                extra = {OPTIMIZER_KEY: optimizer, TRAIN_STATE_KEY: asdict(train_state), RNG_KEY: rng,
-                         SCHEDULER_KEY: scheduler}
-                target = staging / name / rank_dir / SHARD_FILE
-                write_shard_file(target, models, args, train_state.iteration, extra)
-    except (OSError, _dcp_failure(), RuntimeError) as exc:  # RuntimeError: torch.save on a full disk
-        exc = as_write_os_error(exc, target) or exc
-        if not _is_write_error(exc):
-            raise
-        error = _write_failure(target, exc)
-    _stop_on_failure(error, root, staging, train_state.iteration, g.rank)
-    if g.rank == 0:
+
+@dataclass
+class CheckpointWrite:
+    """One checkpoint, snapshotted: what is left to do is writing its files into the staging directory
+    (write_files, on every rank) and moving it into place (publish, on rank 0), on any thread."""
+
+    root: Path
+    iteration: int
+    rank: int
+    fmt: str
+    target: Path  # the file this rank writes (legacy) or the iteration directory (torch_dist), for error lines
+    legacy: tuple | None = None  # (models, args, extra) of this rank's model_optim_rng.pt, None: writes none
+    dist_parts: tuple | None = None  # (layout, parts, args, common) for save_torch_dist_collectively
+
+    @property
+    def name(self) -> str:
+        return iteration_dir_name(self.iteration)
+
+    @property
+    def staging(self) -> Path:
+        return self.root / f".{self.name}.partial"
+
+    def write_files(self, process_group: ProcessGroup | None = None) -> str | None:
+        """This rank's files: None, or the write error's text (disk full, permission, I/O); any other exception is
+        a bug and propagates. `process_group`: the one torch_dist's DCP coordinates over (None: the default)."""
+        try:
+            if self.dist_parts is not None:
+                from qlm_core.checkpoint.formats.torch_dist_write import save_torch_dist_collectively
+
+                layout, parts, args, common = self.dist_parts
+                save_torch_dist_collectively(self.staging / self.name, layout, parts, args, self.iteration, common,
+                                             process_group=process_group)
+            elif self.legacy is not None:
+                models, args, extra = self.legacy
+                write_shard_file(self.target, models, args, self.iteration, extra)
+        except (OSError, _dcp_failure(), RuntimeError) as exc:  # RuntimeError: torch.save on a full disk
+            exc = as_write_os_error(exc, self.target) or exc
+            if not _is_write_error(exc):
+                raise
+            return _write_failure(self.target, exc)
+        return None
+
+    def publish(self, keep_last: int) -> str | None:
+        """Rank 0, once every rank's files are written: the directory renamed into place, then the latest pointer
+        replaced, then old checkpoints pruned. None, or the write error's text."""
+        root, name = self.root, self.name
         final, pointer = root / name, root / f".{LATEST_FILE}.tmp"
         try:
-            pointer.write_text(str(train_state.iteration))  # first: a failure here has moved nothing yet
+            pointer.write_text(str(self.iteration))  # first: a failure here has moved nothing yet
             replaced = None
             if final.exists():  # a checkpoint of this iteration from an earlier trajectory: set aside, then dropped
                 replaced = root / f".{name}{REPLACED_SUFFIX}"
                 os.replace(final, replaced)
             try:
-                os.replace(staging / name, final)
+                os.replace(self.staging / name, final)
             except OSError:
                 if replaced is not None:
                     os.replace(replaced, final)
                 raise
-            staging.rmdir()
+            self.staging.rmdir()
             os.replace(pointer, root / LATEST_FILE)
             if replaced is not None:
                 shutil.rmtree(replaced, ignore_errors=True)
             _prune(root, keep_last, keep=final)
         except OSError as exc:
             pointer.unlink(missing_ok=True)
-            error = _write_failure(pointer, exc)
-    _stop_on_failure(error, root, staging, train_state.iteration, g.rank)
+            return _write_failure(pointer, exc)
+        return None
+
+
+def snapshot_checkpoint(root: Path, engine: Engine, train_state: TrainState, extra_args: dict, fmt: str = TORCH,
+                        host: HostBuffers | None = None) -> CheckpointWrite:
+    """The staging directory made (rank 0; stale ones of killed runs removed) and this rank's part of checkpoint
+    `train_state.iteration` copied to the host: every collective of a save but the writing's own happens here, on
+    the calling (training) thread, so what remains touches no training state. `host`: reused host buffers (an
+    asynchronous save), else fresh copies."""
+    g = engine.grid
+    root = Path(root)
+    write = CheckpointWrite(root, train_state.iteration, g.rank, fmt, target=root)
+    write.target = write.staging / write.name
+    error = None
+    if g.rank == 0:
+        try:
+            recover_replaced(root)
+            for stale in root.glob(".iter_*.partial"):
+                shutil.rmtree(stale, ignore_errors=True)
+            write.target.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            error = _write_failure(write.staging, exc)
+    _stop_on_failure(error, root, write.staging, write.iteration, g.rank)
+    into = None
+    if host is not None:
+        pinned = engine.optimizer.params[0].device.type != "cpu" if engine.optimizer.params else False
+
+        def into(index: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+            # the keys the snapshot copies under below: it then finds them held, and copies nothing
+            return [host.buffer((view, index), shape, torch.float32, pinned) for view in OPTIMIZER_VIEWS]
+    param_states, step = engine.optimizer.full_param_states(into)  # collectives: every rank takes part
+    models = _model_states(engine, host)
+    args = make_args(engine.layout, engine.dtype, iteration=train_state.iteration,
+                     consumed_train_samples=train_state.consumed_samples, **extra_args)
+    scheduler = {"num_steps": train_state.iteration}
+    if fmt == TORCH_DIST:
+        args.ckpt_format = TORCH_DIST
+        common = {OPTIMIZER_KEY: {"step": step}, TRAIN_STATE_KEY: asdict(train_state),
+                  RNG_KEY: _rng_by_position(g), SCHEDULER_KEY: scheduler}
+        write.dist_parts = (engine.layout, _owned_parts(engine, models, param_states, host), args, common)
+    else:
+        rng = _gather_objects(_rng_state(), g.dp_cp_group)
+        rank_dir = legacy_shard_dir(g, engine.layout.pp)
+        if rank_dir is not None:
+            optimizer = {"step": step, **{view: [{} for _ in engine.chunks] for view in OPTIMIZER_VIEWS}}
+            for index, ((chunk, param_name), state) in enumerate(zip(_named_trainable(engine), param_states,
+                                                                     strict=True)):
+                for view in OPTIMIZER_VIEWS:
+                    optimizer[view][chunk][param_name] = _host_copy(host, (view, index), state[view])
+            extra = {OPTIMIZER_KEY: optimizer, TRAIN_STATE_KEY: asdict(train_state), RNG_KEY: rng,
+                     SCHEDULER_KEY: scheduler}
+            write.target = write.staging / write.name / rank_dir / SHARD_FILE
+            write.legacy = (models, args, extra)
+    if host is not None:
+        host.finish()
+    return write
 
 
 def legacy_shard_dir(g: Grid, pp: int) -> str | None:
@@ -338,7 +416,8 @@ class _LocalShards:
                        f"{self.etp_rank}")
 
 
-def _owned_parts(engine: Engine, models: list[dict], param_states: list[dict]) -> list[DistPart]:
+def _owned_parts(engine: Engine, models: list[dict], param_states: list[dict],
+                 host: HostBuffers | None = None) -> list[DistPart]:
     """The weights and optimizer views this rank writes: of the tensors its stage (and EP rank) holds, the dense
     chunks of its TP rank when it is data/context rank 0, the routed experts' chunks of its expert-TP rank when it
     is expert-data-parallel rank 0; every chunk is written by exactly one rank."""
@@ -355,9 +434,12 @@ def _owned_parts(engine: Engine, models: list[dict], param_states: list[dict]) -
     weights = {global_name[c, n]: t for c, model in enumerate(models) for n, t in model.items()
                if (c, n) in global_name}
     views = {view: {} for view in OPTIMIZER_VIEWS}
-    for (chunk, param_name), state in zip(_named_trainable(engine), param_states, strict=True):
+    for index, ((chunk, param_name), state) in enumerate(zip(_named_trainable(engine), param_states, strict=True)):
         for view in OPTIMIZER_VIEWS:
-            views[view][global_name[chunk, param_name]] = state[view].detach().float().cpu()
+            value = state[view].detach().float()
+            # a synchronous save writes before the next step: the optimizer's own host tensors need no copy
+            views[view][global_name[chunk, param_name]] = value.cpu() if host is None else host.copy((view, index),
+                                                                                                      value)
 
     def mine(held: dict):
         """Which chunks this rank writes of the tensors `held` (buffers have weights but no optimizer views)."""

@@ -71,7 +71,8 @@ class Engine:
 
     `source` fills the weights (default: random init from `seed`); `lora` with rank > 0 trains only adapters on
     the frozen loaded weights; `loss_chunk_tokens` is the loss head's chunk (GPTModel.loss; 0: whole logits);
-    `moe` how MoE layers train.
+    `moe` how MoE layers train; `compile` compiles each decoder layer (GPTModel.compile_layers: the first step pays
+    the compile cost).
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class Engine:
         lora: LoraConfig | None = None,
         loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         moe: MoeConfig | None = None,
+        compile: bool = False,
     ):
         self.spec, self.config, self.grid = spec, config, grid
         self.moe = MoeConfig() if moe is None else moe
@@ -110,6 +112,10 @@ class Engine:
         self._moe_stats = MoeStepStats(self.spec, self.moe, self.grid, c.sp, self.num_microbatches)
         if self.lora is not None and self.lora.rank > 0:
             apply_lora(self.chunks, self.lora, self.chunks[0].parallel, self.seed)
+        self.compiled = compile
+        if compile:  # after LoRA (the adapters are in the graph), before FSDP2 shards the layers
+            for chunk in self.chunks:
+                chunk.compile_layers()
         trainable = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         self.optimizer = self._build_optimizer(trainable)
         self.params = self.optimizer.params  # FSDP2 replaces the parameters: the optimizer's are the live ones

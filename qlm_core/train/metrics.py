@@ -31,6 +31,11 @@ class StepMetrics:
     mfu: float
     mem_peak_gb: float
     skipped: bool = False
+    # CUDA only (torch keeps no allocator statistics on the CPU, where mem_peak_gb is the peak RSS): the bytes in
+    # tensors after the step, and the caching allocator's peak reservation (peak reserved / mem_peak_gb - 1 is what
+    # the profile's allocator allowance stands for); left out of the line when None
+    mem_allocated_gb: float | None = None
+    mem_reserved_gb: float | None = None
     # MoE models: moe_aux_loss and moe_z_loss (as they entered the objective), moe_load_max / moe_load_min (the
     # most and least loaded expert's share of its layer's choices over an even split); written as top-level keys
     moe: dict[str, float] | None = None
@@ -39,7 +44,13 @@ class StepMetrics:
         """The metrics.jsonl line."""
         line = asdict(self)
         line.update(line.pop("moe") or {})
+        for key in DEVICE_MEMORY_KEYS:
+            if line[key] is None:
+                del line[key]
         return line
+
+
+DEVICE_MEMORY_KEYS = ("mem_allocated_gb", "mem_reserved_gb")
 
 
 def peak_memory_gb() -> float:
@@ -48,6 +59,14 @@ def peak_memory_gb() -> float:
         return torch.cuda.max_memory_allocated() / 2**30
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
+
+
+def device_memory_gb() -> dict[str, float]:
+    """StepMetrics' mem_allocated_gb (now) and mem_reserved_gb (peak) on CUDA, in GiB; empty on the CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    return {"mem_allocated_gb": torch.cuda.memory_allocated() / 2**30,
+            "mem_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
 
 
 def finite(value):
@@ -146,8 +165,10 @@ class MetricsWriter:
         with open(self.path, "a") as fh:
             fh.write(strict_json(metrics.record()) + "\n")
         if self.tb is not None:
-            for key in ("loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gb"):
-                self.tb.add_scalar(f"train/{key}", getattr(metrics, key), metrics.step)
+            for key in ("loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gb",
+                        *DEVICE_MEMORY_KEYS):
+                if getattr(metrics, key) is not None:
+                    self.tb.add_scalar(f"train/{key}", getattr(metrics, key), metrics.step)
             for key, value in (metrics.moe or {}).items():
                 self.tb.add_scalar(f"train/{key}", value, metrics.step)
 

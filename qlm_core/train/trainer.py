@@ -34,19 +34,19 @@ from qlm_core.config import Recipe, recipe_to_toml
 from qlm_core.data.loader import GlobalBatchSampler, collate
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
-from qlm_core.hardware import GPUS, local_gpu, measure_cpu_peak_tflops
+from qlm_core.hardware import GPUS, configure_cuda_allocator, empty_device_cache, local_gpu, measure_cpu_peak_tflops
 from qlm_core.models.flops import flops_per_sequence
 from qlm_core.parallel.state import Grid, default_device, destroy_distributed, init_distributed, resolve_sizes
+from qlm_core.train.async_checkpoint import CheckpointSaver
 from qlm_core.train.checkpointing import (
     TrainState,
     has_checkpoint,
     load_checkpoint,
     resume_iteration,
-    save_checkpoint,
 )
 from qlm_core.train.data import build_run_data
 from qlm_core.train.engine import Batch, Engine
-from qlm_core.train.metrics import MetricsWriter, StepMetrics, peak_memory_gb, plot_loss, strict_json
+from qlm_core.train.metrics import MetricsWriter, StepMetrics, device_memory_gb, peak_memory_gb, plot_loss, strict_json
 from qlm_core.train.run_dir import claim_run_dir, os_error, write_atomic
 from qlm_core.train.schedule import learning_rate
 from qlm_core.train.signals import StopControl, StopReason
@@ -121,6 +121,7 @@ class Trainer:
         by srun or a user's torchrun; qlm's own launcher has done that before starting the workers."""
         self.recipe, self.run_dir, self.force = recipe, Path(run_dir), force
         self.on_event = on_event or (lambda event: None)
+        self.saver: CheckpointSaver | None = None  # made at the first save
 
     def _emit(self, kind: str, **data):
         if self.grid.rank == 0:
@@ -130,6 +131,7 @@ class Trainer:
         r = self.recipe
         validate_recipe(r)
         check_wandb(r.logging, self.run_dir)
+        configure_cuda_allocator()  # before this rank's first CUDA allocation
         rank, world = init_distributed()
         sizes = resolve_sizes(world, r.parallel.tp, r.parallel.pp, r.parallel.cp, r.parallel.dp, r.parallel.ep,
                               r.parallel.etp)
@@ -166,7 +168,7 @@ class Trainer:
             source.spec, r.parallel, self.grid, micro_batch_size=r.train.micro_batch_size,
             global_batch_size=r.train.global_batch_size, seq_length=r.data.seq_length, dtype=DTYPES[r.model.dtype],
             optim=r.optim, source=source.weights, seed=r.train.seed, lora=r.lora if r.lora.rank > 0 else None,
-            loss_chunk_tokens=r.train.loss_chunk_tokens, moe=r.moe,
+            loss_chunk_tokens=r.train.loss_chunk_tokens, moe=r.moe, compile=r.train.compile,
         )
         self.source = source
         self.ckpt_root = self.run_dir / CHECKPOINTS_DIR
@@ -211,7 +213,9 @@ class Trainer:
         if self.recipe.lora.rank > 0:
             base = Path(self.recipe.model.load).resolve()
             extra.update(lora_args(self.recipe.lora, str(run_checkpoint_dir(base) or base)))
-        save_checkpoint(self.ckpt_root, self.engine, self.state, self.recipe.checkpoint.keep_last, extra,
+        if self.saver is None:  # checkpoint.async_save: written in the background (waited for at the end)
+            self.saver = CheckpointSaver(self.recipe.checkpoint.async_save)
+        self.saver.save(self.ckpt_root, self.engine, self.state, self.recipe.checkpoint.keep_last, extra,
                         self.recipe.checkpoint.format)
         self._emit("checkpoint", step=self.state.iteration)
 
@@ -287,12 +291,19 @@ class Trainer:
                 s_per_sample=seconds / r.train.global_batch_size,
                 tokens_per_s=r.train.global_batch_size * r.data.seq_length / seconds, tflops_per_device=tflops,
                 mfu=tflops / self.peak, mem_peak_gb=peak_memory_gb(), skipped=result.skipped, moe=result.moe,
+                **device_memory_gb(),
             )
             if self.metrics is not None:
                 self.metrics.log_step(metrics)
+            if r.train.empty_cache_interval and self.state.iteration % r.train.empty_cache_interval == 0:
+                empty_device_cache(device)
             if self.wandb is not None:
                 self.wandb.log_step(metrics)
             self._emit("step", metrics=metrics, total=self.steps)
+            if r.train.compile and self._totals["steps"] == 1:
+                first_step_s = seconds  # the first step compiled the layers: its cost, once the second is timed
+            elif r.train.compile and self._totals["steps"] == 2:
+                self._emit("compile", seconds=first_step_s - seconds)
             if self.state.skipped_in_row >= r.train.max_skipped_steps:
                 raise QlmError(f"{self.state.skipped_in_row} steps in a row had a non-finite loss or gradient",
                                "lower optim.lr or check the data; the last checkpoint is intact")
@@ -320,6 +331,8 @@ class Trainer:
         if last_saved != self.state.iteration and (stopped is None or self._totals["steps"]):
             self._save()
             last_saved = self.state.iteration
+        if self.saver is not None:
+            self.saver.close()  # the pending background write in place (its failure raised) before the end
         summary = self._summary(final_valid)
         if stopped is not None:
             summary["stopped"] = self._stopped(stopped, last_saved)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from parallel_cases import CASES, GLOBAL_BATCH, SEQ, SPEC, make_batch
+from parallel_cases import CASES, COMPILED_CASES, GLOBAL_BATCH, SEQ, SPEC, make_batch
 
 from qlm_core.checkpoint.formats.megatron_args import make_args
 from qlm_core.checkpoint.formats.megatron_legacy import (
@@ -41,15 +41,27 @@ def full_grads(engine: Engine) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def compiled_frames() -> int:
+    from torch._dynamo.utils import counters  # torch's pipelining imports dynamo anyway; eager cases record 0
+
+    return counters["stats"]["calls_captured"] if "torch._dynamo" in sys.modules else 0
+
+
 def run_case(name: str, outdir: Path):
-    case = CASES[name]
+    case = CASES.get(name) or COMPILED_CASES[name]
+    if case.compile:  # this case's graphs of its own: what it captures below is what proves it ran compiled
+        import torch._dynamo
+
+        torch._dynamo.reset()
+    frames_before = compiled_frames()
     config = ParallelConfig(**case.parallel)
     sizes = resolve_sizes(case.world, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep, etp=config.etp)
     grid = Grid.build(sizes, ranks=list(range(case.world)))
     if grid is None:
         return
     engine = Engine(case.spec, config, grid, micro_batch_size=case.micro_batch_size,
-                    global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234, moe=case.moe)
+                    global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234, moe=case.moe,
+                    compile=case.compile)
     input_ids, labels, position_ids, segment_ids = make_batch(case.data)
     rows = GLOBAL_BATCH // sizes.dp
     mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
@@ -71,8 +83,11 @@ def run_case(name: str, outdir: Path):
         losses.append(engine.global_loss(loss_sum))
         norms.append(norm)
         moe_figures.append(engine.moe_step_figures())
+    # proof that the layers ran compiled: the frames torch.compile captured for this case
+    result = {"losses": losses, "grad_norms": norms, "moe": moe_figures,
+              "compiled_frames": compiled_frames() - frames_before}
     if grid.rank == 0:
-        (outdir / f"{name}.json").write_text(json.dumps({"losses": losses, "grad_norms": norms, "moe": moe_figures}))
+        (outdir / f"{name}.json").write_text(json.dumps(result))
 
 
 def count_layer_collectives(outdir: Path):

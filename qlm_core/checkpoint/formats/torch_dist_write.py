@@ -171,15 +171,18 @@ def write_mcore_torch_dist(root: Path, layout: ModelLayout, source: TensorSource
 
 
 def save_torch_dist_collectively(iteration_dir: Path, layout: ModelLayout, parts: list[DistPart],
-                                 args: argparse.Namespace, iteration: int, common_extra: dict):
+                                 args: argparse.Namespace, iteration: int, common_extra: dict,
+                                 process_group: dist.ProcessGroup | None = None):
     """Every rank of the default group calls this with the parts (chunks) it owns; global rank 0 also writes the
     layers' `_extra_state` objects, common.pt and, last, metadata.json. No `latest` pointer: the caller moves the
-    finished directory into place."""
+    finished directory into place. `process_group`: the group (of every rank) DCP coordinates over, None for the
+    default one (an asynchronous save passes its own, so as not to interleave with the training's collectives)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     planner = _StreamingSavePlanner(layout, parts, rank == 0, lambda *a: None)
     writer = FileSystemWriter(str(iteration_dir), single_file_per_rank=True, sync_files=False, thread_count=1)
     with without_crc32():
-        dcp.save({}, storage_writer=writer, planner=planner, no_dist=not dist.is_initialized())
+        dcp.save({}, storage_writer=writer, planner=planner, process_group=process_group,
+                 no_dist=not dist.is_initialized())
         if rank == 0:
             torch.save(_common_state(args, iteration, common_extra), iteration_dir / COMMON_FILE)
             (iteration_dir / DIST_CONFIG_FILE).write_text(json.dumps(DIST_CONFIG))
