@@ -202,5 +202,5 @@ def test_unknown_format_name_is_a_user_error(tmp_path):
     path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "p", "chosen": "c", "rejected": "r"}])
     with pytest.raises(QlmError, match="unknown preference format 'kto'"):
         load_preferences(path, str(tmp_path / "cache"), format="kto")
-    with pytest.raises(QlmError, match="no instruction column for the alpaca preference format"):
+    with pytest.raises(QlmError, match="no instruction column for the alpaca format"):
         load_preferences(path, str(tmp_path / "cache"), format="alpaca")

@@ -167,3 +167,21 @@ def read_dataset(builder: str, path: Path, what: str, cache_dir: str | None = No
             reason = _first_bad_json_line(path) or reason
         raise QlmError(f"cannot read {path} as {builder} ({reason})",
                        f"check that {path.name} is valid {'JSON lines' if builder == 'json' else builder}") from None
+
+
+def read_records(path: Path, what: str, cache_dir: str | None, format: str, detect, columns: dict[str, tuple],
+                 normalise, num_proc: int, fix: str, builder: str = "json"):
+    """A data file of records in `format` ("auto": `detect(first record)` tells it) mapped through `normalise`
+    (batched, with indices; given format= and path=): the one reading path of the SFT and preference files.
+    `columns`: each format's required columns; `fix` is the error line's fix for a missing one."""
+    quiet()
+    dataset = read_dataset(builder, Path(path), what, cache_dir)
+    if len(dataset) == 0:
+        raise QlmError(f"{what} {path} has no records", "check the file")
+    format = detect(dataset[0]) if format == "auto" else format
+    missing = [column for column in columns[format] if column not in dataset.column_names]
+    if missing:
+        raise QlmError(f"{path} has no {', '.join(missing)} column for the {format} format", fix)
+    return dataset.map(normalise, batched=True, with_indices=True, fn_kwargs={"format": format, "path": str(path)},
+                       remove_columns=dataset.column_names, num_proc=num_proc if num_proc > 1 else None,
+                       desc=f"read {format}")

@@ -38,9 +38,9 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from qlm_core.data.files import cache_errors, quiet, read_dataset
+from qlm_core.data.files import cache_errors, read_records
 from qlm_core.data.sft import MESSAGE_ROLES, SHAREGPT_ROLES
-from qlm_core.data.tokenizer import load_tokenizer, resolve_chat_template
+from qlm_core.data.tokenizer import resolve_chat_template, tokenizer_and_pad
 from qlm_core.errors import QlmError
 
 PreferenceFormat = Literal["auto", "trl", "alpaca", "sharegpt"]
@@ -180,20 +180,9 @@ def load_preferences(path: str | os.PathLike, cache_dir: str | None = None, num_
     (lists of {"role", "content"})."""
     if format not in get_args(PreferenceFormat):
         raise QlmError(f"unknown preference format {format!r}", f"use one of {', '.join(get_args(PreferenceFormat))}")
-    quiet()
-    path = Path(path)
-    builder = "parquet" if path.suffix.lower() == ".parquet" else "json"
-    dataset = read_dataset(builder, path, "preference data file", cache_dir)
-    if len(dataset) == 0:
-        raise QlmError(f"preference data file {path} has no records", "check the file")
-    format = detect_format(dataset[0]) if format == "auto" else format
-    missing = [column for column in FORMAT_COLUMNS[format] if column not in dataset.column_names]
-    if missing:
-        raise QlmError(f"{path} has no {', '.join(missing)} column for the {format} preference format",
-                       "set the format to the file's format, or auto")
-    return dataset.map(_normalise, batched=True, with_indices=True, fn_kwargs={"format": format, "path": str(path)},
-                       remove_columns=dataset.column_names, num_proc=num_proc if num_proc > 1 else None,
-                       desc=f"read {format} pairs")
+    builder = "parquet" if Path(path).suffix.lower() == ".parquet" else "json"
+    return read_records(path, "preference data file", cache_dir, format, detect_format, FORMAT_COLUMNS, _normalise,
+                        num_proc, "set the format to the file's format, or auto", builder=builder)
 
 
 def render_pair(prompt: list[dict], chosen: list[dict], rejected: list[dict], tokenizer,
@@ -311,12 +300,7 @@ def build_preference_dataset(path: str | os.PathLike, tokenizer, config: Prefere
                              cache_dir: str | None = None) -> PreferenceDataset:
     """Load, normalise and tokenise (cached by `datasets`) the preference file at `path`; `tokenizer` is one or its
     directory."""
-    if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_tokenizer(tokenizer)
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_token_id is None:
-        raise QlmError("the tokenizer has neither a pad nor an eos token to pad sequences with",
-                       "use a tokenizer with a pad or eos token")
+    tokenizer, pad_token_id = tokenizer_and_pad(tokenizer)
     with cache_errors(f"cannot prepare {path}"):
         rows = load_preferences(path, cache_dir, config.num_proc, config.format)
         tokenized, truncated = tokenize_preferences(rows, tokenizer, config)

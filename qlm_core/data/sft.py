@@ -20,13 +20,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from qlm_core.config import DataFormat, Truncation, choices
-from qlm_core.data.files import cache_errors, quiet, read_dataset
-from qlm_core.data.tokenizer import has_generation_markers, load_tokenizer, resolve_chat_template
+from qlm_core.data.files import cache_errors, read_records
+from qlm_core.data.tokenizer import has_generation_markers, resolve_chat_template, tokenizer_and_pad
 from qlm_core.errors import QlmError
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -118,18 +117,8 @@ def load_conversations(path: str | os.PathLike, cache_dir: str | None = None, nu
     "messages"."""
     assert format in choices(DataFormat), f"SFT format {format!r}"  # the recipe's schema checked it (config.py)
 
-    quiet()
-    dataset = read_dataset("json", Path(path), "SFT data file", cache_dir)
-    if len(dataset) == 0:
-        raise QlmError(f"SFT data file {path} has no records", "check the file")
-    format = detect_format(dataset[0]) if format == "auto" else format
-    missing = [column for column in FORMATS[format] if column not in dataset.column_names]
-    if missing:
-        raise QlmError(f"{path} has no {', '.join(missing)} column for the {format} format",
-                       "set data.format to the file's format, or auto")
-    return dataset.map(_normalise, batched=True, with_indices=True, fn_kwargs={"format": format, "path": str(path)},
-                       remove_columns=dataset.column_names,
-                       num_proc=num_proc if num_proc > 1 else None, desc=f"read {format}")
+    return read_records(path, "SFT data file", cache_dir, format, detect_format, FORMATS, _normalise, num_proc,
+                        "set data.format to the file's format, or auto")
 
 
 def render_example(messages: list[dict], tokenizer, template: str) -> tuple[list[int], list[int]]:
@@ -275,12 +264,7 @@ class SFTDataset:
 def build_sft_dataset(path: str | os.PathLike, tokenizer, config: SFTConfig,
                       cache_dir: str | None = None) -> SFTDataset:
     """Load, normalise, tokenise (cached) and pack the SFT file at `path`; `tokenizer` is one or its directory."""
-    if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_tokenizer(tokenizer)
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_token_id is None:
-        raise QlmError("the tokenizer has neither a pad nor an eos token to pad sequences with",
-                       "use a tokenizer with a pad or eos token")
+    tokenizer, pad_token_id = tokenizer_and_pad(tokenizer)
     with cache_errors(f"cannot prepare {path}"):
         conversations = load_conversations(path, cache_dir, config.num_proc, config.format)
         tokenized = tokenize_conversations(conversations, tokenizer, config)

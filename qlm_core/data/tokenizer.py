@@ -70,6 +70,17 @@ def load_tokenizer(path: str | os.PathLike):
                        "tokenizer_config.json with its vocabulary files)") from None
 
 
+def tokenizer_and_pad(tokenizer) -> tuple[object, int]:
+    """`tokenizer` (one, or its directory) and the id sequences are padded with: its pad token, else its eos."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_token_id is None:
+        raise QlmError("the tokenizer has neither a pad nor an eos token to pad sequences with",
+                       "use a tokenizer with a pad or eos token")
+    return tokenizer, pad_token_id
+
+
 def chat_template(name_or_template: str) -> str:
     """A named template (chatml, qwen, llama3) or, when the text is already Jinja, that text."""
     if "{%" in name_or_template or "{{" in name_or_template:
