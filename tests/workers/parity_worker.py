@@ -50,9 +50,9 @@ def compiled_frames() -> int:
 def run_case(name: str, outdir: Path):
     case = CASES.get(name) or COMPILED_CASES[name]
     if case.compile:  # this case's graphs of its own: what it captures below is what proves it ran compiled
-        import torch._dynamo
+        import torch._dynamo as dynamo  # binds `dynamo` only: `torch` stays the module-level name
 
-        torch._dynamo.reset()
+        dynamo.reset()
     frames_before = compiled_frames()
     config = ParallelConfig(**case.parallel)
     sizes = resolve_sizes(case.world, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep, etp=config.etp)
