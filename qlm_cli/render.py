@@ -43,7 +43,8 @@ def kv_table(title: str, items: dict[str, Any]) -> Table:
 
 
 MEMORY_NOTES = {
-    "weights": "parameters on this rank", "grads": "gradient buffers (parallel.grad_reduce_dtype)",
+    "weights": "parameters on this rank (and a frozen DPO reference)",
+    "grads": "gradient buffers (parallel.grad_reduce_dtype)",
     "optimizer": "fp32 masters + Adam moments",
     "activations": "saved for backward, all in-flight micro-batches",
     "logits_loss": "loss head: fp32 softmax (chunked: input, lse)",

@@ -33,8 +33,17 @@ TrainDtype = Literal["bf16", "fp32"]  # fp16 would need loss scaling, which qlm 
 # grad_reduce_in_fp32=False); the optimizer's masters and updates stay fp32 either way
 GradReduceDtype = Literal["fp32", "bf16"]  # bf16 only with bf16 training (train/validate.py)
 EvalBackend = Literal["qlm", "hf"]  # qlm's own model, or lm-eval's hf model on an HF export
-DataKind = Literal["sft", "pretrain"]
-DataFormat = Literal["auto", "alpaca", "sharegpt", "messages"]
+DataKind = Literal["sft", "pretrain", "preference"]
+SftFormat = Literal["auto", "alpaca", "sharegpt", "messages"]  # data/sft.py
+PreferenceFormat = Literal["auto", "trl", "alpaca", "sharegpt"]  # data/preference.py
+DataFormat = Literal["auto", "alpaca", "sharegpt", "messages", "trl"]  # either kind's (train/validate.py checks)
+# the preference losses (train/preference_loss.py): the DPO family needs a reference model, simpo and orpo do not
+PreferenceLossType = Literal["sigmoid", "hinge", "ipo", "simpo", "orpo"]
+# where the DPO family's reference log-probs come from: a frozen copy of the starting weights, the policy with its
+# LoRA adapters switched off, or the table computed before the first step (preference_reference)
+ReferenceModel = Literal["frozen", "adapters_off", "precomputed"]
+# which end of a prompt longer than max_prompt_length is kept (TRL's truncation_mode)
+PreferenceTruncation = Literal["keep_end", "keep_start"]
 Truncation = Literal["right", "drop"]
 LrSchedule = Literal["constant", "cosine", "wsd"]
 CheckpointFormat = Literal["torch", "torch_dist"]
@@ -242,6 +251,24 @@ class MoeConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """[preference]: preference alignment (data.kind = "preference"). TRL's names and defaults where TRL has them."""
+
+    loss_type: PreferenceLossType = "sigmoid"
+    beta: float = bounded(0.1, above=0, meaning="DPO's beta (IPO's tau, SimPO's beta, ORPO's lambda), e.g. 0.1")
+    label_smoothing: float = bounded(0.0, least=0, below=0.5, meaning="cDPO's label-flip probability")
+    simpo_gamma: float = bounded(0.5, least=0, meaning="SimPO's target reward margin")
+    rpo_alpha: float | None = bounded(None, least=0)  # DPO family: weight of an NLL term on the chosen responses
+    cpo_alpha: float = bounded(0.0, least=0)  # simpo: weight of an NLL term on the chosen responses
+    # the DPO family's reference log-probs computed once, before the first step, with the starting weights, and kept
+    # beside the tokenised data (reused by every epoch and resume) instead of a reference model run every step
+    precompute_reference: bool = False
+    max_length: int | None = bounded(None, least=2)  # prompt + response tokens; None: data.seq_length
+    max_prompt_length: int | None = bounded(None, least=1)  # None: up to max_length - 1
+    truncation_mode: PreferenceTruncation = "keep_end"
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -253,6 +280,21 @@ class Recipe:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+
+
+def preference_reference(recipe: Recipe) -> ReferenceModel | None:
+    """Where a preference run's reference log-probs come from; None: a reference-free loss (simpo, orpo)."""
+    if recipe.preference.loss_type in ("simpo", "orpo"):
+        return None
+    if recipe.preference.precompute_reference:
+        return "precomputed"
+    return "adapters_off" if recipe.lora.rank > 0 else "frozen"
+
+
+def rows_per_sample(recipe: Recipe) -> int:
+    """Sequences per sample of train.micro_batch_size / global_batch_size: a preference pair is two."""
+    return 2 if recipe.data.kind == "preference" else 1
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}

@@ -79,6 +79,23 @@ def make_hf_model(path: Path, kind: str, dtype=torch.float32, seed: int = 0, **o
     return model
 
 
+def make_chat_hf_model(path: Path, demo_dir: Path, chat_template: str | None = None) -> Path:
+    """A tiny random Qwen2 with qlm's demo tokenizer (vocabulary 512, chatml; eos <|im_end|>, pad <|endoftext|>),
+    optionally another chat template; returns the demo's paths (its data sets go with the tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from qlm_core.data.demo import build_demo
+
+    demo = build_demo(demo_dir, seed=0, num_train=30, num_eval=3, corpus_paragraphs=5, preference_pairs=64)
+    make_hf_model(path, "qwen2", vocab_size=512)
+    tokenizer = AutoTokenizer.from_pretrained(demo.tokenizer)  # replaces make_hf_model's tiny one
+    tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
+    return demo
+
+
 TESTS_DIR = Path(__file__).resolve().parent
 
 

@@ -33,6 +33,8 @@ ENUM_KEYS = {
     "schedule.lr_schedule": "linear",
     "checkpoint.format": "zarr",
     "moe.aux_loss_type": "switch",
+    "preference.loss_type": "kto",
+    "preference.truncation_mode": "keep_middle",
 }
 
 
@@ -120,7 +122,7 @@ def test_checked_field_names_where_the_value_came_from():
 
 
 def test_lower_layers_take_their_choices_from_the_schema():
-    from qlm_core.config import CpCommType, DataFormat, RecomputeMode
+    from qlm_core.config import CpCommType, DataFormat, PreferenceFormat, RecomputeMode, SftFormat
     from qlm_core.data.sft import FORMATS
     from qlm_core.models.gpt import RECOMPUTE_MODES
     from qlm_core.parallel.context_parallel import CP_COMM_TYPES
@@ -130,7 +132,8 @@ def test_lower_layers_take_their_choices_from_the_schema():
     assert RECOMPUTE_MODES == RECOMPUTE == choices(RecomputeMode)
     assert CP_COMM_TYPES == CP_COMM == choices(CpCommType)
     assert tuple(SCHEDULES) == choices(PpSchedule)
-    assert ("auto", *FORMATS) == choices(DataFormat)
+    assert ("auto", *FORMATS) == choices(SftFormat)
+    assert set(choices(SftFormat)) | set(choices(PreferenceFormat)) == set(choices(DataFormat))
 
 
 # ---- rules across fields (train/validate.py) ------------------------------------------------------------------------

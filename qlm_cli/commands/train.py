@@ -56,6 +56,9 @@ class RunView:
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[figures]}"),
                 TimeRemainingColumn(), console=console, transient=False,
             )
+            if data.get("truncated"):
+                console.print(f"{data['truncated']} preference records were truncated to fit (preference."
+                              "max_length / max_prompt_length / data.seq_length)", markup=False, highlight=False)
             self.progress.start()
             self.task = self.progress.add_task("train", total=data["steps"], completed=data["start_step"],
                                                figures="")
@@ -63,10 +66,15 @@ class RunView:
             m = data["metrics"]
             figures = (f"loss {m.loss:.4f} lr {m.lr:.2e} {m.tokens_per_s:,.0f} tok/s {m.s_per_sample:.3f} s/sample "
                        f"{m.tflops_per_device:.3g} TFLOP/s MFU {m.mfu:.3f} mem {m.mem_peak_gb:.2f} GB"
+                       + (f" acc {m.preference['rewards/accuracies']:.2f} margin "
+                          f"{m.preference['rewards/margins']:.3f}" if m.preference else "")
                        + (" [red]skipped[/]" if m.skipped else ""))
             self.progress.update(self.task, completed=m.step, figures=figures)
         elif event.kind == "eval":
-            console.print(f"step {data['step']}: validation loss {data['loss']:.4f}")
+            figures = data.get("figures")
+            extra = (f", accuracy {figures['rewards/accuracies']:.3f}, margin {figures['rewards/margins']:.3f}"
+                     if figures else "")
+            console.print(f"step {data['step']}: validation loss {data['loss']:.4f}{extra}")
         elif event.kind == "checkpoint":
             console.print(f"step {data['step']}: checkpoint saved")
         elif event.kind == "compile":

@@ -44,6 +44,7 @@ class DemoPaths:
     train: Path
     eval: Path
     corpus: Path
+    preference: Path
 
 
 @dataclass
@@ -92,14 +93,15 @@ def messages(example: Example) -> list[dict]:
 
 
 def build_demo(out_dir: str | os.PathLike, seed: int = 0, num_train: int = 3000, num_eval: int = 150,
-               corpus_paragraphs: int = 500, pairs_per_paragraph: int = 6) -> DemoPaths:
+               corpus_paragraphs: int = 500, pairs_per_paragraph: int = 6,
+               preference_pairs: int = 1200) -> DemoPaths:
     """Write the demo tokenizer, train.jsonl, eval.jsonl and corpus.txt under out_dir, once: a complete directory
     with the same parameters is reused. It is built in a private directory and renamed into place, so processes
     that build it at the same time (the ranks of a run) never read a half-written file."""
     root = Path(out_dir)
     params = dict(seed=seed, num_train=num_train, num_eval=num_eval, corpus_paragraphs=corpus_paragraphs,
-                  pairs_per_paragraph=pairs_per_paragraph)
-    paths = DemoPaths(root, root / "tokenizer", root / "train.jsonl", root / "eval.jsonl", root / "corpus.txt")
+                  pairs_per_paragraph=pairs_per_paragraph, preference_pairs=preference_pairs)
+    paths = _paths(root)
     stamp = root / "demo.json"
     if stamp.exists() and json.loads(stamp.read_text()) == params:
         return paths
@@ -121,13 +123,35 @@ def build_demo(out_dir: str | os.PathLike, seed: int = 0, num_train: int = 3000,
     return paths
 
 
+def _paths(root: Path) -> DemoPaths:
+    return DemoPaths(root, root / "tokenizer", root / "train.jsonl", root / "eval.jsonl", root / "corpus.txt",
+                     root / "preference.jsonl")
+
+
+def preference_examples(seed: int, count: int, exclude: set[str]) -> list[Example]:
+    """`count` examples with distinct questions, none in `exclude`; tasks take turns."""
+    rng = random.Random(seed + 2)
+    out, seen = [], set(exclude)
+    while len(out) < count:
+        example = make_example(TASKS[len(out) % len(TASKS)], rng)
+        if example.question not in seen:
+            seen.add(example.question)
+            out.append(example)
+    return out
+
+
 def _write_demo(out_dir: str | os.PathLike, seed: int = 0, num_train: int = 3000, num_eval: int = 150,
-               corpus_paragraphs: int = 500, pairs_per_paragraph: int = 6) -> DemoPaths:
+                corpus_paragraphs: int = 500, pairs_per_paragraph: int = 6, preference_pairs: int = 1200) -> DemoPaths:
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    paths = DemoPaths(root, root / "tokenizer", root / "train.jsonl", root / "eval.jsonl", root / "corpus.txt")
+    paths = _paths(root)
     train, evals = generate(seed, num_train + corpus_paragraphs * pairs_per_paragraph, num_eval)
     sft, pretrain = train[:num_train], train[num_train:]
+    rng = random.Random(seed + 3)
+    with open(paths.preference, "w") as out:
+        for example in preference_examples(seed, preference_pairs, {e.question for e in evals}):
+            out.write(json.dumps({"prompt": example.question, "chosen": example.answer,
+                                  "rejected": rng.choice(example.wrong)}) + "\n")
 
     with open(paths.train, "w") as out:
         for example in sft:

@@ -34,17 +34,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import get_args
 
 import numpy as np
 
+from qlm_core.config import PreferenceFormat, PreferenceTruncation
 from qlm_core.data.files import cache_errors, read_records
 from qlm_core.data.sft import MESSAGE_ROLES, SHAREGPT_ROLES
 from qlm_core.data.tokenizer import resolve_chat_template, tokenizer_and_pad
 from qlm_core.errors import QlmError
 
-PreferenceFormat = Literal["auto", "trl", "alpaca", "sharegpt"]
-PreferenceTruncation = Literal["keep_end", "keep_start"]
 FORMAT_COLUMNS = {"trl": ("prompt", "chosen", "rejected"), "alpaca": ("instruction", "chosen", "rejected"),
                   "sharegpt": ("conversations", "chosen", "rejected")}
 FORMAT_HELP = ("use TRL's prompt/chosen/rejected, alpaca instruction/input/chosen/rejected or sharegpt "
@@ -305,3 +304,37 @@ def build_preference_dataset(path: str | os.PathLike, tokenizer, config: Prefere
         rows = load_preferences(path, cache_dir, config.num_proc, config.format)
         tokenized, truncated = tokenize_preferences(rows, tokenizer, config)
     return PreferenceDataset(tokenized, truncated, config.seq_length, pad_token_id)
+
+
+class PositionedPairs:
+    """Item i of a pair dataset (a PreferenceDataset, a Subset or ConcatDataset of them) as (i, item): the
+    precomputed reference log-probs are looked up by that position."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return i, self.dataset[i]
+
+
+def collate_pairs(items: list, pairs_per_micro: int, reference: np.ndarray | None = None):
+    """PositionedPairs items -> (input_ids, labels [2·pairs, seq] int64, reference log-probs [2·pairs] or None),
+    each micro-batch of `pairs_per_micro` pairs laid out as its chosen rows, then its rejected rows (module doc);
+    `reference`: [len(dataset), 2] (chosen, rejected) log-probs by position."""
+    import torch
+
+    if len(items) % pairs_per_micro:
+        raise ValueError(f"{len(items)} pairs do not make micro-batches of {pairs_per_micro}")
+    rows, ref = [], []
+    for start in range(0, len(items), pairs_per_micro):
+        group = items[start:start + pairs_per_micro]
+        for side in (0, 1):
+            rows += [pair[side] for _, pair in group]
+            if reference is not None:
+                ref += [reference[position, side] for position, _ in group]
+    input_ids = torch.as_tensor(np.stack([ids for ids, _ in rows]))
+    labels = torch.as_tensor(np.stack([labels for _, labels in rows]))
+    return input_ids, labels, None if reference is None else torch.as_tensor(np.asarray(ref, dtype=np.float64))

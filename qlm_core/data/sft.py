@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qlm_core.config import DataFormat, Truncation, choices
+from qlm_core.config import SftFormat, Truncation, choices
 from qlm_core.data.files import cache_errors, read_records
 from qlm_core.data.tokenizer import has_generation_markers, resolve_chat_template, tokenizer_and_pad
 from qlm_core.errors import QlmError
@@ -31,7 +31,7 @@ from qlm_core.errors import QlmError
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 FORMATS = {"alpaca": ("instruction", "output"), "sharegpt": ("conversations",), "messages": ("messages",)}  # columns
-assert ("auto", *FORMATS) == choices(DataFormat), "FORMATS and config.DataFormat name the same formats"
+assert ("auto", *FORMATS) == choices(SftFormat), "FORMATS and config.SftFormat name the same formats"
 
 
 @dataclass
@@ -44,7 +44,7 @@ class SFTConfig:
     shuffle: bool = True  # seeded shuffle of the samples before packing
     seed: int = 1234
     num_proc: int = 1
-    format: DataFormat = "auto"  # auto: told by the first record
+    format: SftFormat = "auto"  # auto: told by the first record
 
 
 def detect_format(record: dict) -> str:
@@ -112,10 +112,10 @@ def _normalise(batch, indices, format: str, path: str):
 
 
 def load_conversations(path: str | os.PathLike, cache_dir: str | None = None, num_proc: int = 1,
-                       format: DataFormat = "auto"):
+                       format: SftFormat = "auto"):
     """A json/jsonl file of `format` (auto: told by its first record) as a `datasets.Dataset` with one column,
     "messages"."""
-    assert format in choices(DataFormat), f"SFT format {format!r}"  # the recipe's schema checked it (config.py)
+    assert format in choices(SftFormat), f"SFT format {format!r}"  # train/validate.py checked it
 
     return read_records(path, "SFT data file", cache_dir, format, detect_format, FORMATS, _normalise, num_proc,
                         "set data.format to the file's format, or auto")

@@ -124,6 +124,11 @@ class InFlightStage(PipelineStage):
         with shape_inference.inferring():
             return super()._forward_metadata_inference(*args, **kwargs)
 
+    def _prepare_backward_infra(self, *args, **kwargs):
+        # the last stage runs the loss function once on the placeholder output to learn the gradient shapes
+        with shape_inference.inferring():
+            return super()._prepare_backward_infra(*args, **kwargs)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._output_sends: SendRelease | None = None  # None: torch's runtime posts and keeps this stage's sends

@@ -13,7 +13,16 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.config import ModelConfig, MoeConfig, ParallelConfig, Recipe, TrainConfig, checked_field
+from qlm_core.config import (
+    ModelConfig,
+    MoeConfig,
+    ParallelConfig,
+    Recipe,
+    TrainConfig,
+    checked_field,
+    preference_reference,
+    rows_per_sample,
+)
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import LORA_TARGETS, ModelLayout
@@ -56,6 +65,9 @@ class ProfileCase:
     rotary: bool = True  # False: the framework's positions rotate nothing (MPT's ALiBi), no RoPE outputs kept
     moe: MoeConfig = field(default_factory=MoeConfig)  # the recipe's [moe]: losses and capacity (MoE models)
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE  # expert parallelism: max/mean rows an EP rank receives
+    # preference training with a frozen copy of the starting weights as its reference (held in the compute dtype,
+    # sharded as the policy's TP/PP shards); its batch sizes above count sequences, two per pair
+    reference_copy: bool = False
 
     @property
     def grad_reduce_dtype(self) -> str:
@@ -182,9 +194,11 @@ def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpe
     p = dataclasses.replace(recipe.parallel)
     if num_gpus is None:
         num_gpus = p.tp * p.pp * p.cp * p.dp if p.dp else SEED_GPUS
+    rows = rows_per_sample(recipe)  # a preference pair is two sequences of one micro-batch
     return ProfileCase(
         spec=spec, model_name=name, parallel=p, seq_len=recipe.data.seq_length,
-        micro_batch_size=recipe.train.micro_batch_size, global_batch_size=recipe.train.global_batch_size,
+        micro_batch_size=recipe.train.micro_batch_size * rows, global_batch_size=recipe.train.global_batch_size * rows,
+        reference_copy=recipe.data.kind == "preference" and preference_reference(recipe) == "frozen",
         num_gpus=num_gpus, dtype=recipe.model.dtype, lora_rank=recipe.lora.rank,
         lora_targets=tuple(recipe.lora.target_modules), loss_chunk_tokens=recipe.train.loss_chunk_tokens,
         mean_doc_len=recipe.data.mean_doc_len, moe=dataclasses.replace(recipe.moe),

@@ -257,8 +257,11 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
         copies = 4.0 * (states.owned_numel(shards, case.sizes.edp if case.expert_parallel else None)
                         if p.zero_stage else states.trainable_numel)
         workspace = max(workspace, copies - (chunk_bytes * chunks + head + pp_buffers))
+    weights = float(states.weights)
+    if case.reference_copy:  # preference training's frozen reference: this stage's TP shard, compute dtype
+        weights += case.dtype_bytes * sum(param.numel for param in stage_params(layout, stage))
     components = {
-        "weights": float(states.weights), "grads": float(states.grads), "optimizer": float(states.optimizer),
+        "weights": weights, "grads": float(states.grads), "optimizer": float(states.optimizer),
         "activations": chunk_bytes * chunks, "logits_loss": head, "workspace": workspace, "pp_buffers": pp_buffers,
         "comm_buffers": comm_buffer_bytes(case, layout, stage, states),
     }

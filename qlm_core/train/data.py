@@ -11,9 +11,10 @@ from pathlib import Path
 
 from torch.utils.data import ConcatDataset, Subset
 
-from qlm_core.config import DataConfig, DataKind, choices
+from qlm_core.config import DataConfig, DataKind, PreferenceConfig, choices
 from qlm_core.data.demo import build_demo
 from qlm_core.data.indexed import IndexedDataset
+from qlm_core.data.preference import PreferenceDataConfig, build_preference_dataset
 from qlm_core.data.preprocess import preprocess
 from qlm_core.data.pretrain import PretrainConfig, build_pretrain_datasets
 from qlm_core.data.sft import SFTConfig, build_sft_dataset
@@ -28,6 +29,7 @@ class RunData:
     train: object
     valid: object | None
     tokenizer_dir: Path | None
+    truncated: int = 0  # preference data: the records whose prompt or responses were cut (every file, both splits)
 
 
 def demo_paths(cache_dir: Path, seed: int):
@@ -73,33 +75,50 @@ def _has_records(path: Path) -> bool:
 
 
 def build_run_data(data: DataConfig, tokenizer_dir: Path | None, cache_dir: Path, train_samples: int,
-                   valid_samples: int) -> RunData:
+                   valid_samples: int, preference: PreferenceConfig | None = None) -> RunData:
     train_names, valid_names = list(data.train), list(data.valid)
     if DEMO in train_names or DEMO in valid_names:
         paths = demo_paths(cache_dir, data.seed)
-        demo = str(paths.train) if data.kind == "sft" else demo_corpus_prefix(paths, cache_dir)
+        demo = {"sft": paths.train, "preference": paths.preference}.get(data.kind)
+        demo = str(demo) if demo is not None else demo_corpus_prefix(paths, cache_dir)
         train_names = [demo if n == DEMO else n for n in train_names]
         valid_names = [demo if n == DEMO else n for n in valid_names]
         tokenizer_dir = tokenizer_dir or paths.tokenizer
     if data.kind == "pretrain":
         return _pretrain(data, train_names, valid_names, tokenizer_dir, cache_dir, train_samples, valid_samples)
     if tokenizer_dir is None:
-        raise QlmError("SFT data needs a tokenizer", "set model.tokenizer or load an HF model with one")
-    config = SFTConfig(
-        seq_length=data.seq_length, chat_template=data.chat_template or None, truncation=data.truncation,
-        pack=data.packing, shuffle=True, seed=data.seed, num_proc=data.workers, format=data.format,
-    )
+        raise QlmError(f"{data.kind} data needs a tokenizer", "set model.tokenizer or load an HF model with one")
     cache = str(Path(cache_dir) / "datasets")
-    train = [build_sft_dataset(name, tokenizer_dir, config, cache_dir=cache) for name in train_names]
+    if data.kind == "preference":
+        pref = preference or PreferenceConfig()
+        config = PreferenceDataConfig(
+            seq_length=data.seq_length, chat_template=data.chat_template or None, max_length=pref.max_length,
+            max_prompt_length=pref.max_prompt_length, truncation_mode=pref.truncation_mode, format=data.format,
+            num_proc=data.workers,
+        )
+
+        def build(name):
+            return build_preference_dataset(name, tokenizer_dir, config, cache_dir=cache)
+    else:
+        config = SFTConfig(
+            seq_length=data.seq_length, chat_template=data.chat_template or None, truncation=data.truncation,
+            pack=data.packing, shuffle=True, seed=data.seed, num_proc=data.workers, format=data.format,
+        )
+
+        def build(name):
+            return build_sft_dataset(name, tokenizer_dir, config, cache_dir=cache)
+    train = [build(name) for name in train_names]
+    valid = [build(name) for name in valid_names]
+    truncated = sum(getattr(dataset, "truncated", 0) for dataset in train + valid)
     train_set = train[0] if len(train) == 1 else ConcatDataset(train)
-    if valid_names:
-        valid = [build_sft_dataset(name, tokenizer_dir, config, cache_dir=cache) for name in valid_names]
-        return RunData(train_set, valid[0] if len(valid) == 1 else ConcatDataset(valid), tokenizer_dir)
+    if valid:
+        return RunData(train_set, valid[0] if len(valid) == 1 else ConcatDataset(valid), tokenizer_dir, truncated)
     held_out = int(len(train_set) * data.valid_fraction)
     if held_out == 0:
-        return RunData(train_set, None, tokenizer_dir)
+        return RunData(train_set, None, tokenizer_dir, truncated)
     cut = len(train_set) - held_out
-    return RunData(Subset(train_set, range(cut)), Subset(train_set, range(cut, len(train_set))), tokenizer_dir)
+    return RunData(Subset(train_set, range(cut)), Subset(train_set, range(cut, len(train_set))), tokenizer_dir,
+                   truncated)
 
 
 def _pretrain(data, train_names, valid_names, tokenizer_dir, cache_dir, train_samples, valid_samples) -> RunData:

@@ -18,6 +18,8 @@ is still exact for it, so A's replicas stay identical.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,6 +62,22 @@ class LoraRowParallelLinear(RowParallelLinear):
         low = self.lora_A(self.lora_dropout(x))
         low = reduce_scatter_to_sp(low, self.tp_group) if self.sequence_parallel else reduce_from_tp(low, self.tp_group)
         return super().forward(x) + self.lora_scale * self.lora_B(low)
+
+
+@contextmanager
+def adapters_disabled(chunks: list[nn.Module]):
+    """Inside: every LoRA linear of `chunks` computes its frozen base alone (the reference model of preference
+    training, with no second copy of the weights)."""
+    linears = [m for chunk in chunks for m in chunk.modules()
+               if isinstance(m, (LoraColumnParallelLinear, LoraRowParallelLinear))]
+    scales = [m.lora_scale for m in linears]
+    for m in linears:
+        m.lora_scale = 0.0
+    try:
+        yield
+    finally:
+        for m, scale in zip(linears, scales, strict=True):
+            m.lora_scale = scale
 
 
 def _factor(weight: torch.Tensor) -> nn.Linear:

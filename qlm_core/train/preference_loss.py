@@ -28,14 +28,14 @@ log_odds_chosen.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 
+from qlm_core.config import PreferenceConfig, PreferenceLossType
 from qlm_core.errors import QlmError
 
-PreferenceLossType = Literal["sigmoid", "hinge", "ipo", "simpo", "orpo"]
 REFERENCE_FREE = ("simpo", "orpo")
 IGNORE_INDEX = -100
 
@@ -64,6 +64,11 @@ class PreferenceLossConfig:
         if self.rpo_alpha is not None and self.loss_type in REFERENCE_FREE:
             raise QlmError(f"rpo_alpha applies to the DPO losses, not {self.loss_type}",
                            "leave rpo_alpha unset (simpo: cpo_alpha; orpo always has its NLL term)")
+
+    @classmethod
+    def from_recipe(cls, section: PreferenceConfig) -> PreferenceLossConfig:
+        return cls(loss_type=section.loss_type, beta=section.beta, label_smoothing=section.label_smoothing,
+                   simpo_gamma=section.simpo_gamma, rpo_alpha=section.rpo_alpha, cpo_alpha=section.cpo_alpha)
 
     @property
     def needs_reference(self) -> bool:
@@ -104,15 +109,27 @@ def _smoothed_sigmoid(logits: torch.Tensor, label_smoothing: float) -> torch.Ten
     return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
 
 
-def preference_loss(config: PreferenceLossConfig, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
-                    chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
-                    ref_chosen_logps: torch.Tensor | None = None,
-                    ref_rejected_logps: torch.Tensor | None = None) -> PreferenceLossOutput:
-    """The loss of a batch of pairs from summed response log-probs [pairs] and response token counts [pairs]
-    (policy; reference for the DPO family). See the module doc for the formulas."""
+@dataclass
+class PairTerms:
+    """Per-pair figures of a batch [pairs]: what preference_loss averages and a distributed step sums."""
+
+    losses: torch.Tensor  # the preference term of each pair (with its graph)
+    chosen_rewards: torch.Tensor  # detached, as the metrics below
+    rejected_rewards: torch.Tensor
+    logged_chosen: torch.Tensor  # logps/chosen: summed (DPO family) or per-token (simpo, orpo) log-probs
+    logged_rejected: torch.Tensor
+    nll_weight: float | None  # the weight of NLL(chosen) in the loss; None: no such term
+    extra: dict[str, torch.Tensor]  # orpo: log_odds_ratio, log_odds_chosen per pair
+
+
+def pair_terms(config: PreferenceLossConfig, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
+               chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
+               ref_chosen_logps: torch.Tensor | None = None,
+               ref_rejected_logps: torch.Tensor | None = None) -> PairTerms:
+    """The module doc's per-pair terms from summed response log-probs [pairs] and response token counts [pairs]."""
     beta, ls = config.beta, config.label_smoothing
     chosen_tokens, rejected_tokens = chosen_tokens.to(chosen_logps.dtype), rejected_tokens.to(rejected_logps.dtype)
-    nll = None
+    extra = {}
     if config.needs_reference:
         if ref_chosen_logps is None or ref_rejected_logps is None:
             raise ValueError(f"loss_type {config.loss_type} needs the reference model's log-probs")
@@ -130,7 +147,6 @@ def preference_loss(config: PreferenceLossConfig, chosen_logps: torch.Tensor, re
         weight = config.rpo_alpha
     else:
         chosen_avg, rejected_avg = chosen_logps / chosen_tokens, rejected_logps / rejected_tokens
-        extra = {}
         if config.loss_type == "simpo":
             losses = _smoothed_sigmoid(beta * ((chosen_avg - rejected_avg) - config.simpo_gamma / beta), ls)
             weight = config.cpo_alpha or None
@@ -140,23 +156,41 @@ def preference_loss(config: PreferenceLossConfig, chosen_logps: torch.Tensor, re
             ratio = F.logsigmoid(log_odds)
             losses = -beta * ratio
             weight = 1.0
-            extra = {"log_odds_ratio": ratio.mean().detach(), "log_odds_chosen": log_odds.mean().detach()}
+            extra = {"log_odds_ratio": ratio.detach(), "log_odds_chosen": log_odds.detach()}
         chosen_rewards, rejected_rewards = beta * chosen_avg.detach(), beta * rejected_avg.detach()
         logged_chosen, logged_rejected = chosen_avg, rejected_avg
-    loss = losses.mean()
-    if weight is not None:
-        nll = -chosen_logps.sum() / chosen_tokens.sum().clamp(min=1.0)
-        loss = loss + weight * nll
-    metrics = {
-        "rewards/chosen": chosen_rewards.mean(),
-        "rewards/rejected": rejected_rewards.mean(),
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-        "logps/chosen": logged_chosen.detach().mean(),
-        "logps/rejected": logged_rejected.detach().mean(),
+    return PairTerms(losses, chosen_rewards, rejected_rewards, logged_chosen.detach(), logged_rejected.detach(),
+                     weight, extra)
+
+
+def pair_metric_sums(terms: PairTerms) -> dict[str, torch.Tensor]:
+    """The metrics' sums over the pairs (divide by the pair count for TRL's means)."""
+    sums = {
+        "rewards/chosen": terms.chosen_rewards.sum(),
+        "rewards/rejected": terms.rejected_rewards.sum(),
+        "rewards/accuracies": (terms.chosen_rewards > terms.rejected_rewards).float().sum(),
+        "rewards/margins": (terms.chosen_rewards - terms.rejected_rewards).sum(),
+        "logps/chosen": terms.logged_chosen.sum(),
+        "logps/rejected": terms.logged_rejected.sum(),
     }
+    sums.update({name: value.sum() for name, value in terms.extra.items()})
+    return sums
+
+
+def preference_loss(config: PreferenceLossConfig, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
+                    chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
+                    ref_chosen_logps: torch.Tensor | None = None,
+                    ref_rejected_logps: torch.Tensor | None = None) -> PreferenceLossOutput:
+    """The loss of a batch of pairs from summed response log-probs [pairs] and response token counts [pairs]
+    (policy; reference for the DPO family). See the module doc for the formulas."""
+    terms = pair_terms(config, chosen_logps, rejected_logps, chosen_tokens, rejected_tokens, ref_chosen_logps,
+                       ref_rejected_logps)
+    pairs = terms.losses.numel()
+    loss, nll = terms.losses.mean(), None
+    if terms.nll_weight is not None:
+        nll = -chosen_logps.sum() / chosen_tokens.to(chosen_logps.dtype).sum().clamp(min=1.0)
+        loss = loss + terms.nll_weight * nll
+    metrics = {name: value / pairs for name, value in pair_metric_sums(terms).items()}
     if nll is not None:
         metrics["nll_loss"] = nll.detach()
-    if not config.needs_reference:
-        metrics.update(extra)
-    return PreferenceLossOutput(loss=loss, losses=losses, nll=nll, metrics=metrics)
+    return PreferenceLossOutput(loss=loss, losses=terms.losses, nll=nll, metrics=metrics)

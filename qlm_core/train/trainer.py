@@ -30,8 +30,9 @@ from qlm_core.checkpoint.formats.hf import copy_side_files
 from qlm_core.checkpoint.formats.lora_args import lora_args
 from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, iteration_dir_name
 from qlm_core.checkpoint.sources.open import CHECKPOINTS_DIR, run_checkpoint_dir
-from qlm_core.config import Recipe, recipe_to_toml
+from qlm_core.config import Recipe, preference_reference, recipe_to_toml, rows_per_sample
 from qlm_core.data.loader import GlobalBatchSampler, collate
+from qlm_core.data.preference import PositionedPairs, collate_pairs
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.hardware import GPUS, configure_cuda_allocator, empty_device_cache, local_gpu, measure_cpu_peak_tflops
@@ -47,6 +48,7 @@ from qlm_core.train.checkpointing import (
 from qlm_core.train.data import build_run_data
 from qlm_core.train.engine import Batch, Engine
 from qlm_core.train.metrics import MetricsWriter, StepMetrics, device_memory_gb, peak_memory_gb, plot_loss, strict_json
+from qlm_core.train.preference_loss import PreferenceLossConfig
 from qlm_core.train.run_dir import claim_run_dir, os_error, write_atomic
 from qlm_core.train.schedule import learning_rate
 from qlm_core.train.signals import StopControl, StopReason
@@ -161,16 +163,28 @@ class Trainer:
         for turn in ("first", "rest"):
             if (self.grid.rank == 0) == (turn == "first"):
                 self.data = build_run_data(r.data, source.tokenizer_dir, cache,
-                                           self.steps * r.train.global_batch_size, valid_samples)
+                                           self.steps * r.train.global_batch_size, valid_samples, r.preference)
             if dist.is_initialized():
                 dist.barrier()
+        preference = r.data.kind == "preference"
+        rows = rows_per_sample(r)
         self.engine = Engine(
-            source.spec, r.parallel, self.grid, micro_batch_size=r.train.micro_batch_size,
-            global_batch_size=r.train.global_batch_size, seq_length=r.data.seq_length, dtype=DTYPES[r.model.dtype],
-            optim=r.optim, source=source.weights, seed=r.train.seed, lora=r.lora if r.lora.rank > 0 else None,
-            loss_chunk_tokens=r.train.loss_chunk_tokens, moe=r.moe, compile=r.train.compile,
+            source.spec, r.parallel, self.grid, micro_batch_size=r.train.micro_batch_size * rows,
+            global_batch_size=r.train.global_batch_size * rows, seq_length=r.data.seq_length,
+            dtype=DTYPES[r.model.dtype], optim=r.optim, source=source.weights, seed=r.train.seed,
+            lora=r.lora if r.lora.rank > 0 else None, loss_chunk_tokens=r.train.loss_chunk_tokens, moe=r.moe,
+            compile=r.train.compile,
+            preference=PreferenceLossConfig.from_recipe(r.preference) if preference else None,
+            reference=preference_reference(r) if preference else None,
         )
         self.source = source
+        self.reference_tables = {}
+        if preference and preference_reference(r) == "precomputed":  # the starting weights: before any checkpoint
+            from qlm_core.train.reference_table import load_or_compute, table_path
+
+            self.reference_tables = load_or_compute(
+                self.engine, table_path(r, cache / "datasets"), {"train": self.data.train, "valid": self.data.valid},
+                r.train.global_batch_size, r.train.micro_batch_size, self.grid.rank == 0)
         self.ckpt_root = self.run_dir / CHECKPOINTS_DIR
         if self.grid.rank == 0:
             write_hf_side_dir(self.ckpt_root, source.spec, self.data.tokenizer_dir)
@@ -186,9 +200,19 @@ class Trainer:
         self.wandb = (WandbLogger(r.logging, self.run_dir, asdict(r))
                       if self.grid.rank == 0 and r.logging.wandb_project else None)
 
-    def _batches(self, dataset, consumed: int):
-        sampler = GlobalBatchSampler(len(dataset), self.recipe.train.global_batch_size, self.grid.dp_rank,
-                                     self.grid.sizes.dp, consumed_samples=consumed, seed=self.recipe.train.seed)
+    def _batches(self, dataset, consumed: int, split: str = "train"):
+        r = self.recipe
+        preference = r.data.kind == "preference"  # pairs in a seeded order per epoch (SFT data is shuffled when built)
+        sampler = GlobalBatchSampler(len(dataset), r.train.global_batch_size, self.grid.dp_rank,
+                                     self.grid.sizes.dp, consumed_samples=consumed, seed=r.train.seed,
+                                     shuffle=preference and split == "train")
+        if preference:
+            table = self.reference_tables.get(split)
+            loader = DataLoader(PositionedPairs(dataset), batch_sampler=sampler,
+                                collate_fn=lambda items: collate_pairs(items, r.train.micro_batch_size, table))
+            for input_ids, labels, reference in loader:
+                yield Batch(input_ids, labels, reference_logps=reference)
+            return
         for input_ids, labels, position_ids, segment_ids in DataLoader(dataset, batch_sampler=sampler,
                                                                       collate_fn=collate):
             yield Batch(input_ids, labels, position_ids, segment_ids)
@@ -199,13 +223,19 @@ class Trainer:
                              schedule=s.lr_schedule, wsd_decay_fraction=s.wsd_decay_fraction)
 
     def evaluate(self) -> float | None:
+        """The mean validation loss over eval_iters batches (preference runs: also their metrics, in
+        self.eval_figures)."""
+        self.eval_figures = None
         if self.data.valid is None:
             return None
-        losses = []
-        batches = self._batches(self.data.valid, 0)
+        losses, figures = [], []
+        batches = self._batches(self.data.valid, 0, "valid")
         for _ in range(max(1, min(self.recipe.train.eval_iters,
                                   len(self.data.valid) // self.recipe.train.global_batch_size or 1))):
             losses.append(self.engine.evaluate(next(batches)))
+            figures.append(self.engine.preference_figures())
+        if figures[0] is not None:
+            self.eval_figures = {key: sum(f[key] for f in figures) / len(figures) for key in figures[0]}
         return sum(losses) / len(losses)
 
     def _save(self):
@@ -259,7 +289,8 @@ class Trainer:
         self._emit("start", layout=g.describe(), model=self.source.description, steps=self.steps,
                    start_step=self.state.iteration, params=self.source.spec.num_parameters(),
                    active_params=self.source.spec.num_parameters(active=True), resumed=self.resumed,
-                   train_samples=len(self.data.train), peak_tflops=self.peak, peak_source=self.peak_source)
+                   train_samples=len(self.data.train), peak_tflops=self.peak, peak_source=self.peak_source,
+                   truncated=self.data.truncated, data_kind=r.data.kind)
         batches = self._batches(self.data.train, self.state.consumed_samples)
         world = g.sizes.world
         self._last_eval = (-1, None)
@@ -279,18 +310,20 @@ class Trainer:
             self.state.iteration += 1
             self.state.skipped_in_row = self.state.skipped_in_row + 1 if result.skipped else 0
             self.state.skipped_total += int(result.skipped)
-            tflops = self.flops * r.train.global_batch_size / seconds / world / 1e12
+            tflops = self.flops * r.train.global_batch_size * rows_per_sample(r) / seconds / world / 1e12
             if tflops > self.peak:
                 self._raise_peak(tflops, self.state.iteration)
+            sequences = r.train.global_batch_size * rows_per_sample(r)
             for key, value in (("steps", 1), ("samples", r.train.global_batch_size),
-                               ("tokens", r.train.global_batch_size * r.data.seq_length)):
+                               ("tokens", sequences * r.data.seq_length)):
                 self._totals[key] += value
             metrics = StepMetrics(
                 step=self.state.iteration, loss=result.loss, grad_norm=result.grad_norm, lr=lr,
                 tokens=result.tokens, samples=self.state.consumed_samples, step_time_s=seconds,
                 s_per_sample=seconds / r.train.global_batch_size,
-                tokens_per_s=r.train.global_batch_size * r.data.seq_length / seconds, tflops_per_device=tflops,
-                mfu=tflops / self.peak, mem_peak_gb=peak_memory_gb(), skipped=result.skipped, moe=result.moe,
+                tokens_per_s=r.train.global_batch_size * rows_per_sample(r) * r.data.seq_length / seconds,
+                tflops_per_device=tflops, mfu=tflops / self.peak, mem_peak_gb=peak_memory_gb(),
+                skipped=result.skipped, moe=result.moe, preference=result.preference,
                 **device_memory_gb(),
             )
             if self.metrics is not None:
@@ -334,6 +367,8 @@ class Trainer:
         if self.saver is not None:
             self.saver.close()  # the pending background write in place (its failure raised) before the end
         summary = self._summary(final_valid)
+        if getattr(self, "eval_figures", None) and final_valid is not None:
+            summary["valid_preference"] = self.eval_figures  # the last evaluation's metrics (TRL's names)
         if stopped is not None:
             summary["stopped"] = self._stopped(stopped, last_saved)
         if self.metrics is not None:
@@ -360,10 +395,10 @@ class Trainer:
         self._last_eval = (self.state.iteration, loss)
         if loss is not None:
             if self.metrics is not None:
-                self.metrics.log_eval(self.state.iteration, loss)
+                self.metrics.log_eval(self.state.iteration, loss, self.eval_figures)
             if self.wandb is not None:
-                self.wandb.log_eval(self.state.iteration, loss)
-            self._emit("eval", step=self.state.iteration, loss=loss)
+                self.wandb.log_eval(self.state.iteration, loss, self.eval_figures)
+            self._emit("eval", step=self.state.iteration, loss=loss, figures=self.eval_figures)
         return loss
 
     def _stopped(self, reason: StopReason, last_saved: int) -> dict:
@@ -384,7 +419,8 @@ class Trainer:
         totals, world = self._totals, self.grid.sizes.world
         wall, samples = totals.get("wall_s", 0.0), totals["samples"]
         nan = float("nan")
-        tflops = self.flops * samples / wall / world / 1e12 if wall > 0 and samples else nan
+        tflops = (self.flops * samples * rows_per_sample(self.recipe) / wall / world / 1e12
+                  if wall > 0 and samples else nan)
         return {
             "steps": self.state.iteration, "first_loss": rows[0]["loss"] if rows else None,
             "last_loss": rows[-1]["loss"] if rows else None, "valid_loss": final_valid,

@@ -9,7 +9,16 @@ Engine (built by workers and tests without a Recipe) and `qlm profile`.
 
 from __future__ import annotations
 
-from qlm_core.config import MoeConfig, ParallelConfig, Recipe, check_ranges, checked_field
+from qlm_core.config import (
+    MoeConfig,
+    ParallelConfig,
+    PreferenceFormat,
+    Recipe,
+    SftFormat,
+    check_ranges,
+    checked_field,
+    choices,
+)
 from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.pipeline_rules import validate_schedule
@@ -50,6 +59,41 @@ def validate_recipe(recipe: Recipe):
         if recipe.checkpoint.format == "torch_dist":
             raise QlmError("checkpoint.format torch_dist does not hold LoRA adapters",
                            "use checkpoint.format = \"torch\" for LoRA runs")
+    validate_data_format(recipe)
+    if recipe.data.kind == "preference":
+        validate_preference(recipe)
+
+
+def validate_data_format(recipe: Recipe):
+    kind, fmt = recipe.data.kind, recipe.data.format
+    if kind == "pretrain":
+        return
+    formats = choices(PreferenceFormat if kind == "preference" else SftFormat)
+    if fmt not in formats:
+        raise QlmError(f"data.format {fmt!r} is not a {kind} format", f"use one of {', '.join(formats)}")
+
+
+def validate_preference(recipe: Recipe):
+    """data.kind = "preference" with [preference]."""
+    pref, data = recipe.preference, recipe.data
+    if data.packing:
+        raise QlmError("data.packing with data.kind = \"preference\": each pair is two padded sequences (chosen, "
+                       "rejected) of one micro-batch, never packed", "set data.packing = false")
+    if pref.max_length is not None and pref.max_length > data.seq_length:
+        raise QlmError(f"preference.max_length {pref.max_length} is longer than data.seq_length {data.seq_length}",
+                       "lower preference.max_length or raise data.seq_length")
+    if pref.label_smoothing and pref.loss_type not in ("sigmoid", "simpo"):
+        raise QlmError(f"preference.label_smoothing applies to the sigmoid and simpo losses, not {pref.loss_type}",
+                       "set preference.label_smoothing = 0 or preference.loss_type = \"sigmoid\"")
+    if pref.rpo_alpha is not None and pref.loss_type in ("simpo", "orpo"):
+        raise QlmError(f"preference.rpo_alpha applies to the DPO losses, not {pref.loss_type}",
+                       "remove rpo_alpha (simpo: cpo_alpha; orpo always has its NLL term)")
+    if pref.cpo_alpha and pref.loss_type != "simpo":
+        raise QlmError(f"preference.cpo_alpha applies to the simpo loss, not {pref.loss_type}",
+                       "remove cpo_alpha (the DPO losses: rpo_alpha)")
+    if pref.precompute_reference and pref.loss_type in ("simpo", "orpo"):
+        raise QlmError(f"preference.precompute_reference with the reference-free {pref.loss_type} loss",
+                       "remove precompute_reference (simpo and orpo use no reference model)")
 
 
 def validate_grad_reduce_dtype(grad_reduce_dtype: str, dtype: str):

@@ -1,0 +1,99 @@
+"""preference.precompute_reference: the reference log-probs of every pair, computed once with the starting weights
+and kept beside the tokenised data, then read by every epoch and every resume instead of a reference forward per
+step (TRL's precompute_ref_log_probs).
+
+The table of a dataset is [pairs, 2] float64 (chosen, rejected) by the pair's position in the run's dataset. It is
+computed by the engine right after it is built from the model's source, before a checkpoint is loaded, so a resumed
+run whose table went missing recomputes the same numbers. The file is named by a hash of what the numbers depend on
+(the model source, the data files and their tokenisation); it is written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from qlm_core.config import Recipe
+from qlm_core.data.loader import GlobalBatchSampler
+from qlm_core.data.preference import PositionedPairs, collate_pairs
+from qlm_core.parallel.comm import all_reduce
+from qlm_core.train.engine import Batch, Engine
+
+
+def _file_stamp(name: str) -> list:
+    path = Path(name)
+    if not path.exists():
+        return [name]
+    stat = path.stat()
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def table_path(recipe: Recipe, cache_dir: Path) -> Path:
+    """The file of this recipe's tables: named by the model and data it depends on."""
+    key = {
+        "model": [recipe.model.spec, *(_file_stamp(recipe.model.load) if recipe.model.load else []),
+                  recipe.model.dtype],
+        "data": {k: v for k, v in asdict(recipe.data).items() if k not in ("workers", "cache_dir")},
+        "files": [_file_stamp(name) for name in [*recipe.data.train, *recipe.data.valid]],
+        "truncation": [recipe.preference.max_length, recipe.preference.max_prompt_length,
+                       recipe.preference.truncation_mode],
+        "seed": recipe.train.seed,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"reference-logps-{digest}.safetensors"
+
+
+def compute_table(engine: Engine, dataset, pairs_per_global: int, pairs_per_micro: int) -> np.ndarray:
+    """[len(dataset), 2] reference log-probs; every rank calls it and every rank gets the table."""
+    g = engine.grid
+    n = len(dataset)
+    table = torch.zeros(n, 2, dtype=torch.float64, device=g.device)
+    have = torch.zeros(n, dtype=torch.float64, device=g.device)
+    sampler = GlobalBatchSampler(n, pairs_per_global, g.dp_rank, g.sizes.dp)
+    positioned = PositionedPairs(dataset)
+    holds = g.is_last_stage and g.tp_rank == 0 and g.cp_rank == 0  # one copy of each number
+    for _, positions in zip(range(math.ceil(n / pairs_per_global)), sampler, strict=False):
+        input_ids, labels, _ = collate_pairs([positioned[i] for i in positions], pairs_per_micro)
+        rows = engine.reference_logps(Batch(input_ids, labels)).double()
+        if holds:
+            micro_rows = 2 * pairs_per_micro
+            for k, position in enumerate(positions):
+                start = (k // pairs_per_micro) * micro_rows + k % pairs_per_micro
+                table[position] = torch.stack([rows[start], rows[start + pairs_per_micro]])
+                have[position] = 1.0
+    world = dist.group.WORLD if dist.is_initialized() else None  # None: one process, nothing to reduce
+    all_reduce(table, world)  # a wrapped last batch may hold a pair twice: `have` counts the copies
+    all_reduce(have, world)
+    return (table / have.clamp(min=1.0)[:, None]).cpu().numpy()
+
+
+def load_or_compute(engine: Engine, path: Path, datasets: dict, pairs_per_global: int, pairs_per_micro: int,
+                    is_rank0: bool) -> dict[str, np.ndarray]:
+    """{name: table} for each non-None dataset of `datasets`: read from `path` when it holds them all with the right
+    lengths, else computed (every rank) and written by rank 0."""
+    from safetensors.numpy import load_file, save_file
+
+    wanted = {name: ds for name, ds in datasets.items() if ds is not None}
+    if path.is_file():
+        stored = load_file(str(path))
+        if all(name in stored and stored[name].shape == (len(ds), 2) for name, ds in wanted.items()):
+            return {name: stored[name] for name in wanted}
+    tables = {name: compute_table(engine, ds, pairs_per_global, pairs_per_micro) for name, ds in wanted.items()}
+    if is_rank0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            save_file(tables, str(temporary))
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+    return tables
