@@ -86,3 +86,26 @@ def test_rolling_and_unshared_requests_take_the_plain_path(hf_models):
     requests = [(None, [1, 2, 3], [4, 5]), (None, [1, 2], [3]), (None, [7] * 40, [8] * 10), (None, [7] * 40, [9])]
     groups, plain = split_shared(requests, max_length=MAX_LENGTH)  # [7]*40 + 10 tokens is cut: no group of two
     assert groups == [] and plain == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])  # mistral: its 8-token window slides during decoding
+def test_batched_decoding_with_a_kv_cache_equals_greedy_without_one(hf_models, kind):
+    """generate_rows: left-padded rows of different lengths, the cache written in place (KVCache.reserve), each
+    step's one query against its row's keys (AttentionInputs.key_mask) and finished rows dropped from the batch
+    (KVCache.select) give the tokens of re-running each row whole."""
+    from qlm_core.eval.generate import generate_rows, left_pad
+
+    lm = QlmLM(str(hf_models[kind]), batch_size=4, max_length=MAX_LENGTH, device="cpu")
+    generator = torch.Generator().manual_seed(1)
+    contexts = [torch.randint(0, lm.model.spec.vocab_size, (n,), generator=generator).tolist() for n in (3, 11, 6)]
+    ids, mask = left_pad(contexts, 0)
+    expected = [greedy_continuation(lm.model, c, 14) for c in contexts]
+    rows = generate_rows(lm.model, ids, mask, max_new_tokens=14, eos_token_id=None)
+    assert [row.tokens for row in rows] == expected
+    # an eos that ends the first row early: the finished row leaves the batch, the others go on as before
+    eos = next(t for i, t in enumerate(expected[0]) if i and t not in expected[0][:i]
+               and any(t not in e[:i + 2] for e in expected[1:]))
+    rows = generate_rows(lm.model, ids, mask, max_new_tokens=14, eos_token_id=eos)
+    cut = [tokens[:tokens.index(eos)] if eos in tokens else tokens for tokens in expected]
+    assert [row.tokens for row in rows] == cut and len(cut[0]) < 14 and max(map(len, cut)) > len(cut[0])
+    assert [row.finish for row in rows] == ["stop" if eos in tokens else "length" for tokens in expected]

@@ -90,12 +90,15 @@ def generate_rows(
     cache = KVCache.empty(len(model.decoder.layers))
     hidden = model.hidden_states(input_ids, positions, cache=cache, attention_mask=mask)  # [L, b, h]
     logits = model.logits(hidden[-1:])[:, -1]  # the last position's only: never [b, L, vocab]
+    cache.reserve(max_new_tokens - 1)  # each step writes its token's keys and values in place
     out = [Generation() for _ in range(rows)]
     done = [False] * rows
+    active = list(range(rows))  # the rows still in the batch (finished ones are dropped, see below)
     next_position = positions[:, -1] + 1
     for step in range(max_new_tokens):
         chosen = _choose(logits, sampling, generator)
-        for row, token in enumerate(chosen.tolist()):
+        for slot, token in enumerate(chosen.tolist()):
+            row = active[slot]
             if done[row]:
                 continue
             if token in eos:
@@ -108,7 +111,13 @@ def generate_rows(
                 done[row], out[row].finish = True, "stop"
         if all(done) or step == max_new_tokens - 1:
             break
-        mask = torch.cat((mask, torch.ones(rows, 1, dtype=mask.dtype, device=mask.device)), dim=1)
+        finished = [slot for slot, row in enumerate(active) if done[row]]
+        if 4 * len(finished) >= len(active):  # a quarter of the batch is done: stop computing those rows
+            keep = torch.tensor([slot for slot, row in enumerate(active) if not done[row]], device=mask.device)
+            active = [active[slot] for slot in keep.tolist()]
+            cache.select(keep)
+            mask, next_position, chosen = mask[keep], next_position[keep], chosen[keep]
+        mask = torch.cat((mask, torch.ones(len(active), 1, dtype=mask.dtype, device=mask.device)), dim=1)
         logits = model(chosen[:, None], next_position[:, None], cache=cache, attention_mask=mask)[:, -1]
         next_position = next_position + 1
     return out

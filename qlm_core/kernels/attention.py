@@ -31,6 +31,14 @@ def core_attention(
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Decoding: q [b, hq, 1, d] against every key key_mask [b, 1, 1, sk] allows, one fused kernel call (the mask is
+    one row per sequence, never s x s)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask.to(q.device), scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
 # ---- attention with log-sum-exp --------------------------------------------------------------------------------------
 # Document-aware, windowed and context-parallel attention compute pieces of the attention matrix (kernels/pieces.py)
 # and merge the partial outputs by their log-sum-exp (lse), so they need kernels that return lse and a backward that

@@ -18,7 +18,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from qlm_core.config import MoeConfig, RecomputeMode, choices
-from qlm_core.kernels.attention import core_attention
+from qlm_core.kernels.attention import core_attention, masked_attention
 from qlm_core.kernels.norm import RMSNorm
 from qlm_core.kernels.pieces import Documents, Piece, decoding_pieces, self_attention_pieces
 from qlm_core.kernels.piecewise import piecewise_attention
@@ -140,16 +140,22 @@ class AttentionInputs:
 
     documents: Documents | None = None  # packed documents in global positions (None: one per row)
     cache: KVCache | None = None  # incremental decoding: keys/values of earlier tokens
+    # a decoding step of one token a row: the keys it sees [b, 1, 1, keys] (bool; O(keys), one kernel call)
+    key_mask: torch.Tensor | None = None
     pieces: list[Piece] | None = None  # what one process computes, when not plain causal attention over each row
     cp_plan: tuple[list[Piece], ...] | None = None  # under context parallelism: what this rank computes
 
 
 @dataclass
 class KVCache:
-    """Keys and values (after RoPE) of the tokens already decoded, per layer: [b, groups, tokens, head_dim]."""
+    """Keys and values (after RoPE) of the tokens already decoded, per layer: [b, groups, tokens, head_dim].
+
+    extend() concatenates, unless reserve() made room: then each layer's keys and values are views of a buffer the
+    new tokens are written into, so a decoding step copies only its own token (not the whole cache)."""
 
     keys: list
     values: list
+    buffers: list | None = None  # per layer (keys buffer, values buffer) [b, groups, capacity, head_dim]
 
     @classmethod
     def empty(cls, num_layers: int) -> KVCache:
@@ -159,8 +165,33 @@ class KVCache:
     def length(self) -> int:
         return 0 if self.keys[0] is None else self.keys[0].shape[2]
 
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` more per layer (after at least one extend)."""
+        self.buffers = []
+        for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+            shape = (*k.shape[:2], k.shape[2] + tokens, k.shape[3])
+            buffer_k, buffer_v = k.new_empty(shape), v.new_empty(shape)
+            buffer_k[:, :, :k.shape[2]], buffer_v[:, :, :v.shape[2]] = k, v
+            self.buffers.append((buffer_k, buffer_v))
+            self.keys[layer], self.values[layer] = buffer_k[:, :, :k.shape[2]], buffer_v[:, :, :v.shape[2]]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (index tensor) of every layer: decoding drops the rows that have finished."""
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+        if self.buffers is not None:
+            self.buffers = [(bk.index_select(0, rows), bv.index_select(0, rows)) for bk, bv in self.buffers]
+            length = self.keys[0].shape[2]
+            self.keys = [bk[:, :, :length] for bk, _ in self.buffers]
+            self.values = [bv[:, :, :length] for _, bv in self.buffers]
+
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is not None:
+        past = 0 if self.keys[layer] is None else self.keys[layer].shape[2]
+        if self.buffers is not None and past + k.shape[2] <= self.buffers[layer][0].shape[2]:
+            buffer_k, buffer_v = self.buffers[layer]
+            buffer_k[:, :, past:past + k.shape[2]], buffer_v[:, :, past:past + v.shape[2]] = k, v
+            k, v = buffer_k[:, :, :past + k.shape[2]], buffer_v[:, :, :past + v.shape[2]]
+        elif self.keys[layer] is not None:
             k, v = torch.cat((self.keys[layer], k), dim=2), torch.cat((self.values[layer], v), dim=2)
         self.keys[layer], self.values[layer] = k, v
         return k, v
@@ -184,6 +215,11 @@ def attention_inputs(*, local_tokens: int, batch: int, window: int | None, paral
                              f"got {tuple(attention_mask.shape)}")
         valid = (torch.ones(batch, past + local_tokens, dtype=torch.bool) if attention_mask is None
                  else attention_mask.bool())
+        if local_tokens == 1 and past > 0:  # the query is the row's newest real token: it sees every real key
+            if window is not None:
+                valid = valid.clone()
+                valid[:, :max(past + 1 - window, 0)] = False
+            return AttentionInputs(cache=cache, key_mask=valid[:, None, None, :])
         return AttentionInputs(cache=cache, pieces=decoding_pieces(valid, past, local_tokens, window))
     documents = None
     if segment_ids is not None:
@@ -267,6 +303,8 @@ class SelfAttention(nn.Module):
             )
         if inputs.pieces is not None:
             return piecewise_attention(q, k, v, inputs.pieces, scale)
+        if inputs.key_mask is not None:
+            return masked_attention(q, k, v, inputs.key_mask, scale)
         return core_attention(q, k, v, causal=True, softmax_scale=scale)
 
     def _recomputed_attention(self, q, k, v, inputs: AttentionInputs) -> torch.Tensor:
