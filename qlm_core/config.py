@@ -166,6 +166,14 @@ class DataConfig:
     cache_dir: str = ""  # tokenised-data and demo cache; empty = RUN/cache
 
 
+COMPILE_AUTO_STEPS = 500  # train.compile left out: compiled from this many steps (bench/train.py: break-even ~70)
+
+
+def compiles(train: TrainConfig, steps: int) -> bool:
+    """Whether a run of `steps` steps compiles its decoder layers (train.compile, or its default)."""
+    return train.compile if train.compile is not None else steps >= COMPILE_AUTO_STEPS
+
+
 @dataclass
 class TrainConfig:
     micro_batch_size: int = bounded(1, least=1)
@@ -184,8 +192,9 @@ class TrainConfig:
     exit_signal_handler: bool = True
     # output projection + cross entropy this many tokens at a time (0: all at once)
     loss_chunk_tokens: int = bounded(2048, least=0, meaning="0: the loss over all logits at once")
-    # torch.compile each decoder layer (regional compilation); its compile cost is paid once, in the first step
-    compile: bool = False
+    # torch.compile each decoder layer (regional compilation); its compile cost is paid once, in the first step.
+    # Absent: on for runs of at least COMPILE_AUTO_STEPS steps (where the gain outweighs that cost), else off
+    compile: bool | None = None
     # hand the caching allocator's unused blocks back to the device every N steps (torch.cuda.empty_cache; 0: never)
     empty_cache_interval: int = bounded(0, least=0, meaning="0 turns it off")
     seed: int = 1234

@@ -236,3 +236,12 @@ def test_a_mistake_in_the_recipe_file_names_the_file(tmp_path):
     recipe.write_text("[train]\ntrain_iters = 1\n")
     with pytest.raises(QlmError, match=r"^unknown key train.bogus"):
         load_recipe(recipe, ["train.bogus=1"])
+
+
+def test_compile_defaults_on_for_long_runs_only():
+    from qlm_core.config import COMPILE_AUTO_STEPS, TrainConfig, compiles
+
+    assert not compiles(TrainConfig(), COMPILE_AUTO_STEPS - 1) and compiles(TrainConfig(), COMPILE_AUTO_STEPS)
+    assert compiles(TrainConfig(compile=True), 10) and not compiles(TrainConfig(compile=False), 10**6)
+    assert load_recipe(None, ["train.compile=false"]).train.compile is False and Recipe().train.compile is None
+    assert "compile" not in recipe_to_toml(Recipe())  # left out: the default, decided by the run's length

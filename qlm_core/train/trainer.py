@@ -30,7 +30,7 @@ from qlm_core.checkpoint.formats.hf import copy_side_files
 from qlm_core.checkpoint.formats.lora_args import lora_args
 from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, iteration_dir_name
 from qlm_core.checkpoint.sources.open import CHECKPOINTS_DIR, run_checkpoint_dir
-from qlm_core.config import Recipe, preference_reference, recipe_to_toml, rows_per_sample
+from qlm_core.config import Recipe, compiles, preference_reference, recipe_to_toml, rows_per_sample
 from qlm_core.data.loader import GlobalBatchSampler, collate
 from qlm_core.data.preference import PositionedPairs, collate_pairs
 from qlm_core.dtypes import DTYPES
@@ -173,7 +173,7 @@ class Trainer:
             global_batch_size=r.train.global_batch_size * rows, seq_length=r.data.seq_length,
             dtype=DTYPES[r.model.dtype], optim=r.optim, source=source.weights, seed=r.train.seed,
             lora=r.lora if r.lora.rank > 0 else None, loss_chunk_tokens=r.train.loss_chunk_tokens, moe=r.moe,
-            compile=r.train.compile,
+            compile=compiles(r.train, self.steps),
             preference=PreferenceLossConfig.from_recipe(r.preference) if preference else None,
             reference=preference_reference(r) if preference else None,
         )
@@ -333,9 +333,9 @@ class Trainer:
             if self.wandb is not None:
                 self.wandb.log_step(metrics)
             self._emit("step", metrics=metrics, total=self.steps)
-            if r.train.compile and self._totals["steps"] == 1:
+            if self.engine.compiled and self._totals["steps"] == 1:
                 first_step_s = seconds  # the first step compiled the layers: its cost, once the second is timed
-            elif r.train.compile and self._totals["steps"] == 2:
+            elif self.engine.compiled and self._totals["steps"] == 2:
                 self._emit("compile", seconds=first_step_s - seconds)
             if self.state.skipped_in_row >= r.train.max_skipped_steps:
                 raise QlmError(f"{self.state.skipped_in_row} steps in a row had a non-finite loss or gradient",
