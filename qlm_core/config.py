@@ -174,6 +174,14 @@ def compiles(train: TrainConfig, steps: int) -> bool:
     return train.compile if train.compile is not None else steps >= COMPILE_AUTO_STEPS
 
 
+def compile_text(train: TrainConfig, steps: int) -> str:
+    """The decision in words, for the dry run and the run header."""
+    if train.compile is not None:
+        return f"{'on' if train.compile else 'off'} (train.compile)"
+    return (f"{'on' if compiles(train, steps) else 'off'} (train.compile left out: on for runs of >= "
+            f"{COMPILE_AUTO_STEPS} steps, this one has {steps})")
+
+
 @dataclass
 class TrainConfig:
     micro_batch_size: int = bounded(1, least=1)

@@ -88,6 +88,7 @@ def test_baseline_learns(baseline):
 LAYOUTS = {
     "tp2_sp": ["parallel.tp=2", "parallel.sp=true"],
     "pp2_precomputed": ["parallel.pp=2", "preference.precompute_reference=true"],
+    "pp2_vpp2_interleaved": ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"],
     "cp2": ["parallel.cp=2"],
     "dp2_zero1_precomputed": ["parallel.dp=2", "parallel.zero_stage=1", "preference.precompute_reference=true"],
     "dp2_zero3": ["parallel.dp=2", "parallel.zero_stage=3"],

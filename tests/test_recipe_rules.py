@@ -245,3 +245,22 @@ def test_compile_defaults_on_for_long_runs_only():
     assert compiles(TrainConfig(compile=True), 10) and not compiles(TrainConfig(compile=False), 10**6)
     assert load_recipe(None, ["train.compile=false"]).train.compile is False and Recipe().train.compile is None
     assert "compile" not in recipe_to_toml(Recipe())  # left out: the default, decided by the run's length
+
+
+def test_compile_without_a_cpp_compiler_on_a_cpu(monkeypatch):
+    """torch inductor builds CPU kernels with a C++ compiler: without one the default stays off (said in the run
+    header), and an explicit train.compile = true is a one-line error."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from qlm_core.train import trainer
+
+    monkeypatch.setattr(trainer, "cpp_compiler", lambda: None)
+    run = SimpleNamespace(recipe=Recipe(), steps=1000, grid=SimpleNamespace(device=torch.device("cpu")))
+    assert trainer.Trainer._compile_decision(run) is False and "no C++ compiler" in run.compile_text
+    run.recipe.train.compile = True
+    with pytest.raises(QlmError, match="train.compile = true on a CPU needs a C\\+\\+ compiler"):
+        trainer.Trainer._compile_decision(run)
+    monkeypatch.setattr(trainer, "cpp_compiler", lambda: "/usr/bin/g++")
+    assert trainer.Trainer._compile_decision(run) is True and run.compile_text == "on (train.compile)"

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from qlm_cli.launch import LaunchConfig, relaunch_if_needed, under_launcher
 from qlm_cli.render import console, err_console, kv_table, memory_table
-from qlm_core.config import load_recipe, recipe_to_toml
+from qlm_core.config import compile_text, load_recipe, recipe_to_toml
 from qlm_core.models.spec import parameters_text
 
 
@@ -50,6 +50,7 @@ class RunView:
                 "layout": data["layout"], "model": data.get("resumed") or data["model"],
                 "parameters": parameters_text(data["params"], data.get("active_params")),
                 "train samples": data["train_samples"], "steps": f"{data['start_step']} -> {data['steps']}",
+                **({"compile": data["compile"]} if data.get("compile") else {}),
                 "peak for MFU": f"{data['peak_tflops']:.3g} TFLOP/s ({data['peak_source']})",
             }))
             self.progress = Progress(
@@ -171,7 +172,7 @@ def _print_dry_run(resolved, plan):
         "model": plan.resume or plan.model_description,
         "parameters": parameters_text(plan.spec.num_parameters(), plan.spec.num_parameters(active=True)),
         "stage layers": list(plan.layout.stage_layer_counts), "padded vocabulary": plan.layout.padded_vocab,
-        "steps": plan.steps,
+        "steps": plan.steps, "compile": compile_text(resolved.train, plan.steps),
     }))
     memory, device = planned_memory(resolved, plan)
     console.print(memory_table(memory, f"memory per rank, heaviest stage, on {device}"))

@@ -90,7 +90,8 @@ def generate_rows(
     cache = KVCache.empty(len(model.decoder.layers))
     hidden = model.hidden_states(input_ids, positions, cache=cache, attention_mask=mask)  # [L, b, h]
     logits = model.logits(hidden[-1:])[:, -1]  # the last position's only: never [b, L, vocab]
-    cache.reserve(max_new_tokens - 1)  # each step writes its token's keys and values in place
+    if max_new_tokens > 1:
+        cache.reserve(max_new_tokens - 1)  # each step writes its token's keys and values in place
     out = [Generation() for _ in range(rows)]
     done = [False] * rows
     active = list(range(rows))  # the rows still in the batch (finished ones are dropped, see below)
@@ -113,8 +114,9 @@ def generate_rows(
             break
         finished = [slot for slot, row in enumerate(active) if done[row]]
         if 4 * len(finished) >= len(active):  # a quarter of the batch is done: stop computing those rows
-            keep = torch.tensor([slot for slot, row in enumerate(active) if not done[row]], device=mask.device)
-            active = [active[slot] for slot in keep.tolist()]
+            slots = [slot for slot, row in enumerate(active) if not done[row]]
+            active = [active[slot] for slot in slots]
+            keep = torch.tensor(slots, device=mask.device)
             cache.select(keep)
             mask, next_position, chosen = mask[keep], next_position[keep], chosen[keep]
         mask = torch.cat((mask, torch.ones(len(active), 1, dtype=mask.dtype, device=mask.device)), dim=1)

@@ -1,6 +1,7 @@
 """Core attention kernels: softmax(q k^T * scale) v, causal or fully visible, with grouped-query heads.
 
-Tensors are [batch, heads, seq, head_dim]; k and v carry num_query_groups heads. No kernel here takes a mask:
+Tensors are [batch, heads, seq, head_dim]; k and v carry num_query_groups heads. No kernel here but a decoding step's
+(one query a row, masked_attention) takes a mask:
 documents, sliding windows and context-parallel blocks are cut into mask-free pieces (kernels/pieces.py,
 kernels/piecewise.py). flash-attn is used on CUDA when installed; else torch's own fused kernels.
 """
@@ -34,9 +35,14 @@ def core_attention(
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Decoding: q [b, hq, 1, d] against every key key_mask [b, 1, 1, sk] allows, one fused kernel call (the mask is
-    one row per sequence, never s x s)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask.to(q.device), scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    one row per sequence, never s x s). With one query a row, a group's query heads are laid along the query
+    dimension against their shared kv head ([b, groups, hq/groups, d]): no GQA, which CUDA's masked kernels lack
+    (they would repeat K/V per head)."""
+    b, hq, _, d = q.shape
+    groups = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(b, groups, hq // groups, d), k, v, attn_mask=key_mask,
+                                         scale=scale)
+    return out.reshape(b, hq, 1, d)
 
 
 # ---- attention with log-sum-exp --------------------------------------------------------------------------------------

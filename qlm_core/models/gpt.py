@@ -177,13 +177,14 @@ class KVCache:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows (index tensor) of every layer: decoding drops the rows that have finished."""
-        self.keys = [k.index_select(0, rows) for k in self.keys]
-        self.values = [v.index_select(0, rows) for v in self.values]
-        if self.buffers is not None:
-            self.buffers = [(bk.index_select(0, rows), bv.index_select(0, rows)) for bk, bv in self.buffers]
-            length = self.keys[0].shape[2]
-            self.keys = [bk[:, :, :length] for bk, _ in self.buffers]
-            self.values = [bv[:, :, :length] for _, bv in self.buffers]
+        if self.buffers is None:
+            self.keys = [k.index_select(0, rows) for k in self.keys]
+            self.values = [v.index_select(0, rows) for v in self.values]
+            return
+        length = self.length
+        self.buffers = [(bk.index_select(0, rows), bv.index_select(0, rows)) for bk, bv in self.buffers]
+        self.keys = [bk[:, :, :length] for bk, _ in self.buffers]
+        self.values = [bv[:, :, :length] for _, bv in self.buffers]
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         past = 0 if self.keys[layer] is None else self.keys[layer].shape[2]
@@ -215,11 +216,12 @@ def attention_inputs(*, local_tokens: int, batch: int, window: int | None, paral
                              f"got {tuple(attention_mask.shape)}")
         valid = (torch.ones(batch, past + local_tokens, dtype=torch.bool) if attention_mask is None
                  else attention_mask.bool())
-        if local_tokens == 1 and past > 0:  # the query is the row's newest real token: it sees every real key
+        if local_tokens == 1 and past > 0:  # the query is the row's newest token: it sees every real key
+            keys = valid.to(cache.keys[0].device, copy=True)  # made once, on the device, for every layer
+            keys[:, past] = True  # itself, always (a padding query's output is never read, but stays finite)
             if window is not None:
-                valid = valid.clone()
-                valid[:, :max(past + 1 - window, 0)] = False
-            return AttentionInputs(cache=cache, key_mask=valid[:, None, None, :])
+                keys[:, :max(past + 1 - window, 0)] = False
+            return AttentionInputs(cache=cache, key_mask=keys[:, None, None, :])
         return AttentionInputs(cache=cache, pieces=decoding_pieces(valid, past, local_tokens, window))
     documents = None
     if segment_ids is not None:

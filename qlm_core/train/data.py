@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from torch.utils.data import ConcatDataset, Subset
 
 from qlm_core.config import DataConfig, DataKind, PreferenceConfig, choices
@@ -117,8 +118,10 @@ def build_run_data(data: DataConfig, tokenizer_dir: Path | None, cache_dir: Path
     if held_out == 0:
         return RunData(train_set, None, tokenizer_dir, truncated)
     cut = len(train_set) - held_out
-    return RunData(Subset(train_set, range(cut)), Subset(train_set, range(cut, len(train_set))), tokenizer_dir,
-                   truncated)
+    order = range(len(train_set))
+    if data.kind == "preference":  # SFT data is shuffled when built; pairs keep the file's order, so hold out a sample
+        order = np.random.default_rng(data.seed).permutation(len(train_set)).tolist()
+    return RunData(Subset(train_set, order[:cut]), Subset(train_set, order[cut:]), tokenizer_dir, truncated)
 
 
 def _pretrain(data, train_names, valid_names, tokenizer_dir, cache_dir, train_samples, valid_samples) -> RunData:

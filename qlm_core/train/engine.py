@@ -144,7 +144,7 @@ class Engine:
         trainable = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         self.optimizer = self._build_optimizer(trainable)
         self.params = self.optimizer.params  # FSDP2 replaces the parameters: the optimizer's are the live ones
-        self.runner = None
+        self.runner = self.reference_runner = None
         if c.pp > 1:
             from qlm_core.parallel.pipeline import PipelineRunner  # imports torch's pipelining (and dynamo)
 
@@ -272,7 +272,8 @@ class Engine:
     def _run_microbatches(self, batch: Batch, *, backward: bool) -> torch.Tensor:
         """Forward (and, with `backward`, backward) over every microbatch of this rank's rows, through the
         pipeline schedule when pp > 1. Returns this rank's share of the batch loss, normalised by the global
-        token count (the sum over ranks is the global mean)."""
+        token count (preference training: by the global pair count, train/preference_step.py); the sum over ranks
+        is the global mean."""
         g = self.grid
         input_ids, labels, position_ids, segment_ids = self._local_inputs(batch)
         tokens = torch.tensor(float((labels >= 0).sum()), device=g.device)
@@ -318,7 +319,7 @@ class Engine:
                 raise ValueError("the engine's reference is precomputed, but the batch has no reference_logps")
             return batch.reference_logps.to(self.grid.device)
         self._reference_rows = torch.zeros(labels.shape[0], device=self.grid.device)
-        runner = getattr(self, "reference_runner", None)
+        runner = self.reference_runner
         if self.reference == "frozen":
             self._forward_backward_all(self.reference_chunks, runner, self._reference_loss_fn(self.reference_chunks),
                                        inputs, labels, backward=False)
@@ -422,6 +423,7 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> float:
-        """Mean loss over the non-ignored labels of this global batch (every rank's rows), forward only."""
+        """Mean loss over the non-ignored labels of this global batch (every rank's rows), forward only; preference
+        training: the preference loss over its pairs (preference_figures() then has the metrics)."""
         self.optimizer.wait_param_gather()
         return self.global_loss(self._run_microbatches(batch, backward=False))

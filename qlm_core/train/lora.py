@@ -48,6 +48,8 @@ from qlm_core.parallel.tensor import (
 
 class LoraColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.lora_scale:  # adapters_disabled: the frozen base alone
+            return super().forward(x, weight)
         if self.sequence_parallel:
             low = gather_from_sp(self.lora_A(self.lora_dropout(x)), self.tp_group)
             return super().forward(x, weight) + self.lora_scale * self.lora_B(low)
@@ -59,6 +61,8 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
 
 class LoraRowParallelLinear(RowParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.lora_scale:  # adapters_disabled: the frozen base alone
+            return super().forward(x)
         low = self.lora_A(self.lora_dropout(x))
         low = reduce_scatter_to_sp(low, self.tp_group) if self.sequence_parallel else reduce_from_tp(low, self.tp_group)
         return super().forward(x) + self.lora_scale * self.lora_B(low)

@@ -78,6 +78,9 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
         source = replace(source, description=f"{model.spec} from model.spec (model.load {model.load} not found)")
     else:
         source = resolve_model(model, recipe.moe)
+    if recipe.data.kind == "preference" and source.spec.moe is not None:
+        raise QlmError("preference training takes dense models (an MoE model's router losses and statistics would "
+                       "count the reference forward too)", "train a dense model, or use data.kind = \"sft\"")
     layout = recipe_layout(source.spec, p)
     validate_layout(source.spec, p, sizes, recipe.data.seq_length, t.micro_batch_size, t.global_batch_size)
     steps = total_steps(recipe)

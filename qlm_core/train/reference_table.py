@@ -29,18 +29,21 @@ from qlm_core.train.engine import Batch, Engine
 
 
 def _file_stamp(name: str) -> list:
+    """A file's or a directory's identity: path, size and mtime of it or of every file below it (a run directory
+    that saved another checkpoint, an HF directory whose weights were replaced: another stamp)."""
     path = Path(name)
     if not path.exists():
         return [name]
-    stat = path.stat()
-    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return [str(path.resolve())] + [[str(f.relative_to(path)) if path.is_dir() else "", f.stat().st_size,
+                                     f.stat().st_mtime_ns] for f in files]
 
 
 def table_path(recipe: Recipe, cache_dir: Path) -> Path:
     """The file of this recipe's tables: named by the model and data it depends on."""
     key = {
-        "model": [recipe.model.spec, *(_file_stamp(recipe.model.load) if recipe.model.load else []),
-                  recipe.model.dtype],
+        "model": [_file_stamp(recipe.model.spec), _file_stamp(recipe.model.load) if recipe.model.load else None,
+                  _file_stamp(recipe.model.tokenizer) if recipe.model.tokenizer else None, recipe.model.dtype],
         "data": {k: v for k, v in asdict(recipe.data).items() if k not in ("workers", "cache_dir")},
         "files": [_file_stamp(name) for name in [*recipe.data.train, *recipe.data.valid]],
         "truncation": [recipe.preference.max_length, recipe.preference.max_prompt_length,
@@ -82,10 +85,12 @@ def load_or_compute(engine: Engine, path: Path, datasets: dict, pairs_per_global
     from safetensors.numpy import load_file, save_file
 
     wanted = {name: ds for name, ds in datasets.items() if ds is not None}
-    if path.is_file():
-        stored = load_file(str(path))
-        if all(name in stored and stored[name].shape == (len(ds), 2) for name, ds in wanted.items()):
-            return {name: stored[name] for name in wanted}
+    stored = load_file(str(path)) if path.is_file() else {}
+    usable = [all(name in stored and stored[name].shape == (len(ds), 2) for name, ds in wanted.items())]
+    if dist.is_initialized() and dist.get_world_size() > 1:  # rank 0's look decides for every rank (no rank may
+        dist.broadcast_object_list(usable, src=0)  # read while others compute: the computation is collective)
+    if usable[0]:
+        return {name: stored[name] for name in wanted}
     tables = {name: compute_table(engine, ds, pairs_per_global, pairs_per_micro) for name, ds in wanted.items()}
     if is_rank0:
         path.parent.mkdir(parents=True, exist_ok=True)

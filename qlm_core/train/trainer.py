@@ -30,7 +30,14 @@ from qlm_core.checkpoint.formats.hf import copy_side_files
 from qlm_core.checkpoint.formats.lora_args import lora_args
 from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, iteration_dir_name
 from qlm_core.checkpoint.sources.open import CHECKPOINTS_DIR, run_checkpoint_dir
-from qlm_core.config import Recipe, compiles, preference_reference, recipe_to_toml, rows_per_sample
+from qlm_core.config import (
+    Recipe,
+    compile_text,
+    compiles,
+    preference_reference,
+    recipe_to_toml,
+    rows_per_sample,
+)
 from qlm_core.data.loader import GlobalBatchSampler, collate
 from qlm_core.data.preference import PositionedPairs, collate_pairs
 from qlm_core.dtypes import DTYPES
@@ -70,6 +77,14 @@ def total_steps(recipe: Recipe) -> int:
     if train.train_samples > 0:
         return math.ceil(train.train_samples / train.global_batch_size)
     raise QlmError("neither train.train_iters nor train.train_samples is set", "set one of them")
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler torch inductor would build CPU kernels with ($CXX, else g++, c++, clang++), or None."""
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and (found := shutil.which(name)):
+            return found
+    return None
 
 
 def peak_tflops(recipe: Recipe) -> tuple[float, str]:
@@ -173,7 +188,7 @@ class Trainer:
             global_batch_size=r.train.global_batch_size * rows, seq_length=r.data.seq_length,
             dtype=DTYPES[r.model.dtype], optim=r.optim, source=source.weights, seed=r.train.seed,
             lora=r.lora if r.lora.rank > 0 else None, loss_chunk_tokens=r.train.loss_chunk_tokens, moe=r.moe,
-            compile=compiles(r.train, self.steps),
+            compile=self._compile_decision(),
             preference=PreferenceLossConfig.from_recipe(r.preference) if preference else None,
             reference=preference_reference(r) if preference else None,
         )
@@ -199,6 +214,20 @@ class Trainer:
         self.peak, self.peak_source = peak_tflops(r)
         self.wandb = (WandbLogger(r.logging, self.run_dir, asdict(r))
                       if self.grid.rank == 0 and r.logging.wandb_project else None)
+
+    def _compile_decision(self) -> bool:
+        """train.compile, or its default by the run's length; on a CPU inductor needs a C++ compiler: without one
+        the default is off (said in the run header) and an explicit true is a one-line error."""
+        r = self.recipe
+        decided = compiles(r.train, self.steps)
+        self.compile_text = compile_text(r.train, self.steps)
+        if decided and self.grid.device.type == "cpu" and cpp_compiler() is None:
+            if r.train.compile:
+                raise QlmError("train.compile = true on a CPU needs a C++ compiler (torch inductor's), and none was "
+                               "found", "install g++ (or set CXX), or set train.compile = false")
+            self.compile_text = "off (no C++ compiler for torch inductor on this CPU: install g++ or set CXX)"
+            return False
+        return decided
 
     def _batches(self, dataset, consumed: int, split: str = "train"):
         r = self.recipe
@@ -290,7 +319,7 @@ class Trainer:
                    start_step=self.state.iteration, params=self.source.spec.num_parameters(),
                    active_params=self.source.spec.num_parameters(active=True), resumed=self.resumed,
                    train_samples=len(self.data.train), peak_tflops=self.peak, peak_source=self.peak_source,
-                   truncated=self.data.truncated, data_kind=r.data.kind)
+                   truncated=self.data.truncated, data_kind=r.data.kind, compile=self.compile_text)
         batches = self._batches(self.data.train, self.state.consumed_samples)
         world = g.sizes.world
         self._last_eval = (-1, None)
