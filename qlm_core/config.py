@@ -39,6 +39,7 @@ PreferenceFormat = Literal["auto", "trl", "alpaca", "sharegpt"]  # data/preferen
 DataFormat = Literal["auto", "alpaca", "sharegpt", "messages", "trl"]  # either kind's (train/validate.py checks)
 # the preference losses (train/preference_loss.py): the DPO family needs a reference model, simpo and orpo do not
 PreferenceLossType = Literal["sigmoid", "hinge", "ipo", "simpo", "orpo"]
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 # where the DPO family's reference log-probs come from: a frozen copy of the starting weights, the policy with its
 # LoRA adapters switched off, or the table computed before the first step (preference_reference)
 ReferenceModel = Literal["frozen", "adapters_off", "precomputed"]
@@ -302,7 +303,7 @@ class Recipe:
 
 def preference_reference(recipe: Recipe) -> ReferenceModel | None:
     """Where a preference run's reference log-probs come from; None: a reference-free loss (simpo, orpo)."""
-    if recipe.preference.loss_type in ("simpo", "orpo"):
+    if recipe.preference.loss_type in REFERENCE_FREE_LOSSES:
         return None
     if recipe.preference.precompute_reference:
         return "precomputed"

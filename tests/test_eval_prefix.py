@@ -92,14 +92,25 @@ def test_rolling_and_unshared_requests_take_the_plain_path(hf_models):
 def test_batched_decoding_with_a_kv_cache_equals_greedy_without_one(hf_models, kind):
     """generate_rows: left-padded rows of different lengths, the cache written in place (KVCache.reserve), each
     step's one query against its row's keys (AttentionInputs.key_mask) and finished rows dropped from the batch
-    (KVCache.select) give the tokens of re-running each row whole."""
+    (KVCache.select) give the tokens of transformers' model re-run on each row whole, without a cache."""
+    from transformers import AutoModelForCausalLM
+
     from qlm_core.eval.generate import generate_rows, left_pad
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_models[kind]).eval()
+
+    @torch.no_grad()
+    def transformers_greedy(context: list[int], length: int) -> list[int]:
+        tokens = list(context)
+        for _ in range(length):
+            tokens.append(int(hf(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax()))
+        return tokens[len(context):]
 
     lm = QlmLM(str(hf_models[kind]), batch_size=4, max_length=MAX_LENGTH, device="cpu")
     generator = torch.Generator().manual_seed(1)
     contexts = [torch.randint(0, lm.model.spec.vocab_size, (n,), generator=generator).tolist() for n in (3, 11, 6)]
     ids, mask = left_pad(contexts, 0)
-    expected = [greedy_continuation(lm.model, c, 14) for c in contexts]
+    expected = [transformers_greedy(c, 14) for c in contexts]
     rows = generate_rows(lm.model, ids, mask, max_new_tokens=14, eos_token_id=None)
     assert [row.tokens for row in rows] == expected
     # an eos that ends the first row early: the finished row leaves the batch, the others go on as before

@@ -196,7 +196,7 @@ def test_sequence_logps_matches_a_token_loop_and_trl_shift():
 
 
 def test_bad_configs_are_user_errors():
-    with pytest.raises(QlmError, match="unknown preference loss_type 'kto'"):
+    with pytest.raises(QlmError, match="unknown preference.loss_type 'kto'"):
         PreferenceLossConfig(loss_type="kto").check()
     with pytest.raises(QlmError, match="label_smoothing 0.5 is outside"):
         PreferenceLossConfig(label_smoothing=0.5).check()

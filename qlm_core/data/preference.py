@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import get_args
 
 import numpy as np
+import torch
 
 from qlm_core.config import PreferenceFormat, PreferenceTruncation
 from qlm_core.data.files import cache_errors, read_records
@@ -320,12 +321,22 @@ class PositionedPairs:
         return i, self.dataset[i]
 
 
+def pair_rows(k: int, pairs_per_micro: int) -> tuple[int, int]:
+    """The rows (chosen, rejected) of the k-th pair of a batch laid out by collate_pairs."""
+    micro, slot = divmod(k, pairs_per_micro)
+    chosen = 2 * pairs_per_micro * micro + slot
+    return chosen, chosen + pairs_per_micro
+
+
+def chosen_row_mask(rows: int, pairs_per_micro: int) -> torch.Tensor:
+    """[rows] bool: the chosen rows of a batch laid out by collate_pairs."""
+    return (torch.arange(rows) % (2 * pairs_per_micro)) < pairs_per_micro
+
+
 def collate_pairs(items: list, pairs_per_micro: int, reference: np.ndarray | None = None):
     """PositionedPairs items -> (input_ids, labels [2·pairs, seq] int64, reference log-probs [2·pairs] or None),
     each micro-batch of `pairs_per_micro` pairs laid out as its chosen rows, then its rejected rows (module doc);
     `reference`: [len(dataset), 2] (chosen, rejected) log-probs by position."""
-    import torch
-
     if len(items) % pairs_per_micro:
         raise ValueError(f"{len(items)} pairs do not make micro-batches of {pairs_per_micro}")
     rows, ref = [], []

@@ -112,9 +112,8 @@ def generate_rows(
                 done[row], out[row].finish = True, "stop"
         if all(done) or step == max_new_tokens - 1:
             break
-        finished = [slot for slot, row in enumerate(active) if done[row]]
-        if 4 * len(finished) >= len(active):  # a quarter of the batch is done: stop computing those rows
-            slots = [slot for slot, row in enumerate(active) if not done[row]]
+        slots = [slot for slot, row in enumerate(active) if not done[row]]
+        if 4 * (len(active) - len(slots)) >= len(active):  # a quarter of the batch is done: stop computing those
             active = [active[slot] for slot in slots]
             keep = torch.tensor(slots, device=mask.device)
             cache.select(keep)

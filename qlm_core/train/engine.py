@@ -254,8 +254,9 @@ class Engine:
             return logps.sum()
         return record
 
-    def _local_inputs(self, batch: Batch):
-        """Split this rank's rows into its context-parallel chunks; positions default to global token indices."""
+    def _local_inputs(self, batch: Batch) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """(the model's inputs: input_ids, position_ids[, segment_ids]; labels) of this rank's rows, split into its
+        context-parallel chunks; positions default to global token indices."""
         g, cp = self.grid, self.config.cp
         rows, seq = batch.input_ids.shape
         position_ids = batch.position_ids
@@ -266,8 +267,10 @@ class Engine:
             t = t.to(self.grid.device)
             return split_for_cp(t, cp, g.cp_rank, dim=1).contiguous() if cp > 1 else t.contiguous()
 
-        segment = None if batch.segment_ids is None else local(batch.segment_ids)
-        return local(batch.input_ids), local(batch.labels), local(position_ids), segment
+        inputs = (local(batch.input_ids), local(position_ids))
+        if batch.segment_ids is not None:
+            inputs += (local(batch.segment_ids),)
+        return inputs, local(batch.labels)
 
     def _run_microbatches(self, batch: Batch, *, backward: bool) -> torch.Tensor:
         """Forward (and, with `backward`, backward) over every microbatch of this rank's rows, through the
@@ -275,11 +278,10 @@ class Engine:
         token count (preference training: by the global pair count, train/preference_step.py); the sum over ranks
         is the global mean."""
         g = self.grid
-        input_ids, labels, position_ids, segment_ids = self._local_inputs(batch)
+        inputs, labels = self._local_inputs(batch)
         tokens = torch.tensor(float((labels >= 0).sum()), device=g.device)
         all_reduce(tokens, g.dp_cp_group)
         self._num_tokens = max(tokens.item(), 1.0)
-        inputs = (input_ids, position_ids) if segment_ids is None else (input_ids, position_ids, segment_ids)
         if self._pref is not None:
             self._pref.start(labels)
             self._pref.reference = self._reference_logps(batch, inputs, labels)
@@ -334,8 +336,7 @@ class Engine:
         """The reference log-probs of this rank's rows of a preference batch [rows], forward only (for
         precompute_reference: the starting weights, before any step); valid on the last pipeline stage."""
         self.optimizer.wait_param_gather()
-        input_ids, labels, position_ids, segment_ids = self._local_inputs(batch)
-        inputs = (input_ids, position_ids) if segment_ids is None else (input_ids, position_ids, segment_ids)
+        inputs, labels = self._local_inputs(batch)
         self._pref.start(labels)
         self._reference_rows = torch.zeros(labels.shape[0], device=self.grid.device)
         self._mode = "reference"

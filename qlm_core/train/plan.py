@@ -16,7 +16,7 @@ from qlm_core.train.checkpointing import describe_resume, resume_iteration
 from qlm_core.train.data import check_data_files
 from qlm_core.train.sources import resolve_model
 from qlm_core.train.trainer import total_steps
-from qlm_core.train.validate import validate_layout, validate_recipe
+from qlm_core.train.validate import validate_layout, validate_preference_model, validate_recipe
 
 
 @dataclass
@@ -78,9 +78,8 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
         source = replace(source, description=f"{model.spec} from model.spec (model.load {model.load} not found)")
     else:
         source = resolve_model(model, recipe.moe)
-    if recipe.data.kind == "preference" and source.spec.moe is not None:
-        raise QlmError("preference training takes dense models (an MoE model's router losses and statistics would "
-                       "count the reference forward too)", "train a dense model, or use data.kind = \"sft\"")
+    if recipe.data.kind == "preference":
+        validate_preference_model(source.spec)
     layout = recipe_layout(source.spec, p)
     validate_layout(source.spec, p, sizes, recipe.data.seq_length, t.micro_batch_size, t.global_batch_size)
     steps = total_steps(recipe)

@@ -33,10 +33,9 @@ from typing import get_args
 import torch
 import torch.nn.functional as F
 
-from qlm_core.config import PreferenceConfig, PreferenceLossType
+from qlm_core.config import REFERENCE_FREE_LOSSES, PreferenceConfig, PreferenceLossType
 from qlm_core.errors import QlmError
 
-REFERENCE_FREE = ("simpo", "orpo")
 IGNORE_INDEX = -100
 
 
@@ -50,20 +49,26 @@ class PreferenceLossConfig:
     cpo_alpha: float = 0.0  # simpo: weight of the chosen NLL term (CPOConfig's cpo_alpha; SimPO proper is 0)
 
     def check(self) -> None:
+        """The rules of the losses' settings, named by their [preference] keys (train/validate.py runs them on a
+        recipe before any process starts)."""
         if self.loss_type not in get_args(PreferenceLossType):
-            raise QlmError(f"unknown preference loss_type {self.loss_type!r}",
+            raise QlmError(f"unknown preference.loss_type {self.loss_type!r}",
                            f"use one of {', '.join(get_args(PreferenceLossType))}")
         if not self.beta > 0:
-            raise QlmError(f"preference beta {self.beta} is not positive", "set beta > 0 (TRL's default is 0.1)")
+            raise QlmError(f"preference.beta {self.beta} is not positive", "set beta > 0 (TRL's default is 0.1)")
         if not 0 <= self.label_smoothing < 0.5:
-            raise QlmError(f"label_smoothing {self.label_smoothing} is outside [0, 0.5)",
+            raise QlmError(f"preference.label_smoothing {self.label_smoothing} is outside [0, 0.5)",
                            "set label_smoothing to the probability that a preference label is flipped, below 0.5")
         if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
-            raise QlmError(f"label_smoothing applies to the sigmoid and simpo losses, not {self.loss_type}",
-                           "set label_smoothing = 0 or loss_type = sigmoid")
-        if self.rpo_alpha is not None and self.loss_type in REFERENCE_FREE:
-            raise QlmError(f"rpo_alpha applies to the DPO losses, not {self.loss_type}",
-                           "leave rpo_alpha unset (simpo: cpo_alpha; orpo always has its NLL term)")
+            raise QlmError(f"preference.label_smoothing applies to the sigmoid and simpo losses, not "
+                           f"{self.loss_type}", "set preference.label_smoothing = 0 or preference.loss_type = "
+                           "\"sigmoid\"")
+        if self.rpo_alpha is not None and self.loss_type in REFERENCE_FREE_LOSSES:
+            raise QlmError(f"preference.rpo_alpha applies to the DPO losses, not {self.loss_type}",
+                           "remove rpo_alpha (simpo: cpo_alpha; orpo always has its NLL term)")
+        if self.cpo_alpha and self.loss_type != "simpo":
+            raise QlmError(f"preference.cpo_alpha applies to the simpo loss, not {self.loss_type}",
+                           "remove cpo_alpha (the DPO losses: rpo_alpha)")
 
     @classmethod
     def from_recipe(cls, section: PreferenceConfig) -> PreferenceLossConfig:
@@ -72,7 +77,7 @@ class PreferenceLossConfig:
 
     @property
     def needs_reference(self) -> bool:
-        return self.loss_type not in REFERENCE_FREE
+        return self.loss_type not in REFERENCE_FREE_LOSSES
 
 
 @dataclass

@@ -22,12 +22,13 @@ from __future__ import annotations
 import torch
 
 from qlm_core.config import ReferenceModel
-from qlm_core.errors import QlmError
+from qlm_core.data.preference import chosen_row_mask
 from qlm_core.parallel import shape_inference
 from qlm_core.parallel.comm import all_reduce, group_size
 from qlm_core.parallel.state import Grid
 from qlm_core.parallel.tensor import reduce_from_tp
 from qlm_core.train.preference_loss import PreferenceLossConfig, pair_metric_sums, pair_terms
+from qlm_core.train.validate import validate_preference_model
 
 METRIC_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                "logps/rejected")
@@ -36,14 +37,13 @@ ORPO_KEYS = ("log_odds_ratio", "log_odds_chosen")
 
 def validate_preference_engine(spec, preference: PreferenceLossConfig | None, reference: ReferenceModel | None,
                                lora, micro_rows: int) -> None:
+    """The Engine's preference arguments (built by workers and tests without a recipe too)."""
     if preference is None:
         if reference is not None:
             raise ValueError("a reference model without a preference loss")
         return
     preference.check()
-    if spec.moe is not None:
-        raise QlmError("preference training takes dense models (an MoE model's router losses and statistics would "
-                       "count the reference forward too)", "train a dense model, or use data.kind = \"sft\"")
+    validate_preference_model(spec)
     if micro_rows % 2:
         raise ValueError(f"a preference micro-batch holds pairs: {micro_rows} rows is odd")
     if preference.needs_reference and reference is None:
@@ -62,17 +62,10 @@ def row_logps(token_loss: torch.Tensor, labels: torch.Tensor, cp_group) -> tuple
     return logps, all_reduce(counts, cp_group) if group_size(cp_group) > 1 else counts
 
 
-def chosen_rows(rows: int, micro_rows: int) -> torch.Tensor:
-    """A bool mask [rows]: the chosen rows of every micro-batch of `micro_rows` rows."""
-    return (torch.arange(rows) % micro_rows) < micro_rows // 2
-
-
 class PreferenceStep:
     """The preference loss and metrics over the micro-batches of one step (or one evaluation batch)."""
 
     def __init__(self, config: PreferenceLossConfig, grid: Grid, micro_rows: int, global_rows: int):
-        if micro_rows % 2:
-            raise ValueError(f"a preference micro-batch holds pairs: {micro_rows} rows is odd")
         self.config, self.grid = config, grid
         self.micro_rows, self.global_pairs = micro_rows, global_rows // 2
         self.keys = METRIC_KEYS + (ORPO_KEYS if config.loss_type == "orpo" else ())
@@ -83,7 +76,7 @@ class PreferenceStep:
         """This rank's step labels [rows, s_local] (the tensor the micro-batches are views of); the caller then sets
         `reference`, the reference log-probs of its rows [rows] (the DPO family), before the first loss()."""
         self.labels, self.reference = labels, None
-        chosen = (labels[chosen_rows(labels.shape[0], self.micro_rows).to(labels.device)] >= 0).sum()
+        chosen = (labels[chosen_row_mask(labels.shape[0], self.micro_rows // 2).to(labels.device)] >= 0).sum()
         tokens = chosen.to(torch.float32)
         all_reduce(tokens, self.grid.dp_cp_group)  # CP ranks hold parts of the same rows: the sum is the whole
         self.chosen_tokens = max(tokens.item(), 1.0)

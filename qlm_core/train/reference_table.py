@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,9 +22,10 @@ import torch.distributed as dist
 
 from qlm_core.config import Recipe
 from qlm_core.data.loader import GlobalBatchSampler
-from qlm_core.data.preference import PositionedPairs, collate_pairs
+from qlm_core.data.preference import PositionedPairs, collate_pairs, pair_rows
 from qlm_core.parallel.comm import all_reduce
 from qlm_core.train.engine import Batch, Engine
+from qlm_core.train.run_dir import replace_atomically
 
 
 def _file_stamp(name: str) -> list:
@@ -67,10 +67,9 @@ def compute_table(engine: Engine, dataset, pairs_per_global: int, pairs_per_micr
         input_ids, labels, _ = collate_pairs([positioned[i] for i in positions], pairs_per_micro)
         rows = engine.reference_logps(Batch(input_ids, labels)).double()
         if holds:
-            micro_rows = 2 * pairs_per_micro
             for k, position in enumerate(positions):
-                start = (k // pairs_per_micro) * micro_rows + k % pairs_per_micro
-                table[position] = torch.stack([rows[start], rows[start + pairs_per_micro]])
+                chosen, rejected = pair_rows(k, pairs_per_micro)
+                table[position] = torch.stack([rows[chosen], rows[rejected]])
                 have[position] = 1.0
     world = dist.group.WORLD if dist.is_initialized() else None  # None: one process, nothing to reduce
     all_reduce(table, world)  # a wrapped last batch may hold a pair twice: `have` counts the copies
@@ -94,11 +93,5 @@ def load_or_compute(engine: Engine, path: Path, datasets: dict, pairs_per_global
     tables = {name: compute_table(engine, ds, pairs_per_global, pairs_per_micro) for name, ds in wanted.items()}
     if is_rank0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            save_file(tables, str(temporary))
-            os.replace(temporary, path)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
+        replace_atomically(path, lambda temporary: save_file(tables, str(temporary)))
     return tables

@@ -54,15 +54,21 @@ def os_error(path: Path, exc: OSError, what: str = "write to") -> QlmError:
     return QlmError(f"cannot {what} {path}: {cause}", "check the path and the disk, or choose another --output")
 
 
-def write_atomic(path: Path, text: str):
-    """Replace PATH's text whole: a temporary sibling renamed over it, so a full disk never leaves it truncated."""
+def replace_atomically(path: Path, write: Callable[[Path], object]):
+    """Replace PATH whole: `write(temporary)` fills a temporary sibling, renamed over PATH once complete, so a full
+    disk or a kill never leaves it truncated."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        temporary.write_text(text)
+        write(temporary)
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def write_atomic(path: Path, text: str):
+    """Replace PATH's text whole (replace_atomically)."""
+    replace_atomically(path, lambda temporary: temporary.write_text(text))
 
 
 def run_history(run_dir: Path) -> list[str]:

@@ -139,6 +139,7 @@ class Trainer:
         self.recipe, self.run_dir, self.force = recipe, Path(run_dir), force
         self.on_event = on_event or (lambda event: None)
         self.saver: CheckpointSaver | None = None  # made at the first save
+        self.eval_figures: dict[str, float] | None = None  # preference runs: the last evaluation's metrics
 
     def _emit(self, kind: str, **data):
         if self.grid.rank == 0:
@@ -194,7 +195,7 @@ class Trainer:
         )
         self.source = source
         self.reference_tables = {}
-        if preference and preference_reference(r) == "precomputed":  # the starting weights: before any checkpoint
+        if self.engine.reference == "precomputed":  # the starting weights: before any checkpoint
             from qlm_core.train.reference_table import load_or_compute, table_path
 
             self.reference_tables = load_or_compute(
@@ -210,7 +211,9 @@ class Trainer:
             self.state, self.resumed = load_checkpoint(self.ckpt_root, self.engine, start)
         self.metrics = (MetricsWriter(self.run_dir, r.logging.tensorboard, resumed_from=self.state.iteration)
                         if self.grid.rank == 0 else None)
-        self.flops = flops_per_sequence(source.spec, r.data.seq_length, r.data.mean_doc_len)
+        # a sample's work: one sequence, or a preference pair's two (the reference forward is not counted)
+        self.flops = flops_per_sequence(source.spec, r.data.seq_length, r.data.mean_doc_len) * rows_per_sample(r)
+        self.sample_tokens = r.data.seq_length * rows_per_sample(r)
         self.peak, self.peak_source = peak_tflops(r)
         self.wandb = (WandbLogger(r.logging, self.run_dir, asdict(r))
                       if self.grid.rank == 0 and r.logging.wandb_project else None)
@@ -319,7 +322,7 @@ class Trainer:
                    start_step=self.state.iteration, params=self.source.spec.num_parameters(),
                    active_params=self.source.spec.num_parameters(active=True), resumed=self.resumed,
                    train_samples=len(self.data.train), peak_tflops=self.peak, peak_source=self.peak_source,
-                   truncated=self.data.truncated, data_kind=r.data.kind, compile=self.compile_text)
+                   truncated=self.data.truncated, compile=self.compile_text)
         batches = self._batches(self.data.train, self.state.consumed_samples)
         world = g.sizes.world
         self._last_eval = (-1, None)
@@ -339,18 +342,17 @@ class Trainer:
             self.state.iteration += 1
             self.state.skipped_in_row = self.state.skipped_in_row + 1 if result.skipped else 0
             self.state.skipped_total += int(result.skipped)
-            tflops = self.flops * r.train.global_batch_size * rows_per_sample(r) / seconds / world / 1e12
+            tflops = self.flops * r.train.global_batch_size / seconds / world / 1e12
             if tflops > self.peak:
                 self._raise_peak(tflops, self.state.iteration)
-            sequences = r.train.global_batch_size * rows_per_sample(r)
             for key, value in (("steps", 1), ("samples", r.train.global_batch_size),
-                               ("tokens", sequences * r.data.seq_length)):
+                               ("tokens", r.train.global_batch_size * self.sample_tokens)):
                 self._totals[key] += value
             metrics = StepMetrics(
                 step=self.state.iteration, loss=result.loss, grad_norm=result.grad_norm, lr=lr,
                 tokens=result.tokens, samples=self.state.consumed_samples, step_time_s=seconds,
                 s_per_sample=seconds / r.train.global_batch_size,
-                tokens_per_s=r.train.global_batch_size * rows_per_sample(r) * r.data.seq_length / seconds,
+                tokens_per_s=r.train.global_batch_size * self.sample_tokens / seconds,
                 tflops_per_device=tflops, mfu=tflops / self.peak, mem_peak_gb=peak_memory_gb(),
                 skipped=result.skipped, moe=result.moe, preference=result.preference,
                 **device_memory_gb(),
@@ -396,7 +398,7 @@ class Trainer:
         if self.saver is not None:
             self.saver.close()  # the pending background write in place (its failure raised) before the end
         summary = self._summary(final_valid)
-        if getattr(self, "eval_figures", None) and final_valid is not None:
+        if self.eval_figures and final_valid is not None:
             summary["valid_preference"] = self.eval_figures  # the last evaluation's metrics (TRL's names)
         if stopped is not None:
             summary["stopped"] = self._stopped(stopped, last_saved)
@@ -448,8 +450,7 @@ class Trainer:
         totals, world = self._totals, self.grid.sizes.world
         wall, samples = totals.get("wall_s", 0.0), totals["samples"]
         nan = float("nan")
-        tflops = (self.flops * samples * rows_per_sample(self.recipe) / wall / world / 1e12
-                  if wall > 0 and samples else nan)
+        tflops = self.flops * samples / wall / world / 1e12 if wall > 0 and samples else nan
         return {
             "steps": self.state.iteration, "first_loss": rows[0]["loss"] if rows else None,
             "last_loss": rows[-1]["loss"] if rows else None, "valid_loss": final_valid,

@@ -10,6 +10,7 @@ Engine (built by workers and tests without a Recipe) and `qlm profile`.
 from __future__ import annotations
 
 from qlm_core.config import (
+    REFERENCE_FREE_LOSSES,
     MoeConfig,
     ParallelConfig,
     PreferenceFormat,
@@ -23,6 +24,7 @@ from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.pipeline_rules import validate_schedule
 from qlm_core.parallel.state import ParallelSizes
+from qlm_core.train.preference_loss import PreferenceLossConfig
 
 
 def validate_counts(**counts: int):
@@ -82,18 +84,17 @@ def validate_preference(recipe: Recipe):
     if pref.max_length is not None and pref.max_length > data.seq_length:
         raise QlmError(f"preference.max_length {pref.max_length} is longer than data.seq_length {data.seq_length}",
                        "lower preference.max_length or raise data.seq_length")
-    if pref.label_smoothing and pref.loss_type not in ("sigmoid", "simpo"):
-        raise QlmError(f"preference.label_smoothing applies to the sigmoid and simpo losses, not {pref.loss_type}",
-                       "set preference.label_smoothing = 0 or preference.loss_type = \"sigmoid\"")
-    if pref.rpo_alpha is not None and pref.loss_type in ("simpo", "orpo"):
-        raise QlmError(f"preference.rpo_alpha applies to the DPO losses, not {pref.loss_type}",
-                       "remove rpo_alpha (simpo: cpo_alpha; orpo always has its NLL term)")
-    if pref.cpo_alpha and pref.loss_type != "simpo":
-        raise QlmError(f"preference.cpo_alpha applies to the simpo loss, not {pref.loss_type}",
-                       "remove cpo_alpha (the DPO losses: rpo_alpha)")
-    if pref.precompute_reference and pref.loss_type in ("simpo", "orpo"):
+    PreferenceLossConfig.from_recipe(pref).check()
+    if pref.precompute_reference and pref.loss_type in REFERENCE_FREE_LOSSES:
         raise QlmError(f"preference.precompute_reference with the reference-free {pref.loss_type} loss",
                        "remove precompute_reference (simpo and orpo use no reference model)")
+
+
+def validate_preference_model(spec: ModelSpec):
+    """Preference training takes dense models."""
+    if spec.moe is not None:
+        raise QlmError("preference training takes dense models (an MoE model's router losses and statistics would "
+                       "count the reference forward too)", "train a dense model, or use data.kind = \"sft\"")
 
 
 def validate_grad_reduce_dtype(grad_reduce_dtype: str, dtype: str):
