@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -69,13 +70,12 @@ def raw_copy(src: Path, dst: Path, write_bytes: int | None = None) -> int:
 def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 0, fmt: str = "torch") -> dict:
     """Run one measurement in a fresh process; returns its timing and peak RSS."""
     code = (
-        "import json, resource, sys, time, shutil\n"
+        "import json, resource, sys, time\n"
         "from pathlib import Path\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "import convert as bench\n"
         "from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore\n"
         f"src, dst = Path({str(src)!r}), Path({str(dst)!r})\n"
-        "shutil.rmtree(dst, ignore_errors=True)\n"
         "idle = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "start = time.perf_counter()\n"
         f"if {mode!r} == 'raw':\n"
@@ -92,9 +92,6 @@ def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 
 
 def whole_process(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int, fmt: str) -> float:
     """Wall seconds of a whole process: `qlm convert hf2mcore` as a user types it, or a python that raw-copies."""
-    import shutil
-
-    shutil.rmtree(dst, ignore_errors=True)
     if mode == "raw":
         command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
                    f"import copy_floor; from pathlib import Path; "
@@ -108,6 +105,12 @@ def whole_process(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes
     return time.perf_counter() - start
 
 
+def settle(out: Path):
+    """Remove a previous output and write back every dirty page (the deletion's journal included)."""
+    shutil.rmtree(out, ignore_errors=True)
+    os.sync()
+
+
 def spread(ratios: list[float]) -> str:
     return (f"{statistics.median(ratios):.2f} median of {len(ratios)} pairs (min {min(ratios):.2f}, "
             f"max {max(ratios):.2f})")
@@ -119,7 +122,7 @@ def main():
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "qlm-bench")
-    parser.add_argument("--pairs", type=int, default=5, help="alternating pairs of each figure (median reported)")
+    parser.add_argument("--pairs", type=int, default=7, help="alternating pairs of each figure (median reported)")
     parser.add_argument("--format", default="torch", choices=choices(CheckpointFormat), help="Megatron format to write")
     parser.add_argument("--direction", default="hf2mcore", choices=["hf2mcore", "ds2hf"],
                         help="ds2hf: a DeepSpeed ZeRO checkpoint of the same model -> HF (see convert_deepspeed.py)")
@@ -158,13 +161,14 @@ def main():
     runs = {"raw": [], "convert": []}
     whole = {"raw": [], "convert": []}
     for i in range(args.pairs):
-        # Alternate the order and flush dirty pages before each run, so neither pays for the other's writeback.
+        # Alternate the order; before each run remove the previous output and flush, so that no run pays for
+        # another's deletion or writeback.
         for mode in ("raw", "convert") if i % 2 == 0 else ("convert", "raw"):
-            os.sync()
+            settle(args.workdir / f"{mode}-out")
             runs[mode].append(child(mode, src, args.workdir / f"{mode}-out", args.tp, args.pp, output_bytes,
                                     args.format))
         for mode in ("convert", "raw") if i % 2 == 0 else ("raw", "convert"):
-            os.sync()
+            settle(args.workdir / f"{mode}-out")
             whole[mode].append(whole_process(mode, src, args.workdir / f"{mode}-out", args.tp, args.pp,
                                              output_bytes, args.format))
     best = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items()}

@@ -3,7 +3,10 @@ inside the commands), so that --help and --version answer at once."""
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
+import threading
 from typing import Annotated
 
 import typer
@@ -98,5 +101,36 @@ def main(argv: list[str] | None = None):
     sys.exit(code if isinstance(code, int) else 0)
 
 
+def _exit_code(done: SystemExit) -> int:
+    if done.code is None or isinstance(done.code, int):
+        return done.code or 0
+    print(done.code, file=sys.stderr)  # sys.exit("text") prints the text and exits 1
+    return 1
+
+
+def run():
+    """The installed `qlm` script: main(), then a quick exit. Once torch is imported, the interpreter's teardown
+    (clearing thousands of module dicts, torch.library finalizers) takes ~0.45 s and does nothing for a command that
+    has finished, so the exit handlers run (W&B, logging, run-directory locks), the streams are flushed and the
+    process leaves. With a non-daemon thread still running, the normal exit joins it instead."""
+    try:
+        main()
+        code = 0
+    except SystemExit as done:
+        code = _exit_code(done)
+    if "torch" not in sys.modules or any(
+        thread.is_alive() and not thread.daemon for thread in threading.enumerate()
+        if thread is not threading.main_thread()
+    ):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    run()

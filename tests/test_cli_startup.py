@@ -53,3 +53,36 @@ def test_every_cli_choice_is_the_cores_list():
     for enum, literal in pairs:
         assert [m.value for m in enum] == list(config.choices(literal)), enum
     assert [m.value for m in cli.Gpu] == list(GPUS)
+
+
+def _run_script(body: str) -> subprocess.CompletedProcess:
+    """A process whose `qlm_cli.main.main` is replaced by `body`'s main(), left through the installed script's run()."""
+    code = "import qlm_cli.main as cli\n" + body + "\ncli.main = main\ncli.run()\n"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_the_script_leaves_quickly_but_runs_exit_handlers_and_flushes():
+    """After a command that imported torch, run() skips the interpreter's teardown: the exit code, the buffered
+    output and the atexit handlers (W&B, run-directory locks) must survive that."""
+    proc = _run_script(
+        "import atexit, sys\n"
+        "def main():\n"
+        "    import torch\n"
+        "    atexit.register(lambda: print('handler ran'))\n"
+        "    sys.stdout.write('unflushed output')\n"
+        "    sys.exit(3)\n"
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stdout == "unflushed outputhandler ran\n"
+
+
+def test_the_script_waits_for_a_running_thread():
+    """A non-daemon thread still at work (a background writer) is joined by the normal exit, not cut off."""
+    proc = _run_script(
+        "import threading, time\n"
+        "def main():\n"
+        "    import torch\n"
+        "    threading.Thread(target=lambda: (time.sleep(0.5), print('thread finished', flush=True))).start()\n"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == "thread finished\n"
