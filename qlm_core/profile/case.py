@@ -68,6 +68,9 @@ class ProfileCase:
     # preference training with a frozen copy of the starting weights as its reference (held in the compute dtype,
     # sharded as the policy's TP/PP shards); its batch sizes above count sequences, two per pair
     reference_copy: bool = False
+    # preference training whose reference runs a forward of every micro-batch, without gradients (the frozen copy,
+    # or the policy with its LoRA adapters switched off; a precomputed table runs none during training)
+    reference_forward: bool = False
 
     @property
     def grad_reduce_dtype(self) -> str:
@@ -195,10 +198,11 @@ def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpe
     if num_gpus is None:
         num_gpus = p.tp * p.pp * p.cp * p.dp if p.dp else SEED_GPUS
     rows = rows_per_sample(recipe)  # a preference pair is two sequences of one micro-batch
+    reference = preference_reference(recipe) if recipe.data.kind == "preference" else None
     return ProfileCase(
         spec=spec, model_name=name, parallel=p, seq_len=recipe.data.seq_length,
         micro_batch_size=recipe.train.micro_batch_size * rows, global_batch_size=recipe.train.global_batch_size * rows,
-        reference_copy=recipe.data.kind == "preference" and preference_reference(recipe) == "frozen",
+        reference_copy=reference == "frozen", reference_forward=reference in ("frozen", "adapters_off"),
         num_gpus=num_gpus, dtype=recipe.model.dtype, lora_rank=recipe.lora.rank,
         lora_targets=tuple(recipe.lora.target_modules), loss_chunk_tokens=recipe.train.loss_chunk_tokens,
         mean_doc_len=recipe.data.mean_doc_len, moe=dataclasses.replace(recipe.moe),

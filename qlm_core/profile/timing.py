@@ -18,6 +18,9 @@ Per micro-batch on the slowest pipeline stage (T = mbs·seq/cp tokens per rank, 
   cp_comm     p2p: cp-1 K/V hops forward, cp-1 K/V hops and cp fp32 dK/dV hops backward, each overlapped with one
               block of attention (only the excess is exposed); allgather: one all-gather forward, all-gather and
               fp32 reduce-scatter backward, exposed; a2a: four all-to-alls each way, exposed.
+  reference   preference training's reference forward of each micro-batch (a frozen copy, or the policy with its
+              adapters off; none with a precomputed table): its GEMMs, attention, a forward's elementwise work and
+              logits, and its forward collectives, exposed; its own pipeline schedule adds to the bubble.
   MoE layers  their router, experts and shared expert, elementwise work and TP collectives: profile/moe_timing.py;
               a stage's layers are costed as their mean.
   ep_comm     expert parallelism: each MoE layer's all-to-alls (counts, dispatch, combine; forward, backward and
@@ -59,7 +62,7 @@ from qlm_core.profile.moe_timing import (
 from qlm_core.profile.states import model_state_bytes
 from qlm_core.profile.topology import all_to_all_seconds, expert_bandwidth, group_bandwidth, p2p_bandwidth
 
-TIME_COMPONENTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_p2p", "pp_bubble", "dp_comm",
+TIME_COMPONENTS = ("compute", "recompute", "reference", "tp_comm", "cp_comm", "ep_comm", "pp_p2p", "pp_bubble", "dp_comm",
                    "optimizer", "overhead")
 
 
@@ -214,7 +217,11 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
             # once per backward pass that runs it: twice when zero-bubble splits dx from dW (a trainable output layer)
             passes = 2 if p.pp_schedule == "zero_bubble" and not case.lora_rank else 1
             extra += passes * logits
-    times = {"compute": compute, "recompute": extra, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "pp_p2p": 0.0}
+    times = {"compute": compute, "recompute": extra, "reference": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0,
+             "pp_p2p": 0.0}
+    if case.reference_forward:
+        times["reference"] = _reference_forward_seconds(case, gpu, rates, stage, T, gemm, elementwise, attention,
+                                                        attention_backward)
     if moe_layers and case.expert_parallel:
         times["ep_comm"] = _ep_seconds(case, gpu, rates, T, moe_layers, round(moe_layers * recomputed / layers))
     sizes = case.sizes
@@ -244,6 +251,32 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
         p2p_s = 2 * p.vpp * shard / p2p_bandwidth(gpu, sizes, rates.comm)
         times["pp_p2p"] = rates.overlapped(p2p_s, compute) if case.p2p_overlap else p2p_s
     return times
+
+
+def _reference_forward_seconds(case: ProfileCase, gpu: GpuSpec, rates: KernelRates, stage: int, T: float,
+                               gemm: float, elementwise: float, attention: float, attention_backward: float) -> float:
+    """Preference training's reference forward of one micro-batch on `stage` (no backward, nothing recomputed):
+    its GEMMs, attention and the forward's third of the elementwise work, the last stage's logits, and the forward's
+    collectives (TP: 4 x volume a layer, as SP's 2 all-gathers + 2 reduce-scatters or the 2 all-reduces of twice
+    it; CP's forward hops; one PP send a chunk), all exposed. MoE models train no preference loss."""
+    p, s = case.parallel, case.spec
+    layers = case.layout().stage_layer_counts[stage]
+    seconds = gemm + layers * attention + elementwise / 3
+    if stage == p.pp - 1:
+        seconds += T * logits_gemm_seconds(case, rates, gpu.peak_tflops * 1e12)
+    sizes = case.sizes
+    if p.tp > 1:
+        volume = (p.tp - 1) / p.tp * case.dtype_bytes * s.hidden_size * T
+        per_layer = 4 * volume
+        if s.num_query_groups < p.tp:  # the gathered linear_qkv output
+            per_layer += (p.tp - 1) / p.tp * case.dtype_bytes * s.qkv_rows * T
+        seconds += layers * per_layer / group_bandwidth(gpu, sizes, ("tp",), rates.comm)
+    if p.cp > 1:
+        seconds += layers * _cp_layer_exposed(case, gpu, rates, T, attention, attention_backward, forward_only=True)
+    if p.pp > 1:
+        shard = case.dtype_bytes * s.hidden_size * (T / p.tp if p.sp and p.tp > 1 else T)
+        seconds += p.vpp * shard / p2p_bandwidth(gpu, sizes, rates.comm)
+    return seconds
 
 
 def _ep_seconds(case: ProfileCase, gpu: GpuSpec, rates: KernelRates, T: float, moe_layers: int,
@@ -346,7 +379,8 @@ def estimate_time(case: ProfileCase, gpu: GpuSpec, eff: Efficiency = Efficiency(
         bubble /= 3
     forward_s = mb["compute"] / (2 if case.lora_rank else 3)
     dp, optimizer = dp_times(case, gpu, rates, slowest, forward_s, mb["compute"] - forward_s + mb["recompute"])
-    components = {key: m * mb[key] for key in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_p2p")}
+    components = {key: m * mb[key]
+                  for key in ("compute", "recompute", "reference", "tp_comm", "cp_comm", "ep_comm", "pp_p2p")}
     components.update(pp_bubble=bubble, dp_comm=dp, optimizer=optimizer, overhead=rates.step_overhead_s)
     return TimeEstimate(components, case.global_batch_size, case.seq_len, case.num_gpus,
                         flops_per_sequence(case.spec, case.seq_len, case.mean_doc_len),

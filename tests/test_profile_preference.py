@@ -1,0 +1,57 @@
+"""`qlm profile` on a preference recipe: a pair is two sequences of one micro-batch, a frozen reference is a second
+copy of the weights, and a reference that is not precomputed runs a forward of every micro-batch."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from qlm_core.config import load_recipe
+from qlm_core.hardware import gpu_spec
+from qlm_core.profile.case import case_from_recipe
+from qlm_core.profile.memory import estimate_memory
+from qlm_core.profile.timing import estimate_time
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "qwen2-7b-dpo.toml"
+GPU = gpu_spec("h100")
+
+
+def _case(precompute: bool, lora_rank: int = 0, **parallel):
+    recipe = load_recipe(RECIPE)
+    recipe = dataclasses.replace(
+        recipe, preference=dataclasses.replace(recipe.preference, precompute_reference=precompute),
+        lora=dataclasses.replace(recipe.lora, rank=lora_rank), parallel=dataclasses.replace(recipe.parallel, **parallel))
+    return case_from_recipe(recipe)
+
+
+def test_a_pair_is_two_sequences_and_a_frozen_reference_a_second_copy():
+    precomputed, frozen = _case(True), _case(False)
+    assert precomputed.micro_batch_size == 2 * load_recipe(RECIPE).train.micro_batch_size
+    assert (frozen.reference_copy, frozen.reference_forward) == (True, True)
+    assert (precomputed.reference_copy, precomputed.reference_forward) == (False, False)
+    weights = [estimate_memory(c, GPU.memory_gib).heaviest.components["weights"] for c in (precomputed, frozen)]
+    assert weights[1] == pytest.approx(2 * weights[0], rel=0.01)  # bf16 policy + bf16 frozen copy
+
+
+@pytest.mark.parametrize("parallel", [{}, {"pp": 2, "tp": 2, "cp": 1}, {"tp": 4, "sp": False}])
+def test_the_reference_forward_costs_about_a_forward(parallel):
+    """The frozen copy's forward: a third of the policy's forward + backward GEMMs and attention (its GEMMs at the
+    same rates), plus its forward collectives; the precomputed table costs nothing per step."""
+    precomputed, frozen = _case(True, **parallel), _case(False, **parallel)
+    assert estimate_time(precomputed, GPU).components["reference"] == 0
+    step = {c.reference_forward: estimate_time(c, GPU) for c in (precomputed, frozen)}
+    reference = step[True].components["reference"]
+    assert reference > 0.25 * step[False].components["compute"]
+    assert reference < 0.6 * step[False].components["compute"]
+    added = step[True].step_s - step[False].step_s
+    if frozen.parallel.pp == 1:
+        assert added == pytest.approx(reference)
+    else:  # the reference's own pipeline schedule adds its share of the bubble
+        assert added > 1.01 * reference
+        assert step[True].components["pp_bubble"] > step[False].components["pp_bubble"]
+
+
+def test_lora_runs_the_policy_without_adapters_as_its_reference():
+    lora = _case(False, lora_rank=16)
+    assert (lora.reference_copy, lora.reference_forward) == (False, True)
+    assert estimate_time(lora, GPU).components["reference"] > 0
