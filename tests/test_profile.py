@@ -239,7 +239,8 @@ def test_probe_in_process_agrees_within_10_percent(run_qlm):
     (["--efficiency", "1.5"], "--efficiency"),
     (["--num-gpus", "24"], "24 GPUs are not divisible by tp*pp*cp = 16"),
     (["--num-gpus", "32", "--dp", "4"], "world size 32 != dp*pp*cp*tp"),
-    (["--gbs", "3"], "global_batch_size 3 is not divisible"),
+    (["--gbs", "3"], "at 32 GPUs (dp 2) the global batch of 3 sequences is not a multiple of micro-batch x dp = 2"),
+    (["--gbs", "3", "--dp", "2", "--num-gpus", "32"], "global_batch_size 3 is not divisible"),
 ])
 def test_bad_input_is_one_line_error(run_qlm, args, message):
     code, out, err = run_qlm("profile", *args)

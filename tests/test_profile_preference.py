@@ -55,3 +55,31 @@ def test_lora_runs_the_policy_without_adapters_as_its_reference():
     lora = _case(False, lora_rank=16)
     assert (lora.reference_copy, lora.reference_forward) == (False, True)
     assert estimate_time(lora, GPU).components["reference"] > 0
+
+
+TINY_DPO = Path(__file__).resolve().parents[1] / "recipes" / "tiny-dpo.toml"
+
+
+@pytest.mark.parametrize("precompute, lora_rank", [(False, 0), (True, 0), (False, 4)],
+                         ids=["frozen", "precomputed", "adapters_off"])
+def test_the_probe_trains_pairs_with_the_reference_the_run_would_have(precompute, lora_rank):
+    """`qlm profile --probe` on a DPO recipe runs the trainer's preference step: the frozen copy is measured in
+    `weights` as it is predicted, and the pairs' activations as the policy's (the reference forward keeps none)."""
+    from qlm_core.profile.probe import probe
+
+    recipe = load_recipe(TINY_DPO)
+    recipe = dataclasses.replace(
+        recipe, model=dataclasses.replace(recipe.model, load=""),
+        preference=dataclasses.replace(recipe.preference, precompute_reference=precompute),
+        lora=dataclasses.replace(recipe.lora, rank=lora_rank))
+    result = probe(case_from_recipe(recipe, num_gpus=1), GPU, steps=2)
+    for key in ("weights", "grads", "optimizer"):
+        assert result.error(key) == pytest.approx(0, abs=1e-6), key
+    assert abs(result.error("logits_loss")) < 1e-3  # the pair's per-row sums besides the loss head's
+    assert abs(result.error("activations")) < 0.05
+
+
+def test_a_recipe_without_dp_names_the_device_count_it_assumed(run_qlm):
+    code, _, err = run_qlm("profile", str(TINY_DPO))
+    assert code == 2
+    assert "at 32 GPUs (dp 32)" in err and "--num-gpus" in err, err

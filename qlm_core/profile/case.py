@@ -65,12 +65,21 @@ class ProfileCase:
     rotary: bool = True  # False: the framework's positions rotate nothing (MPT's ALiBi), no RoPE outputs kept
     moe: MoeConfig = field(default_factory=MoeConfig)  # the recipe's [moe]: losses and capacity (MoE models)
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE  # expert parallelism: max/mean rows an EP rank receives
-    # preference training with a frozen copy of the starting weights as its reference (held in the compute dtype,
-    # sharded as the policy's TP/PP shards); its batch sizes above count sequences, two per pair
-    reference_copy: bool = False
-    # preference training whose reference runs a forward of every micro-batch, without gradients (the frozen copy,
-    # or the policy with its LoRA adapters switched off; a precomputed table runs none during training)
-    reference_forward: bool = False
+    # preference training (its batch sizes above count sequences, two per pair): where the reference log-probs come
+    # from, config.preference_reference's "frozen" / "adapters_off" / "precomputed", or "none" for a
+    # reference-free loss; "": language-model training
+    preference_reference: str = ""
+
+    @property
+    def reference_copy(self) -> bool:
+        """A frozen copy of the starting weights (compute dtype, sharded as the policy's TP/PP shards)."""
+        return self.preference_reference == "frozen"
+
+    @property
+    def reference_forward(self) -> bool:
+        """A reference forward of every micro-batch, without gradients (the frozen copy, or the policy with its
+        LoRA adapters switched off; a precomputed table runs none during training)."""
+        return self.preference_reference in ("frozen", "adapters_off")
 
     @property
     def grad_reduce_dtype(self) -> str:
@@ -168,6 +177,12 @@ def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
         raise QlmError(f"{case.num_gpus} GPUs are not divisible by tp*pp*cp = {model_ranks}",
                        "pass --num-gpus as a multiple of tp*pp*cp or change the layout")
     sizes = case.sizes
+    rows = case.micro_batch_size * sizes.dp
+    if p.dp is None and case.global_batch_size % rows:  # dp came from the device count, not from the user
+        raise QlmError(f"at {case.num_gpus} GPUs (dp {sizes.dp}) the global batch of {case.global_batch_size} "
+                       f"sequences is not a multiple of micro-batch x dp = {rows}",
+                       f"pass the devices the run has as --num-gpus (default {SEED_GPUS}), or --dp (a recipe's "
+                       "parallel.dp), or change the batch sizes")
     validate_layout(case.spec, p, sizes, case.seq_len, case.micro_batch_size, case.global_batch_size)
     validate_experts(case.spec, p)
     validate_grad_reduce_dtype(p.grad_reduce_dtype, case.dtype)
@@ -198,11 +213,11 @@ def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpe
     if num_gpus is None:
         num_gpus = p.tp * p.pp * p.cp * p.dp if p.dp else SEED_GPUS
     rows = rows_per_sample(recipe)  # a preference pair is two sequences of one micro-batch
-    reference = preference_reference(recipe) if recipe.data.kind == "preference" else None
+    reference = (preference_reference(recipe) or "none") if recipe.data.kind == "preference" else ""
     return ProfileCase(
         spec=spec, model_name=name, parallel=p, seq_len=recipe.data.seq_length,
         micro_batch_size=recipe.train.micro_batch_size * rows, global_batch_size=recipe.train.global_batch_size * rows,
-        reference_copy=reference == "frozen", reference_forward=reference in ("frozen", "adapters_off"),
+        preference_reference=reference,
         num_gpus=num_gpus, dtype=recipe.model.dtype, lora_rank=recipe.lora.rank,
         lora_targets=tuple(recipe.lora.target_modules), loss_chunk_tokens=recipe.train.loss_chunk_tokens,
         mean_doc_len=recipe.data.mean_doc_len, moe=dataclasses.replace(recipe.moe),

@@ -3,7 +3,8 @@
     python -m torch.distributed.run --standalone --nproc-per-node W \
         -m qlm_core.profile.probe_worker CASE.json OUTDIR STEPS
 
-Also called in-process for a one-rank case (run_rank). Each rank writes OUTDIR/rank{R}.json:
+Also called in-process for a one-rank case (run_rank). A preference case trains as qlm train does (its pairs'
+two sequences, its reference: the frozen copy, the adapters switched off, or a precomputed table). Each rank writes OUTDIR/rank{R}.json:
   stage, dp_rank, tp_rank, cp_rank; states (bytes of weights, grads, optimizer actually allocated after a step);
   activations / logits_loss (peak live bytes saved for backward during the first step, saved-tensor hooks);
   max_allocated (CUDA only, the first step); comm_buffers (ZeRO 2: peak fp32 bucket storage borrowed in backward);
@@ -26,13 +27,25 @@ from qlm_core.parallel.state import Grid, default_device, destroy_distributed, i
 from qlm_core.profile.case import ProfileCase, case_from_dict
 from qlm_core.profile.measure import ExpertLoadMeter, SavedTensorMeter, measure_model_states
 from qlm_core.train.engine import Batch, Engine
+from qlm_core.train.preference_loss import PreferenceLossConfig
 
 
 def _batch(case: ProfileCase, grid: Grid) -> Batch:
     rows = case.micro_batch_size * case.num_microbatches
     generator = torch.Generator().manual_seed(1000 + grid.dp_rank)
     tokens = torch.randint(0, case.spec.vocab_size, (rows, case.seq_len + 1), generator=generator)
-    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    reference = -torch.rand(rows, generator=generator) if case.preference_reference == "precomputed" else None
+    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), reference_logps=reference)
+
+
+def _preference(case: ProfileCase) -> tuple[PreferenceLossConfig | None, str | None]:
+    """What the trainer's Engine gets for a preference case: its loss (DPO, or SimPO when reference-free) and
+    reference; (None, None) for language-model training."""
+    if not case.preference_reference:
+        return None, None
+    if case.preference_reference == "none":
+        return PreferenceLossConfig(loss_type="simpo"), None
+    return PreferenceLossConfig(loss_type="sigmoid"), case.preference_reference
 
 
 def _sync(device: torch.device):
@@ -42,10 +55,11 @@ def _sync(device: torch.device):
 
 def run_rank(case: ProfileCase, steps: int, grid: Grid) -> dict:
     lora = LoraConfig(rank=case.lora_rank, target_modules=list(case.lora_targets)) if case.lora_rank else None
+    preference, reference = _preference(case)
     engine = Engine(case.spec, case.parallel, grid, micro_batch_size=case.micro_batch_size,
                     global_batch_size=case.global_batch_size, seq_length=case.seq_len, dtype=case.torch_dtype,
                     optim=OptimConfig(lr=1e-4), seed=1234, lora=lora, loss_chunk_tokens=case.loss_chunk_tokens,
-                    moe=case.moe)
+                    moe=case.moe, preference=preference, reference=reference)
     batch = _batch(case, grid)
     cuda = grid.device.type == "cuda"
     if cuda:
