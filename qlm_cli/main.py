@@ -4,6 +4,7 @@ inside the commands), so that --help and --version answer at once."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -125,10 +126,16 @@ def run():
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None or stream.closed:
+            continue
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can be said
+        except BrokenPipeError:  # the reader left (`| head`): nothing more to say
             pass
+        except OSError as exc:  # a full disk: the output is lost, so the exit says so (as CPython's does, 120)
+            with contextlib.suppress(OSError):
+                os.write(2, f"error: the output could not be written ({exc})\n".encode())
+            code = code or 120
     os._exit(code)
 
 

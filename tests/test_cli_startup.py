@@ -1,9 +1,13 @@
 """The `qlm` command starts without the heavy libraries: --help and --version answer at once, and option choices
 come from the core's single source of the values."""
 
+import os
 import subprocess
 import sys
 from importlib.metadata import version
+from pathlib import Path
+
+import pytest
 
 HEAVY = ("torch", "transformers", "datasets")
 
@@ -55,10 +59,25 @@ def test_every_cli_choice_is_the_cores_list():
     assert [m.value for m in cli.Gpu] == list(GPUS)
 
 
-def _run_script(body: str) -> subprocess.CompletedProcess:
-    """A process whose `qlm_cli.main.main` is replaced by `body`'s main(), left through the installed script's run()."""
-    code = "import qlm_cli.main as cli\n" + body + "\ncli.main = main\ncli.run()\n"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+QUICK_EXIT_MARK = "[left through os._exit]"
+
+
+def _run_script(body: str, **run_options) -> subprocess.CompletedProcess:
+    """A process whose `qlm_cli.main.main` is replaced by `body`'s main(), left through the installed script's run();
+    os._exit writes QUICK_EXIT_MARK (unbuffered) before it leaves. Output buffered as in a user's shell."""
+    code = ("import os, qlm_cli.main as cli\n"
+            "real_exit = os._exit\n"
+            "def marked_exit(code):\n"
+            "    try:\n"
+            f"        os.write(1, {QUICK_EXIT_MARK!r}.encode())\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "    real_exit(code)\n"
+            "os._exit = marked_exit\n"
+            + body + "\ncli.main = main\ncli.run()\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    options = run_options or {"capture_output": True}
+    return subprocess.run([sys.executable, "-c", code], text=True, timeout=120, check=False, env=env, **options)
 
 
 def test_the_script_leaves_quickly_but_runs_exit_handlers_and_flushes():
@@ -73,7 +92,18 @@ def test_the_script_leaves_quickly_but_runs_exit_handlers_and_flushes():
         "    sys.exit(3)\n"
     )
     assert proc.returncode == 3, proc.stderr[-2000:]
-    assert proc.stdout == "unflushed outputhandler ran\n"
+    assert proc.stdout == "unflushed outputhandler ran\n" + QUICK_EXIT_MARK
+
+
+def test_output_lost_on_a_full_disk_is_an_error():
+    """The normal exit reports a failed final flush (exit 120); the quick one must too, not exit 0."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    with open("/dev/full", "w") as full:
+        proc = _run_script("def main():\n    import torch\n    print('result line')\n",
+                           stdout=full, stderr=subprocess.PIPE)
+    assert proc.returncode == 120, proc.stderr[-2000:]
+    assert "the output could not be written" in proc.stderr
 
 
 def test_the_script_waits_for_a_running_thread():
@@ -85,4 +115,4 @@ def test_the_script_waits_for_a_running_thread():
         "    threading.Thread(target=lambda: (time.sleep(0.5), print('thread finished', flush=True))).start()\n"
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout == "thread finished\n"
+    assert proc.stdout == "thread finished\n"  # and no QUICK_EXIT_MARK: the normal exit joined the thread
