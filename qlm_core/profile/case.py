@@ -29,7 +29,13 @@ from qlm_core.models.layout import LORA_TARGETS, ModelLayout
 from qlm_core.models.spec import ModelSpec, load_model_spec
 from qlm_core.parallel.pipeline_rules import validate_recompute
 from qlm_core.parallel.state import ParallelSizes, resolve_sizes
-from qlm_core.train.validate import validate_counts, validate_experts, validate_grad_reduce_dtype, validate_layout
+from qlm_core.train.validate import (
+    validate_counts,
+    validate_experts,
+    validate_grad_reduce_dtype,
+    validate_layout,
+    validate_preference_model,
+)
 
 SEED_PARALLEL = dict(tp=4, cp=4, sp=True, zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True,
                      recompute="full", cp_comm_type="p2p")
@@ -176,13 +182,15 @@ def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
     if p.dp is None and case.num_gpus % model_ranks:
         raise QlmError(f"{case.num_gpus} GPUs are not divisible by tp*pp*cp = {model_ranks}",
                        "pass --num-gpus as a multiple of tp*pp*cp or change the layout")
+    if case.preference_reference:
+        validate_preference_model(case.spec)
     sizes = case.sizes
     rows = case.micro_batch_size * sizes.dp
     if p.dp is None and case.global_batch_size % rows:  # dp came from the device count, not from the user
         raise QlmError(f"at {case.num_gpus} GPUs (dp {sizes.dp}) the global batch of {case.global_batch_size} "
                        f"sequences is not a multiple of micro-batch x dp = {rows}",
-                       f"pass the devices the run has as --num-gpus (default {SEED_GPUS}), or --dp (a recipe's "
-                       "parallel.dp), or change the batch sizes")
+                       f"pass the run's device count as --num-gpus ({SEED_GPUS} when left out), or --dp (a "
+                       "recipe's parallel.dp), or change the batch sizes")
     validate_layout(case.spec, p, sizes, case.seq_len, case.micro_batch_size, case.global_batch_size)
     validate_experts(case.spec, p)
     validate_grad_reduce_dtype(p.grad_reduce_dtype, case.dtype)
@@ -273,10 +281,13 @@ def build_case(recipe: Recipe | None = None, *, model: str | None = None, seq_le
                                  for k, v in parallel.items() if v is not None})
     if parallel.get("zero_stage") is not None:  # the parameter all-gather exists only under ZeRO 1/2
         case = case.with_parallel(overlap_param_gather=case.parallel.zero_stage in (1, 2))
-    changes = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                   dtype=dtype, lora_rank=lora_rank, loss_chunk_tokens=loss_chunk_tokens,
-                   mean_doc_len=mean_doc_len)
+    rows = 2 if case.preference_reference else 1  # a preference recipe's --mbs / --gbs count pairs, as its [train]
+    changes = dict(seq_len=seq_len, micro_batch_size=micro_batch_size and micro_batch_size * rows,
+                   global_batch_size=global_batch_size and global_batch_size * rows, dtype=dtype,
+                   lora_rank=lora_rank, loss_chunk_tokens=loss_chunk_tokens, mean_doc_len=mean_doc_len)
     case = case.replace(**{k: v for k, v in changes.items() if v is not None})
+    if case.preference_reference in ("frozen", "adapters_off"):  # --lora-rank decides, as config.preference_reference
+        case = case.replace(preference_reference="adapters_off" if case.lora_rank else "frozen")
     p = case.parallel
     if num_gpus is not None:
         case = case.replace(num_gpus=num_gpus)

@@ -3,8 +3,10 @@
     python -m torch.distributed.run --standalone --nproc-per-node W \
         -m qlm_core.profile.probe_worker CASE.json OUTDIR STEPS
 
-Also called in-process for a one-rank case (run_rank). A preference case trains as qlm train does (its pairs'
-two sequences, its reference: the frozen copy, the adapters switched off, or a precomputed table). Each rank writes OUTDIR/rank{R}.json:
+Also called in-process for a one-rank case (run_rank). A preference case trains as qlm train does: its pairs'
+two sequences, its reference (the frozen copy, the adapters switched off, or a precomputed table), with DPO's
+sigmoid loss (SimPO's when reference-free; the NLL terms of ORPO or rpo_alpha are not run).
+Each rank writes OUTDIR/rank{R}.json:
   stage, dp_rank, tp_rank, cp_rank; states (bytes of weights, grads, optimizer actually allocated after a step);
   activations / logits_loss (peak live bytes saved for backward during the first step, saved-tensor hooks);
   max_allocated (CUDA only, the first step); comm_buffers (ZeRO 2: peak fp32 bucket storage borrowed in backward);

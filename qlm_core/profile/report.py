@@ -68,6 +68,7 @@ def layout_dict(case: ProfileCase) -> dict:
         "mean_doc_len": case.mean_doc_len, "ep": case.sizes.ep, "etp": case.sizes.etp,
         "edp": case.sizes.edp if case.expert_parallel else None,
         "moe_imbalance": case.load_factor if case.expert_parallel else None,
+        "preference_reference": case.preference_reference or None,
     }
 
 

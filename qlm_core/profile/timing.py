@@ -20,7 +20,8 @@ Per micro-batch on the slowest pipeline stage (T = mbs·seq/cp tokens per rank, 
               fp32 reduce-scatter backward, exposed; a2a: four all-to-alls each way, exposed.
   reference   preference training's reference forward of each micro-batch (a frozen copy, or the policy with its
               adapters off; none with a precomputed table): its GEMMs, attention, a forward's elementwise work and
-              logits, and its forward collectives, exposed; its own pipeline schedule adds to the bubble.
+              logits, and its forward collectives, exposed; its own forward-only pipeline schedule adds
+              (p-1)/v of it to the bubble (zero-bubble schedules recover none of that).
   MoE layers  their router, experts and shared expert, elementwise work and TP collectives: profile/moe_timing.py;
               a stage's layers are costed as their mean.
   ep_comm     expert parallelism: each MoE layer's all-to-alls (counts, dispatch, combine; forward, backward and
@@ -62,8 +63,8 @@ from qlm_core.profile.moe_timing import (
 from qlm_core.profile.states import model_state_bytes
 from qlm_core.profile.topology import all_to_all_seconds, expert_bandwidth, group_bandwidth, p2p_bandwidth
 
-TIME_COMPONENTS = ("compute", "recompute", "reference", "tp_comm", "cp_comm", "ep_comm", "pp_p2p", "pp_bubble", "dp_comm",
-                   "optimizer", "overhead")
+TIME_COMPONENTS = ("compute", "recompute", "reference", "tp_comm", "cp_comm", "ep_comm",
+                   "pp_p2p", "pp_bubble", "dp_comm", "optimizer", "overhead")
 
 
 @dataclass
@@ -373,10 +374,12 @@ def estimate_time(case: ProfileCase, gpu: GpuSpec, eff: Efficiency = Efficiency(
     per_stage = [microbatch_times(case, gpu, rates, stage) for stage in range(p.pp)]
     slowest = max(range(p.pp), key=lambda i: sum(per_stage[i].values()))
     mb = per_stage[slowest]
-    mb_total = sum(mb.values())
-    bubble = mb_total * (p.pp - 1) / p.vpp
+    training = sum(mb.values()) - mb["reference"]
+    bubble = training * (p.pp - 1) / p.vpp
     if p.pp_schedule == "zero_bubble":
         bubble /= 3
+    # the reference forward runs a forward-only schedule of its own: no weight-gradient work fills its bubble
+    bubble += mb["reference"] * (p.pp - 1) / p.vpp
     forward_s = mb["compute"] / (2 if case.lora_rank else 3)
     dp, optimizer = dp_times(case, gpu, rates, slowest, forward_s, mb["compute"] - forward_s + mb["recompute"])
     components = {key: m * mb[key]
