@@ -307,7 +307,12 @@ def preference_reference(recipe: Recipe) -> ReferenceModel | None:
         return None
     if recipe.preference.precompute_reference:
         return "precomputed"
-    return "adapters_off" if recipe.lora.rank > 0 else "frozen"
+    return model_reference(recipe.lora.rank)
+
+
+def model_reference(lora_rank: int) -> ReferenceModel:
+    """A reference that runs a forward each step: the policy with its adapters off under LoRA, else a frozen copy."""
+    return "adapters_off" if lora_rank > 0 else "frozen"
 
 
 def rows_per_sample(recipe: Recipe) -> int:

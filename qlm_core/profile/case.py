@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -18,8 +19,10 @@ from qlm_core.config import (
     MoeConfig,
     ParallelConfig,
     Recipe,
+    ReferenceModel,
     TrainConfig,
     checked_field,
+    model_reference,
     preference_reference,
     rows_per_sample,
 )
@@ -74,7 +77,7 @@ class ProfileCase:
     # preference training (its batch sizes above count sequences, two per pair): where the reference log-probs come
     # from, config.preference_reference's "frozen" / "adapters_off" / "precomputed", or "none" for a
     # reference-free loss; "": language-model training
-    preference_reference: str = ""
+    preference_reference: ReferenceModel | Literal["none", ""] = ""
 
     @property
     def reference_copy(self) -> bool:
@@ -85,7 +88,7 @@ class ProfileCase:
     def reference_forward(self) -> bool:
         """A reference forward of every micro-batch, without gradients (the frozen copy, or the policy with its
         LoRA adapters switched off; a precomputed table runs none during training)."""
-        return self.preference_reference in ("frozen", "adapters_off")
+        return self.preference_reference in ("frozen", "adapters_off")  # config.model_reference's kinds
 
     @property
     def grad_reduce_dtype(self) -> str:
@@ -286,8 +289,8 @@ def build_case(recipe: Recipe | None = None, *, model: str | None = None, seq_le
                    global_batch_size=global_batch_size and global_batch_size * rows, dtype=dtype,
                    lora_rank=lora_rank, loss_chunk_tokens=loss_chunk_tokens, mean_doc_len=mean_doc_len)
     case = case.replace(**{k: v for k, v in changes.items() if v is not None})
-    if case.preference_reference in ("frozen", "adapters_off"):  # --lora-rank decides, as config.preference_reference
-        case = case.replace(preference_reference="adapters_off" if case.lora_rank else "frozen")
+    if case.reference_forward:  # --lora-rank decides between them, as for a recipe
+        case = case.replace(preference_reference=model_reference(case.lora_rank))
     p = case.parallel
     if num_gpus is not None:
         case = case.replace(num_gpus=num_gpus)

@@ -63,8 +63,9 @@ from qlm_core.profile.moe_timing import (
 from qlm_core.profile.states import model_state_bytes
 from qlm_core.profile.topology import all_to_all_seconds, expert_bandwidth, group_bandwidth, p2p_bandwidth
 
-TIME_COMPONENTS = ("compute", "recompute", "reference", "tp_comm", "cp_comm", "ep_comm",
-                   "pp_p2p", "pp_bubble", "dp_comm", "optimizer", "overhead")
+# what microbatch_times returns (seconds of one micro-batch), then the per-step parts estimate_time adds
+MICROBATCH_COMPONENTS = ("compute", "recompute", "reference", "tp_comm", "cp_comm", "ep_comm", "pp_p2p")
+TIME_COMPONENTS = MICROBATCH_COMPONENTS + ("pp_bubble", "dp_comm", "optimizer", "overhead")
 
 
 @dataclass
@@ -185,7 +186,6 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
     layers = case.layout().stage_layer_counts[stage]
     tokens = case.micro_batch_size * case.seq_len  # of one micro-batch, before the CP split
     T = tokens / p.cp
-    e, h = case.dtype_bytes, s.hidden_size
     peak = gpu.peak_tflops * 1e12
     _, attention_flops = layer_flops_per_token(s, case.seq_len, case.mean_doc_len)
     per_gemm = gemm_seconds(case, rates, peak)
@@ -218,8 +218,7 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
             # once per backward pass that runs it: twice when zero-bubble splits dx from dW (a trainable output layer)
             passes = 2 if p.pp_schedule == "zero_bubble" and not case.lora_rank else 1
             extra += passes * logits
-    times = {"compute": compute, "recompute": extra, "reference": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0,
-             "pp_p2p": 0.0}
+    times = {**dict.fromkeys(MICROBATCH_COMPONENTS, 0.0), "compute": compute, "recompute": extra}
     if case.reference_forward:
         times["reference"] = _reference_forward_seconds(case, gpu, rates, stage, T, gemm, elementwise, attention,
                                                         attention_backward)
@@ -227,16 +226,13 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
         times["ep_comm"] = _ep_seconds(case, gpu, rates, T, moe_layers, round(moe_layers * recomputed / layers))
     sizes = case.sizes
     if p.tp > 1:
-        volume = (p.tp - 1) / p.tp * e * h * T
+        volume = _tp_volume(case, T)
+        qkv_gather = 2 * _qkv_gather_bytes(case, T)  # all-gather forward, reduce-scatter back
         per_layer = (10 + 4 * (recomputed > 0)) * volume if p.sp else (4 + 2 * (recomputed > 0)) * 2 * volume
-        per_layer += partial_volumes * volume
-        if s.num_query_groups < p.tp:  # the gathered linear_qkv output: all-gather forward, reduce-scatter back
-            per_layer += 2 * (p.tp - 1) / p.tp * e * s.qkv_rows * T
+        per_layer += partial_volumes * volume + qkv_gather
         tp_bytes = layers * per_layer
         if moe_layers:
-            moe_layer = moe_layer_tp_bytes(case, T, recomputed > 0) + moe_partial_volumes * volume
-            if s.num_query_groups < p.tp:
-                moe_layer += 2 * (p.tp - 1) / p.tp * e * s.qkv_rows * T
+            moe_layer = moe_layer_tp_bytes(case, T, recomputed > 0) + moe_partial_volumes * volume + qkv_gather
             tp_bytes = dense_layers * per_layer + moe_layers * moe_layer
         tp_s = tp_bytes / group_bandwidth(gpu, sizes, ("tp",), rates.comm)
         times["tp_comm"] = rates.overlapped(tp_s, (1 + backward) * gemm) if case.tp_comm_overlap else tp_s
@@ -248,10 +244,28 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
             times["cp_comm"] += again * _cp_layer_exposed(case, gpu, rates, T, attention, attention_backward,
                                                           forward_only=True)
     if p.pp > 1:
-        shard = e * h * (T / p.tp if p.sp and p.tp > 1 else T)
-        p2p_s = 2 * p.vpp * shard / p2p_bandwidth(gpu, sizes, rates.comm)
+        p2p_s = 2 * _p2p_seconds(case, gpu, rates, T)  # one send forward and one backward
         times["pp_p2p"] = rates.overlapped(p2p_s, compute) if case.p2p_overlap else p2p_s
     return times
+
+
+def _tp_volume(case: ProfileCase, T: float) -> float:
+    """Bytes one TP collective of a layer's hidden states moves per rank ((tp-1)/tp of e*h*T)."""
+    p = case.parallel
+    return (p.tp - 1) / p.tp * case.dtype_bytes * case.spec.hidden_size * T
+
+
+def _qkv_gather_bytes(case: ProfileCase, T: float) -> float:
+    """One direction of the gathered linear_qkv output (fewer query groups than TP ranks), else 0."""
+    p, s = case.parallel, case.spec
+    return (p.tp - 1) / p.tp * case.dtype_bytes * s.qkv_rows * T if s.num_query_groups < p.tp else 0.0
+
+
+def _p2p_seconds(case: ProfileCase, gpu: GpuSpec, rates: KernelRates, T: float) -> float:
+    """One PP send of every chunk of a micro-batch (the SP shard under SP)."""
+    p = case.parallel
+    shard = case.dtype_bytes * case.spec.hidden_size * (T / p.tp if p.sp and p.tp > 1 else T)
+    return p.vpp * shard / p2p_bandwidth(gpu, case.sizes, rates.comm)
 
 
 def _reference_forward_seconds(case: ProfileCase, gpu: GpuSpec, rates: KernelRates, stage: int, T: float,
@@ -260,23 +274,18 @@ def _reference_forward_seconds(case: ProfileCase, gpu: GpuSpec, rates: KernelRat
     its GEMMs, attention and the forward's third of the elementwise work, the last stage's logits, and the forward's
     collectives (TP: 4 x volume a layer, as SP's 2 all-gathers + 2 reduce-scatters or the 2 all-reduces of twice
     it; CP's forward hops; one PP send a chunk), all exposed. MoE models train no preference loss."""
-    p, s = case.parallel, case.spec
+    p = case.parallel
     layers = case.layout().stage_layer_counts[stage]
     seconds = gemm + layers * attention + elementwise / 3
     if stage == p.pp - 1:
         seconds += T * logits_gemm_seconds(case, rates, gpu.peak_tflops * 1e12)
-    sizes = case.sizes
     if p.tp > 1:
-        volume = (p.tp - 1) / p.tp * case.dtype_bytes * s.hidden_size * T
-        per_layer = 4 * volume
-        if s.num_query_groups < p.tp:  # the gathered linear_qkv output
-            per_layer += (p.tp - 1) / p.tp * case.dtype_bytes * s.qkv_rows * T
-        seconds += layers * per_layer / group_bandwidth(gpu, sizes, ("tp",), rates.comm)
+        per_layer = 4 * _tp_volume(case, T) + _qkv_gather_bytes(case, T)
+        seconds += layers * per_layer / group_bandwidth(gpu, case.sizes, ("tp",), rates.comm)
     if p.cp > 1:
         seconds += layers * _cp_layer_exposed(case, gpu, rates, T, attention, attention_backward, forward_only=True)
     if p.pp > 1:
-        shard = case.dtype_bytes * s.hidden_size * (T / p.tp if p.sp and p.tp > 1 else T)
-        seconds += p.vpp * shard / p2p_bandwidth(gpu, sizes, rates.comm)
+        seconds += _p2p_seconds(case, gpu, rates, T)
     return seconds
 
 
@@ -382,8 +391,7 @@ def estimate_time(case: ProfileCase, gpu: GpuSpec, eff: Efficiency = Efficiency(
     bubble += mb["reference"] * (p.pp - 1) / p.vpp
     forward_s = mb["compute"] / (2 if case.lora_rank else 3)
     dp, optimizer = dp_times(case, gpu, rates, slowest, forward_s, mb["compute"] - forward_s + mb["recompute"])
-    components = {key: m * mb[key]
-                  for key in ("compute", "recompute", "reference", "tp_comm", "cp_comm", "ep_comm", "pp_p2p")}
+    components = {key: m * mb[key] for key in MICROBATCH_COMPONENTS}
     components.update(pp_bubble=bubble, dp_comm=dp, optimizer=optimizer, overhead=rates.step_overhead_s)
     return TimeEstimate(components, case.global_batch_size, case.seq_len, case.num_gpus,
                         flops_per_sequence(case.spec, case.seq_len, case.mean_doc_len),
