@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,18 +16,46 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+PLAIN_PROGRESS_SECONDS = 30.0  # without a terminal (nohup, Slurm, | tee): a plain progress line at most this often
+
+
+class PlainProgress:
+    """Progress for a log file, where a rich bar shows nothing until it stops: a plain line once the work has taken
+    `every` seconds, then at most every `every` seconds, and a last one at the end if any was written (a short job
+    writes none)."""
+
+    def __init__(self, write, every: float = PLAIN_PROGRESS_SECONDS):
+        self.write, self.every = write, every
+        self.last, self.wrote, self.ended = time.monotonic(), False, False
+
+    def __call__(self, line: str, done: int, total: int | None):
+        now, end = time.monotonic(), total is not None and done >= total
+        if self.ended:
+            return
+        if now - self.last >= self.every or (end and self.wrote):
+            self.last, self.wrote, self.ended = now, True, end
+            self.write(line)
+
+
 @contextmanager
 def progress_bar(description: str) -> Iterator:
-    """Yields a qlm_core progress callback (done, total, what) drawing a rich bar. DESCRIPTION and WHAT are data
-    (file and tensor names), shown as written."""
+    """Yields a qlm_core progress callback (done, total, what) drawing a rich bar on a terminal, else a plain line
+    now and then (PlainProgress). DESCRIPTION and WHAT are data (file and tensor names), shown as written."""
+    if not err_console.is_terminal:
+        plain = PlainProgress(lambda line: err_console.print(line, markup=False, highlight=False, soft_wrap=True))
+
+        def report_plain(done: int, total: int, what: str = ""):
+            plain(f"{description}: {done}/{total} {what}".rstrip(), done, total)
+
+        yield report_plain
+        return
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[what]}"),
         TimeElapsedColumn(), console=err_console, transient=True,
-        disable=not err_console.is_terminal,  # a transient bar in a log file leaves only a blank line
     ) as bar:
         task = bar.add_task(escape(description), total=None, what="")
 
-        def report(done: int, total: int, what: str):
+        def report(done: int, total: int, what: str = ""):
             bar.update(task, completed=done, total=total, what=escape(str(what)))
 
         yield report

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,14 +83,32 @@ def _outside(v: float, meta: dict) -> bool:
             or (meta["below"] is not None and v >= meta["below"]) or (meta["most"] is not None and v > meta["most"]))
 
 
+def check_finite(where: str, value: Any):
+    """nan and ±inf pass every comparison-based range check (nan compares false, inf is above any floor): refused
+    here, for recipe keys and command-line flags alike."""
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise QlmError(f"{where} must be a finite number, got {v!r}", "give a real number (not nan or inf)")
+
+
 def check_range(where: str, value: Any, meta: dict):
-    """Raise the one-line error when `value` lies outside the range `bounded` recorded in `meta` (None passes)."""
-    if value is None or not meta or "least" not in meta:
+    """Raise the one-line error when `value` is not finite or lies outside the range `bounded` recorded in `meta`
+    (None passes)."""
+    if value is None:
+        return
+    check_finite(where, value)
+    if not meta or "least" not in meta:
         return
     for v in value if isinstance(value, list) else [value]:
         if _outside(v, meta):
             fix = f"set it {_range_text(meta)}" + (f" ({meta['meaning']})" if meta["meaning"] else "")
             raise QlmError(f"{where} must be {_range_text(meta)}, got {v!r}", fix)
+
+
+def check_number(where: str, value: float | int | None, *, least: float | None = None, above: float | None = None,
+                 below: float | None = None, most: float | None = None, meaning: str = ""):
+    """One command-line number (`where` is its flag) against its range, as a recipe key is checked; None passes."""
+    check_range(where, value, {"least": least, "above": above, "below": below, "most": most, "meaning": meaning})
 
 
 def check_ranges(section: str, config) -> None:
@@ -373,6 +392,7 @@ def _coerce(where: str, value: Any, kind) -> Any:
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise QlmError(f"{where} must be a number, got {value!r}", "use a number")
+        check_finite(where, float(value))
         return float(value)
     if kind is str:
         if not isinstance(value, str):

@@ -96,6 +96,7 @@ def test_progress_bar_shows_names_as_written(monkeypatch):
             seen.update(fields)
 
     monkeypatch.setattr(render, "Progress", FakeProgress)
+    monkeypatch.setattr(render.err_console, "_force_terminal", True)  # the bar is drawn on terminals only
     with render.progress_bar("conv[red]x") as report:
         report(1, 2, "layers.[bold]0")
     assert Text.from_markup(seen["description"]).plain == "conv[red]x"
@@ -242,7 +243,12 @@ def test_search_note_does_not_claim_every_layout_ooms_when_some_fit():
     (["--plot", "mem.txt"], "has no image suffix"),
     (["--allocator-fraction", "-1"], "--allocator-fraction"),
     (["--context-gb", "-1"], "--context-gb"),
-    (["--gpu-memory-gb", "0"], "--gpu-memory-gb 0 is out of range"),
+    (["--gpu-memory-gb", "0"], "--gpu-memory-gb must be > 0"),
+    (["--gpu-memory-gb", "inf"], "--gpu-memory-gb must be a finite number, got inf"),
+    (["--peak-tflops", "nan"], "--peak-tflops must be a finite number, got nan"),
+    (["--efficiency", "nan"], "--efficiency must be a finite number"),
+    (["--moe-imbalance", "inf"], "--moe-imbalance must be a finite number"),
+    (["--moe-imbalance", "0.5"], "--moe-imbalance must be >= 1"),
 ])
 def test_profile_bad_output_or_number_is_one_line_before_the_work(run_qlm, tmp_path, monkeypatch, args, expected):
     import qlm_core.profile.case as case_module

@@ -11,9 +11,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from qlm_cli.choices import ComputeDtype, CpComm, Gpu, PipelineSchedule, Recompute, enum_of, value_of
-from qlm_cli.render import console, err_console, memory_table
-from qlm_core.config import GradReduceDtype, choices, load_recipe
-from qlm_core.errors import QlmError
+from qlm_cli.render import console, err_console, memory_table, progress_bar
+from qlm_core.config import GradReduceDtype, check_number, choices, load_recipe
 
 GradDtype = enum_of("GradDtype", choices(GradReduceDtype))
 
@@ -182,16 +181,15 @@ def profile(
     global batch 16, bf16, 32 x a100-80g as tp 4 x cp 4 x dp 2, SP on, p2p ring attention, ZeRO 1, full recompute;
     every option replaces one of those values (`qlm profile --tp 4 --cp 4` is that case).
     """
-    if any(value is not None and not 0 < value <= 1 for value in (efficiency, comm_efficiency)):
-        raise QlmError("--efficiency and --comm-efficiency must be in (0, 1]", "e.g. --efficiency 0.45")
+    for flag, value in (("--efficiency", efficiency), ("--comm-efficiency", comm_efficiency)):
+        check_number(flag, value, above=0, most=1, meaning="a fraction of peak, e.g. 0.45")
     for flag, value in (("--gpu-memory-gb", gpu_memory_gb), ("--peak-tflops", peak_tflops),
                         ("--nvlink-gbps", nvlink_gbps), ("--internode-gbps", internode_gbps),
                         ("--nvlink-domain", nvlink_domain)):
-        if value is not None and not value > 0:
-            raise QlmError(f"{flag} {value:g} is out of range", f"pass {flag} above 0")
-    if not 0 <= allocator_fraction < 1 or not context_gb >= 0:
-        raise QlmError(f"--allocator-fraction {allocator_fraction:g} / --context-gb {context_gb:g} is out of range",
-                       "pass --allocator-fraction in [0, 1) and --context-gb of 0 or more")
+        check_number(flag, value, above=0)
+    check_number("--allocator-fraction", allocator_fraction, least=0, below=1)
+    check_number("--context-gb", context_gb, least=0)
+    check_number("--moe-imbalance", moe_imbalance, least=1)
     from qlm_core.hardware import gpu_spec
     from qlm_core.profile import report
     from qlm_core.profile.case import build_case, validate_case
@@ -225,7 +223,9 @@ def profile(
     if search:
         from qlm_core.profile.search import search as run_search
 
-        result = run_search(case, case.num_gpus, device, eff, allowance)
+        with progress_bar(f"search on {case.num_gpus} GPUs") as report_progress:
+            result = run_search(case, case.num_gpus, device, eff, allowance,
+                                progress=lambda done, total: report_progress(done, total, "layouts"))
         if json_out:
             print(json.dumps(report.search_dict(result, case, eff, allowance, top), indent=2))
         else:
@@ -244,8 +244,10 @@ def profile(
     if probe:
         from qlm_core.profile.probe import probe as run_probe
 
-        probed = run_probe(case, device, steps=steps, efficiency=eff, allowance=allowance,
-                           max_ranks=probe_max_ranks)
+        with progress_bar("probe") as report_progress:
+            probed = run_probe(case, device, steps=steps, efficiency=eff, allowance=allowance,
+                               max_ranks=probe_max_ranks,
+                               progress=lambda done, total: report_progress(done, total, "steps"))
     if json_out:
         document = report.profile_dict(case, device, eff, allowance, memory, time)
         if probed is not None:
@@ -275,7 +277,9 @@ def _resolve_model_case(case, given: set[str], num_gpus: int | None, search: boo
         how = (f"layout from {', '.join(sorted('--' + k.replace('_stage', '').replace('_', '-') for k in given))}, "
                f"the rest qlm's defaults")
     else:
-        found = smallest_fitting(case, device, eff, allowance, num_gpus=num_gpus)
+        with progress_bar("smallest layout that fits") as report_progress:
+            found = smallest_fitting(case, device, eff, allowance, num_gpus=num_gpus,
+                                     progress=lambda done, total: report_progress(done, total, "layouts"))
         if found is None:
             how = (f"no layout fits {num_gpus or 'up to 4096'} x {device.name}: qlm's default layout shown "
                    f"(try --search, --seq-len, --recompute full)")

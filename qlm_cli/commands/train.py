@@ -130,14 +130,14 @@ def train(
         resolved.checkpoint.resume = resume
     lock = None
     if not under_launcher():
-        from qlm_core.train.plan import plan_run, world_size
+        from qlm_core.train.plan import local_dp_note, plan_run, world_size
         from qlm_core.train.run_dir import claim_run_dir
         from qlm_core.train.wandb_log import check_wandb
 
         check_wandb(resolved.logging, Path(resolved.train.output))  # before any process starts
         per_node, world = world_size(resolved, nproc_per_node, nnodes)
         plan = plan_run(resolved, world, check_files=not dry_run, start_over=force)
-        for line in plan.warnings:
+        for line in [*filter(None, [local_dp_note(resolved, nproc_per_node)]), *plan.warnings]:
             _notice(line)
         if dry_run:
             _print_dry_run(resolved, plan)

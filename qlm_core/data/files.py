@@ -169,6 +169,55 @@ def read_dataset(builder: str, path: Path, what: str, cache_dir: str | None = No
                        f"check that {path.name} is valid {'JSON lines' if builder == 'json' else builder}") from None
 
 
+def _kind(value) -> str:
+    if isinstance(value, dict):
+        return "an object"
+    kind = _JSON_KINDS.get(type(value), type(value).__name__)
+    return {"array": "a list", "string": "text", "number": "a number", "boolean": "a boolean"}.get(kind, kind)
+
+
+def _raw_records(path: Path):
+    """The records of a json / jsonl file as Python's json module reads them (a JSON array, or one object a line)."""
+    text = Path(path).read_text(encoding="utf-8-sig")
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        whole = None
+    if isinstance(whole, list):
+        yield from whole
+        return
+    if isinstance(whole, dict):
+        yield whole
+        return
+    for line in text.splitlines():
+        if line.strip():
+            yield json.loads(line)
+
+
+def check_column_types(dataset, path: Path) -> None:
+    """One JSON type per column. `datasets` keeps a column whose records mix types (text in some, a message list in
+    others) as JSON text and decodes every value on reading, and stores a string that happens to be valid JSON
+    (`"a b"` with its quotes, `[1, 2]`, `12`) as that JSON, so it comes back as something else: such a file is
+    refused, naming the first record whose type differs from the first record's, as the file has them (a null is a
+    missing value, not a type)."""
+    mixed = [name for name, feature in dataset.features.items() if type(feature).__name__ == "Json"]
+    if not mixed:
+        return
+    first: dict[str, tuple[int, str]] = {}
+    for index, record in enumerate(_raw_records(path)):
+        if not isinstance(record, dict):
+            continue
+        for name in mixed:
+            if record.get(name) is None:
+                continue
+            kind = _kind(record[name])
+            seen = first.setdefault(name, (index, kind))
+            if kind != seen[1]:
+                raise QlmError(f"{path}: column {name!r} is {seen[1]} in record {seen[0] + 1} but {kind} in "
+                               f"record {index + 1}", f"give {name} one type in every record (e.g. all text or all "
+                               "message lists)")
+
+
 def read_records(path: Path, what: str, cache_dir: str | None, format: str, detect, columns: dict[str, tuple],
                  normalise, num_proc: int, fix: str, builder: str = "json"):
     """A data file of records in `format` ("auto": `detect(first record)` tells it) mapped through `normalise`
@@ -178,6 +227,7 @@ def read_records(path: Path, what: str, cache_dir: str | None, format: str, dete
     dataset = read_dataset(builder, Path(path), what, cache_dir)
     if len(dataset) == 0:
         raise QlmError(f"{what} {path} has no records", "check the file")
+    check_column_types(dataset, path)
     format = detect(dataset[0]) if format == "auto" else format
     missing = [column for column in columns[format] if column not in dataset.column_names]
     if missing:

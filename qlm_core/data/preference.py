@@ -134,6 +134,7 @@ def to_pair(record: dict, format: str) -> tuple[list[dict], list[dict], list[dic
     for key in ("chosen", "rejected"):
         if key not in record:
             raise QlmError(f"the record has no {key!r} key", f"give every record a {key} response")
+    _check_format_key(record, format)
     system = _text(record.get("system"), "system")
     prompt = [{"role": "system", "content": system}] if system else []
     if format == "trl":
@@ -157,7 +158,29 @@ def to_pair(record: dict, format: str) -> tuple[list[dict], list[dict], list[dic
         prompt += _turns(record.get("conversations") or [], "conversations")
     if not prompt or prompt[-1]["role"] == "assistant":
         raise QlmError("the prompt does not end with a user turn", "end the prompt with the turn the responses answer")
-    return prompt, _response(record["chosen"], "chosen"), _response(record["rejected"], "rejected")
+    for number, turn in enumerate(prompt, 1):
+        if turn["role"] == "user" and not turn["content"].strip():
+            raise QlmError(f"the prompt's turn {number} (user) is empty" if len(prompt) > 1 else "the prompt is empty",
+                           "give every user turn some text, or drop the record")
+    chosen, rejected = _response(record["chosen"], "chosen"), _response(record["rejected"], "rejected")
+    if chosen == rejected:
+        raise QlmError("the chosen and rejected responses are the same (the pair prefers nothing: its DPO loss has no "
+                       "gradient and it counts as a wrong preference)", "drop the record or fix one response")
+    return prompt, chosen, rejected
+
+
+def _check_format_key(record: dict, format: str):
+    """A record must carry its format's prompt key: a record of another format in the same file (told by the first
+    record) would otherwise train with an empty prompt."""
+    key = FORMAT_COLUMNS[format][0]
+    if record.get(key) is not None:
+        return
+    other = next((name for name, columns in FORMAT_COLUMNS.items()
+                  if name != format and record.get(columns[0]) is not None), None)
+    if other is not None:
+        raise QlmError(f"the record is in the {other} format (it has {FORMAT_COLUMNS[other][0]!r}, not {key!r}), but "
+                       f"the file's first record is in the {format} format", "use one format in a file")
+    raise QlmError(f"the record has no {key!r} ({format} format)", f"give every record its {key}")
 
 
 def _normalise(batch, indices, format: str, path: str):

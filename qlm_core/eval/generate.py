@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from qlm_core.config import check_finite
 from qlm_core.errors import QlmError
 from qlm_core.models.gpt import GPTModel, KVCache
 
@@ -31,7 +32,9 @@ def check_sampling(sampling: Sampling, max_new_tokens: int):
     """One-line errors for values `generate` cannot use (the CLI's option names)."""
     if max_new_tokens < 1:
         raise QlmError(f"--max-new-tokens {max_new_tokens} generates nothing", "pass --max-new-tokens 1 or more")
-    if not sampling.temperature >= 0:  # also NaN
+    check_finite("--temperature", sampling.temperature)
+    check_finite("--top-p", sampling.top_p)
+    if not sampling.temperature >= 0:
         raise QlmError(f"--temperature {sampling.temperature} is negative", "pass 0 (greedy) or a positive value")
     if not 0 < sampling.top_p <= 1:
         raise QlmError(f"--top-p {sampling.top_p} is not in (0, 1]", "pass a probability mass such as 0.9 (1: off)")

@@ -18,7 +18,7 @@ from qlm_core.checkpoint.convert.hf_megatron import write_hf
 from qlm_core.checkpoint.formats.hf import copy_side_files, is_hf_dir, write_hf_config
 from qlm_core.checkpoint.io.staging import probe_writable
 from qlm_core.checkpoint.sources.open import open_checkpoint
-from qlm_core.config import EvalBackend, choices
+from qlm_core.config import EvalBackend, check_finite, choices
 from qlm_core.dtypes import DTYPES, HF_DTYPE_NAMES, dtype_named
 from qlm_core.errors import QlmError
 from qlm_core.eval.tasks import DEMO_TASKS, write_demo_tasks
@@ -137,6 +137,7 @@ def check_config(config: EvalConfig):
                        "point at an HF model, a Megatron or DeepSpeed checkpoint, or a qlm run directory")
     if not config.tasks:
         raise QlmError("--tasks names no task", f"pass comma-separated task names, e.g. --tasks {DEMO_TASKS[0]}")
+    check_finite("--limit", config.limit)
     if config.limit is not None and (config.limit <= 0 or (config.limit >= 1 and config.limit != int(config.limit))):
         raise QlmError(f"--limit {config.limit:g} is neither a document count nor a fraction",
                        "pass a count of 1 or more, or a fraction in (0, 1)")

@@ -82,7 +82,9 @@ def moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> Moe
 def moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[str, Any]:
     """The config.json keys transformers reads for `moe` (the inverse of moe_from_hf)."""
     if moe.score_function != "softmax":
-        raise QlmError(f"{model_type} in transformers has no sigmoid router", "export a softmax-routed model")
+        raise QlmError(f"this model routes with sigmoid scores, which transformers' {model_type} does not have, so "
+                       "it has no Hugging Face form", "keep it in a Megatron format (qlm eval, generate and train read "
+                       "it as it is), or train a softmax-routed model to export")
     if model_type == "mixtral":
         if moe.pre_softmax or moe.shared_expert_hidden_size or moe.layer_pattern:
             raise QlmError("this MoE is not a Mixtral (pre-softmax routing, a shared expert or dense layers)",

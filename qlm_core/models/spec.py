@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,7 @@ class ModelSpec:
                               + ([f"{', '.join(wrong)}, not a positive integer"] if wrong else []))
             raise QlmError(f"config.json ({model_type}): {found}",
                            "use a complete config.json from transformers (save_pretrained writes one)")
+        _check_optional_numbers(config, model_type)
         heads = config["num_attention_heads"]
         theta, scaling = _read_rope(config)
         sliding = None
@@ -204,24 +206,58 @@ class ModelSpec:
         return config
 
 
+# optional config.json numbers: key -> (kind, least); None is always allowed (the key's default)
+_OPTIONAL_NUMBERS = {"num_key_value_heads": (int, 1), "head_dim": (int, 1), "max_position_embeddings": (int, 1),
+                     "rope_theta": (float, 0.0), "rms_norm_eps": (float, 0.0)}
+
+
+def _check_optional_numbers(config: dict[str, Any], model_type: str):
+    """The optional sizes of config.json, each a number in its range when present (transformers refuses the same
+    configs; a string or a zero would otherwise surface as a traceback deep in a conversion or a decode)."""
+    sliding = {"sliding_window": (int, 1)} if model_type in SLIDING_WINDOW_MODEL_TYPES else {}  # else ungated
+    for key, (kind, least) in {**_OPTIONAL_NUMBERS, **sliding}.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        number = not isinstance(value, bool) and (isinstance(value, int) if kind is int
+                                                  else isinstance(value, (int, float)))
+        if not number or (value < least if kind is int else not (math.isfinite(value) and value > least)):
+            what = "a positive integer" if kind is int else "a positive number"
+            fix = ("set it to null (no window) or a positive token count" if key == "sliding_window"
+                   else f"set {key} to {what}, as transformers writes it")
+            raise QlmError(f"config.json ({model_type}): {key} is {value!r}, not {what}", fix)
+
+
 def _read_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """transformers 4.x keeps `rope_theta` + `rope_scaling`; 5.x folds both into `rope_parameters`."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise QlmError(f"config.json: {key} is {value!r}, not an object", f"set {key} as transformers writes it")
     if "rope_type" in params or "type" in params:
         scaling = params
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+            raise QlmError(f"config.json: rope_theta is {theta!r}, not a positive number",
+                           "set rope_theta as transformers writes it (e.g. 10000.0)")
         return float(theta), None
     if kind != "llama3":
         raise QlmError(f"rope scaling type {kind!r} is not supported", "qlm supports no scaling or 'llama3'")
-    return float(theta), RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
-    )
+    try:
+        numbers = (float(theta), float(scaling["factor"]), float(scaling.get("low_freq_factor", 1.0)),
+                   float(scaling.get("high_freq_factor", 4.0)),
+                   int(scaling.get("original_max_position_embeddings", 8192)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise QlmError(f"config.json: the llama3 rope scaling {scaling!r} is incomplete or not numeric ({exc!r})",
+                       "give rope_theta and rope_scaling's factor, low_freq_factor, high_freq_factor and "
+                       "original_max_position_embeddings as numbers") from None
+    if not all(math.isfinite(n) and n > 0 for n in numbers):
+        raise QlmError(f"config.json: the llama3 rope scaling {scaling!r} holds a number that is not positive",
+                       "give positive numbers, as transformers writes them")
+    return numbers[0], RopeScaling(*numbers[1:])
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:

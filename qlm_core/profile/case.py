@@ -21,6 +21,7 @@ from qlm_core.config import (
     Recipe,
     ReferenceModel,
     TrainConfig,
+    check_finite,
     checked_field,
     model_reference,
     preference_reference,
@@ -37,6 +38,7 @@ from qlm_core.train.validate import (
     validate_experts,
     validate_grad_reduce_dtype,
     validate_layout,
+    validate_moe,
     validate_preference_model,
 )
 
@@ -171,9 +173,16 @@ def validate_inputs(case: ProfileCase):
                        "pass 1 or more (the layers of each chunk that full recompute covers), as the recipe does")
     if case.lora_rank < 0:
         raise QlmError(f"lora rank must be >= 0, got {case.lora_rank}", "pass 0 (off) or a positive rank")
+    check_finite("--moe-imbalance", case.moe_imbalance)
     if not case.moe_imbalance >= 1:
         raise QlmError(f"moe imbalance must be >= 1 (the busiest EP rank's rows over the mean), got "
                        f"{case.moe_imbalance:g}", "pass --moe-imbalance 1 (perfectly balanced) or more")
+    moe = case.spec.moe
+    if moe is not None and case.moe_imbalance > moe.num_experts / moe.topk:
+        # a token sends at most min(k, E/ep) rows to one EP rank: max/mean <= min(ep, E/k) at any ep
+        raise QlmError(f"--moe-imbalance {case.moe_imbalance:g} is more than any EP rank can receive (at most "
+                       f"experts / top-k = {moe.num_experts}/{moe.topk} = {moe.num_experts / moe.topk:g} x the mean)",
+                       f"pass --moe-imbalance between 1 and {moe.num_experts / moe.topk:g}")
 
 
 def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
@@ -196,6 +205,7 @@ def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
                        "recipe's parallel.dp), or change the batch sizes")
     validate_layout(case.spec, p, sizes, case.seq_len, case.micro_batch_size, case.global_batch_size)
     validate_experts(case.spec, p)
+    validate_moe(case.spec, case.moe, p, case.lora_rank)
     validate_grad_reduce_dtype(p.grad_reduce_dtype, case.dtype)
     try:
         validate_recompute(p.pp_schedule, p.pp, p.recompute)

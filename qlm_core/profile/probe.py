@@ -24,9 +24,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -147,33 +150,65 @@ def fit_to_gpus(case: ProfileCase, devices: int) -> ProfileCase:
                         global_batch_size=case.micro_batch_size * dp * m)
 
 
-def run_probe_ranks(case: ProfileCase, steps: int, timeout_s: float = 900) -> list[dict]:
+Progress = Callable[[int, int], None]  # (steps done, steps in all) of the probe's rank 0
+
+
+def _read_progress(path: Path) -> tuple[int, int] | None:
+    try:
+        done, total = path.read_text().split()
+        return int(done), int(total)
+    except (OSError, ValueError):
+        return None
+
+
+def run_probe_ranks(case: ProfileCase, steps: int, timeout_s: float = 900,
+                    progress: Progress | None = None) -> list[dict]:
     """Every rank's measurements: in this process for one rank, else one torchrun launch."""
     from qlm_core.profile.probe_worker import run_rank
 
     if case.num_gpus == 1:
         from qlm_core.parallel.state import Grid
 
-        return [run_rank(case, steps, Grid.single())]
+        return [run_rank(case, steps, Grid.single(), on_step=progress)]
     with tempfile.TemporaryDirectory(prefix="qlm-probe-") as tmp:
         out = Path(tmp)
         (out / "case.json").write_text(json.dumps(case_to_dict(case)))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.num_gpus}",
                "-m", "qlm_core.profile.probe_worker", str(out / "case.json"), str(out), str(steps)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-        except subprocess.TimeoutExpired:
-            raise QlmError(f"the probe did not finish in {timeout_s:.0f} s", "probe a smaller layout") from None
+        with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                              start_new_session=True) as proc:
+            stderr = _wait(proc, out / "progress", timeout_s, progress)
         errors = sorted(out.glob("rank*.error"))
         if proc.returncode or errors:
-            detail = errors[0].read_text().strip().splitlines()[-1] if errors else proc.stderr.strip()[-500:]
+            detail = errors[0].read_text().strip().splitlines()[-1] if errors else stderr.strip()[-500:]
             raise QlmError(f"the probe's ranks failed: {detail}", "see the message; the layout itself is valid")
         return [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
 
 
+def _wait(proc: subprocess.Popen, progress_file: Path, timeout_s: float, progress: Progress | None) -> str:
+    """The launch's stderr once it has ended, reporting rank 0's steps meanwhile; stopped (its whole process group)
+    after timeout_s."""
+    import threading
+
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.append(proc.stderr.read()), daemon=True)
+    reader.start()  # a full stderr pipe must not stall the ranks
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise QlmError(f"the probe did not finish in {timeout_s:.0f} s", "probe a smaller layout")
+        if progress is not None and (seen := _read_progress(progress_file)) is not None:
+            progress(*seen)
+        time.sleep(0.2)
+    reader.join()
+    return "".join(chunks)
+
+
 def probe(case: ProfileCase, gpu: GpuSpec, *, steps: int = 3, efficiency: Efficiency = Efficiency(),
-          allowance: Allowance = Allowance(), max_ranks: int = 16) -> ProbeResult:
+          allowance: Allowance = Allowance(), max_ranks: int = 16, progress: Progress | None = None) -> ProbeResult:
     cuda = torch.cuda.is_available()
     ran = fit_to_gpus(case, torch.cuda.device_count()) if cuda else scale_down(case, max_ranks)
     device = "cuda" if cuda else "cpu"
@@ -184,7 +219,7 @@ def probe(case: ProfileCase, gpu: GpuSpec, *, steps: int = 3, efficiency: Effici
         gpu = replace(gpu, name="cpu", peak_tflops=peak, hbm_gbps=10.0, nvlink_gbps=2.0, internode_gbps=2.0)
         allowance = Allowance(0.0, 0.0)
         efficiency = Efficiency(compute=1.0, comm=1.0)
-    ranks = run_probe_ranks(ran, steps)
+    ranks = run_probe_ranks(ran, steps, progress=progress)
     memory = estimate_memory(ran, gpu.memory_gib, device, allowance)
     stage = memory.heaviest.stage
     mine = [r for r in ranks if r["stage"] == stage]

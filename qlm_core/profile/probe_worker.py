@@ -20,6 +20,7 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,7 +56,8 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def run_rank(case: ProfileCase, steps: int, grid: Grid) -> dict:
+def run_rank(case: ProfileCase, steps: int, grid: Grid, on_step: Callable[[int, int], None] | None = None) -> dict:
+    """`on_step(done, total)` after each step (the probe's progress)."""
     lora = LoraConfig(rank=case.lora_rank, target_modules=list(case.lora_targets)) if case.lora_rank else None
     preference, reference = _preference(case)
     engine = Engine(case.spec, case.parallel, grid, micro_batch_size=case.micro_batch_size,
@@ -69,6 +71,9 @@ def run_rank(case: ProfileCase, steps: int, grid: Grid) -> dict:
     with SavedTensorMeter(engine.chunks) as meter, ExpertLoadMeter(engine.chunks) as load:
         engine.train_step(batch)
     _sync(grid.device)
+    total = 1 + max(1, steps - 1)
+    if on_step is not None:
+        on_step(1, total)
     result = {"stage": grid.pp_rank, "dp_rank": grid.dp_rank, "cp_rank": grid.cp_rank, "tp_rank": grid.tp_rank,
               "states": measure_model_states(engine)}
     regions = meter.peak_by_region
@@ -86,8 +91,19 @@ def run_rank(case: ProfileCase, steps: int, grid: Grid) -> dict:
         engine.train_step(batch)
         _sync(grid.device)
         times.append(time.perf_counter() - start)
+        if on_step is not None:
+            on_step(1 + len(times), total)
     result["step_times"] = times
     return result
+
+
+def _progress_file(outdir: Path) -> Callable[[int, int], None]:
+    """Rank 0's steps, for the launcher's progress bar: "done total" in outdir/progress (replaced whole)."""
+    def write(done: int, total: int):
+        temporary = outdir / ".progress.tmp"
+        temporary.write_text(f"{done} {total}")
+        temporary.replace(outdir / "progress")
+    return write
 
 
 def main(argv: list[str]):
@@ -98,7 +114,7 @@ def main(argv: list[str]):
         if default_device().type == "cpu":
             torch.set_num_threads(1)
         grid = Grid.build(case.sizes)
-        result = run_rank(case, steps, grid)
+        result = run_rank(case, steps, grid, on_step=_progress_file(outdir) if rank == 0 else None)
         (outdir / f"rank{rank}.json").write_text(json.dumps(result))
     except Exception:
         (outdir / f"rank{rank}.error").write_text(traceback.format_exc())

@@ -14,6 +14,7 @@ the dp·cp·tp ranks of a stage (ep 1 with etp tp is the all-gather dispatch); d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import product
 
@@ -58,7 +59,17 @@ class SearchResult:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n in increasing order (by trial division up to sqrt(n): a device count of 10^9 answers at
+    once)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 def expert_layouts(base: ProfileCase, tp: int, stage_ranks: int) -> list[tuple[int, int | None]]:
@@ -74,12 +85,23 @@ def expert_layouts(base: ProfileCase, tp: int, stage_ranks: int) -> list[tuple[i
     return out
 
 
-def layouts(base: ProfileCase, num_gpus: int):
-    """Every combination before validation (dp is what remains of num_gpus)."""
-    layers = base.spec.num_layers
+def _grid_passes(base: ProfileCase, num_gpus: int, tp: int, pp: int, cp: int) -> bool:
+    """The trainer's rules that tp, pp and cp alone decide (validate_case applies them again to each candidate):
+    skipping a grid here changes no result, it only keeps a huge --num-gpus from enumerating what cannot pass."""
+    spec, dp = base.spec, num_gpus // (tp * pp * cp)
+    return (spec.num_attention_heads % tp == 0 and pp <= spec.num_layers
+            and (cp == 1 or base.seq_len % (2 * cp) == 0)
+            and base.global_batch_size % (base.micro_batch_size * dp) == 0)
+
+
+def layout_choices(base: ProfileCase, num_gpus: int) -> list[dict]:
+    """Every combination of the parallel fields before validation (dp is what remains of num_gpus)."""
+    layers, out = base.spec.num_layers, []
     for tp in _divisors(num_gpus):
         for pp in _divisors(num_gpus // tp):
             for cp in _divisors(num_gpus // (tp * pp)):
+                if not _grid_passes(base, num_gpus, tp, pp, cp):
+                    continue
                 vpps = [1] if pp == 1 else [v for v in (1, 2, 3, 4) if layers % (pp * v) == 0]
                 for vpp in vpps:
                     schedules = ["1f1b"] if pp == 1 else (["1f1b", "zero_bubble"] if vpp == 1
@@ -88,7 +110,7 @@ def layouts(base: ProfileCase, num_gpus: int):
                         for (ep, etp), zero in product(expert_layouts(base, tp, num_gpus // pp), (0, 1, 2, 3)):
                             for recompute in RECOMPUTE:
                                 for comm in (CP_COMM if cp > 1 else ("p2p",)):
-                                    yield base.replace(num_gpus=num_gpus).with_parallel(
+                                    out.append(dict(
                                         tp=tp, pp=pp, vpp=vpp, cp=cp, dp=None, sp=tp > 1, cp_comm_type=comm,
                                         ep=ep, etp=etp,
                                         pp_schedule=schedule, zero_stage=zero, recompute=recompute,
@@ -97,7 +119,14 @@ def layouts(base: ProfileCase, num_gpus: int):
                                         recompute_num_layers=None, overlap_grad_reduce=True,
                                         overlap_param_gather=zero in (1, 2),
                                         num_layers_in_first_pipeline_stage=None,
-                                        num_layers_in_last_pipeline_stage=None)
+                                        num_layers_in_last_pipeline_stage=None))
+    return out
+
+
+def layouts(base: ProfileCase, num_gpus: int):
+    """Every combination before validation, as cases."""
+    for fields in layout_choices(base, num_gpus):
+        yield base.replace(num_gpus=num_gpus).with_parallel(**fields)
 
 
 def _cost(case, gpu, eff, allowance) -> Candidate:
@@ -118,11 +147,19 @@ def _fewest_recomputed(case: ProfileCase, full: Candidate, gpu, eff, allowance) 
     return best
 
 
+Progress = Callable[[int, int], None]  # (layouts done, layouts in all), called as the search goes
+
+
 def search(base: ProfileCase, num_gpus: int, gpu: GpuSpec, eff: Efficiency = Efficiency(),
-           allowance: Allowance = Allowance()) -> SearchResult:
+           allowance: Allowance = Allowance(), progress: Progress | None = None) -> SearchResult:
     validate_inputs(base.replace(num_gpus=num_gpus))  # errors of the input itself, not of one layout
     fitting, rejected, invalid = [], [], 0
-    for case in layouts(base, num_gpus):
+    choices_ = layout_choices(base, num_gpus)
+    base = base.replace(num_gpus=num_gpus)
+    for done, fields in enumerate(choices_):
+        if progress is not None and done % 64 == 0:
+            progress(done, len(choices_))
+        case = base.with_parallel(**fields)
         try:
             validate_case(case)
         except QlmError:
@@ -135,6 +172,8 @@ def search(base: ProfileCase, num_gpus: int, gpu: GpuSpec, eff: Efficiency = Eff
         if case.parallel.recompute == "full":
             candidate = _fewest_recomputed(case, candidate, gpu, eff, allowance)
         fitting.append(candidate)
+    if progress is not None:
+        progress(len(choices_), len(choices_))
     if not fitting and not rejected:
         raise QlmError(f"no layout of {base.model_name} on {num_gpus} GPUs passes the trainer's checks",
                        "change --num-gpus, --seq-len or the batch sizes")
@@ -146,14 +185,14 @@ def search(base: ProfileCase, num_gpus: int, gpu: GpuSpec, eff: Efficiency = Eff
 
 def smallest_fitting(base: ProfileCase, gpu: GpuSpec, eff: Efficiency = Efficiency(),
                      allowance: Allowance = Allowance(), num_gpus: int | None = None,
-                     max_gpus: int = 4096) -> SearchResult | None:
+                     max_gpus: int = 4096, progress: Progress | None = None) -> SearchResult | None:
     """The search on the fewest devices where some layout fits: `num_gpus` when given, else 1, 2, 4, ... up to
     max_gpus; None when nothing fits. The result's fitting[0] is the fastest layout at that device count."""
     validate_inputs(base.replace(num_gpus=num_gpus or 1))
     counts = [num_gpus] if num_gpus else [2**k for k in range(max_gpus.bit_length()) if 2**k <= max_gpus]
     for n in counts:
         try:
-            result = search(base, n, gpu, eff, allowance)
+            result = search(base, n, gpu, eff, allowance, progress=progress)
         except QlmError:  # no layout of n devices passes the trainer's checks (e.g. the batch by dp)
             continue
         if result.fitting:

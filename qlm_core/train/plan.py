@@ -3,6 +3,7 @@ run on, the model's numbers and the data files."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from qlm_core.train.checkpointing import describe_resume, resume_iteration
 from qlm_core.train.data import check_data_files
 from qlm_core.train.sources import resolve_model
 from qlm_core.train.trainer import total_steps
-from qlm_core.train.validate import validate_layout, validate_preference_model, validate_recipe
+from qlm_core.train.validate import validate_layout, validate_moe, validate_preference_model, validate_recipe
 
 
 @dataclass
@@ -30,10 +31,33 @@ class RunPlan:
     warnings: list[str] = field(default_factory=list)  # one line each, shown before the run starts
 
 
-def world_size(recipe: Recipe, nproc_per_node: int | None, nnodes: int) -> tuple[int, int]:
-    """(processes per node, world): --nproc-per-node, else the recipe's tp*pp*cp*dp spread over the nodes."""
+def local_dp(parallel) -> int:
+    """The data-parallel size a launch without --nproc-per-node starts when parallel.dp is left out: 1, or under
+    expert parallelism the fewest data-parallel ranks whose pipeline stage (dp·cp·tp ranks) holds ep·etp ranks (EP
+    is carved out of the data-parallel ranks, as in Megatron)."""
+    if parallel.dp is not None:
+        return parallel.dp
+    experts = parallel.ep * (parallel.tp if parallel.etp is None else parallel.etp)
+    return experts // math.gcd(experts, parallel.cp * parallel.tp)
+
+
+def local_dp_note(recipe: Recipe, nproc_per_node: int | None) -> str | None:
+    """The line that says which dp a launch picked for expert parallelism (None: nothing was picked)."""
     p = recipe.parallel
-    wanted = p.tp * p.pp * p.cp * (p.dp or 1)
+    dp = local_dp(p)
+    if nproc_per_node is not None or p.dp is not None or dp == 1:
+        return None
+    etp = p.tp if p.etp is None else p.etp
+    return (f"parallel.dp is not set: starting dp = {dp} data-parallel ranks, the fewest whose dp*cp*tp ranks hold "
+            f"ep {p.ep} x etp {etp} (expert parallelism is carved out of the data-parallel ranks); set parallel.dp "
+            "to choose")
+
+
+def world_size(recipe: Recipe, nproc_per_node: int | None, nnodes: int) -> tuple[int, int]:
+    """(processes per node, world): --nproc-per-node, else the recipe's tp*pp*cp*dp spread over the nodes (dp:
+    local_dp when the recipe leaves it out)."""
+    p = recipe.parallel
+    wanted = p.tp * p.pp * p.cp * local_dp(p)
     if nproc_per_node is None and wanted % nnodes:
         raise QlmError(f"tp*pp*cp*dp = {wanted} processes do not spread evenly over {nnodes} nodes",
                        "pass --nproc-per-node, or change the layout or --nnodes")
@@ -82,6 +106,7 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
         validate_preference_model(source.spec)
     layout = recipe_layout(source.spec, p)
     validate_layout(source.spec, p, sizes, recipe.data.seq_length, t.micro_batch_size, t.global_batch_size)
+    validate_moe(source.spec, recipe.moe, p, recipe.lora.rank)  # as every rank's Engine will, before they start
     steps = total_steps(recipe)
     resume = None
     if recipe.checkpoint.resume and not start_over:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,9 +24,11 @@ import torch.distributed as dist
 from qlm_core.config import Recipe
 from qlm_core.data.loader import GlobalBatchSampler
 from qlm_core.data.preference import PositionedPairs, collate_pairs, pair_rows
+from qlm_core.errors import QlmError
 from qlm_core.parallel.comm import all_reduce
 from qlm_core.train.engine import Batch, Engine
 from qlm_core.train.run_dir import replace_atomically
+from qlm_core.train.sources import ModelSource
 
 
 def _file_stamp(name: str) -> list:
@@ -39,11 +42,17 @@ def _file_stamp(name: str) -> list:
                                      f.stat().st_mtime_ns] for f in files]
 
 
-def table_path(recipe: Recipe, cache_dir: Path) -> Path:
-    """The file of this recipe's tables: named by the model and data it depends on."""
+def table_path(recipe: Recipe, cache_dir: Path, source: ModelSource | None = None) -> Path:
+    """The file of this recipe's tables: named by the model and data it depends on. `source`: the model as the
+    run resolved it; the directory its weights were read from (one iteration of a run, load_pin.py) and its
+    tokenizer are stamped instead of all of model.load (a run directory that saved more checkpoints since still
+    names the same table)."""
+    load = str(source.weights_dir) if source is not None and source.weights_dir is not None else recipe.model.load
+    tokenizer = recipe.model.tokenizer or (str(source.tokenizer_dir) if source is not None and source.tokenizer_dir
+                                           else "")
     key = {
-        "model": [_file_stamp(recipe.model.spec), _file_stamp(recipe.model.load) if recipe.model.load else None,
-                  _file_stamp(recipe.model.tokenizer) if recipe.model.tokenizer else None, recipe.model.dtype],
+        "model": [_file_stamp(recipe.model.spec), _file_stamp(load) if load else None,
+                  _file_stamp(tokenizer) if tokenizer else None, recipe.model.dtype],
         "data": {k: v for k, v in asdict(recipe.data).items() if k not in ("workers", "cache_dir")},
         "files": [_file_stamp(name) for name in [*recipe.data.train, *recipe.data.valid]],
         "truncation": [recipe.preference.max_length, recipe.preference.max_prompt_length,
@@ -81,17 +90,55 @@ def load_or_compute(engine: Engine, path: Path, datasets: dict, pairs_per_global
                     is_rank0: bool) -> dict[str, np.ndarray]:
     """{name: table} for each non-None dataset of `datasets`: read from `path` when it holds them all with the right
     lengths, else computed (every rank) and written by rank 0."""
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import save_file
 
     wanted = {name: ds for name, ds in datasets.items() if ds is not None}
-    stored = load_file(str(path)) if path.is_file() else {}
+    stored = read_table(path) if is_rank0 or not dist.is_initialized() else {}
     usable = [all(name in stored and stored[name].shape == (len(ds), 2) for name, ds in wanted.items())]
     if dist.is_initialized() and dist.get_world_size() > 1:  # rank 0's look decides for every rank (no rank may
         dist.broadcast_object_list(usable, src=0)  # read while others compute: the computation is collective)
     if usable[0]:
-        return {name: stored[name] for name in wanted}
+        stored = stored or read_table(path)  # the other ranks read what rank 0 found whole
+        if all(name in stored for name in wanted):
+            return {name: stored[name] for name in wanted}
+        raise QlmError(f"the precomputed reference table {path} changed while the run started",
+                       "start the run again (and leave the cache alone while it starts)")
     tables = {name: compute_table(engine, ds, pairs_per_global, pairs_per_micro) for name, ds in wanted.items()}
     if is_rank0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        replace_atomically(path, lambda temporary: save_file(tables, str(temporary)))
+        replace_atomically(path, lambda temporary: save_file(tables, str(temporary),
+                                                             metadata={DIGEST_KEY: _digest(tables)}))
     return tables
+
+
+DIGEST_KEY = "qlm_sha256"  # the tables' bytes, checked on reading: a damaged file is recomputed, never trusted
+
+
+def _digest(tables: dict[str, np.ndarray]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tables):
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(tables[name], dtype=np.float64).tobytes())
+    return digest.hexdigest()
+
+
+def read_table(path: Path) -> dict[str, np.ndarray]:
+    """The stored tables, or {} when there are none or the file is damaged (cut short, overwritten, not what it
+    claims): a damaged table is said in one line and recomputed."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        return {}
+    try:
+        with safe_open(str(path), framework="np") as handle:
+            digest = (handle.metadata() or {}).get(DIGEST_KEY)
+            tables = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError, ValueError) as exc:
+        problem = " ".join(str(exc).split())[:120] or type(exc).__name__
+    else:
+        if digest is not None and digest == _digest(tables):
+            return tables
+        problem = "its contents do not match the checksum written with them" if digest else "it has no checksum"
+    print(f"warning: the precomputed reference table {path} is damaged ({problem}); computing it again",
+          file=sys.stderr, flush=True)
+    return {}

@@ -20,6 +20,8 @@ class ModelSource:
     weights: TensorSource | None  # None: random init
     tokenizer_dir: Path | None
     description: str
+    iteration: int | None = None  # model.load's Megatron iteration that was read (None: HF, DeepSpeed, random)
+    weights_dir: Path | None = None  # the directory the weights were read from (None: random init)
 
 
 # the numbers that fix every weight's shape: model.spec and model.load must agree on them
@@ -58,18 +60,23 @@ def with_recipe_router(spec: ModelSpec, moe: MoeConfig, loaded: bool) -> ModelSp
     return replace(spec, moe=replace(spec.moe, **changes))
 
 
-def resolve_model(config: ModelConfig, moe: MoeConfig | None = None) -> ModelSource:
-    """`moe`: the recipe's [moe], whose router choices apply to a model trained from scratch."""
+def resolve_model(config: ModelConfig, moe: MoeConfig | None = None, iteration: int | None = None) -> ModelSource:
+    """`moe`: the recipe's [moe], whose router choices apply to a model trained from scratch. `iteration`: the
+    iteration of a Megatron checkpoint or qlm run in model.load to read (None: its latest)."""
     moe = MoeConfig() if moe is None else moe
+    iteration_read, weights_dir = None, None
     if config.load:
-        opened = open_checkpoint(Path(config.load))
+        opened = open_checkpoint(Path(config.load), iteration)
         check_spec_matches_load(config, opened.spec)
         spec, weights, tokenizer, what = opened.spec, opened.weights, opened.tokenizer_dir, opened.description
         spec = with_recipe_router(spec, moe, loaded=True)
+        iteration_read, weights_dir = opened.iteration, opened.weights_dir
+        if iteration is not None:
+            what += f" (iteration {iteration}, which this run started from)"
     else:
         spec, weights, what = load_model_spec(config.spec), None, f"random init of {config.spec}"
         spec = with_recipe_router(spec, moe, loaded=False)
         tokenizer = tokenizer_near(Path(config.spec)) if Path(config.spec).exists() else None
     if config.tokenizer:
         tokenizer = Path(config.tokenizer)
-    return ModelSource(spec, weights, tokenizer, what)
+    return ModelSource(spec, weights, tokenizer, what, iteration_read, weights_dir)

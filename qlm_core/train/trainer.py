@@ -54,6 +54,7 @@ from qlm_core.train.checkpointing import (
 )
 from qlm_core.train.data import build_run_data
 from qlm_core.train.engine import Batch, Engine
+from qlm_core.train.load_pin import pinned_error, pinned_iteration, record_pin
 from qlm_core.train.metrics import MetricsWriter, StepMetrics, device_memory_gb, peak_memory_gb, plot_loss, strict_json
 from qlm_core.train.preference_loss import PreferenceLossConfig
 from qlm_core.train.run_dir import claim_run_dir, os_error, write_atomic
@@ -112,11 +113,18 @@ def write_hf_side_dir(root: Path, spec, tokenizer_dir: Path | None):
             copy_side_files(side, staging)
         if tokenizer_dir is not None:
             copy_side_files(Path(tokenizer_dir), staging)
-        config = add_special_tokens(staging, spec.to_hf_config())
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        try:
+            config = add_special_tokens(staging, spec.to_hf_config())
+        except QlmError:  # transformers has no such model (a sigmoid router): the checkpoints' args describe it
+            config = None
+            (staging / "config.json").unlink(missing_ok=True)
+        if config is not None:
+            (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         side.mkdir(exist_ok=True)
         for item in staging.iterdir():
             os.replace(item, side / item.name)
+        if config is None:  # one written by an earlier start would describe another model
+            (side / "config.json").unlink(missing_ok=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -172,7 +180,9 @@ class Trainer:
                 raise SystemExit(2)  # rank 0 prints the line
         if claim_error is not None:
             raise claim_error
-        source = resolve_model(r.model, r.moe)
+        self.ckpt_root = self.run_dir / CHECKPOINTS_DIR
+        start = resume_iteration(self.ckpt_root, r.checkpoint.load_iteration) if r.checkpoint.resume else None
+        source = self._resolve_source(resuming=start is not None)
         cache = Path(r.data.cache_dir) if r.data.cache_dir else self.run_dir / "cache"
         valid_samples = r.train.eval_iters * r.train.global_batch_size
         # rank 0 builds (tokenises, caches) first; the others then read the caches
@@ -199,14 +209,13 @@ class Trainer:
             from qlm_core.train.reference_table import load_or_compute, table_path
 
             self.reference_tables = load_or_compute(
-                self.engine, table_path(r, cache / "datasets"), {"train": self.data.train, "valid": self.data.valid},
+                self.engine, table_path(r, cache / "datasets", source),
+                {"train": self.data.train, "valid": self.data.valid},
                 r.train.global_batch_size, r.train.micro_batch_size, self.grid.rank == 0)
-        self.ckpt_root = self.run_dir / CHECKPOINTS_DIR
         if self.grid.rank == 0:
             write_hf_side_dir(self.ckpt_root, source.spec, self.data.tokenizer_dir)
         self.state = TrainState()
         self.resumed = None  # "resuming from iteration N (layout ...)" for the run header
-        start = resume_iteration(self.ckpt_root, r.checkpoint.load_iteration) if r.checkpoint.resume else None
         if start is not None:
             self.state, self.resumed = load_checkpoint(self.ckpt_root, self.engine, start)
         self.metrics = (MetricsWriter(self.run_dir, r.logging.tensorboard, resumed_from=self.state.iteration)
@@ -217,6 +226,21 @@ class Trainer:
         self.peak, self.peak_source = peak_tflops(r)
         self.wandb = (WandbLogger(r.logging, self.run_dir, asdict(r))
                       if self.grid.rank == 0 and r.logging.wandb_project else None)
+
+    def _resolve_source(self, resuming: bool):
+        """model.load as this run started from it: a resume reads the iteration recorded at the first start
+        (load_pin.py), a fresh start reads the latest and rank 0 records which one that was."""
+        r = self.recipe
+        pinned = pinned_iteration(self.run_dir, r.model.load) if r.model.load and resuming else None
+        try:
+            source = resolve_model(r.model, r.moe, iteration=pinned)
+        except QlmError as exc:
+            if pinned is None:
+                raise
+            raise pinned_error(self.run_dir, r.model.load, pinned, exc) from None
+        if self.grid.rank == 0 and r.model.load and pinned is None:
+            record_pin(self.run_dir, r.model.load, source.iteration)
+        return source
 
     def _compile_decision(self) -> bool:
         """train.compile, or its default by the run's length; on a CPU inductor needs a C++ compiler: without one

@@ -22,7 +22,7 @@ from qlm_core.config import (
 )
 from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
-from qlm_core.parallel.pipeline_rules import validate_schedule
+from qlm_core.parallel.pipeline_rules import min_microbatches, validate_schedule
 from qlm_core.parallel.state import ParallelSizes
 from qlm_core.train.preference_loss import PreferenceLossConfig
 
@@ -185,7 +185,17 @@ def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSize
         raise QlmError(f"global_batch_size {global_batch_size} is not divisible by micro_batch_size*dp = {rows}",
                        "make the global batch a multiple of micro_batch_size * dp")
     if config.pp > 1:
+        microbatches = global_batch_size // rows
         try:
-            validate_schedule(config.pp_schedule, config.pp, config.vpp, global_batch_size // rows)
+            validate_schedule(config.pp_schedule, config.pp, config.vpp, microbatches)
         except ValueError as exc:
-            raise QlmError(str(exc), "adjust parallel.pp_schedule, parallel.vpp or the batch sizes") from None
+            least, multiple = min_microbatches(config.pp_schedule, config.pp)
+            if microbatches >= least and microbatches % multiple == 0:  # not a micro-batch count rule
+                raise QlmError(str(exc), "adjust parallel.pp_schedule or parallel.vpp") from None
+            target = (f"a multiple of {rows * multiple}" if multiple > 1
+                      else f"at least {rows * least} (a multiple of micro_batch_size x dp = {rows})")
+            raise QlmError(f"{exc} (train.global_batch_size {global_batch_size} / (train.micro_batch_size "
+                           f"{micro_batch_size} x dp {sizes.dp}))",
+                           f"make train.global_batch_size {target} (--gbs in qlm profile), or lower "
+                           "train.micro_batch_size"
+                           + ("" if config.pp_schedule == "gpipe" else ', or use pp_schedule = "gpipe"')) from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 from qlm_core.config import LoggingConfig
@@ -41,6 +42,7 @@ def check_wandb(logging: LoggingConfig, run_dir: Path | None = None) -> None:
         raise QlmError("logging.wandb_project is set but the wandb package is not installed",
                        'pip install "qlm[wandb]" (or leave logging.wandb_project empty)')
     if run_dir is not None:
+        read_run_id(Path(run_dir) / RUN_ID_FILE)  # a damaged id file is named before any process starts
         target = wandb_dir(logging, run_dir)
         for parent in (target, *target.parents):
             if parent.exists():
@@ -48,6 +50,29 @@ def check_wandb(logging: LoggingConfig, run_dir: Path | None = None) -> None:
                     raise QlmError(f"logging.wandb_save_dir: {parent} is a file, not a directory",
                                    "set logging.wandb_save_dir to a directory (or leave it empty for RUN/wandb)")
                 break
+
+
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # what wandb generates and accepts as a run id
+
+
+def read_run_id(id_file: Path) -> str | None:
+    """The wandb run id a resumed run continues (None: none stored yet); a file that holds anything but an id is
+    one line naming it."""
+    if not id_file.is_file():
+        return None
+    fix = (f"write the run's wandb id into {id_file.name} (its run page's URL ends with it), or delete the file to "
+           "log to a new wandb run")
+    try:
+        text = id_file.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise QlmError(f"{id_file} is not UTF-8 text, so it holds no wandb run id", fix) from None
+    except OSError as exc:
+        raise QlmError(f"cannot read {id_file} ({exc.strerror or exc})", "check its permissions") from None
+    if not text:
+        return None
+    if not _RUN_ID.fullmatch(text):
+        raise QlmError(f"{id_file} holds {text[:40]!r}, which is not a wandb run id (letters, digits, - and _)", fix)
+    return text
 
 
 def _finite(metrics: dict) -> dict:
@@ -72,7 +97,7 @@ class WandbLogger:
             raise QlmError(f"cannot create the wandb directory {save_dir} ({exc.strerror})",
                            "set logging.wandb_save_dir to a writable directory") from None
         id_file = run_dir / RUN_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.is_file() else None
+        run_id = read_run_id(id_file)
         try:
             self.run = wandb.init(
                 project=logging.wandb_project, entity=logging.wandb_entity or None,

@@ -158,18 +158,26 @@ class HFCheckpoint:
                 self._dtypes[name] = tensor.dtype
 
     def _alias_fused_experts(self):
+        """Every per-expert tensor the layout asks for, read from a fused tensor when the files hold that layout.
+        A fused tensor must have exactly the config's shape (a row or an expert more would be left unread), and no
+        tensor may be stored both ways (which copy counts would be a guess)."""
+        moe = self.spec.moe
         for name, (fused, expert, row) in hf_fused_experts(self.spec).items():
-            if name in self._shapes or fused not in self._shapes:
+            if fused not in self._shapes:
                 continue
+            if name in self._shapes:
+                raise QlmError(f"{self.path} holds {name} twice: on its own and inside {fused}",
+                               "keep one layout of the experts (transformers' fused tensors or the per-expert ones)")
             shape = self._shapes[fused]
             if expert is None:
                 self._shapes[name] = shape
-            elif len(shape) != 3 or expert >= shape[0]:
-                raise QlmError(f"{fused} in {self.path} is {list(shape)}, not [experts, rows, columns]",
-                               "the weights do not match config.json")
             else:
-                rows = shape[1] // 2 if fused.endswith("gate_up_proj") else shape[1]
-                self._shapes[name] = (rows, shape[2])
+                h, f = self.spec.hidden_size, moe.ffn_hidden_size
+                wanted = (moe.num_experts, 2 * f, h) if fused.endswith("gate_up_proj") else (moe.num_experts, h, f)
+                if shape != wanted:
+                    raise QlmError(f"{fused} in {self.path} is {list(shape)} but config.json implies "
+                                   f"{list(wanted)} ([experts, rows, columns])", "the weights do not match config.json")
+                self._shapes[name] = wanted[1:] if not fused.endswith("gate_up_proj") else (f, h)
             self._fused[name] = (fused, expert, row)
             self._dtypes[name] = self._dtypes[fused]
 

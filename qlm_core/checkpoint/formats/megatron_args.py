@@ -107,9 +107,19 @@ def moe_from_args(args, num_layers: int) -> MoeSpec | None:
     if getattr(args, "moe_router_topk_scaling_factor", None) not in (None, 1, 1.0):
         raise QlmError("the checkpoint's router scales its top-k weights (moe_router_topk_scaling_factor)",
                        "qlm converts routers without top-k scaling")
+    topk = getattr(args, "moe_router_topk", None) or 2
+    where = getattr(args, "qlm_args_from", None) or "the checkpoint's args"
+    for key, value in (("num_experts", experts), ("moe_router_topk", topk)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise QlmError(f"{key} is {value!r} in {where}, not a positive integer", f"fix {key} there or pass "
+                           "--config with the model's HF config")
+    if topk > experts:
+        raise QlmError(f"moe_router_topk {topk} in {where} is more than its {experts} experts (num_moe_experts)",
+                       "fix moe_router_topk there (at most the expert count) or pass --config with the model's HF "
+                       "config")
     return MoeSpec(
         num_experts=experts,
-        topk=getattr(args, "moe_router_topk", None) or 2,
+        topk=topk,
         ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
         pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
         score_function=score,

@@ -300,14 +300,17 @@ class MegatronTorchCheckpoint:
         return index
 
     def _check_shapes(self):
-        """Every stored shard must have the shape the architecture implies: args (or hf/config.json) that disagree
-        with the weights are named here, before anything is read or written."""
+        """Every stored shard must have the shape the architecture implies, and no stored tensor may lie outside
+        it: args (or hf/config.json) that disagree with the weights are named here, before anything is read or
+        written (a tensor the architecture has no place for would be dropped silently)."""
         side = self.root / HF_SIDE_DIR / "config.json"
         described_by = str(side) if side.exists() else "the args"
         for (_, pp_rank, ep_rank), file in sorted(self.rank_files.items()):
             for chunk in range(self.vpp):
                 state = self._file_chunk(file, chunk)
-                for local, tensor in self.layout.stored_tensors(pp_rank, chunk, self.lora, ep_rank):
+                entries = self.layout.stored_tensors(pp_rank, chunk, self.lora, ep_rank)
+                check_no_leftovers(file, state, {local for local, _ in entries}, described_by)
+                for local, tensor in entries:
                     stored = state.get(local)
                     if stored is None:  # a LoRA run's adapters-only file; else read_into names it
                         continue
@@ -357,6 +360,39 @@ class MegatronTorchCheckpoint:
                     shard = self._shard(self._part_file(source, rank, pp_rank, ep_rank), chunk, local)
                     out.narrow(axis, lo - start, hi - lo).copy_(shard.narrow(axis, offset + lo - a, hi - lo))
                 offset += b - a
+
+
+def _leftover_setting(local: str) -> str:
+    """The architecture setting that says a stored tensor cannot exist."""
+    if local.endswith("linear_qkv.bias"):
+        return "add_qkv_bias"
+    if local.startswith("output_layer."):
+        return "share_embeddings_and_output_weights (untie_embeddings_and_output_weights, tie_word_embeddings)"
+    if "q_layernorm" in local or "k_layernorm" in local:
+        return "qk_layernorm"
+    if ".shared_experts." in local:
+        return "moe_shared_expert_intermediate_size / moe_shared_expert_gate"
+    if "expert_bias" in local:
+        return "moe_router_enable_expert_bias"
+    if ".mlp.experts." in local or ".mlp.router." in local:
+        return "num_moe_experts / moe_layer_freq"
+    if local.endswith(".bias"):
+        return "add_bias_linear"
+    if ".layers." in local:
+        return "num_layers"
+    return "the architecture"
+
+
+def check_no_leftovers(where: Path | str, stored, expected: set[str], described_by: str):
+    """Every tensor of a stored chunk must be one the architecture has: a leftover would be dropped silently by
+    every conversion, export and `model.load` (and --verify, comparing what the layout reads, would not see it)."""
+    extra = sorted(name for name in stored if name not in expected)
+    if extra:
+        setting = _leftover_setting(extra[0])
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise QlmError(f"{where} holds {extra[0]}{more}, which {described_by} says this model does not have "
+                       f"({setting})", f"fix {setting.split(' ')[0]} in {described_by} to match the weights, or pass "
+                       "--config with the model's HF config")
 
 
 def _wrong_arg(name: str) -> str:

@@ -18,7 +18,7 @@ import torch
 from qlm_core.checkpoint.formats.bridge_config import bridge_args, find_run_config
 from qlm_core.checkpoint.formats.megatron import TORCH_DIST, megatron_format
 from qlm_core.checkpoint.formats.megatron_args import make_args
-from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, MegatronTorchCheckpoint, check_no_leftovers
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout
 from qlm_core.models.spec import ModelSpec, load_model_spec
@@ -158,7 +158,9 @@ class ConfiguredTorch(_ConfiguredMixin, MegatronTorchCheckpoint):
         for (_, pp_rank, ep_rank), file in sorted(self.rank_files.items()):
             for chunk in range(self.vpp):
                 state = self._file_chunk(file, chunk)
-                for local, tensor in self.layout.stored_tensors(pp_rank, chunk, self.lora, ep_rank):
+                entries = self.layout.stored_tensors(pp_rank, chunk, self.lora, ep_rank)
+                check_no_leftovers(file, state, {local for local, _ in entries}, what)
+                for local, tensor in entries:
                     if local not in state:
                         if self.holds_base or ".lora_" in local:
                             raise QlmError(f"{file} lacks {local}, which {what} implies",

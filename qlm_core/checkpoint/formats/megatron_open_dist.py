@@ -27,6 +27,9 @@ class ConfiguredTorchDist(_ConfiguredMixin, TorchDistCheckpoint):
             common = {**common, "args": self._fallback_args(dtype, self._embedding_rows())}
         return common
 
+    def _described_as(self) -> str | None:
+        return self._described_by()
+
     def _check_tensors(self):
         what = self._described_by()
         if what is not None:

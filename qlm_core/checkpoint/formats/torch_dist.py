@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 
-from qlm_core.checkpoint.formats.megatron_legacy import megatron_spec
+from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, check_no_leftovers, megatron_spec
 from qlm_core.checkpoint.formats.torch_dist_files import DCP_METADATA_FILE, DIST_CONFIG_FILE, resolve_dist_dir
 from qlm_core.checkpoint.formats.trainer_state import OPTIMIZER_VIEWS, view_prefix
 from qlm_core.checkpoint.io.safe_load import ForeignObject, allowed_globals, safe_torch_load
@@ -305,6 +305,14 @@ class TorchDistCheckpoint:
         return self.tensors[key]
 
     def _check_tensors(self):
+        if self.view == "model":  # a weight key no tensor of the architecture reads would be dropped silently
+            # (a tensor's other candidate keys are the same tensor under another spec's name: MoE norms are written
+            # under both the local and the Transformer-Engine spec's key)
+            used = {key for tensor in self.layout.global_tensors for key, _ in dist_key_candidates(tensor.stored_name)}
+            weights = [k for k in self.tensors if k.startswith(("embedding.", "decoder.", "output_layer."))]
+            side = self.root / HF_SIDE_DIR / "config.json"
+            check_no_leftovers(self.dir, weights, used, self._described_as() or
+                               (str(side) if side.exists() else "the args"))
         for tensor in self.layout.global_tensors:
             if tensor.buffer and self.view != "model":  # buffers have no optimizer state
                 continue
@@ -313,6 +321,10 @@ class TorchDistCheckpoint:
             if found != expected:
                 raise QlmError(f"{self.dir}: {key} is {list(found)}, the args describe {list(expected)}",
                                "the checkpoint does not match its args (or hf/config.json)")
+
+    def _described_as(self) -> str | None:
+        """What describes the architecture when not the checkpoint's own args (ConfiguredTorchDist says)."""
+        return None
 
     def expected_size(self, tensor: TensorLayout) -> tuple[int, ...]:
         """The global size the key holding `tensor` must have: its stacked axes (layers unless the key is a

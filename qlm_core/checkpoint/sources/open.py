@@ -29,6 +29,8 @@ class OpenedCheckpoint:
     tokenizer_dir: Path | None
     description: str
     make_vocab_size_divisible_by: int = 128
+    iteration: int | None = None  # the Megatron iteration read (None: an HF or DeepSpeed model, or `release`)
+    weights_dir: Path | None = None  # the directory the weights were read from (a Megatron iteration's own)
 
 
 def run_checkpoint_dir(path: Path) -> Path | None:
@@ -87,7 +89,7 @@ def _open_megatron(root: Path, iteration: int | None, what: str) -> OpenedCheckp
     if ckpt.lora is not None:
         what += f" (LoRA rank {ckpt.lora.rank} merged)"
     return OpenedCheckpoint(ckpt.spec, weights, tokenizer_near(side) or tokenizer_near(root), what,
-                            ckpt.layout.make_vocab_size_divisible_by)
+                            ckpt.layout.make_vocab_size_divisible_by, ckpt.iteration, Path(ckpt.dir))
 
 
 def open_checkpoint(path: str | Path, iteration: int | None = None) -> OpenedCheckpoint:
@@ -120,13 +122,14 @@ def open_checkpoint(path: str | Path, iteration: int | None = None) -> OpenedChe
     if is_hf_dir(path):
         ckpt = HFCheckpoint(path)
         ckpt.check_model()  # a config.json with fewer layers than the weights would drop some silently
-        return OpenedCheckpoint(ckpt.spec, HFTensorSource(ckpt), tokenizer_near(path), f"HF model {path}")
+        return OpenedCheckpoint(ckpt.spec, HFTensorSource(ckpt), tokenizer_near(path), f"HF model {path}",
+                                weights_dir=path)
     if (path / "latest").is_file() or list(path.glob("global_step*")) or list(path.glob("*mp_rank_*_model_states.pt")):
         # reading to evaluate, generate or train from needs no fp32 masters: a bf16 module without them will do
         ckpt, spec, config_path = open_deepspeed(path, None, None, allow_bf16_weights=True)
         config_dir = config_path.parent if config_path.is_file() else config_path
         weights = "module weights, no optimizer files" if ckpt.warnings else "fp32 masters"
         return OpenedCheckpoint(spec, HFTensorSource(ckpt), tokenizer_near(config_dir) or tokenizer_near(path),
-                                f"DeepSpeed checkpoint {path} (ZeRO {ckpt.zero_stage}, {weights})")
+                                f"DeepSpeed checkpoint {path} (ZeRO {ckpt.zero_stage}, {weights})", weights_dir=path)
     raise QlmError(f"cannot tell what {path} holds",
                    "expected an HF model, a Megatron or DeepSpeed checkpoint, or a qlm run directory")

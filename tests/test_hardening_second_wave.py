@@ -1,0 +1,401 @@
+"""The second wave's features under hostile input (issue 31): layouts the pipeline runtime cannot run, non-finite
+numbers, MoE configs and checkpoints that lie, Megatron args that contradict the stored tensors, preference files
+that mix formats or types, damaged caches and run files. Each is one line before any process starts, or the right
+result; none is a traceback or a silent wrong result."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import call_qlm, make_hf_model
+from safetensors.torch import load_file, save_file
+
+from qlm_core.config import ParallelConfig, load_recipe
+from qlm_core.errors import QlmError
+from qlm_core.models.presets import PRESETS
+from qlm_core.models.spec import ModelSpec
+from qlm_core.parallel.state import resolve_sizes
+from qlm_core.train.validate import validate_layout
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MOE = REPO / "recipes" / "tiny-moe.toml"
+
+
+def one_error(result, *needles) -> str:
+    code, stdout, stderr = result
+    assert code == 2, (code, stdout[-1500:], stderr[-1500:])
+    assert "Traceback" not in stdout + stderr
+    lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("warning:")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "; " in lines[0], stderr
+    missing = [n for n in needles if n not in lines[0]]
+    assert not missing, (missing, lines[0])
+    return lines[0]
+
+
+# ---- layouts the pipeline runtime refuses: one line before any process starts -----------------------------------
+
+@pytest.mark.parametrize("schedule,vpp,gbs,needles", [
+    ("1f1b", 1, 16, ["1f1b on pp = 2 stages needs at least 2 micro-batches", "this layout has 1",
+                     "train.global_batch_size 16", "at least 32"]),
+    ("interleaved_1f1b", 2, 48, ["needs a multiple of 2 micro-batches", "this layout has 3", "a multiple of 32"]),
+    ("zero_bubble", 2, 16, ["needs a multiple of 2", "this layout has 1"]),
+])
+def test_too_few_micro_batches_for_the_schedule_is_one_line(schedule, vpp, gbs, needles):
+    spec, config = PRESETS["qlm-tiny-moe"], ParallelConfig(pp=2, vpp=vpp, dp=2, ep=2, pp_schedule=schedule)
+    with pytest.raises(QlmError) as caught:
+        validate_layout(spec, config, resolve_sizes(4, pp=2, dp=2, ep=2), 128, 8, gbs)
+    assert all(n in caught.value.line() for n in needles), caught.value.line()
+
+
+def test_gpipe_takes_any_micro_batch_count():
+    validate_layout(PRESETS["qlm-tiny-moe"], ParallelConfig(pp=2, dp=2, ep=2, pp_schedule="gpipe"),
+                    resolve_sizes(4, pp=2, dp=2, ep=2), 128, 8, 16)
+
+
+def test_the_issue_layout_is_refused_by_train_and_profile_alike(tmp_path):
+    sets = ["--set", "parallel.ep=2", "--set", "parallel.pp=2", "--set", "parallel.dp=2"]
+    line = one_error(call_qlm("train", TINY_MOE, *sets, "--output", tmp_path / "run"),
+                     "needs at least 2 micro-batches per step, this layout has 1", "train.micro_batch_size 8")
+    assert not (tmp_path / "run").exists()
+    assert one_error(call_qlm("profile", TINY_MOE, "--ep", "2", "--pp", "2", "--dp", "2")) == line
+
+
+def test_the_moe_rules_every_rank_checks_are_checked_by_the_dry_run(tmp_path):
+    one_error(call_qlm("train", TINY_MOE, "--set", "parallel.pp=2", "--set", 'moe.aux_loss_type="transformers"',
+                       "--set", "train.global_batch_size=32", "--dry-run"), "aux_loss_type", "parallel.pp = 1")
+
+
+# ---- non-finite numbers ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override", ["moe.aux_loss_coeff=inf", "moe.aux_loss_coeff=nan", "preference.beta=nan",
+                                      "optim.lr=inf", "optim.clip_grad=-inf", "train.exit_duration_minutes=inf",
+                                      "data.weights=[1.0, nan]"])
+def test_a_non_finite_recipe_number_is_refused(override):
+    key = override.split("=")[0]
+    with pytest.raises(QlmError) as caught:
+        load_recipe(None, [override])
+    assert f"{key}" in caught.value.line() and "finite" in caught.value.line(), caught.value.line()
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan")])
+def test_generate_refuses_non_finite_sampling_before_reading_anything(tmp_path, flag, value):
+    one_error(call_qlm("generate", tmp_path / "missing", "--prompt", "hi", flag, value), flag, "finite")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_eval_refuses_a_non_finite_limit(tmp_path, value):
+    one_error(call_qlm("eval", tmp_path, "--tasks", "qlm_demo_mc", "--limit", value), "--limit", "finite")
+
+
+def test_profile_refuses_an_imbalance_no_ep_rank_can_receive():
+    one_error(call_qlm("profile", TINY_MOE, "--moe-imbalance", "1e300", "--ep", "2"), "experts / top-k = 8/2")
+
+
+def test_profile_search_on_a_billion_gpus_answers_at_once():
+    import time
+
+    start = time.monotonic()
+    one_error(call_qlm("profile", "--search", "--num-gpus", "1000000000"), "no layout", "1000000000 GPUs")
+    assert time.monotonic() - start < 60  # before the fix: a trial division loop to 10^9 (never answered)
+
+
+def test_search_reports_its_progress():
+    from qlm_core.hardware import gpu_spec
+    from qlm_core.profile.case import build_case
+    from qlm_core.profile.search import search
+
+    seen = []
+    case = build_case(load_recipe(REPO / "recipes" / "tiny-sft.toml"), num_gpus=4)
+    result = search(case, 4, gpu_spec("a100-80g"), progress=lambda done, total: seen.append((done, total)))
+    total = seen[-1][1]
+    assert seen[0][0] == 0 and seen[-1] == (total, total) and total >= result.evaluated + result.invalid
+    assert all(b[0] >= a[0] for a, b in zip(seen, seen[1:], strict=False))
+
+
+# ---- EP without dp on a local launch -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sets,dp", [({"ep": 2}, 2), ({"ep": 4, "tp": 2, "sp": True}, 4),
+                                     ({"ep": 4, "etp": 1, "tp": 2, "sp": True}, 2), ({"ep": 2, "cp": 2}, 1),
+                                     ({"ep": 2, "dp": 4}, 4)])
+def test_a_local_launch_picks_the_fewest_dp_ranks_that_hold_the_experts(sets, dp):
+    from qlm_core.train.plan import local_dp, local_dp_note, world_size
+
+    recipe = load_recipe(TINY_MOE, [f"parallel.{k}={json.dumps(v)}" for k, v in sets.items()])
+    assert local_dp(recipe.parallel) == dp
+    p = recipe.parallel
+    assert world_size(recipe, None, 1) == (p.tp * p.pp * p.cp * dp,) * 2
+    note = local_dp_note(recipe, None)
+    assert (note is not None) == ("dp" not in sets and dp > 1)
+
+
+def test_ep_without_dp_dry_run_starts_the_ranks_ep_needs(tmp_path):
+    code, out, err = call_qlm("train", TINY_MOE, "--set", "parallel.ep=2", "--dry-run")
+    assert code == 0, err
+    assert "starting dp = 2" in err and "2 = dp2 x pp1 x cp1 x tp1" in out
+
+
+# ---- HF configs and MoE checkpoints that lie -----------------------------------------------------------------------
+
+MIXTRAL = dict(model_type="mixtral", vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("key,value", [("sliding_window", 0), ("sliding_window", -4), ("sliding_window", "4096"),
+                                       ("num_key_value_heads", 0), ("head_dim", "8"), ("rope_theta", "x"),
+                                       ("rms_norm_eps", float("nan")), ("max_position_embeddings", -1)])
+def test_an_hf_config_number_out_of_range_is_one_line(key, value):
+    with pytest.raises(QlmError) as caught:
+        ModelSpec.from_hf_config({**MIXTRAL, key: value})
+    assert key in caught.value.line()
+
+
+def test_a_mixtral_window_is_read():
+    assert ModelSpec.from_hf_config({**MIXTRAL, "sliding_window": 16}).sliding_window == 16
+    assert ModelSpec.from_hf_config({**MIXTRAL, "sliding_window": None}).sliding_window is None
+
+
+@pytest.fixture(scope="module")
+def fused_moe(tmp_path_factory):
+    """A tiny Qwen3-MoE saved in transformers-5's fused expert layout (gate_up_proj [E, 2F, H], down_proj
+    [E, H, F])."""
+    import transformers
+
+    src = tmp_path_factory.mktemp("moe") / "src"
+    make_hf_model(src, "qwen3_moe")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    fused = src.parent / "fused"
+    shutil.copytree(src, fused)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(fused / "model.safetensors"),
+              metadata={"format": "pt"})
+    return fused
+
+
+def _edited(fused: Path, tmp_path: Path, change) -> Path:
+    out = tmp_path / "hf"
+    shutil.copytree(fused, out)
+    state = load_file(out / "model.safetensors")
+    change(state)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("name,change,needles", [
+    ("row", lambda s: s.update({"model.layers.0.mlp.experts.gate_up_proj": torch.cat(
+        [s["model.layers.0.mlp.experts.gate_up_proj"], s["model.layers.0.mlp.experts.gate_up_proj"][:, :1]], 1)}),
+     ["gate_up_proj", "[4, 65, 64]", "[4, 64, 64]"]),
+    ("expert", lambda s: s.update({"model.layers.1.mlp.experts.down_proj": torch.cat(
+        [s["model.layers.1.mlp.experts.down_proj"], s["model.layers.1.mlp.experts.down_proj"][:1]], 0)}),
+     ["down_proj", "[5, 64, 32]", "[4, 64, 32]"]),
+    ("twice", lambda s: s.update({"model.layers.0.mlp.experts.2.up_proj.weight": torch.zeros(32, 64)}),
+     ["model.layers.0.mlp.experts.2.up_proj.weight twice", "gate_up_proj"]),
+])
+def test_a_fused_expert_tensor_is_consumed_whole_or_refused(fused_moe, tmp_path, name, change, needles):
+    hf = _edited(fused_moe, tmp_path, change)
+    one_error(call_qlm("convert", "hf2mcore", "--hf", hf, "--out", tmp_path / "out"), *needles)
+    assert not (tmp_path / "out").exists()
+
+
+# ---- Megatron args / run_config.yaml that contradict the stored tensors -------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_mcore(tmp_path_factory):
+    """A tiny Qwen3 (no qkv bias, untied output) as a legacy Megatron checkpoint at TP2 and as torch_dist."""
+    root = tmp_path_factory.mktemp("qwen3")
+    make_hf_model(root / "hf", "qwen3")
+    for fmt in ("torch", "torch_dist"):
+        code, _, err = call_qlm("convert", "hf2mcore", "--hf", root / "hf", "--out", root / fmt, "--tp",
+                                "2" if fmt == "torch" else "1", "--format", fmt, "--no-verify")
+        assert code == 0, err
+    return root
+
+
+def _legacy_files(root: Path) -> list[Path]:
+    return sorted((root / "release").glob("mp_rank_*/model_optim_rng.pt"))
+
+
+def test_a_stored_qkv_bias_the_args_deny_is_refused_not_dropped(llama_mcore, tmp_path):
+    from qlm_core.checkpoint.io.safe_load import safe_torch_load
+
+    mc = tmp_path / "mc"
+    shutil.copytree(llama_mcore / "torch", mc)
+    for file in _legacy_files(mc):
+        state = safe_torch_load(file)
+        weight = state["model"]["decoder.layers.0.self_attention.linear_qkv.weight"]
+        state["model"]["decoder.layers.0.self_attention.linear_qkv.bias"] = torch.ones(weight.shape[0])
+        torch.save(state, file)
+    one_error(call_qlm("convert", "mcore2hf", "--mcore", mc, "--out", tmp_path / "out", "--verify"),
+              "linear_qkv.bias", "add_qkv_bias")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_stored_output_layer_of_a_tied_model_is_refused(tmp_path):
+    from qlm_core.checkpoint.io.safe_load import safe_torch_load
+
+    make_hf_model(tmp_path / "hf", "qwen2", tie_word_embeddings=True)
+    code, _, err = call_qlm("convert", "hf2mcore", "--hf", tmp_path / "hf", "--out", tmp_path / "mc", "--no-verify")
+    assert code == 0, err
+    for file in _legacy_files(tmp_path / "mc"):
+        state = safe_torch_load(file)
+        state["model"]["output_layer.weight"] = state["model"]["embedding.word_embeddings.weight"] * 2
+        torch.save(state, file)
+    one_error(call_qlm("convert", "mcore2hf", "--mcore", tmp_path / "mc", "--out", tmp_path / "out"),
+              "output_layer.weight", "share_embeddings_and_output_weights")
+
+
+def test_a_torch_dist_key_the_args_deny_is_refused(llama_mcore, tmp_path, monkeypatch):
+    from qlm_core.checkpoint.formats import torch_dist
+
+    real = torch_dist.TorchDistCheckpoint._check_tensors
+
+    def with_bias(self):  # as if the files held a bias the args rule out
+        from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+        self.tensors["decoder.layers.self_attention.linear_qkv.bias"] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32), torch.Size([2, 8]), [])
+        return real(self)
+
+    monkeypatch.setattr(torch_dist.TorchDistCheckpoint, "_check_tensors", with_bias)
+    one_error(call_qlm("convert", "mcore2hf", "--mcore", llama_mcore / "torch_dist", "--out", tmp_path / "out"),
+              "decoder.layers.self_attention.linear_qkv.bias", "add_qkv_bias")
+
+
+def _bridge_checkpoint(llama_mcore: Path, tmp_path: Path, **model) -> Path:
+    """The legacy checkpoint without args or hf/ (as Megatron-Bridge saves), and a run_config.yaml beside it."""
+    import yaml
+
+    from qlm_core.checkpoint.io.safe_load import safe_torch_load
+
+    mc = tmp_path / "bridge"
+    shutil.copytree(llama_mcore / "torch", mc)
+    shutil.rmtree(mc / "hf")
+    for file in _legacy_files(mc):
+        state = safe_torch_load(file)
+        state.pop("args")
+        torch.save(state, file)
+    spec = ModelSpec.from_hf_dir(llama_mcore / "hf")
+    config = {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "ffn_hidden_size": spec.ffn_hidden_size,
+              "num_attention_heads": spec.num_attention_heads, "num_query_groups": spec.num_query_groups,
+              "kv_channels": spec.kv_channels, "vocab_size": spec.vocab_size, "position_embedding_type": "rope",
+              "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
+              "add_qkv_bias": False, "share_embeddings_and_output_weights": False, "rotary_base": spec.rope_theta,
+              "layernorm_epsilon": spec.norm_epsilon, "tensor_model_parallel_size": 2, "qk_layernorm": True,
+              "max_position_embeddings": spec.max_position_embeddings, **model}
+    (mc / "release" / "run_config.yaml").write_text(yaml.safe_dump({"model": config}))
+    return mc
+
+
+def test_a_bridge_config_that_ties_an_untied_checkpoint_is_refused(llama_mcore, tmp_path):
+    mc = _bridge_checkpoint(llama_mcore, tmp_path, share_embeddings_and_output_weights=True)
+    one_error(call_qlm("convert", "mcore2hf", "--mcore", mc, "--out", tmp_path / "out", "--verify"),
+              "output_layer.weight", "run_config.yaml", "share_embeddings_and_output_weights")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_honest_bridge_config_converts(llama_mcore, tmp_path):
+    mc = _bridge_checkpoint(llama_mcore, tmp_path)
+    code, _, err = call_qlm("convert", "mcore2hf", "--mcore", mc, "--out", tmp_path / "out", "--verify")
+    assert code == 0, err
+
+
+def test_a_bridge_topk_above_the_experts_names_the_bridge_key(llama_mcore, tmp_path):
+    mc = _bridge_checkpoint(llama_mcore, tmp_path, num_moe_experts=4, moe_router_topk=6, moe_ffn_hidden_size=32)
+    one_error(call_qlm("convert", "mcore2hf", "--mcore", mc, "--out", tmp_path / "out"),
+              "moe_router_topk 6", "run_config.yaml", "4 experts")
+
+
+# ---- preference files that mix formats or types ---------------------------------------------------------------------
+
+def _pairs(tmp_path: Path, records: list[dict], name: str = "pairs.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _load(path: Path):
+    from qlm_core.data.preference import load_preferences
+
+    return load_preferences(path, cache_dir=str(path.parent / "cache"))
+
+
+TRL = {"prompt": "say a", "chosen": "a", "rejected": "b"}
+
+
+@pytest.mark.parametrize("records,needles", [
+    ([TRL, {**TRL, "chosen": [{"role": "assistant", "content": "a b"}]}, {**TRL, "chosen": '"c g h a"'}],
+     ["column 'chosen' is text in record 1 but a list in record 2"]),
+    ([TRL] * 4 + [{**TRL, "chosen": 5}], ["column 'chosen' is text in record 1 but a number in record 5"]),
+    ([{"instruction": "say a", "chosen": "a", "rejected": "b"}, TRL],
+     ["record 2", "trl format", "'prompt'", "alpaca format"]),
+    ([{"instruction": "", "input": " ", "chosen": "a", "rejected": "b"}], ["record 1", "the prompt is empty"]),
+    ([TRL, {"prompt": [{"role": "user", "content": " "}], "chosen": "a", "rejected": "b"}],
+     ["column 'prompt'"]),
+    ([{"prompt": [{"role": "user", "content": " "}], "chosen": "a", "rejected": "b"}], ["the prompt is empty"]),
+    ([{"conversations": [{"from": "human", "value": ""}], "chosen": {"from": "gpt", "value": "a"},
+       "rejected": {"from": "gpt", "value": "b"}}], ["record 1", "the prompt is empty"]),
+    ([TRL, {**TRL, "rejected": "a"}], ["record 2", "chosen and rejected responses are the same"]),
+])
+def test_a_preference_file_that_mixes_or_blanks_is_one_line_naming_the_record(tmp_path, records, needles):
+    with pytest.raises(QlmError) as caught:
+        _load(_pairs(tmp_path, records))
+    assert all(n in caught.value.line() for n in needles), caught.value.line()
+
+
+def test_text_that_looks_like_json_stays_text(tmp_path):
+    rows = _load(_pairs(tmp_path, [{**TRL, "chosen": '"c g h a"'}, {**TRL, "chosen": "[1, 2]"}]))
+    assert [r["chosen"][0]["content"] for r in rows] == ['"c g h a"', "[1, 2]"]
+
+
+# ---- damaged run files and caches ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00run", b"not/an id\n"])
+def test_a_damaged_wandb_run_id_is_one_line_before_the_run(tmp_path, monkeypatch, content):
+    pytest.importorskip("wandb")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "wandb_run_id").write_bytes(content)
+    (run / "config.toml").write_text("")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    one_error(call_qlm("train", REPO / "recipes" / "tiny-sft.toml", "--output", run,
+                       "--set", 'logging.wandb_project="qlm"'), "wandb_run_id", "wandb run id")
+
+
+def test_a_damaged_reference_table_is_recomputed_never_trusted(tmp_path, capsys):
+    import numpy as np
+    from safetensors.numpy import save_file as save_np
+
+    from qlm_core.train import reference_table
+
+    tables = {"train": np.arange(8, dtype=np.float64).reshape(4, 2)}
+    path = tmp_path / "reference-logps-x.safetensors"
+    save_np(tables, str(path), metadata={reference_table.DIGEST_KEY: reference_table._digest(tables)})
+    assert reference_table.read_table(path)["train"].tolist() == tables["train"].tolist()
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) - 9])  # cut short
+    assert reference_table.read_table(path) == {}
+    flipped = bytearray(whole)
+    flipped[-3] ^= 0xFF  # a bit flipped in a number
+    path.write_bytes(bytes(flipped))
+    assert reference_table.read_table(path) == {}
+    save_np(tables, str(path))  # no checksum: written by something else
+    assert reference_table.read_table(path) == {}
+    assert capsys.readouterr().err.count("is damaged") == 3
+
+
+def test_a_sigmoid_routed_run_trains_saves_and_resumes(tmp_path):
+    sets = ["--set", 'moe.router_score_function="sigmoid"', "--set", "moe.router_expert_bias=true", "--set",
+            "train.train_iters=2", "--set", "schedule.warmup_iters=0", "--set", "checkpoint.save_interval=1",
+            "--set", "train.eval_iters=1", "--set", "train.eval_interval=0", "--set", "logging.plot=false",
+            "--set", "logging.tensorboard=false", "--set", f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}"]
+    code, out, err = call_qlm("train", TINY_MOE, "--output", tmp_path / "run", *sets)
+    assert code == 0, err[-2000:]
+    side = tmp_path / "run" / "checkpoints" / "hf"
+    assert (side / "tokenizer.json").is_file() and not (side / "config.json").exists()
+    code, out, err = call_qlm("train", TINY_MOE, "--output", tmp_path / "run", *sets[:-8],
+                              "--set", "train.train_iters=3", *sets[-6:])
+    assert code == 0 and "resuming from iteration 2" in " ".join(out.split()), err[-2000:]
+    one_error(call_qlm("convert", "mcore2hf", "--mcore", tmp_path / "run" / "checkpoints", "--out",
+                       tmp_path / "hf"), "sigmoid", "Megatron format")
