@@ -127,8 +127,18 @@ def main():
     parser.add_argument("--direction", default="hf2mcore", choices=["hf2mcore", "ds2hf"],
                         help="ds2hf: a DeepSpeed ZeRO checkpoint of the same model -> HF (see convert_deepspeed.py)")
     parser.add_argument("--dp", type=int, default=8, help="ds2hf: ZeRO partitions the fp32 masters are split into")
+    parser.add_argument("--keep-source", action="store_true",
+                        help="keep the random source checkpoints in --workdir for the next run (default: everything "
+                             "the bench wrote there is removed at the end)")
     args = parser.parse_args()
+    made = [args.workdir / name for name in ("warm", "raw-out", "convert-out")]
+    try:
+        return run(args)
+    finally:
+        cleanup(args.workdir, args.keep_source, made)
 
+
+def run(args) -> int:
     src = args.workdir / f"{args.shape}-hf"
     if not (src / "DONE").exists():
         print(f"building random bf16 {args.shape} checkpoint in {src} ...", flush=True)
@@ -136,8 +146,7 @@ def main():
     if args.direction == "ds2hf":
         import convert_deepspeed
 
-        convert_deepspeed.run(args, src)
-        return
+        return convert_deepspeed.run(args, src)
     source_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
 
     layout = ModelLayout(load_model_spec(args.shape), args.tp, args.pp)
@@ -191,7 +200,29 @@ def main():
           f" GiB; budget ({held} {file_bytes / gib:.2f} + two largest tensors "
           f"{sum(tensor_bytes[-2:]) / gib:.2f}) = {budget / gib:.2f} GiB -> "
           f"{'within' if peak['convert'] - idle <= budget else 'OVER'} budget")
+    return verdict({"in-process ratio <= 1.1": statistics.median(ratios) <= 1.1,
+                    "whole-process ratio <= 1.3": statistics.median(whole_ratios) <= 1.3,
+                    "peak RSS within budget": peak["convert"] - idle <= budget})
+
+
+def verdict(checks: dict[str, bool]) -> int:
+    """The last line: PASS or FAIL with the targets missed; the exit code says the same."""
+    missed = [name for name, ok in checks.items() if not ok]
+    print(f"verdict: {'FAIL (missed: ' + '; '.join(missed) + ')' if missed else 'PASS'} "
+          f"({len(checks) - len(missed)}/{len(checks)} targets met)")
+    return 1 if missed else 0
+
+
+def cleanup(workdir: Path, keep_source: bool, made: list[Path]):
+    """Remove what this run wrote under the work directory (outputs, the page-cache copy) and, unless
+    --keep-source, the random source it built: tens of GiB for the larger shapes."""
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
+    if keep_source:
+        print(f"kept the source checkpoints under {workdir} (--keep-source): rm -r {workdir} frees them")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

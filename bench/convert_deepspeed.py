@@ -115,3 +115,7 @@ def run(args, hf: Path):
           f"anonymous {anon / gib:.2f} GiB, raw {peak['raw'] / gib:.2f} GiB; budget (largest output file "
           f"{file_bytes / gib:.2f} + two largest tensors {two_largest / gib:.2f}) = {budget / gib:.2f} GiB -> "
           f"anonymous {'within' if anon <= budget else 'OVER'} budget")
+    from convert import verdict
+
+    return verdict({"time ratio <= 1.3 (median)": ratios[len(ratios) // 2] <= 1.3,
+                    "anonymous RSS within budget": anon <= budget})

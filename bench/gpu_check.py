@@ -2,7 +2,8 @@
 10 minutes, as one summary table (markdown on stdout and OUT/gpu_check.md, every figure in OUT/gpu_check.json).
 
     bench/gpu_check.sh                 # run every check (OUT: $OUT if set, else runs/gpu_check)
-    bench/gpu_check.sh --dry-run       # print every command it would run and exit 0 (also what happens without CUDA)
+    bench/gpu_check.sh --dry-run       # print every command it would run and exit 0 (without CUDA and without
+                                       # --dry-run it prints the same, says nothing was checked, and exits 2)
     bench/gpu_check.sh --only env nccl # some of the checks
 
 Each check is one or more commands, each in its own process under its own timeout (a crash or a hang costs only its
@@ -244,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     why = "--dry-run" if args.dry_run else cuda_state()
     if why is not None:
         dry_run(steps, out, why)
-        return 0
+        if args.dry_run:
+            return 0
+        print(f"\nnothing was checked: {why}; run it on a machine with a CUDA GPU (or pass --dry-run to only list "
+              "the commands)", file=sys.stderr)
+        return 2  # a check that did not run must not read as one that passed
+
     root = Path(out) if Path(out).is_absolute() else REPO / out
     (root / "results").mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + BUDGET_S

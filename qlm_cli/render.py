@@ -24,9 +24,10 @@ class PlainProgress:
     `every` seconds, then at most every `every` seconds, and a last one at the end if any was written (a short job
     writes none)."""
 
-    def __init__(self, write, every: float = PLAIN_PROGRESS_SECONDS):
+    def __init__(self, write, every: float = PLAIN_PROGRESS_SECONDS, first: bool = False):
+        """`first`: write the first call's line at once (a run's first step says its pace)."""
         self.write, self.every = write, every
-        self.last, self.wrote, self.ended = time.monotonic(), False, False
+        self.last, self.wrote, self.ended = time.monotonic() - (every if first else 0.0), False, False
 
     def __call__(self, line: str, done: int, total: int | None):
         now, end = time.monotonic(), total is not None and done >= total

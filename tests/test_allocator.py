@@ -61,7 +61,7 @@ def test_empty_cache_interval_is_validated(value):
 
 
 def metrics(**memory) -> StepMetrics:
-    return StepMetrics(step=1, loss=1.0, grad_norm=1.0, lr=1e-3, tokens=8, samples=8, step_time_s=0.1,
+    return StepMetrics(step=1, loss=1.0, grad_norm=1.0, lr=1e-3, label_tokens=8, samples=8, step_time_s=0.1,
                        s_per_sample=0.01, tokens_per_s=80.0, tflops_per_device=0.0, mfu=0.0, mem_peak_gb=2.0, **memory)
 
 

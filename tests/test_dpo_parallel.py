@@ -6,12 +6,15 @@ read again, not recomputed."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import make_chat_hf_model
-from tests.test_train_cli import qlm_train
+from tests.test_train_cli import REPO, qlm_train
 
 RECIPE = """
 [model]
@@ -121,6 +124,46 @@ def test_precomputed_reference_is_kept_and_reused_on_resume(recipe, baseline, tm
     qlm_train(recipe, "--output", run, *sets)
     assert table.stat().st_mtime_ns == stamp  # read, not written again
     assert_same_run(run, baseline)  # the table's numbers are the frozen copy's
+
+
+def test_a_kill_while_the_table_is_written_leaves_nothing_trusted_and_the_rerun_is_exact(recipe, tmp_path):
+    """SIGKILL in the middle of the precomputed table's write (half of it under the temporary name): no table is
+    left under its own name, the re-run computes it again (the dead writer's temporary removed) and trains exactly
+    as an uninterrupted run."""
+    cache = tmp_path / "cache"
+    sets = ["--set", "preference.precompute_reference=true", "--set", f"data.cache_dir={cache}"]
+    qlm_train(recipe, "--output", tmp_path / "whole", *sets, "--set", f"data.cache_dir={tmp_path / 'cache2'}")
+    hook = os.pathsep.join(filter(None, [str(REPO / "tests" / "workers" / "kill_in_table_write"), str(REPO),
+                                         os.environ.get("PYTHONPATH")]))
+    killed = qlm_train(recipe, "--output", tmp_path / "run", *sets, check=False,
+                       env_extra={"PYTHONPATH": hook, "QLM_TEST_KILL_IN_TABLE": "1"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    (temporary,) = (cache / "datasets").glob(".reference-logps-*.tmp-*")
+    assert not list((cache / "datasets").glob("reference-logps-*"))
+    os.utime(temporary, (time.time() - 120, time.time() - 120))  # a writer that died a while ago
+    qlm_train(recipe, "--output", tmp_path / "run", *sets)
+    assert not temporary.exists()
+    assert [[r[k] for k in CHECKED] for r in rows(tmp_path / "run")] == [
+        [r[k] for k in CHECKED] for r in rows(tmp_path / "whole")]  # bit for bit
+
+
+def test_a_resume_reads_the_model_load_iteration_the_run_started_from(recipe, tmp_path):
+    """model.load is a run whose latest checkpoint moves on (2 -> 4) while a DPO run that started from it is
+    stopped: the resumed run's reference (and starting point) stay iteration 2, as the uninterrupted run had."""
+    src = tmp_path / "src"
+    qlm_train(recipe, "--output", src, "--set", "train.train_iters=4", "--set", "checkpoint.save_interval=2",
+              "--set", "checkpoint.keep_last=0")
+    latest = src / "checkpoints" / "latest_checkpointed_iteration.txt"
+    latest.write_text("2")
+    sets = ["--set", f"model.load={json.dumps(str(src))}"]
+    qlm_train(recipe, "--output", tmp_path / "straight", *sets)
+    qlm_train(recipe, "--output", tmp_path / "run", *sets, "--set", "train.exit_interval=5")
+    latest.write_text("4")
+    resumed = qlm_train(recipe, "--output", tmp_path / "run", *sets)
+    assert "iteration 2, which this run started from" in " ".join(resumed.stdout.split())
+    assert [[r[k] for k in CHECKED] for r in rows(tmp_path / "run")] == [
+        [r[k] for k in CHECKED] for r in rows(tmp_path / "straight")]
+    assert json.loads((tmp_path / "run" / "model_load.json").read_text()) == {"load": str(src), "iteration": 2}
 
 
 @pytest.fixture(scope="module")

@@ -52,9 +52,10 @@ def workers_module():
     return module
 
 
-def test_without_cuda_it_says_so_and_dry_runs(dry):
+def test_without_cuda_it_says_so_lists_the_commands_and_fails(dry):
     proc = run()
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 2, proc.stderr  # nothing was checked: not a pass
+    assert "nothing was checked: no CUDA device" in proc.stderr
     assert "dry run (no CUDA device" in proc.stdout
     assert printed_commands(proc.stdout) == printed_commands(dry)
 

@@ -257,6 +257,37 @@ def test_run_header_says_where_a_resumed_run_starts():
     view = RunView()
     with console.capture() as captured:
         view(Event("start", data))
-        view.progress.stop()
     text = " ".join(captured.get().split())
     assert "resuming from iteration 4 (layout tp2 pp1 dp1)" in text and "random init" not in text
+
+
+def test_without_a_terminal_the_run_prints_plain_step_lines(monkeypatch):
+    """Under nohup, Slurm or | tee a rich bar shows nothing until the run ends: the first step, then a line every
+    PLAIN_PROGRESS_SECONDS, then the last step are printed as plain lines."""
+    from qlm_cli import render
+    from qlm_cli.commands.train import RunView
+    from qlm_cli.render import console
+    from qlm_core.train.metrics import StepMetrics
+    from qlm_core.train.trainer import Event
+
+    clock = [1000.0]
+    monkeypatch.setattr(render.time, "monotonic", lambda: clock[0])
+    data = {"layout": "dp1", "model": "random init of qlm-tiny", "steps": 100, "start_step": 0, "params": 1e6,
+            "train_samples": 8, "peak_tflops": 1.0, "peak_source": "recipe"}
+    view = RunView()
+
+    def step(n: int) -> Event:
+        return Event("step", {"metrics": StepMetrics(step=n, loss=2.5, grad_norm=1.0, lr=1e-3, label_tokens=8,
+                                                     samples=8 * n, step_time_s=0.1, s_per_sample=0.01,
+                                                     tokens_per_s=640.0, tflops_per_device=0.1, mfu=0.1,
+                                                     mem_peak_gb=1.0)})
+
+    assert not console.is_terminal  # pytest captures the output
+    with console.capture() as captured:
+        view(Event("start", data))
+        for n in range(1, 101):
+            clock[0] += 1.0  # a step a second: lines at steps 1, 31, 61, 91 and 100
+            view(step(n))
+    lines = [line for line in captured.get().splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/100", "31/100", "61/100", "91/100", "100/100"], lines
+    assert "loss 2.5000" in lines[0] and "640 tok/s" in lines[0]

@@ -6,7 +6,7 @@ from qlm_core.train.metrics import MetricsWriter, StepMetrics, read_jsonl
 
 
 def step(n: int) -> StepMetrics:
-    return StepMetrics(step=n, loss=1.0 / n, grad_norm=1.0, lr=1e-3, tokens=8, samples=8 * n, step_time_s=0.1,
+    return StepMetrics(step=n, loss=1.0 / n, grad_norm=1.0, lr=1e-3, label_tokens=8, samples=8 * n, step_time_s=0.1,
                        s_per_sample=0.01, tokens_per_s=80.0, tflops_per_device=0.0, mfu=0.0, mem_peak_gb=0.1)
 
 
@@ -22,7 +22,7 @@ def test_resume_drops_train_and_eval_lines_after_the_checkpoint(tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     assert [(r["step"], r["valid_loss"]) for r in read_jsonl(tmp_path / "eval.jsonl")] == [(2, 0.5), (4, 0.25)]
     assert list(json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])) == [
-        "step", "loss", "grad_norm", "lr", "tokens", "samples", "step_time_s", "s_per_sample", "tokens_per_s",
+        "step", "loss", "grad_norm", "lr", "label_tokens", "samples", "step_time_s", "s_per_sample", "tokens_per_s",
         "tflops_per_device", "mfu", "mem_peak_gb", "skipped"]
 
 
@@ -76,15 +76,19 @@ def test_summary_is_totals_over_wall_time_and_mfu_never_exceeds_one(run_qlm, tmp
     assert all(0 < r["mfu"] <= 1 for r in rows) and 0 < summary["mfu"] <= 1
     assert "raised from 1e-09" in summary["peak_source"]
     assert summary["tokens"] == 3 * 4 * 64 and summary["steps_run"] == 3
+    # the trained (label) tokens are fewer than the tokens processed, and are what each line's label_tokens add up to
+    assert 0 < summary["label_tokens"] == sum(r["label_tokens"] for r in rows) < summary["tokens"]
     assert summary["tokens_per_s"] == summary["tokens"] / summary["train_wall_s"]
     assert summary["s_per_sample"] == summary["train_wall_s"] / 12
     assert summary["train_wall_s"] >= sum(r["step_time_s"] for r in rows)
 
 
-def test_progress_line_shows_mfu_as_the_same_fraction_as_the_logs():
+def test_progress_line_shows_mfu_as_the_same_fraction_as_the_logs(monkeypatch):
     from qlm_cli.commands.train import RunView
+    from qlm_cli.render import console
     from qlm_core.train.trainer import Event
 
+    monkeypatch.setattr(console, "_force_terminal", True)  # the rich bar (a log file gets plain lines)
     view = RunView()
     view(Event("start", {"layout": "dp1", "model": "m", "params": 1e6, "train_samples": 8, "steps": 2,
                          "start_step": 0, "peak_tflops": 1.0, "peak_source": "recipe"}))

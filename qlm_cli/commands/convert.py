@@ -66,7 +66,8 @@ FORMAT_HELP = ("Megatron checkpoint format to write: `torch` (legacy, mp_rank_TT
                "loadable at any TP/PP).")
 
 
-def _report(result: ConvertResult, verifiable: bool = True):
+def _report(result: ConvertResult, verifiable: bool = True, skipped_verify: bool = False):
+    """`skipped_verify`: --no-verify was passed (no read-back and no NaN scan)."""
     console.print(
         f"[green]wrote[/] {escape(str(result.out))}  ({result.files} files, {result.bytes_written / 2**20:.1f} MiB, "
         f"{result.seconds:.1f} s)"
@@ -74,10 +75,16 @@ def _report(result: ConvertResult, verifiable: bool = True):
     if result.verify is not None:
         console.print(f"[green]verified[/] {escape(result.verify.summary())}")
     elif verifiable:
-        console.print("[yellow]not verified[/] (pass --verify to check the result)")
+        scanned = not skipped_verify
+        console.print("[yellow]not verified[/] (pass --verify to check the result" +
+                      ("; the source was scanned for NaN)" if scanned else "; NaN in the source were not looked for)"))
     for note in result.notes:
         console.print(f"[yellow]note[/] {escape(note)}")
-    for warning in [*result.warnings, *(result.verify.warnings() if result.verify is not None else [])]:
+    from qlm_core.checkpoint.convert.hf_megatron import missing_tokenizer_warning
+
+    missing = missing_tokenizer_warning(result.out) if verifiable else None
+    for warning in [*result.warnings, *(result.verify.warnings() if result.verify is not None else []),
+                    *filter(None, [missing])]:
         err_console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)  # one line, never wrapped
 
 
@@ -109,7 +116,7 @@ def hf2mcore(
             dtype=value_of(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
             verify=verify, progress=progress, format=fmt.value,
         )
-    _report(result)
+    _report(result, skipped_verify=verify is False)
 
 
 @app.command("mcore2hf")
@@ -133,7 +140,7 @@ def mcore2hf(
             mcore, out, iteration=iteration, dtype=value_of(dtype), max_shard_size_gb=max_shard_size, force=force,
             verify=verify, progress=progress, config=config,
         )
-    _report(result)
+    _report(result, skipped_verify=verify is False)
 
 
 @app.command("mcore2mcore")
@@ -169,7 +176,7 @@ def mcore2mcore(
             iteration=iteration, dtype=value_of(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by,
             force=force, verify=verify, progress=progress, format=value_of(fmt), config=config,
         )
-    _report(result)
+    _report(result, skipped_verify=verify is False)
 
 
 @app.command("mcore2peft")
@@ -231,7 +238,7 @@ def ds2hf(
     with progress_bar("ds2hf") as progress:
         result = ds_to_hf(ds, out, tag=tag, config=config, dtype=value_of(dtype), max_shard_size_gb=max_shard_size,
                           force=force, verify=verify, progress=progress, allow_bf16_weights=allow_bf16_weights)
-    _report(result)
+    _report(result, skipped_verify=verify is False)
 
 
 @app.command("ds2mcore")
@@ -261,7 +268,7 @@ def ds2mcore(
             dtype=value_of(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
             verify=verify, progress=progress, allow_bf16_weights=allow_bf16_weights,
         )
-    _report(result)
+    _report(result, skipped_verify=verify is False)
 
 
 @app.command("hf2ds")
@@ -282,7 +289,7 @@ def hf2ds(
     with progress_bar("hf2ds") as progress:
         result = hf_to_ds(hf, out, tag=tag, dtype=value_of(dtype), fp32_master=fp32_master,
                           force=force, verify=verify, progress=progress)
-    _report(result)
+    _report(result, skipped_verify=verify is False)
 
 
 @app.command("mcore2ds")
@@ -303,7 +310,7 @@ def mcore2ds(
     with progress_bar("mcore2ds") as progress:
         result = mcore_to_ds(mcore, out, iteration=iteration, tag=tag, dtype=value_of(dtype),
                              fp32_master=fp32_master, force=force, verify=verify, progress=progress, config=config)
-    _report(result)
+    _report(result, skipped_verify=verify is False)
 
 
 @app.command("inspect")

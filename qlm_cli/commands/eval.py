@@ -49,6 +49,7 @@ def eval_command(
     """Evaluate a checkpoint with lm-evaluation-harness. Local tasks load without scanning lm-eval's built-in
     index; built-in tasks that need the Hugging Face hub fail with a one-line error offline."""
     from qlm_core.eval.runner import EvalConfig, check_config, result_rows, results_folder, run_eval, worker_argv
+    from qlm_core.eval.tasks import DEMO_NOTES
 
     config = EvalConfig(
         checkpoint=checkpoint, tasks=[t.strip() for t in tasks.split(",") if t.strip()], include_path=include_path,
@@ -73,5 +74,7 @@ def eval_command(
     for task in results["results"]:
         figures = ", ".join(f"{m} {v:.4f}" for t, f, m, v, _ in result_rows(results) if t == task)
         console.print(f"{task}: {figures}", markup=False, highlight=False)
+        if task in DEMO_NOTES:
+            console.print(f"note: {DEMO_NOTES[task]}", markup=False, highlight=False)
     if output:
         console.print(f"results written under {results_folder(config)}", markup=False, highlight=False)

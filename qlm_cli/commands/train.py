@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -17,7 +18,7 @@ from rich.progress import (
 from rich.table import Table
 
 from qlm_cli.launch import LaunchConfig, relaunch_if_needed, under_launcher
-from qlm_cli.render import console, err_console, kv_table, memory_table
+from qlm_cli.render import PlainProgress, console, err_console, kv_table, memory_table
 from qlm_core.config import compile_text, load_recipe, recipe_to_toml
 from qlm_core.models.spec import parameters_text
 
@@ -42,24 +43,33 @@ class RunView:
     def __init__(self):
         self.progress = None
         self.task = None
+        self.plain: PlainProgress | None = None  # without a terminal: plain step lines now and then
 
     def __call__(self, event):
         data = event.data
         if event.kind == "start":
             console.print(kv_table("run", {
                 "layout": data["layout"], "model": data.get("resumed") or data["model"],
+                # a resumed run's weights are its checkpoint's; model.load still gives a reference, LoRA's base
+                **({"started from": data["model"]} if data.get("resumed") and not data["model"].startswith(
+                    "random init") else {}),
                 "parameters": parameters_text(data["params"], data.get("active_params")),
                 "train samples": data["train_samples"], "steps": f"{data['start_step']} -> {data['steps']}",
                 **({"compile": data["compile"]} if data.get("compile") else {}),
                 "peak for MFU": f"{data['peak_tflops']:.3g} TFLOP/s ({data['peak_source']})",
             }))
+            if data.get("truncated"):
+                console.print(f"{data['truncated']} preference records were truncated to fit (preference."
+                              "max_length / max_prompt_length / data.seq_length)", markup=False, highlight=False)
+            self.total, self.started = data["steps"], time.monotonic()
+            if not console.is_terminal:  # nohup, Slurm, | tee: a rich bar would show nothing until the end
+                self.plain = PlainProgress(lambda line: console.print(line, markup=False, highlight=False,
+                                                                      soft_wrap=True), first=True)
+                return
             self.progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[figures]}"),
                 TimeRemainingColumn(), console=console, transient=False,
             )
-            if data.get("truncated"):
-                console.print(f"{data['truncated']} preference records were truncated to fit (preference."
-                              "max_length / max_prompt_length / data.seq_length)", markup=False, highlight=False)
             self.progress.start()
             self.task = self.progress.add_task("train", total=data["steps"], completed=data["start_step"],
                                                figures="")
@@ -68,9 +78,14 @@ class RunView:
             figures = (f"loss {m.loss:.4f} lr {m.lr:.2e} {m.tokens_per_s:,.0f} tok/s {m.s_per_sample:.3f} s/sample "
                        f"{m.tflops_per_device:.3g} TFLOP/s MFU {m.mfu:.3f} mem {m.mem_peak_gb:.2f} GB"
                        + (f" acc {m.preference['rewards/accuracies']:.2f} margin "
-                          f"{m.preference['rewards/margins']:.3f}" if m.preference else "")
-                       + (" [red]skipped[/]" if m.skipped else ""))
-            self.progress.update(self.task, completed=m.step, figures=figures)
+                          f"{m.preference['rewards/margins']:.3f}" if m.preference else ""))
+            if self.plain is not None:
+                elapsed = time.monotonic() - self.started
+                self.plain(f"step {m.step}/{self.total} {figures}{' skipped' if m.skipped else ''} "
+                           f"({elapsed:.0f} s elapsed)", m.step, self.total)
+                return
+            self.progress.update(self.task, completed=m.step, figures=figures + (" [red]skipped[/]" if m.skipped
+                                                                                   else ""))
         elif event.kind == "eval":
             figures = data.get("figures")
             extra = (f", accuracy {figures['rewards/accuracies']:.3f}, margin {figures['rewards/margins']:.3f}"

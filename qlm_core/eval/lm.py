@@ -28,6 +28,7 @@ from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.eval.generate import Sampling, generate
 from qlm_core.eval.prefix_cache import score_shared, split_shared
+from qlm_core.eval.requests import CheckedRequests
 from qlm_core.eval.scoring import score_plain
 from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import GPTModel, ParallelOptions
@@ -56,8 +57,9 @@ def build_model(opened: OpenedCheckpoint, dtype: torch.dtype, device: torch.devi
     return model.eval()
 
 
-@register_model("qlm")
-class QlmLM(TemplateLM):
+class QlmBackend(TemplateLM):
+    """lm-eval's LM interface on qlm's model; QlmLM (below) is what lm-eval uses, with its requests checked."""
+
     def __init__(self, pretrained: str, batch_size: int | str = 8, max_length: int | None = None,
                  dtype: str = "fp32", device: str | None = None, max_gen_toks: int = 256, add_bos_token=None,
                  tp_group: ProcessGroup | None = None, iteration: int | None = None, **kwargs):
@@ -182,3 +184,8 @@ class QlmLM(TemplateLM):
                 results.append(text)
                 self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
         return ordered.get_original(results)
+
+
+@register_model("qlm")
+class QlmLM(CheckedRequests, QlmBackend):
+    """The "qlm" backend: every request's text checked (eval/requests.py), then scored by QlmBackend."""

@@ -221,13 +221,18 @@ def run_eval(config: EvalConfig) -> dict | None:
                           dtype=config.dtype, tp_group=tp_group, iteration=config.iteration)
             model_args = None
         else:
+            from lm_eval.models.huggingface import HFLM
+
+            from qlm_core.eval.requests import CheckedRequests
+
             dtype = DTYPES[config.dtype]
-            model = "hf"
-            model_args = {"pretrained": _hf_dir_for(config.checkpoint, workdir, dtype, config.iteration),
-                          "dtype": HF_DTYPE_NAMES[dtype],
-                          "device": "cuda" if torch.cuda.is_available() else "cpu"}
+            hf_args = {"pretrained": _hf_dir_for(config.checkpoint, workdir, dtype, config.iteration),
+                       "dtype": HF_DTYPE_NAMES[dtype], "batch_size": config.batch_size,
+                       "device": "cuda" if torch.cuda.is_available() else "cpu"}
             if config.max_length:
-                model_args["max_length"] = config.max_length
+                hf_args["max_length"] = config.max_length
+            model = type("CheckedHFLM", (CheckedRequests, HFLM), {})(**hf_args)  # lm-eval's hf, requests checked
+            model_args = None
         try:
             results = lm_eval.simple_evaluate(
                 model=model, model_args=model_args, tasks=config.tasks, num_fewshot=config.num_fewshot,

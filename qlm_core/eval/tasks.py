@@ -3,7 +3,8 @@ that recipes/tiny-sft.toml trains on (qlm_core/data/demo.py), in three forms:
 
   qlm_demo_mc    multiple choice: the answer among 4 candidates (acc, acc_norm; chance is 0.25)
   qlm_demo_gen   generate_until the end of the turn, a regex filter keeps the answer symbols (exact_match)
-  qlm_demo_ppl   loglikelihood_rolling over held-out demo text (word/byte perplexity, bits per byte)
+  qlm_demo_ppl   loglikelihood_rolling over held-out demo text (word/byte perplexity, bits per byte), the plain
+                 text tiny-pretrain.toml trains on (DEMO_NOTES: a chat-tuned model scores it badly, and why)
 
 The prompts use the chatml turns the demo model was trained with, so no --apply-chat-template is needed. The data
 is generated with the demo's default seed, so its questions are the ones tiny-sft.toml held out from training.
@@ -77,7 +78,7 @@ dataset_kwargs:
 test_split: test
 output_type: loglikelihood_rolling
 doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
+doc_to_target: text
 metric_list:
   - metric: word_perplexity
     aggregation: weighted_perplexity
@@ -91,6 +92,14 @@ metric_list:
 metadata:
   version: 1.0
 """,
+}
+
+
+# what a demo task's figures mean, printed under its results
+DEMO_NOTES = {
+    "qlm_demo_ppl": "qlm_demo_ppl scores plain demo text, the format tiny-pretrain.toml trains on; a chat-tuned model "
+                    "(tiny-sft.toml: chatml turns, loss on the answers only) never learned to predict that text, so "
+                    "its perplexities run into the millions: judge it by qlm_demo_mc and qlm_demo_gen",
 }
 
 

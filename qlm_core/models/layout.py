@@ -193,6 +193,11 @@ class ModelLayout:
             fixed = (first or 0) + (last or 0)
             middle = pp - (first is not None) - (last is not None)
             rest = L - fixed
+            if pp > L:
+                divisors = [d for d in range(2, L + 1) if L % d == 0]
+                raise QlmError(f"--pp {pp} is more pipeline stages than the model's {L} layers (each stage needs one)",
+                               f"use a --pp of at most {L}" + (f", e.g. one that divides {L}: "
+                                                               f"{', '.join(map(str, divisors))}" if divisors else ""))
             if first is None and last is None:
                 if L % pp:
                     raise QlmError(

@@ -22,7 +22,8 @@ class StepMetrics:
     loss: float
     grad_norm: float
     lr: float
-    tokens: int  # non-ignored label tokens in this step's global batch
+    label_tokens: int  # the tokens the loss is taken on (non-ignored labels) in this step's global batch
+    # (tokens_per_s counts every token the step processed, padding and prompts included)
     samples: int  # sequences consumed so far
     step_time_s: float
     s_per_sample: float

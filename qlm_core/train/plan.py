@@ -65,9 +65,15 @@ def world_size(recipe: Recipe, nproc_per_node: int | None, nnodes: int) -> tuple
     return per_node, per_node * nnodes
 
 
-def run_warnings(recipe: Recipe, steps: int) -> list[str]:
+def run_warnings(recipe: Recipe, steps: int, spec: ModelSpec | None = None) -> list[str]:
     """Settings that are valid but probably not meant: one line each (not errors)."""
     found = []
+    if spec is not None and recipe.data.seq_length > spec.max_position_embeddings:
+        what = "the loaded model was never trained on positions past it" if recipe.model.load else \
+            "an export's config.json will say the shorter context"
+        found.append(f"warning: data.seq_length = {recipe.data.seq_length} is longer than the model's "
+                     f"max_position_embeddings = {spec.max_position_embeddings}: {what} (RoPE extrapolates past "
+                     "the trained context poorly); lower data.seq_length, or use a model whose context covers it")
     warmup = recipe.schedule.warmup_iters
     if warmup >= steps:
         found.append(f"warning: schedule.warmup_iters = {warmup} >= the run's {steps} steps: the learning rate "
@@ -115,4 +121,4 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
         if iteration is not None:
             resume = describe_resume(root, iteration)
     return RunPlan(source.spec, sizes, layout, steps, source.description, resume,
-                   warnings + run_warnings(recipe, steps))
+                   warnings + run_warnings(recipe, steps, source.spec))

@@ -27,7 +27,7 @@ from qlm_core.data.preference import PositionedPairs, collate_pairs, pair_rows
 from qlm_core.errors import QlmError
 from qlm_core.parallel.comm import all_reduce
 from qlm_core.train.engine import Batch, Engine
-from qlm_core.train.run_dir import replace_atomically
+from qlm_core.train.run_dir import pid_alive, replace_atomically
 from qlm_core.train.sources import ModelSource
 
 
@@ -106,9 +106,25 @@ def load_or_compute(engine: Engine, path: Path, datasets: dict, pairs_per_global
     tables = {name: compute_table(engine, ds, pairs_per_global, pairs_per_micro) for name, ds in wanted.items()}
     if is_rank0:
         path.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_temporaries(path)
         replace_atomically(path, lambda temporary: save_file(tables, str(temporary),
                                                              metadata={DIGEST_KEY: _digest(tables)}))
     return tables
+
+
+def remove_dead_temporaries(path: Path, min_age_s: float = 60.0):
+    """The temporaries of a table's writer that was killed (kill -9, a node lost) before its rename: removed when
+    their process is gone and they are a minute old (a live writer on another node shares no pids with us)."""
+    import time
+
+    for temporary in path.parent.glob(f".{path.name}.tmp-*"):
+        pid = temporary.name.rsplit("-", 1)[-1]
+        try:
+            stale = time.time() - temporary.stat().st_mtime >= min_age_s
+        except OSError:
+            continue
+        if pid.isdigit() and not pid_alive(int(pid)) and stale:
+            temporary.unlink(missing_ok=True)
 
 
 DIGEST_KEY = "qlm_sha256"  # the tables' bytes, checked on reading: a damaged file is recomputed, never trusted

@@ -118,7 +118,7 @@ def check_run_dir(run_dir: Path, resume: bool, force: bool = False):
             parse_log(run_dir / name)  # a damaged line is named now, not by rank 0 after the launch
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -214,7 +214,7 @@ class RunLock:
                                    f"{held_host}, lock file {self.path}); its liveness cannot be checked from "
                                    f"{host}", "wait for that run to end or choose another --output; if it is not "
                                    "running, delete the lock file") from None
-                if _pid_alive(pid):
+                if pid_alive(pid):
                     raise QlmError(f"{self.path.parent} is in use by another qlm train (PID {pid} on host "
                                    f"{held_host}, lock file {self.path})",
                                    "wait for that run to end or choose another --output; if it is not running, "

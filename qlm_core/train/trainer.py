@@ -352,7 +352,7 @@ class Trainer:
         self._last_eval = (-1, None)
         last_saved = self.state.iteration if has_checkpoint(self.ckpt_root) else -1
         # this invocation's totals, over the loop's wall time (evaluations and checkpoints included)
-        self._totals = {"steps": 0, "samples": 0, "tokens": 0}
+        self._totals = {"steps": 0, "samples": 0, "tokens": 0, "label_tokens": 0}
         # a signal during the setup stops the run before its first step
         stopped = self.stop.poll(device, clock=False) if self.state.iteration < self.steps else None
         loop_started = time.perf_counter()
@@ -370,11 +370,12 @@ class Trainer:
             if tflops > self.peak:
                 self._raise_peak(tflops, self.state.iteration)
             for key, value in (("steps", 1), ("samples", r.train.global_batch_size),
-                               ("tokens", r.train.global_batch_size * self.sample_tokens)):
+                               ("tokens", r.train.global_batch_size * self.sample_tokens),
+                               ("label_tokens", result.tokens)):
                 self._totals[key] += value
             metrics = StepMetrics(
                 step=self.state.iteration, loss=result.loss, grad_norm=result.grad_norm, lr=lr,
-                tokens=result.tokens, samples=self.state.consumed_samples, step_time_s=seconds,
+                label_tokens=result.tokens, samples=self.state.consumed_samples, step_time_s=seconds,
                 s_per_sample=seconds / r.train.global_batch_size,
                 tokens_per_s=r.train.global_batch_size * self.sample_tokens / seconds,
                 tflops_per_device=tflops, mfu=tflops / self.peak, mem_peak_gb=peak_memory_gb(),
@@ -479,6 +480,7 @@ class Trainer:
             "steps": self.state.iteration, "first_loss": rows[0]["loss"] if rows else None,
             "last_loss": rows[-1]["loss"] if rows else None, "valid_loss": final_valid,
             "steps_run": totals["steps"], "train_wall_s": wall, "tokens": totals["tokens"],
+            "label_tokens": totals["label_tokens"],
             "s_per_sample": wall / samples if samples else nan,
             "tokens_per_s": totals["tokens"] / wall if wall > 0 and samples else nan,
             "tflops_per_device": tflops, "mfu": tflops / self.peak if math.isfinite(tflops) else nan,

@@ -17,6 +17,7 @@ from qlm_core.checkpoint.convert.hf_megatron import (
     open_for_export,
     parse_dtype,
     should_verify,
+    unverified_warnings,
     write_export_config,
     write_hf,
     write_mcore_torch,
@@ -64,7 +65,7 @@ def ds_to_hf(
             compare_logits(report, qlm_logits_fn(layout, source, dtype), hf_logits_fn(tmp, dtype), spec)
             finish_report(report)
     return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, list(src.notes),
-                         list(src.warnings))
+                         [*src.warnings, *unverified_warnings(verify, spec, (layout, source))])
 
 
 def ds_to_mcore(
@@ -94,7 +95,7 @@ def ds_to_mcore(
                            spec)
             finish_report(report)
     return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, list(src.notes),
-                         list(src.warnings))
+                         [*src.warnings, *unverified_warnings(verify, spec, (layout, source))])
 
 
 def _write_and_verify_ds(tmp: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype, tag: str,
@@ -131,7 +132,8 @@ def hf_to_ds(
         report = _write_and_verify_ds(tmp, layout, HFTensorSource(src), dtype, tag or "global_step0", 0, fp32_master,
                                       lambda: hf_logits_fn(src.path, dtype), should_verify(verify, src.spec), progress)
         copy_hf_side_files(src.path, tmp, dtype)
-    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report,
+                         warnings=unverified_warnings(verify, src.spec, (layout, HFTensorSource(src))))
 
 
 def mcore_to_ds(
@@ -149,4 +151,5 @@ def mcore_to_ds(
                                       lambda: qlm_logits_fn(src.layout, source, dtype),
                                       should_verify(verify, src.spec), progress)
         write_export_config(tmp, side_dir, src.spec, dtype, config, copy=copy_hf_side_files)
-    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report,
+                         warnings=unverified_warnings(verify, src.spec, (src.layout, source)))

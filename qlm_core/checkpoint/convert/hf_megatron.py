@@ -22,6 +22,7 @@ from qlm_core.checkpoint.convert.verify import (
     compare_tensors,
     hf_logits_fn,
     qlm_logits_fn,
+    scan_nan,
 )
 from qlm_core.checkpoint.formats.hf import (
     HFCheckpoint,
@@ -85,6 +86,27 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 def should_verify(verify: bool | None, spec) -> bool:
     return verify if verify is not None else spec.num_parameters() <= AUTO_VERIFY_MAX_PARAMS
+
+
+def unverified_warnings(verify: bool | None, spec, source: tuple[ModelLayout, TensorSource]) -> list[str]:
+    """A conversion that is not verified because the model is large (verify left at its default) still scans the
+    source for NaN, which every direction copies bit for bit: the warning names the tensor. An explicit
+    --no-verify skips the scan too (the CLI says so)."""
+    if verify is not None or should_verify(None, spec):
+        return []
+    report = VerifyReport()
+    scan_nan(report, source)
+    return report.warnings()
+
+
+def missing_tokenizer_warning(out: Path) -> str | None:
+    """A converted model without tokenizer files (none beside the source): every later verb needs one named."""
+    from qlm_core.checkpoint.sources.open import tokenizer_near
+
+    if tokenizer_near(Path(out)) is not None:
+        return None
+    return (f"{out} has no tokenizer files (there were none beside the source): qlm eval, generate and train will "
+            "need --tokenizer / model.tokenizer, or copy tokenizer.json and tokenizer_config.json in")
 
 
 def dir_bytes(path: Path) -> tuple[int, int]:
@@ -170,7 +192,8 @@ def hf_to_mcore(
             compare_logits(report, hf_logits_fn(src.path, dtype), qlm_logits_fn(written.layout, written, dtype),
                            src.spec)
             finish_report(report)
-    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report,
+                         warnings=unverified_warnings(verify, src.spec, (layout, source)))
 
 
 def write_megatron(format: str, root: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype,
@@ -252,7 +275,8 @@ def mcore_to_hf(
             compare_tensors(report, (src.layout, source), (src.layout, HFTensorSource(written)), dtype)
             compare_logits(report, qlm_logits_fn(src.layout, source, dtype), hf_logits_fn(tmp, dtype), src.spec)
             finish_report(report)
-    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report,
+                         warnings=unverified_warnings(verify, src.spec, (src.layout, source)))
 
 
 def mcore_to_mcore(
@@ -298,7 +322,8 @@ def mcore_to_mcore(
             compare_logits(report, qlm_logits_fn(src.layout, src, dtype), qlm_logits_fn(written.layout, written, dtype),
                            src.spec)
             finish_report(report)
-    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, notes)
+    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, notes,
+                         unverified_warnings(verify, src.spec, (src.layout, src)))
 
 
 PEFT_BASE_DIR = "base"  # inside a PEFT export: the base model as HF, when the adapters' base is not one

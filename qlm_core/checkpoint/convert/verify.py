@@ -61,6 +61,16 @@ def compare_tensors(report: VerifyReport, source: tuple[ModelLayout, TensorSourc
             report.mismatched.append(name)
 
 
+def scan_nan(report: VerifyReport, source: tuple[ModelLayout, TensorSource]):
+    """The source's NaN counts per HF tensor into `report` (its warnings name them), without a written side to
+    compare: what a conversion that is not verified still looks for."""
+    layout, src = source
+    for name in layout.hf_tensors:
+        tensor = assemble_hf_tensor(layout, name, src)
+        if tensor.is_floating_point() and (nans := int(tensor.isnan().sum())):
+            report.nan_counts.setdefault(name, nans)
+
+
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -26,7 +26,8 @@ _BUFFERS = ("rotary_emb.inv_freq",)  # non-persistent buffers older transformers
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
 }
 
 
@@ -96,11 +97,30 @@ def _safetensors_header(file: Path) -> tuple[dict, int]:
         )
     for name, info in header.items():  # a shape that disagrees with its byte range would read the wrong bytes
         dtype = _ST_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise QlmError(f"{file}: tensor {name} has dtype {info.get('dtype')!r}, which safetensors does not "
+                           f"define (one of {', '.join(_ST_DTYPES)})", fix)
         start, stop = info["data_offsets"]
-        if dtype is not None and stop - start != math.prod(info["shape"]) * dtype.itemsize:
-            raise QlmError(f"{file}: tensor {name} claims shape {info['shape']} ({info['dtype']}) but holds "
-                           f"{stop - start} bytes", fix)
+        if stop < start or stop - start != math.prod(info["shape"]) * dtype.itemsize:
+            raise QlmError(f"{file}: tensor {name} claims shape {info['shape']} ({info['dtype']}) but its byte range "
+                           f"[{start}, {stop}) holds {stop - start} bytes", fix)
+    _check_tiling(file, header, fix)
     return header, 8 + length
+
+
+def _check_tiling(file: Path, header: dict, fix: str):
+    """The tensors' byte ranges must cover the data area exactly once, as safetensors writes them (and as
+    transformers checks): two ranges that overlap would make one tensor read the other's bytes."""
+    ranges = sorted((info["data_offsets"][0], info["data_offsets"][1], name) for name, info in header.items())
+    covered, last = 0, None
+    for start, stop, name in ranges:
+        if start < covered and last is not None and stop > start:
+            raise QlmError(f"{file}: the header gives tensor {name} the bytes [{start}, {stop}), which overlap tensor "
+                           f"{last[2]}'s [{last[0]}, {last[1]}) (one of the two entries is wrong)", fix)
+        if start > covered:
+            raise QlmError(f"{file}: the header leaves bytes [{covered}, {start}) to no tensor, before tensor {name} "
+                           "(an entry's offsets are wrong)", fix)
+        covered, last = max(covered, stop), (start, stop, name)
 
 
 class HFCheckpoint:

@@ -134,6 +134,7 @@ class MegatronTorchCheckpoint:
             raise QlmError(f"{self.files[some_file]} has no args", "qlm needs Megatron's args to know the architecture")
         self.args = state["args"]
         self._set_rank_files(self.args)
+        self._check_no_extra_ranks()
         self.tp = max(1 + max(t for t, _ in self.files), getattr(self.args, "tensor_model_parallel_size", 1) or 1)
         self.pp = max(1 + max(p for _, p in self.files), getattr(self.args, "pipeline_model_parallel_size", 1) or 1)
         self.ep = max(1 + max(e for _, _, e in self.rank_files),
@@ -163,6 +164,24 @@ class MegatronTorchCheckpoint:
         self._check_shapes()
 
     # ---- discovery -------------------------------------------------------------------------------------------------
+
+    def _check_no_extra_ranks(self):
+        """A rank folder beyond the sizes the args give (a stray copy, another run's) is named, not read as a
+        larger layout: its tensors would be mistaken for more layers or experts. Args that did not come with the
+        checkpoint (--config, a run_config.yaml) describe the model, not how it was saved: the folders decide."""
+        if getattr(self, "args_from", "checkpoint") != "checkpoint":
+            return
+        args = self.args
+        sizes = {"tensor_model_parallel_size": 0, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 2}
+        for key, position in sizes.items():
+            wanted = getattr(args, key, None)
+            if not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1:
+                continue
+            extra = sorted(file.parent.name for ranks, file in self.rank_files.items() if ranks[position] >= wanted)
+            if extra:
+                raise QlmError(f"{self.dir} holds {', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}, beyond "
+                               f"the {key} = {wanted} its args give", "remove the stray rank folders (or copy the "
+                               "checkpoint again)")
 
     def _find_files(self) -> dict[tuple[int, ...], Path]:
         """(TT, then the folder name's 3-digit numbers) -> its model_optim_rng.pt."""

@@ -79,6 +79,8 @@ def safe_torch_load(path: str | Path, *, mmap: bool = False, extra_globals: list
     """Load a torch file with weights_only=True and qlm's allow-list; one-line errors for bad files. `map_location`
     "meta": the structure without the bytes (each storage's file offset in `_checkpoint_offset`)."""
     path = Path(path)
+    if mmap and path.is_file() and not zipfile.is_zipfile(path):
+        mmap = False  # torch's pre-1.6 (non-zip) format, which Megatron-LM of that age wrote, cannot be mapped
     try:
         with torch.serialization.safe_globals(allowed_globals() + list(extra_globals or [])):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
