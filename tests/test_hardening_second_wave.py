@@ -534,3 +534,153 @@ metric_list:
 """)
     one_error(call_qlm("eval", qwen2, "--tasks", "list_ppl", "--include-path", tasks, "--backend", backend),
               "task list_ppl document 1", "a list", "doc_to_target: text")
+
+
+# ---- caches and config files that lie (helpers' battery, second round) -----------------------------------------
+
+QWEN2_MOE = dict(model_type="qwen2_moe", vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=16, shared_expert_intermediate_size=32)
+
+
+@pytest.mark.parametrize("key,value", [("decoder_sparse_step", 0), ("decoder_sparse_step", "2"),
+                                       ("mlp_only_layers", "1"), ("mlp_only_layers", [-1]),
+                                       ("norm_topk_prob", "yes"), ("moe_intermediate_size", 0),
+                                       ("shared_expert_intermediate_size", 1.5), ("num_experts_per_tok", 5),
+                                       ("num_experts", True)])
+def test_an_hf_moe_config_value_of_the_wrong_kind_is_one_line(key, value):
+    with pytest.raises(QlmError) as caught:
+        ModelSpec.from_hf_config({**QWEN2_MOE, key: value})
+    assert key in caught.value.line() or "num_experts" in caught.value.line()
+
+
+def test_an_honest_hf_moe_config_is_read():
+    spec = ModelSpec.from_hf_config({**QWEN2_MOE, "mlp_only_layers": [1], "norm_topk_prob": True})
+    assert spec.moe.layer_pattern == (1, 0) and not spec.moe.pre_softmax and spec.moe.shared_expert_hidden_size == 32
+
+
+def _bridge_yaml(tmp_path: Path, **model) -> Path:
+    import yaml
+
+    config = {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4,
+              "vocab_size": 100, "normalization": "RMSNorm", "gated_linear_unit": True,
+              "position_embedding_type": "rope", **model}
+    path = tmp_path / "run_config.yaml"
+    path.write_text(yaml.safe_dump({"model": config}))
+    return path
+
+
+def test_a_bridge_config_s_expert_parallel_sizes_are_read(tmp_path):
+    from qlm_core.checkpoint.formats.bridge_config import bridge_args
+
+    args = bridge_args(_bridge_yaml(tmp_path, expert_model_parallel_size=2, expert_tensor_parallel_size=1))
+    assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (2, 1)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_bridge_number_is_one_line(tmp_path, value):
+    from qlm_core.checkpoint.formats.bridge_config import bridge_args
+
+    with pytest.raises(QlmError) as caught:
+        bridge_args(_bridge_yaml(tmp_path, rotary_base=value))
+    assert "model.rotary_base" in caught.value.line() and "finite" in caught.value.line()
+
+
+def test_a_demo_file_cut_short_is_built_again(tmp_path):
+    from qlm_core.data.demo import build_demo
+
+    paths = build_demo(tmp_path / "demo", num_train=40, num_eval=8, corpus_paragraphs=10, preference_pairs=10)
+    whole = paths.train.read_bytes()
+    paths.train.write_bytes(whole[: len(whole) // 2])
+    build_demo(tmp_path / "demo", num_train=40, num_eval=8, corpus_paragraphs=10, preference_pairs=10)
+    assert paths.train.read_bytes() == whole
+
+
+def test_a_damaged_datasets_cache_is_rebuilt_with_a_warning(tmp_path, capsys):
+    records = [{**TRL, "chosen": f"a {i}"} for i in range(6)]
+    path = _pairs(tmp_path, records)
+    expected = [p["chosen"] for p in _load(path)]
+    arrows = sorted((tmp_path / "cache").rglob("*.arrow"))
+    assert arrows
+    for arrow in arrows:
+        arrow.write_bytes(arrow.read_bytes()[:64])
+    again = _load(path)
+    assert [p["chosen"] for p in again] == expected and len(expected) == 6
+    assert "datasets cache of" in capsys.readouterr().err
+
+
+def _indexed(tmp_path: Path) -> Path:
+    import numpy as np
+
+    from qlm_core.data.indexed import IndexedWriter
+
+    prefix = tmp_path / "corpus"
+    with IndexedWriter(prefix, np.int32) as writer:
+        for n in (5, 3, 7, 4):
+            writer.add_document(np.arange(n, dtype=np.int32))
+    return prefix
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda raw, n: raw[:34] + (-3).to_bytes(4, "little", signed=True) + raw[38:], "negative length"),
+    # the second pointer moved by one token: the sum of the lengths still matches the .bin's size
+    (lambda raw, n: raw[:34 + 4 * n + 8] + (24).to_bytes(8, "little") + raw[34 + 4 * n + 16:], "does not start where"),
+])
+def test_an_index_whose_pointers_or_lengths_lie_is_one_line(tmp_path, edit, needle):
+    from qlm_core.data.indexed import IndexedDataset
+
+    prefix = _indexed(tmp_path)
+    idx = prefix.with_suffix(".idx")
+    raw = idx.read_bytes()
+    idx.write_bytes(edit(raw, 4))
+    with pytest.raises(QlmError) as caught:
+        IndexedDataset(prefix)
+    assert needle in caught.value.line() and "qlm data preprocess" in caught.value.line()
+
+
+def test_a_sample_order_cache_edited_since_it_was_written_is_rebuilt(tmp_path):
+    import numpy as np
+
+    from qlm_core.data.indexed import IndexedDataset
+    from qlm_core.data.pretrain import PackedDataset, PretrainConfig
+
+    indexed = IndexedDataset(_indexed(tmp_path))
+    config = PretrainConfig(seq_length=4, cache_dir=str(tmp_path / "samples"))
+    fresh = PackedDataset(indexed, range(4), 6, config)
+    expected = [fresh[i]["input_ids"].tolist() for i in range(6)]
+    (cache,) = (tmp_path / "samples").glob("*.npz")
+    with np.load(cache) as stored:
+        arrays = {k: stored[k] for k in stored.files}
+    arrays["shuffle"] = arrays["shuffle"][::-1].copy()  # a valid-looking order that is not the seed's
+    np.savez(cache, **arrays)
+    again = PackedDataset(indexed, range(4), 6, config)
+    assert [again[i]["input_ids"].tolist() for i in range(6)] == expected
+
+
+def test_a_file_where_the_run_s_cache_folder_goes_is_one_line(tmp_path):
+    (tmp_path / "in-the-way").write_text("x")
+    one_error(call_qlm("train", REPO / "recipes" / "tiny-sft.toml", "--dry-run", "--output", tmp_path / "run",
+                       "--set", f"data.cache_dir={tmp_path / 'in-the-way' / 'cache'}"),
+              "data.cache_dir", "is a file, not a folder")
+
+
+def test_a_file_where_inductor_s_cache_goes_is_one_line(tmp_path):
+    from qlm_core.train.validate import validate_compile_cache
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(QlmError) as caught:
+        validate_compile_cache({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "file" / "inductor")})
+    assert "TORCHINDUCTOR_CACHE_DIR" in caught.value.line()
+    validate_compile_cache({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "new" / "inductor")})
+
+
+def test_a_directory_where_a_run_file_goes_is_one_line(tmp_path):
+    from qlm_core.train.reference_table import read_table
+    from qlm_core.train.wandb_log import read_run_id
+
+    (tmp_path / "table.safetensors").mkdir()
+    (tmp_path / "wandb_run_id").mkdir()
+    for call, path in ((read_table, "table.safetensors"), (read_run_id, "wandb_run_id")):
+        with pytest.raises(QlmError) as caught:
+            call(tmp_path / path)
+        assert "is a directory" in caught.value.line()

@@ -218,7 +218,10 @@ def test_two_ranks_sigterm_to_the_launcher_saves_and_the_resume_finishes(cache, 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "qlm_cli.main", "train", RECIPE, "--output", run,
            *sets(cache, "parallel.dp=2", "train.train_iters=6")]
-    env = {**os.environ, "COLUMNS": "200"}
+    # each step slowed to 0.5 s (tests/workers/slow_steps): the signal after step 1 lands before step 6 on any machine
+    env = {**os.environ, "COLUMNS": "200", "QLM_TEST_STEP_SECONDS": "0.5",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "workers" / "slow_steps"),
+                                                        os.environ.get("PYTHONPATH")]))}
     env.pop("OMP_NUM_THREADS", None)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     deadline = time.monotonic() + 600

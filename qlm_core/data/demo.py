@@ -22,6 +22,7 @@ Everything is a deterministic function of the seed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qlm_core.data.tokenizer import build_demo_tokenizer
+from qlm_core.errors import QlmError
 
 LETTERS = "abcdefgh"
 DIGITS = "0123456789"
@@ -102,13 +104,17 @@ def build_demo(out_dir: str | os.PathLike, seed: int = 0, num_train: int = 3000,
     params = dict(seed=seed, num_train=num_train, num_eval=num_eval, corpus_paragraphs=corpus_paragraphs,
                   pairs_per_paragraph=pairs_per_paragraph, preference_pairs=preference_pairs)
     paths = _paths(root)
-    stamp = root / "demo.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == params:
+    if _intact(root, params):
         return paths
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise QlmError(f"cannot make the demo data under {root.parent}: a part of that path is a file",
+                       "point data.cache_dir (or --output) at a directory") from None
     private = root.parent / f".{root.name}.{os.getpid()}.partial"
     shutil.rmtree(private, ignore_errors=True)
     _write_demo(private, **params)
-    (private / "demo.json").write_text(json.dumps(params))
+    (private / "demo.json").write_text(json.dumps({"params": params, "files": _digests(private)}))
     if root.exists():  # an older or different build: replace it (a concurrent identical build may win the race)
         stale = root.parent / f".{root.name}.{os.getpid()}.stale"
         try:
@@ -121,6 +127,23 @@ def build_demo(out_dir: str | os.PathLike, seed: int = 0, num_train: int = 3000,
     except OSError:  # another process put a complete build in place first
         shutil.rmtree(private, ignore_errors=True)
     return paths
+
+
+def _digests(root: Path) -> dict[str, str]:
+    """sha256 of every file of a demo build, by its path inside it (the stamp, demo.json, aside)."""
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(root.rglob("*")) if f.is_file() and f.name != "demo.json"}
+
+
+def _intact(root: Path, params: dict) -> bool:
+    """A complete build of these parameters whose files are as written: a file cut short or edited since (a
+    cache, not a user's data) makes the demo be built again, never trained on."""
+    try:
+        stamp = json.loads((root / "demo.json").read_text())
+        return (isinstance(stamp, dict) and stamp.get("params") == params
+                and stamp.get("files") == _digests(root))
+    except (OSError, ValueError):
+        return False
 
 
 def _paths(root: Path) -> DemoPaths:

@@ -13,6 +13,7 @@ import errno
 import glob
 import json
 import os
+import sys
 from pathlib import Path
 
 from qlm_core.errors import QlmError
@@ -42,11 +43,14 @@ def _no_datasets_logs():
         ds_logging.set_verbosity(level)
 
 
-CACHE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS)
+CACHE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR)
 
 
 def cache_error(what: str, exc: OSError) -> QlmError:
     where = f" ({exc.filename})" if isinstance(exc.filename, str) else ""
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):  # a file where the cache needs a folder, or back
+        return QlmError(f"{what}: the datasets cache could not be written{where}: {os_reason(exc)}",
+                        "remove the file in the way, or point data.cache_dir (HF_DATASETS_CACHE) at a folder")
     return QlmError(f"{what}: the datasets cache could not be written{where}: {os_reason(exc)}",
                     "free disk space, or point HF_DATASETS_CACHE at a writable folder with room")
 
@@ -148,14 +152,28 @@ def read_dataset(builder: str, path: Path, what: str, cache_dir: str | None = No
     check_readable_file(path, what)
     if builder in ("json", "text"):
         check_utf8(path)
-    try:
+    def load(**extra):
         with _no_datasets_logs():
             # data_files are glob patterns: a name with [brackets] or * must be escaped to mean itself
             return datasets.load_dataset(builder, data_files=[glob.escape(str(path))], split="train",
-                                         cache_dir=cache_dir, **options)
+                                         cache_dir=cache_dir, **options, **extra)
+
+    try:
+        try:
+            return load()
+        except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException, ValueError, OSError) as exc:
+            inner = _os_error_in(exc)
+            if inner is not None and (inner.errno in CACHE_ERRNOS or inner.filename not in (None, str(path))):
+                raise
+            # the file passed the checks above: a damaged Arrow cache of an earlier read fails the same way, so the
+            # file is read again with the cache rebuilt before the file is blamed
+            dataset = load(download_mode="force_redownload")
+            print(f"warning: the datasets cache of {path} was damaged (" + " ".join(_reason(exc).split())[:100]
+                  + "); it was rebuilt", file=sys.stderr, flush=True)
+            return dataset
     except OSError as exc:
-        if exc.errno in CACHE_ERRNOS and exc.filename != str(path):
-            raise cache_error(f"cannot read {path}", exc) from None
+        if (exc.errno in CACHE_ERRNOS or exc.filename is not None) and exc.filename != str(path):
+            raise cache_error(f"cannot read {path}", exc) from None  # the cache's fault, not the file's
         raise QlmError(f"cannot read {path} ({os_reason(exc)})", "check the file and its permissions") from None
     except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException, ValueError) as exc:
         # malformed files: datasets wraps pyarrow's / json's errors in DatasetGenerationError (and a full cache)
@@ -228,7 +246,11 @@ def read_records(path: Path, what: str, cache_dir: str | None, format: str, dete
     if len(dataset) == 0:
         raise QlmError(f"{what} {path} has no records", "check the file")
     check_column_types(dataset, path)
-    format = detect(dataset[0]) if format == "auto" else format
+    if format == "auto":
+        try:
+            format = detect(dataset[0])
+        except QlmError as exc:  # name the file: a run may read several
+            raise QlmError(f"{path}: {exc.problem}", exc.fix) from None
     missing = [column for column in columns[format] if column not in dataset.column_names]
     if missing:
         raise QlmError(f"{path} has no {', '.join(missing)} column for the {format} format", fix)

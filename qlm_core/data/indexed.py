@@ -376,6 +376,7 @@ class IndexedDataset:
         if self.document_indices.size == 0 or self.document_indices[-1] != num_sequences:
             raise QlmError(f"{self.idx_path} is inconsistent: its document indices do not end at the sequence count",
                            "regenerate it with `qlm data preprocess`")
+        self._check_consistent(num_sequences)
         # the .idx must describe exactly the .bin beside it: a pair of two runs would read wrong documents
         size = self.bin_path.stat().st_size
         expected = 0
@@ -389,6 +390,24 @@ class IndexedDataset:
         # np.memmap refuses empty files, and an empty .bin is valid (a dataset of empty documents)
         self._tokens = (np.memmap(self.bin_path, mode="r", dtype=self.dtype) if size
                         else np.zeros(0, self.dtype))
+
+    def _check_consistent(self, num_sequences: int):
+        """Lengths of 0 or more, each sequence starting where the one before ends, document indices from 0 that
+        never go back: a damaged index otherwise surfaces as a traceback in sampling or in the model's forward
+        (vectorised: a pass over the index, not the tokens)."""
+        lengths, pointers, documents = self.sequence_lengths, self.sequence_pointers, self.document_indices
+        problem = None
+        if num_sequences and lengths.min() < 0:
+            problem = f"sequence {int(np.argmax(lengths < 0))} has a negative length"
+        elif num_sequences > 1:
+            ends = pointers[:-1] + lengths[:-1].astype(np.int64) * self.dtype.itemsize
+            wrong = np.flatnonzero(pointers[1:] != ends)
+            if wrong.size:
+                problem = f"sequence {int(wrong[0]) + 1} does not start where sequence {int(wrong[0])} ends"
+        if problem is None and (documents[0] != 0 or (documents.size > 1 and np.any(np.diff(documents) < 0))):
+            problem = "its document indices do not start at 0 and rise"
+        if problem is not None:
+            raise QlmError(f"{self.idx_path} is inconsistent: {problem}", "regenerate it with `qlm data preprocess`")
 
     def __len__(self) -> int:
         return self.sequence_lengths.size

@@ -170,7 +170,10 @@ class PackedDataset:
         try:
             with np.load(path) as cached:
                 arrays = cached["sequence_order"], cached["sample_index"], cached["shuffle"]
+                digest = bytes(cached["digest"])
         except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):  # unreadable: rebuild it
+            return None
+        if digest != _digest(arrays):  # damaged or edited since it was written: rebuilt, never read
             return None
         order, index, shuffle = arrays
         expected = key["num_samples"]
@@ -184,10 +187,20 @@ class PackedDataset:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             order, index, shuffle = arrays
-            np.savez(temporary, sequence_order=order, sample_index=index, shuffle=shuffle)
+            np.savez(temporary, sequence_order=order, sample_index=index, shuffle=shuffle,
+                     digest=np.frombuffer(_digest(arrays), np.uint8))
             os.replace(temporary, path)  # atomic: concurrent ranks never read a half-written file
         except OSError:
             temporary.unlink(missing_ok=True)
+
+
+def _digest(arrays) -> bytes:
+    """sha256 of a sample-order cache's arrays (their dtypes, shapes and bytes)."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.digest()
 
 
 def make_item(tokens: np.ndarray, config: PretrainConfig) -> dict:

@@ -44,7 +44,9 @@ class MoeSpec:
             raise QlmError(f"router score function {self.score_function!r}", "use 'softmax' or 'sigmoid'")
         if self.expert_bias and self.score_function != "sigmoid":
             raise QlmError("a router expert bias with softmax scores (Megatron allows it with sigmoid routing only)",
-                           "set moe.router_score_function = 'sigmoid', or drop moe.router_expert_bias")
+                           "use sigmoid scores (a recipe's moe.router_score_function, Megatron's "
+                           "moe_router_score_function) or drop the bias (moe.router_expert_bias, "
+                           "moe_router_enable_expert_bias)")
         if self.shared_expert_gate and not self.shared_expert_hidden_size:
             raise QlmError("a shared-expert gate without a shared expert", "set shared_expert_intermediate_size")
 
@@ -55,25 +57,51 @@ class MoeSpec:
         return sum(self.is_moe_layer(i) for i in range(num_layers))
 
 
+def _typed(config: dict[str, Any], model_type: str, key: str, kind: type, default: Any, least: int = 0) -> Any:
+    """config[key] (default when absent or null) of `kind`: an int >= least, a bool, or a list of ints >= least;
+    anything else is one line naming the key (transformers refuses the same config)."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
+    else:
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= least
+                                             for v in value)
+    if not ok:
+        what = {bool: "true or false", int: f"an integer >= {least}", list: f"a list of integers >= {least}"}[kind]
+        raise QlmError(f"config.json ({model_type}): {key} is {value!r}, not {what}",
+                       f"set {key} as transformers writes it")
+    return value
+
+
 def moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> MoeSpec:
     """The MoeSpec of an HF config.json of one of MOE_MODEL_TYPES."""
     experts = config.get("num_experts", config.get("num_local_experts"))
     topk = config.get("num_experts_per_tok")
-    if not isinstance(experts, int) or not isinstance(topk, int):
+    if not isinstance(experts, int) or not isinstance(topk, int) or isinstance(experts, bool) \
+            or isinstance(topk, bool):
         raise QlmError(f"config.json ({model_type}) has no integer num_experts / num_experts_per_tok",
                        "use a complete config.json from transformers")
+    if topk > experts:
+        raise QlmError(f"config.json ({model_type}): num_experts_per_tok {topk} is more than its {experts} experts",
+                       "set num_experts_per_tok between 1 and the number of experts")
     if model_type == "mixtral":
         if config.get("router_jitter_noise"):
             raise QlmError(f"router_jitter_noise {config['router_jitter_noise']} is not supported",
                            "set router_jitter_noise to 0 (Megatron has no router noise)")
         return MoeSpec(num_experts=experts, topk=topk, ffn_hidden_size=config["intermediate_size"])
-    sparse_step = config.get("decoder_sparse_step", 1) or 1
-    dense = set(config.get("mlp_only_layers") or [])
+    sparse_step = _typed(config, model_type, "decoder_sparse_step", int, 1, least=1)
+    dense = set(_typed(config, model_type, "mlp_only_layers", list, []))
     pattern = tuple(int(i not in dense and (i + 1) % sparse_step == 0) for i in range(num_layers))
-    shared = config.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    shared = (_typed(config, model_type, "shared_expert_intermediate_size", int, 0)
+              if model_type == "qwen2_moe" else 0)
     return MoeSpec(
-        num_experts=experts, topk=topk, ffn_hidden_size=config.get("moe_intermediate_size") or 0,
-        pre_softmax=not config.get("norm_topk_prob", False),
+        num_experts=experts, topk=topk,
+        ffn_hidden_size=_typed(config, model_type, "moe_intermediate_size", int, 0, least=1),
+        pre_softmax=not _typed(config, model_type, "norm_topk_prob", bool, False),
         shared_expert_hidden_size=shared or 0, shared_expert_gate=bool(shared),
         layer_pattern=() if all(pattern) else pattern,
     )

@@ -144,3 +144,16 @@ def _pretrain(data, train_names, valid_names, tokenizer_dir, cache_dir, train_sa
         return RunData(train, valid, tokenizer_dir)
     train, valid = build_pretrain_datasets(blend, config, train_samples, valid_samples)
     return RunData(train, valid, tokenizer_dir)
+
+
+def check_cache_dir(setting: str, run_dir: Path):
+    """The run's cache folder (data.cache_dir `setting`, else RUN/cache), or the first of its parents that exists,
+    must be a folder: a file in the way is one line before any data is read."""
+    path = Path(setting) if setting else Path(run_dir) / "cache"
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                key = "data.cache_dir" if setting else "the run's cache folder (RUN/cache)"
+                raise QlmError(f"{key} {path}: {part} is a file, not a folder",
+                               "remove the file, or point data.cache_dir at a folder")
+            return

@@ -8,16 +8,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from qlm_core.checkpoint.sources.open import CHECKPOINTS_DIR
-from qlm_core.config import ModelConfig, Recipe
+from qlm_core.config import ModelConfig, Recipe, compiles
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout, recipe_layout
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.state import ParallelSizes, resolve_sizes
 from qlm_core.train.checkpointing import describe_resume, resume_iteration
-from qlm_core.train.data import check_data_files
+from qlm_core.train.data import check_cache_dir, check_data_files
 from qlm_core.train.sources import resolve_model
 from qlm_core.train.trainer import total_steps
-from qlm_core.train.validate import validate_layout, validate_moe, validate_preference_model, validate_recipe
+from qlm_core.train.validate import (
+    validate_compile_cache,
+    validate_layout,
+    validate_moe,
+    validate_preference_model,
+    validate_recipe,
+)
 
 
 @dataclass
@@ -114,6 +120,9 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
     validate_layout(source.spec, p, sizes, recipe.data.seq_length, t.micro_batch_size, t.global_batch_size)
     validate_moe(source.spec, recipe.moe, p, recipe.lora.rank)  # as every rank's Engine will, before they start
     steps = total_steps(recipe)
+    if compiles(recipe.train, steps):
+        validate_compile_cache()
+    check_cache_dir(recipe.data.cache_dir, Path(t.output))
     resume = None
     if recipe.checkpoint.resume and not start_over:
         root = Path(t.output) / CHECKPOINTS_DIR

@@ -143,6 +143,9 @@ def read_table(path: Path) -> dict[str, np.ndarray]:
     claims): a damaged table is said in one line and recomputed."""
     from safetensors import SafetensorError, safe_open
 
+    if path.exists() and not path.is_file():
+        raise QlmError(f"the precomputed reference table {path} is a directory, not a file",
+                       "remove it (the table is computed again)")
     if not path.is_file():
         return {}
     try:

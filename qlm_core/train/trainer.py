@@ -52,7 +52,7 @@ from qlm_core.train.checkpointing import (
     load_checkpoint,
     resume_iteration,
 )
-from qlm_core.train.data import build_run_data
+from qlm_core.train.data import build_run_data, check_cache_dir
 from qlm_core.train.engine import Batch, Engine
 from qlm_core.train.load_pin import pinned_error, pinned_iteration, record_pin
 from qlm_core.train.metrics import MetricsWriter, StepMetrics, device_memory_gb, peak_memory_gb, plot_loss, strict_json
@@ -61,7 +61,7 @@ from qlm_core.train.run_dir import claim_run_dir, os_error, write_atomic
 from qlm_core.train.schedule import learning_rate
 from qlm_core.train.signals import StopControl, StopReason
 from qlm_core.train.sources import resolve_model
-from qlm_core.train.validate import validate_recipe
+from qlm_core.train.validate import validate_compile_cache, validate_recipe
 from qlm_core.train.wandb_log import WandbLogger, check_wandb
 
 
@@ -184,6 +184,7 @@ class Trainer:
         start = resume_iteration(self.ckpt_root, r.checkpoint.load_iteration) if r.checkpoint.resume else None
         source = self._resolve_source(resuming=start is not None)
         cache = Path(r.data.cache_dir) if r.data.cache_dir else self.run_dir / "cache"
+        check_cache_dir(r.data.cache_dir, self.run_dir)
         valid_samples = r.train.eval_iters * r.train.global_batch_size
         # rank 0 builds (tokenises, caches) first; the others then read the caches
         for turn in ("first", "rest"):
@@ -248,6 +249,8 @@ class Trainer:
         r = self.recipe
         decided = compiles(r.train, self.steps)
         self.compile_text = compile_text(r.train, self.steps)
+        if decided:
+            validate_compile_cache()
         if decided and self.grid.device.type == "cpu" and cpp_compiler() is None:
             if r.train.compile:
                 raise QlmError("train.compile = true on a CPU needs a C++ compiler (torch inductor's), and none was "
@@ -394,6 +397,13 @@ class Trainer:
             elif self.engine.compiled and self._totals["steps"] == 2:
                 self._emit("compile", seconds=first_step_s - seconds)
             if self.state.skipped_in_row >= r.train.max_skipped_steps:
+                moe_terms = [k for k, v in (result.moe or {}).items()
+                             if k in ("moe_aux_loss", "moe_z_loss") and not math.isfinite(v)]
+                if moe_terms:  # the router's losses overflowed: their coefficients, not the data or the lr
+                    raise QlmError(f"{self.state.skipped_in_row} steps in a row had a non-finite "
+                                   f"{' and '.join(moe_terms)} (moe.aux_loss_coeff {r.moe.aux_loss_coeff:g}, "
+                                   f"moe.z_loss_coeff {r.moe.z_loss_coeff:g})",
+                                   "lower those coefficients (Megatron uses about 1e-3); the last checkpoint is intact")
                 raise QlmError(f"{self.state.skipped_in_row} steps in a row had a non-finite loss or gradient",
                                "lower optim.lr or check the data; the last checkpoint is intact")
             if r.train.eval_interval and self.state.iteration % r.train.eval_interval == 0:

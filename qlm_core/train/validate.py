@@ -199,3 +199,20 @@ def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSize
                            f"make train.global_batch_size {target} (--gbs in qlm profile), or lower "
                            "train.micro_batch_size"
                            + ("" if config.pp_schedule == "gpipe" else ', or use pp_schedule = "gpipe"')) from None
+
+
+def validate_compile_cache(environ=None):
+    """torch inductor's cache folder (TORCHINDUCTOR_CACHE_DIR, when set) must be a folder or creatable: torch
+    creates it while torch._dynamo is imported, where a file in the way is a traceback."""
+    import os
+    from pathlib import Path
+
+    value = (environ if environ is not None else os.environ).get("TORCHINDUCTOR_CACHE_DIR", "")
+    if not value:
+        return
+    for part in (Path(value), *Path(value).parents):
+        if part.exists():
+            if not part.is_dir():
+                raise QlmError(f"TORCHINDUCTOR_CACHE_DIR {value}: {part} is a file, not a folder",
+                               "point TORCHINDUCTOR_CACHE_DIR at a folder (or unset it), or set train.compile = false")
+            return

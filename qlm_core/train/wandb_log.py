@@ -58,6 +58,9 @@ _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # what wandb generates and accept
 def read_run_id(id_file: Path) -> str | None:
     """The wandb run id a resumed run continues (None: none stored yet); a file that holds anything but an id is
     one line naming it."""
+    if id_file.exists() and not id_file.is_file():
+        raise QlmError(f"{id_file} is a directory, not the file that holds the wandb run id",
+                       "remove it (a new wandb run is started) or put the run's id in a file of that name")
     if not id_file.is_file():
         return None
     fix = (f"write the run's wandb id into {id_file.name} (its run page's URL ends with it), or delete the file to "

@@ -15,6 +15,7 @@ qk_layernorm. They are turned into the Megatron-LM-style args Namespace the rest
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from qlm_core.errors import QlmError
@@ -79,8 +80,8 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
         value = model.get(key, default)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise QlmError(f"{path}: model.{key} is {value!r}, not a number",
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise QlmError(f"{path}: model.{key} is {value!r}, not a finite number",
                            "restore the run's run_config.yaml or pass --config")
         return float(value)
 
@@ -158,6 +159,8 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
         make_vocab_size_divisible_by=integer("make_vocab_size_divisible_by", 128),
         tensor_model_parallel_size=integer("tensor_model_parallel_size", 1),
         pipeline_model_parallel_size=integer("pipeline_model_parallel_size", 1),
+        expert_model_parallel_size=integer("expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=integer("expert_tensor_parallel_size"),
         window_size=tuple(window) if isinstance(window, (list, tuple)) and len(window) == 2 else None,
         bf16=flag("bf16", False),
         fp16=flag("fp16", False),

@@ -282,12 +282,22 @@ class MegatronTorchCheckpoint:
             counts.append(total)
         return counts
 
+    def _architecture_source(self) -> str:
+        """What the architecture was read from, for errors: the args, hf/config.json, --config or a
+        run_config.yaml."""
+        if getattr(self, "args_from", "checkpoint") != "checkpoint":
+            return self.args_from
+        side = self.root / HF_SIDE_DIR / "config.json"
+        return str(side) if side.exists() else "the args"
+
     def _layout(self) -> ModelLayout:
         counts = self._layer_counts()
         if sum(counts) != self.spec.num_layers:
+            where = self._architecture_source()
             raise QlmError(
-                f"the rank files hold {sum(counts)} layers but the args say {self.spec.num_layers}",
-                "the checkpoint is incomplete or mixed",
+                f"the rank files hold {sum(counts)} layers but {where} say{'' if where == 'the args' else 's'} "
+                f"{self.spec.num_layers} (num_layers)",
+                f"fix num_layers in {where} if the files are whole, else copy the complete checkpoint",
             )
         embed = self.chunk_state(0, 0, 0).get("embedding.word_embeddings.weight")
         padded = embed.shape[0] * self.tp if embed is not None else getattr(self.args, "padded_vocab_size", None)
@@ -297,14 +307,20 @@ class MegatronTorchCheckpoint:
         candidates = [(None, None), (counts[0], None), (None, counts[-1]), (counts[0], counts[-1])]
         # a dense model's args may still carry expert sizes of Megatron's defaults: they do not apply
         experts = {"ep": self.ep, "etp": self.etp} if self.spec.moe is not None else {}
+        refused = None  # a layout no split can make (experts, vocabulary, heads): that is the error, not the split
         for first, last in candidates if self.pp > 1 else [(None, None)]:
             try:
                 layout = ModelLayout(self.spec, self.tp, self.pp, self.vpp, first, last, divisible, padded,
                                      **experts)
-            except QlmError:
+            except QlmError as exc:
+                refused = refused or exc
                 continue
             if list(layout.stage_layer_counts) == counts:
                 return layout
+        if refused is not None and not any(w in refused.problem for w in ("layers", "pipeline", "stage")):
+            where = self._architecture_source()
+            raise QlmError(f"{self.dir} at tp {self.tp} pp {self.pp} ep {self.ep} (as its rank folders and {where} "
+                           f"say): {refused.problem}", refused.fix) from None
         raise QlmError(f"unsupported pipeline split {counts}", "qlm reads even splits with uneven first/last stages")
 
     def _build_index(self) -> dict[str, tuple[int, int, str, TensorLayout, int]]:
