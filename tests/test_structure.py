@@ -42,3 +42,16 @@ def test_start_up_imports_no_machinery_it_may_not_use(module):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_disk_helpers_live_on_the_ground_floor_only():
+    """Process liveness and rename-into-place are written once, in qlm_core/disk.py: no other module probes a pid
+    with os.kill(pid, 0) or builds its own `.tmp` sibling by hand."""
+    import re
+
+    probe = re.compile(r"os\.kill\([^,]+,\s*0\)")
+    by_hand = re.compile(r"with_name\([^)]*\.tmp")
+    offenders = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "qlm_core").rglob("*.py")) + sorted(
+        (ROOT / "qlm_cli").rglob("*.py")) if p.name != "disk.py" and (probe.search(p.read_text())
+                                                                       or by_hand.search(p.read_text()))]
+    assert offenders == []

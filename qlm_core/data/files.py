@@ -12,10 +12,10 @@ import contextlib
 import errno
 import glob
 import json
-import os
 import sys
 from pathlib import Path
 
+from qlm_core.disk import WRITE_FAULTS, os_reason, write_fault
 from qlm_core.errors import QlmError
 
 _CHUNK = 1 << 20
@@ -43,12 +43,14 @@ def _no_datasets_logs():
         ds_logging.set_verbosity(level)
 
 
-CACHE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR)
+# the write faults (qlm_core.disk) that are the datasets cache's, not the data file's
+CACHE_ERRNOS = tuple(code for code, fault in WRITE_FAULTS.items()
+                     if fault in ("no_space", "quota", "denied", "read_only", "in_the_way") and code != errno.EPERM)
 
 
 def cache_error(what: str, exc: OSError) -> QlmError:
     where = f" ({exc.filename})" if isinstance(exc.filename, str) else ""
-    if exc.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):  # a file where the cache needs a folder, or back
+    if write_fault(exc) == "in_the_way":  # a file where the cache needs a folder, or back
         return QlmError(f"{what}: the datasets cache could not be written{where}: {os_reason(exc)}",
                         "remove the file in the way, or point data.cache_dir (HF_DATASETS_CACHE) at a folder")
     return QlmError(f"{what}: the datasets cache could not be written{where}: {os_reason(exc)}",
@@ -72,10 +74,6 @@ def _os_error_in(exc: BaseException) -> OSError | None:
             return exc
         exc = exc.__cause__ or exc.__context__
     return None
-
-
-def os_reason(exc: OSError) -> str:
-    return os.strerror(exc.errno) if exc.errno else (str(exc) or type(exc).__name__)
 
 
 def check_readable_file(path: Path, what: str) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qlm_core.disk import os_reason, pid_alive, write_fault
 from qlm_core.errors import QlmError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -56,16 +57,6 @@ def exists(prefix: str | os.PathLike) -> bool:
 TMP_MARK = ".tmp-"  # PREFIX.bin.tmp-PID / PREFIX.idx.tmp-PID: a run's files, named just before they replace the pair
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # gone / not a pid at all
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def _temporaries(final: Path) -> list[tuple[str, int]]:
     """(name, PID) of every FINAL.tmp-PID beside FINAL (none when its folder cannot be listed)."""
     try:
@@ -83,7 +74,7 @@ def _finish_killed_rename(prefix: str | os.PathLike):
     bin_path, idx_path = index_paths(prefix)
     bin_pids = {pid for _, pid in _temporaries(bin_path)}
     for name, pid in _temporaries(idx_path):
-        if pid != os.getpid() and not _pid_alive(pid) and pid not in bin_pids and bin_path.exists():
+        if pid != os.getpid() and not pid_alive(pid) and pid not in bin_pids and bin_path.exists():
             with contextlib.suppress(FileNotFoundError):
                 os.replace(idx_path.parent / name, idx_path)
 
@@ -95,7 +86,7 @@ def remove_stale_temporaries(prefix: str | os.PathLike) -> list[Path]:
     removed = []
     for final in index_paths(prefix):
         for name, pid in _temporaries(final):
-            if pid != os.getpid() and _pid_alive(pid):
+            if pid != os.getpid() and pid_alive(pid):
                 continue  # a run that is still writing this prefix
             with contextlib.suppress(FileNotFoundError):
                 (final.parent / name).unlink()
@@ -106,13 +97,13 @@ def remove_stale_temporaries(prefix: str | os.PathLike) -> list[Path]:
 def output_error(prefix: str | os.PathLike, exc: OSError) -> QlmError:
     """A failed write of PREFIX.bin/.idx as one line: what failed and what to do."""
     where = f"{exc.filename}: " if isinstance(exc.filename, str) else ""
-    code = exc.errno
-    reason = os.strerror(code) if code else str(exc)
-    if code in (errno.ENOSPC, errno.EDQUOT):
+    reason = os_reason(exc)
+    fault = write_fault(exc)
+    if fault in ("no_space", "quota"):
         fix = "free disk space, or write to another output prefix"
-    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+    elif fault in ("denied", "read_only"):
         fix = "write to a folder you can write to, or fix its permissions"
-    elif code in (errno.ENOTDIR, errno.EEXIST):
+    elif fault == "in_the_way":
         fix = "part of the output path is a file: choose another output prefix"
     else:
         fix = "check the output path, or write to another output prefix"

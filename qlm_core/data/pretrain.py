@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from qlm_core.data.indexed import IndexedDataset
+from qlm_core.disk import replace_atomically
 from qlm_core.errors import QlmError
 
 CACHE_VERSION = 2
@@ -183,15 +184,14 @@ class PackedDataset:
 
     def _save_cache(self, key: dict, arrays) -> None:
         path = self._cache_path(key)
-        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp.npz")
+        order, index, shuffle = arrays
+        digest = np.frombuffer(_digest(arrays), np.uint8)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            order, index, shuffle = arrays
-            np.savez(temporary, sequence_order=order, sample_index=index, shuffle=shuffle,
-                     digest=np.frombuffer(_digest(arrays), np.uint8))
-            os.replace(temporary, path)  # atomic: concurrent ranks never read a half-written file
+            replace_atomically(path, lambda temporary: np.savez(  # concurrent ranks never read half a file
+                temporary, sequence_order=order, sample_index=index, shuffle=shuffle, digest=digest), keep_suffix=True)
         except OSError:
-            temporary.unlink(missing_ok=True)
+            pass  # a cache only: the order is computed again next time
 
 
 def _digest(arrays) -> bytes:

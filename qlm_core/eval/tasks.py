@@ -13,10 +13,10 @@ is generated with the demo's default seed, so its questions are the ones tiny-sf
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from qlm_core.data.demo import build_demo
+from qlm_core.disk import write_text_atomic
 
 DEMO_TASKS = ("qlm_demo_mc", "qlm_demo_gen", "qlm_demo_ppl")
 DEMO_SEED = 1234  # DataConfig.seed's default, which recipes/tiny-sft.toml keeps
@@ -111,16 +111,11 @@ def write_demo_tasks(out_dir: Path, seed: int = DEMO_SEED) -> Path:
                                corpus_paragraphs=40).corpus
     paragraphs = [p for p in held_out_text.read_text().split("\n\n") if p.strip()]
     ppl = out_dir / "qlm_demo_ppl.jsonl"
-    _write_atomically(ppl, "".join(json.dumps({"text": p.strip()}) + "\n" for p in paragraphs))
+    write_text_atomic(ppl, "".join(json.dumps({"text": p.strip()}) + "\n" for p in paragraphs))
     data = {"qlm_demo_mc": paths.eval, "qlm_demo_gen": paths.eval, "qlm_demo_ppl": ppl}
     prompt = PROMPT.replace("\n", "\\n")
     for task, template in _YAML.items():
-        _write_atomically(out_dir / f"{task}.yaml", template.format(data=data[task].resolve(), prompt=prompt))
+        write_text_atomic(out_dir / f"{task}.yaml", template.format(data=data[task].resolve(), prompt=prompt))
     return out_dir
 
 
-def _write_atomically(path: Path, text: str):
-    """Ranks of a tensor-parallel eval write the same files at once; a reader never sees a half-written one."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from pathlib import Path
 
 from qlm_core.checkpoint.io.staging import probe_writable
+from qlm_core.disk import replace_atomically
 from qlm_core.errors import QlmError
 from qlm_core.hardware import GpuSpec
 from qlm_core.models.spec import parameters_text
@@ -241,12 +241,10 @@ def plot_memory(bars: list[tuple[str, dict[str, float]]], capacity_gib: float | 
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")  # a reader never sees half a PNG
-    try:
-        figure.savefig(partial, dpi=120, format=path.suffix[1:].lower() or "png")
-        os.replace(partial, path)
+    try:  # a reader never sees half a PNG
+        replace_atomically(path, lambda partial: figure.savefig(partial, dpi=120,
+                                                                format=path.suffix[1:].lower() or "png"))
     except OSError as exc:
-        partial.unlink(missing_ok=True)
         raise QlmError(f"cannot write --plot {path} ({exc.strerror or exc})", "pass a path you can write to") from None
     finally:
         plt.close(figure)

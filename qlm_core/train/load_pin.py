@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from qlm_core.disk import write_text_atomic
 from qlm_core.errors import QlmError
-from qlm_core.train.run_dir import write_atomic
 
 PIN_FILE = "model_load.json"
 
@@ -37,7 +37,7 @@ def pinned_iteration(run_dir: Path, load: str) -> int | None:
 
 
 def record_pin(run_dir: Path, load: str, iteration: int | None):
-    write_atomic(Path(run_dir) / PIN_FILE, json.dumps({"load": load, "iteration": iteration}) + "\n")
+    write_text_atomic(Path(run_dir) / PIN_FILE, json.dumps({"load": load, "iteration": iteration}) + "\n")
 
 
 def pinned_error(run_dir: Path, load: str, iteration: int, exc: QlmError) -> QlmError:

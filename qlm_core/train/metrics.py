@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from qlm_core.disk import replace_atomically, write_text_atomic
 
 
 @dataclass
@@ -133,12 +134,9 @@ def _repair_log(log: Path, resumed_from: int) -> list[dict]:
         print(f"note: dropped the incomplete last line of {log} (a run stopped while writing it)", file=sys.stderr,
               flush=True)
     if len(kept) != count:
-        temporary = log.with_name(f".{log.name}.tmp")
         try:
-            temporary.write_text("".join(line + "\n" for line, _ in kept))
-            os.replace(temporary, log)
+            write_text_atomic(log, "".join(line + "\n" for line, _ in kept))
         except OSError as exc:
-            temporary.unlink(missing_ok=True)
             raise QlmError(f"cannot rewrite {log}: {exc.strerror or exc}",
                            "free space or fix permissions on the run directory and re-run") from None
     return [row for _, row in kept]
@@ -225,12 +223,9 @@ def plot_loss(run_dir: Path) -> Path | None:
     axis.legend()
     axis.grid(alpha=0.3)
     out = Path(run_dir) / "loss.png"
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}.png")
     figure.tight_layout()
-    try:
-        figure.savefig(partial, dpi=120)
-        os.replace(partial, out)  # a full disk mid-write never leaves a truncated loss.png
+    try:  # a full disk mid-write never leaves a truncated loss.png
+        replace_atomically(out, lambda partial: figure.savefig(partial, dpi=120), keep_suffix=True)
     finally:
         plt.close(figure)
-        partial.unlink(missing_ok=True)
     return out

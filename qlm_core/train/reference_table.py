@@ -24,10 +24,10 @@ import torch.distributed as dist
 from qlm_core.config import Recipe
 from qlm_core.data.loader import GlobalBatchSampler
 from qlm_core.data.preference import PositionedPairs, collate_pairs, pair_rows
+from qlm_core.disk import pid_alive, replace_atomically
 from qlm_core.errors import QlmError
 from qlm_core.parallel.comm import all_reduce
 from qlm_core.train.engine import Batch, Engine
-from qlm_core.train.run_dir import pid_alive, replace_atomically
 from qlm_core.train.sources import ModelSource
 
 

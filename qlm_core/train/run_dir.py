@@ -26,6 +26,7 @@ from pathlib import Path
 
 from qlm_core.checkpoint.formats.megatron_legacy import LATEST_FILE
 from qlm_core.checkpoint.sources.open import CHECKPOINTS_DIR
+from qlm_core.disk import file_in_the_way, pid_alive, write_fault
 from qlm_core.errors import QlmError
 from qlm_core.train.metrics import parse_log
 
@@ -41,34 +42,18 @@ def _stderr_notice(text: str):
 def os_error(path: Path, exc: OSError, what: str = "write to") -> QlmError:
     """A one-line QlmError for an OSError met while writing PATH: the cause by errno, and the fix."""
     cause = exc.strerror or str(exc)
-    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
-        parent = next((p for p in [Path(path), *Path(path).parents] if p.exists() and not p.is_dir()), None)
+    fault = write_fault(exc)
+    if fault == "in_the_way":
+        parent = file_in_the_way(path)
         if parent is not None:
             return QlmError(f"cannot {what} {path}: {parent} is a file, not a directory",
                             "choose another --output (or train.output)")
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    if fault in ("denied", "read_only"):
         return QlmError(f"cannot {what} {path}: {cause}",
                         "choose a writable --output (or train.output), or fix the directory's permissions")
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if fault in ("no_space", "quota"):
         return QlmError(f"cannot {what} {path}: {cause}", "free space on that disk or choose another --output")
     return QlmError(f"cannot {what} {path}: {cause}", "check the path and the disk, or choose another --output")
-
-
-def replace_atomically(path: Path, write: Callable[[Path], object]):
-    """Replace PATH whole: `write(temporary)` fills a temporary sibling, renamed over PATH once complete, so a full
-    disk or a kill never leaves it truncated."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-
-
-def write_atomic(path: Path, text: str):
-    """Replace PATH's text whole (replace_atomically)."""
-    replace_atomically(path, lambda temporary: temporary.write_text(text))
 
 
 def run_history(run_dir: Path) -> list[str]:
@@ -116,16 +101,6 @@ def check_run_dir(run_dir: Path, resume: bool, force: bool = False):
     if history and resume and not force:
         for name in ("metrics.jsonl", "eval.jsonl"):
             parse_log(run_dir / name)  # a damaged line is named now, not by rank 0 after the launch
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RunLock:

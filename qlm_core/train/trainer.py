@@ -40,6 +40,7 @@ from qlm_core.config import (
 )
 from qlm_core.data.loader import GlobalBatchSampler, collate
 from qlm_core.data.preference import PositionedPairs, collate_pairs
+from qlm_core.disk import write_text_atomic
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.hardware import GPUS, configure_cuda_allocator, empty_device_cache, local_gpu, measure_cpu_peak_tflops
@@ -57,7 +58,7 @@ from qlm_core.train.engine import Batch, Engine
 from qlm_core.train.load_pin import pinned_error, pinned_iteration, record_pin
 from qlm_core.train.metrics import MetricsWriter, StepMetrics, device_memory_gb, peak_memory_gb, plot_loss, strict_json
 from qlm_core.train.preference_loss import PreferenceLossConfig
-from qlm_core.train.run_dir import claim_run_dir, os_error, write_atomic
+from qlm_core.train.run_dir import claim_run_dir, os_error
 from qlm_core.train.schedule import learning_rate
 from qlm_core.train.signals import StopControl, StopReason
 from qlm_core.train.sources import resolve_model
@@ -168,7 +169,7 @@ class Trainer:
         if self.grid.rank == 0:
             try:
                 claim_run_dir(self.run_dir, r.checkpoint.resume, self.force)  # the launcher's lock, or this run's
-                write_atomic(self.run_dir / "config.toml", recipe_to_toml(r))
+                write_text_atomic(self.run_dir / "config.toml", recipe_to_toml(r))
             except QlmError as exc:
                 claim_error = exc
             except OSError as exc:  # config.toml on a full disk: every rank must hear of it, not wait for rank 0
@@ -439,7 +440,7 @@ class Trainer:
             summary["stopped"] = self._stopped(stopped, last_saved)
         if self.metrics is not None:
             self.metrics.close()
-            write_atomic(self.run_dir / "summary.json", strict_json(summary, indent=2) + "\n")
+            write_text_atomic(self.run_dir / "summary.json", strict_json(summary, indent=2) + "\n")
             if r.logging.plot:
                 summary["plot"] = str(plot_loss(self.run_dir))
         self._emit("end", summary=summary)

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from qlm_core.config import LoggingConfig
+from qlm_core.disk import write_text_atomic
 from qlm_core.errors import QlmError
 
 RUN_ID_FILE = "wandb_run_id"
@@ -113,9 +114,7 @@ class WandbLogger:
         if self.run is None:  # WANDB_MODE=disabled
             return
         if run_id != self.run.id:
-            tmp = id_file.with_name(id_file.name + ".tmp")
-            tmp.write_text(self.run.id + "\n")
-            tmp.replace(id_file)
+            write_text_atomic(id_file, self.run.id + "\n")
         self.run.define_metric("step")
         self.run.define_metric("train/*", step_metric="step")
         self.run.define_metric("valid/*", step_metric="step")

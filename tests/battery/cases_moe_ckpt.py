@@ -562,7 +562,7 @@ CASES = [
     # ---- HF MoE config.json numbers that are wrong or ill-typed ----
     Case(H, "moe: num_experts_per_tok above num_experts",
          convert_hf(hf_config_lie(Q3, lambda c: c.update(num_experts_per_tok=5))),
-         check=refused("top-5", "num_experts_per_tok")),
+         check=refused("num_experts_per_tok 5", "4 experts")),
     Case(H, "moe: num_experts 0", convert_hf(hf_config_lie(Q3, lambda c: c.update(num_experts=0))),
          check=refused("0 experts")),
     Case(H, "moe: num_experts a string", convert_hf(hf_config_lie(Q3, lambda c: c.update(num_experts="4"))),

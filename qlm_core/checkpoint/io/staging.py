@@ -16,19 +16,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from qlm_core.checkpoint.io.write_faults import as_write_os_error
+from qlm_core.disk import WriteFault, os_reason, pid_alive, replace_folder, write_fault
 from qlm_core.errors import QlmError
 
-# OSErrors that mean "this output cannot be written there", not a bug: one line naming the path and the cause
-_WRITE_ERRORS = {
-    errno.ENOSPC: "free space on that disk or choose another --out",
-    errno.EDQUOT: "free space in your quota or choose another --out",
-    errno.EFBIG: "choose another --out (the file system refuses files that large)",
-    errno.EROFS: "choose an --out on a writable file system",
-    errno.EACCES: "choose an --out you may write to (or fix its permissions)",
-    errno.EPERM: "choose an --out you may write to (or fix its permissions)",
-    errno.ENOTDIR: "choose an --out whose parents are directories",
-    errno.ENAMETOOLONG: "choose a shorter --out path",
-    errno.EIO: "check that disk (an I/O error) or choose another --out",
+# the fix for each write fault (qlm_core.disk's errno table) of an --out: one line naming the path and the cause
+_FIXES: dict[WriteFault, str] = {
+    "no_space": "free space on that disk or choose another --out",
+    "quota": "free space in your quota or choose another --out",
+    "too_large": "choose another --out (the file system refuses files that large)",
+    "read_only": "choose an --out on a writable file system",
+    "denied": "choose an --out you may write to (or fix its permissions)",
+    "in_the_way": "choose an --out whose parents are directories",
+    "name_too_long": "choose a shorter --out path",
+    "io": "check that disk (an I/O error) or choose another --out",
 }
 
 
@@ -64,10 +64,11 @@ def check_output_dir(out: Path, force: bool, *sources: Path):
 def write_error(out: Path, exc: OSError, staging: Path | None = None) -> QlmError | None:
     """The one-line error for an OSError met while writing `out` (through `staging`), or None when it is not a
     write problem."""
-    fix = _WRITE_ERRORS.get(exc.errno)
-    if fix is None:
-        return None
-    cause = exc.strerror or os.strerror(exc.errno)
+    fault = write_fault(exc)
+    if fault is None or (fault == "in_the_way" and exc.errno != errno.ENOTDIR):
+        return None  # EEXIST / EISDIR inside the staging folder: qlm's own doing, not the user's --out
+    fix = _FIXES[fault]
+    cause = os_reason(exc)
     filename = str(exc.filename or "")
     if staging is not None and filename.startswith(str(staging)):
         filename = str(out) + filename[len(str(staging)):]
@@ -83,18 +84,6 @@ def write_error(out: Path, exc: OSError, staging: Path | None = None) -> QlmErro
 _STAGING = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?:(?P<pid>\d+)-)?[0-9a-f]{8}$")
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
 def remove_stale_staging(out: Path):
     """Remove what a killed run into `out` left behind: `.partial-*` staging directories and the `.old-*` copy of a
     replaced output (put back first, if the kill came between the two renames and `out` is missing)."""
@@ -105,7 +94,7 @@ def remove_stale_staging(out: Path):
         match = _STAGING.match(path.name)
         if match is None or match["name"] != out.name or not path.is_dir():
             continue
-        if match["pid"] is not None and _alive(int(match["pid"])):
+        if match["pid"] is not None and pid_alive(int(match["pid"])):
             continue
         if match["kind"] == "old" and not out.exists():
             os.replace(path, out)
@@ -132,7 +121,7 @@ def staged_output(out: Path, force: bool = False):
         raise error from None
     try:
         yield tmp
-        _replace(tmp, out)
+        replace_folder(tmp, out)
     except BaseException as exc:  # re-raised unless it is a write fault (write_faults.py; torch's DCP
         shutil.rmtree(tmp, ignore_errors=True)  # CheckpointException is a BaseException)
         os_error = as_write_os_error(exc, tmp) if not isinstance(exc, (KeyboardInterrupt, SystemExit)) else None
@@ -140,21 +129,6 @@ def staged_output(out: Path, force: bool = False):
         if error is None:
             raise
         raise error from None
-
-
-def _replace(tmp: Path, out: Path):
-    """Move the complete `tmp` into place; the old `out` is deleted only once the new one is there."""
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        os.replace(out, old)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            os.replace(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
 
 
 def probe_writable(folder: Path):
