@@ -95,7 +95,7 @@ def test_batched_decoding_with_a_kv_cache_equals_greedy_without_one(hf_models, k
     (KVCache.select) give the tokens of transformers' model re-run on each row whole, without a cache."""
     from transformers import AutoModelForCausalLM
 
-    from qlm_core.eval.generate import generate_rows, left_pad
+    from qlm_core.decode.sampling import generate_rows, left_pad
 
     hf = AutoModelForCausalLM.from_pretrained(hf_models[kind]).eval()
 

@@ -55,3 +55,46 @@ def test_disk_helpers_live_on_the_ground_floor_only():
         (ROOT / "qlm_cli").rglob("*.py")) if p.name != "disk.py" and (probe.search(p.read_text())
                                                                        or by_hand.search(p.read_text()))]
     assert offenders == []
+
+
+def test_no_module_cycle_inside_the_code():
+    """No module reaches itself through imports (lazy imports inside functions included): each package reads
+    bottom-up (grimp, import-linter's graph)."""
+    import grimp
+
+    graph = grimp.build_graph("qlm_core", "qlm_cli", cache_dir=None)
+    edges = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+
+    def visit(module):  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in edges.get(module, ()):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    import sys
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        for module in sorted(edges):
+            if module not in index:
+                visit(module)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert cycles == []

@@ -126,8 +126,10 @@ def generate_command(
 ):
     """Answer prompts with a checkpoint: its tokenizer's chat template, KV-cache decoding, greedy unless
     --temperature; a turn ends at eos or the template's end-of-turn token. One answer streams as it is decoded."""
+    from qlm_core.decode.generator import Generator
+    from qlm_core.decode.prompts import Prompting, TextStream
+    from qlm_core.decode.sampling import Sampling, check_sampling
     from qlm_core.dtypes import DTYPES
-    from qlm_core.eval.generate import Generator, Prompting, Sampling, TextStream, check_sampling
 
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     check_sampling(sampling, max_new_tokens)

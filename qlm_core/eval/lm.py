@@ -13,8 +13,6 @@ choice) run it once and score each continuation from its KV cache (prefix_cache.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from lm_eval import utils
 from lm_eval.api.model import TemplateLM
@@ -22,39 +20,13 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from torch.distributed import ProcessGroup
 
-from qlm_core.checkpoint.sources.open import OpenedCheckpoint, open_checkpoint
-from qlm_core.data.tokenizer import load_tokenizer
+from qlm_core.decode.model import load_model
+from qlm_core.decode.sampling import Sampling, generate
 from qlm_core.dtypes import DTYPES
-from qlm_core.errors import QlmError
-from qlm_core.eval.generate import Sampling, generate
 from qlm_core.eval.prefix_cache import score_shared, split_shared
 from qlm_core.eval.requests import CheckedRequests
 from qlm_core.eval.scoring import score_plain
-from qlm_core.models.build import RankCoords, build_rank_model
-from qlm_core.models.gpt import GPTModel, ParallelOptions
-from qlm_core.models.layout import ModelLayout
-from qlm_core.parallel.comm import group_rank, group_size
 from qlm_core.parallel.state import default_device
-
-
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               tp_group: ProcessGroup | None = None, iteration: int | None = None) -> tuple[GPTModel, object, str]:
-    """qlm's model (this rank's tensor-parallel slice when `tp_group` is given) and the checkpoint's tokenizer;
-    `iteration` of a Megatron root or a qlm run (default: its latest)."""
-    opened = open_checkpoint(path, iteration)
-    if opened.tokenizer_dir is None:
-        raise QlmError(f"no tokenizer found with {path}", "keep the tokenizer files beside the checkpoint")
-    return build_model(opened, dtype, device, tp_group), load_tokenizer(opened.tokenizer_dir), opened.description
-
-
-def build_model(opened: OpenedCheckpoint, dtype: torch.dtype, device: torch.device,
-                tp_group: ProcessGroup | None = None) -> GPTModel:
-    """qlm's model (in eval mode) of an opened checkpoint: this rank's tensor-parallel slice with `tp_group`."""
-    layout = ModelLayout(opened.spec, tp=group_size(tp_group),
-                         make_vocab_size_divisible_by=opened.make_vocab_size_divisible_by)
-    model = build_rank_model(layout, RankCoords(tp_rank=group_rank(tp_group)), opened.weights,
-                             parallel=ParallelOptions(tp_group=tp_group), dtype=dtype, device=device)
-    return model.eval()
 
 
 class QlmBackend(TemplateLM):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from lm_eval.models.utils import Collator
 
-from qlm_core.eval.generate import left_pad
+from qlm_core.decode.sampling import left_pad
 from qlm_core.eval.scoring import Answer, Request, continuation_answer, model_device, right_padded
 from qlm_core.models.gpt import GPTModel, KVCache
 

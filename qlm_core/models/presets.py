@@ -1,5 +1,8 @@
 """Architecture numbers of well-known models, copied from their published config.json files (numbers only)."""
 
+from pathlib import Path
+
+from qlm_core.errors import QlmError
 from qlm_core.models.moe_spec import MoeSpec
 from qlm_core.models.spec import ModelSpec, RopeScaling
 
@@ -101,3 +104,16 @@ PRESETS: dict[str, ModelSpec] = {
         bos_token_id=1, eos_token_id=2,
     ),
 }
+
+
+def load_model_spec(name_or_path: str | Path) -> ModelSpec:
+    """A preset name (see presets.py) or an HF model directory / config.json path."""
+    key = str(name_or_path).lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    if Path(name_or_path).exists():
+        return ModelSpec.from_hf_dir(name_or_path)
+    raise QlmError(
+        f"{name_or_path!r} is neither a model preset nor a directory",
+        f"use one of {', '.join(sorted(PRESETS))} or a path to an HF config",
+    )

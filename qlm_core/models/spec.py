@@ -276,21 +276,6 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
-def load_model_spec(name_or_path: str | Path) -> ModelSpec:
-    """A preset name (see presets.py) or an HF model directory / config.json path."""
-    from qlm_core.models.presets import PRESETS
-
-    key = str(name_or_path).lower()
-    if key in PRESETS:
-        return PRESETS[key]
-    if Path(name_or_path).exists():
-        return ModelSpec.from_hf_dir(name_or_path)
-    raise QlmError(
-        f"{name_or_path!r} is neither a model preset nor a directory",
-        f"use one of {', '.join(sorted(PRESETS))} or a path to an HF config",
-    )
-
-
 def parameters_text(total: int, active: int | None = None) -> str:
     """A parameter count as people write it ("1.12M", "30.53B"); an MoE model's as "30.53B total, 3.35B active"."""
     def count(n: int) -> str:

@@ -40,11 +40,9 @@ from torch.distributed import ProcessGroup
 
 from qlm_core.parallel.comm import all_reduce, group_rank, group_size, start_all_gather, wait
 from qlm_core.parallel.grad_buffers import GradientBuffers
-from qlm_core.parallel.optimizer_api import HostTarget, TrainingOptimizer
+from qlm_core.parallel.optimizer_api import OPTIMIZER_VIEWS, HostTarget, TrainingOptimizer
 from qlm_core.parallel.param_meta import counts_in_grad_norm
 
-# The fp32 state kept per parameter, in this order (checkpoints store each as a view named like the weights).
-OPTIMIZER_VIEWS = ("master", "exp_avg", "exp_avg_sq")
 _IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 

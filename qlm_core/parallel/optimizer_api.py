@@ -14,6 +14,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+# The fp32 state kept per parameter, in this order (checkpoints store each as a view named like the weights): what a
+# checkpoint format needs of the optimizer, without importing it.
+OPTIMIZER_VIEWS = ("master", "exp_avg", "exp_avg_sq")
+
 # (param index, its shape) -> the fp32 host tensors its master, exp_avg and exp_avg_sq go into (an asynchronous
 # save's reused buffers)
 HostTarget = Callable[[int, tuple[int, ...]], list[torch.Tensor]]

@@ -30,7 +30,8 @@ from qlm_core.config import (
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import LORA_TARGETS, ModelLayout
-from qlm_core.models.spec import ModelSpec, load_model_spec
+from qlm_core.models.presets import load_model_spec
+from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.pipeline_rules import validate_recompute
 from qlm_core.parallel.state import ParallelSizes, resolve_sizes
 from qlm_core.train.validate import (

@@ -16,7 +16,6 @@ from qlm_core.parallel.state import ParallelSizes, resolve_sizes
 from qlm_core.train.checkpointing import describe_resume, resume_iteration
 from qlm_core.train.data import check_cache_dir, check_data_files
 from qlm_core.train.sources import resolve_model
-from qlm_core.train.trainer import total_steps
 from qlm_core.train.validate import (
     validate_compile_cache,
     validate_layout,
@@ -24,6 +23,16 @@ from qlm_core.train.validate import (
     validate_preference_model,
     validate_recipe,
 )
+
+
+def total_steps(recipe: Recipe) -> int:
+    """The optimizer steps a recipe asks for: train.train_iters, else train.train_samples in global batches."""
+    train = recipe.train
+    if train.train_iters > 0:
+        return train.train_iters
+    if train.train_samples > 0:
+        return math.ceil(train.train_samples / train.global_batch_size)
+    raise QlmError("neither train.train_iters nor train.train_samples is set", "set one of them")
 
 
 @dataclass

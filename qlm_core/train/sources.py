@@ -11,7 +11,8 @@ from qlm_core.checkpoint.sources.open import open_checkpoint, tokenizer_near
 from qlm_core.config import ModelConfig, MoeConfig
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import TensorSource
-from qlm_core.models.spec import ModelSpec, load_model_spec
+from qlm_core.models.presets import load_model_spec
+from qlm_core.models.spec import ModelSpec
 
 
 @dataclass

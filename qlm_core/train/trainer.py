@@ -57,6 +57,7 @@ from qlm_core.train.data import build_run_data, check_cache_dir
 from qlm_core.train.engine import Batch, Engine
 from qlm_core.train.load_pin import pinned_error, pinned_iteration, record_pin
 from qlm_core.train.metrics import MetricsWriter, StepMetrics, device_memory_gb, peak_memory_gb, plot_loss, strict_json
+from qlm_core.train.plan import total_steps
 from qlm_core.train.preference_loss import PreferenceLossConfig
 from qlm_core.train.run_dir import claim_run_dir, os_error
 from qlm_core.train.schedule import learning_rate
@@ -70,15 +71,6 @@ from qlm_core.train.wandb_log import WandbLogger, check_wandb
 class Event:
     kind: str  # start | step | eval | checkpoint | end
     data: dict
-
-
-def total_steps(recipe: Recipe) -> int:
-    train = recipe.train
-    if train.train_iters > 0:
-        return train.train_iters
-    if train.train_samples > 0:
-        return math.ceil(train.train_samples / train.global_batch_size)
-    raise QlmError("neither train.train_iters nor train.train_samples is set", "set one of them")
 
 
 def cpp_compiler() -> str | None:

@@ -37,6 +37,7 @@ from qlm_core.checkpoint.formats.hf import (
 from qlm_core.checkpoint.formats.legacy_stream import STREAMING, StageWriter
 from qlm_core.checkpoint.formats.megatron import TORCH, TORCH_DIST, check_format, open_megatron
 from qlm_core.checkpoint.formats.megatron_args import make_args, set_layout_args
+from qlm_core.checkpoint.formats.megatron_configured import config_dir
 from qlm_core.checkpoint.formats.megatron_legacy import (
     HF_SIDE_DIR,
     SHARD_FILE,
@@ -47,7 +48,7 @@ from qlm_core.checkpoint.formats.megatron_legacy import (
     write_latest,
     write_shard_file,
 )
-from qlm_core.checkpoint.formats.megatron_open import config_dir, open_megatron_with
+from qlm_core.checkpoint.formats.megatron_open import open_megatron_with
 from qlm_core.checkpoint.io.staging import check_output_dir, staged_output
 from qlm_core.checkpoint.sources.open import megatron_weights
 from qlm_core.dtypes import dtype_named

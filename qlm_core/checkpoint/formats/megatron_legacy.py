@@ -167,9 +167,11 @@ class MegatronTorchCheckpoint:
 
     def _check_no_extra_ranks(self):
         """A rank folder beyond the sizes the args give (a stray copy, another run's) is named, not read as a
-        larger layout: its tensors would be mistaken for more layers or experts. Args that did not come with the
-        checkpoint (--config, a run_config.yaml) describe the model, not how it was saved: the folders decide."""
-        if getattr(self, "args_from", "checkpoint") != "checkpoint":
+        larger layout: its tensors would be mistaken for more layers or experts. The checkpoint's args and the
+        run_config.yaml that Megatron-Bridge saved beside it give the sizes it was saved with; --config describes the
+        model, not how it was saved: the folders decide."""
+        where = getattr(self, "args_from", "checkpoint")
+        if where == "--config":
             return
         args = self.args
         sizes = {"tensor_model_parallel_size": 0, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 2}
@@ -179,8 +181,9 @@ class MegatronTorchCheckpoint:
                 continue
             extra = sorted(file.parent.name for ranks, file in self.rank_files.items() if ranks[position] >= wanted)
             if extra:
+                given = "its args give" if where == "checkpoint" else f"{where} gives"
                 raise QlmError(f"{self.dir} holds {', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}, beyond "
-                               f"the {key} = {wanted} its args give", "remove the stray rank folders (or copy the "
+                               f"the {key} = {wanted} {given}", "remove the stray rank folders (or copy the "
                                "checkpoint again)")
 
     def _find_files(self) -> dict[tuple[int, ...], Path]:
@@ -303,6 +306,10 @@ class MegatronTorchCheckpoint:
         padded = embed.shape[0] * self.tp if embed is not None else getattr(self.args, "padded_vocab_size", None)
         if padded is None:
             raise QlmError(f"{self.files[(0, 0)]} has no embedding.word_embeddings.weight", "is it a GPT checkpoint?")
+        if padded < self.spec.vocab_size:
+            where = self._architecture_source()
+            raise QlmError(f"{where} says vocab_size {self.spec.vocab_size} but the stored embedding has {padded} rows "
+                           f"(tp {self.tp})", f"fix vocab_size in {where}, or copy the complete checkpoint")
         divisible = getattr(self.args, "make_vocab_size_divisible_by", 128) or 128
         candidates = [(None, None), (counts[0], None), (None, counts[-1]), (counts[0], counts[-1])]
         # a dense model's args may still carry expert sizes of Megatron's defaults: they do not apply

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from qlm_core.checkpoint.formats.megatron_open import EMBEDDING, FIX_CONFIG, _ConfiguredMixin
+from qlm_core.checkpoint.formats.megatron_configured import EMBEDDING, FIX_CONFIG, ConfiguredMixin
 from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
 from qlm_core.errors import QlmError
 
 
-class ConfiguredTorchDist(_ConfiguredMixin, TorchDistCheckpoint):
+class ConfiguredTorchDist(ConfiguredMixin, TorchDistCheckpoint):
     def __init__(self, root, iteration=None, config_spec=None, config_name="", view="model"):
         self._config_spec, self._config_name = config_spec, config_name
         super().__init__(root, iteration, None, view)

@@ -21,7 +21,7 @@ scheduler; RNG states are carried only when TP, PP and VPP are unchanged (a new 
 
 from __future__ import annotations
 
-from qlm_core.parallel.optimizer import OPTIMIZER_VIEWS
+from qlm_core.parallel.optimizer_api import OPTIMIZER_VIEWS
 
 OPTIMIZER_KEY = "qlm_optimizer"
 TRAIN_STATE_KEY, SCHEDULER_KEY, RNG_KEY = "qlm_train_state", "opt_param_scheduler", "rng_state"

@@ -1,0 +1,145 @@
+"""Batched decoding with qlm's model and a KV cache: left-padded prompts, greedy or sampled tokens. What `qlm
+generate`, lm-eval's generate_until and a rollout of reinforcement learning all run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from qlm_core.config import check_finite
+from qlm_core.errors import QlmError
+from qlm_core.models.gpt import GPTModel, KVCache
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 1234
+
+
+def check_sampling(sampling: Sampling, max_new_tokens: int):
+    """One-line errors for values `generate` cannot use (the CLI's option names)."""
+    if max_new_tokens < 1:
+        raise QlmError(f"--max-new-tokens {max_new_tokens} generates nothing", "pass --max-new-tokens 1 or more")
+    check_finite("--temperature", sampling.temperature)
+    check_finite("--top-p", sampling.top_p)
+    if not sampling.temperature >= 0:
+        raise QlmError(f"--temperature {sampling.temperature} is negative", "pass 0 (greedy) or a positive value")
+    if not 0 < sampling.top_p <= 1:
+        raise QlmError(f"--top-p {sampling.top_p} is not in (0, 1]", "pass a probability mass such as 0.9 (1: off)")
+    if sampling.top_k < 0:
+        raise QlmError(f"--top-k {sampling.top_k} is negative", "pass 0 (off) or a token count")
+    if not 0 <= sampling.seed <= MAX_SEED:
+        raise QlmError(f"--seed {sampling.seed} is out of range", f"pass a seed from 0 to {MAX_SEED}")
+    if sampling.temperature == 0 and (sampling.top_p < 1 or sampling.top_k > 0):
+        raise QlmError("--top-p / --top-k choose among sampled tokens, but decoding is greedy (--temperature 0)",
+                       "pass --temperature > 0 to sample, or drop --top-p / --top-k")
+
+
+def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    if sampling.temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k > 0:
+        kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative - sorted_logits.softmax(dim=-1) > sampling.top_p  # keep the first token always
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1).cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+@dataclass
+class Generation:
+    tokens: list[int] = field(default_factory=list)  # the new tokens, without the one that ended the turn
+    finish: str = "length"  # "stop": an eos / stop token or `stop` ended it; "length": max_new_tokens reached
+
+
+@torch.no_grad()
+def generate_rows(
+    model: GPTModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | Collection[int] | None,
+    sampling: Sampling | None = None,
+    stop: Callable[[list[int]], bool] | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+) -> list[Generation]:
+    """input_ids / attention_mask [b, L], left-padded (mask 0 on padding). Each row's new tokens, ending at an
+    eos id (`eos_token_id`: one or several; excluded) or when `stop(new_tokens)` says so (the tokens so far kept;
+    callers trim stop strings). `on_token(row, token)` sees every kept token as it is chosen."""
+    sampling = sampling or Sampling()
+    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    generator = torch.Generator().manual_seed(sampling.seed)
+    model.eval()
+    rows = input_ids.shape[0]
+    mask = attention_mask.long()
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    cache = KVCache.empty(len(model.decoder.layers))
+    hidden = model.hidden_states(input_ids, positions, cache=cache, attention_mask=mask)  # [L, b, h]
+    logits = model.logits(hidden[-1:])[:, -1]  # the last position's only: never [b, L, vocab]
+    if max_new_tokens > 1:
+        cache.reserve(max_new_tokens - 1)  # each step writes its token's keys and values in place
+    out = [Generation() for _ in range(rows)]
+    done = [False] * rows
+    active = list(range(rows))  # the rows still in the batch (finished ones are dropped, see below)
+    next_position = positions[:, -1] + 1
+    for step in range(max_new_tokens):
+        chosen = _choose(logits, sampling, generator)
+        for slot, token in enumerate(chosen.tolist()):
+            row = active[slot]
+            if done[row]:
+                continue
+            if token in eos:
+                done[row], out[row].finish = True, "stop"
+                continue
+            out[row].tokens.append(token)
+            if on_token is not None:
+                on_token(row, token)
+            if stop is not None and stop(out[row].tokens):
+                done[row], out[row].finish = True, "stop"
+        if all(done) or step == max_new_tokens - 1:
+            break
+        slots = [slot for slot, row in enumerate(active) if not done[row]]
+        if 4 * (len(active) - len(slots)) >= len(active):  # a quarter of the batch is done: stop computing those
+            active = [active[slot] for slot in slots]
+            keep = torch.tensor(slots, device=mask.device)
+            cache.select(keep)
+            mask, next_position, chosen = mask[keep], next_position[keep], chosen[keep]
+        mask = torch.cat((mask, torch.ones(len(active), 1, dtype=mask.dtype, device=mask.device)), dim=1)
+        logits = model(chosen[:, None], next_position[:, None], cache=cache, attention_mask=mask)[:, -1]
+        next_position = next_position + 1
+    return out
+
+
+def generate(model: GPTModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+             eos_token_id: int | Collection[int] | None, sampling: Sampling | None = None,
+             stop: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
+    """generate_rows' new tokens only."""
+    rows = generate_rows(model, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                         sampling=sampling, stop=stop)
+    return [row.tokens for row in rows]
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows -> (input_ids, attention_mask) [b, longest], padding on the left."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(list(r)), 1
+    return ids, mask
+
+
+# ---- `qlm generate`: prompts, stop tokens, answers -------------------------------------------------------------------
