@@ -10,7 +10,8 @@ import torch
 
 from qlm_core.config import check_finite
 from qlm_core.errors import QlmError
-from qlm_core.models.gpt import GPTModel, KVCache
+from qlm_core.models.attention import KVCache
+from qlm_core.models.gpt import GPTModel
 
 MAX_SEED = 2**63 - 1
 

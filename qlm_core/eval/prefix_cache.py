@@ -19,7 +19,8 @@ from lm_eval.models.utils import Collator
 
 from qlm_core.decode.sampling import left_pad
 from qlm_core.eval.scoring import Answer, Request, continuation_answer, model_device, right_padded
-from qlm_core.models.gpt import GPTModel, KVCache
+from qlm_core.models.attention import KVCache
+from qlm_core.models.gpt import GPTModel
 
 # a continuation pass runs few tokens a row: up to this many rows per context row keep it from being bound by
 # reading the weights (multiple choice's 4 answers a question then take one pass per context batch)

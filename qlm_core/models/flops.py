@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qlm_core.models.attention_kinds import attention_kind
 from qlm_core.models.spec import ModelSpec
 
 
@@ -20,11 +21,9 @@ def attended_keys_per_token(seq_length: int, mean_doc_len: int = 0, window: int 
 def layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> tuple[float, float]:
     """Forward FLOPs per token of one dense layer: (dense matmuls, causal attention over the keys each token
     reads)."""
-    h, d, f = spec.hidden_size, spec.kv_channels, spec.ffn_hidden_size
-    dense = 2 * (h * spec.qkv_rows + spec.num_attention_heads * d * h + 3 * h * f)
     keys = attended_keys_per_token(seq_length, mean_doc_len, spec.sliding_window)
-    attention = 2 * 2 * keys * spec.num_attention_heads * d
-    return dense, attention
+    projections, attention = attention_kind(spec).flops_per_token(spec, keys)
+    return projections + 2 * 3 * spec.hidden_size * spec.ffn_hidden_size, attention
 
 
 def moe_mlp_flops_per_token(spec: ModelSpec) -> float:

@@ -19,14 +19,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Protocol
 
 import torch
 
 from qlm_core.errors import QlmError
+from qlm_core.models.attention_kinds import attention_kind
 from qlm_core.models.spec import ModelSpec, padded_vocab_size
+from qlm_core.models.tensor_layout import COLS, FC1, REPLICATED, ROWS, Segment, TensorLayout, TensorSource
 
-REPLICATED, ROWS, COLS, FC1 = "replicated", "rows", "cols", "fc1"
 _FIRST_FLAG, _LAST_FLAG = "--num-layers-in-first-pipeline-stage", "--num-layers-in-last-pipeline-stage"
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -43,70 +43,6 @@ TE_NORM_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Entries [start, stop) of the global tensor along its split axis are entries [hf_start, hf_start + stop -
-    start) of HF tensor `hf_name` along the same axis; `hf_name` None marks Megatron's vocabulary padding."""
-
-    start: int
-    stop: int
-    hf_name: str | None
-    hf_start: int = 0
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    name: str  # global Megatron name
-    shape: tuple[int, ...]  # global shape (vocabulary padded)
-    split: str
-    segments: tuple[Segment, ...]
-    hf_primary: bool = True  # False for the tied output layer, a copy of the embedding
-    stored_as: str | None = None  # the tensor checkpoints hold this one as (the tied output layer: the embedding)
-    expert: bool = False  # a routed expert's linear: divided over EP ranks, split over the expert-TP size
-    dtype: torch.dtype | None = None  # held in this dtype whatever the model's (the routers' expert bias: fp32)
-    buffer: bool = False  # a module buffer (the routers' expert bias): saved with the weights, no optimizer state
-
-    @property
-    def stored_name(self) -> str:
-        return self.stored_as or self.name
-
-    @property
-    def axis(self) -> int:
-        return 1 if self.split == COLS else 0
-
-    @property
-    def real_extent(self) -> int:
-        """Entries along the axis that hold weights (the rest is vocabulary padding)."""
-        return max(s.stop for s in self.segments if s.hf_name is not None)
-
-    def tp_ranges(self, tp: int, rank: int) -> list[tuple[int, int]]:
-        n = self.shape[self.axis]
-        if self.split == REPLICATED:
-            return [(0, n)]
-        if self.split == FC1:
-            half = n // 2
-            f = half // tp
-            return [(rank * f, (rank + 1) * f), (half + rank * f, half + (rank + 1) * f)]
-        part = n // tp
-        return [(rank * part, (rank + 1) * part)]
-
-    def shard_shape(self, tp: int) -> tuple[int, ...]:
-        shape = list(self.shape)
-        shape[self.axis] = sum(b - a for a, b in self.tp_ranges(tp, 0))
-        return tuple(shape)
-
-
-class TensorSource(Protocol):
-    """Anything that can hand out ranges of global Megatron tensors: an HF checkpoint, a Megatron checkpoint."""
-
-    def stored_dtype(self, tensor: TensorLayout) -> torch.dtype:
-        """The dtype `tensor` is stored in."""
-
-    def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor) -> None:
-        """Copy (and cast) global entries [start, stop) of `tensor` along its axis into `out`; the range lies
-        within the tensor's real extent."""
 
 
 @dataclass(frozen=True)
@@ -271,35 +207,14 @@ class ModelLayout:
         """(local-spec suffix, global tensor) of one layer in Megatron-Core's state_dict order; a None tensor is
         the `_extra_state` that follows each linear's parameters (suffix `<linear>._extra_state`)."""
         s = self.spec
-        h, d, g, per_group = s.hidden_size, s.kv_channels, s.num_query_groups, s.heads_per_group
+        h = s.hidden_size
         hf = f"model.layers.{layer}."
         name = f"decoder.layers.{layer}."
-        qd = s.num_attention_heads * d
         out: list[tuple[str, TensorLayout | None]] = [
             ("input_layernorm.weight", TensorLayout(name + "input_layernorm.weight", (h,), REPLICATED,
                                                     (Segment(0, h, hf + "input_layernorm.weight"),))),
-            ("self_attention.linear_proj.weight", TensorLayout(
-                name + "self_attention.linear_proj.weight", (h, qd), COLS,
-                (Segment(0, qd, hf + "self_attn.o_proj.weight"),))),
-            ("self_attention.linear_proj._extra_state", None),
+            *attention_kind(s).layer_entries(s, layer),
         ]
-        for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
-            segs, row = [], 0
-            for group in range(g):
-                for proj, rows, hf_start in (
-                    ("q", per_group * d, group * per_group * d), ("k", d, group * d), ("v", d, group * d),
-                ):
-                    segs.append(Segment(row, row + rows, f"{hf}self_attn.{proj}_proj.{kind}", hf_start))
-                    row += rows
-            shape = (s.qkv_rows, h) if kind == "weight" else (s.qkv_rows,)
-            suffix = f"self_attention.linear_qkv.{kind}"
-            out.append((suffix, TensorLayout(name + suffix, shape, ROWS, tuple(segs))))
-        out.append(("self_attention.linear_qkv._extra_state", None))
-        if s.qk_layernorm:
-            for which in ("q", "k"):
-                suffix = f"self_attention.{which}_layernorm.weight"
-                out.append((suffix, TensorLayout(name + suffix, (d,), REPLICATED,
-                                                 (Segment(0, d, f"{hf}self_attn.{which}_norm.weight"),))))
         out.append(("pre_mlp_layernorm.weight", TensorLayout(name + "pre_mlp_layernorm.weight", (h,), REPLICATED, (
             Segment(0, h, hf + "post_attention_layernorm.weight"),))))
         if not s.is_moe_layer(layer):

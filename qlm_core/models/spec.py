@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from qlm_core.errors import QlmError
 from qlm_core.models.moe_spec import MOE_MODEL_TYPES, MoeSpec, moe_from_hf, moe_to_hf
@@ -23,6 +23,10 @@ HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "m
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm over head_dim on each q and k head, before RoPE
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
 SLIDING_WINDOW_MODEL_TYPES = ("mistral", "mixtral")  # `sliding_window` always applies; the Qwens gate it
+
+
+# The attention kind of every layer (models/attention_kinds.py builds each): grouped-query attention today.
+AttentionName = Literal["gqa"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class ModelSpec:
     eos_token_id: int | list[int] | None = None
     qk_layernorm: bool = False  # Qwen3: q_layernorm / k_layernorm [head_dim] on each head before RoPE
     moe: MoeSpec | None = None  # Mixture of Experts (None: every layer a dense MLP of ffn_hidden_size)
+    attention: AttentionName = "gqa"  # which attention every layer builds (models/attention_kinds.py)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:

@@ -179,9 +179,9 @@ def cp_attention_plan(docs: Documents | None, seq_len: int, cp: int, rank: int, 
 class _Ring:
     """Send to the next rank of the group and receive from the previous one, asynchronously."""
 
-    # Different tags keep the K/V and dK/dV streams apart on gloo; NCCL matches by issue order, which is the same on
-    # every rank.
-    KV, GRAD = 1, 3
+    # Different tags keep the K, V, dK and dV streams apart on gloo; NCCL matches by issue order, which is the same
+    # on every rank. K and V travel as two tensors, so their head dims may differ (MLA: 192 and 128).
+    K, V, GRAD_K, GRAD_V = 1, 2, 3, 4
 
     def __init__(self, group: ProcessGroup | None):
         cp, rank = group_size(group), group_rank(group)
@@ -212,14 +212,14 @@ class _RingAttention(Function):
     def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan):
         cp = group_size(group)
         ring = _Ring(group)
-        kv = torch.stack((k, v))
+        block_k, block_v = k, v
         out, lse = empty_result(q)
         for step in range(cp):
             if step + 1 < cp:
-                pending = ring.start([(kv, ring.KV)])
-            attend_pieces(q, kv[0], kv[1], plan[step], scale, out, lse)
+                pending = ring.start([(block_k, ring.K), (block_v, ring.V)])
+            attend_pieces(q, block_k, block_v, plan[step], scale, out, lse)
             if step + 1 < cp:
-                kv = ring.finish(pending)[0]
+                block_k, block_v = ring.finish(pending)
         out = like_q(q).copy_(out)  # laid out like q: linear_proj reads it as a view
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.plan = group, scale, plan
@@ -233,38 +233,42 @@ class _RingAttention(Function):
         ring = _Ring(group)
         acc = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack((k, v))
+        block_k, block_v = k, v
         grad_pending = None
         for step in range(cp):
             if step + 1 < cp:
-                pending = ring.start([(kv, ring.KV)])
+                pending = ring.start([(block_k, ring.K), (block_v, ring.V)])
             # dK/dV of the block at hand: this rank's share, plus what the ranks it visited before have summed.
-            dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-            attend_pieces_backward(grad_out, q, kv[0], kv[1], out, lse, ctx.plan[step], ctx.scale,
-                                   dq, dkv[0], dkv[1])
+            dk = torch.zeros(block_k.shape, dtype=acc, device=q.device)
+            dv = torch.zeros(block_v.shape, dtype=acc, device=q.device)
+            attend_pieces_backward(grad_out, q, block_k, block_v, out, lse, ctx.plan[step], ctx.scale, dq, dk, dv)
             if grad_pending is not None:
-                dkv += ring.finish(grad_pending)[0]
-            grad_pending = ring.start([(dkv, ring.GRAD)])
+                visited_k, visited_v = ring.finish(grad_pending)
+                dk += visited_k
+                dv += visited_v
+            grad_pending = ring.start([(dk, ring.GRAD_K), (dv, ring.GRAD_V)])
             if step + 1 < cp:
-                kv = ring.finish(pending)[0]
+                block_k, block_v = ring.finish(pending)
         # After cp hops every block's gradient has visited all ranks and come back to its owner.
-        dkv = ring.finish(grad_pending)[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dk, dv = ring.finish(grad_pending)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 # ---- allgather -------------------------------------------------------------------------------------------------------
 
 
-def _gather_kv(k, v, group: ProcessGroup | None):
-    return gather_sequence(torch.stack((k, v)), group, dim=3)
+def _gather_kv(k, v, group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the whole sequence, gathered in one collective: joined along the head dim (theirs may differ)."""
+    joined = gather_sequence(torch.cat((k, v), dim=3), group, dim=2)
+    return joined[..., :k.shape[3]].contiguous(), joined[..., k.shape[3]:].contiguous()
 
 
 class _AllGatherAttention(Function):
     @staticmethod
     def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan):
-        kv = _gather_kv(k, v, group)
+        full_k, full_v = _gather_kv(k, v, group)
         out, lse = empty_result(q)
-        attend_pieces(q, kv[0], kv[1], plan[0], scale, out, lse)
+        attend_pieces(q, full_k, full_v, plan[0], scale, out, lse)
         out = like_q(q).copy_(out)  # laid out like q: linear_proj reads it as a view
         ctx.save_for_backward(q, k, v, out, lse)  # not the gathered K/V: backward gathers them again
         ctx.group, ctx.scale, ctx.plan = group, scale, plan
@@ -275,15 +279,17 @@ class _AllGatherAttention(Function):
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
         cp = group_size(group)
-        kv = _gather_kv(k, v, group)
+        full_k, full_v = _gather_kv(k, v, group)
         acc = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-        attend_pieces_backward(grad_out, q, kv[0], kv[1], out, lse, ctx.plan[0], ctx.scale, dq, dkv[0], dkv[1])
-        # Every rank holds partial gradients for all keys: sum them onto the owners.
-        dkv = _reorder_chunks(dkv, cp, 3, to_global=False)
-        dkv = reduce_scatter_dim0(dkv.movedim(3, 0), group).movedim(0, 3)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        dk = torch.zeros(full_k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(full_v.shape, dtype=acc, device=q.device)
+        attend_pieces_backward(grad_out, q, full_k, full_v, out, lse, ctx.plan[0], ctx.scale, dq, dk, dv)
+        # Every rank holds partial gradients for all keys: sum them onto the owners (dK and dV in one collective).
+        joined = _reorder_chunks(torch.cat((dk, dv), dim=3), cp, 2, to_global=False)
+        joined = reduce_scatter_dim0(joined.movedim(2, 0), group).movedim(0, 2)
+        return dq.to(q.dtype), joined[..., :k.shape[3]].to(k.dtype), joined[..., k.shape[3]:].to(v.dtype), None, \
+            None, None
 
 
 # ---- a2a: Ulysses ----------------------------------------------------------------------------------------------------
@@ -347,13 +353,14 @@ def context_parallel_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's queries against the whole sequence spread over the CP `group`.
 
-    q [b, hq, s_local, d], k and v [b, hk, s_local, d] (hq a multiple of hk), the rank's two chunks in the layout
+    q and k [b, hq or hk, s_local, d], v [b, hk, s_local, dv] (hq a multiple of hk; v's head dim may differ), the
+    rank's two chunks in the layout
     above; `documents` None or the micro-batch's documents in global positions (attention stays within a document);
     `window` Mistral's sliding window (None: unbounded); `plan` cp_attention_plan of these, when the caller has
     it already (the model computes it once per forward). Returns [b, hq, s_local, d].
     """
     assert comm_type in CP_COMM_TYPES, f"comm_type {comm_type!r}"  # the recipe's schema checked it (config.py)
-    if k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+    if k.shape[:3] != v.shape[:3] or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1] or q.shape[3] != k.shape[3]:
         raise ValueError(f"bad attention shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     cp = group_size(group)
     if documents is not None and (len(documents.rows) != q.shape[0] or documents.seq_len != q.shape[2] * cp):

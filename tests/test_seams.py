@@ -1,0 +1,65 @@
+"""The seams the next model families and objectives plug into, used from outside: a second attention kind built,
+loaded, counted and run through models/attention_kinds.py alone (gpt.py, layout.py and flops.py untouched)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+
+from qlm_core.checkpoint.formats.hf import HFCheckpoint
+from qlm_core.models.attention_gqa import GQA, GroupedQueryAttention
+from qlm_core.models.attention_kinds import ATTENTION_KINDS, attention_kind
+from qlm_core.models.flops import flops_per_sequence
+from qlm_core.models.gpt import GPTModel
+from qlm_core.models.layout import HFTensorSource, ModelLayout, build_shard
+
+
+class NoRopeAttention(GroupedQueryAttention):
+    """A toy second kind: grouped-query attention without rotary positions (cos 1, sin 0 leave q and k as they are)."""
+
+    def forward(self, x, cos, sin, inputs):
+        return super().forward(x, torch.ones_like(cos), torch.zeros_like(sin), inputs)
+
+
+@pytest.fixture
+def no_rope(monkeypatch):
+    monkeypatch.setitem(ATTENTION_KINDS, "gqa_nope", replace(GQA, module=NoRopeAttention))
+
+
+def _qlm(path, attention: str) -> GPTModel:
+    ckpt = HFCheckpoint(path)
+    spec = ckpt.spec.replace(attention=attention)
+    layout = ModelLayout(spec)
+    model = GPTModel(spec, padded_vocab=layout.padded_vocab)
+    model.load_state_dict(build_shard(layout, 0, 0, 0, HFTensorSource(ckpt)), strict=True)
+    return model.eval()
+
+
+def test_a_second_attention_kind_through_the_seam_gives_its_reference_logits(hf_models, no_rope, monkeypatch):
+    path = hf_models["qwen2"]
+    ids = torch.randint(0, HFCheckpoint(path).spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, with_rope = _qlm(path, "gqa_nope")(ids), _qlm(path, "gqa")(ids)
+        import transformers.models.qwen2.modeling_qwen2 as qwen2
+
+        monkeypatch.setattr(qwen2, "apply_rotary_pos_emb", lambda q, k, cos, sin, *args, **kwargs: (q, k))
+        reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        expected = reference(ids).logits
+    assert (ours - expected).abs().max().item() <= 1e-5
+    assert (with_rope - expected).abs().max().item() > 1e-3  # the kind, not the default, made the difference
+
+
+def test_a_second_attention_kind_is_counted_by_its_own_rule(hf_models, no_rope):
+    spec = HFCheckpoint(hf_models["qwen2"]).spec
+    assert flops_per_sequence(spec.replace(attention="gqa_nope"), 64) == flops_per_sequence(spec, 64)
+    assert attention_kind(spec.replace(attention="gqa_nope")).module is NoRopeAttention
+
+
+def test_an_attention_kind_qlm_does_not_build_is_one_line(hf_models):
+    from qlm_core.errors import QlmError
+
+    with pytest.raises(QlmError, match="attention kind 'mla' is not one qlm builds; use one of gqa"):
+        attention_kind(HFCheckpoint(hf_models["qwen2"]).spec.replace(attention="mla"))
