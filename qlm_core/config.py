@@ -38,7 +38,8 @@ DataKind = Literal["sft", "pretrain", "preference"]
 SftFormat = Literal["auto", "alpaca", "sharegpt", "messages"]  # data/sft.py
 PreferenceFormat = Literal["auto", "trl", "alpaca", "sharegpt"]  # data/preference.py
 DataFormat = Literal["auto", "alpaca", "sharegpt", "messages", "trl"]  # either kind's (train/validate.py checks)
-# the preference losses (train/preference_loss.py): the DPO family needs a reference model, simpo and orpo do not
+# the preference losses (train/objectives/preference_loss.py): the DPO family needs a reference model, simpo and
+# orpo do not
 PreferenceLossType = Literal["sigmoid", "hinge", "ipo", "simpo", "orpo"]
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 # where the DPO family's reference log-probs come from: a frozen copy of the starting weights, the policy with its

@@ -675,7 +675,7 @@ def test_a_file_where_inductor_s_cache_goes_is_one_line(tmp_path):
 
 
 def test_a_directory_where_a_run_file_goes_is_one_line(tmp_path):
-    from qlm_core.train.reference_table import read_table
+    from qlm_core.train.objectives.reference_table import read_table
     from qlm_core.train.wandb_log import read_run_id
 
     (tmp_path / "table.safetensors").mkdir()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qlm_core.errors import QlmError
-from qlm_core.train.preference_loss import PreferenceLossConfig, preference_loss, sequence_logps
+from qlm_core.train.objectives.preference_loss import PreferenceLossConfig, preference_loss, sequence_logps
 
 PAIRS, SEQ = 6, 12
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

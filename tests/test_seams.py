@@ -63,3 +63,48 @@ def test_an_attention_kind_qlm_does_not_build_is_one_line(hf_models):
 
     with pytest.raises(QlmError, match="attention kind 'mla' is not one qlm builds; use one of gqa"):
         attention_kind(HFCheckpoint(hf_models["qwen2"]).spec.replace(attention="mla"))
+
+
+# ---- a second objective through train/objective.py alone ----------------------------------------------------------
+
+class RowMeanObjective:
+    """A toy objective: the mean over rows of each row's mean token loss (a sequence-level average, where next-token
+    prediction averages over tokens), written against the Objective protocol only."""
+
+    def bind(self, engine):
+        self.rows = engine.global_batch_size
+
+    def start(self, batch, inputs, labels, tokens):
+        pass
+
+    def loss(self, token_loss, labels):
+        counts = (labels >= 0).sum(-1).clamp(min=1)
+        return (token_loss.sum(-1) / counts).sum() / self.rows
+
+    def reported(self, loss):
+        return loss.detach().float()
+
+    def figures(self):
+        return {"toy/rows": float(self.rows)}
+
+
+def test_a_second_objective_through_the_seam_trains_what_it_says():
+    from parallel_cases import GLOBAL_BATCH, SEQ, SPEC, make_batch
+
+    from qlm_core.config import OptimConfig, ParallelConfig
+    from qlm_core.parallel.state import Grid
+    from qlm_core.train.engine import Batch, Engine
+
+    batch = Batch(*make_batch("plain"))
+    batch.labels[0, : SEQ // 2] = -100  # rows of different lengths: a row mean differs from a token mean
+    engine = Engine(SPEC, ParallelConfig(), Grid.single(), micro_batch_size=2, global_batch_size=GLOBAL_BATCH,
+                    seq_length=SEQ, optim=OptimConfig(), seed=3, objective=RowMeanObjective())
+    with torch.no_grad():  # the same weights, by hand: one process holds the whole model
+        model = engine.chunks[0]
+        token_loss = model.loss(model(batch.input_ids, batch.position_ids), batch.labels)
+        counts = (batch.labels >= 0).sum(-1)
+        expected = (token_loss.sum(-1) / counts).mean().item()
+        token_mean = (token_loss.sum() / counts.sum()).item()
+    result = engine.train_step(batch, lr=1e-3)
+    assert result.loss == pytest.approx(expected, rel=1e-6) and abs(expected - token_mean) > 1e-4
+    assert result.figures == {"toy/rows": float(GLOBAL_BATCH)}  # the objective's figures reach the step's

@@ -293,7 +293,8 @@ def unique_bytes(tensors) -> int:
 def model_state_tensors(engine) -> dict[str, list[torch.Tensor]]:
     """The tensors behind an Engine's weights (a preference run's frozen reference copy included), gradients and
     optimizer state on this rank (after a step)."""
-    params = [p for chunk in [*engine.chunks, *(engine.reference_chunks or [])] for p in chunk.parameters()]
+    reference = getattr(engine.objective, "reference_chunks", None) or []
+    params = [p for chunk in [*engine.chunks, *reference] for p in chunk.parameters()]
     optimizer = engine.optimizer
     if engine.config.zero_stage == 3:
         grads = [p.grad for p in optimizer.params if p.grad is not None]

@@ -30,7 +30,8 @@ from qlm_core.parallel.state import Grid, default_device, destroy_distributed, i
 from qlm_core.profile.case import ProfileCase, case_from_dict
 from qlm_core.profile.measure import ExpertLoadMeter, SavedTensorMeter, measure_model_states
 from qlm_core.train.engine import Batch, Engine
-from qlm_core.train.preference_loss import PreferenceLossConfig
+from qlm_core.train.objectives.preference import PreferenceObjective
+from qlm_core.train.objectives.preference_loss import PreferenceLossConfig
 
 
 def _batch(case: ProfileCase, grid: Grid) -> Batch:
@@ -63,7 +64,8 @@ def run_rank(case: ProfileCase, steps: int, grid: Grid, on_step: Callable[[int, 
     engine = Engine(case.spec, case.parallel, grid, micro_batch_size=case.micro_batch_size,
                     global_batch_size=case.global_batch_size, seq_length=case.seq_len, dtype=case.torch_dtype,
                     optim=OptimConfig(lr=1e-4), seed=1234, lora=lora, loss_chunk_tokens=case.loss_chunk_tokens,
-                    moe=case.moe, preference=preference, reference=reference)
+                    moe=case.moe,
+                    objective=None if preference is None else PreferenceObjective(preference, reference))
     batch = _batch(case, grid)
     cuda = grid.device.type == "cuda"
     if cuda:

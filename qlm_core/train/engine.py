@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from qlm_core.checkpoint.sources.random_init import RandomInitSource
-from qlm_core.config import LoraConfig, MoeConfig, OptimConfig, ParallelConfig, ReferenceModel
+from qlm_core.config import LoraConfig, MoeConfig, OptimConfig, ParallelConfig
 from qlm_core.dtypes import DTYPES
 from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import ParallelOptions
@@ -28,7 +28,6 @@ from qlm_core.models.layout import TensorSource, recipe_layout
 from qlm_core.models.moe import MoELayer, updated_expert_bias
 from qlm_core.models.spec import ModelSpec
 from qlm_core.models.stage import StageModel
-from qlm_core.parallel import shape_inference
 from qlm_core.parallel.comm import all_reduce, group_size
 from qlm_core.parallel.context_parallel import split_for_cp
 from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS
@@ -36,14 +35,10 @@ from qlm_core.parallel.expert_dispatch import ExpertParallel
 from qlm_core.parallel.optimizer_api import TrainingOptimizer
 from qlm_core.parallel.param_meta import mark
 from qlm_core.parallel.state import Grid
-from qlm_core.train.lora import adapters_disabled, apply_lora
+from qlm_core.train.lora import apply_lora
 from qlm_core.train.moe_stats import MoeStepStats
-from qlm_core.train.preference_loss import PreferenceLossConfig
-from qlm_core.train.preference_step import (
-    PreferenceStep,
-    reference_row_logps,
-    validate_preference_engine,
-)
+from qlm_core.train.objective import Objective
+from qlm_core.train.objectives.lm import LanguageModelObjective
 from qlm_core.train.validate import validate_grad_reduce_dtype, validate_layout, validate_moe
 
 
@@ -65,7 +60,7 @@ class StepResult:
     tokens: int
     skipped: bool = False
     moe: dict[str, float] | None = None  # MoE models: moe_aux_loss, moe_z_loss, moe_load_max, moe_load_min
-    preference: dict[str, float] | None = None  # preference training: TRL's rewards/... and logps/... metrics
+    figures: dict[str, float] | None = None  # the objective's (preference training: TRL's rewards/... and logps/...)
 
 
 def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
@@ -81,10 +76,8 @@ class Engine:
     `source` fills the weights (default: random init from `seed`); `lora` with rank > 0 trains only adapters on
     the frozen loaded weights; `loss_chunk_tokens` is the loss head's chunk (GPTModel.loss; 0: whole logits);
     `moe` how MoE layers train; `compile` compiles each decoder layer (GPTModel.compile_layers: the first step pays
-    the compile cost). `preference` trains on pairs (train/preference_step.py: micro_batch_size and
-    global_batch_size count rows, two per pair) with the DPO family's reference from `reference`: "frozen" (a
-    frozen copy of the starting weights, sharded as the policy's TP/PP shards), "adapters_off" (the policy with its
-    LoRA adapters switched off) or "precomputed" (Batch.reference_logps).
+    the compile cost). `objective` turns each micro-batch's per-token losses into its loss (train/objective.py;
+    default: next-token prediction, objectives/lm.py; preference pairs: objectives/preference.py).
     """
 
     def __init__(
@@ -103,8 +96,7 @@ class Engine:
         loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         moe: MoeConfig | None = None,
         compile: bool = False,
-        preference: PreferenceLossConfig | None = None,
-        reference: ReferenceModel | None = None,
+        objective: Objective | None = None,
     ):
         self.spec, self.config, self.grid = spec, config, grid
         self.moe = MoeConfig() if moe is None else moe
@@ -118,18 +110,9 @@ class Engine:
         validate_moe(self.spec, self.moe, c, self.lora.rank if self.lora is not None else 0)
         self.layout = recipe_layout(self.spec, c)
         self.num_microbatches = self.global_batch_size // (self.micro_batch_size * g.sizes.dp)
-        self.preference, self.reference = preference, reference
-        validate_preference_engine(self.spec, preference, reference, self.lora, self.micro_batch_size)
-        self._pref = None if preference is None else PreferenceStep(preference, g, micro_batch_size, global_batch_size)
-        self._mode = "lm"  # what _loss_fn computes: lm | preference | reference
-        source = self.source or RandomInitSource(self.layout, seed=self.seed)
-        self.chunks = self._build_chunks(source)
-        self.reference_chunks = None
-        if reference == "frozen":  # in the compute dtype, never trained, never sharded by ZeRO
-            self.reference_chunks = self._build_chunks(source, param_dtype=self.dtype)
-            for chunk in self.reference_chunks:
-                chunk.requires_grad_(False)
-                chunk.train(False)
+        self.objective: Objective = LanguageModelObjective() if objective is None else objective
+        self.weights = self.source or RandomInitSource(self.layout, seed=self.seed)
+        self.chunks = self.build_chunks()
         # an MoE loss enters each micro-batch's backward as a mean over the global batch's micro-batches
         self.moe_loss_scale = 1.0 / (self.num_microbatches * g.sizes.dp)
         for chunk in self.chunks:
@@ -144,29 +127,28 @@ class Engine:
         trainable = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         self.optimizer = self._build_optimizer(trainable)
         self.params = self.optimizer.params  # FSDP2 replaces the parameters: the optimizer's are the live ones
-        self.runner = self.reference_runner = None
-        if c.pp > 1:
-            from qlm_core.parallel.pipeline import PipelineRunner  # imports torch's pipelining (and dynamo)
-
-            def runner(chunks, loss_fn):
-                return PipelineRunner(
-                    chunks, pp_rank=g.pp_rank, pp_size=c.pp, pp_group=g.pp_group, device=g.device,
-                    schedule=c.pp_schedule, num_microbatches=self.num_microbatches, loss_fn=loss_fn,
-                    recompute=c.recompute,
-                )
-
-            self.runner = runner(self.chunks, self._loss_fn)
-            # the reference forward has a schedule of its own: torch's schedule re-infers its shapes (one more
-            # forward) each time it switches between evaluation and training
-            if self._pref is not None and reference in ("frozen", "adapters_off"):
-                ref_chunks = self.reference_chunks if reference == "frozen" else self.chunks
-                self.reference_runner = runner(ref_chunks, self._reference_loss_fn(ref_chunks))
+        self.runner = self.make_runner(self.chunks, self.loss_fn)
         self._num_tokens = 1.0
+        self.objective.bind(self)  # after the policy's schedule: an objective's reference schedule comes second
 
     # ---- construction ----------------------------------------------------------------------------------------------
 
-    def _build_chunks(self, source: TensorSource, param_dtype: torch.dtype | None = None) -> list[StageModel]:
-        """This rank's chunks of its pipeline stage, filled from `source`."""
+    def make_runner(self, chunks: list[StageModel], loss_fn):
+        """The pipeline schedule of `chunks` with `loss_fn` on the last stage (None when pp = 1)."""
+        c, g = self.config, self.grid
+        if c.pp == 1:
+            return None
+        from qlm_core.parallel.pipeline import PipelineRunner  # imports torch's pipelining (and dynamo)
+
+        return PipelineRunner(
+            chunks, pp_rank=g.pp_rank, pp_size=c.pp, pp_group=g.pp_group, device=g.device, schedule=c.pp_schedule,
+            num_microbatches=self.num_microbatches, loss_fn=loss_fn, recompute=c.recompute,
+        )
+
+    def build_chunks(self, param_dtype: torch.dtype | None = None) -> list[StageModel]:
+        """This rank's chunks of its pipeline stage, filled from the engine's weights (an objective's frozen
+        reference too)."""
+        source = self.weights
         c, g = self.config, self.grid
         options = ParallelOptions(
             tp_group=g.tp_group, sequence_parallel=c.sp, cp_group=g.cp_group, cp_comm_type=c.cp_comm_type,
@@ -235,26 +217,12 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------------------------------
 
-    def _loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The last stage's output (the final norm's) through the loss head, normalised by the step's tokens (the
-        language-model loss), or the preference loss of the micro-batch (train/preference_step.py)."""
-        if self._mode == "preference":
-            return self._pref.loss(self.chunks[-1].loss(hidden, labels), labels)
-        if self._mode == "reference":
-            return self._reference_loss_fn(self.chunks)(hidden, labels)
-        return self.chunks[-1].loss(hidden, labels).sum() / self._num_tokens
+    def loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's output (the final norm's) through the loss head, then the objective's loss of the
+        micro-batch."""
+        return self.objective.loss(self.chunks[-1].loss(hidden, labels), labels)
 
-    def _reference_loss_fn(self, chunks: list[StageModel]):
-        """A loss function that records the micro-batch's reference log-probs per row (in self._reference_rows)."""
-        def record(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                logps = reference_row_logps(chunks[-1].loss(hidden, labels), labels, self.grid.cp_group)
-                if not shape_inference.active():  # not the pipeline's placeholder forward
-                    self._reference_rows[self._pref.rows(self._pref.microbatch_of(labels))] = logps
-            return logps.sum()
-        return record
-
-    def _local_inputs(self, batch: Batch) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    def local_inputs(self, batch: Batch) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """(the model's inputs: input_ids, position_ids[, segment_ids]; labels) of this rank's rows, split into its
         context-parallel chunks; positions default to global token indices."""
         g, cp = self.grid, self.config.cp
@@ -274,28 +242,21 @@ class Engine:
 
     def _run_microbatches(self, batch: Batch, *, backward: bool) -> torch.Tensor:
         """Forward (and, with `backward`, backward) over every microbatch of this rank's rows, through the
-        pipeline schedule when pp > 1. Returns this rank's share of the batch loss, normalised by the global
-        token count (preference training: by the global pair count, train/preference_step.py); the sum over ranks
-        is the global mean."""
+        pipeline schedule when pp > 1. Returns this rank's share of the batch loss as the objective reports it (the
+        language-model loss: normalised by the global token count); the sum over ranks is the global mean."""
         g = self.grid
-        inputs, labels = self._local_inputs(batch)
+        inputs, labels = self.local_inputs(batch)
         tokens = torch.tensor(float((labels >= 0).sum()), device=g.device)
         all_reduce(tokens, g.dp_cp_group)
         self._num_tokens = max(tokens.item(), 1.0)
-        if self._pref is not None:
-            self._pref.start(labels)
-            self._pref.reference = self._reference_logps(batch, inputs, labels)
-            self._mode = "preference"
-        try:
-            losses = self._forward_backward_all(self.chunks, self.runner, self._loss_fn, inputs, labels, backward)
-        finally:
-            self._mode = "lm"
+        self.objective.start(batch, inputs, labels, self._num_tokens)
+        losses = self.forward_backward_chunks(self.chunks, self.runner, self.loss_fn, inputs, labels, backward)
         loss_sum = torch.zeros((), device=g.device)
         for loss in losses:
-            loss_sum += self._pref.reported(loss) if self._pref is not None else loss.detach().float()
+            loss_sum += self.objective.reported(loss)
         return loss_sum
 
-    def _forward_backward_all(self, chunks, runner, loss_fn, inputs, labels, backward: bool) -> list[torch.Tensor]:
+    def forward_backward_chunks(self, chunks, runner, loss_fn, inputs, labels, backward: bool) -> list[torch.Tensor]:
         """The micro-batch losses of `chunks` over this rank's rows (backward too with `backward`); through
         `runner` when pp > 1 (losses on the last stage only)."""
         for chunk in chunks:
@@ -310,41 +271,6 @@ class Engine:
                 (loss + self._transformers_aux_loss()).backward()
             losses.append(loss)
         return losses
-
-    @torch.no_grad()
-    def _reference_logps(self, batch: Batch, inputs, labels) -> torch.Tensor | None:
-        """The reference log-probs of this rank's rows [rows] (on the last stage; None for reference-free losses)."""
-        if not self.preference.needs_reference:
-            return None
-        if self.reference == "precomputed":
-            if batch.reference_logps is None:
-                raise ValueError("the engine's reference is precomputed, but the batch has no reference_logps")
-            return batch.reference_logps.to(self.grid.device)
-        self._reference_rows = torch.zeros(labels.shape[0], device=self.grid.device)
-        runner = self.reference_runner
-        if self.reference == "frozen":
-            self._forward_backward_all(self.reference_chunks, runner, self._reference_loss_fn(self.reference_chunks),
-                                       inputs, labels, backward=False)
-        else:  # the policy with its adapters switched off
-            with adapters_disabled(self.chunks):
-                self._forward_backward_all(self.chunks, runner, self._reference_loss_fn(self.chunks), inputs, labels,
-                                           backward=False)
-        return self._reference_rows
-
-    @torch.no_grad()
-    def reference_logps(self, batch: Batch) -> torch.Tensor:
-        """The reference log-probs of this rank's rows of a preference batch [rows], forward only (for
-        precompute_reference: the starting weights, before any step); valid on the last pipeline stage."""
-        self.optimizer.wait_param_gather()
-        inputs, labels = self._local_inputs(batch)
-        self._pref.start(labels)
-        self._reference_rows = torch.zeros(labels.shape[0], device=self.grid.device)
-        self._mode = "reference"
-        try:
-            self._forward_backward_all(self.chunks, self.runner, self._loss_fn, inputs, labels, backward=False)
-        finally:
-            self._mode = "lm"
-        return self._reference_rows
 
     def _transformers_aux_loss(self) -> torch.Tensor | float:
         """moe.aux_loss_type = transformers: the micro-batch's one load-balancing loss over every layer (pp = 1, so
@@ -411,11 +337,7 @@ class Engine:
         loss_sum = self.forward_backward(batch)
         grad_norm, skipped = self.update(lr)
         return StepResult(self.global_loss(loss_sum), grad_norm, int(self._num_tokens), skipped,
-                          self.moe_step_figures(), self.preference_figures())
-
-    def preference_figures(self) -> dict[str, float] | None:
-        """Preference training: the metrics of the last forward (TRL's names); every rank calls it (collectives)."""
-        return None if self._pref is None else self._pref.figures()
+                          self.moe_step_figures(), self.objective.figures())
 
     def moe_step_figures(self) -> dict[str, float] | None:
         """An MoE model's figures of the last forward_backward (StepResult.moe); every rank calls it (collectives).
@@ -425,6 +347,6 @@ class Engine:
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> float:
         """Mean loss over the non-ignored labels of this global batch (every rank's rows), forward only; preference
-        training: the preference loss over its pairs (preference_figures() then has the metrics)."""
+        training: the preference loss over its pairs (objective.figures() then has the metrics)."""
         self.optimizer.wait_param_gather()
         return self.global_loss(self._run_microbatches(batch, backward=False))

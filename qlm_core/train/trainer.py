@@ -34,7 +34,6 @@ from qlm_core.config import (
     Recipe,
     compile_text,
     compiles,
-    preference_reference,
     recipe_to_toml,
     rows_per_sample,
 )
@@ -57,8 +56,8 @@ from qlm_core.train.data import build_run_data, check_cache_dir
 from qlm_core.train.engine import Batch, Engine
 from qlm_core.train.load_pin import pinned_error, pinned_iteration, record_pin
 from qlm_core.train.metrics import MetricsWriter, StepMetrics, device_memory_gb, peak_memory_gb, plot_loss, strict_json
+from qlm_core.train.objectives import recipe_objective
 from qlm_core.train.plan import total_steps
-from qlm_core.train.preference_loss import PreferenceLossConfig
 from qlm_core.train.run_dir import claim_run_dir, os_error
 from qlm_core.train.schedule import learning_rate
 from qlm_core.train.signals import StopControl, StopReason
@@ -186,21 +185,18 @@ class Trainer:
                                            self.steps * r.train.global_batch_size, valid_samples, r.preference)
             if dist.is_initialized():
                 dist.barrier()
-        preference = r.data.kind == "preference"
         rows = rows_per_sample(r)
         self.engine = Engine(
             source.spec, r.parallel, self.grid, micro_batch_size=r.train.micro_batch_size * rows,
             global_batch_size=r.train.global_batch_size * rows, seq_length=r.data.seq_length,
             dtype=DTYPES[r.model.dtype], optim=r.optim, source=source.weights, seed=r.train.seed,
             lora=r.lora if r.lora.rank > 0 else None, loss_chunk_tokens=r.train.loss_chunk_tokens, moe=r.moe,
-            compile=self._compile_decision(),
-            preference=PreferenceLossConfig.from_recipe(r.preference) if preference else None,
-            reference=preference_reference(r) if preference else None,
+            compile=self._compile_decision(), objective=recipe_objective(r),
         )
         self.source = source
         self.reference_tables = {}
-        if self.engine.reference == "precomputed":  # the starting weights: before any checkpoint
-            from qlm_core.train.reference_table import load_or_compute, table_path
+        if getattr(self.engine.objective, "reference", None) == "precomputed":  # the starting weights: first
+            from qlm_core.train.objectives.reference_table import load_or_compute, table_path
 
             self.reference_tables = load_or_compute(
                 self.engine, table_path(r, cache / "datasets", source),
@@ -285,7 +281,7 @@ class Trainer:
         for _ in range(max(1, min(self.recipe.train.eval_iters,
                                   len(self.data.valid) // self.recipe.train.global_batch_size or 1))):
             losses.append(self.engine.evaluate(next(batches)))
-            figures.append(self.engine.preference_figures())
+            figures.append(self.engine.objective.figures())
         if figures[0] is not None:
             self.eval_figures = {key: sum(f[key] for f in figures) / len(figures) for key in figures[0]}
         return sum(losses) / len(losses)
@@ -375,7 +371,7 @@ class Trainer:
                 s_per_sample=seconds / r.train.global_batch_size,
                 tokens_per_s=r.train.global_batch_size * self.sample_tokens / seconds,
                 tflops_per_device=tflops, mfu=tflops / self.peak, mem_peak_gb=peak_memory_gb(),
-                skipped=result.skipped, moe=result.moe, preference=result.preference,
+                skipped=result.skipped, moe=result.moe, preference=result.figures,
                 **device_memory_gb(),
             )
             if self.metrics is not None:

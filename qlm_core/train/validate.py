@@ -24,7 +24,7 @@ from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.pipeline_rules import min_microbatches, validate_schedule
 from qlm_core.parallel.state import ParallelSizes
-from qlm_core.train.preference_loss import PreferenceLossConfig
+from qlm_core.train.objectives.preference_loss import PreferenceLossConfig
 
 
 def validate_counts(**counts: int):

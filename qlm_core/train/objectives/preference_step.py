@@ -8,8 +8,8 @@ A micro-batch of P pairs is 2P rows: the chosen sequences of its pairs, then the
                      identity backward (every CP rank computes the same loss, and each rank's gradient is the
                      loss's gradient with respect to its own part: summed over the ranks, the exact gradient)
     loss             Σ_pairs term / pairs of the global batch  (+ weight · NLL(chosen) over the global batch's chosen
-                     tokens), train/preference_loss.py's terms; the sum over micro-batches and data-parallel ranks is
-                     the global batch's loss, as for the language-model loss
+                     tokens), preference_loss.py's terms; the sum over micro-batches and data-parallel ranks is the
+                     global batch's loss, as for the language-model loss
     reported loss    the same divided by the CP size (each CP rank holds the whole loss; the engine sums over ranks)
 
 Reference log-probs come per row from the caller (a reference forward of the same micro-batch, or the precomputed
@@ -27,7 +27,7 @@ from qlm_core.parallel import shape_inference
 from qlm_core.parallel.comm import all_reduce, group_size
 from qlm_core.parallel.state import Grid
 from qlm_core.parallel.tensor import reduce_from_tp
-from qlm_core.train.preference_loss import PreferenceLossConfig, pair_metric_sums, pair_terms
+from qlm_core.train.objectives.preference_loss import PreferenceLossConfig, pair_metric_sums, pair_terms
 from qlm_core.train.validate import validate_preference_model
 
 METRIC_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

@@ -74,7 +74,7 @@ def compute_table(engine: Engine, dataset, pairs_per_global: int, pairs_per_micr
     holds = g.is_last_stage and g.tp_rank == 0 and g.cp_rank == 0  # one copy of each number
     for _, positions in zip(range(math.ceil(n / pairs_per_global)), sampler, strict=False):
         input_ids, labels, _ = collate_pairs([positioned[i] for i in positions], pairs_per_micro)
-        rows = engine.reference_logps(Batch(input_ids, labels)).double()
+        rows = engine.objective.reference_logps(Batch(input_ids, labels)).double()
         if holds:
             for k, position in enumerate(positions):
                 chosen, rejected = pair_rows(k, pairs_per_micro)
