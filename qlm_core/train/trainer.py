@@ -56,7 +56,7 @@ from qlm_core.train.data import build_run_data, check_cache_dir
 from qlm_core.train.engine import Batch, Engine
 from qlm_core.train.load_pin import pinned_error, pinned_iteration, record_pin
 from qlm_core.train.metrics import MetricsWriter, StepMetrics, device_memory_gb, peak_memory_gb, plot_loss, strict_json
-from qlm_core.train.objectives import recipe_objective
+from qlm_core.train.objectives.recipe import recipe_objective
 from qlm_core.train.plan import total_steps
 from qlm_core.train.run_dir import claim_run_dir, os_error
 from qlm_core.train.schedule import learning_rate

@@ -1,17 +1,2 @@
 """The objectives the Engine trains (train/objective.py): lm.py next-token prediction, preference.py the DPO family;
-recipe_objective picks a recipe's."""
-
-from __future__ import annotations
-
-from qlm_core.config import Recipe, preference_reference
-from qlm_core.train.objective import Objective
-from qlm_core.train.objectives.lm import LanguageModelObjective
-from qlm_core.train.objectives.preference import PreferenceObjective
-from qlm_core.train.objectives.preference_loss import PreferenceLossConfig
-
-
-def recipe_objective(recipe: Recipe) -> Objective:
-    """The objective a recipe's data kind trains."""
-    if recipe.data.kind == "preference":
-        return PreferenceObjective(PreferenceLossConfig.from_recipe(recipe.preference), preference_reference(recipe))
-    return LanguageModelObjective()
+recipe.py picks a recipe's."""

@@ -1,0 +1,16 @@
+"""The objective a recipe trains (train/objective.py's seam; the Engine is given it)."""
+
+from __future__ import annotations
+
+from qlm_core.config import Recipe, preference_reference
+from qlm_core.train.objective import Objective
+from qlm_core.train.objectives.lm import LanguageModelObjective
+from qlm_core.train.objectives.preference import PreferenceObjective
+from qlm_core.train.objectives.preference_loss import PreferenceLossConfig
+
+
+def recipe_objective(recipe: Recipe) -> Objective:
+    """The objective a recipe's data kind trains."""
+    if recipe.data.kind == "preference":
+        return PreferenceObjective(PreferenceLossConfig.from_recipe(recipe.preference), preference_reference(recipe))
+    return LanguageModelObjective()
