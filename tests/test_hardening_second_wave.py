@@ -684,3 +684,85 @@ def test_a_directory_where_a_run_file_goes_is_one_line(tmp_path):
         with pytest.raises(QlmError) as caught:
             call(tmp_path / path)
         assert "is a directory" in caught.value.line()
+
+
+# ---- numbers and layouts at their extremes (the profile/generate/numbers battery) ---------------------------------
+
+def test_a_tiny_temperature_samples_near_greedy_without_nan(hf_models):
+    from test_model import qlm_from_hf
+
+    from qlm_core.decode.sampling import Sampling, generate_rows, left_pad
+
+    model, spec = qlm_from_hf(hf_models["qwen2"])
+    ids, mask = left_pad([[1, 2, 3, 4], [5, 6]], 0)
+    greedy = generate_rows(model, ids, mask, max_new_tokens=4, eos_token_id=None)
+    tiny = generate_rows(model, ids, mask, max_new_tokens=4, eos_token_id=None, sampling=Sampling(temperature=1e-300))
+    assert [g.tokens for g in tiny] == [g.tokens for g in greedy]
+
+
+def test_each_row_decodes_to_its_own_room_in_the_window(hf_models):
+    from test_model import qlm_from_hf
+
+    from qlm_core.decode.sampling import generate_rows, left_pad
+
+    model, spec = qlm_from_hf(hf_models["qwen2"])
+    ids, mask = left_pad([[1, 2, 3], [4, 5, 6, 7, 8]], 0)
+    out = generate_rows(model, ids, mask, max_new_tokens=5, eos_token_id=None, row_limits=[5, 2])
+    assert [len(g.tokens) for g in out] == [5, 2] and [g.finish for g in out] == ["length", "length"]
+    alone = generate_rows(model, ids[:1, 2:], mask[:1, 2:], max_new_tokens=5, eos_token_id=None)
+    assert out[0].tokens == alone[0].tokens
+
+
+def test_a_document_count_past_any_task_means_all_of_it():
+    from qlm_core.eval.runner import documents_limit
+
+    assert documents_limit(1e300) is None and documents_limit(3.0) == 3 and documents_limit(0.5) == 0.5
+
+
+def test_a_continuation_longer_than_max_length_is_one_line():
+    from types import SimpleNamespace
+
+    from qlm_core.eval.requests import check_continuations_fit
+
+    request = SimpleNamespace(task_name="qlm_demo_mc", doc_id=3, args=("context", "a b c d"))
+    with pytest.raises(QlmError, match="document 3: its continuation is 4 tokens.*pass --max-length 4 or more"):
+        check_continuations_fit([request], str.split, 2)
+    check_continuations_fit([request], str.split, 4)
+
+
+def test_min_lr_above_lr_is_refused():
+    from qlm_core.config import load_recipe
+    from qlm_core.train.validate import validate_recipe
+
+    recipe = load_recipe(REPO / "recipes" / "tiny-sft.toml", ["schedule.min_lr=1.0"])
+    with pytest.raises(QlmError, match="schedule.min_lr 1 is above optim.lr"):
+        validate_recipe(recipe)
+
+
+def test_blend_weights_near_the_float_limit_blend_evenly():
+    from qlm_core.data.pretrain import blend_schedule, parse_blend
+
+    datasets, _ = blend_schedule([1e308, 1e308], 6)
+    assert datasets.tolist() == [0, 1, 0, 1, 0, 1]
+    with pytest.raises(QlmError, match="not a finite non-negative number"):
+        parse_blend([(float("inf"), "a"), (1.0, "b")])
+
+
+def test_a_virtual_pipeline_layout_is_not_told_to_use_gpipe():
+    spec, config = PRESETS["qlm-tiny-moe"], ParallelConfig(pp=2, vpp=2, pp_schedule="interleaved_1f1b")
+    with pytest.raises(QlmError) as caught:
+        validate_layout(spec, config, resolve_sizes(2, pp=2), 64, 8, 24)
+    assert "a multiple of 16" in caught.value.line() and "gpipe" not in caught.value.line()
+
+
+def test_profile_names_the_recipe_keys_for_an_uneven_split():
+    line = one_error(call_qlm("profile", REPO / "recipes" / "tiny-sft.toml", "--pp", "3"), "use a --pp that divides")
+    assert "parallel.num_layers_in_first_pipeline_stage" in line and "--num-layers-in-first" not in line
+
+
+def test_profile_and_train_refuse_a_preference_layout_in_the_same_words(tmp_path):
+    dpo = REPO / "recipes" / "tiny-dpo.toml"
+    profile = one_error(call_qlm("profile", dpo, "--pp", "2", "--dp", "2"), "train.micro_batch_size 8")
+    train = one_error(call_qlm("train", dpo, "--dry-run", "--output", tmp_path / "run", "--set", "parallel.pp=2",
+                               "--set", "parallel.dp=2"))
+    assert profile == train

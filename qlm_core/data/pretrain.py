@@ -214,6 +214,10 @@ def make_item(tokens: np.ndarray, config: PretrainConfig) -> dict:
 def blend_schedule(weights: list[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
     """(dataset of each blended sample, its sample number within that dataset)."""
     weights = np.asarray(weights, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        overflows = not np.isfinite(weights.sum())
+    if overflows:  # weights near the float limit: scaled down first (only then, so other blends keep their order)
+        weights = weights / weights.max()
     weights = weights / weights.sum()
     due, dataset, local = [], [], []
     for d, weight in enumerate(weights):
@@ -253,8 +257,8 @@ def parse_blend(data) -> list[tuple[str, float | None]]:
             continue
         a, b = entry
         prefix, weight = (b, a) if isinstance(a, (int, float)) else (a, b)
-        if not isinstance(weight, (int, float)) or weight < 0:
-            raise QlmError(f"blend weight {weight!r} of {prefix} is not a non-negative number",
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
+            raise QlmError(f"blend weight {weight!r} of {prefix} is not a finite non-negative number",
                            "give each dataset a weight >= 0")
         blend.append((str(prefix), float(weight)))
     if not blend:

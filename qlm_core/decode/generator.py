@@ -78,14 +78,15 @@ class Generator:
             on_token: Callable[[int, int], None] | None = None) -> list[Generation]:
         """Generate for one batch of encoded prompts; at most to the end of the context window."""
         assert self.model is not None, "load() the weights first"
-        room = self.context - max(len(ids) for ids in encoded)
+        rooms = [self.context - len(ids) for ids in encoded]  # each prompt's own room in the window
         pad = self.tokenizer.pad_token_id
         pad = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         ids, mask = left_pad(encoded, pad)
         device = next(self.model.parameters()).device
-        return generate_rows(self.model, ids.to(device), mask.to(device), max_new_tokens=min(max_new_tokens, room),
-                             eos_token_id=self.stops.ids, sampling=sampling, stop=self.stops.reached(self.tokenizer),
-                             on_token=on_token)
+        return generate_rows(self.model, ids.to(device), mask.to(device),
+                             max_new_tokens=min(max_new_tokens, max(rooms)), eos_token_id=self.stops.ids,
+                             sampling=sampling, stop=self.stops.reached(self.tokenizer), on_token=on_token,
+                             row_limits=rooms)
 
     def text(self, generation: Generation) -> str:
         return answer_text(self.tokenizer, generation.tokens, self.stops)

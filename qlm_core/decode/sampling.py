@@ -46,7 +46,12 @@ def check_sampling(sampling: Sampling, max_new_tokens: int):
 def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
     if sampling.temperature <= 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / sampling.temperature
+    scaled = logits.float() / sampling.temperature
+    if not torch.isfinite(scaled).all():  # a temperature so small that logits overflow (or 0 in fp32): relative to
+        # each row's largest logit, the others go to -inf (greedy, in effect) and softmax sees no inf - inf
+        logits = logits.float()
+        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / max(sampling.temperature, 1e-30)
+    logits = scaled
     if sampling.top_k > 0:
         kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -75,10 +80,12 @@ def generate_rows(
     sampling: Sampling | None = None,
     stop: Callable[[list[int]], bool] | None = None,
     on_token: Callable[[int, int], None] | None = None,
+    row_limits: Sequence[int] | None = None,
 ) -> list[Generation]:
     """input_ids / attention_mask [b, L], left-padded (mask 0 on padding). Each row's new tokens, ending at an
     eos id (`eos_token_id`: one or several; excluded) or when `stop(new_tokens)` says so (the tokens so far kept;
-    callers trim stop strings). `on_token(row, token)` sees every kept token as it is chosen."""
+    callers trim stop strings). `on_token(row, token)` sees every kept token as it is chosen. `row_limits`: each
+    row's own most tokens (its room in the context window), at most max_new_tokens."""
     sampling = sampling or Sampling()
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     generator = torch.Generator().manual_seed(sampling.seed)
@@ -92,7 +99,8 @@ def generate_rows(
     if max_new_tokens > 1:
         cache.reserve(max_new_tokens - 1)  # each step writes its token's keys and values in place
     out = [Generation() for _ in range(rows)]
-    done = [False] * rows
+    limits = [max_new_tokens] * rows if row_limits is None else [min(max_new_tokens, n) for n in row_limits]
+    done = [n < 1 for n in limits]
     active = list(range(rows))  # the rows still in the batch (finished ones are dropped, see below)
     next_position = positions[:, -1] + 1
     for step in range(max_new_tokens):
@@ -109,6 +117,8 @@ def generate_rows(
                 on_token(row, token)
             if stop is not None and stop(out[row].tokens):
                 done[row], out[row].finish = True, "stop"
+            elif len(out[row].tokens) >= limits[row]:
+                done[row] = True  # finish stays "length": its room in the window is used up
         if all(done) or step == max_new_tokens - 1:
             break
         slots = [slot for slot, row in enumerate(active) if not done[row]]

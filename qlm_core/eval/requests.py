@@ -1,4 +1,5 @@
-"""The requests lm-eval hands a backend, checked before any of them is scored: every text argument must be text.
+"""The requests lm-eval hands a backend, checked before any of them is scored: every text argument must be text, and
+every continuation must fit the window (--max-length).
 
 lm-eval reads a templated `doc_to_target` that looks like a Python list (`[1, 2, 3]`) with ast.literal_eval, so a
 document whose text has that shape reaches the backend as a list, and the tokenizer or lm-eval's own sort fails
@@ -25,11 +26,23 @@ def check_requests(requests, kind: str):
                     "the document's text not look like a list")
 
 
+def check_continuations_fit(requests, encode, max_length: int):
+    """Every continuation fits the window: both backends keep the last max_length tokens of context + continuation
+    and score the continuation's tokens within them."""
+    for request in requests:
+        tokens = len(encode(request.args[1]))
+        if tokens > max_length:
+            raise QlmError(f"task {request.task_name} document {request.doc_id}: its continuation is {tokens} tokens, "
+                           f"more than the window of {max_length} (--max-length)",
+                           f"pass --max-length {tokens} or more, or leave it out (the model's context window)")
+
+
 class CheckedRequests:
     """A mixin put before an lm-eval LM class: its three request methods check their requests first."""
 
     def loglikelihood(self, requests, *args, **kwargs):
         check_requests(requests, "loglikelihood")
+        check_continuations_fit(requests, self.tok_encode, self.max_length)
         return super().loglikelihood(requests, *args, **kwargs)
 
     def loglikelihood_rolling(self, requests, *args, **kwargs):

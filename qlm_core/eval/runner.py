@@ -8,6 +8,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +154,14 @@ def check_config(config: EvalConfig):
         check_output(config.output)
 
 
+def documents_limit(limit: float | None) -> float | int | None:
+    """lm-eval's `limit`: a fraction as given, a count as an int; a count past any task (beyond what Python can
+    slice) is every document."""
+    if limit is None or limit < 1:
+        return limit
+    return None if limit > sys.maxsize else int(limit)
+
+
 def worker_argv(config: EvalConfig) -> list[str]:
     """`qlm eval` arguments that make every torchrun worker run `config` (paths as given: workers share the cwd)."""
     argv = ["eval", config.checkpoint, "--tasks", ",".join(config.tasks), "--batch-size", str(config.batch_size),
@@ -236,7 +245,7 @@ def run_eval(config: EvalConfig) -> dict | None:
         try:
             results = lm_eval.simple_evaluate(
                 model=model, model_args=model_args, tasks=config.tasks, num_fewshot=config.num_fewshot,
-                limit=config.limit, batch_size=config.batch_size, log_samples=config.log_samples,
+                limit=documents_limit(config.limit), batch_size=config.batch_size, log_samples=config.log_samples,
                 apply_chat_template=config.apply_chat_template, task_manager=manager,
             )
         except ConnectionError as exc:

@@ -538,11 +538,12 @@ def hf_fused_experts(spec: ModelSpec) -> dict[str, tuple[str, int | None, int]]:
     return out
 
 
+# convert's uneven-split flags as a recipe names them (qlm profile has only the recipe's keys for them)
+UNEVEN_SPLIT_KEYS = {_FIRST_FLAG: "parallel.num_layers_in_first_pipeline_stage",
+                     _LAST_FLAG: "parallel.num_layers_in_last_pipeline_stage"}
 # convert's and profile's flags, as a recipe names them
-_RECIPE_KEYS = {_FIRST_FLAG: "parallel.num_layers_in_first_pipeline_stage",
-                _LAST_FLAG: "parallel.num_layers_in_last_pipeline_stage",
-                "--tp": "parallel.tp", "--pp": "parallel.pp", "--vpp": "parallel.vpp", "--ep": "parallel.ep",
-                "--etp": "parallel.etp"}
+_RECIPE_KEYS = {**UNEVEN_SPLIT_KEYS, "--tp": "parallel.tp", "--pp": "parallel.pp", "--vpp": "parallel.vpp",
+                "--ep": "parallel.ep", "--etp": "parallel.etp"}
 
 
 def recipe_layout(spec: ModelSpec, parallel) -> ModelLayout:

@@ -29,7 +29,7 @@ from qlm_core.config import (
 )
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import LORA_TARGETS, ModelLayout
+from qlm_core.models.layout import LORA_TARGETS, UNEVEN_SPLIT_KEYS, ModelLayout
 from qlm_core.models.presets import load_model_spec
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.pipeline_rules import validate_recompute
@@ -129,9 +129,13 @@ class ProfileCase:
         return self.global_batch_size // (self.micro_batch_size * self.sizes.dp)
 
     def layout(self) -> ModelLayout:
+        """Its layout; an uneven split's fix names the recipe's keys (profile has flags for the rest)."""
         p = self.parallel
-        return ModelLayout(self.spec, p.tp, p.pp, p.vpp, p.num_layers_in_first_pipeline_stage,
-                           p.num_layers_in_last_pipeline_stage, ep=p.ep, etp=p.etp)
+        try:
+            return ModelLayout(self.spec, p.tp, p.pp, p.vpp, p.num_layers_in_first_pipeline_stage,
+                               p.num_layers_in_last_pipeline_stage, ep=p.ep, etp=p.etp)
+        except QlmError as exc:
+            raise exc.renamed({flag: f"a recipe's {key}" for flag, key in UNEVEN_SPLIT_KEYS.items()}) from None
 
     def replace(self, **changes) -> ProfileCase:
         return dataclasses.replace(self, **changes)
@@ -204,7 +208,8 @@ def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
                        f"sequences is not a multiple of micro-batch x dp = {rows}",
                        f"pass the run's device count as --num-gpus ({SEED_GPUS} when left out), or --dp (a "
                        "recipe's parallel.dp), or change the batch sizes")
-    validate_layout(case.spec, p, sizes, case.seq_len, case.micro_batch_size, case.global_batch_size)
+    validate_layout(case.spec, p, sizes, case.seq_len, case.micro_batch_size, case.global_batch_size,
+                    rows_per_sample=2 if case.preference_reference else 1)
     validate_experts(case.spec, p)
     validate_moe(case.spec, case.moe, p, case.lora_rank)
     validate_grad_reduce_dtype(p.grad_reduce_dtype, case.dtype)

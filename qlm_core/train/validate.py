@@ -50,6 +50,9 @@ def validate_recipe(recipe: Recipe):
                        "train.loss_chunk_tokens": recipe.train.loss_chunk_tokens,
                        "data.mean_doc_len": recipe.data.mean_doc_len})
     validate_grad_reduce_dtype(recipe.parallel.grad_reduce_dtype, recipe.model.dtype)
+    if recipe.schedule.min_lr > recipe.optim.lr:  # Megatron asserts the same: a decay that would raise the rate
+        raise QlmError(f"schedule.min_lr {recipe.schedule.min_lr:g} is above optim.lr {recipe.optim.lr:g}: the decay "
+                       "would raise the learning rate", "set schedule.min_lr at most optim.lr (often lr / 10)")
     p = recipe.parallel
     if recipe.checkpoint.format == "torch" and p.etp is not None and p.tp % p.etp:
         raise QlmError(f"parallel.etp = {p.etp} does not divide parallel.tp = {p.tp}: the legacy `torch` checkpoint's "
@@ -149,8 +152,9 @@ def validate_experts(spec: ModelSpec, config: ParallelConfig):
 
 
 def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSizes, seq_length: int,
-                    micro_batch_size: int, global_batch_size: int):
-    """Everything that can be checked before a process group exists (ModelLayout checks heads/layers)."""
+                    micro_batch_size: int, global_batch_size: int, rows_per_sample: int = 1):
+    """Everything that can be checked before a process group exists (ModelLayout checks heads/layers). The batch
+    sizes count rows; errors name them in the recipe's samples (a preference pair is two rows)."""
     for key in ("cp_comm_type", "pp_schedule", "recompute", "zero_stage", "grad_reduce_dtype"):  # built in code
         checked_field(ParallelConfig, key, getattr(config, key), f"parallel.{key}")
     check_ranges("parallel", config)
@@ -192,13 +196,15 @@ def validate_layout(spec: ModelSpec, config: ParallelConfig, sizes: ParallelSize
             least, multiple = min_microbatches(config.pp_schedule, config.pp)
             if microbatches >= least and microbatches % multiple == 0:  # not a micro-batch count rule
                 raise QlmError(str(exc), "adjust parallel.pp_schedule or parallel.vpp") from None
-            target = (f"a multiple of {rows * multiple}" if multiple > 1
-                      else f"at least {rows * least} (a multiple of micro_batch_size x dp = {rows})")
-            raise QlmError(f"{exc} (train.global_batch_size {global_batch_size} / (train.micro_batch_size "
-                           f"{micro_batch_size} x dp {sizes.dp}))",
+            samples = rows // rows_per_sample
+            target = (f"a multiple of {samples * multiple}" if multiple > 1
+                      else f"at least {samples * least} (a multiple of micro_batch_size x dp = {samples})")
+            gpipe_runs = config.pp_schedule != "gpipe" and config.vpp == 1  # gpipe takes no virtual stages
+            raise QlmError(f"{exc} (train.global_batch_size {global_batch_size // rows_per_sample} / "
+                           f"(train.micro_batch_size {micro_batch_size // rows_per_sample} x dp {sizes.dp}))",
                            f"make train.global_batch_size {target} (--gbs in qlm profile), or lower "
-                           "train.micro_batch_size"
-                           + ("" if config.pp_schedule == "gpipe" else ', or use pp_schedule = "gpipe"')) from None
+                           "train.micro_batch_size" + (', or use pp_schedule = "gpipe"' if gpipe_runs else "")
+                           ) from None
 
 
 def validate_compile_cache(environ=None):
