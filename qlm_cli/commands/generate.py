@@ -14,67 +14,6 @@ from qlm_cli.choices import WeightDtype
 from qlm_cli.render import err_console
 from qlm_core.errors import QlmError
 
-STDIN = "-"
-
-
-def _lines(data: bytes, where: str) -> list[str]:
-    """The non-blank lines of `data` (UTF-8), each one prompt."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise QlmError(f"{where} is not UTF-8 text (byte {exc.start})",
-                       "give prompts as UTF-8 text, one a line") from None
-    lines = [line.removesuffix("\r") for line in text.removeprefix("\ufeff").split("\n")]
-    return [line for line in lines if line.strip()]
-
-
-def _stdin_prompts() -> list[str]:
-    if sys.stdin is not None and sys.stdin.isatty():
-        err_console.print("reading prompts from stdin, one a line (end with Ctrl-D)", markup=False, highlight=False)
-    stream = getattr(sys.stdin, "buffer", None)
-    data = stream.read() if stream is not None else (sys.stdin.read() if sys.stdin else "").encode("utf-8")
-    prompts = _lines(data, "stdin")
-    if not prompts:
-        raise QlmError("--prompt - reads prompts from stdin, but stdin has none", "pipe prompts in, one a line")
-    return prompts
-
-
-def _file_prompts(path: Path) -> list[str]:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise QlmError(f"prompt file {path} does not exist", "check the path") from None
-    except IsADirectoryError:
-        raise QlmError(f"prompt file {path} is a directory", "point --prompt-file at a text file") from None
-    except OSError as exc:
-        raise QlmError(f"cannot read prompt file {path} ({exc.strerror})", "check the file") from None
-    prompts = _lines(data, f"prompt file {path}")
-    if not prompts:
-        raise QlmError(f"prompt file {path} holds no prompt", "write one prompt a line")
-    return prompts
-
-
-def collect_prompts(prompts: list[str], prompt_file: Path | None) -> list[str]:
-    """--prompt values in order (`-`: stdin's lines at that place), then --prompt-file's lines."""
-    if prompts.count(STDIN) > 1:
-        raise QlmError("--prompt - is given twice", "read stdin once")
-    collected = []
-    for prompt in prompts:
-        collected += _stdin_prompts() if prompt == STDIN else [prompt]
-    if prompt_file is not None:
-        collected += _file_prompts(prompt_file)
-    if not collected:
-        raise QlmError("no prompt given", "pass --prompt TEXT (repeatable), --prompt - for stdin, or --prompt-file")
-    for number, prompt in enumerate(collected, 1):
-        what = f"prompt {number}" if len(collected) > 1 else "the prompt"
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise QlmError(f"{what} is not valid UTF-8", "pass prompts as UTF-8 text") from None
-        if not prompt.strip():
-            raise QlmError(f"{what} is empty", "give it some text")
-    return collected
-
 
 def _write(text: str):
     """Answers go to stdout as written (no Rich markup or emoji codes). A reader that stops early (`| head`) ends the
@@ -127,6 +66,7 @@ def generate_command(
     """Answer prompts with a checkpoint: its tokenizer's chat template, KV-cache decoding, greedy unless
     --temperature; a turn ends at eos or the template's end-of-turn token. One answer streams as it is decoded."""
     from qlm_core.decode.generator import Generator
+    from qlm_core.decode.prompt_input import collect_prompts
     from qlm_core.decode.prompts import Prompting, TextStream
     from qlm_core.decode.sampling import Sampling, check_sampling
     from qlm_core.dtypes import DTYPES
@@ -137,7 +77,8 @@ def generate_command(
         raise QlmError(f"--batch-size {batch_size} holds no prompt", "pass --batch-size 1 or more")
     if iteration is not None and iteration < 0:
         raise QlmError(f"--iteration {iteration} is negative", "pass an iteration of the checkpoint, or drop it")
-    prompts = collect_prompts(prompt or [], prompt_file)
+    prompts = collect_prompts(prompt or [], prompt_file,
+                              lambda text: err_console.print(text, markup=False, highlight=False))
     if hasattr(sys.stdout, "reconfigure"):  # a terminal that cannot show a character gets "?", not a crash
         sys.stdout.reconfigure(errors="replace")
     generator = Generator.open(checkpoint, prompting=Prompting(chat_template, raw, system), tokenizer=tokenizer,

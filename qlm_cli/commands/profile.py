@@ -181,21 +181,13 @@ def profile(
     global batch 16, bf16, 32 x a100-80g as tp 4 x cp 4 x dp 2, SP on, p2p ring attention, ZeRO 1, full recompute;
     every option replaces one of those values (`qlm profile --tp 4 --cp 4` is that case).
     """
-    for flag, value in (("--efficiency", efficiency), ("--comm-efficiency", comm_efficiency)):
-        check_number(flag, value, above=0, most=1, meaning="a fraction of peak, e.g. 0.45")
-    for flag, value in (("--gpu-memory-gb", gpu_memory_gb), ("--peak-tflops", peak_tflops),
-                        ("--nvlink-gbps", nvlink_gbps), ("--internode-gbps", internode_gbps),
-                        ("--nvlink-domain", nvlink_domain)):
-        check_number(flag, value, above=0)
-    check_number("--allocator-fraction", allocator_fraction, least=0, below=1)
-    check_number("--context-gb", context_gb, least=0)
-    check_number("--moe-imbalance", moe_imbalance, least=1)
-    from qlm_core.hardware import gpu_spec
     from qlm_core.profile import report
-    from qlm_core.profile.case import build_case, validate_case
-    from qlm_core.profile.memory import Allowance, estimate_memory
-    from qlm_core.profile.timing import Efficiency, estimate_time
+    from qlm_core.profile.case import build_case
+    from qlm_core.profile.machine import MachineOptions
 
+    machine = MachineOptions(gpu.value, gpu_memory_gb, peak_tflops, nvlink_gbps, internode_gbps, gpus_per_node,
+                             nvlink_domain, efficiency, comm_efficiency, allocator_fraction, context_gb)
+    check_number("--moe-imbalance", moe_imbalance, least=1)
     if plot is not None:
         report.check_plot_path(plot)  # before any work
     layout_options = dict(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, sp=sp, ep=ep, etp=etp,
@@ -204,39 +196,53 @@ def profile(
                           pp_schedule=value_of(pp_schedule),
                           recompute_modules=None if recompute_modules is None else
                           [m.strip() for m in recompute_modules.split(",") if m.strip()])
-    resolved_recipe = load_recipe(recipe) if recipe is not None else None
-    case = build_case(resolved_recipe, model=model, seq_len=seq_len, micro_batch_size=mbs, global_batch_size=gbs,
-                      num_gpus=num_gpus, dtype=value_of(dtype), lora_rank=lora_rank,
-                      loss_chunk_tokens=loss_chunk_tokens, mean_doc_len=mean_doc_len, **layout_options)
+    case = build_case(load_recipe(recipe) if recipe is not None else None, model=model, seq_len=seq_len,
+                      micro_batch_size=mbs, global_batch_size=gbs, num_gpus=num_gpus, dtype=value_of(dtype),
+                      lora_rank=lora_rank, loss_chunk_tokens=loss_chunk_tokens, mean_doc_len=mean_doc_len,
+                      **layout_options)
     if moe_imbalance is not None:
         case = case.replace(moe_imbalance=moe_imbalance)
     if grad_reduce_dtype is not None:  # not a layout option: a model's layout search still runs without one
         case = case.with_parallel(grad_reduce_dtype=grad_reduce_dtype.value)
-    device = gpu_spec(gpu.value, memory_gib=gpu_memory_gb, peak_tflops=peak_tflops, nvlink_gbps=nvlink_gbps,
-                      internode_gbps=internode_gbps, gpus_per_node=gpus_per_node, nvlink_domain=nvlink_domain)
-    eff = Efficiency(compute=efficiency, comm=comm_efficiency)
-    allowance = Allowance(allocator_fraction, context_gb)
+    device, eff, allowance = machine.device(), machine.rates(), machine.allowance()
     if recipe is None and model is not None:  # the user's model: say what else was assumed
         given = {k for k, v in layout_options.items() if v is not None}
         case = _resolve_model_case(case, given, num_gpus, search, device, eff, allowance,
                                    defaults={"seq": seq_len, "mbs": mbs, "gbs": gbs, "dtype": dtype}, quiet=json_out)
     if search:
-        from qlm_core.profile.search import search as run_search
+        _search(case, device, eff, allowance, top, json_out, plot)
+    else:
+        _one_layout(case, device, eff, allowance, probe, steps, probe_max_ranks, json_out, plot)
 
-        with progress_bar(f"search on {case.num_gpus} GPUs") as report_progress:
-            result = run_search(case, case.num_gpus, device, eff, allowance,
-                                progress=lambda done, total: report_progress(done, total, "layouts"))
-        if json_out:
-            print(json.dumps(report.search_dict(result, case, eff, allowance, top), indent=2))
-        else:
-            _print_search(result, top)
-        if plot is not None:
-            bars = [(f"#{i + 1} {c.case.describe()}", c.memory.heaviest.components)
-                    for i, c in enumerate(result.fitting[:top])]
-            bars += [(f"OOM {c.case.describe()}", c.memory.heaviest.components) for c in result.rejected[:2]]
-            _saved(report.plot_memory(bars, device.memory_gib, plot, f"{case.model_name}, seq {case.seq_len}, "
-                                      f"{case.num_gpus} x {device.name}"), json_out)
-        return
+
+def _search(case, device, eff, allowance, top: int, json_out: bool, plot: Path | None):
+    """--search: every layout that fits, ranked; a table (or JSON) and optionally the memory of the top ones."""
+    from qlm_core.profile import report
+    from qlm_core.profile.search import search as run_search
+
+    with progress_bar(f"search on {case.num_gpus} GPUs") as report_progress:
+        result = run_search(case, case.num_gpus, device, eff, allowance,
+                            progress=lambda done, total: report_progress(done, total, "layouts"))
+    if json_out:
+        print(json.dumps(report.search_dict(result, case, eff, allowance, top), indent=2))
+    else:
+        _print_search(result, top)
+    if plot is not None:
+        bars = [(f"#{i + 1} {c.case.describe()}", c.memory.heaviest.components)
+                for i, c in enumerate(result.fitting[:top])]
+        bars += [(f"OOM {c.case.describe()}", c.memory.heaviest.components) for c in result.rejected[:2]]
+        _saved(report.plot_memory(bars, device.memory_gib, plot, f"{case.model_name}, seq {case.seq_len}, "
+                                  f"{case.num_gpus} x {device.name}"), json_out)
+
+
+def _one_layout(case, device, eff, allowance, probe: bool, steps: int, max_ranks: int, json_out: bool,
+                plot: Path | None):
+    """One layout: its memory and time predicted (and, with --probe, measured); a table (or JSON), a plot."""
+    from qlm_core.profile import report
+    from qlm_core.profile.case import validate_case
+    from qlm_core.profile.memory import estimate_memory
+    from qlm_core.profile.timing import estimate_time
+
     validate_case(case)
     memory = estimate_memory(case, device.memory_gib, "cuda", allowance)
     time = estimate_time(case, device, eff)
@@ -245,8 +251,7 @@ def profile(
         from qlm_core.profile.probe import probe as run_probe
 
         with progress_bar("probe") as report_progress:
-            probed = run_probe(case, device, steps=steps, efficiency=eff, allowance=allowance,
-                               max_ranks=probe_max_ranks,
+            probed = run_probe(case, device, steps=steps, efficiency=eff, allowance=allowance, max_ranks=max_ranks,
                                progress=lambda done, total: report_progress(done, total, "steps"))
     if json_out:
         document = report.profile_dict(case, device, eff, allowance, memory, time)

@@ -64,3 +64,23 @@ def judge(case: Case, root: Path, outcome: Outcome) -> str | None:
     if case.check is not None:
         return case.check(root, outcome)
     return None
+
+
+def says(*words, stream="stderr"):
+    """A check: the stream (whitespace folded) holds every one of WORDS."""
+    def check(root, out):
+        text = " ".join(getattr(out, stream).split())
+        missing = [w for w in words if w not in text]
+        return f"{stream} does not say {missing}: {getattr(out, stream).strip()[-300:]}" if missing else None
+    return check
+
+
+def all_of(*checks):
+    """A check: every one of CHECKS passes (the first problem is reported)."""
+    def check(root, out):
+        for c in checks:
+            problem = c(root, out)
+            if problem:
+                return problem
+        return None
+    return check

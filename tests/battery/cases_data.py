@@ -10,7 +10,7 @@ import os
 import signal
 from pathlib import Path
 
-from battery.case import Case
+from battery.case import Case, all_of
 from battery.fixtures import recipe_text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,16 +73,6 @@ def mentions(*words):
     def check(root, out):
         missing = [w for w in words if w not in out.stderr]
         return f"message does not name {missing}: {out.stderr.strip()[-200:]}" if missing else None
-    return check
-
-
-def both(*checks):
-    def check(root, out):
-        for c in checks:
-            problem = c(root, out)
-            if problem:
-                return problem
-        return None
     return check
 
 
@@ -340,13 +330,13 @@ NO_OUT = lambda root, out: nothing_written(root, "out")  # noqa: E731
 CASES = [
     # 1 data loss: a failed or killed run into an existing prefix leaves the old pair byte for byte
     Case("1 data loss", "data: failed preprocess (truncated json line) keeps the old .bin/.idx",
-         failed_run_bad_line, check=both(lambda r, o: old_pair_intact(r), mentions("in.jsonl", "line 41"))),
+         failed_run_bad_line, check=all_of(lambda r, o: old_pair_intact(r), mentions("in.jsonl", "line 41"))),
     Case("1 data loss", "data: failed preprocess (--json-key absent) keeps the old .bin/.idx",
-         failed_run_json_key, check=both(lambda r, o: old_pair_intact(r), mentions("'content'", "body"))),
+         failed_run_json_key, check=all_of(lambda r, o: old_pair_intact(r), mentions("'content'", "body"))),
     Case("1 data loss", "data: preprocess of inputs without text keeps the old .bin/.idx",
          failed_run_no_text, check=lambda r, o: old_pair_intact(r)),
     Case("1 data loss", "data: preprocess whose second input is missing keeps the old .bin/.idx",
-         failed_run_second_input, check=both(lambda r, o: old_pair_intact(r), mentions("missing.jsonl"))),
+         failed_run_second_input, check=all_of(lambda r, o: old_pair_intact(r), mentions("missing.jsonl"))),
     Case("1 data loss", "data: kill -9 during preprocess into an existing prefix keeps the old pair",
          killed(True), check=killed_check(True), interrupt=(10, signal.SIGKILL)),
     Case("1 data loss", "data: kill -9 during preprocess into a new prefix leaves nothing",
@@ -360,7 +350,7 @@ CASES = [
     # 2 not utf-8
     Case("2 not utf-8", "data: latin-1 jsonl corpus",
          not_utf8("latin.jsonl", '{"text": "caf\xe9"}\n'.encode("latin-1")),
-         check=both(mentions("latin.jsonl is not UTF-8 (byte 0xe9 at offset 13)"), NO_OUT)),
+         check=all_of(mentions("latin.jsonl is not UTF-8 (byte 0xe9 at offset 13)"), NO_OUT)),
     Case("2 not utf-8", "data: txt corpus with a 0xff byte",
          not_utf8("notes.txt", b"hello\n\nw\xffrld\n"), check=mentions("notes.txt is not UTF-8", "0xff")),
     Case("2 not utf-8", "data: json array corpus in cp1252",
@@ -374,7 +364,7 @@ CASES = [
          check=mentions("chat.jsonl is not UTF-8", "0xfc")),
     # 3 output locations
     Case("3 output location", "data: --output under a regular file",
-         output_under_file, check=both(mentions("afile", "is a file"), lambda r, o: None if (r / "afile").is_file()
+         output_under_file, check=all_of(mentions("afile", "is a file"), lambda r, o: None if (r / "afile").is_file()
                                        else "afile was replaced")),
     Case("3 output location", "data: --output whose .bin is a folder",
          output_is_folder, check=mentions("p.bin", "is a folder")),
@@ -383,17 +373,17 @@ CASES = [
     Case("3 output location", "data: --output in new folders under a read-only folder",
          read_only(True), check=read_only_check(True)),
     Case("3 output location", "data: disk fills while writing .bin (ENOSPC) keeps the old pair",
-         disk_full(".bin"), check=both(lambda r, o: old_pair_intact(r), mentions("No space left"))),
+         disk_full(".bin"), check=all_of(lambda r, o: old_pair_intact(r), mentions("No space left"))),
     Case("3 output location", "data: disk fills while writing .idx (ENOSPC) keeps the old pair",
-         disk_full(".idx"), check=both(lambda r, o: old_pair_intact(r), mentions("No space left"))),
+         disk_full(".idx"), check=all_of(lambda r, o: old_pair_intact(r), mentions("No space left"))),
     Case("3 output location", "data: input and output paths with [markup] and spaces, no datasets bars",
-         bracket_output, check=both(no_progress_noise, lambda r, o: None if (r / "out [bold]" / "p[red].idx").exists()
+         bracket_output, check=all_of(no_progress_noise, lambda r, o: None if (r / "out [bold]" / "p[red].idx").exists()
                                     else "output not written as named"), expect_ok=True),
     # 4 noise
     Case("4 noise", "data: preprocess of txt and jsonl with --workers 2 shows no datasets bars or logs",
          lambda root, fx: preprocess(root, fx, [write_jsonl(root / "a.jsonl", DOCS), write_txt(root / "b.txt")],
                                      "out/p", "--workers", "2", "--append-eod"),
-         check=both(no_progress_noise, fresh_pair_count(len(DOCS) + 3)), expect_ok=True),
+         check=all_of(no_progress_noise, fresh_pair_count(len(DOCS) + 3)), expect_ok=True),
     # 5 bad inputs
     Case("5 bad input", "data: empty jsonl", with_file("empty.jsonl", b""), check=mentions("empty.jsonl", "empty")),
     Case("5 bad input", "data: a folder passed as --input", folder_input, check=mentions("corpus.jsonl", "folder")),
@@ -408,7 +398,7 @@ CASES = [
     Case("5 bad input", "data: an input of unknown type (.csv)",
          with_file("table.csv", b"a,b\n1,2\n"), check=mentions("table.csv", ".csv")),
     Case("5 bad input", "data: tokenizer folder with a broken tokenizer.json",
-         broken_tokenizer, check=both(mentions("tok"), NO_OUT)),
+         broken_tokenizer, check=all_of(mentions("tok"), NO_OUT)),
     Case("5 bad input", "data: --tokenizer is a file", tokenizer_at("file"), check=mentions("tok", "is a file")),
     Case("5 bad input", "data: --tokenizer is an empty folder", tokenizer_at("empty"),
          check=mentions("tok", "no tokenizer files")),

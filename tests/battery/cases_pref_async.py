@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from battery.case import Case
+from battery.case import Case, says
 from battery.fixtures import recipe_text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,14 +148,6 @@ def _same_run(run: str, reference: str, keys=CHECKED, steps: int | None = None):
     return check
 
 
-def _says(*words, stream="stderr"):
-    def check(root, out):
-        text = " ".join(getattr(out, stream).split())
-        missing = [w for w in words if w not in text]
-        return f"{stream} does not say {missing}: {getattr(out, stream).strip()[-300:]}" if missing else None
-    return check
-
-
 def _all(*checks):
     def check(root, out):
         for c in checks:
@@ -256,11 +248,11 @@ def _with(base: list[dict], at: int, **changes) -> list[dict]:
 
 def _names(*words):
     """The error names the data file and these words; nothing was trained."""
-    return _all(_says("pairs", *words), _not_written("run"))
+    return _all(says("pairs", *words), _not_written("run"))
 
 
 LONG_PROMPT = "Sort: " + " ".join("abcdefgh"[i % 8] for i in range(60))
-TRUNCATED = _says("preference records were truncated", stream="stdout")
+TRUNCATED = says("preference records were truncated", stream="stdout")
 
 PREF_DATA = [
     Case("pref data", "pref: a record without a chosen key (record 9)",
@@ -319,7 +311,7 @@ PREF_DATA = [
          _pref_file(_with(_pairs(), 2, prompt=LONG_PROMPT)), expect_ok=True, check=TRUNCATED),
     Case("pref data", "pref: preference.max_length > data.seq_length",
          _pref_file(_pairs(), "pairs.jsonl", "preference.max_length=64"),
-         check=_all(_says("max_length", "64", "seq_length"), _not_written("run"))),
+         check=_all(says("max_length", "64", "seq_length"), _not_written("run"))),
     Case("pref data", "pref: a preference file that is not UTF-8 (latin-1)",
          _pref_file('{"prompt": "caf\xe9", "chosen": "a", "rejected": "b"}\n'.encode("latin-1")),
          check=_names("not UTF-8", "0xe9")),
@@ -347,7 +339,7 @@ def _pref_set(*sets: str):
 
 
 def _refused(*words):
-    return _all(_says(*words), lambda root, out: "run dir written" if (root / "run" / "metrics.jsonl").exists()
+    return _all(says(*words), lambda root, out: "run dir written" if (root / "run" / "metrics.jsonl").exists()
                 else None)
 
 
@@ -583,7 +575,7 @@ def _stopped_unchanged(root, out):
     return None if [r["step"] for r in rows] == [1, 2] else f"the stopped run now logs {[r['step'] for r in rows]}"
 
 
-PIN_DAMAGED = _all(_says("model_load.json"), _stopped_unchanged)
+PIN_DAMAGED = _all(says("model_load.json"), _stopped_unchanged)
 
 PREF_PIN = [
     Case("pref resume", "pref: DPO resume after model.load's latest moved 4 -> 8 uses iteration 4",
@@ -606,7 +598,7 @@ PREF_PIN = [
     Case("pref resume", "pref: RUN/model_load.json is a directory", _pinned_resume(_pin_dir),
          check=PIN_DAMAGED, timeout=400),
     Case("pref resume", "pref: the pinned iteration of model.load was deleted", _pinned_resume(_pin_deleted),
-         check=_all(_says("iteration 4"), _stopped_unchanged), timeout=400),
+         check=_all(says("iteration 4"), _stopped_unchanged), timeout=400),
 ]
 
 
@@ -974,13 +966,13 @@ CACHE_CASES = [
     Case("cache data", "cache: the demo's tokenizer.json garbage in data.cache_dir",
          _demo_damaged(_demo_garbage_tokenizer), interrupt=JUDGED, check=_cache_ok_or_named("tokenizer")),
     Case("cache data", "cache: RUN/cache is a file when a run is resumed", _run_cache_is_file,
-         check=_all(_says("run/cache"), _old_run_untouched)),
+         check=_all(says("run/cache"), _old_run_untouched)),
     Case("cache index", "cache: an .idx whose sequence pointer lies past the .bin", _lying_idx("pointer"),
-         check=_all(_says("a.idx"), _not_written("run"))),
+         check=_all(says("a.idx"), _not_written("run"))),
     Case("cache index", "cache: an .idx with a negative sequence length", _lying_idx("length"),
-         check=_all(_says("a.idx"), _not_written("run"))),
+         check=_all(says("a.idx"), _not_written("run"))),
     Case("cache index", "cache: an .idx whose document indices go backwards", _lying_idx("documents"),
-         check=_all(_says("a.idx"), _not_written("run"))),
+         check=_all(says("a.idx"), _not_written("run"))),
     Case("cache index", "cache: a samples cache (.qlm-samples.npz) cut short is rebuilt",
          _samples_damaged(_arrow_cut), expect_ok=True, check=SAME_PRETRAIN),
     Case("cache index", "cache: a samples cache replaced by a directory is rebuilt",
@@ -989,15 +981,15 @@ CACHE_CASES = [
          _samples_damaged(_npz_lies), interrupt=JUDGED,
          check=_one_line_or_ok(("qlm-samples",), SAME_PRETRAIN)),
     Case("cache compile", "cache: TORCHINDUCTOR_CACHE_DIR is a file (train.compile=true)", _inductor_cache("file"),
-         check=_says("TORCHINDUCTOR_CACHE_DIR"), timeout=300),
+         check=says("TORCHINDUCTOR_CACHE_DIR"), timeout=300),
     Case("cache compile", "cache: TORCHINDUCTOR_CACHE_DIR holding garbage (train.compile=true)",
          _inductor_cache("garbage"), expect_ok=True, timeout=300),
     Case("cache wandb", "cache: RUN/wandb_run_id holding non-UTF-8 bytes", _wandb_id(b"\xff\xfe\x00id"),
-         check=_all(_says("wandb_run_id", "not UTF-8"), _old_run_untouched)),
+         check=_all(says("wandb_run_id", "not UTF-8"), _old_run_untouched)),
     Case("cache wandb", "cache: RUN/wandb_run_id holding 'not/an id'", _wandb_id(b"not/an id\n"),
-         check=_all(_says("wandb_run_id", "not/an id"), _old_run_untouched)),
+         check=_all(says("wandb_run_id", "not/an id"), _old_run_untouched)),
     Case("cache wandb", "cache: RUN/wandb_run_id is a directory", _wandb_id(None),
-         check=_all(_says("wandb_run_id"), _old_run_untouched)),
+         check=_all(says("wandb_run_id"), _old_run_untouched)),
 ]
 
 
@@ -1061,7 +1053,7 @@ def _two_into_one_check(root, out):
         return f"metrics.jsonl of the first run: steps {steps}"
     if (root / "run" / LATEST).read_text().strip() != "4":
         return "the first run's latest checkpoint is not 4"
-    return _says("in use by another qlm train")(root, out)
+    return says("in use by another qlm train")(root, out)
 
 
 def _shared_table(root, fx):

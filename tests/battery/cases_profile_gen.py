@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from battery.case import Case
+from battery.case import Case, all_of
 from battery.fixtures import qlm, recipe_text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,16 +35,6 @@ def _names(*texts, stream="stderr"):
         text = getattr(out, stream)
         missing = [t for t in texts if t not in text]
         return f"does not name {missing}" if missing else None
-    return check
-
-
-def _all(*checks):
-    def check(root, out):
-        for c in checks:
-            problem = c(root, out)
-            if problem:
-                return problem
-        return None
     return check
 
 
@@ -274,7 +264,7 @@ PROFILE = [
     Case("profile search", "prof: tiny-dpo --search --num-gpus 2 (table)", _prof(DPO, "--search", "--num-gpus", "2"),
          check=_search_table(2), expect_ok=True, timeout=120),
     Case("profile search", "prof: --search --plot that is a directory (refused before the search)", _plot_dir_search,
-         check=_all(_names("is a directory"),
+         check=all_of(_names("is a directory"),
                     lambda root, out: "searched before refusing the plot" if "layouts costed" in out.stdout else None)),
     Case("profile search", "prof: qwen3-30b-a3b --search --num-gpus 64 shows progress without a terminal",
          _prof(LONG_SEARCH, "--search", "--num-gpus", "64"), check=_long_search_check, expect_ok=True, timeout=1500),
@@ -367,10 +357,10 @@ GENERATE = [
          check=_names("--max-new-tokens")),
     Case("generate options", "gen: --max-new-tokens 10**12 (capped at the window, warned)",
          _gen("-p", "hi", "--jsonl", "--max-new-tokens", str(10**12)),
-         check=_all(_window_warning, _tokens_at_most(256)), expect_ok=True, timeout=120),
+         check=all_of(_window_warning, _tokens_at_most(256)), expect_ok=True, timeout=120),
     Case("generate options", "gen: --max-new-tokens 10**30 (past int64)",
          _gen("-p", "hi", "--jsonl", "--max-new-tokens", str(10**30)),
-         check=_all(_window_warning, _tokens_at_most(256)), expect_ok=True, timeout=120),
+         check=all_of(_window_warning, _tokens_at_most(256)), expect_ok=True, timeout=120),
     Case("generate options", "gen: --temperature nan", _gen("-p", "hi", "--temperature", "nan"),
          check=_names("--temperature")),
     Case("generate options", "gen: --temperature inf", _gen("-p", "hi", "--temperature", "inf"),
@@ -414,11 +404,11 @@ GENERATE = [
     # the context window
     Case("generate prompts", "gen: prompt + answer past the context window (warned, exit 0)",
          _gen("-p", _fox(127), "--jsonl", "--max-new-tokens", "5"),
-         check=_all(_window_warning, _tokens_at_most(2)), expect_ok=True),
+         check=all_of(_window_warning, _tokens_at_most(2)), expect_ok=True),
     Case("generate prompts", "gen: a prompt exactly the context window (256 tokens)",
          _gen("-p", _fox(128), "--max-new-tokens", "5"), check=_names("256")),
     Case("generate prompts", "gen: a short prompt batched with one near the window still gets its tokens",
-         _short_with_long, check=_all(_window_warning, _short_row_full), expect_ok=True),
+         _short_with_long, check=all_of(_window_warning, _short_row_full), expect_ok=True),
 ]
 
 
@@ -581,7 +571,7 @@ NUMBERS = [
          check=_names("1 (", "train.global_batch_size", "train.micro_batch_size")),
     Case("numbers layout", "num: interleaved_1f1b vpp=2, 3 micro-batches (the fix suggested runs)",
          _train("parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b",
-                "train.global_batch_size=24"), check=_all(_names("3 ("), _gpipe_fix_possible)),
+                "train.global_batch_size=24"), check=all_of(_names("3 ("), _gpipe_fix_possible)),
     Case("numbers layout", "num: zero_bubble pp=2, 3 micro-batches",
          _train("parallel.pp=2", "parallel.pp_schedule=zero_bubble", "train.global_batch_size=24"),
          check=_names("zero_bubble", "3 (")),

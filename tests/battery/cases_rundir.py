@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from battery.case import Case
+from battery.case import Case, says
 
 REPO = Path(__file__).resolve().parents[2]
 LOCK = ".qlm.lock"
@@ -56,14 +56,6 @@ def _all(*checks):
             if (problem := c(root, out)) is not None:
                 return problem
         return None
-    return check
-
-
-def _says(*words, stream="stderr"):
-    def check(root, out):
-        text = " ".join(getattr(out, stream).split())
-        missing = [w for w in words if w not in text]
-        return f"{stream} does not say {missing}" if missing else None
     return check
 
 
@@ -159,7 +151,7 @@ def _concurrent_check(root, out):
     steps = [r["step"] for r in _rows(root / "run" / "metrics.jsonl")]
     if steps != [1, 2, 3, 4]:
         return f"metrics.jsonl interleaved: {steps}"
-    return _says("in use by another qlm train", "PID")(root, out)
+    return says("in use by another qlm train", "PID")(root, out)
 
 
 # --- resume -----------------------------------------------------------------------------------------------------
@@ -358,103 +350,103 @@ CASES = [
     # 1. runs that collide
     Case("rundir collide", "rundir: lock held by a live process on this host",
          _lock_held_by(1, socket.gethostname()),
-         check=_all(_says("PID 1", socket.gethostname(), LOCK), _metrics_intact)),
+         check=_all(says("PID 1", socket.gethostname(), LOCK), _metrics_intact)),
     Case("rundir collide", "rundir: lock held by a process on another host",
-         _lock_held_by(4242, "some-other-node"), check=_all(_says("PID 4242", "some-other-node"), _metrics_intact)),
+         _lock_held_by(4242, "some-other-node"), check=_all(says("PID 4242", "some-other-node"), _metrics_intact)),
     Case("rundir collide", "rundir: stale lock of a dead PID is recovered",
          lambda root, fx: _stale_lock(f"{_dead_pid()} {socket.gethostname()} deadbeef\n")(root, fx), expect_ok=True,
-         check=_all(_says("recovered the stale lock"), _no_lock(), _metrics_intact)),
+         check=_all(says("recovered the stale lock"), _no_lock(), _metrics_intact)),
     Case("rundir collide", "rundir: empty lock file (crash while taking it) is recovered", _stale_lock(""),
-         expect_ok=True, check=_all(_says("recovered the stale lock"), _no_lock())),
+         expect_ok=True, check=_all(says("recovered the stale lock"), _no_lock())),
     Case("rundir collide", "rundir: second train into a directory a running train holds", _concurrent,
          check=_concurrent_check, timeout=400),
     # resume and start over
     Case("rundir resume", "rundir: truncated last line of metrics.jsonl is dropped", _cut_last_line("metrics.jsonl"),
-         expect_ok=True, check=_all(_says("dropped the incomplete last line", "metrics.jsonl"), _logs_parse)),
+         expect_ok=True, check=_all(says("dropped the incomplete last line", "metrics.jsonl"), _logs_parse)),
     Case("rundir resume", "rundir: truncated last line of eval.jsonl is dropped", _cut_last_line("eval.jsonl"),
-         expect_ok=True, check=_all(_says("eval.jsonl"), _logs_parse)),
+         expect_ok=True, check=_all(says("eval.jsonl"), _logs_parse)),
     Case("rundir resume", "rundir: a garbage middle line of metrics.jsonl", _bad_middle_line,
-         check=_says("metrics.jsonl line 2")),
+         check=says("metrics.jsonl line 2")),
     Case("rundir resume", "rundir: re-running a finished run adds no eval row",
          lambda root, fx: _train(fx, _run(root, fx)), expect_ok=True,
-         check=_all(_metrics_intact, _says("resuming from iteration 4", stream="stdout"), _no_lock())),
+         check=_all(_metrics_intact, says("resuming from iteration 4", stream="stdout"), _no_lock())),
     Case("rundir resume", "rundir: checkpoint.resume=false into an old run",
          lambda root, fx: _train(fx, _run(root, fx), "--set", "checkpoint.resume=false"),
-         check=_all(_says("holds an earlier run", "--force"), OLD_RUN_UNTOUCHED)),
+         check=_all(says("holds an earlier run", "--force"), OLD_RUN_UNTOUCHED)),
     Case("rundir resume", "rundir: --no-resume into an old run",
          lambda root, fx: _train(fx, _run(root, fx), "--no-resume"),
-         check=_all(_says("checkpoint.resume is off"), OLD_RUN_UNTOUCHED)),
+         check=_all(says("checkpoint.resume is off"), OLD_RUN_UNTOUCHED)),
     Case("rundir resume", "rundir: --force --no-resume moves the old run aside",
          lambda root, fx: _train(fx, _run(root, fx), "--force", "--no-resume"), expect_ok=True,
-         check=_all(_says("--force", "run.replaced-"), _replaced_dir_holds_old_run, _no_lock())),
+         check=_all(says("--force", "run.replaced-"), _replaced_dir_holds_old_run, _no_lock())),
     Case("rundir resume", "rundir: a non-empty directory that is not a qlm run", _foreign_dir(False),
-         check=_all(_says("is not a qlm run directory", "notes.txt"), _foreign_untouched)),
+         check=_all(says("is not a qlm run directory", "notes.txt"), _foreign_untouched)),
     Case("rundir resume", "rundir: --force does not move a foreign directory", _foreign_dir(True),
-         check=_all(_says("is not a qlm run directory"), _foreign_untouched)),
+         check=_all(says("is not a qlm run directory"), _foreign_untouched)),
     Case("rundir resume", "rundir: checkpoint.load_iteration=2 resumes there",
          lambda root, fx: _train(fx, _run(root, fx), "--set", "checkpoint.load_iteration=2"), expect_ok=True,
-         check=_all(_says("resuming from iteration 2 (layout tp1 pp1 dp1)", stream="stdout"), _metrics_intact)),
+         check=_all(says("resuming from iteration 2 (layout tp1 pp1 dp1)", stream="stdout"), _metrics_intact)),
     Case("rundir resume", "rundir: checkpoint.load_iteration=3 is not saved",
          lambda root, fx: _train(fx, _run(root, fx), "--set", "checkpoint.load_iteration=3"),
-         check=_all(_says("load_iteration = 3", "iterations: 2, 4"), OLD_RUN_UNTOUCHED)),
+         check=_all(says("load_iteration = 3", "iterations: 2, 4"), OLD_RUN_UNTOUCHED)),
     Case("rundir resume", "rundir: latest file names a missing iteration", _with_latest("9"),
-         check=_all(_says("names iteration 9", "iterations: 2, 4"), _metrics_intact)),
+         check=_all(says("names iteration 9", "iterations: 2, 4"), _metrics_intact)),
     Case("rundir resume", "rundir: latest file holds garbage", _with_latest("soon"),
-         check=_says("'soon'", "checkpoint.load_iteration")),
+         check=says("'soon'", "checkpoint.load_iteration")),
     Case("rundir resume", "rundir: checkpoints without a latest file", _with_latest(None),
-         check=_all(_says("no latest_checkpointed_iteration.txt", "iterations: 2, 4"), _metrics_intact)),
+         check=_all(says("no latest_checkpointed_iteration.txt", "iterations: 2, 4"), _metrics_intact)),
     Case("rundir resume", "rundir: corrupted config.toml in a run directory", _corrupt_config, expect_ok=True,
          check=_all(_config_valid, _metrics_intact)),
     Case("rundir resume", "rundir: dry run of a resumable run says so",
          lambda root, fx: _train(fx, _run(root, fx), "--dry-run"), expect_ok=True,
-         check=_says("resuming from iteration 4 (layout tp1 pp1 dp1)", stream="stdout")),
+         check=says("resuming from iteration 4 (layout tp1 pp1 dp1)", stream="stdout")),
     Case("rundir resume", "rundir: dry run with a checkpoint.load_iteration that is not saved",
          lambda root, fx: _train(fx, _run(root, fx), "--dry-run", "--set", "checkpoint.load_iteration=7"),
-         check=_says("load_iteration = 7", "iterations: 2, 4")),
+         check=says("load_iteration = 7", "iterations: 2, 4")),
     # 2. output locations and write faults
     Case("rundir output", "rundir: --output under a regular file", _under_file,
-         check=_all(_says("afile is a file"), lambda root, out: None if (root / "afile").read_text() == "x"
+         check=_all(says("afile is a file"), lambda root, out: None if (root / "afile").read_text() == "x"
                     else "the file was changed")),
-    Case("rundir output", "rundir: --output is a regular file", _is_file, check=_says("is a file")),
+    Case("rundir output", "rundir: --output is a regular file", _is_file, check=says("is a file")),
     Case("rundir output", "rundir: --output in a directory that cannot be created (/proc)",
-         lambda root, fx: _train(fx, "/proc/qlm-no-such/run"), check=_says("/proc/qlm-no-such/run")),
+         lambda root, fx: _train(fx, "/proc/qlm-no-such/run"), check=says("/proc/qlm-no-such/run")),
     Case("rundir output", "rundir: permission denied taking the lock",
          lambda root, fx: (_train(fx, root / "run"), _inject(root, EACCES_LOCK)),
-         check=_says("Permission denied", "writable --output")),
+         check=says("Permission denied", "writable --output")),
     Case("rundir output", "rundir: disk full while a checkpoint is written", _faulty_resume(ENOSPC_SAVE),
-         check=_all(_says("iteration 6", "No space left on device", "iteration 4) is intact"), _latest_is("4"),
+         check=_all(says("iteration 6", "No space left on device", "iteration 4) is intact"), _latest_is("4"),
                     _no_new_checkpoint, _no_lock())),
     Case("rundir output", "rundir: disk full in torch.save of a first torch_dist checkpoint",
          _fresh_fault(ENOSPC_TORCH_SAVE, "checkpoint.format=torch_dist"),
-         check=_all(_says("iteration 2", "No space left on device", "no earlier checkpoint"),
+         check=_all(says("iteration 2", "No space left on device", "no earlier checkpoint"),
                     _fresh_has_no_checkpoint)),
     Case("rundir output", "rundir: permission denied replacing the latest pointer", _faulty_resume(EACCES_LATEST),
-         check=_all(_says("Permission denied", "iteration 4) is intact"), _latest_is("4"), _no_new_checkpoint)),
+         check=_all(says("Permission denied", "iteration 4) is intact"), _latest_is("4"), _no_new_checkpoint)),
     # 4/5. hostile train input
     Case("rundir input", "rundir: dry run with a model.load that does not exist and no model.spec",
          lambda root, fx: ["train", _without_spec(root, fx), "--output", root / "run", "--dry-run", "--set",
                            f"model.load='{root / 'nowhere'}'"],
-         check=_says("model.load", "nowhere", "does not exist")),
+         check=says("model.load", "nowhere", "does not exist")),
     Case("rundir input", "rundir: dry run with a missing model.load beside a model.spec warns",
          lambda root, fx: _train(fx, root / "run", "--dry-run", "--set", f"model.load='{root / 'nowhere'}'"),
-         expect_ok=True, check=_all(_says("warning: model.load", "does not exist here"),
+         expect_ok=True, check=_all(says("warning: model.load", "does not exist here"),
                                     lambda root, out: "says random init" if "random init" in out.stdout else None)),
     Case("rundir input", "rundir: a real run with a model.load that does not exist",
          lambda root, fx: _train(fx, root / "run", "--set", f"model.load='{root / 'nowhere'}'"),
-         check=_all(_says("nowhere", "does not exist"),
+         check=_all(says("nowhere", "does not exist"),
                     lambda root, out: "run dir written" if (root / "run").exists() else None)),
-    Case("rundir input", "rundir: model.load is a file", _load_is_file, check=_says("config.json", "not a directory")),
+    Case("rundir input", "rundir: model.load is a file", _load_is_file, check=says("config.json", "not a directory")),
     Case("rundir input", "rundir: model.spec and model.load are different models", _spec_disagrees,
-         check=_says("model.spec qlm-tiny", "different models")),
+         check=says("model.spec qlm-tiny", "different models")),
     Case("rundir input", "rundir: warmup_iters >= train_iters warns (dry run)",
          lambda root, fx: _train(fx, root / "run", "--dry-run", "--set", "schedule.warmup_iters=10"),
-         expect_ok=True, check=_says("warning: schedule.warmup_iters = 10 >= the run's 4 steps")),
+         expect_ok=True, check=says("warning: schedule.warmup_iters = 10 >= the run's 4 steps")),
     Case("rundir input", "rundir: a data file that does not exist",
          lambda root, fx: _train(fx, root / "run", "--set", f"data.train=['{root / 'gone.jsonl'}']"),
-         check=_all(_says("gone.jsonl"), lambda root, out: "run dir written" if (root / "run").exists() else None)),
+         check=_all(says("gone.jsonl"), lambda root, out: "run dir written" if (root / "run").exists() else None)),
     Case("rundir input", "rundir: a recipe that is not UTF-8",
          lambda root, fx: ["train", _write(root / "r.toml", b"[model]\nspec = \"\xff\"\n"), "--output", root / "run"],
-         check=_says("not UTF-8")),
+         check=says("not UTF-8")),
 ]
 
 
