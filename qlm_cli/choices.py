@@ -8,6 +8,7 @@ from enum import Enum
 
 from qlm_core.config import (
     CheckpointFormat,
+    ConvertTargetName,
     CpCommType,
     PpSchedule,
     RecomputeMode,
@@ -39,5 +40,6 @@ Recompute = enum_of("Recompute", choices(RecomputeMode))
 ComputeDtype = enum_of("ComputeDtype", choices(TrainDtype))
 WeightDtype = enum_of("WeightDtype", choices(WeightDtypeName))
 MegatronFormat = enum_of("MegatronFormat", choices(CheckpointFormat))
+ConvertTarget = enum_of("ConvertTarget", choices(ConvertTargetName))
 Gpu = enum_of("Gpu", GPUS)
 EvalBackend = enum_of("EvalBackend", choices(EvalBackendName))

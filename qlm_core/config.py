@@ -50,6 +50,7 @@ PreferenceTruncation = Literal["keep_end", "keep_start"]
 Truncation = Literal["right", "drop"]
 LrSchedule = Literal["constant", "cosine", "wsd"]
 CheckpointFormat = Literal["torch", "torch_dist"]
+ConvertTargetName = Literal["hf", "torch", "torch_dist", "deepspeed", "peft"]  # what `qlm convert --to` writes
 # megatron: E·Σ fᵢ·Pᵢ per MoE layer over the micro-batch (Megatron-Core's aux_loss); sequence: the same per row of
 # the micro-batch, averaged over its rows (Megatron-Core's seq_aux_loss, DeepSeek-V2's sequence-wise loss); global:
 # fᵢ over every data-parallel rank's micro-batch, averaged over the step's micro-batches so far (Megatron-Core's

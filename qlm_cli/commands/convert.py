@@ -9,16 +9,28 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
-from qlm_cli.choices import MegatronFormat, WeightDtype, value_of
+from qlm_cli.choices import ConvertTarget, MegatronFormat, WeightDtype, value_of
 from qlm_cli.render import console, err_console, kv_table, progress_bar
 
 if TYPE_CHECKING:
     from qlm_core.checkpoint.convert.hf_megatron import ConvertResult
 
+class _ConvertGroup(TyperGroup):
+    """`qlm convert SRC --to FORMAT`: a first word that names no verb is a source, for the `to` command."""
+
+    def resolve_command(self, ctx, args):
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = ["to", *args]
+        return super().resolve_command(ctx, args)
+
+
 app = typer.Typer(
-    help="Convert and reshard checkpoints (HF <-> Megatron-Core `torch` / `torch_dist` formats), streaming, with a "
-    "verification of the result (tensor by tensor, then logits).",
+    cls=_ConvertGroup,
+    help="Convert and reshard checkpoints between Hugging Face, Megatron-Core (`torch` / `torch_dist`), DeepSpeed "
+    "and PEFT, streaming, with a verification of the result (tensor by tensor, then logits): `qlm convert SRC --to "
+    "FORMAT [options]` for any pair, or the named directions below.",
     no_args_is_help=True,
 )
 
@@ -311,6 +323,47 @@ def mcore2ds(
         result = mcore_to_ds(mcore, out, iteration=iteration, tag=tag, dtype=value_of(dtype),
                              fp32_master=fp32_master, force=force, verify=verify, progress=progress, config=config)
     _report(result, skipped_verify=verify is False)
+
+
+@app.command("to", hidden=True)
+def to_format(
+    src: Annotated[Path, typer.Argument(help="Any checkpoint qlm reads: HF, Megatron (torch / torch_dist, or a qlm "
+                                             "run directory), DeepSpeed.")],
+    to: Annotated[ConvertTarget, typer.Option("--to", help="The format to write.")],
+    out: Annotated[Path, typer.Option("--out", help="Output directory.")],
+    tp: Annotated[int | None, typer.Option("--tp", min=1, help="Tensor-parallel size (Megatron outputs).")] = None,
+    pp: Annotated[int | None, typer.Option("--pp", min=1, help="Pipeline-parallel size (Megatron outputs).")] = None,
+    vpp: Annotated[int | None, typer.Option("--vpp", min=1, help="Virtual chunks per stage (Megatron outputs).")
+                   ] = None,
+    ep: Annotated[int | None, typer.Option("--ep", min=1, help="Expert-parallel size (Megatron outputs).")] = None,
+    etp: ETP = None,
+    first: FIRST = None,
+    last: LAST = None,
+    iteration: ITERATION = None,
+    tag: Annotated[str | None, typer.Option("--tag", help="DeepSpeed tag: the one to read (a DeepSpeed source) "
+                                            "or to write (--to deepspeed).")] = None,
+    config: Annotated[str | None, typer.Option("--config", help="The model's architecture where the source does "
+                                               "not store it (Megatron without args, DeepSpeed).")] = None,
+    dtype: DTYPE = None,
+    max_shard_size: Annotated[float | None, typer.Option("--max-shard-size", min=0.001, help="Largest safetensors "
+                                                         "file in GiB (--to hf).")] = None,
+    make_vocab_size_divisible_by: Annotated[int | None, typer.Option("--make-vocab-size-divisible-by", min=1,
+                                                                     help=VOCAB_HELP)] = None,
+    fp32_master: Annotated[bool | None, typer.Option("--fp32-master/--no-fp32-master", help="--to deepspeed: "
+                                                     "write the fp32 master weights too.", show_default=False)] = None,
+    allow_bf16_weights: Annotated[bool | None, typer.Option("--allow-bf16-weights", help="A DeepSpeed source "
+                                                            "without its fp32 masters.", show_default=False)] = None,
+    force: FORCE = False,
+    verify: VERIFY = None,
+):
+    """SRC -> FORMAT for any pair qlm converts (the named verbs are the same directions)."""
+    from qlm_core.checkpoint.convert.pipeline import ConvertOptions, convert
+
+    options = ConvertOptions(tp, pp, vpp, ep, etp, first, last, iteration, tag, config, value_of(dtype),
+                             max_shard_size, make_vocab_size_divisible_by, fp32_master, allow_bf16_weights)
+    with progress_bar(f"convert to {to.value}") as progress:
+        result = convert(src, out, to.value, options, force=force, verify=verify, progress=progress)
+    _report(result, verifiable=to.value != "peft", skipped_verify=verify is False)
 
 
 @app.command("inspect")
