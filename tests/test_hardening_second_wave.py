@@ -368,7 +368,7 @@ def test_a_damaged_reference_table_is_recomputed_never_trusted(tmp_path, capsys)
     import numpy as np
     from safetensors.numpy import save_file as save_np
 
-    from qlm_core.train import reference_table
+    from qlm_core.train.objectives import reference_table
 
     tables = {"train": np.arange(8, dtype=np.float64).reshape(4, 2)}
     path = tmp_path / "reference-logps-x.safetensors"

@@ -24,6 +24,7 @@ import torch
 
 from qlm_core.errors import QlmError
 from qlm_core.models.attention_kinds import attention_kind
+from qlm_core.models.families import FAMILIES, GATE_UP_DOWN
 from qlm_core.models.spec import ModelSpec, padded_vocab_size
 from qlm_core.models.tensor_layout import COLS, FC1, REPLICATED, ROWS, Segment, TensorLayout, TensorSource
 
@@ -219,7 +220,8 @@ class ModelLayout:
             Segment(0, h, hf + "post_attention_layernorm.weight"),))))
         if not s.is_moe_layer(layer):
             return out + _mlp_entries(name, "mlp.", s.ffn_hidden_size, h, hf + "mlp.", _GATE_UP_DOWN)
-        moe, moe_hf = s.moe, hf + ("block_sparse_moe." if s.model_type == "mixtral" else "mlp.")
+        family = FAMILIES[s.model_type]
+        moe, moe_hf = s.moe, hf + family.moe_block
         experts = s.moe.num_experts
         out.append(("mlp.router.weight", TensorLayout(name + "mlp.router.weight", (experts, h), REPLICATED,
                                                       (Segment(0, experts, moe_hf + "gate.weight"),))))
@@ -227,7 +229,7 @@ class ModelLayout:
             out.append(("mlp.router.expert_bias", TensorLayout(
                 name + "mlp.router.expert_bias", (experts,), REPLICATED,
                 (Segment(0, experts, moe_hf + "gate.e_score_correction_bias"),), dtype=torch.float32, buffer=True)))
-        projections = _W1_W3_W2 if s.model_type == "mixtral" else _GATE_UP_DOWN
+        projections = family.expert_projections
         for e in range(experts):
             out += _mlp_entries(name, f"{EXPERT_PREFIX}{e}.", moe.ffn_hidden_size, h, f"{moe_hf}experts.{e}.",
                                 projections, expert=True)
@@ -359,8 +361,7 @@ def pieces_shape(parts: list[tuple[TensorLayout, Segment]]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
-_W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral's experts: w1 the gate, w3 the up and w2 the down projection
+_GATE_UP_DOWN = GATE_UP_DOWN
 
 
 def _mlp_entries(name: str, module: str, ffn: int, h: int, hf: str, projections: tuple[str, str, str],
@@ -521,15 +522,15 @@ def hf_fused_experts(spec: ModelSpec) -> dict[str, tuple[str, int | None, int]]:
     this tensor in that expert's matrix); expert None: the whole fused tensor under another name."""
     if spec.moe is None:
         return {}
-    mixtral = spec.model_type == "mixtral"
-    gate, up, down = _W1_W3_W2 if mixtral else _GATE_UP_DOWN
+    family = FAMILIES[spec.model_type]
+    gate, up, down = family.expert_projections
     ffn, out = spec.moe.ffn_hidden_size, {}
     for layer in range(spec.num_layers):
         if not spec.is_moe_layer(layer):
             continue
         hf = f"model.layers.{layer}."
-        disk, fused = hf + ("block_sparse_moe." if mixtral else "mlp."), hf + "mlp.experts."
-        if mixtral:
+        disk, fused = hf + family.moe_block, hf + "mlp.experts."
+        if family.moe_block != "mlp.":  # the router too moved: transformers >= 5 holds it under mlp.gate
             out[disk + "gate.weight"] = (hf + "mlp.gate.weight", None, 0)
         for e in range(spec.moe.num_experts):
             out[f"{disk}experts.{e}.{gate}.weight"] = (fused + "gate_up_proj", e, 0)

@@ -16,9 +16,10 @@ from typing import Any
 
 from qlm_core.config import RouterScoreFunction
 from qlm_core.errors import QlmError
+from qlm_core.models.families import FAMILIES
 
 ScoreFunction = RouterScoreFunction
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = tuple(model_type for model_type, family in FAMILIES.items() if family.moe)
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from qlm_core.errors import QlmError
+from qlm_core.models.families import FAMILIES
 from qlm_core.models.moe_spec import MOE_MODEL_TYPES, MoeSpec, moe_from_hf, moe_to_hf
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral", "qwen3", *MOE_MODEL_TYPES)
-HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm over head_dim on each q and k head, before RoPE
-QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
-SLIDING_WINDOW_MODEL_TYPES = ("mistral", "mixtral")  # `sliding_window` always applies; the Qwens gate it
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+# derived from the family table (families.py), for the messages that list them
+QK_NORM_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.qk_norm)
+QKV_BIAS_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.qkv_bias != "never")
+SLIDING_WINDOW_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.sliding_window == "applied")
 
 
 # The attention kind of every layer (models/attention_kinds.py builds each): grouped-query attention today.
@@ -123,8 +122,9 @@ class ModelSpec:
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise QlmError(f"hidden_act {act!r} is not supported", "qlm's MLP is SwiGLU (hidden_act 'silu')")
+        family = FAMILIES[model_type]
         for flag in ("attention_bias", "mlp_bias"):
-            if model_type not in QKV_BIAS_MODEL_TYPES and config.get(flag):
+            if family.qkv_bias == "never" and config.get(flag):
                 raise QlmError(f"{flag}=true is not supported for {model_type}", "use a checkpoint without biases")
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [key for key in sizes if key not in config]
@@ -139,12 +139,12 @@ class ModelSpec:
         heads = config["num_attention_heads"]
         theta, scaling = _read_rope(config)
         sliding = None
-        if model_type in SLIDING_WINDOW_MODEL_TYPES:
+        if family.sliding_window == "applied":
             sliding = config.get("sliding_window")
         elif config.get("use_sliding_window"):
             raise QlmError(f"{model_type} use_sliding_window=true is not supported", "set use_sliding_window to false")
-        qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(config.get("qkv_bias", True)))
-        moe = moe_from_hf(config, model_type, config["num_hidden_layers"]) if model_type in MOE_MODEL_TYPES else None
+        qkv_bias = family.qkv_bias == "always" or (family.qkv_bias == "config" and bool(config.get("qkv_bias", True)))
+        moe = moe_from_hf(config, model_type, config["num_hidden_layers"]) if family.moe else None
         return cls(
             model_type=model_type,
             vocab_size=config["vocab_size"],
@@ -163,7 +163,7 @@ class ModelSpec:
             sliding_window=sliding,
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
-            qk_layernorm=model_type in QK_NORM_MODEL_TYPES,
+            qk_layernorm=family.qk_norm,
             moe=moe,
         )
 
@@ -178,7 +178,7 @@ class ModelSpec:
                 raise QlmError(f"a {self.model_type} model {'with' if getattr(self, flag) else 'without'} {flag} "
                                "has no Hugging Face config", f"{flag} goes with model types {', '.join(types)}")
         config: dict[str, Any] = {
-            "architectures": [HF_ARCHITECTURES[self.model_type]],
+            "architectures": [FAMILIES[self.model_type].architecture],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -198,13 +198,14 @@ class ModelSpec:
         }
         if self.rope_scaling is not None:
             config["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
-        if self.model_type in SLIDING_WINDOW_MODEL_TYPES:
+        family = FAMILIES[self.model_type]
+        if family.sliding_window == "applied":
             config["sliding_window"] = self.sliding_window
         else:
             config["use_sliding_window"] = False
-        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
+        if family.declares_no_bias:
             config.update(attention_bias=False, mlp_bias=False)
-        if self.model_type == "qwen2_moe":
+        if family.qkv_bias == "config":
             config["qkv_bias"] = self.qkv_bias
         if self.moe is not None:
             config.update(moe_to_hf(self.moe, self.model_type, self.num_layers))

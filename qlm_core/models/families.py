@@ -1,0 +1,42 @@
+"""What each model family (an HF `model_type`) is, beyond its numbers: its HF class, which optional tensors it has
+and where its MoE block lives. One row per family, read by spec.py (config.json in and out) and layout.py (HF names);
+a new family is a row here, its numbers in ModelSpec.from_hf_config and a test against transformers' logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# qkv_bias: "always" (Qwen2), "never", or "config" (Qwen2-MoE's own `qkv_bias` key, default true)
+QkvBias = Literal["always", "never", "config"]
+# sliding_window: "applied" (Mistral: config.json's sliding_window always holds), "gated" (the Qwens: only with
+# use_sliding_window, which qlm refuses), "none" (Llama: no such key)
+SlidingWindow = Literal["applied", "gated", "none"]
+
+GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral's experts: w1 the gate, w3 the up and w2 the down projection
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # transformers' *ForCausalLM class
+    qkv_bias: QkvBias = "never"
+    qk_norm: bool = False  # RMSNorm over head_dim on each q and k head, before RoPE (Qwen3)
+    sliding_window: SlidingWindow = "none"
+    declares_no_bias: bool = False  # config.json says attention_bias / mlp_bias = false
+    moe: bool = False
+    moe_block: str = "mlp."  # where an MoE layer's router and experts live under model.layers.N.
+    expert_projections: tuple[str, str, str] = GATE_UP_DOWN  # an expert's gate, up and down projections
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias="always", sliding_window="gated"),
+    "llama": Family("LlamaForCausalLM", declares_no_bias=True),
+    "mistral": Family("MistralForCausalLM", sliding_window="applied"),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, sliding_window="gated", declares_no_bias=True),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", qkv_bias="config", sliding_window="gated", moe=True),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, sliding_window="gated", declares_no_bias=True,
+                        moe=True),
+    "mixtral": Family("MixtralForCausalLM", sliding_window="applied", moe=True, moe_block="block_sparse_moe.",
+                      expert_projections=W1_W3_W2),
+}
