@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 
 from qlm_core.checkpoint.formats.hf import copy_side_files
 from qlm_core.checkpoint.formats.lora_args import lora_args
@@ -37,8 +36,6 @@ from qlm_core.config import (
     recipe_to_toml,
     rows_per_sample,
 )
-from qlm_core.data.loader import GlobalBatchSampler, collate
-from qlm_core.data.preference import PositionedPairs, collate_pairs
 from qlm_core.disk import write_text_atomic
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
@@ -46,6 +43,7 @@ from qlm_core.hardware import GPUS, configure_cuda_allocator, empty_device_cache
 from qlm_core.models.flops import flops_per_sequence
 from qlm_core.parallel.state import Grid, default_device, destroy_distributed, init_distributed, resolve_sizes
 from qlm_core.train.async_checkpoint import CheckpointSaver
+from qlm_core.train.batches import BatchSource, DatasetBatches
 from qlm_core.train.checkpointing import (
     TrainState,
     has_checkpoint,
@@ -53,7 +51,7 @@ from qlm_core.train.checkpointing import (
     resume_iteration,
 )
 from qlm_core.train.data import build_run_data, check_cache_dir
-from qlm_core.train.engine import Batch, Engine
+from qlm_core.train.engine import Engine
 from qlm_core.train.load_pin import pinned_error, pinned_iteration, record_pin
 from qlm_core.train.metrics import MetricsWriter, StepMetrics, device_memory_gb, peak_memory_gb, plot_loss, strict_json
 from qlm_core.train.objectives.recipe import recipe_objective
@@ -202,6 +200,7 @@ class Trainer:
                 self.engine, table_path(r, cache / "datasets", source),
                 {"train": self.data.train, "valid": self.data.valid},
                 r.train.global_batch_size, r.train.micro_batch_size, self.grid.rank == 0)
+        self.batch_source: BatchSource = DatasetBatches(r, self.grid, self.data, self.reference_tables)
         if self.grid.rank == 0:
             write_hf_side_dir(self.ckpt_root, source.spec, self.data.tokenizer_dir)
         self.state = TrainState()
@@ -248,23 +247,6 @@ class Trainer:
             return False
         return decided
 
-    def _batches(self, dataset, consumed: int, split: str = "train"):
-        r = self.recipe
-        preference = r.data.kind == "preference"  # pairs in a seeded order per epoch (SFT data is shuffled when built)
-        sampler = GlobalBatchSampler(len(dataset), r.train.global_batch_size, self.grid.dp_rank,
-                                     self.grid.sizes.dp, consumed_samples=consumed, seed=r.train.seed,
-                                     shuffle=preference and split == "train")
-        if preference:
-            table = self.reference_tables.get(split)
-            loader = DataLoader(PositionedPairs(dataset), batch_sampler=sampler,
-                                collate_fn=lambda items: collate_pairs(items, r.train.micro_batch_size, table))
-            for input_ids, labels, reference in loader:
-                yield Batch(input_ids, labels, reference_logps=reference)
-            return
-        for input_ids, labels, position_ids, segment_ids in DataLoader(dataset, batch_sampler=sampler,
-                                                                      collate_fn=collate):
-            yield Batch(input_ids, labels, position_ids, segment_ids)
-
     def _lr(self, step: int) -> float:
         o, s = self.recipe.optim, self.recipe.schedule
         return learning_rate(step, self.steps, lr=o.lr, min_lr=s.min_lr, warmup=s.warmup_iters,
@@ -277,7 +259,7 @@ class Trainer:
         if self.data.valid is None:
             return None
         losses, figures = [], []
-        batches = self._batches(self.data.valid, 0, "valid")
+        batches = self.batch_source.batches("valid", 0)
         for _ in range(max(1, min(self.recipe.train.eval_iters,
                                   len(self.data.valid) // self.recipe.train.global_batch_size or 1))):
             losses.append(self.engine.evaluate(next(batches)))
@@ -339,7 +321,7 @@ class Trainer:
                    active_params=self.source.spec.num_parameters(active=True), resumed=self.resumed,
                    train_samples=len(self.data.train), peak_tflops=self.peak, peak_source=self.peak_source,
                    truncated=self.data.truncated, compile=self.compile_text)
-        batches = self._batches(self.data.train, self.state.consumed_samples)
+        batches = self.batch_source.batches("train", self.state.consumed_samples)
         world = g.sizes.world
         self._last_eval = (-1, None)
         last_saved = self.state.iteration if has_checkpoint(self.ckpt_root) else -1

@@ -1,0 +1,48 @@
+"""Where the trainer's global batches come from: a BatchSource hands this data-parallel rank its rows of each global
+batch, resumable from a sample count. Today's source reads the run's datasets (DatasetBatches: packed SFT or pretrain
+samples, or preference pairs with their precomputed reference log-probs); an objective that makes its own batches
+(a rollout of reinforcement learning) brings another source."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import numpy as np
+from torch.utils.data import DataLoader
+
+from qlm_core.config import Recipe
+from qlm_core.data.loader import GlobalBatchSampler, collate
+from qlm_core.data.preference import PositionedPairs, collate_pairs
+from qlm_core.parallel.state import Grid
+from qlm_core.train.data import RunData
+from qlm_core.train.engine import Batch
+
+
+class BatchSource(Protocol):
+    def batches(self, split: str, consumed: int) -> Iterator[Batch]:
+        """This rank's rows of the global batches of `split` ("train" / "valid"), from sample `consumed` on."""
+        ...
+
+
+class DatasetBatches:
+    def __init__(self, recipe: Recipe, grid: Grid, data: RunData, reference_tables: dict[str, np.ndarray]):
+        self.recipe, self.grid, self.data, self.reference_tables = recipe, grid, data, reference_tables
+
+    def batches(self, split: str, consumed: int) -> Iterator[Batch]:
+        r = self.recipe
+        dataset = self.data.train if split == "train" else self.data.valid
+        preference = r.data.kind == "preference"  # pairs in a seeded order per epoch (SFT data is shuffled when built)
+        sampler = GlobalBatchSampler(len(dataset), r.train.global_batch_size, self.grid.dp_rank,
+                                     self.grid.sizes.dp, consumed_samples=consumed, seed=r.train.seed,
+                                     shuffle=preference and split == "train")
+        if preference:
+            table = self.reference_tables.get(split)
+            loader = DataLoader(PositionedPairs(dataset), batch_sampler=sampler,
+                                collate_fn=lambda items: collate_pairs(items, r.train.micro_batch_size, table))
+            for input_ids, labels, reference in loader:
+                yield Batch(input_ids, labels, reference_logps=reference)
+            return
+        for input_ids, labels, position_ids, segment_ids in DataLoader(dataset, batch_sampler=sampler,
+                                                                      collate_fn=collate):
+            yield Batch(input_ids, labels, position_ids, segment_ids)
