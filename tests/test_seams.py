@@ -71,7 +71,7 @@ class RowMeanObjective:
     """A toy objective: the mean over rows of each row's mean token loss (a sequence-level average, where next-token
     prediction averages over tokens), written against the Objective protocol only."""
 
-    def bind(self, engine):
+    def bind(self, engine, weights):
         self.rows = engine.global_batch_size
 
     def start(self, batch, inputs, labels, tokens):

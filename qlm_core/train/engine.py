@@ -111,8 +111,8 @@ class Engine:
         self.layout = recipe_layout(self.spec, c)
         self.num_microbatches = self.global_batch_size // (self.micro_batch_size * g.sizes.dp)
         self.objective: Objective = LanguageModelObjective() if objective is None else objective
-        self.weights = self.source or RandomInitSource(self.layout, seed=self.seed)
-        self.chunks = self.build_chunks()
+        weights = self.source or RandomInitSource(self.layout, seed=self.seed)  # not kept: it may cache tensors
+        self.chunks = self.build_chunks(weights)
         # an MoE loss enters each micro-batch's backward as a mean over the global batch's micro-batches
         self.moe_loss_scale = 1.0 / (self.num_microbatches * g.sizes.dp)
         for chunk in self.chunks:
@@ -129,7 +129,7 @@ class Engine:
         self.params = self.optimizer.params  # FSDP2 replaces the parameters: the optimizer's are the live ones
         self.runner = self.make_runner(self.chunks, self.loss_fn)
         self._num_tokens = 1.0
-        self.objective.bind(self)  # after the policy's schedule: an objective's reference schedule comes second
+        self.objective.bind(self, weights)  # after the policy's schedule: a reference's schedule comes second
 
     # ---- construction ----------------------------------------------------------------------------------------------
 
@@ -145,10 +145,8 @@ class Engine:
             num_microbatches=self.num_microbatches, loss_fn=loss_fn, recompute=c.recompute,
         )
 
-    def build_chunks(self, param_dtype: torch.dtype | None = None) -> list[StageModel]:
-        """This rank's chunks of its pipeline stage, filled from the engine's weights (an objective's frozen
-        reference too)."""
-        source = self.weights
+    def build_chunks(self, source: TensorSource, param_dtype: torch.dtype | None = None) -> list[StageModel]:
+        """This rank's chunks of its pipeline stage, filled from `source` (an objective's frozen reference too)."""
         c, g = self.config, self.grid
         options = ParallelOptions(
             tp_group=g.tp_group, sequence_parallel=c.sp, cp_group=g.cp_group, cp_comm_type=c.cp_comm_type,

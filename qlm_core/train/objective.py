@@ -16,8 +16,9 @@ import torch
 
 
 class Objective(Protocol):
-    def bind(self, engine: Any) -> None:
-        """Called once by the Engine, after the policy's chunks are built and before its pipeline schedule."""
+    def bind(self, engine: Any, weights: Any) -> None:
+        """Called once by the Engine, after the policy's chunks and pipeline schedule are built; `weights` the
+        TensorSource they were filled from (for a reference copy; not to be kept)."""
         ...
 
     def start(self, batch: Any, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor, tokens: float) -> None:

@@ -10,7 +10,7 @@ class LanguageModelObjective:
     def __init__(self):
         self.tokens = 1.0
 
-    def bind(self, engine) -> None:
+    def bind(self, engine, weights) -> None:
         pass
 
     def start(self, batch, inputs, labels: torch.Tensor, tokens: float) -> None:

@@ -26,12 +26,12 @@ class PreferenceObjective:
         self.reference_runner = None
         self._recording = False  # reference_logps(): the policy's forward records its rows' log-probs
 
-    def bind(self, engine) -> None:
+    def bind(self, engine, weights) -> None:
         validate_preference_engine(engine.spec, self.config, self.reference, engine.lora, engine.micro_batch_size)
         self.engine = engine
         self.step = PreferenceStep(self.config, engine.grid, engine.micro_batch_size, engine.global_batch_size)
         if self.reference == "frozen":  # in the compute dtype, never trained, never sharded by ZeRO
-            self.reference_chunks = engine.build_chunks(param_dtype=engine.dtype)
+            self.reference_chunks = engine.build_chunks(weights, param_dtype=engine.dtype)
             for chunk in self.reference_chunks:
                 chunk.requires_grad_(False)
                 chunk.train(False)
