@@ -52,10 +52,14 @@ def test_a_second_attention_kind_through_the_seam_gives_its_reference_logits(hf_
     assert (with_rope - expected).abs().max().item() > 1e-3  # the kind, not the default, made the difference
 
 
-def test_a_second_attention_kind_is_counted_by_its_own_rule(hf_models, no_rope):
+def test_a_second_attention_kind_is_counted_by_its_own_rule(hf_models, monkeypatch):
+    """flops.py asks the kind: a kind that costs nothing leaves the MLP and the logits (3x forward per token)."""
+    monkeypatch.setitem(ATTENTION_KINDS, "free", replace(GQA, flops_per_token=lambda spec, keys: (0.0, 0.0)))
     spec = HFCheckpoint(hf_models["qwen2"]).spec
-    assert flops_per_sequence(spec.replace(attention="gqa_nope"), 64) == flops_per_sequence(spec, 64)
-    assert attention_kind(spec.replace(attention="gqa_nope")).module is NoRopeAttention
+    h, f, v, layers, seq = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size, spec.num_layers, 64
+    expected = 3.0 * seq * (layers * 2 * 3 * h * f + 2 * h * v)
+    assert flops_per_sequence(spec.replace(attention="free"), seq) == pytest.approx(expected, rel=1e-12)
+    assert flops_per_sequence(spec, seq) > expected
 
 
 def test_an_attention_kind_qlm_does_not_build_is_one_line(hf_models):

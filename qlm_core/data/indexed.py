@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qlm_core.disk import os_reason, pid_alive, write_fault
+from qlm_core.disk import TEMPORARY_MARK, os_reason, pid_alive, write_fault
 from qlm_core.errors import QlmError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -54,7 +54,7 @@ def exists(prefix: str | os.PathLike) -> bool:
     return all(path.is_file() for path in index_paths(prefix))
 
 
-TMP_MARK = ".tmp-"  # PREFIX.bin.tmp-PID / PREFIX.idx.tmp-PID: a run's files, named just before they replace the pair
+TMP_MARK = TEMPORARY_MARK  # PREFIX.bin.tmp-PID / PREFIX.idx.tmp-PID: written just before they replace the pair
 
 
 def _temporaries(final: Path) -> list[tuple[str, int]]:

@@ -20,6 +20,7 @@ from qlm_core.data.preprocess import preprocess
 from qlm_core.data.pretrain import PretrainConfig, build_pretrain_datasets
 from qlm_core.data.sft import SFTConfig, build_sft_dataset
 from qlm_core.data.tokenizer import load_tokenizer
+from qlm_core.disk import file_in_the_way
 from qlm_core.errors import QlmError
 
 DEMO = "@demo"
@@ -150,10 +151,8 @@ def check_cache_dir(setting: str, run_dir: Path):
     """The run's cache folder (data.cache_dir `setting`, else RUN/cache), or the first of its parents that exists,
     must be a folder: a file in the way is one line before any data is read."""
     path = Path(setting) if setting else Path(run_dir) / "cache"
-    for part in (path, *path.parents):
-        if part.exists():
-            if not part.is_dir():
-                key = "data.cache_dir" if setting else "the run's cache folder (RUN/cache)"
-                raise QlmError(f"{key} {path}: {part} is a file, not a folder",
-                               "remove the file, or point data.cache_dir at a folder")
-            return
+    part = file_in_the_way(path)
+    if part is not None:
+        key = "data.cache_dir" if setting else "the run's cache folder (RUN/cache)"
+        raise QlmError(f"{key} {path}: {part} is a file, not a folder",
+                       "remove the file, or point data.cache_dir at a folder")

@@ -20,6 +20,7 @@ from qlm_core.config import (
     checked_field,
     choices,
 )
+from qlm_core.disk import file_in_the_way
 from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.pipeline_rules import min_microbatches, validate_schedule
@@ -211,14 +212,9 @@ def validate_compile_cache(environ=None):
     """torch inductor's cache folder (TORCHINDUCTOR_CACHE_DIR, when set) must be a folder or creatable: torch
     creates it while torch._dynamo is imported, where a file in the way is a traceback."""
     import os
-    from pathlib import Path
 
     value = (environ if environ is not None else os.environ).get("TORCHINDUCTOR_CACHE_DIR", "")
-    if not value:
-        return
-    for part in (Path(value), *Path(value).parents):
-        if part.exists():
-            if not part.is_dir():
-                raise QlmError(f"TORCHINDUCTOR_CACHE_DIR {value}: {part} is a file, not a folder",
-                               "point TORCHINDUCTOR_CACHE_DIR at a folder (or unset it), or set train.compile = false")
-            return
+    part = file_in_the_way(value) if value else None
+    if part is not None:
+        raise QlmError(f"TORCHINDUCTOR_CACHE_DIR {value}: {part} is a file, not a folder",
+                       "point TORCHINDUCTOR_CACHE_DIR at a folder (or unset it), or set train.compile = false")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from qlm_core.config import Recipe
 from qlm_core.data.loader import GlobalBatchSampler
 from qlm_core.data.preference import PositionedPairs, collate_pairs, pair_rows
-from qlm_core.disk import pid_alive, replace_atomically
+from qlm_core.disk import TEMPORARY_MARK, pid_alive, replace_atomically
 from qlm_core.errors import QlmError
 from qlm_core.parallel.comm import all_reduce
 from qlm_core.train.engine import Batch, Engine
@@ -117,7 +117,7 @@ def remove_dead_temporaries(path: Path, min_age_s: float = 60.0):
     their process is gone and they are a minute old (a live writer on another node shares no pids with us)."""
     import time
 
-    for temporary in path.parent.glob(f".{path.name}.tmp-*"):
+    for temporary in path.parent.glob(f".{path.name}{TEMPORARY_MARK}*"):
         pid = temporary.name.rsplit("-", 1)[-1]
         try:
             stale = time.time() - temporary.stat().st_mtime >= min_age_s
