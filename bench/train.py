@@ -26,6 +26,7 @@ import torch
 from qlm_core.checkpoint.sources.random_init import RandomInitSource
 from qlm_core.config import OptimConfig, ParallelConfig
 from qlm_core.models.layout import ModelLayout, assemble_hf_tensor
+from qlm_core.models.parameters import num_parameters
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.state import Grid
 from qlm_core.train.engine import Batch, Engine
@@ -150,7 +151,7 @@ def main():
             steps[name] = engine_step(spec, args, optim, batches, dtype, compile)
     seconds, first, losses = timed_alternating(steps, args.steps, args.warmup)
     tokens = args.steps * args.batch * args.seq
-    print(f"model: {spec.num_parameters() / 1e6:.1f}M parameters, seq {args.seq}, batch {args.batch}, "
+    print(f"model: {num_parameters(spec) / 1e6:.1f}M parameters, seq {args.seq}, batch {args.batch}, "
           f"{torch.get_num_threads()} threads, {args.steps} timed steps after {args.warmup} warm-up")
     print(f"  {'transformers + AdamW fp32':26s} {tokens / seconds['hf']:10.0f} tokens/s")
     for name in steps:

@@ -18,6 +18,7 @@ from qlm_core.errors import QlmError
 from qlm_core.models.gpt import GPTModel
 from qlm_core.models.layout import HFTensorSource, ModelLayout, build_shard
 from qlm_core.models.moe import MoELayer, capacity_keep
+from qlm_core.models.parameters import num_parameters
 from qlm_core.models.presets import PRESETS
 from qlm_core.models.spec import ModelSpec
 
@@ -197,11 +198,11 @@ def states(count: int, published: float) -> bool:
 def test_presets_have_the_published_parameter_counts(name):
     total, active = PUBLISHED[name]
     spec = PRESETS[name]
-    assert states(spec.num_parameters(), total), spec.num_parameters()
+    assert states(num_parameters(spec), total), num_parameters(spec)
     if active is None:
-        assert spec.num_parameters(active=True) == spec.num_parameters()
+        assert num_parameters(spec, active=True) == num_parameters(spec)
     else:
-        assert states(spec.num_parameters(active=True), active), spec.num_parameters(active=True)
+        assert states(num_parameters(spec, active=True), active), num_parameters(spec, active=True)
 
 
 def test_unsupported_moe_configs_say_what_to_change(moe_models):

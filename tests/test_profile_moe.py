@@ -15,6 +15,7 @@ from qlm_core.hardware import gpu_spec
 from qlm_core.models.flops import flops_per_sequence, megatron_flops_per_sequence
 from qlm_core.models.gpt import GPTModel, ParallelOptions
 from qlm_core.models.moe_spec import MoeSpec
+from qlm_core.models.parameters import num_parameters
 from qlm_core.models.presets import PRESETS
 from qlm_core.models.spec import ModelSpec
 from qlm_core.profile.activations import ActivationInputs, forward_terms, layer_bytes, layer_terms
@@ -134,7 +135,7 @@ def test_probe_of_an_moe_model_measures_what_is_predicted():
 def test_report_has_total_and_active_parameters():
     case = build_case(model="qwen3-30b-a3b", seq_len=4096, num_gpus=8, tp=2)
     model = model_dict(case)
-    assert model["parameters"] == PRESETS["qwen3-30b-a3b"].num_parameters() > 30e9
+    assert model["parameters"] == num_parameters(PRESETS["qwen3-30b-a3b"]) > 30e9
     assert 3.2e9 < model["active_parameters"] < 3.4e9  # Qwen3-30B-A3B: 3.3B activated
     assert model["moe"] == {"num_experts": 128, "topk": 8, "ffn_hidden_size": 768, "shared_expert_hidden_size": 0,
                             "moe_layers": None}
@@ -156,7 +157,7 @@ def test_flops_count_active_parameters():
     s, h, L, moe = 4096, spec.hidden_size, spec.num_layers, spec.moe
     embeddings = 2 * spec.vocab_size * h
     norms = L * 2 * h + h
-    matmuls = spec.num_parameters(active=True) - embeddings - norms - L * spec.qkv_rows  # no qkv bias FLOPs
+    matmuls = num_parameters(spec, active=True) - embeddings - norms - L * spec.qkv_rows  # no qkv bias FLOPs
     attention = 2 * 2 * (s / 2) * spec.num_attention_heads * spec.kv_channels * L
     logits = 2 * h * spec.vocab_size
     assert flops_per_sequence(spec, s) == pytest.approx(3 * s * (2 * matmuls + attention + logits), rel=1e-12)

@@ -20,8 +20,9 @@ from qlm_core.models.layout import HFTensorSource, ModelLayout, build_shard
 class NoRopeAttention(GroupedQueryAttention):
     """A toy second kind: grouped-query attention without rotary positions (cos 1, sin 0 leave q and k as they are)."""
 
-    def forward(self, x, cos, sin, inputs):
-        return super().forward(x, torch.ones_like(cos), torch.zeros_like(sin), inputs)
+    def forward(self, x, positions, inputs):
+        cos, sin = positions
+        return super().forward(x, (torch.ones_like(cos), torch.zeros_like(sin)), inputs)
 
 
 @pytest.fixture
@@ -112,3 +113,64 @@ def test_a_second_objective_through_the_seam_trains_what_it_says():
     result = engine.train_step(batch, lr=1e-3)
     assert result.loss == pytest.approx(expected, rel=1e-6) and abs(expected - token_mean) > 1e-4
     assert result.figures == {"toy/rows": float(GLOBAL_BATCH)}  # the objective's figures reach the step's
+
+
+# ---- the other per-family choices: norm, MLP activation, position scheme -----------------------------------------
+
+def test_every_choice_a_spec_can_name_is_built_and_profiled():
+    """Each Literal of families.py has its row in the module that builds it, and every attention kind has the
+    profile's activation terms (a new value without its row would fail at the first model built)."""
+    from typing import get_args
+
+    from qlm_core.models import families
+    from qlm_core.models.activations import ACTIVATION_KINDS
+    from qlm_core.models.norms import NORM_KINDS
+    from qlm_core.models.positions import POSITION_KINDS
+    from qlm_core.profile.attention_terms import ATTENTION_TERMS
+
+    assert set(get_args(families.AttentionName)) == set(ATTENTION_KINDS) == set(ATTENTION_TERMS)
+    assert set(get_args(families.NormName)) == set(NORM_KINDS)
+    assert set(get_args(families.ActivationName)) == set(ACTIVATION_KINDS)
+    assert set(get_args(families.PositionName)) == set(POSITION_KINDS)
+
+
+def test_the_kernels_of_each_choice_are_read_in_one_place():
+    """gpt.py, mlp.py, moe.py and layout.py build norms, activations and positions only through their kind
+    modules: the kernels are imported by norms.py, activations.py and positions.py alone."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "qlm_core" / "models"
+    owners = {"kernels.norm import": "norms.py", "kernels.swiglu import": "activations.py",
+              "kernels.grouped_mlp import": "activations.py", "kernels.rope import rope_cos_sin": "positions.py"}
+    for path in root.glob("*.py"):
+        text = path.read_text()
+        for pattern, owner in owners.items():
+            if re.search(pattern, text):
+                assert path.name == owner, f"{path.name} imports {pattern.split()[0]} (only {owner} may)"
+
+
+class ToyLayerNorm(torch.nn.LayerNorm):
+    """A norm with two tensors (weight and bias), built by the seam's signature (size, eps, dtype)."""
+
+    def __init__(self, size, eps, dtype):
+        super().__init__(size, eps=eps, dtype=dtype)
+
+
+def test_a_second_norm_through_the_seam_is_built_laid_out_and_counted(hf_models, monkeypatch):
+    """A norm kind with a bias: every norm of the model (the layers', the final one, Qwen3's q/k norms) is that
+    module, the layout names each of its tensors, and the parameter count follows; gpt.py and layout.py untouched."""
+    from qlm_core.models.norms import NORM_KINDS, NormKind
+    from qlm_core.models.parameters import num_parameters
+
+    monkeypatch.setitem(NORM_KINDS, "toy_layernorm", NormKind(ToyLayerNorm, ("weight", "bias"), "LayerNorm"))
+    spec = HFCheckpoint(hf_models["qwen2"]).spec.replace(norm="toy_layernorm", qk_layernorm=True)
+    layout = ModelLayout(spec)
+    model = GPTModel(spec, padded_vocab=layout.padded_vocab)
+    norms = [m for m in model.modules() if isinstance(m, ToyLayerNorm)]
+    assert len(norms) == 4 * spec.num_layers + 1  # two a layer, q and k norms, the final norm
+    laid_out = {name for name, tensor in layout.shard_entries(0) if tensor is not None}
+    assert laid_out == {name for name in model.state_dict() if not name.endswith("._extra_state")}
+    assert "decoder.final_layernorm.bias" in laid_out and "decoder.layers.0.self_attention.k_layernorm.bias" in laid_out
+    unpadded = GPTModel(spec, padded_vocab=spec.vocab_size)
+    assert num_parameters(spec) == sum(p.numel() for p in unpadded.parameters())

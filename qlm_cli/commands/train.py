@@ -176,6 +176,7 @@ def train(
 
 
 def _print_dry_run(resolved, plan):
+    from qlm_core.models.parameters import num_parameters
     from qlm_core.profile.memory import planned_memory
 
     console.print(recipe_to_toml(resolved), markup=False, highlight=False)
@@ -185,7 +186,7 @@ def _print_dry_run(resolved, plan):
         "world": f"{sizes.world} = dp{sizes.dp} x pp{sizes.pp} x cp{sizes.cp} x tp{sizes.tp}",
         **(experts if sizes.expert_parallel else {}),
         "model": plan.resume or plan.model_description,
-        "parameters": parameters_text(plan.spec.num_parameters(), plan.spec.num_parameters(active=True)),
+        "parameters": parameters_text(num_parameters(plan.spec), num_parameters(plan.spec, active=True)),
         "stage layers": list(plan.layout.stage_layer_counts), "padded vocabulary": plan.layout.padded_vocab,
         "steps": plan.steps, "compile": compile_text(resolved.train, plan.steps),
     }))

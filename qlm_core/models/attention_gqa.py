@@ -11,10 +11,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qlm_core.kernels.attention import core_attention, masked_attention
-from qlm_core.kernels.norm import RMSNorm
 from qlm_core.kernels.piecewise import piecewise_attention
 from qlm_core.kernels.rope import apply_rope
 from qlm_core.models.attention import AttentionInputs, AttentionKind, LayerEntries
+from qlm_core.models.norms import build_norm, norm_kind
 from qlm_core.models.runtime import ParallelOptions, outside_compile
 from qlm_core.models.spec import ModelSpec
 from qlm_core.models.tensor_layout import COLS, REPLICATED, ROWS, Segment, TensorLayout
@@ -51,10 +51,10 @@ class GroupedQueryAttention(nn.Module):
         )
         self.q_layernorm = self.k_layernorm = None
         if spec.qk_layernorm:  # on each head; every TP rank holds other heads, so their gradients are summed
-            self.q_layernorm = RMSNorm(spec.kv_channels, spec.norm_epsilon, dtype)
-            self.k_layernorm = RMSNorm(spec.kv_channels, spec.norm_epsilon, dtype)
-            for norm in (self.q_layernorm, self.k_layernorm):
-                mark(norm.weight, sequence_parallel=group_size(tp_group) > 1)
+            self.q_layernorm = build_norm(spec, spec.kv_channels, dtype)
+            self.k_layernorm = build_norm(spec, spec.kv_channels, dtype)
+            for tensor in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
+                mark(tensor, sequence_parallel=group_size(tp_group) > 1)
 
     def _split_qkv(self, mixed: torch.Tensor):
         """mixed [s, b, local qkv rows] -> q [s, b, local heads, d], k and v [s, b, local groups, d]."""
@@ -98,7 +98,8 @@ class GroupedQueryAttention(nn.Module):
     def _recomputed_attention(self, q, k, v, inputs: AttentionInputs) -> torch.Tensor:
         return checkpoint(self._core_attention, q, k, v, inputs, use_reentrant=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: tuple[torch.Tensor, ...], inputs: AttentionInputs) -> torch.Tensor:
+        cos, sin = positions  # RoPE's (the only position scheme a GQA layer takes today)
         q, k, v = self._split_qkv(self.linear_qkv(x))
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
@@ -144,9 +145,10 @@ def gqa_layer_entries(s: ModelSpec, layer: int) -> LayerEntries:
     out.append(("self_attention.linear_qkv._extra_state", None))
     if s.qk_layernorm:
         for which in ("q", "k"):
-            suffix = f"self_attention.{which}_layernorm.weight"
-            out.append((suffix, TensorLayout(name + suffix, (d,), REPLICATED,
-                                             (Segment(0, d, f"{hf}self_attn.{which}_norm.weight"),))))
+            for tensor in norm_kind(s).tensors:
+                suffix = f"self_attention.{which}_layernorm.{tensor}"
+                out.append((suffix, TensorLayout(name + suffix, (d,), REPLICATED,
+                                                 (Segment(0, d, f"{hf}self_attn.{which}_norm.{tensor}"),))))
     return out
 
 

@@ -13,6 +13,14 @@ QkvBias = Literal["always", "never", "config"]
 # use_sliding_window, which qlm refuses), "none" (Llama: no such key)
 SlidingWindow = Literal["applied", "gated", "none"]
 
+# The per-family choices of the decoder, each built in one place: the attention kind of every layer
+# (models/attention_kinds.py), the norm (models/norms.py), the MLP activation (models/activations.py) and the position
+# scheme (models/positions.py). A new choice is a value here and one row in its module; ModelSpec holds them.
+AttentionName = Literal["gqa"]
+NormName = Literal["rmsnorm"]
+ActivationName = Literal["swiglu"]
+PositionName = Literal["rope"]
+
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral's experts: w1 the gate, w3 the up and w2 the down projection
 
@@ -27,6 +35,10 @@ class Family:
     moe: bool = False
     moe_block: str = "mlp."  # where an MoE layer's router and experts live under model.layers.N.
     expert_projections: tuple[str, str, str] = GATE_UP_DOWN  # an expert's gate, up and down projections
+    attention: AttentionName = "gqa"
+    norm: NormName = "rmsnorm"
+    activation: ActivationName = "swiglu"
+    position: PositionName = "rope"
 
 
 FAMILIES: dict[str, Family] = {

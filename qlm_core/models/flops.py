@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qlm_core.models.activations import activation_kind
 from qlm_core.models.attention_kinds import attention_kind
 from qlm_core.models.spec import ModelSpec
 
@@ -23,15 +24,20 @@ def layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 
     reads)."""
     keys = attended_keys_per_token(seq_length, mean_doc_len, spec.sliding_window)
     projections, attention = attention_kind(spec).flops_per_token(spec, keys)
-    return projections + 2 * 3 * spec.hidden_size * spec.ffn_hidden_size, attention
+    return projections + dense_mlp_flops_per_token(spec), attention
+
+
+def dense_mlp_flops_per_token(spec: ModelSpec) -> float:
+    return 2 * activation_kind(spec).matrices * spec.hidden_size * spec.ffn_hidden_size
 
 
 def moe_mlp_flops_per_token(spec: ModelSpec) -> float:
     """Forward FLOPs per token of an MoE layer's MLP, from its active parameters: the router GEMM [h -> E], top-k
-    SwiGLU experts, the shared expert and its gate [h -> 1] (the routing's softmax and sort are not counted)."""
+    experts, the shared expert and its gate [h -> 1] (the routing's softmax and sort are not counted)."""
     moe, h = spec.moe, spec.hidden_size
     active = moe.topk * moe.ffn_hidden_size + moe.shared_expert_hidden_size
-    return 2 * (h * moe.num_experts + 3 * h * active + (h if moe.shared_expert_gate else 0))
+    matrices = activation_kind(spec).matrices
+    return 2 * (h * moe.num_experts + matrices * h * active + (h if moe.shared_expert_gate else 0))
 
 
 def model_layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> float:
@@ -40,7 +46,7 @@ def model_layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: 
     if spec.moe is None:
         return spec.num_layers * (dense + attention)
     moe_layers = spec.moe.num_moe_layers(spec.num_layers)
-    moe = dense - 2 * 3 * spec.hidden_size * spec.ffn_hidden_size + moe_mlp_flops_per_token(spec)
+    moe = dense - dense_mlp_flops_per_token(spec) + moe_mlp_flops_per_token(spec)
     return (spec.num_layers - moe_layers) * (dense + attention) + moe_layers * (moe + attention)
 
 

@@ -17,12 +17,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qlm_core.config import MoeConfig, RecomputeMode, choices
-from qlm_core.kernels.norm import RMSNorm
-from qlm_core.kernels.rope import rope_cos_sin, rope_inv_freq
+from qlm_core.models.activations import activation_kind
 from qlm_core.models.attention import AttentionInputs, KVCache, attention_inputs
 from qlm_core.models.attention_kinds import attention_kind
 from qlm_core.models.mlp import MLP
 from qlm_core.models.moe import MoELayer, MoeTracker
+from qlm_core.models.norms import build_norm
+from qlm_core.models.positions import position_kind
 from qlm_core.models.runtime import ParallelOptions, allow_eager_regions, discard_output, outside_compile
 from qlm_core.models.spec import ModelSpec, padded_vocab_size
 from qlm_core.parallel import shape_inference
@@ -68,11 +69,12 @@ def op_policy_contexts():
     return create_selective_checkpoint_contexts(policy)
 
 
-def replicated_norm(spec: ModelSpec, parallel: ParallelOptions, dtype) -> RMSNorm:
-    """An RMSNorm, whose weight every TP rank holds whole. Under sequence parallelism each TP rank sees a different
-    slice of tokens, so the weight's gradient must be summed over the TP group."""
-    norm = RMSNorm(spec.hidden_size, spec.norm_epsilon, dtype)
-    mark(norm.weight, sequence_parallel=parallel.sp)
+def replicated_norm(spec: ModelSpec, parallel: ParallelOptions, dtype) -> nn.Module:
+    """The spec's norm over hidden_size, whose tensors every TP rank holds whole. Under sequence parallelism each TP
+    rank sees a different slice of tokens, so their gradients must be summed over the TP group."""
+    norm = build_norm(spec, spec.hidden_size, dtype)
+    for tensor in norm.parameters():
+        mark(tensor, sequence_parallel=parallel.sp)
     return norm
 
 
@@ -94,9 +96,10 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = replicated_norm(spec, parallel, dtype)
         if spec.is_moe_layer(global_layer):
             moe = moe or MoeContext(MoeConfig(), MoeTracker())
-            self.mlp = MoELayer(spec.hidden_size, spec.moe, parallel, moe.options, moe.tracker, global_layer, dtype)
+            self.mlp = MoELayer(spec.hidden_size, spec.moe, parallel, moe.options, moe.tracker, global_layer, dtype,
+                                activation_kind(spec))
         else:
-            self.mlp = MLP(spec.hidden_size, spec.ffn_hidden_size, parallel, dtype)
+            self.mlp = MLP(spec.hidden_size, spec.ffn_hidden_size, parallel, dtype, activation_kind(spec))
         self.parallel = parallel
         self._compiled = None
 
@@ -111,14 +114,14 @@ class TransformerLayer(nn.Module):
         allow_eager_regions()
         self._compiled = torch.compile(self._forward, **options)
 
-    def _norm_then(self, norm: RMSNorm, block, x: torch.Tensor, *args) -> torch.Tensor:
+    def _norm_then(self, norm: nn.Module, block, x: torch.Tensor, *args) -> torch.Tensor:
         """block(norm(x), *args); with the layernorm module recomputed, the norm keeps only its input and its output
         is discarded until block's backward (discard_output)."""
         if not self.parallel.recomputes("layernorm"):
             return block(norm(x), *args)
         return outside_compile(self._discarded_norm_then, norm, block, x, *args)
 
-    def _discarded_norm_then(self, norm: RMSNorm, block, x: torch.Tensor, *args) -> torch.Tensor:
+    def _discarded_norm_then(self, norm: nn.Module, block, x: torch.Tensor, *args) -> torch.Tensor:
         normed = checkpoint(norm, x, use_reentrant=False)
         out = block(normed, *args)
         discard_output(normed, out, lambda: norm(x))
@@ -134,13 +137,14 @@ class TransformerLayer(nn.Module):
     def _recomputed_mlp(self, x: torch.Tensor) -> torch.Tensor:
         return checkpoint(self.mlp, x, use_reentrant=False)
 
-    def forward(self, x, cos, sin, inputs: AttentionInputs):
+    def forward(self, x, positions: tuple[torch.Tensor, ...], inputs: AttentionInputs):
+        """`positions`: what the position scheme hands each layer (models/positions.py; RoPE: cos and sin)."""
         if self._compiled is not None and torch.is_grad_enabled() and not shape_inference.active():
-            return self._compiled(x, cos, sin, inputs)
-        return self._forward(x, cos, sin, inputs)
+            return self._compiled(x, positions, inputs)
+        return self._forward(x, positions, inputs)
 
-    def _forward(self, x, cos, sin, inputs: AttentionInputs):
-        x = x + self._norm_then(self.input_layernorm, self.self_attention, x, cos, sin, inputs)
+    def _forward(self, x, positions, inputs: AttentionInputs):
+        x = x + self._norm_then(self.input_layernorm, self.self_attention, x, positions, inputs)
         return x + self._norm_then(self.pre_mlp_layernorm, self._mlp, x)
 
 
@@ -153,15 +157,15 @@ class TransformerBlock(nn.Module):
                                     for index in range(num_layers))
         self.final_layernorm = replicated_norm(spec, parallel, dtype) if post_process else None
 
-    def forward(self, x, cos, sin, inputs: AttentionInputs):
+    def forward(self, x, positions, inputs: AttentionInputs):
         full = len(self.layers) if self.parallel.recompute_num_layers is None else self.parallel.recompute_num_layers
         for index, layer in enumerate(self.layers):
             if self.parallel.recompute == "full" and index < full and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, inputs, use_reentrant=False)
+                x = checkpoint(layer, x, positions, inputs, use_reentrant=False)
             elif self.parallel.recompute == "op" and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, inputs, use_reentrant=False, context_fn=op_policy_contexts)
+                x = checkpoint(layer, x, positions, inputs, use_reentrant=False, context_fn=op_policy_contexts)
             else:
-                x = layer(x, cos, sin, inputs)
+                x = layer(x, positions, inputs)
         return self.final_layernorm(x) if self.final_layernorm is not None else x
 
 
@@ -231,7 +235,7 @@ class GPTModel(nn.Module):
                 spec.hidden_size, self.padded_vocab, vocab_size=spec.vocab_size, tp_group=tp_group,
                 sequence_parallel=parallel.sequence_parallel, skip_weight=self.tied_in_stage, dtype=dtype,
             )
-        self._inv_freq = rope_inv_freq(spec.kv_channels, spec.rope_theta, spec.rope_scaling)
+        self.positions = position_kind(spec).scheme(spec)  # holds no parameters of RoPE's
         self.reset_parameters()
 
     @torch.no_grad()
@@ -289,7 +293,7 @@ class GPTModel(nn.Module):
         stage's hidden states [s, b, h]. Returns the hidden states [s, b, h] (the last stage: the final norm's).
 
         Inputs are this rank's tokens: with context parallelism, its two load-balanced chunks of each sequence
-        (qlm_core.parallel.context_parallel.split_for_cp). `position_ids` [b, s] are RoPE positions (default: the
+        (qlm_core.parallel.context_parallel.split_for_cp). `position_ids` [b, s] are the positions (default: the
         tokens' global indices; packed sequences restart them per document) and `segment_ids` [b, s] the document
         of each token in a packed sequence (attention stays within a document).
 
@@ -307,12 +311,11 @@ class GPTModel(nn.Module):
         if position_ids is None:
             index = token_index if token_index is not None else torch.arange(local_tokens, device=x.device)
             position_ids = index[None, :].expand(x.shape[1], local_tokens)
-        self._inv_freq = self._inv_freq.to(x.device)
-        cos, sin = rope_cos_sin(position_ids, self._inv_freq, x.dtype)
+        positions = self.positions.layer_inputs(position_ids, x.dtype)
         inputs = attention_inputs(local_tokens=local_tokens, batch=x.shape[1], window=self.spec.sliding_window,
                                   parallel=self.parallel, segment_ids=segment_ids, cache=cache,
                                   attention_mask=attention_mask)
-        return self.decoder(x, cos, sin, inputs)
+        return self.decoder(x, positions, inputs)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm's output [s, b, h] -> logits [b, s, vocab_size], gathered over TP, padding removed."""

@@ -23,8 +23,10 @@ from functools import cached_property
 import torch
 
 from qlm_core.errors import QlmError
+from qlm_core.models.activations import activation_kind
 from qlm_core.models.attention_kinds import attention_kind
 from qlm_core.models.families import FAMILIES, GATE_UP_DOWN
+from qlm_core.models.norms import norm_kind
 from qlm_core.models.spec import ModelSpec, padded_vocab_size
 from qlm_core.models.tensor_layout import COLS, FC1, REPLICATED, ROWS, Segment, TensorLayout, TensorSource
 
@@ -195,9 +197,10 @@ class ModelLayout:
             return self._vocab_tensor("output_layer.weight", "model.embed_tokens.weight", False, stored_as=EMBEDDING)
         return self._vocab_tensor("output_layer.weight", "lm_head.weight", True)
 
-    def final_norm(self) -> TensorLayout:
-        h = self.spec.hidden_size
-        return TensorLayout("decoder.final_layernorm.weight", (h,), REPLICATED, (Segment(0, h, "model.norm.weight"),))
+    def final_norms(self) -> list[tuple[str, TensorLayout]]:
+        """(name, tensor) of the final norm's tensors (`decoder.final_layernorm.<tensor>`)."""
+        return [(tensor.name, tensor) for _, tensor in _norm_entries(self.spec, "decoder.", "final_layernorm",
+                                                                     "model.norm")]
 
     def _vocab_tensor(self, name, hf_name, primary, stored_as=None) -> TensorLayout:
         v, p, h = self.spec.vocab_size, self.padded_vocab, self.spec.hidden_size
@@ -211,15 +214,14 @@ class ModelLayout:
         h = s.hidden_size
         hf = f"model.layers.{layer}."
         name = f"decoder.layers.{layer}."
+        gated = activation_kind(s).gated
         out: list[tuple[str, TensorLayout | None]] = [
-            ("input_layernorm.weight", TensorLayout(name + "input_layernorm.weight", (h,), REPLICATED,
-                                                    (Segment(0, h, hf + "input_layernorm.weight"),))),
+            *_norm_entries(s, name, "input_layernorm", hf + "input_layernorm"),
             *attention_kind(s).layer_entries(s, layer),
+            *_norm_entries(s, name, "pre_mlp_layernorm", hf + "post_attention_layernorm"),
         ]
-        out.append(("pre_mlp_layernorm.weight", TensorLayout(name + "pre_mlp_layernorm.weight", (h,), REPLICATED, (
-            Segment(0, h, hf + "post_attention_layernorm.weight"),))))
         if not s.is_moe_layer(layer):
-            return out + _mlp_entries(name, "mlp.", s.ffn_hidden_size, h, hf + "mlp.", _GATE_UP_DOWN)
+            return out + _mlp_entries(name, "mlp.", s.ffn_hidden_size, h, hf + "mlp.", _GATE_UP_DOWN, gated)
         family = FAMILIES[s.model_type]
         moe, moe_hf = s.moe, hf + family.moe_block
         experts = s.moe.num_experts
@@ -232,10 +234,10 @@ class ModelLayout:
         projections = family.expert_projections
         for e in range(experts):
             out += _mlp_entries(name, f"{EXPERT_PREFIX}{e}.", moe.ffn_hidden_size, h, f"{moe_hf}experts.{e}.",
-                                projections, expert=True)
+                                projections, gated, expert=True)
         if moe.shared_expert_hidden_size:
             out += _mlp_entries(name, "mlp.shared_experts.", moe.shared_expert_hidden_size, h,
-                                moe_hf + "shared_expert.", _GATE_UP_DOWN)
+                                moe_hf + "shared_expert.", _GATE_UP_DOWN, gated)
         if moe.shared_expert_gate:
             out.append(("mlp.shared_experts.gate_weight", TensorLayout(
                 name + "mlp.shared_experts.gate_weight", (1, h), REPLICATED,
@@ -255,7 +257,7 @@ class ModelLayout:
         tensors = [self.embedding()]
         for layer in range(self.spec.num_layers):
             tensors += self.layer_tensors(layer)
-        tensors.append(self.final_norm())
+        tensors += [tensor for _, tensor in self.final_norms()]
         if not self.spec.tie_word_embeddings:
             tensors.append(self.output_layer())
         return tensors
@@ -282,7 +284,7 @@ class ModelLayout:
                 if mine is not None:
                     entries.append((f"decoder.layers.{local}.{mine}", tensor))
         if last:
-            entries.append(("decoder.final_layernorm.weight", self.final_norm()))
+            entries += self.final_norms()
             if not (self.spec.tie_word_embeddings and first):
                 entries.append(("output_layer.weight", self.output_layer()))
             entries.append(("output_layer._extra_state", None))
@@ -364,14 +366,25 @@ def pieces_shape(parts: list[tuple[TensorLayout, Segment]]) -> tuple[int, ...]:
 _GATE_UP_DOWN = GATE_UP_DOWN
 
 
+def _norm_entries(spec: ModelSpec, name: str, module: str, hf_module: str) -> list[tuple[str, TensorLayout]]:
+    """A norm over hidden_size (module `module` of `name`): each of the norm kind's tensors, replicated."""
+    h = spec.hidden_size
+    return [(f"{module}.{tensor}", TensorLayout(f"{name}{module}.{tensor}", (h,), REPLICATED,
+                                                (Segment(0, h, f"{hf_module}.{tensor}"),)))
+            for tensor in norm_kind(spec).tensors]
+
+
 def _mlp_entries(name: str, module: str, ffn: int, h: int, hf: str, projections: tuple[str, str, str],
-                 expert: bool = False):
-    """A SwiGLU MLP's entries (module `module` of layer `name`): linear_fc1 = [gate; up], linear_fc2 = down."""
+                 gated: bool, expert: bool = False):
+    """An MLP's entries (module `module` of layer `name`): a gated one's linear_fc1 = [gate; up] (FC1), a plain
+    one's = up (split by rows); linear_fc2 = down."""
     gate, up, down = (f"{hf}{proj}.weight" for proj in projections)
     fc1, fc2 = f"{module}linear_fc1", f"{module}linear_fc2"
+    fc1_tensor = (TensorLayout(name + fc1 + ".weight", (2 * ffn, h), FC1,
+                               (Segment(0, ffn, gate), Segment(ffn, 2 * ffn, up)), expert=expert) if gated
+                  else TensorLayout(name + fc1 + ".weight", (ffn, h), ROWS, (Segment(0, ffn, up),), expert=expert))
     return [
-        (fc1 + ".weight", TensorLayout(name + fc1 + ".weight", (2 * ffn, h), FC1,
-                                        (Segment(0, ffn, gate), Segment(ffn, 2 * ffn, up)), expert=expert)),
+        (fc1 + ".weight", fc1_tensor),
         (fc1 + "._extra_state", None),
         (fc2 + ".weight", TensorLayout(name + fc2 + ".weight", (h, ffn), COLS, (Segment(0, ffn, down),),
                                         expert=expert)),

@@ -29,7 +29,7 @@ from torch import nn
 from torch.autograd import Function
 
 from qlm_core.config import MoeConfig
-from qlm_core.kernels.grouped_mlp import grouped_swiglu_mlp
+from qlm_core.models.activations import ACTIVATION_KINDS, ActivationKind
 from qlm_core.models.mlp import MLP
 from qlm_core.models.moe_spec import MoeSpec
 from qlm_core.parallel import shape_inference
@@ -197,9 +197,9 @@ class ExpertLinear(MegatronLinearState, nn.Module):
 
 
 class ExpertMLP(nn.Module):
-    def __init__(self, hidden: int, local_ffn: int, dtype, expert_parallel: bool = False):
+    def __init__(self, hidden: int, local_ffn: int, dtype, expert_parallel: bool, activation: ActivationKind):
         super().__init__()
-        self.linear_fc1 = ExpertLinear(2 * local_ffn, hidden, dtype, expert_parallel)
+        self.linear_fc1 = ExpertLinear(activation.fc1_rows(local_ffn), hidden, dtype, expert_parallel)
         self.linear_fc2 = ExpertLinear(hidden, local_ffn, dtype, expert_parallel)
 
 
@@ -239,15 +239,16 @@ class SequentialExperts(nn.Module):
     Holds every expert split over TP, or under expert parallelism (`parallel`) the E/ep of its EP rank split
     over etp."""
 
-    def __init__(self, hidden: int, moe: MoeSpec, tp: int, dtype, parallel: ExpertParallel | None = None):
+    def __init__(self, hidden: int, moe: MoeSpec, tp: int, dtype, parallel: ExpertParallel | None = None,
+                 activation: ActivationKind = ACTIVATION_KINDS["swiglu"]):
         super().__init__()
-        self.moe, self.parallel = moe, parallel
+        self.moe, self.parallel, self.activation = moe, parallel, activation
         count, split = (moe.num_experts, tp) if parallel is None else (moe.num_experts // parallel.ep, parallel.etp)
-        self.local_experts = nn.ModuleList(ExpertMLP(hidden, moe.ffn_hidden_size // split, dtype, parallel is not None)
-                                           for _ in range(count))
+        self.local_experts = nn.ModuleList(ExpertMLP(hidden, moe.ffn_hidden_size // split, dtype, parallel is not None,
+                                                     activation) for _ in range(count))
 
     def _mlp(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return grouped_swiglu_mlp(rows, counts, [e.linear_fc1.weight for e in self.local_experts],
+        return self.activation.grouped_mlp(rows, counts, [e.linear_fc1.weight for e in self.local_experts],
                                   [e.linear_fc2.weight for e in self.local_experts],
                                   grouped=None if rows.shape[0] else False)
 
@@ -279,8 +280,8 @@ class SharedExpertMLP(MLP):
     """Megatron's SharedExpertMLP: a dense SwiGLU MLP (TP-split like the layer's MLP) and, when gated, its output
     scaled by sigmoid(x · gate_weight) (Qwen2-MoE's shared_expert_gate)."""
 
-    def __init__(self, hidden: int, moe: MoeSpec, parallel, dtype):
-        super().__init__(hidden, moe.shared_expert_hidden_size, parallel, dtype)
+    def __init__(self, hidden: int, moe: MoeSpec, parallel, dtype, activation: ActivationKind):
+        super().__init__(hidden, moe.shared_expert_hidden_size, parallel, dtype, activation)
         self.gate_weight = None
         if moe.shared_expert_gate:
             self.gate_weight = mark(nn.Parameter(torch.empty(1, hidden, dtype=dtype)), sequence_parallel=parallel.sp)
@@ -297,15 +298,16 @@ class MoELayer(nn.Module):
     sequence shard under SP)."""
 
     def __init__(self, hidden: int, moe: MoeSpec, parallel, options: MoeConfig, tracker: MoeTracker, layer: int,
-                 dtype):
+                 dtype, activation: ActivationKind = ACTIVATION_KINDS["swiglu"]):
         super().__init__()
         self.moe, self.options, self.tracker, self.layer = moe, options, tracker, layer
         self.tp_group, self.cp_group, self.sp = parallel.tp_group, parallel.cp_group, parallel.sp
         self.dp_cp_group = parallel.dp_cp_group
         self.expert_parallel = parallel.experts
         self.router = Router(hidden, moe, self.sp, dtype)
-        self.experts = SequentialExperts(hidden, moe, group_size(self.tp_group), dtype, parallel.experts)
-        self.shared_experts = SharedExpertMLP(hidden, moe, parallel, dtype) if moe.shared_expert_hidden_size else None
+        self.experts = SequentialExperts(hidden, moe, group_size(self.tp_group), dtype, parallel.experts, activation)
+        self.shared_experts = (SharedExpertMLP(hidden, moe, parallel, dtype, activation)
+                               if moe.shared_expert_hidden_size else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape

@@ -11,10 +11,10 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from qlm_core.errors import QlmError
-from qlm_core.models.families import FAMILIES
+from qlm_core.models.families import FAMILIES, ActivationName, AttentionName, NormName, PositionName
 from qlm_core.models.moe_spec import MOE_MODEL_TYPES, MoeSpec, moe_from_hf, moe_to_hf
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -24,8 +24,6 @@ QKV_BIAS_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.qkv_bias != "ne
 SLIDING_WINDOW_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.sliding_window == "applied")
 
 
-# The attention kind of every layer (models/attention_kinds.py builds each): grouped-query attention today.
-AttentionName = Literal["gqa"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,12 @@ class ModelSpec:
     eos_token_id: int | list[int] | None = None
     qk_layernorm: bool = False  # Qwen3: q_layernorm / k_layernorm [head_dim] on each head before RoPE
     moe: MoeSpec | None = None  # Mixture of Experts (None: every layer a dense MLP of ffn_hidden_size)
-    attention: AttentionName = "gqa"  # which attention every layer builds (models/attention_kinds.py)
+    # the per-family choices (families.py), each built in one place: models/attention_kinds.py, norms.py,
+    # activations.py, positions.py
+    attention: AttentionName = "gqa"
+    norm: NormName = "rmsnorm"
+    activation: ActivationName = "swiglu"
+    position: PositionName = "rope"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -88,24 +91,6 @@ class ModelSpec:
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(layer)
 
-    def _layer_parameters(self, layer: int, active: bool) -> int:
-        h, f, d = self.hidden_size, self.ffn_hidden_size, self.kv_channels
-        attn = h * self.qkv_rows + (self.qkv_rows if self.qkv_bias else 0) + self.num_attention_heads * d * h
-        attn += 2 * d if self.qk_layernorm else 0
-        if not self.is_moe_layer(layer):
-            return attn + 3 * h * f + 2 * h
-        moe = self.moe
-        experts = moe.topk if active else moe.num_experts
-        mlp = moe.num_experts * h + experts * 3 * h * moe.ffn_hidden_size  # router + experts
-        mlp += 3 * h * moe.shared_expert_hidden_size + (h if moe.shared_expert_gate else 0)
-        return attn + mlp + 2 * h
-
-    def num_parameters(self, active: bool = False) -> int:
-        """Every parameter (HF's count: the embedding once when tied); `active`: those one token computes with,
-        the routed experts counted top-k times instead of num_experts."""
-        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return sum(self._layer_parameters(i, active) for i in range(self.num_layers)) + embed + self.hidden_size
-
     def replace(self, **changes) -> ModelSpec:
         return dataclasses.replace(self, **changes)
 
@@ -119,10 +104,12 @@ class ModelSpec:
                 f"unsupported model_type {model_type!r} in config.json",
                 f"qlm supports {', '.join(SUPPORTED_MODEL_TYPES)}",
             )
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise QlmError(f"hidden_act {act!r} is not supported", "qlm's MLP is SwiGLU (hidden_act 'silu')")
         family = FAMILIES[model_type]
+        act = config.get("hidden_act", "silu")
+        if act != _HF_ACTIVATIONS[family.activation]:
+            raise QlmError(f"hidden_act {act!r} is not supported for {model_type}",
+                           f"{model_type}'s MLP is {family.activation} (hidden_act "
+                           f"{_HF_ACTIVATIONS[family.activation]!r})")
         for flag in ("attention_bias", "mlp_bias"):
             if family.qkv_bias == "never" and config.get(flag):
                 raise QlmError(f"{flag}=true is not supported for {model_type}", "use a checkpoint without biases")
@@ -165,6 +152,10 @@ class ModelSpec:
             eos_token_id=config.get("eos_token_id"),
             qk_layernorm=family.qk_norm,
             moe=moe,
+            attention=family.attention,
+            norm=family.norm,
+            activation=family.activation,
+            position=family.position,
         )
 
     @classmethod
@@ -190,7 +181,7 @@ class ModelSpec:
             "max_position_embeddings": self.max_position_embeddings,
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.norm_epsilon,
-            "hidden_act": "silu",
+            "hidden_act": _HF_ACTIVATIONS[self.activation],
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": torch_dtype,
             "bos_token_id": self.bos_token_id,
@@ -211,6 +202,9 @@ class ModelSpec:
             config.update(moe_to_hf(self.moe, self.model_type, self.num_layers))
         return config
 
+
+# config.json's hidden_act of each MLP activation (the gated ones name their gate's function)
+_HF_ACTIVATIONS = {"swiglu": "silu"}
 
 # optional config.json numbers: key -> (kind, least); None is always allowed (the key's default)
 _OPTIONAL_NUMBERS = {"num_key_value_heads": (int, 1), "head_dim": (int, 1), "max_position_embeddings": (int, 1),

@@ -64,8 +64,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from qlm_core.models.activations import activation_kind
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, loss_is_chunked
+from qlm_core.profile.attention_terms import attention_terms
 from qlm_core.profile.moe_activations import moe_backward_transient, moe_mlp_terms
 
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
@@ -133,100 +135,69 @@ class ActivationInputs:
         return not self.frozen or self.adapted(linear) or column_sp
 
 
-def _heads(x: ActivationInputs) -> tuple[float, float, float]:
-    """(query heads, kv heads, linear_qkv output columns in units of d) on one TP rank."""
-    s = x.spec
-    hq = s.num_attention_heads / x.tp
-    if s.num_query_groups >= x.tp:
-        return hq, s.num_query_groups / x.tp, (s.num_attention_heads + 2 * s.num_query_groups) / x.tp
-    return hq, 1, s.num_attention_heads + 2 * s.num_query_groups  # gathered whole, one group kept
-
-
 def _is_moe(x: ActivationInputs, moe_layer: bool | None) -> bool:
     """Whether the layer's `mlp` is an MoE layer (None: the model's kind, MoE when it has experts)."""
     return x.spec.moe is not None if moe_layer is None else moe_layer
 
 
-def q_copied(x: ActivationInputs) -> bool:
-    """Whether q is a copy of linear_qkv's output: reshaping a rank's query heads out of more than one group of
-    [q heads; k; v] rows cannot be a view (one group, or one head per group, can)."""
-    s = x.spec
-    return s.num_query_groups > x.tp and s.heads_per_group > 1
+def _ordinal(n: int) -> str:
+    suffix = {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th") if n % 100 not in (11, 12, 13) else "th"
+    return f"{n}{suffix}"
 
 
-def qk_norm_terms(x: ActivationInputs) -> dict[str, float]:
-    """Qwen3's q/k RMSNorm per head (kernels/norm.RMSNormFunction): each keeps its input and fp32 1/rms. k's input is
-    a view of linear_qkv's output (counted with v, or here under CP's all-to-all, which keeps no v view); q's is that
-    view too, or its own copy (q_copied)."""
-    if not x.spec.qk_layernorm:
-        return {}
-    e, T, d = x.dtype_bytes, x.tokens, x.spec.kv_channels
-    hq, hk, qkv_cols = _heads(x)
-    terms = {"q/k norm 1/rms (fp32)": 4 * (hq + hk) * T, "q norm input": e * hq * d * T if q_copied(x) else 0.0}
-    if x.cp > 1 and x.cp_comm_type == "a2a":
-        terms["linear_qkv output (k norm input)"] = e * qkv_cols * d * T
+def _op_terms(x: ActivationInputs, moe: bool) -> dict[str, float]:
+    """recompute = "op": the layer input, the attention's kept outputs and, of the MLP's matmuls, the odd-numbered
+    ones of the layer (the policy keeps every other aten.mm, the first, third, ...)."""
+    e, T, Tsp, h = x.dtype_bytes, x.tokens, x.sp_tokens, x.spec.hidden_size
+    attention = attention_terms(x)
+    terms = {"layer input (checkpoint)": e * h * Tsp, **attention.op(x)}
+    first = attention.matmuls + 1  # the MLP's first aten.mm in the layer
+
+    def kept(n: int) -> bool:
+        return n % 2 == 1
+
+    if not moe:
+        if kept(first):
+            fc1_rows = activation_kind(x.spec).fc1_rows(x.spec.ffn_hidden_size) / x.tp
+            terms[f"linear_fc1 output ({_ordinal(first)} matmul)"] = e * fc1_rows * T
+        if kept(first + 1):
+            terms[f"linear_fc2 output ({_ordinal(first + 1)} matmul)"] = e * h * T
+        return terms
+    # MoE: the router, then the shared expert's linear_fc1 and linear_fc2 (the grouped expert GEMMs are no aten.mm)
+    if kept(first):
+        terms[f"router logits ({_ordinal(first)} matmul)"] = e * x.spec.moe.num_experts * Tsp
+    if x.spec.moe.shared_expert_hidden_size:
+        if kept(first + 1):
+            rows = activation_kind(x.spec).fc1_rows(x.spec.moe.shared_expert_hidden_size) / x.tp
+            terms[f"shared expert fc1 output ({_ordinal(first + 1)} matmul)"] = e * rows * T
+        if kept(first + 2):
+            terms[f"shared expert fc2 output ({_ordinal(first + 2)} matmul)"] = e * h * T
     return terms
 
 
 def layer_terms(x: ActivationInputs, recompute: str = "none", moe_layer: bool | None = None) -> dict[str, float]:
     """Saved bytes of one transformer layer for one micro-batch, by what keeps them (see the module docstring).
     `moe_layer`: whether its MLP is an MoE layer (profile/moe_activations.py); None: the model's kind."""
-    e, T, Tsp, h, d = x.dtype_bytes, x.tokens, x.sp_tokens, x.spec.hidden_size, x.spec.kv_channels
+    e, T, Tsp, h = x.dtype_bytes, x.tokens, x.sp_tokens, x.spec.hidden_size
     if recompute == "full":
         return {"layer input (checkpoint)": e * h * Tsp}
     moe = _is_moe(x, moe_layer)
     f = x.spec.ffn_hidden_size / x.tp
-    hq, hk, qkv_cols = _heads(x)
     if recompute == "op":
-        if not moe:
-            return {"layer input (checkpoint)": e * h * Tsp, "linear_qkv output (1st matmul)": e * qkv_cols * d * T,
-                    "linear_fc1 output (3rd matmul)": e * 2 * f * T, "attention output": e * hq * d * T,
-                    "log-sum-exp": 4 * hq * T}
-        # MoE: the router's is the 3rd matmul (the grouped expert GEMMs are no aten.mm), the shared expert's
-        # linear_fc2 the 5th
-        terms = {"layer input (checkpoint)": e * h * Tsp, "linear_qkv output (1st matmul)": e * qkv_cols * d * T,
-                 "router logits (3rd matmul)": e * x.spec.moe.num_experts * Tsp, "attention output": e * hq * d * T,
-                 "log-sum-exp": 4 * hq * T}
-        if x.spec.moe.shared_expert_hidden_size:
-            terms["shared expert fc2 output (5th matmul)"] = e * h * T
-        return terms
-    if x.recomputes(recompute, "layernorm"):  # each norm keeps its input; the linear inputs are discarded
-        terms = {"rmsnorm inputs x2 (checkpoint)": 2 * e * h * Tsp, "linear_qkv input": 0.0, "linear_fc1 input": 0.0}
+        return _op_terms(x, moe)
+    norms_discarded = x.recomputes(recompute, "layernorm")
+    if norms_discarded:  # each norm keeps its input; the linear inputs are discarded
+        terms = {"rmsnorm inputs x2 (checkpoint)": 2 * e * h * Tsp, "linear_fc1 input": 0.0}
     else:
         norm = e * h * Tsp + 4 * Tsp
-        terms = {
-            "rmsnorm x2": 2 * norm,
-            "linear_qkv input": e * h * Tsp if x.keeps_input("linear_qkv") else 0.0,
-            "linear_fc1 input": e * h * Tsp if x.keeps_input("linear_fc1") else 0.0,
-        }
-    core_attn = x.recomputes(recompute, "core_attn")
-    proj = e * hq * d * T if x.keeps_input("linear_proj") else 0.0
-    if x.cp > 1 and x.cp_comm_type == "a2a":
-        kv_a2a = hk if hk % x.cp == 0 else x.cp
-        terms["q, k, v after all-to-all"] = e * (hq + 2 * kv_a2a) * d * T
-        if core_attn:  # the checkpoint keeps the local q, k and v instead
-            terms["q, k, v after all-to-all"] = e * (hq + hk + qkv_cols) * d * T
-    elif x.rotary:
-        terms["q, k after RoPE"] = e * (hq + hk) * d * T
-        terms["linear_qkv output (v)"] = e * qkv_cols * d * T
-    else:
-        terms["linear_qkv output (q, k, v)"] = e * qkv_cols * d * T
-    if x.cp > 1:
-        proj_is_copy = x.cp_comm_type == "a2a"
-    else:
-        proj_is_copy = x.device == "cuda" and x.micro_batch_size > 1
-    if core_attn:
-        terms["linear_proj input"] = e * hq * d * T  # the projection keeps its input; the kernel keeps nothing
-    else:
-        terms["attention output"] = e * hq * d * T
-        terms["log-sum-exp"] = 4 * hq * T
-        terms["linear_proj input"] = proj if proj_is_copy else 0.0
-    terms.update(qk_norm_terms(x))
+        terms = {"rmsnorm x2": 2 * norm, "linear_fc1 input": e * h * Tsp if x.keeps_input("linear_fc1") else 0.0}
+    terms.update(attention_terms(x).saved(x, recompute, norms_discarded))
     mlp = x.recomputes(recompute, "mlp")  # the checkpoint keeps only its input, the pre-MLP norm's output
     if moe:  # its input is "linear_fc1 input" (the router keeps it); LoRA on its shared expert is not modelled
         terms.update(moe_mlp_terms(x, recompute))
     else:
-        terms["swiglu (fc1 output)"] = 0.0 if mlp else e * 2 * f * T
+        fc1_rows = activation_kind(x.spec).fc1_rows(x.spec.ffn_hidden_size) / x.tp
+        terms["swiglu (fc1 output)"] = 0.0 if mlp else e * fc1_rows * T
         terms["linear_fc2 input"] = e * f * T if x.keeps_input("linear_fc2") and not mlp else 0.0
     if x.lora_rank:
         for linear in x.lora_targets:
@@ -244,7 +215,7 @@ def layer_bytes(x: ActivationInputs, recompute: str = "none", moe_layer: bool | 
 def forward_terms(x: ActivationInputs, embedding: bool) -> dict[str, float]:
     """Saved once per forward of a stage chunk, not per layer."""
     T = x.tokens
-    terms = {"rope cos/sin": 2 * x.dtype_bytes * x.spec.kv_channels * T} if x.rotary else {}
+    terms = attention_terms(x).per_forward(x)
     if x.cp > 1:
         terms["cp token index"] = 8 * x.seq_len / x.cp
     if embedding and not x.frozen:
@@ -292,17 +263,7 @@ def logits_transient(x: ActivationInputs) -> float:
 
 def cp_buffers(x: ActivationInputs) -> float:
     """K/V (and dK/dV) that the CP kernel holds while one layer's attention backward runs (a transient)."""
-    if x.cp == 1:
-        return 0.0
-    e, T, d = x.dtype_bytes, x.tokens, x.spec.kv_channels
-    hq, hk, _ = _heads(x)
-    kv = 2 * hk * d * T  # elements of one rank's K and V
-    dq = 4 * hq * d * T
-    if x.cp_comm_type == "p2p":  # the block at hand and the one arriving, their fp32 dK/dV and the one in flight
-        return 2 * e * kv + 2 * 4 * kv + dq
-    if x.cp_comm_type == "allgather":  # the gathered K/V and their fp32 gradient, whole
-        return x.cp * kv * (e + 4) + dq
-    return e * (hq + 2 * max(hk, x.cp)) * d * T  # a2a: the re-laid-out q, k, v
+    return attention_terms(x).cp_buffers(x)
 
 
 def layer_workspace(x: ActivationInputs, recompute: str, moe_layer: bool | None = None) -> float:
@@ -311,21 +272,21 @@ def layer_workspace(x: ActivationInputs, recompute: str, moe_layer: bool | None 
     the layer's largest gradients (the fc1 output's and two hidden-size ones; an MoE layer's: moe_activations)."""
     e, T = x.dtype_bytes, x.tokens
     f, h = x.spec.ffn_hidden_size / x.tp, x.spec.hidden_size
-    hq, _, _ = _heads(x)
+    fc1_rows = activation_kind(x.spec).fc1_rows(x.spec.ffn_hidden_size) / x.tp
     moe = _is_moe(x, moe_layer)
     recomputed = 0.0
     if recompute in ("full", "op"):  # op: all but what the policy saved, while the layer's backward runs
         recomputed = layer_bytes(x, "none", moe) - (layer_bytes(x, "op", moe) if recompute == "op" else 0.0)
     if x.recomputes(recompute, "core_attn"):
-        recomputed += e * hq * x.spec.kv_channels * T + 4 * hq * T
+        recomputed += attention_terms(x).recomputed_core(x)
     if moe:
         if x.recomputes(recompute, "mlp"):
             recomputed += sum(moe_mlp_terms(x, "none").values())
         gathered = e * h * T if x.sp and x.tp > 1 and not x.dispatches else 0.0
         return recomputed + cp_buffers(x) + gathered + moe_backward_transient(x) + 2 * e * h * x.sp_tokens
     if x.recomputes(recompute, "mlp"):
-        recomputed += e * 3 * f * T  # fc1 output and the product
+        recomputed += e * (fc1_rows + f) * T  # fc1 output and the activation's output
     if x.recomputes(recompute, "layernorm"):
         recomputed += x.dtype_bytes * h * x.sp_tokens + 4 * h * x.sp_tokens  # one norm's output and fp32 input
     gathered = e * h * T if x.sp and x.tp > 1 else 0.0  # SP: a linear's all-gathered input
-    return recomputed + cp_buffers(x) + gathered + e * 2 * f * T + 2 * e * h * x.sp_tokens
+    return recomputed + cp_buffers(x) + gathered + e * fc1_rows * T + 2 * e * h * x.sp_tokens

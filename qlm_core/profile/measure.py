@@ -137,7 +137,7 @@ class SavedTensorMeter:
         def counted(fn, *args, **kwargs):
             label = self.labels.get(id(fn), self.label)
             grad = torch.is_grad_enabled()
-            for arg in args:
+            for arg in tree_leaves(list(args)):  # a layer's positions come as a tuple
                 if isinstance(arg, torch.Tensor) and grad:
                     self._register(arg, label)
             contexts = []

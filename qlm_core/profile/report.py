@@ -10,6 +10,7 @@ from qlm_core.checkpoint.io.staging import probe_writable
 from qlm_core.disk import replace_atomically
 from qlm_core.errors import QlmError
 from qlm_core.hardware import GpuSpec
+from qlm_core.models.parameters import num_parameters
 from qlm_core.models.spec import parameters_text
 from qlm_core.profile.case import ProfileCase
 from qlm_core.profile.efficiency import KernelRates
@@ -28,8 +29,8 @@ def _r(value: float, digits: int = 4) -> float:
 
 def model_dict(case: ProfileCase) -> dict:
     s = case.spec
-    return {"name": case.model_name, "parameters": s.num_parameters(),
-            "active_parameters": s.num_parameters(active=True), "hidden_size": s.hidden_size,
+    return {"name": case.model_name, "parameters": num_parameters(s),
+            "active_parameters": num_parameters(s, active=True), "hidden_size": s.hidden_size,
             "ffn_hidden_size": s.ffn_hidden_size, "num_layers": s.num_layers,
             "num_attention_heads": s.num_attention_heads, "num_query_groups": s.num_query_groups,
             "vocab_size": s.vocab_size, "moe": moe_dict(s.moe)}
@@ -37,7 +38,7 @@ def model_dict(case: ProfileCase) -> dict:
 
 def parameters_line(spec) -> str:
     """The model's parameter count; an MoE model's total and active (per token) counts and its experts."""
-    counts = parameters_text(spec.num_parameters(), spec.num_parameters(active=True))
+    counts = parameters_text(num_parameters(spec), num_parameters(spec, active=True))
     if spec.moe is None:
         return f"parameters: {counts}"
     moe = spec.moe

@@ -114,7 +114,7 @@ def _stage_params(layout: ModelLayout, pp_rank: int, lora_rank: int, targets: se
             for layer in layout.chunk_layers(pp_rank, chunk):
                 out += _layer_params(layout, layer)
             if last:
-                out.append(ParamInfo(layout.final_norm().shard_shape(layout.tp), True))
+                out += [ParamInfo(tensor.shard_shape(layout.tp), True) for _, tensor in layout.final_norms()]
                 if not (spec.tie_word_embeddings and first):
                     out.append(ParamInfo(layout.output_layer().shard_shape(layout.tp), True, shared))
         return out

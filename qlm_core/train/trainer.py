@@ -41,6 +41,7 @@ from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.hardware import GPUS, configure_cuda_allocator, empty_device_cache, local_gpu, measure_cpu_peak_tflops
 from qlm_core.models.flops import flops_per_sequence
+from qlm_core.models.parameters import num_parameters
 from qlm_core.parallel.state import Grid, default_device, destroy_distributed, init_distributed, resolve_sizes
 from qlm_core.train.async_checkpoint import CheckpointSaver
 from qlm_core.train.batches import BatchSource, DatasetBatches
@@ -317,8 +318,8 @@ class Trainer:
         self.stop.is_rank0 = g.rank == 0
         device = default_device()
         self._emit("start", layout=g.describe(), model=self.source.description, steps=self.steps,
-                   start_step=self.state.iteration, params=self.source.spec.num_parameters(),
-                   active_params=self.source.spec.num_parameters(active=True), resumed=self.resumed,
+                   start_step=self.state.iteration, params=num_parameters(self.source.spec),
+                   active_params=num_parameters(self.source.spec, active=True), resumed=self.resumed,
                    train_samples=len(self.data.train), peak_tflops=self.peak, peak_source=self.peak_source,
                    truncated=self.data.truncated, compile=self.compile_text)
         batches = self.batch_source.batches("train", self.state.consumed_samples)

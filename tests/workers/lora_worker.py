@@ -129,7 +129,7 @@ def count_layer_collectives(outdir: Path):
         comm._reduce_scatter_flat = counting("reduce_scatter", originals[1], 1)
         dist.all_reduce = counting("all_reduce", originals[2], 0)
         try:
-            out = layer(x, cos, sin, AttentionInputs(None, None))
+            out = layer(x, (cos, sin), AttentionInputs(None, None))
             forward = sorted(calls)
             calls.clear()
             out.sum().backward()

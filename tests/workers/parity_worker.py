@@ -115,7 +115,7 @@ def count_layer_collectives(outdir: Path):
     comm._reduce_scatter_flat = counting("reduce_scatter", originals[1])
     dist.all_reduce = counting("all_reduce", originals[2])
     try:
-        out = layer(x, cos, sin, AttentionInputs(None, None))
+        out = layer(x, (cos, sin), AttentionInputs(None, None))
         forward = dict(counts)
         out.sum().backward()
         backward = {k: counts[k] - forward[k] for k in counts}

@@ -19,6 +19,7 @@ from qlm_core.checkpoint.formats.megatron_legacy import (
 )
 from qlm_core.checkpoint.formats.megatron_open import open_megatron_with
 from qlm_core.errors import QlmError
+from qlm_core.models.parameters import num_parameters
 
 HF, MCORE_TORCH, MCORE_TORCH_DIST, DEEPSPEED = "hf", "mcore-torch", "mcore-torch_dist", "deepspeed"
 
@@ -117,7 +118,7 @@ def _inspect_hf(path: Path, iteration) -> Inspection:
     report.args = {k: v for k, v in vars(spec).items() if not k.startswith("_")}
     if spec.moe is not None:
         report.args["moe"] = dataclasses.asdict(spec.moe)
-    report.args["num_parameters"] = spec.num_parameters()
+    report.args["num_parameters"] = num_parameters(spec)
     report.tensors = [
         TensorRow(n, ckpt.shape(n), _dtype_name(ckpt.dtype(n)), ckpt.file_of(n).name) for n in ckpt.names
     ]

@@ -60,6 +60,7 @@ from qlm_core.models.layout import (
     assemble_hf_tensor,
     build_shard,
 )
+from qlm_core.models.parameters import num_parameters
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 
@@ -86,7 +87,7 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def should_verify(verify: bool | None, spec) -> bool:
-    return verify if verify is not None else spec.num_parameters() <= AUTO_VERIFY_MAX_PARAMS
+    return verify if verify is not None else num_parameters(spec) <= AUTO_VERIFY_MAX_PARAMS
 
 
 def unverified_warnings(verify: bool | None, spec, source: tuple[ModelLayout, TensorSource]) -> list[str]:

@@ -10,8 +10,11 @@ import argparse
 import torch
 
 from qlm_core.errors import QlmError
+from qlm_core.models.activations import ACTIVATION_KINDS, activation_kind
 from qlm_core.models.layout import ModelLayout
 from qlm_core.models.moe_spec import MoeSpec
+from qlm_core.models.norms import NORM_KINDS, norm_kind
+from qlm_core.models.positions import position_kind
 from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec, RopeScaling
 
 
@@ -28,7 +31,7 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         kv_channels=s.kv_channels,
         max_position_embeddings=s.max_position_embeddings,
         seq_length=min(s.max_position_embeddings, 4096),
-        position_embedding_type="rope",
+        position_embedding_type=position_kind(s).megatron_name,
         add_position_embedding=False,
         use_rotary_position_embeddings=True,
         rotary_base=theta,
@@ -39,11 +42,10 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         rope_scaling_factor=s.rope_scaling.factor if s.rope_scaling else 8.0,
         add_bias_linear=False,
         add_qkv_bias=s.qkv_bias,
-        swiglu=True,
-        squared_relu=False,
+        **activation_kind(s).megatron_args,
         untie_embeddings_and_output_weights=not s.tie_word_embeddings,
         apply_layernorm_1p=False,
-        normalization="RMSNorm",
+        normalization=norm_kind(s).megatron_name,
         norm_epsilon=s.norm_epsilon,
         apply_query_key_layer_scaling=False,
         attention_dropout=0.0,
@@ -175,11 +177,14 @@ def spec_from_args(args) -> ModelSpec:
 
     where = getattr(args, "qlm_args_from", None)  # a Megatron-Bridge run_config.yaml (bridge_config.py)
     model = f"the model of {where}" if where else "the checkpoint's model"
-    if not getattr(args, "swiglu", False):
+    activation = next((name for name, kind in ACTIVATION_KINDS.items()
+                       if all(getattr(args, key, False) == value for key, value in kind.megatron_args.items())), None)
+    if activation is None:
         raise QlmError(f"{model} does not use SwiGLU", "qlm converts Llama/Qwen2/Mistral-style models")
-    if getattr(args, "normalization", "LayerNorm") != "RMSNorm":
-        raise QlmError(f"{model} uses {getattr(args, 'normalization', 'LayerNorm')}",
-                       "qlm converts RMSNorm models only")
+    normalization = getattr(args, "normalization", "LayerNorm")
+    norm = next((name for name, kind in NORM_KINDS.items() if kind.megatron_name == normalization), None)
+    if norm is None:
+        raise QlmError(f"{model} uses {normalization}", "qlm converts RMSNorm models only")
     if getattr(args, "add_bias_linear", False):
         raise QlmError(f"{model} has biases on its linear layers", "qlm supports bias on linear_qkv only")
     moe = moe_from_args(args, need("num_layers"))
@@ -212,6 +217,8 @@ def spec_from_args(args) -> ModelSpec:
         sliding_window=window[0] if window and window[0] and window[0] > 0 else None,
         qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
         moe=moe,
+        norm=norm,
+        activation=activation,
     )
 
 

@@ -1,0 +1,51 @@
+"""Every MLP activation qlm builds, by ModelSpec.activation: the dense MLP, an MoE layer's shared expert and its
+routed experts all read it here, and so do the layout (linear_fc1's rows and shard rule), the FLOP and parameter
+counts (a new activation, e.g. GeGLU, GELU or ReLU: its kernel and one row of ACTIVATION_KINDS)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qlm_core.errors import QlmError
+from qlm_core.kernels.grouped_mlp import grouped_swiglu_mlp
+from qlm_core.kernels.swiglu import swiglu
+from qlm_core.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ActivationKind:
+    """function: linear_fc1's local output -> linear_fc2's input. gated: linear_fc1 holds [gate; up] (2f rows, each
+    TP rank its own [gate_r; up_r]: tensor_layout.FC1), else f rows split by rows. grouped_mlp(rows, counts, fc1s,
+    fc2s): the routed experts' whole MLP over rows sorted by expert (kernels/grouped_mlp.py). megatron_args: what
+    Megatron-LM's args say of it."""
+
+    function: Callable[[torch.Tensor], torch.Tensor]
+    gated: bool
+    grouped_mlp: Callable[..., torch.Tensor]
+    megatron_args: dict[str, Any]
+
+    def fc1_rows(self, ffn_hidden_size: int) -> int:
+        return 2 * ffn_hidden_size if self.gated else ffn_hidden_size
+
+    @property
+    def matrices(self) -> int:
+        """h x f matrices of one MLP (its parameters and forward FLOPs per token are this x h·f, x 2·h·f)."""
+        return 3 if self.gated else 2
+
+
+ACTIVATION_KINDS: dict[str, ActivationKind] = {
+    "swiglu": ActivationKind(swiglu, gated=True, grouped_mlp=grouped_swiglu_mlp,
+                             megatron_args={"swiglu": True, "squared_relu": False}),
+}
+
+
+def activation_kind(spec: ModelSpec) -> ActivationKind:
+    kind = ACTIVATION_KINDS.get(spec.activation)
+    if kind is None:
+        raise QlmError(f"activation {spec.activation!r} is not one qlm builds",
+                       f"use one of {', '.join(sorted(ACTIVATION_KINDS))}")
+    return kind

@@ -1,0 +1,39 @@
+"""Every normalisation qlm builds, by ModelSpec.norm: the layers' two norms, the final norm and a q/k norm per head
+all come from here (a new norm, e.g. LayerNorm or Gemma's (1 + w) RMSNorm: its kernel and one row of NORM_KINDS)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qlm_core.errors import QlmError
+from qlm_core.kernels.norm import RMSNorm
+from qlm_core.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class NormKind:
+    """module(size, eps, dtype) -> the norm; `tensors`: its parameters in Megatron's (and HF's) state_dict order,
+    each named `<norm>.<tensor>` on both sides; `megatron_name`: Megatron-LM's `--normalization` value."""
+
+    module: Callable[[int, float, torch.dtype], nn.Module]
+    tensors: tuple[str, ...]
+    megatron_name: str
+
+
+NORM_KINDS: dict[str, NormKind] = {"rmsnorm": NormKind(RMSNorm, ("weight",), "RMSNorm")}
+
+
+def norm_kind(spec: ModelSpec) -> NormKind:
+    kind = NORM_KINDS.get(spec.norm)
+    if kind is None:
+        raise QlmError(f"norm {spec.norm!r} is not one qlm builds", f"use one of {', '.join(sorted(NORM_KINDS))}")
+    return kind
+
+
+def build_norm(spec: ModelSpec, size: int, dtype: torch.dtype) -> nn.Module:
+    """The spec's norm over the last `size` features (hidden_size for a layer's norms, head_dim for q/k norms)."""
+    return norm_kind(spec).module(size, spec.norm_epsilon, dtype)

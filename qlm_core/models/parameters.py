@@ -1,0 +1,41 @@
+"""Parameter counts of a ModelSpec (HF's count: the embedding once when tied), from the same choices the model is
+built from: the attention kind's own tensors (its layout entries), the norm's tensors and the MLP activation's
+matrices."""
+
+from __future__ import annotations
+
+import math
+
+from qlm_core.models.activations import activation_kind
+from qlm_core.models.attention_kinds import attention_kind
+from qlm_core.models.norms import norm_kind
+from qlm_core.models.spec import ModelSpec
+
+
+def attention_parameters(spec: ModelSpec, layer: int) -> int:
+    """Every tensor the attention kind stores for `layer` (its projections, biases and per-head norms)."""
+    return sum(math.prod(tensor.shape) for _, tensor in attention_kind(spec).layer_entries(spec, layer)
+               if tensor is not None)
+
+
+def layer_parameters(spec: ModelSpec, layer: int, active: bool = False) -> int:
+    """One decoder layer's parameters; `active`: an MoE layer's routed experts counted top-k times."""
+    h = spec.hidden_size
+    matrices = activation_kind(spec).matrices
+    norms = 2 * len(norm_kind(spec).tensors) * h
+    attention = attention_parameters(spec, layer)
+    if not spec.is_moe_layer(layer):
+        return attention + matrices * h * spec.ffn_hidden_size + norms
+    moe = spec.moe
+    experts = moe.topk if active else moe.num_experts
+    mlp = moe.num_experts * h + experts * matrices * h * moe.ffn_hidden_size  # router + experts
+    mlp += matrices * h * moe.shared_expert_hidden_size + (h if moe.shared_expert_gate else 0)
+    return attention + mlp + norms
+
+
+def num_parameters(spec: ModelSpec, active: bool = False) -> int:
+    """Every parameter (HF's count: the embedding once when tied); `active`: those one token computes with, the
+    routed experts counted top-k times instead of num_experts."""
+    embed = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    final_norm = len(norm_kind(spec).tensors) * spec.hidden_size
+    return sum(layer_parameters(spec, i, active) for i in range(spec.num_layers)) + embed + final_norm

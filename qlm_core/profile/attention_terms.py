@@ -1,0 +1,41 @@
+"""The profile's side of the attention seam: what each attention kind (ModelSpec.attention, models/attention_kinds.py)
+saves for backward. A new kind adds its module of terms and one row here (tests/test_seams.py checks that every kind
+the model builds has one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from qlm_core.errors import QlmError
+from qlm_core.profile import attention_gqa_terms as gqa
+
+
+@dataclass(frozen=True)
+class AttentionTerms:
+    """Each takes an ActivationInputs. saved(x, recompute, input_discarded): its saved bytes by name (recompute none,
+    selective); op(x): what torchtitan's per-op policy keeps of it; matmuls: its aten.mm calls per forward (which of
+    the MLP's the op policy keeps follows from them); recomputed_core(x): what recomputing core_attn rebuilds in
+    backward; cp_buffers(x): the context-parallel kernel's transient; per_forward(x): saved once per stage chunk
+    (position tensors)."""
+
+    saved: Callable[..., dict[str, float]]
+    op: Callable[..., dict[str, float]]
+    matmuls: int
+    recomputed_core: Callable[..., float]
+    cp_buffers: Callable[..., float]
+    per_forward: Callable[..., dict[str, float]]
+
+
+ATTENTION_TERMS: dict[str, AttentionTerms] = {
+    "gqa": AttentionTerms(saved=gqa.saved_terms, op=gqa.op_terms, matmuls=2, recomputed_core=gqa.recomputed_core,
+                          cp_buffers=gqa.cp_buffers, per_forward=gqa.position_terms),
+}
+
+
+def attention_terms(x) -> AttentionTerms:
+    terms = ATTENTION_TERMS.get(x.spec.attention)
+    if terms is None:
+        raise QlmError(f"the profile has no activation model of attention {x.spec.attention!r}",
+                       f"profile a model with attention {', '.join(sorted(ATTENTION_TERMS))}")
+    return terms
