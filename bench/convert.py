@@ -30,8 +30,8 @@ from pathlib import Path
 import copy_floor
 import torch
 
-from qlm_core.checkpoint.formats.hf import plan_hf_shards, shard_file_names, write_hf_index, write_hf_shard
-from qlm_core.checkpoint.formats.torch_dist import dist_key
+from qlm_core.checkpoint.formats.hf.checkpoint import plan_hf_shards, shard_file_names, write_hf_index, write_hf_shard
+from qlm_core.checkpoint.formats.megatron.torch_dist import dist_key
 from qlm_core.config import CheckpointFormat, choices
 from qlm_core.models import load_model_spec
 from qlm_core.models.layout import ModelLayout

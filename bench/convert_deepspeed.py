@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from copy_floor import raw_copy
 
-from qlm_core.checkpoint.formats.deepspeed_config import copy_hf_side_files
-from qlm_core.checkpoint.formats.deepspeed_write import write_deepspeed
-from qlm_core.checkpoint.formats.hf import HFCheckpoint, plan_hf_shards
+from qlm_core.checkpoint.formats.deepspeed.config import copy_hf_side_files
+from qlm_core.checkpoint.formats.deepspeed.write import write_deepspeed
+from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint, plan_hf_shards
 from qlm_core.models import load_model_spec
 from qlm_core.models.layout import HFTensorSource, ModelLayout
 

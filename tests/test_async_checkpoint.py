@@ -19,7 +19,7 @@ import pytest
 import torch
 from parallel_cases import GLOBAL_BATCH, SEQ, SPEC, make_batch
 
-from qlm_core.checkpoint.formats.megatron_legacy import LATEST_FILE
+from qlm_core.checkpoint.formats.megatron.legacy import LATEST_FILE
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.config import OptimConfig, ParallelConfig
 from qlm_core.errors import QlmError
@@ -55,7 +55,7 @@ def files(root: Path) -> dict[str, bytes]:
 
 
 def dcp_metadata(iteration_dir: Path):
-    from qlm_core.checkpoint.formats.torch_dist import SafeFileSystemReader
+    from qlm_core.checkpoint.formats.megatron.torch_dist import SafeFileSystemReader
 
     metadata = SafeFileSystemReader(str(iteration_dir)).read_metadata()
     metadata.storage_meta = None

@@ -9,7 +9,7 @@ import transformers
 from conftest import load_safetensors_dir, make_hf_model
 
 from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf, mcore_to_mcore
-from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.megatron.legacy import MegatronTorchCheckpoint
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 
 LAYOUTS = {

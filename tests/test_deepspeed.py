@@ -16,7 +16,7 @@ from test_convert_errors import assert_clean_failure
 
 from qlm_core.checkpoint.convert.deepspeed import ds_to_hf, ds_to_mcore, hf_to_ds, mcore_to_ds
 from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf
-from qlm_core.checkpoint.formats.deepspeed import DeepSpeedCheckpoint
+from qlm_core.checkpoint.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 
 WORLD = 3

@@ -9,7 +9,7 @@ from conftest import run_worker_jobs
 from parallel_cases import GLOBAL_BATCH, MOE, MOE_TRAINING, SEQ, make_batch
 from workers.ep_checkpoint_worker import AFTER, OPTIM, SAVED
 
-from qlm_core.checkpoint.formats.megatron import open_megatron
+from qlm_core.checkpoint.formats.megatron.format import open_megatron
 from qlm_core.config import ParallelConfig
 from qlm_core.parallel.state import Grid
 from qlm_core.train.engine import Batch, Engine

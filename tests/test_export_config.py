@@ -12,9 +12,9 @@ import transformers
 from conftest import TINY, load_safetensors_dir, make_hf_model
 
 from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf, mcore_to_mcore
-from qlm_core.checkpoint.formats.bridge_config import bridge_args
-from qlm_core.checkpoint.formats.megatron import open_megatron
-from qlm_core.checkpoint.formats.megatron_legacy import SHARD_FILE
+from qlm_core.checkpoint.formats.megatron.bridge_config import bridge_args
+from qlm_core.checkpoint.formats.megatron.format import open_megatron
+from qlm_core.checkpoint.formats.megatron.legacy import SHARD_FILE
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.errors import QlmError
 

@@ -193,7 +193,7 @@ def test_deepspeed_latest_outside_the_checkpoint(run_qlm, ds, tmp_path):
     (d / "latest").write_text("../elsewhere")
     one_error(run_qlm("convert", "ds2hf", "--ds", d, "--out", tmp_path / "out"), "../elsewhere", "latest")
     one_error(run_qlm("convert", "ds2hf", "--ds", d, "--tag", "../elsewhere", "--out", tmp_path / "out"), "--tag")
-    from qlm_core.checkpoint.formats.deepspeed import resolve_tag_dir
+    from qlm_core.checkpoint.formats.deepspeed.checkpoint import resolve_tag_dir
 
     assert resolve_tag_dir(d, "global_step0/") == d / "global_step0"  # a shell-completed tag directory
 
@@ -239,7 +239,7 @@ def test_verify_with_nan_in_source_warns(run_qlm, hf, tmp_path):
 
 
 def test_compare_tensors_counts_nan(hf):
-    from qlm_core.checkpoint.formats.hf import HFCheckpoint
+    from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
     from qlm_core.models.layout import HFTensorSource
 
     class NaNSource:
@@ -302,7 +302,7 @@ def test_out_in_unwritable_directory(run_qlm, hf, tmp_path, monkeypatch, code):
 
 def test_disk_full_mid_write_keeps_old_output(run_qlm, hf, mcore, tmp_path, monkeypatch):
     from qlm_core.checkpoint.convert import hf_megatron
-    from qlm_core.checkpoint.formats import hf as hf_format
+    from qlm_core.checkpoint.formats.hf import checkpoint as hf_format
 
     old = old_output(tmp_path)
     calls = []

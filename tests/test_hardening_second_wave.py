@@ -248,7 +248,7 @@ def test_a_stored_output_layer_of_a_tied_model_is_refused(tmp_path):
 
 
 def test_a_torch_dist_key_the_args_deny_is_refused(llama_mcore, tmp_path, monkeypatch):
-    from qlm_core.checkpoint.formats import torch_dist
+    from qlm_core.checkpoint.formats.megatron import torch_dist
 
     real = torch_dist.TorchDistCheckpoint._check_tensors
 
@@ -571,7 +571,7 @@ def _bridge_yaml(tmp_path: Path, **model) -> Path:
 
 
 def test_a_bridge_config_s_expert_parallel_sizes_are_read(tmp_path):
-    from qlm_core.checkpoint.formats.bridge_config import bridge_args
+    from qlm_core.checkpoint.formats.megatron.bridge_config import bridge_args
 
     args = bridge_args(_bridge_yaml(tmp_path, expert_model_parallel_size=2, expert_tensor_parallel_size=1))
     assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (2, 1)
@@ -579,7 +579,7 @@ def test_a_bridge_config_s_expert_parallel_sizes_are_read(tmp_path):
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_a_non_finite_bridge_number_is_one_line(tmp_path, value):
-    from qlm_core.checkpoint.formats.bridge_config import bridge_args
+    from qlm_core.checkpoint.formats.megatron.bridge_config import bridge_args
 
     with pytest.raises(QlmError) as caught:
         bridge_args(_bridge_yaml(tmp_path, rotary_base=value))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qlm_core.checkpoint.formats.megatron_legacy import LATEST_FILE
+from qlm_core.checkpoint.formats.megatron.legacy import LATEST_FILE
 from qlm_core.config import ModelConfig, OptimConfig, ParallelConfig
 from qlm_core.errors import QlmError
 from qlm_core.models.presets import PRESETS

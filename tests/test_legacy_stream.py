@@ -1,4 +1,4 @@
-"""hf2mcore's streamed legacy writer (formats/legacy_stream.py: every source tensor read once, the bytes placed
+"""hf2mcore's streamed legacy writer (formats/megatron/legacy_stream.py: every source tensor read once, the bytes placed
 straight into files saved without them) writes exactly the files torch.save writes from build_shard's tensors."""
 
 import filecmp

@@ -12,10 +12,10 @@ from parallel_cases import GLOBAL_BATCH, SEQ, SPEC, make_batch
 from workers.lora_worker import CASES, LORA, OPTIM, SAVED_CASE, STEPS, WORLD, logits_ids
 
 from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore
-from qlm_core.checkpoint.formats.hf import HFCheckpoint
-from qlm_core.checkpoint.formats.lora_args import all_lora_tensors, lora_args
-from qlm_core.checkpoint.formats.megatron_args import make_args
-from qlm_core.checkpoint.formats.megatron_legacy import (
+from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
+from qlm_core.checkpoint.formats.hf.peft import export_peft
+from qlm_core.checkpoint.formats.megatron.args import make_args
+from qlm_core.checkpoint.formats.megatron.legacy import (
     SHARD_FILE,
     MegatronTorchCheckpoint,
     iteration_dir_name,
@@ -23,7 +23,7 @@ from qlm_core.checkpoint.formats.megatron_legacy import (
     write_latest,
     write_shard_file,
 )
-from qlm_core.checkpoint.formats.peft import export_peft
+from qlm_core.checkpoint.formats.megatron.lora_args import all_lora_tensors, lora_args
 from qlm_core.checkpoint.sources.lora import GlobalTensorSource, build_lora_shard, merged_source
 from qlm_core.checkpoint.sources.random_init import RandomInitSource
 from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig

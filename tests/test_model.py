@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import transformers
 from conftest import MODEL_KINDS
 
-from qlm_core.checkpoint.formats.hf import HFCheckpoint
+from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
 from qlm_core.models.gpt import GPTModel, KVCache
 from qlm_core.models.layout import HFTensorSource, ModelLayout, build_shard
 

@@ -15,12 +15,12 @@ from test_convert import assert_same_hf
 from test_convert_errors import assert_clean_failure
 
 from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf, mcore_to_mcore
-from qlm_core.checkpoint.formats import torch_dist_write
-from qlm_core.checkpoint.formats.hf import HFCheckpoint
-from qlm_core.checkpoint.formats.megatron import open_megatron
-from qlm_core.checkpoint.formats.megatron_args import make_args, spec_from_args
-from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR
-from qlm_core.checkpoint.formats.torch_dist import SafeFileSystemReader, dist_key
+from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
+from qlm_core.checkpoint.formats.megatron import torch_dist_write
+from qlm_core.checkpoint.formats.megatron.args import make_args, spec_from_args
+from qlm_core.checkpoint.formats.megatron.format import open_megatron
+from qlm_core.checkpoint.formats.megatron.legacy import HF_SIDE_DIR
+from qlm_core.checkpoint.formats.megatron.torch_dist import SafeFileSystemReader, dist_key
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import HFTensorSource, ModelLayout, build_shard, read_range

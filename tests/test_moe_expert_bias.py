@@ -149,8 +149,8 @@ def test_mcore2mcore_carries_the_biases_bit_exact_in_fp32(tmp_path, fmt):
     """A bf16 checkpoint whose routers hold fp32 expert biases, resharded to tp2 x ep2 (and to the other format):
     every bias is the source's, bit for bit, still fp32."""
     from qlm_core.checkpoint.convert.hf_megatron import mcore_to_mcore, no_progress, write_megatron
-    from qlm_core.checkpoint.formats.megatron import open_megatron
-    from qlm_core.checkpoint.formats.megatron_args import make_args
+    from qlm_core.checkpoint.formats.megatron.args import make_args
+    from qlm_core.checkpoint.formats.megatron.format import open_megatron
     from qlm_core.checkpoint.sources.random_init import RandomInitSource
     from qlm_core.models.layout import ModelLayout, read_range
 

@@ -54,8 +54,8 @@ def write_biased(hf_dir: Path, out: Path, fmt: str, ids: torch.Tensor, **layout)
 
     from qlm_core.checkpoint.convert.hf_megatron import no_progress, write_megatron
     from qlm_core.checkpoint.convert.verify import qlm_logits_fn
-    from qlm_core.checkpoint.formats.hf import HFCheckpoint
-    from qlm_core.checkpoint.formats.megatron_args import make_args
+    from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
+    from qlm_core.checkpoint.formats.megatron.args import make_args
     from qlm_core.models.layout import HFTensorSource, ModelLayout
 
     hf = HFCheckpoint(hf_dir)

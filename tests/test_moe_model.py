@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import transformers
 from conftest import QWEN3_MOE_KINDS
 
-from qlm_core.checkpoint.formats.hf import HFCheckpoint
+from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
 from qlm_core.config import MoeConfig
 from qlm_core.errors import QlmError
 from qlm_core.models.gpt import GPTModel

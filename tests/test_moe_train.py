@@ -112,8 +112,8 @@ def test_a_mixed_dense_and_moe_torch_dist_checkpoint_reopens_with_its_optimizer_
     (its Adam states included) with the tensors the engine held."""
     import dataclasses
 
-    from qlm_core.checkpoint.formats.megatron import open_megatron
-    from qlm_core.checkpoint.formats.trainer_state import OPTIMIZER_VIEWS
+    from qlm_core.checkpoint.formats.megatron.format import open_megatron
+    from qlm_core.checkpoint.formats.megatron.trainer_state import OPTIMIZER_VIEWS
     from qlm_core.models.layout import read_range
     from qlm_core.train.checkpointing import TrainState, save_checkpoint
 

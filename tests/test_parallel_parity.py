@@ -23,7 +23,7 @@ from parallel_cases import (
 )
 from workers.parity_worker import OPTIM
 
-from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.megatron.legacy import MegatronTorchCheckpoint
 from qlm_core.config import ParallelConfig
 from qlm_core.kernels.pieces import Documents
 from qlm_core.models.layout import ModelLayout, assemble_hf_tensor

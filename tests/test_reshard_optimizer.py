@@ -9,10 +9,10 @@ import pytest
 import torch
 from test_train_cli import RECIPE, losses, qlm_train
 
-from qlm_core.checkpoint.formats.megatron import open_megatron
-from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
-from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
-from qlm_core.checkpoint.formats.trainer_state import OPTIMIZER_KEY
+from qlm_core.checkpoint.formats.megatron.format import open_megatron
+from qlm_core.checkpoint.formats.megatron.legacy import MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.megatron.torch_dist import TorchDistCheckpoint
+from qlm_core.checkpoint.formats.megatron.trainer_state import OPTIMIZER_KEY
 from qlm_core.models.layout import read_range
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # qlm train at up to 8 ranks

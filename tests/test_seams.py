@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from qlm_core.checkpoint.formats.hf import HFCheckpoint
+from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
 from qlm_core.models.attention_gqa import GQA, GroupedQueryAttention
 from qlm_core.models.attention_kinds import ATTENTION_KINDS, attention_kind
 from qlm_core.models.flops import flops_per_sequence

@@ -16,9 +16,9 @@ from test_convert_errors import assert_clean_failure
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf, mcore_to_mcore
-from qlm_core.checkpoint.formats.megatron import open_megatron
-from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
-from qlm_core.checkpoint.formats.torch_dist import COMMON_STATE_KEY, SafeFileSystemReader, TorchDistCheckpoint
+from qlm_core.checkpoint.formats.megatron.format import open_megatron
+from qlm_core.checkpoint.formats.megatron.legacy import MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.megatron.torch_dist import COMMON_STATE_KEY, SafeFileSystemReader, TorchDistCheckpoint
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.models.layout import read_shard_tensor
 

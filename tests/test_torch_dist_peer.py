@@ -14,9 +14,9 @@ from test_convert_errors import assert_clean_failure
 from test_train_cli import RECIPE, qlm_train
 
 from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf, mcore_to_mcore
-from qlm_core.checkpoint.formats.megatron import open_megatron
-from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
-from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
+from qlm_core.checkpoint.formats.megatron.format import open_megatron
+from qlm_core.checkpoint.formats.megatron.legacy import MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.megatron.torch_dist import TorchDistCheckpoint
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install '.[test]')")

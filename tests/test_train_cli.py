@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.megatron.legacy import MegatronTorchCheckpoint
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny-parity.toml"
@@ -74,7 +74,7 @@ def test_layouts_reproduce_the_one_process_losses(layout, baseline, cache, tmp_p
 # The child kills itself with SIGKILL in the middle of its N-th checkpoint file write (after the bytes are half out).
 KILL_DURING_WRITE = """
 import os, signal, sys
-import qlm_core.checkpoint.formats.megatron_legacy as mcore
+import qlm_core.checkpoint.formats.megatron.legacy as mcore
 calls = {"n": 0}
 real = mcore.fast_torch_save
 def dying_save(obj, path):

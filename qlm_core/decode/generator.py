@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR
+from qlm_core.checkpoint.formats.megatron.legacy import HF_SIDE_DIR
 from qlm_core.checkpoint.sources.open import OpenedCheckpoint, open_checkpoint
 from qlm_core.data.tokenizer import load_tokenizer
 from qlm_core.decode.model import build_model

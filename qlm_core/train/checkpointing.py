@@ -4,14 +4,14 @@
     RUN/checkpoints/iter_%07d/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt  torch
     RUN/checkpoints/iter_%07d/{common.pt, metadata.json, .metadata, __R_0.distcp}   torch_dist
 
-Beside Megatron's entries each checkpoint holds qlm's (checkpoint/formats/trainer_state.py): the optimizer state per
-parameter, named and sharded like the weights (so a resume on another TP/PP/DP reshards it like the weights), the
-LR-scheduler position, the data position and every data/context rank's RNG state. Under expert parallelism the
-legacy folders are those Megatron writes (megatron_legacy.legacy_shard_ranks: expert-data-parallel rank 0 of each
-EP x ETP position, plus any dense TP shard those miss), each with its dense TP shard and its EP rank's experts; the
-experts' optimizer views travel in the same file. In torch_dist every rank writes the chunks it owns: dense chunks
-from data/context rank 0 of each TP/PP position, routed experts' chunks from expert-data-parallel rank 0 of each
-EP/ETP/PP position (each chunk exactly once).
+Beside Megatron's entries each checkpoint holds qlm's (checkpoint/formats/megatron/trainer_state.py): the optimizer
+state per parameter, named and sharded like the weights (so a resume on another TP/PP/DP reshards it like the
+weights), the LR-scheduler position, the data position and every data/context rank's RNG state. Under expert
+parallelism the legacy folders are those Megatron writes (megatron.legacy.legacy_shard_ranks: expert-data-parallel
+rank 0 of each EP x ETP position, plus any dense TP shard those miss), each with its dense TP shard and its EP rank's
+experts; the experts' optimizer views travel in the same file. In torch_dist every rank writes the chunks it owns:
+dense chunks from data/context rank 0 of each TP/PP position, routed experts' chunks from expert-data-parallel rank 0
+of each EP/ETP/PP position (each chunk exactly once).
 
 A checkpoint is written into a hidden directory that is renamed into place when complete; the `latest` pointer is
 replaced last, atomically. A run killed at any moment therefore leaves only loadable checkpoints.
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from qlm_core.checkpoint.formats.megatron import TORCH, TORCH_DIST, open_megatron
-from qlm_core.checkpoint.formats.megatron_args import make_args
-from qlm_core.checkpoint.formats.megatron_legacy import (
+from qlm_core.checkpoint.formats.megatron.args import make_args
+from qlm_core.checkpoint.formats.megatron.format import TORCH, TORCH_DIST, open_megatron
+from qlm_core.checkpoint.formats.megatron.legacy import (
     LATEST_FILE,
     SHARD_FILE,
     iteration_dir_name,
@@ -42,7 +42,7 @@ from qlm_core.checkpoint.formats.megatron_legacy import (
     shard_dir_name,
     write_shard_file,
 )
-from qlm_core.checkpoint.formats.trainer_state import (
+from qlm_core.checkpoint.formats.megatron.trainer_state import (
     OPTIMIZER_KEY,
     OPTIMIZER_VIEWS,
     RNG_KEY,
@@ -65,7 +65,7 @@ from qlm_core.train.lora import lora_state_dict
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from qlm_core.checkpoint.formats.torch_dist_write import DistPart
+    from qlm_core.checkpoint.formats.megatron.torch_dist_write import DistPart
 
 
 class _NeverRaised(Exception):
@@ -275,7 +275,7 @@ class CheckpointWrite:
         a bug and propagates. `process_group`: the one torch_dist's DCP coordinates over (None: the default)."""
         try:
             if self.dist_parts is not None:
-                from qlm_core.checkpoint.formats.torch_dist_write import save_torch_dist_collectively
+                from qlm_core.checkpoint.formats.megatron.torch_dist_write import save_torch_dist_collectively
 
                 layout, parts, args, common = self.dist_parts
                 save_torch_dist_collectively(self.staging / self.name, layout, parts, args, self.iteration, common,
@@ -421,7 +421,7 @@ def _owned_parts(engine: Engine, models: list[dict], param_states: list[dict],
     """The weights and optimizer views this rank writes: of the tensors its stage (and EP rank) holds, the dense
     chunks of its TP rank when it is data/context rank 0, the routed experts' chunks of its expert-TP rank when it
     is expert-data-parallel rank 0; every chunk is written by exactly one rank."""
-    from qlm_core.checkpoint.formats.torch_dist_write import DistPart
+    from qlm_core.checkpoint.formats.megatron.torch_dist_write import DistPart
 
     g, layout = engine.grid, engine.layout
     dense_writer, expert_writer = g.dp_rank == 0 and g.cp_rank == 0, g.expert_coords["edp"] == 0

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qlm_core.checkpoint.formats.lora_args import LoraSettings, check_targets, is_adapter_name, lora_scale
+from qlm_core.checkpoint.formats.megatron.lora_args import LoraSettings, check_targets, is_adapter_name, lora_scale
 from qlm_core.checkpoint.sources.lora import LoraInitSource
 from qlm_core.models.gpt import GPTModel, ParallelOptions
 from qlm_core.models.layout import (

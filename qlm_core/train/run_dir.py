@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from qlm_core.checkpoint.formats.megatron_legacy import LATEST_FILE
+from qlm_core.checkpoint.formats.megatron.legacy import LATEST_FILE
 from qlm_core.checkpoint.sources.open import CHECKPOINTS_DIR
 from qlm_core.disk import file_in_the_way, pid_alive, write_fault
 from qlm_core.errors import QlmError

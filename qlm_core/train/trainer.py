@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from qlm_core.checkpoint.formats.hf import copy_side_files
-from qlm_core.checkpoint.formats.lora_args import lora_args
-from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, iteration_dir_name
+from qlm_core.checkpoint.formats.hf.checkpoint import copy_side_files
+from qlm_core.checkpoint.formats.megatron.legacy import HF_SIDE_DIR, iteration_dir_name
+from qlm_core.checkpoint.formats.megatron.lora_args import lora_args
 from qlm_core.checkpoint.sources.open import CHECKPOINTS_DIR, run_checkpoint_dir
 from qlm_core.config import (
     Recipe,
@@ -93,7 +93,7 @@ def write_hf_side_dir(root: Path, spec, tokenizer_dir: Path | None):
     """config.json and tokenizer files beside the checkpoints, so `qlm convert mcore2hf` exports a complete model.
     Every start and resume rewrites them: each file is made in a temporary sibling directory and renamed over its
     old copy, so a crash never leaves a truncated hf/config.json (every checkpoint of the run reads it)."""
-    from qlm_core.checkpoint.formats.hf_tokens import add_special_tokens  # eos ids + generation_config.json
+    from qlm_core.checkpoint.formats.hf.tokens import add_special_tokens  # eos ids + generation_config.json
 
     side = root / HF_SIDE_DIR
     staging = root / f".{HF_SIDE_DIR}.tmp-{os.getpid()}"

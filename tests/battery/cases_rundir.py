@@ -242,7 +242,7 @@ def _config_valid(root, out):
 
 ENOSPC_SAVE = """
 import errno
-import qlm_core.checkpoint.formats.megatron_legacy as legacy
+import qlm_core.checkpoint.formats.megatron.legacy as legacy
 def full(obj, path):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"half a checkpoint")

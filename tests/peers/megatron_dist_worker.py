@@ -37,7 +37,7 @@ def run_case(case):
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
-    from qlm_core.checkpoint.formats.torch_dist_files import resolve_dist_dir
+    from qlm_core.checkpoint.formats.megatron.torch_dist_files import resolve_dist_dir
 
     iteration_dir, _ = resolve_dist_dir(Path(case["ckpt"]))
     common = dist_checkpointing.load_common_state_dict(str(iteration_dir))  # plain torch.load, as Megatron does

@@ -86,7 +86,7 @@ def run_case(case):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
-    from qlm_core.checkpoint.formats.megatron_legacy import SHARD_FILE, resolve_iteration_dir, shard_dir_name
+    from qlm_core.checkpoint.formats.megatron.legacy import SHARD_FILE, resolve_iteration_dir, shard_dir_name
 
     iteration_dir, _ = resolve_iteration_dir(Path(case["ckpt"]))
     peek = torch.load(next(iteration_dir.glob(f"mp_rank_*/{SHARD_FILE}")), weights_only=True, map_location="cpu")

@@ -79,8 +79,8 @@ def build_model(args, pre, post, sequence_parallel=False):
 
 def open_case(case):
     """(args, the model's state_dict loader) for a legacy or a torch_dist case."""
-    from qlm_core.checkpoint.formats.megatron_legacy import SHARD_FILE, resolve_iteration_dir, shard_dir_name
-    from qlm_core.checkpoint.formats.torch_dist_files import resolve_dist_dir
+    from qlm_core.checkpoint.formats.megatron.legacy import SHARD_FILE, resolve_iteration_dir, shard_dir_name
+    from qlm_core.checkpoint.formats.megatron.torch_dist_files import resolve_dist_dir
 
     if case["format"] == "torch":
         import megatron.core  # noqa: F401  registers Megatron's safe globals (argparse.Namespace, ...)

@@ -13,15 +13,15 @@ import torch
 import torch.distributed as dist
 from parallel_cases import GLOBAL_BATCH, SEQ, SPEC, LayoutCase, make_batch
 
-from qlm_core.checkpoint.formats.lora_args import lora_args
-from qlm_core.checkpoint.formats.megatron_args import make_args
-from qlm_core.checkpoint.formats.megatron_legacy import (
+from qlm_core.checkpoint.formats.megatron.args import make_args
+from qlm_core.checkpoint.formats.megatron.legacy import (
     SHARD_FILE,
     iteration_dir_name,
     shard_dir_name,
     write_latest,
     write_shard_file,
 )
+from qlm_core.checkpoint.formats.megatron.lora_args import lora_args
 from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig
 from qlm_core.parallel.state import Grid, resolve_sizes
 from qlm_core.parallel.tensor import gather_last_dim

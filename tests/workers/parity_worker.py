@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from parallel_cases import CASES, COMPILED_CASES, GLOBAL_BATCH, SEQ, SPEC, make_batch
 
-from qlm_core.checkpoint.formats.megatron_args import make_args
-from qlm_core.checkpoint.formats.megatron_legacy import (
+from qlm_core.checkpoint.formats.megatron.args import make_args
+from qlm_core.checkpoint.formats.megatron.legacy import (
     SHARD_FILE,
     iteration_dir_name,
     write_latest,

@@ -29,12 +29,12 @@ from qlm_core.checkpoint.convert.verify import (
     hf_logits_fn,
     qlm_logits_fn,
 )
-from qlm_core.checkpoint.formats.deepspeed import MODULE, DeepSpeedCheckpoint
-from qlm_core.checkpoint.formats.deepspeed_config import copy_hf_side_files
-from qlm_core.checkpoint.formats.deepspeed_write import check_tag, write_deepspeed
-from qlm_core.checkpoint.formats.hf import HFCheckpoint
-from qlm_core.checkpoint.formats.megatron_args import make_args
-from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.deepspeed.checkpoint import MODULE, DeepSpeedCheckpoint
+from qlm_core.checkpoint.formats.deepspeed.config import copy_hf_side_files
+from qlm_core.checkpoint.formats.deepspeed.write import check_tag, write_deepspeed
+from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
+from qlm_core.checkpoint.formats.megatron.args import make_args
+from qlm_core.checkpoint.formats.megatron.legacy import HF_SIDE_DIR, MegatronTorchCheckpoint
 from qlm_core.checkpoint.io.staging import check_output_dir, staged_output
 from qlm_core.checkpoint.sources.open import open_deepspeed
 from qlm_core.models.layout import HFTensorSource, ModelLayout, TensorSource

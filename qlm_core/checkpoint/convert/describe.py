@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
-from qlm_core.checkpoint.formats.deepspeed import resolve_tag_dir
-from qlm_core.checkpoint.formats.hf import HFCheckpoint, is_hf_dir
-from qlm_core.checkpoint.formats.megatron_legacy import (
+from qlm_core.checkpoint.formats.deepspeed.checkpoint import resolve_tag_dir
+from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint, is_hf_dir
+from qlm_core.checkpoint.formats.megatron.legacy import (
     LATEST_FILE,
     is_mcore_torch_dir,
     resolve_iteration_dir,
 )
-from qlm_core.checkpoint.formats.megatron_open import open_megatron_with
+from qlm_core.checkpoint.formats.megatron.open_configured import open_megatron_with
 from qlm_core.errors import QlmError
 from qlm_core.models.parameters import num_parameters
 
@@ -167,7 +167,7 @@ def _inspect_torch_dist(path: Path, iteration, config=None) -> Inspection:
 
 def _inspect_deepspeed(path: Path, iteration) -> Inspection:
     """The weights ds2hf would write: where each comes from (fp32 partitions, frozen fragments, module, a tie)."""
-    from qlm_core.checkpoint.formats.deepspeed import DeepSpeedCheckpoint
+    from qlm_core.checkpoint.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 
     ckpt = DeepSpeedCheckpoint(path, None if iteration is None else f"global_step{iteration}")
     report = Inspection(DEEPSPEED, path, layout={

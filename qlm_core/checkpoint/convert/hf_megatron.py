@@ -24,7 +24,7 @@ from qlm_core.checkpoint.convert.verify import (
     qlm_logits_fn,
     scan_nan,
 )
-from qlm_core.checkpoint.formats.hf import (
+from qlm_core.checkpoint.formats.hf.checkpoint import (
     HFCheckpoint,
     copy_side_files,
     is_hf_dir,
@@ -34,11 +34,10 @@ from qlm_core.checkpoint.formats.hf import (
     write_hf_index,
     write_hf_shard,
 )
-from qlm_core.checkpoint.formats.legacy_stream import STREAMING, StageWriter
-from qlm_core.checkpoint.formats.megatron import TORCH, TORCH_DIST, check_format, open_megatron
-from qlm_core.checkpoint.formats.megatron_args import make_args, set_layout_args
-from qlm_core.checkpoint.formats.megatron_configured import config_dir
-from qlm_core.checkpoint.formats.megatron_legacy import (
+from qlm_core.checkpoint.formats.megatron.args import make_args, set_layout_args
+from qlm_core.checkpoint.formats.megatron.configured import config_dir
+from qlm_core.checkpoint.formats.megatron.format import TORCH, TORCH_DIST, check_format, open_megatron
+from qlm_core.checkpoint.formats.megatron.legacy import (
     HF_SIDE_DIR,
     SHARD_FILE,
     check_legacy_experts,
@@ -48,7 +47,8 @@ from qlm_core.checkpoint.formats.megatron_legacy import (
     write_latest,
     write_shard_file,
 )
-from qlm_core.checkpoint.formats.megatron_open import open_megatron_with
+from qlm_core.checkpoint.formats.megatron.legacy_stream import STREAMING, StageWriter
+from qlm_core.checkpoint.formats.megatron.open_configured import open_megatron_with
 from qlm_core.checkpoint.io.staging import check_output_dir, staged_output
 from qlm_core.checkpoint.sources.open import megatron_weights
 from qlm_core.dtypes import dtype_named
@@ -203,7 +203,7 @@ def write_megatron(format: str, root: Path, layout: ModelLayout, source: TensorS
                    carrier: TrainStateCarrier | None = None):
     """A Megatron checkpoint in `format`; `carrier`: a training run's state to write beside the weights."""
     if format == TORCH_DIST:
-        from qlm_core.checkpoint.formats.torch_dist_write import write_mcore_torch_dist  # imports DCP
+        from qlm_core.checkpoint.formats.megatron.torch_dist_write import write_mcore_torch_dist  # imports DCP
 
         write_mcore_torch_dist(root, layout, source, dtype, args, iteration, progress,
                                carrier.common_extra() if carrier else None, carrier.dist_parts() if carrier else [])
@@ -358,7 +358,7 @@ def mcore_to_peft(mcore: str | Path, out: str | Path, *, iteration: int | None =
     names, for peft.PeftModel.from_pretrained(base transformers model, OUT) and AutoPeftModelForCausalLM: its
     base_model_name_or_path is the HF base the run was trained on (absolute path), or, for a Megatron base (or a
     checkpoint holding the base weights too), that base exported as HF into OUT/base."""
-    from qlm_core.checkpoint.formats.peft import export_peft
+    from qlm_core.checkpoint.formats.hf.peft import export_peft
 
     started = time.perf_counter()
     src = open_megatron_with(mcore, iteration, config)

@@ -1,5 +1,5 @@
-"""Carry a training run's state through a reshard (`mcore2mcore`), so that a resumed run continues as if the layout
-had never changed; from and to either format. What is carried, and how: checkpoint/formats/trainer_state.py (the
+"""Carry a training run's state through a reshard (`mcore2mcore`), so that a resumed run continues as if the layout had
+never changed; from and to either format. What is carried, and how: checkpoint/formats/megatron/trainer_state.py (the
 Adam views are re-sliced through the layout like the weights; step, train state and scheduler are copied; RNG states
 only when TP, PP and VPP are unchanged — qlm train restores them only when its dp x cp also matches)."""
 
@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qlm_core.checkpoint.formats.megatron import TORCH_DIST, open_megatron
-from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
-from qlm_core.checkpoint.formats.trainer_state import (
+from qlm_core.checkpoint.formats.megatron.format import TORCH_DIST, open_megatron
+from qlm_core.checkpoint.formats.megatron.legacy import MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.megatron.trainer_state import (
     COPIED_KEYS,
     OPTIMIZER_KEY,
     OPTIMIZER_VIEWS,
@@ -24,8 +24,8 @@ from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout, TensorLayout, read_range, read_shard_tensor
 
 if TYPE_CHECKING:
-    from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
-    from qlm_core.checkpoint.formats.torch_dist_write import DistPart
+    from qlm_core.checkpoint.formats.megatron.torch_dist import TorchDistCheckpoint
+    from qlm_core.checkpoint.formats.megatron.torch_dist_write import DistPart
 
 
 class TrainStateCarrier:
@@ -83,7 +83,9 @@ class TrainStateCarrier:
 
     def dist_parts(self) -> list[DistPart]:
         """torch_dist output: the Adam views, stored like the weights under their prefixes."""
-        from qlm_core.checkpoint.formats.torch_dist_write import DistPart  # imports DCP: only for torch_dist output
+        from qlm_core.checkpoint.formats.megatron.torch_dist_write import (
+            DistPart,  # imports DCP: only for torch_dist output
+        )
 
         return [DistPart(view_prefix(name), view, torch.float32, lambda chunk: self._has_state(chunk.tensor))
                 for name, view in self.views.items()]

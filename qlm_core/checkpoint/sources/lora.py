@@ -1,5 +1,5 @@
 """LoRA adapters as TensorSources over ModelLayout.lora_tensors: a seeded init, in-memory adapters, and the base
-weights merged with their adapters (W + alpha/r * B A). What a LoRA checkpoint holds: formats/lora_args.py."""
+weights merged with their adapters (W + alpha/r * B A). What a LoRA checkpoint holds: formats/megatron/lora_args.py."""
 
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import zlib
 
 import torch
 
-from qlm_core.checkpoint.formats.lora_args import LoraSettings, all_lora_tensors, check_targets, lora_scale
+from qlm_core.checkpoint.formats.megatron.lora_args import LoraSettings, all_lora_tensors, check_targets, lora_scale
 from qlm_core.models.layout import (
     ModelLayout,
     TensorLayout,

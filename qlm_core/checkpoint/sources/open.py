@@ -9,11 +9,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from qlm_core.checkpoint.formats.deepspeed import DeepSpeedCheckpoint
-from qlm_core.checkpoint.formats.deepspeed_config import find_hf_config
-from qlm_core.checkpoint.formats.hf import HFCheckpoint, is_hf_dir, read_config
-from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, LATEST_FILE
-from qlm_core.checkpoint.formats.megatron_open import open_megatron_with
+from qlm_core.checkpoint.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
+from qlm_core.checkpoint.formats.deepspeed.config import find_hf_config
+from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint, is_hf_dir, read_config
+from qlm_core.checkpoint.formats.megatron.legacy import HF_SIDE_DIR, LATEST_FILE
+from qlm_core.checkpoint.formats.megatron.open_configured import open_megatron_with
 from qlm_core.checkpoint.sources.lora import merged_source
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import HFTensorSource, TensorSource

@@ -342,7 +342,7 @@ def write_hf_config(out: Path, side_dir: Path | None, spec: ModelSpec, dtype: to
         config = set_hf_config_dtype(json.loads((out / "config.json").read_text()), dtype)
     else:
         config = spec.to_hf_config(HF_DTYPE_NAMES[dtype])
-    from qlm_core.checkpoint.formats.hf_tokens import add_special_tokens  # eos ids + generation_config.json
+    from qlm_core.checkpoint.formats.hf.tokens import add_special_tokens  # eos ids + generation_config.json
 
     config = add_special_tokens(out, config, side_dir if side_dir is not None and side_dir.is_dir() else None)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qlm_core.checkpoint.formats.megatron import TORCH_DIST, megatron_format
-from qlm_core.checkpoint.formats.megatron_configured import EMBEDDING, FIX_CONFIG, ConfiguredMixin, load_config_spec
-from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint, check_no_leftovers
+from qlm_core.checkpoint.formats.megatron.configured import EMBEDDING, FIX_CONFIG, ConfiguredMixin, load_config_spec
+from qlm_core.checkpoint.formats.megatron.format import TORCH_DIST, megatron_format
+from qlm_core.checkpoint.formats.megatron.legacy import MegatronTorchCheckpoint, check_no_leftovers
 from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
+    from qlm_core.checkpoint.formats.megatron.torch_dist import TorchDistCheckpoint
 
 
 class ConfiguredTorch(ConfiguredMixin, MegatronTorchCheckpoint):
@@ -78,7 +78,9 @@ def open_megatron_with(path: str | Path, iteration: int | None = None, config: s
     without args, from its run_config.yaml; the result's `args_from` says where the args came from."""
     spec = load_config_spec(config) if config is not None else None
     if megatron_format(path, iteration) == TORCH_DIST:
-        from qlm_core.checkpoint.formats.megatron_open_dist import ConfiguredTorchDist  # imports DCP: only now
+        from qlm_core.checkpoint.formats.megatron.open_configured_dist import (
+            ConfiguredTorchDist,  # imports DCP: only now
+        )
 
         return ConfiguredTorchDist(path, iteration, spec, str(config or ""), view)
     return ConfiguredTorch(path, iteration, spec, str(config or ""), view)

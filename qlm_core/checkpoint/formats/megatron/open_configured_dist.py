@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from qlm_core.checkpoint.formats.megatron_configured import EMBEDDING, FIX_CONFIG, ConfiguredMixin
-from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
+from qlm_core.checkpoint.formats.megatron.configured import EMBEDDING, FIX_CONFIG, ConfiguredMixin
+from qlm_core.checkpoint.formats.megatron.torch_dist import TorchDistCheckpoint
 from qlm_core.errors import QlmError
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from qlm_core.checkpoint.formats.lora_args import LoraSettings, all_lora_tensors
+from qlm_core.checkpoint.formats.megatron.lora_args import LoraSettings, all_lora_tensors
 from qlm_core.models.layout import ModelLayout, TensorSource, assemble_pieces, hf_pieces
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

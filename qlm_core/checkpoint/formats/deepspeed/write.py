@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.checkpoint.formats.deepspeed import EMBEDDING, LATEST, MODEL_FILE, TIED_OUTPUT
-from qlm_core.checkpoint.formats.megatron_legacy import fast_torch_save
+from qlm_core.checkpoint.formats.deepspeed.checkpoint import EMBEDDING, LATEST, MODEL_FILE, TIED_OUTPUT
+from qlm_core.checkpoint.formats.megatron.legacy import fast_torch_save
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout, TensorSource, assemble_hf_tensor
 

@@ -40,9 +40,9 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 
-from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR, check_no_leftovers, megatron_spec
-from qlm_core.checkpoint.formats.torch_dist_files import DCP_METADATA_FILE, DIST_CONFIG_FILE, resolve_dist_dir
-from qlm_core.checkpoint.formats.trainer_state import OPTIMIZER_VIEWS, view_prefix
+from qlm_core.checkpoint.formats.megatron.legacy import HF_SIDE_DIR, check_no_leftovers, megatron_spec
+from qlm_core.checkpoint.formats.megatron.torch_dist_files import DCP_METADATA_FILE, DIST_CONFIG_FILE, resolve_dist_dir
+from qlm_core.checkpoint.formats.megatron.trainer_state import OPTIMIZER_VIEWS, view_prefix
 from qlm_core.checkpoint.io.safe_load import ForeignObject, allowed_globals, safe_torch_load
 from qlm_core.checkpoint.io.text import read_json_object
 from qlm_core.errors import QlmError

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qlm_core.checkpoint.formats.bridge_config import bridge_args, find_run_config
-from qlm_core.checkpoint.formats.megatron_args import make_args
-from qlm_core.checkpoint.formats.megatron_legacy import HF_SIDE_DIR
+from qlm_core.checkpoint.formats.megatron.args import make_args
+from qlm_core.checkpoint.formats.megatron.bridge_config import bridge_args, find_run_config
+from qlm_core.checkpoint.formats.megatron.legacy import HF_SIDE_DIR
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout
 from qlm_core.models.presets import load_model_spec

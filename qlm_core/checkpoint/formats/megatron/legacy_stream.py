@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.checkpoint.formats.hf import HFCheckpoint
+from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
 from qlm_core.checkpoint.io.storage_fill import (
     RangeCopier,
     byte_view,
@@ -100,7 +100,7 @@ class StageWriter:
         tensors = _bases(state)
         if offsets is None:  # a storage the meta load could not place: read now, save the file whole
             self._read_now(reads)
-            from qlm_core.checkpoint.formats.megatron_legacy import fast_torch_save
+            from qlm_core.checkpoint.formats.megatron.legacy import fast_torch_save
 
             fast_torch_save(state, path)
             return

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.checkpoint.formats.hf import read_config
-from qlm_core.checkpoint.formats.lora_args import adapter_args
-from qlm_core.checkpoint.formats.megatron_args import dtype_from_args, spec_from_args
-from qlm_core.checkpoint.formats.trainer_state import OPTIMIZER_KEY
+from qlm_core.checkpoint.formats.hf.checkpoint import read_config
+from qlm_core.checkpoint.formats.megatron.args import dtype_from_args, spec_from_args
+from qlm_core.checkpoint.formats.megatron.lora_args import adapter_args
+from qlm_core.checkpoint.formats.megatron.trainer_state import OPTIMIZER_KEY
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.checkpoint.io.text import read_text_file
 from qlm_core.errors import QlmError

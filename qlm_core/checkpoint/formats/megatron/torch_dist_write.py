@@ -34,13 +34,13 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from qlm_core.checkpoint.formats.megatron_legacy import (
+from qlm_core.checkpoint.formats.megatron.legacy import (
     CHECKPOINT_VERSION,
     iteration_dir_name,
     without_crc32,
     write_latest,
 )
-from qlm_core.checkpoint.formats.torch_dist import (
+from qlm_core.checkpoint.formats.megatron.torch_dist import (
     COMMON_FILE,
     DIST_CONFIG,
     DIST_CONFIG_FILE,

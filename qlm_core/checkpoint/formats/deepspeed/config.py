@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.checkpoint.formats.deepspeed import DeepSpeedCheckpoint
+from qlm_core.checkpoint.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from qlm_core.dtypes import set_hf_config_dtype
 from qlm_core.errors import QlmError
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qlm_core.checkpoint.formats.megatron_legacy import MegatronTorchCheckpoint
-from qlm_core.checkpoint.formats.torch_dist_files import is_torch_dist_dir, resolve_dist_dir
+from qlm_core.checkpoint.formats.megatron.legacy import MegatronTorchCheckpoint
+from qlm_core.checkpoint.formats.megatron.torch_dist_files import is_torch_dist_dir, resolve_dist_dir
 from qlm_core.config import CheckpointFormat, choices
 from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint
+    from qlm_core.checkpoint.formats.megatron.torch_dist import TorchDistCheckpoint
 
 TORCH, TORCH_DIST = "torch", "torch_dist"
 
@@ -31,7 +31,7 @@ def open_megatron(path: str | Path, iteration: int | None = None, spec: ModelSpe
     """The checkpoint at `path` (root with latest_checkpointed_iteration.txt, or an iteration directory) opened for
     streaming reads; both readers offer layout, spec, args, dtype, iteration, tp, pp, lora and extra_state()."""
     if megatron_format(path, iteration) == TORCH_DIST:
-        from qlm_core.checkpoint.formats.torch_dist import TorchDistCheckpoint  # imports DCP: only when needed
+        from qlm_core.checkpoint.formats.megatron.torch_dist import TorchDistCheckpoint  # imports DCP: only when needed
 
         return TorchDistCheckpoint(path, iteration, spec, view)
     return MegatronTorchCheckpoint(path, iteration, spec, view)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from qlm_core.checkpoint.formats.megatron_legacy import resolve_iteration_dir
+from qlm_core.checkpoint.formats.megatron.legacy import resolve_iteration_dir
 
 DIST_CONFIG_FILE = "metadata.json"
 DCP_METADATA_FILE = ".metadata"
