@@ -6,7 +6,7 @@ import shutil
 import pytest
 from conftest import make_hf_model
 
-from qlm_core.checkpoint.convert import hf_megatron as convert_module
+from qlm_core.checkpoint.formats.megatron import write as convert_module
 
 
 @pytest.fixture(scope="module")

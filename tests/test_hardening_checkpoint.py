@@ -301,12 +301,12 @@ def test_out_in_unwritable_directory(run_qlm, hf, tmp_path, monkeypatch, code):
 
 
 def test_disk_full_mid_write_keeps_old_output(run_qlm, hf, mcore, tmp_path, monkeypatch):
-    from qlm_core.checkpoint.convert import hf_megatron
     from qlm_core.checkpoint.formats.hf import checkpoint as hf_format
+    from qlm_core.checkpoint.formats.megatron import write as megatron_write
 
     old = old_output(tmp_path)
     calls = []
-    real_write = hf_megatron.write_shard_file
+    real_write = megatron_write.write_shard_file
 
     def full(*args, **kwargs):
         calls.append(1)
@@ -314,7 +314,7 @@ def test_disk_full_mid_write_keeps_old_output(run_qlm, hf, mcore, tmp_path, monk
             raise OSError(errno.ENOSPC, "No space left on device", str(args[0]))
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(hf_megatron, "write_shard_file", full)
+    monkeypatch.setattr(megatron_write, "write_shard_file", full)
     one_error(run_qlm("convert", "hf2mcore", "--hf", hf, "--out", old, "--force", "--tp", "2"),
               "No space left on device", str(old), "old output is intact")
     assert_old_kept(old)

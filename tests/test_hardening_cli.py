@@ -157,16 +157,26 @@ def test_eval_results_go_under_the_model_name_not_none(tmp_path):
 
 
 def test_eval_opens_an_iteration_directory_and_passes_iteration(tmp_path, monkeypatch):
+    from qlm_core.checkpoint.sources import megatron_format
     from qlm_core.checkpoint.sources import open as opening
     from qlm_core.eval.runner import EvalConfig, worker_argv
 
     calls = []
-    monkeypatch.setattr(opening, "_open_megatron", lambda root, iteration, what: calls.append((root, iteration)))
+
+    class Opened(Exception):
+        pass
+
+    def record(root, iteration, config):
+        calls.append((root, iteration))
+        raise Opened
+
+    monkeypatch.setattr(megatron_format, "open_megatron_with", record)
     root = tmp_path / "run" / "checkpoints"
     (root / "iter_0000004" / "mp_rank_00").mkdir(parents=True)
     (root / "latest_checkpointed_iteration.txt").write_text("4")
-    opening.open_checkpoint(root / "iter_0000004")
-    opening.open_checkpoint(tmp_path / "run", 4)
+    for path, iteration in ((root / "iter_0000004", None), (tmp_path / "run", 4)):
+        with pytest.raises(Opened):
+            opening.open_checkpoint(path, iteration)
     assert calls == [(root, 4), (root, 4)]
     with pytest.raises(QlmError, match="is iteration 4, not 2"):
         opening.open_checkpoint(root / "iter_0000004", 2)

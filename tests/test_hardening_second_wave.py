@@ -416,9 +416,9 @@ def _with_nan(qwen2: Path, tmp_path: Path) -> Path:
 
 
 def test_an_unverified_large_model_is_still_scanned_for_nan(qwen2, tmp_path, monkeypatch):
-    from qlm_core.checkpoint.convert import hf_megatron
+    from qlm_core.checkpoint.convert import skeleton
 
-    monkeypatch.setattr(hf_megatron, "AUTO_VERIFY_MAX_PARAMS", 0)  # as a model above 2B parameters
+    monkeypatch.setattr(skeleton, "AUTO_VERIFY_MAX_PARAMS", 0)  # as a model above 2B parameters
     code, out, err = call_qlm("convert", "hf2mcore", "--hf", _with_nan(qwen2, tmp_path), "--out", tmp_path / "mc")
     assert code == 0, err
     assert "the source was scanned for NaN" in out

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qlm_core.checkpoint.convert import hf_megatron
+from qlm_core.checkpoint.formats.megatron import write as megatron_write
 from qlm_core.checkpoint.io import storage_fill
 
 
@@ -22,7 +23,7 @@ def convert_both_ways(monkeypatch, src: Path, out: Path, **kwargs) -> tuple[Path
     streamed, reference = out / "streamed" / "ckpt", out / "reference" / "ckpt"
     hf_megatron.hf_to_mcore(src, streamed, verify=False, **kwargs)
     with monkeypatch.context() as patch:
-        patch.setattr(hf_megatron, "STREAMING", False)
+        patch.setattr(megatron_write, "STREAMING", False)
         hf_megatron.hf_to_mcore(src, reference, verify=False, **kwargs)
     return streamed, reference
 

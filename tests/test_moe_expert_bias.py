@@ -148,9 +148,11 @@ def test_the_recipe_router_reaches_the_run(tmp_path):
 def test_mcore2mcore_carries_the_biases_bit_exact_in_fp32(tmp_path, fmt):
     """A bf16 checkpoint whose routers hold fp32 expert biases, resharded to tp2 x ep2 (and to the other format):
     every bias is the source's, bit for bit, still fp32."""
-    from qlm_core.checkpoint.convert.hf_megatron import mcore_to_mcore, no_progress, write_megatron
+    from qlm_core.checkpoint.convert.hf_megatron import mcore_to_mcore
     from qlm_core.checkpoint.formats.megatron.args import make_args
     from qlm_core.checkpoint.formats.megatron.format import open_megatron
+    from qlm_core.checkpoint.formats.megatron.write import write_megatron
+    from qlm_core.checkpoint.io.progress import no_progress
     from qlm_core.checkpoint.sources.random_init import RandomInitSource
     from qlm_core.models.layout import ModelLayout, read_range
 

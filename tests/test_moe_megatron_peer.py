@@ -52,10 +52,11 @@ def write_biased(hf_dir: Path, out: Path, fmt: str, ids: torch.Tensor, **layout)
     """The HF model with a sigmoid router and expert biases, written by qlm at `layout`; qlm's logits of `ids`."""
     import dataclasses
 
-    from qlm_core.checkpoint.convert.hf_megatron import no_progress, write_megatron
     from qlm_core.checkpoint.convert.verify import qlm_logits_fn
     from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
     from qlm_core.checkpoint.formats.megatron.args import make_args
+    from qlm_core.checkpoint.formats.megatron.write import write_megatron
+    from qlm_core.checkpoint.io.progress import no_progress
     from qlm_core.models.layout import HFTensorSource, ModelLayout
 
     hf = HFCheckpoint(hf_dir)

@@ -174,3 +174,58 @@ def test_a_second_norm_through_the_seam_is_built_laid_out_and_counted(hf_models,
     assert "decoder.final_layernorm.bias" in laid_out and "decoder.layers.0.self_attention.k_layernorm.bias" in laid_out
     unpadded = GPTModel(spec, padded_vocab=spec.vocab_size)
     assert num_parameters(spec) == sum(p.numel() for p in unpadded.parameters())
+
+
+# ---- a new checkpoint format through checkpoint/sources/ alone --------------------------------------------------
+
+def _toy_format():
+    """A toy format: an HF model kept in DIR/model/ with a marker DIR/toy.json; reads and writes by HF's object."""
+    from qlm_core.checkpoint.sources.format_api import CheckpointFormat
+    from qlm_core.checkpoint.sources.hf_format import HF_FORMAT
+
+    def sniff(path):
+        return (path / "toy.json").is_file()
+
+    def open_toy(path, options):
+        opened = HF_FORMAT.open(path / "model", options)
+        opened.format, opened.description = "toy", f"toy checkpoint {path}"
+        return opened
+
+    def write(out, layout, weights, dtype, options, progress):
+        (out / "model").mkdir()
+        HF_FORMAT.write(out / "model", layout, weights, dtype, options, progress)
+        (out / "toy.json").write_text("{}")
+
+    def reopen(out, layout, dtype, options):
+        return HF_FORMAT.reopen(out / "model", layout, dtype, options)
+
+    return CheckpointFormat("toy", sniff, open_toy, write, reopen, side_folder="model", hf_logits=False)
+
+
+def test_a_new_format_is_opened_by_every_verb_and_written_by_the_one_conversion(hf_models, tmp_path, monkeypatch):
+    """Registered in registry.FORMATS alone: open_checkpoint (train's model.load, eval, generate) reads it, and the
+    conversion skeleton writes it from an HF model and verifies it, tensors and logits, then reads it back."""
+    import time
+
+    from qlm_core.checkpoint.convert.skeleton import convert_opened
+    from qlm_core.checkpoint.sources import registry
+    from qlm_core.checkpoint.sources.format_api import ReadOptions, WriteOptions
+    from qlm_core.checkpoint.sources.hf_format import HF_FORMAT
+    from qlm_core.checkpoint.sources.open import open_checkpoint
+
+    toy = _toy_format()
+    monkeypatch.setitem(registry.FORMATS, "toy", toy)
+    source = HF_FORMAT.open(hf_models["qwen2"], ReadOptions())
+    result = convert_opened(source, tmp_path / "toy", toy, source.layout, torch.float32, WriteOptions(),
+                            started=time.perf_counter(), verify=True)
+    assert result.verify is not None and result.verify.ok and result.verify.tensors_checked > 0
+    opened = open_checkpoint(tmp_path / "toy")
+    assert opened.description == f"toy checkpoint {tmp_path / 'toy'}"
+    assert (tmp_path / "toy" / "model" / "config.json").is_file()  # its side folder got the config
+    ids = torch.arange(12)[None]
+    layout = ModelLayout(opened.spec)
+    model = GPTModel(opened.spec, padded_vocab=layout.padded_vocab)
+    model.load_state_dict(build_shard(layout, 0, 0, 0, opened.weights), strict=False)
+    original = _qlm(hf_models["qwen2"], "gqa")
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids), original(ids))

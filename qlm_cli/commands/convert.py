@@ -15,7 +15,7 @@ from qlm_cli.choices import ConvertTarget, MegatronFormat, WeightDtype, value_of
 from qlm_cli.render import console, err_console, kv_table, progress_bar
 
 if TYPE_CHECKING:
-    from qlm_core.checkpoint.convert.hf_megatron import ConvertResult
+    from qlm_core.checkpoint.convert.skeleton import ConvertResult
 
 class _ConvertGroup(TyperGroup):
     """`qlm convert SRC --to FORMAT`: a first word that names no verb is a source, for the `to` command."""
@@ -92,7 +92,7 @@ def _report(result: ConvertResult, verifiable: bool = True, skipped_verify: bool
                       ("; the source was scanned for NaN)" if scanned else "; NaN in the source were not looked for)"))
     for note in result.notes:
         console.print(f"[yellow]note[/] {escape(note)}")
-    from qlm_core.checkpoint.convert.hf_megatron import missing_tokenizer_warning
+    from qlm_core.checkpoint.convert.skeleton import missing_tokenizer_warning
 
     missing = missing_tokenizer_warning(result.out) if verifiable else None
     for warning in [*result.warnings, *(result.verify.warnings() if result.verify is not None else []),

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.checkpoint.convert.hf_megatron import write_hf
 from qlm_core.checkpoint.formats.hf.checkpoint import copy_side_files, is_hf_dir, write_hf_config
+from qlm_core.checkpoint.formats.hf.write import write_hf
 from qlm_core.checkpoint.io.staging import probe_writable
 from qlm_core.checkpoint.sources.open import open_checkpoint
 from qlm_core.config import EvalBackend, check_finite, choices

@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
-from qlm_core.checkpoint.formats.deepspeed.checkpoint import resolve_tag_dir
-from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint, is_hf_dir
+from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
+from qlm_core.checkpoint.formats.megatron.format import TORCH_DIST, megatron_format
 from qlm_core.checkpoint.formats.megatron.legacy import (
     LATEST_FILE,
-    is_mcore_torch_dir,
-    resolve_iteration_dir,
 )
 from qlm_core.checkpoint.formats.megatron.open_configured import open_megatron_with
+from qlm_core.checkpoint.sources.megatron_format import run_checkpoint_dir
+from qlm_core.checkpoint.sources.registry import format_of
 from qlm_core.errors import QlmError
 from qlm_core.models.parameters import num_parameters
 
@@ -64,38 +64,24 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _deepspeed_tag_dir(path: Path) -> Path | None:
-    if (path / "latest").is_file():  # the reader's rules: UTF-8, a plain tag name inside the checkpoint
-        return resolve_tag_dir(path)
-    if list(path.glob("*mp_rank_*_model_states.pt")) or list(path.glob("*/*mp_rank_*_model_states.pt")):
-        return path  # a tag directory, or tags without `latest` (the reader then asks for --iteration)
-    return None
-
-
 def detect_format(path: Path, iteration: int | None = None) -> str:
+    """The registry's format of `path` (checkpoint/sources/registry.py), a Megatron one told apart by its layout."""
     if not path.is_dir():
         raise QlmError(f"{path} is not a directory", "point at a checkpoint directory")
-    if (path / LATEST_FILE).exists() or any(re.fullmatch(r"iter_\d{7}|release", p.name) for p in path.iterdir()):
-        if not (path / LATEST_FILE).exists() and iteration is None:
-            raise QlmError(f"{path} has iteration folders but no {LATEST_FILE}", "pass --iteration")
-        iteration_dir, _ = resolve_iteration_dir(path, iteration)
-        if (iteration_dir / "metadata.json").exists() or (iteration_dir / ".metadata").exists():
-            return MCORE_TORCH_DIST
-        if is_mcore_torch_dir(iteration_dir):
-            return MCORE_TORCH
-    if is_hf_dir(path):
-        return HF
-    if _deepspeed_tag_dir(path) is not None:
-        return DEEPSPEED
-    if any(p.name.startswith("mp_rank_") for p in path.iterdir()):
-        return MCORE_TORCH
-    if (path / "metadata.json").exists() and (path / ".metadata").exists():
-        return MCORE_TORCH_DIST
-    raise QlmError(
-        f"cannot tell the checkpoint format of {path}",
-        "expected config.json + weights (HF), latest_checkpointed_iteration.txt (Megatron) or latest + "
-        "global_step*/ (DeepSpeed)",
-    )
+    found = format_of(path)
+    if found is None:
+        raise QlmError(
+            f"cannot tell the checkpoint format of {path}",
+            "expected config.json + weights (HF), latest_checkpointed_iteration.txt (Megatron) or latest + "
+            "global_step*/ (DeepSpeed)",
+        )
+    if found.name != "megatron":
+        return {"hf": HF, "deepspeed": DEEPSPEED}[found.name]
+    root = run_checkpoint_dir(path) or path
+    if not (root / LATEST_FILE).exists() and iteration is None and any(
+            re.fullmatch(r"iter_\d{7}|release", p.name) for p in root.iterdir()):
+        raise QlmError(f"{path} has iteration folders but no {LATEST_FILE}", "pass --iteration")
+    return MCORE_TORCH_DIST if megatron_format(root, iteration) == TORCH_DIST else MCORE_TORCH
 
 
 def inspect_checkpoint(path: str | Path, iteration: int | None = None,

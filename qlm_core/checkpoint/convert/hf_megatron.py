@@ -1,153 +1,31 @@
-"""Streaming conversions between HF and Megatron-Core checkpoints.
-
-Every direction is: open the input as a TensorSource (layout.py), then write the target one file at a time, reading
-only the slices that file needs. Peak memory is one output file plus the slices being copied.
+"""The conversions between HF and Megatron-Core checkpoints (hf2mcore, mcore2hf, mcore2mcore, mcore2peft): each
+opens its source by format (checkpoint/sources/), decides the output layout, dtype and what is written beside the
+weights, and runs the one conversion (skeleton.py). Every direction streams: peak memory is one output file plus
+the slices being copied.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from qlm_core.checkpoint.convert.skeleton import ConvertResult, convert_opened, dir_bytes, parse_dtype
 from qlm_core.checkpoint.convert.train_state import TrainStateCarrier
-from qlm_core.checkpoint.convert.verify import (
-    AUTO_VERIFY_MAX_PARAMS,
-    VerifyReport,
-    compare_logits,
-    compare_tensors,
-    hf_logits_fn,
-    qlm_logits_fn,
-    scan_nan,
-)
-from qlm_core.checkpoint.formats.hf.checkpoint import (
-    HFCheckpoint,
-    copy_side_files,
-    is_hf_dir,
-    plan_hf_shards,
-    shard_file_names,
-    write_hf_config,
-    write_hf_index,
-    write_hf_shard,
-)
+from qlm_core.checkpoint.formats.hf.checkpoint import is_hf_dir, write_hf_config
+from qlm_core.checkpoint.formats.hf.write import write_hf
 from qlm_core.checkpoint.formats.megatron.args import make_args, set_layout_args
-from qlm_core.checkpoint.formats.megatron.configured import config_dir
-from qlm_core.checkpoint.formats.megatron.format import TORCH, TORCH_DIST, check_format, open_megatron
-from qlm_core.checkpoint.formats.megatron.legacy import (
-    HF_SIDE_DIR,
-    SHARD_FILE,
-    check_legacy_experts,
-    iteration_dir_name,
-    legacy_shard_ranks,
-    shard_dir_name,
-    write_latest,
-    write_shard_file,
-)
-from qlm_core.checkpoint.formats.megatron.legacy_stream import STREAMING, StageWriter
-from qlm_core.checkpoint.formats.megatron.open_configured import open_megatron_with
+from qlm_core.checkpoint.formats.megatron.format import TORCH, check_format, open_megatron
+from qlm_core.checkpoint.formats.megatron.legacy import HF_SIDE_DIR, check_legacy_experts
+from qlm_core.checkpoint.io.progress import Progress, no_progress
 from qlm_core.checkpoint.io.staging import check_output_dir, staged_output
-from qlm_core.checkpoint.sources.open import megatron_weights
-from qlm_core.dtypes import dtype_named
+from qlm_core.checkpoint.sources.format_api import ReadOptions, WriteOptions
+from qlm_core.checkpoint.sources.hf_format import HF_FORMAT
+from qlm_core.checkpoint.sources.megatron_format import MEGATRON_FORMAT
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import (
-    HFTensorSource,
-    ModelLayout,
-    TensorSource,
-    assemble_hf_tensor,
-    build_shard,
-)
-from qlm_core.models.parameters import num_parameters
-
-Progress = Callable[[int, int, str], None]  # (done, total, what)
-
-
-def no_progress(done: int, total: int, what: str):
-    pass
-
-
-@dataclass
-class ConvertResult:
-    out: Path
-    files: int
-    bytes_written: int
-    seconds: float
-    verify: VerifyReport | None
-    notes: list[str] = field(default_factory=list)  # what was not carried over, and why
-    warnings: list[str] = field(default_factory=list)  # what the output lost or the source holds (warning lines)
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    return dtype_named(dtype, "--dtype")
-
-
-def should_verify(verify: bool | None, spec) -> bool:
-    return verify if verify is not None else num_parameters(spec) <= AUTO_VERIFY_MAX_PARAMS
-
-
-def unverified_warnings(verify: bool | None, spec, source: tuple[ModelLayout, TensorSource]) -> list[str]:
-    """A conversion that is not verified because the model is large (verify left at its default) still scans the
-    source for NaN, which every direction copies bit for bit: the warning names the tensor. An explicit
-    --no-verify skips the scan too (the CLI says so)."""
-    if verify is not None or should_verify(None, spec):
-        return []
-    report = VerifyReport()
-    scan_nan(report, source)
-    return report.warnings()
-
-
-def missing_tokenizer_warning(out: Path) -> str | None:
-    """A converted model without tokenizer files (none beside the source): every later verb needs one named."""
-    from qlm_core.checkpoint.sources.open import tokenizer_near
-
-    if tokenizer_near(Path(out)) is not None:
-        return None
-    return (f"{out} has no tokenizer files (there were none beside the source): qlm eval, generate and train will "
-            "need --tokenizer / model.tokenizer, or copy tokenizer.json and tokenizer_config.json in")
-
-
-def dir_bytes(path: Path) -> tuple[int, int]:
-    files = [p for p in path.rglob("*") if p.is_file()]
-    return len(files), sum(p.stat().st_size for p in files)
-
-
-def finish_report(report: VerifyReport | None):
-    if report is not None and not report.ok:
-        raise QlmError(f"verification failed: {report.summary()}", "nothing was written; please report this bug")
-
-
-def write_mcore_torch(root: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype,
-                      args: argparse.Namespace, iteration: int | None, progress: Progress,
-                      extra_for: Callable[[int, int, int], dict] | None = None):
-    """One rank folder per (TP, PP, EP) position Megatron writes (megatron_legacy.legacy_shard_ranks)."""
-    iteration_dir = root / iteration_dir_name(iteration)
-    ranks = legacy_shard_ranks(layout.tp, layout.ep, layout.etp)
-    total = len(ranks) * layout.pp
-    streams = STREAMING and isinstance(source, HFTensorSource) and isinstance(source.hf, HFCheckpoint)
-    for pp_rank in range(layout.pp):
-        stage = StageWriter(source.hf) if streams else None  # the stage's files filled together, at the end
-        for index, (tp_rank, ep_rank) in enumerate(ranks):
-            name = shard_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
-            progress(pp_rank * len(ranks) + index, total, name)
-            etp_rank = tp_rank % layout.etp
-            chunks = [build_shard(layout, tp_rank, pp_rank, c, stage.source if stage else source, dtype, ep_rank,
-                                  etp_rank) for c in range(layout.vpp)]
-            extra = extra_for(tp_rank, pp_rank, ep_rank) if extra_for is not None else None
-            path = iteration_dir / name / SHARD_FILE
-            if stage is None:
-                write_shard_file(path, chunks, args, iteration, extra)
-            else:
-                stage.add_file(path, write_shard_file(path, chunks, args, iteration, extra, tensor_bytes=False))
-            del chunks
-        if stage is not None:
-            stage.fill()
-    progress(total, total, "done")
-    write_latest(root, iteration)
+from qlm_core.models.layout import ModelLayout
 
 
 def expert_layout(spec, ep: int, etp: int | None) -> dict:
@@ -174,88 +52,16 @@ def hf_to_mcore(
     `etp`: expert parallel and expert tensor parallel sizes (MoE models; etp None: tp)."""
     started = time.perf_counter()
     check_format(format)
-    src = HFCheckpoint(hf)
+    src = HF_FORMAT.open(Path(hf), ReadOptions())
     out = Path(out)
-    check_output_dir(out, force, src.path)
+    check_output_dir(out, force, src.root)
     layout = ModelLayout(src.spec, tp, pp, vpp, first_stage_layers, last_stage_layers, make_vocab_size_divisible_by,
                          **expert_layout(src.spec, ep, etp))
     check_output_layout(layout, format)
-    src.check_shapes({name: layout.hf_shape(name) for name in layout.hf_tensors})
-    dtype = parse_dtype(dtype) or src.weights_dtype
-    source = HFTensorSource(src)
-    report = None
-    with staged_output(out, force) as tmp:
-        write_megatron(format, tmp, layout, source, dtype, make_args(layout, dtype, ckpt_format=format), None, progress)
-        copy_side_files(src.path, tmp / HF_SIDE_DIR)
-        if should_verify(verify, src.spec):
-            report = VerifyReport()
-            written = open_megatron(tmp)
-            compare_tensors(report, (layout, source), (written.layout, written), dtype)
-            compare_logits(report, hf_logits_fn(src.path, dtype), qlm_logits_fn(written.layout, written, dtype),
-                           src.spec)
-            finish_report(report)
-    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report,
-                         warnings=unverified_warnings(verify, src.spec, (layout, source)))
-
-
-def write_megatron(format: str, root: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype,
-                   args: argparse.Namespace, iteration: int | None, progress: Progress,
-                   carrier: TrainStateCarrier | None = None):
-    """A Megatron checkpoint in `format`; `carrier`: a training run's state to write beside the weights."""
-    if format == TORCH_DIST:
-        from qlm_core.checkpoint.formats.megatron.torch_dist_write import write_mcore_torch_dist  # imports DCP
-
-        write_mcore_torch_dist(root, layout, source, dtype, args, iteration, progress,
-                               carrier.common_extra() if carrier else None, carrier.dist_parts() if carrier else [])
-    else:
-        extra_for = carrier.extra_for if carrier else None
-        write_mcore_torch(root, layout, source, dtype, args, iteration, progress, extra_for)
-
-
-def write_hf(out: Path, layout: ModelLayout, source: TensorSource, dtype: torch.dtype, max_shard_bytes: int,
-             progress: Progress):
-    sizes = {
-        name: torch.Size(layout.hf_shape(name)).numel() * dtype.itemsize for name in layout.hf_tensors
-    }
-    shards = plan_hf_shards(sizes, max_shard_bytes)
-    files = shard_file_names(len(shards))
-    weight_map = {}
-    for i, (names, file) in enumerate(zip(shards, files, strict=True)):
-        progress(i, len(shards), file)
-        tensors = {name: assemble_hf_tensor(layout, name, source, dtype) for name in names}
-        write_hf_shard(out / file, tensors)
-        weight_map.update({name: file for name in names})
-        del tensors
-    progress(len(shards), len(shards), "done")
-    if len(shards) > 1:
-        write_hf_index(out, weight_map, sum(sizes.values()))
-
-
-def open_for_export(mcore: str | Path, iteration: int | None, out: str | Path, force: bool,
-                    dtype: str | torch.dtype | None, config: str | Path | None = None) -> tuple:
-    """A Megatron checkpoint opened to be written elsewhere: (checkpoint, output path — checked to be writable —,
-    output dtype — the checkpoint's unless given —, its weights — a LoRA run: the base merged with the adapters —,
-    the directory of its HF config and tokenizer files: the `config` directory when one is given).
-    `config` (--config: HF directory or preset) supplies the architecture of a checkpoint without Megatron args
-    and is checked against one with them (megatron_open.py)."""
-    src = open_megatron_with(mcore, iteration, config)
-    out = Path(out)
-    check_output_dir(out, force, src.root)
     dtype = parse_dtype(dtype) or src.dtype
-    source, side_dir = megatron_weights(src)
-    return src, out, dtype, source, config_dir(config) or side_dir
-
-
-def write_export_config(out: Path, side_dir: Path, spec, dtype: torch.dtype, config: str | Path | None,
-                        copy=copy_side_files):
-    """OUT/config.json (+ tokenizer and generation config). A preset --config describes the model: its config is
-    written from the spec, the tokenizer files still come from the checkpoint's side directory."""
-    if config is not None and config_dir(config) is None:
-        if side_dir.is_dir():
-            copy(side_dir, out)
-        write_hf_config(out, None, spec, dtype)
-    else:
-        write_hf_config(out, side_dir, spec, dtype, copy=copy)
+    options = WriteOptions(megatron_format=format, args=make_args(layout, dtype, ckpt_format=format))
+    return convert_opened(src, out, MEGATRON_FORMAT, layout, dtype, options, started=started, force=force,
+                          verify=verify, progress=progress)
 
 
 def mcore_to_hf(
@@ -266,19 +72,13 @@ def mcore_to_hf(
     """`config`: an HF directory or preset naming the architecture (needed when the checkpoint stores no Megatron
     args and has no run_config.yaml); the export then has exactly its vocab_size rows (no Megatron padding)."""
     started = time.perf_counter()
-    src, out, dtype, source, side_dir = open_for_export(mcore, iteration, out, force, dtype, config)
-    report = None
-    with staged_output(out, force) as tmp:
-        write_hf(tmp, src.layout, source, dtype, int(max_shard_size_gb * 2**30), progress)
-        write_export_config(tmp, side_dir, src.spec, dtype, config)
-        if should_verify(verify, src.spec):
-            report = VerifyReport()
-            written = HFCheckpoint(tmp)
-            compare_tensors(report, (src.layout, source), (src.layout, HFTensorSource(written)), dtype)
-            compare_logits(report, qlm_logits_fn(src.layout, source, dtype), hf_logits_fn(tmp, dtype), src.spec)
-            finish_report(report)
-    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report,
-                         warnings=unverified_warnings(verify, src.spec, (src.layout, source)))
+    src = MEGATRON_FORMAT.open(Path(mcore), ReadOptions(iteration=iteration, config=config))
+    out = Path(out)
+    check_output_dir(out, force, src.root)
+    dtype = parse_dtype(dtype) or src.dtype
+    options = WriteOptions(max_shard_bytes=int(max_shard_size_gb * 2**30))
+    return convert_opened(src, out, HF_FORMAT, src.layout, dtype, options, started=started, force=force,
+                          verify=verify, progress=progress)
 
 
 def mcore_to_mcore(
@@ -289,12 +89,14 @@ def mcore_to_mcore(
     progress: Progress = no_progress, format: str | None = None, config: str | Path | None = None,
 ) -> ConvertResult:
     """`format`: "torch" or "torch_dist" (default: the source's). The output also carries qlm's training state
-    (Adam states re-sliced like the weights, step, train state, scheduler; see train_state.py)."""
+    (Adam states re-sliced like the weights, step, train state, scheduler; see train_state.py); a LoRA run's
+    adapters stay adapters."""
     started = time.perf_counter()
-    src = open_megatron_with(mcore, iteration, config)
-    format = check_format(format or src.ckpt_format)
-    if src.lora is not None and not src.holds_base:
-        raise QlmError(f"{src.root} holds only LoRA adapters", "export them with mcore2peft, or merged with mcore2hf")
+    src = MEGATRON_FORMAT.open(Path(mcore), ReadOptions(iteration=iteration, config=config, keep_adapters=True))
+    ckpt = src.reader
+    format = check_format(format or ckpt.ckpt_format)
+    if ckpt.lora is not None and not ckpt.holds_base:
+        raise QlmError(f"{ckpt.root} holds only LoRA adapters", "export them with mcore2peft, or merged with mcore2hf")
     out = Path(out)
     check_output_dir(out, force, src.root)
     divisible = make_vocab_size_divisible_by or src.layout.make_vocab_size_divisible_by
@@ -302,30 +104,16 @@ def mcore_to_mcore(
                          **expert_layout(src.spec, ep, etp))
     check_output_layout(layout, format)
     dtype = parse_dtype(dtype) or src.dtype
-    if src.args_from == "checkpoint":
-        args = set_layout_args(argparse.Namespace(**vars(src.args)), layout, dtype)
+    if ckpt.args_from == "checkpoint":
+        args = set_layout_args(argparse.Namespace(**vars(ckpt.args)), layout, dtype)
     else:  # no Megatron args stored: complete ones from the architecture (--config or run_config.yaml)
-        args = make_args(layout, dtype, iteration=src.iteration or 0)
+        args = make_args(layout, dtype, iteration=ckpt.iteration or 0)
     args.ckpt_format = format
-    carrier = TrainStateCarrier(src, layout)
-    notes = list(carrier.notes)
-    report = None
-    with staged_output(out, force) as tmp:
-        write_megatron(format, tmp, layout, src, dtype, args, src.iteration, progress, carrier)
-        if config is not None or (src.root / HF_SIDE_DIR).is_dir():  # the written checkpoint describes itself
-            (tmp / HF_SIDE_DIR).mkdir()
-            write_export_config(tmp / HF_SIDE_DIR, config_dir(config) or src.root / HF_SIDE_DIR, src.spec, dtype,
-                                config)
-        if should_verify(verify, src.spec):
-            report = VerifyReport()
-            written = open_megatron(tmp, src.iteration, spec=src.spec)
-            compare_tensors(report, (src.layout, src), (written.layout, written), dtype)
-            carrier.verify(report, tmp)
-            compare_logits(report, qlm_logits_fn(src.layout, src, dtype), qlm_logits_fn(written.layout, written, dtype),
-                           src.spec)
-            finish_report(report)
-    return ConvertResult(out, *dir_bytes(out), time.perf_counter() - started, report, notes,
-                         unverified_warnings(verify, src.spec, (src.layout, src)))
+    carrier = TrainStateCarrier(ckpt, layout)
+    options = WriteOptions(megatron_format=format, args=args, iteration=ckpt.iteration, carrier=carrier,
+                           reopen_spec=src.spec)
+    return convert_opened(src, out, MEGATRON_FORMAT, layout, dtype, options, started=started, force=force,
+                          verify=verify, progress=progress, notes=tuple(carrier.notes))
 
 
 PEFT_BASE_DIR = "base"  # inside a PEFT export: the base model as HF, when the adapters' base is not one
@@ -361,7 +149,7 @@ def mcore_to_peft(mcore: str | Path, out: str | Path, *, iteration: int | None =
     from qlm_core.checkpoint.formats.hf.peft import export_peft
 
     started = time.perf_counter()
-    src = open_megatron_with(mcore, iteration, config)
+    src = MEGATRON_FORMAT.open(Path(mcore), ReadOptions(iteration=iteration, config=config, keep_adapters=True)).reader
     if src.lora is None:
         raise QlmError(f"{src.dir} holds no LoRA adapters", "export full models with mcore2hf")
     out = Path(out)

@@ -1,8 +1,8 @@
 """`qlm convert SRC --to FORMAT`: one entry for every pair of formats qlm reads and writes. The source's format is
-detected (describe.detect_format; a qlm run directory reads as its checkpoints), the direction is looked up in
-DIRECTIONS, and the options that direction takes are handed to it; an option it does not take is one line naming
-it. The directions are the functions behind the named verbs (hf2mcore, mcore2hf, ...), which stay as aliases with
-the same flags and outputs."""
+the registry's (checkpoint/sources/registry.py; a qlm run directory reads as its checkpoints), the direction is
+looked up in DIRECTIONS, and the options that direction takes are handed to it; an option it does not take is one
+line naming it. The directions are the functions behind the named verbs (hf2mcore, mcore2hf, ...), which stay as
+aliases with the same flags and outputs; each runs the one conversion of skeleton.py."""
 
 from __future__ import annotations
 
@@ -12,16 +12,10 @@ from pathlib import Path
 from typing import get_args
 
 from qlm_core.checkpoint.convert.deepspeed import ds_to_hf, ds_to_mcore, hf_to_ds, mcore_to_ds
-from qlm_core.checkpoint.convert.describe import DEEPSPEED, HF, MCORE_TORCH, MCORE_TORCH_DIST, detect_format
-from qlm_core.checkpoint.convert.hf_megatron import (
-    ConvertResult,
-    hf_to_mcore,
-    mcore_to_hf,
-    mcore_to_mcore,
-    mcore_to_peft,
-    no_progress,
-)
-from qlm_core.checkpoint.sources.open import run_checkpoint_dir
+from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf, mcore_to_mcore, mcore_to_peft
+from qlm_core.checkpoint.convert.skeleton import ConvertResult
+from qlm_core.checkpoint.io.progress import no_progress
+from qlm_core.checkpoint.sources.registry import format_of
 from qlm_core.config import ConvertTargetName
 from qlm_core.errors import QlmError
 
@@ -72,7 +66,7 @@ class Direction:
     verifies: bool = True  # takes --verify
 
 
-MEGATRON = "megatron"  # either Megatron format as a source
+HF, MEGATRON, DEEPSPEED = "hf", "megatron", "deepspeed"  # the registry's format names (Megatron: either format)
 DIRECTIONS: dict[tuple[str, str], Direction] = {
     (HF, "torch"): Direction(hf_to_mcore, (*_LAYOUT, "dtype"), "hf2mcore", (("format", "torch"),)),
     (HF, "torch_dist"): Direction(hf_to_mcore, (*_LAYOUT, "dtype"), "hf2mcore --format torch_dist",
@@ -93,13 +87,16 @@ DIRECTIONS: dict[tuple[str, str], Direction] = {
 }
 
 
-def source_kind(src: Path, iteration: int | None) -> tuple[str, Path]:
-    """(hf | megatron | deepspeed, the directory the direction reads): a qlm run directory is its checkpoints."""
-    checkpoints = run_checkpoint_dir(src) if src.is_dir() else None
-    if checkpoints is not None:
-        return MEGATRON, checkpoints
-    fmt = detect_format(src, iteration)
-    return (MEGATRON if fmt in (MCORE_TORCH, MCORE_TORCH_DIST) else fmt), src
+def source_kind(src: Path) -> str:
+    """hf | megatron | deepspeed: the format of the directory SRC (a qlm run directory: megatron)."""
+    if not src.is_dir():
+        raise QlmError(f"{src} is not a directory", "point at a checkpoint directory")
+    found = format_of(src)
+    if found is None:
+        raise QlmError(f"cannot tell the checkpoint format of {src}",
+                       "expected config.json + weights (HF), latest_checkpointed_iteration.txt (Megatron) or latest + "
+                       "global_step*/ (DeepSpeed)")
+    return found.name
 
 
 def convert(src: str | Path, out: str | Path, to: str, options: ConvertOptions = ConvertOptions(), *,
@@ -107,7 +104,8 @@ def convert(src: str | Path, out: str | Path, to: str, options: ConvertOptions =
     """SRC (any format qlm reads) -> OUT in format `to`, by the direction the pair names."""
     if to not in TARGETS:
         raise QlmError(f"--to {to!r} is not a format qlm writes", f"use one of {', '.join(TARGETS)}")
-    kind, path = source_kind(Path(src), options.iteration)
+    path = Path(src)
+    kind = source_kind(path)
     direction = DIRECTIONS.get((kind, to))
     if direction is None:
         reachable = sorted(t for k, t in DIRECTIONS if k == kind)
