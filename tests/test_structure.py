@@ -122,3 +122,21 @@ print("\\n".join(failed))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "", proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_cli_commands_stay_thin():
+    """The verbs keep their policy in qlm_core: past the options it declares, no function of qlm_cli runs more
+    than 40 lines (options -> one or two calls -> render, as `qlm eval` does)."""
+    import ast
+
+    long = []
+    for path in sorted((ROOT / "qlm_cli").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]  # the docstring
+            if body and body[-1].end_lineno - body[0].lineno + 1 > 40:
+                long.append(f"{path.relative_to(ROOT)}:{node.name} ({body[-1].end_lineno - body[0].lineno + 1})")
+    assert not long, f"CLI functions doing the core's work: {', '.join(long)}"

@@ -12,7 +12,6 @@ import typer
 
 from qlm_cli.choices import WeightDtype
 from qlm_cli.render import err_console
-from qlm_core.errors import QlmError
 
 
 def _write(text: str):
@@ -65,7 +64,7 @@ def generate_command(
 ):
     """Answer prompts with a checkpoint: its tokenizer's chat template, KV-cache decoding, greedy unless
     --temperature; a turn ends at eos or the template's end-of-turn token. One answer streams as it is decoded."""
-    from qlm_core.decode.generator import Generator
+    from qlm_core.decode.generator import Generator, check_batching
     from qlm_core.decode.prompt_input import collect_prompts
     from qlm_core.decode.prompts import Prompting, TextStream
     from qlm_core.decode.sampling import Sampling, check_sampling
@@ -73,10 +72,7 @@ def generate_command(
 
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     check_sampling(sampling, max_new_tokens)
-    if batch_size < 1:
-        raise QlmError(f"--batch-size {batch_size} holds no prompt", "pass --batch-size 1 or more")
-    if iteration is not None and iteration < 0:
-        raise QlmError(f"--iteration {iteration} is negative", "pass an iteration of the checkpoint, or drop it")
+    check_batching(batch_size, iteration)
     prompts = collect_prompts(prompt or [], prompt_file,
                               lambda text: err_console.print(text, markup=False, highlight=False))
     if hasattr(sys.stdout, "reconfigure"):  # a terminal that cannot show a character gets "?", not a crash
@@ -85,10 +81,9 @@ def generate_command(
                                iteration=iteration)
     encoded = generator.encode(prompts)  # every prompt checked before the weights are read
     generator.load(DTYPES[dtype.value])
-    longest = max(len(ids) for ids in encoded)
-    if longest + max_new_tokens > generator.context:
-        err_console.print(f"warning: answers stop at the context window of {generator.context} tokens (the longest "
-                          f"prompt has {longest})", markup=False, highlight=False, soft_wrap=True)
+    warning = generator.window_warning(encoded, max_new_tokens)
+    if warning:
+        err_console.print(warning, markup=False, highlight=False, soft_wrap=True)
     stream = TextStream(generator.tokenizer, generator.stops) if len(prompts) == 1 and not jsonl else None
     on_token = (lambda _row, token: _write(stream.push(token))) if stream is not None else None
     for start in range(0, len(prompts), batch_size):

@@ -207,8 +207,9 @@ def profile(
     device, eff, allowance = machine.device(), machine.rates(), machine.allowance()
     if recipe is None and model is not None:  # the user's model: say what else was assumed
         given = {k for k, v in layout_options.items() if v is not None}
-        case = _resolve_model_case(case, given, num_gpus, search, device, eff, allowance,
-                                   defaults={"seq": seq_len, "mbs": mbs, "gbs": gbs, "dtype": dtype}, quiet=json_out)
+        assumed = [flag for flag, value in (("--seq-len", seq_len), ("--mbs", mbs), ("--gbs", gbs),
+                                            ("--dtype", dtype)) if value is None]
+        case = _resolve_model_case(case, given, num_gpus, search, device, eff, allowance, assumed, json_out)
     if search:
         _search(case, device, eff, allowance, top, json_out, plot)
     else:
@@ -273,34 +274,16 @@ def _one_layout(case, device, eff, allowance, probe: bool, steps: int, max_ranks
 
 
 def _resolve_model_case(case, given: set[str], num_gpus: int | None, search: bool, device, eff, allowance,
-                        defaults: dict, quiet: bool):
-    """--model without a recipe: with no layout option, the smallest layout that fits (the fewest devices, then the
-    fastest); then one line naming the resolved case and which of its values are defaults."""
-    from qlm_core.profile.search import smallest_fitting
+                        assumed: list[str], quiet: bool):
+    """--model without a recipe: profile/search.resolve_model_case, under a progress bar when it searches."""
+    from qlm_core.profile.search import resolve_model_case
 
-    if given:
-        how = (f"layout from {', '.join(sorted('--' + k.replace('_stage', '').replace('_', '-') for k in given))}, "
-               f"the rest qlm's defaults")
+    if given:  # the layout is the user's: nothing to search
+        case, line = resolve_model_case(case, given, num_gpus, search, device, eff, allowance, assumed)
     else:
         with progress_bar("smallest layout that fits") as report_progress:
-            found = smallest_fitting(case, device, eff, allowance, num_gpus=num_gpus,
-                                     progress=lambda done, total: report_progress(done, total, "layouts"))
-        if found is None:
-            how = (f"no layout fits {num_gpus or 'up to 4096'} x {device.name}: qlm's default layout shown "
-                   f"(try --search, --seq-len, --recompute full)")
-        elif search:
-            case = case.replace(num_gpus=found.fitting[0].case.num_gpus)
-            how = f"the fewest devices where a layout fits: {case.num_gpus}"
-        else:
-            case = found.fitting[0].case
-            how = "the smallest layout that fits (fewest devices, then fastest; any layout option fixes it)"
-    assumed = [name for name, value in (("--seq-len", defaults["seq"]), ("--mbs", defaults["mbs"]),
-                                        ("--gbs", defaults["gbs"]), ("--dtype", defaults["dtype"])) if value is None]
-    line = (f"resolved case: {case.model_name}, seq {case.seq_len}, micro-batch {case.micro_batch_size}, global "
-            f"batch {case.global_batch_size}, {case.dtype}"
-            + (f" ({', '.join(assumed)} not given: defaults)" if assumed else "")
-            + (f"; {case.describe()} on {case.num_gpus} x {device.name}" if not search else "")
-            + f"; {how}")
+            case, line = resolve_model_case(case, given, num_gpus, search, device, eff, allowance, assumed,
+                                            lambda done, total: report_progress(done, total, "layouts"))
     (err_console if quiet else console).print(line, markup=False, highlight=False, soft_wrap=True)
     return case
 

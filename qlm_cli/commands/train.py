@@ -46,71 +46,75 @@ class RunView:
         self.plain: PlainProgress | None = None  # without a terminal: plain step lines now and then
 
     def __call__(self, event):
-        data = event.data
-        if event.kind == "start":
-            console.print(kv_table("run", {
-                "layout": data["layout"], "model": data.get("resumed") or data["model"],
-                # a resumed run's weights are its checkpoint's; model.load still gives a reference, LoRA's base
-                **({"started from": data["model"]} if data.get("resumed") and not data["model"].startswith(
-                    "random init") else {}),
-                "parameters": parameters_text(data["params"], data.get("active_params")),
-                "train samples": data["train_samples"], "steps": f"{data['start_step']} -> {data['steps']}",
-                **({"compile": data["compile"]} if data.get("compile") else {}),
-                "peak for MFU": f"{data['peak_tflops']:.3g} TFLOP/s ({data['peak_source']})",
-            }))
-            if data.get("truncated"):
-                console.print(f"{data['truncated']} preference records were truncated to fit (preference."
-                              "max_length / max_prompt_length / data.seq_length)", markup=False, highlight=False)
-            self.total, self.started = data["steps"], time.monotonic()
-            if not console.is_terminal:  # nohup, Slurm, | tee: a rich bar would show nothing until the end
-                self.plain = PlainProgress(lambda line: console.print(line, markup=False, highlight=False,
-                                                                      soft_wrap=True), first=True)
-                return
-            self.progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[figures]}"),
-                TimeRemainingColumn(), console=console, transient=False,
-            )
-            self.progress.start()
-            self.task = self.progress.add_task("train", total=data["steps"], completed=data["start_step"],
-                                               figures="")
-        elif event.kind == "step":
-            m = data["metrics"]
-            figures = (f"loss {m.loss:.4f} lr {m.lr:.2e} {m.tokens_per_s:,.0f} tok/s {m.s_per_sample:.3f} s/sample "
-                       f"{m.tflops_per_device:.3g} TFLOP/s MFU {m.mfu:.3f} mem {m.mem_peak_gb:.2f} GB"
-                       + (f" acc {m.preference['rewards/accuracies']:.2f} margin "
-                          f"{m.preference['rewards/margins']:.3f}" if m.preference else ""))
-            if self.plain is not None:
-                elapsed = time.monotonic() - self.started
-                self.plain(f"step {m.step}/{self.total} {figures}{' skipped' if m.skipped else ''} "
-                           f"({elapsed:.0f} s elapsed)", m.step, self.total)
-                return
-            self.progress.update(self.task, completed=m.step, figures=figures + (" [red]skipped[/]" if m.skipped
-                                                                                   else ""))
-        elif event.kind == "eval":
-            figures = data.get("figures")
-            extra = (f", accuracy {figures['rewards/accuracies']:.3f}, margin {figures['rewards/margins']:.3f}"
-                     if figures else "")
-            console.print(f"step {data['step']}: validation loss {data['loss']:.4f}{extra}")
-        elif event.kind == "checkpoint":
-            console.print(f"step {data['step']}: checkpoint saved")
-        elif event.kind == "compile":
-            console.print(f"compiled the decoder layers in the first step: {data['seconds']:.1f} s")
-        elif event.kind == "end":
-            if self.progress is not None:
-                self.progress.stop()
-            summary = data["summary"]
-            table = Table(title="summary", title_justify="left", show_header=False)
-            for key in ("steps", "first_loss", "last_loss", "valid_loss", "s_per_sample", "tokens_per_s",
-                        "tflops_per_device", "mfu", "mem_peak_gb", "skipped_steps", "run_dir", "plot"):
-                if key in summary and summary[key] is not None:
-                    value = summary[key]
-                    table.add_row(key, f"{value:.4g}" if isinstance(value, float) else escape(str(value)))
-            console.print(table)
-            if summary.get("finished_earlier"):
-                console.print(f"the run had already finished at step {summary['steps']}: nothing was trained, "
-                              "its logs and summary.json are as they were", markup=False, highlight=False)
-            if "stopped" in summary:  # a signal or train.exit_duration_minutes: where to resume from
-                err_console.print(escape(summary["stopped"]["line"]), highlight=False, soft_wrap=True)
+        getattr(self, f"_on_{event.kind}")(event.data)
+
+    def _on_start(self, data):
+        console.print(kv_table("run", {
+            "layout": data["layout"], "model": data.get("resumed") or data["model"],
+            # a resumed run's weights are its checkpoint's; model.load still gives a reference, LoRA's base
+            **({"started from": data["model"]} if data.get("resumed") and not data["model"].startswith(
+                "random init") else {}),
+            "parameters": parameters_text(data["params"], data.get("active_params")),
+            "train samples": data["train_samples"], "steps": f"{data['start_step']} -> {data['steps']}",
+            **({"compile": data["compile"]} if data.get("compile") else {}),
+            "peak for MFU": f"{data['peak_tflops']:.3g} TFLOP/s ({data['peak_source']})",
+        }))
+        if data.get("truncated"):
+            console.print(f"{data['truncated']} preference records were truncated to fit (preference."
+                          "max_length / max_prompt_length / data.seq_length)", markup=False, highlight=False)
+        self.total, self.started = data["steps"], time.monotonic()
+        if not console.is_terminal:  # nohup, Slurm, | tee: a rich bar would show nothing until the end
+            self.plain = PlainProgress(lambda line: console.print(line, markup=False, highlight=False,
+                                                                  soft_wrap=True), first=True)
+            return
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[figures]}"),
+            TimeRemainingColumn(), console=console, transient=False,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=data["steps"], completed=data["start_step"], figures="")
+
+    def _on_step(self, data):
+        m = data["metrics"]
+        figures = (f"loss {m.loss:.4f} lr {m.lr:.2e} {m.tokens_per_s:,.0f} tok/s {m.s_per_sample:.3f} s/sample "
+                   f"{m.tflops_per_device:.3g} TFLOP/s MFU {m.mfu:.3f} mem {m.mem_peak_gb:.2f} GB"
+                   + (f" acc {m.preference['rewards/accuracies']:.2f} margin "
+                      f"{m.preference['rewards/margins']:.3f}" if m.preference else ""))
+        if self.plain is not None:
+            elapsed = time.monotonic() - self.started
+            self.plain(f"step {m.step}/{self.total} {figures}{' skipped' if m.skipped else ''} "
+                       f"({elapsed:.0f} s elapsed)", m.step, self.total)
+            return
+        self.progress.update(self.task, completed=m.step, figures=figures + (" [red]skipped[/]" if m.skipped else ""))
+
+    def _on_eval(self, data):
+        figures = data.get("figures")
+        extra = (f", accuracy {figures['rewards/accuracies']:.3f}, margin {figures['rewards/margins']:.3f}"
+                 if figures else "")
+        console.print(f"step {data['step']}: validation loss {data['loss']:.4f}{extra}")
+
+    def _on_checkpoint(self, data):
+        console.print(f"step {data['step']}: checkpoint saved")
+
+    def _on_compile(self, data):
+        console.print(f"compiled the decoder layers in the first step: {data['seconds']:.1f} s")
+
+    def _on_end(self, data):
+        if self.progress is not None:
+            self.progress.stop()
+        summary = data["summary"]
+        table = Table(title="summary", title_justify="left", show_header=False)
+        for key in ("steps", "first_loss", "last_loss", "valid_loss", "s_per_sample", "tokens_per_s",
+                    "tflops_per_device", "mfu", "mem_peak_gb", "skipped_steps", "run_dir", "plot"):
+            if key in summary and summary[key] is not None:
+                value = summary[key]
+                table.add_row(key, f"{value:.4g}" if isinstance(value, float) else escape(str(value)))
+        console.print(table)
+        if summary.get("finished_earlier"):
+            console.print(f"the run had already finished at step {summary['steps']}: nothing was trained, "
+                          "its logs and summary.json are as they were", markup=False, highlight=False)
+        if "stopped" in summary:  # a signal or train.exit_duration_minutes: where to resume from
+            err_console.print(escape(summary["stopped"]["line"]), highlight=False, soft_wrap=True)
 
 
 def train(
@@ -137,40 +141,51 @@ def train(
         "OUTPUT.replaced-TIME (nothing is deleted) before the new run writes anything.")] = False,
 ):
     """Pretrain, fine-tune (SFT) or LoRA-tune a model. Starts torchrun itself unless already under torchrun/srun."""
+    from qlm_core.train.plan import RunStart
+
     sets = list(set_ or [])
     resolved = load_recipe(recipe, sets)
     if output:
         resolved.train.output = output
     if resume is not None:
         resolved.checkpoint.resume = resume
-    lock = None
-    if not under_launcher():
-        from qlm_core.train.plan import local_dp_note, plan_run, world_size
-        from qlm_core.train.run_dir import claim_run_dir
-        from qlm_core.train.wandb_log import check_wandb
-
-        check_wandb(resolved.logging, Path(resolved.train.output))  # before any process starts
-        per_node, world = world_size(resolved, nproc_per_node, nnodes)
-        plan = plan_run(resolved, world, check_files=not dry_run, start_over=force)
-        for line in [*filter(None, [local_dp_note(resolved, nproc_per_node)]), *plan.warnings]:
-            _notice(line)
-        if dry_run:
-            _print_dry_run(resolved, plan)
-            return
-        if node_rank == 0:  # node 0's launcher holds the run directory; its rank 0 inherits the lock
-            lock = claim_run_dir(Path(resolved.train.output), resolved.checkpoint.resume, force, _notice)
+    start = RunStart.of(resolved, force=force, dry_run=dry_run)
+    if under_launcher():  # a rank (srun, a user's torchrun, or qlm's launch below)
+        _train_here(resolved, start.for_ranks(launcher_claimed=False))
+        return
+    per_node, plan = _plan_launch(resolved, nproc_per_node, nnodes, start)
+    if start.dry_run:
+        _print_dry_run(resolved, plan)
+        return
+    lock = start.claim(_notice) if start.launcher_claims(node_rank) else None  # its workers inherit the lock
     try:
-        if not under_launcher() and relaunch_if_needed(
-                LaunchConfig(per_node, nnodes, node_rank, master_addr, master_port),
-                _argv_for_workers(recipe, sets, resolved.train.output, resume), "training"):
+        if relaunch_if_needed(LaunchConfig(per_node, nnodes, node_rank, master_addr, master_port),
+                              _argv_for_workers(recipe, sets, resolved.train.output, resume), "training"):
             return
-        from qlm_core.train.trainer import Trainer
-
-        summary = Trainer(resolved, Path(resolved.train.output), on_event=RunView(),
-                          force=force and under_launcher()).run()  # srun, a user's torchrun: rank 0 moves it aside
+        _train_here(resolved, start.for_ranks(launcher_claimed=True))
     finally:
         if lock is not None:
             lock.release()
+
+
+def _plan_launch(resolved, nproc_per_node: int | None, nnodes: int, start):
+    """Everything checked before any process starts: wandb, the world size, the plan (and its notices)."""
+    from qlm_core.train.plan import local_dp_note, plan_run, world_size
+    from qlm_core.train.wandb_log import check_wandb
+
+    check_wandb(resolved.logging, Path(resolved.train.output))
+    per_node, world = world_size(resolved, nproc_per_node, nnodes)
+    plan = plan_run(resolved, world, check_files=not start.dry_run, start_over=start.force)
+    for line in [*filter(None, [local_dp_note(resolved, nproc_per_node)]), *plan.warnings]:
+        _notice(line)
+    return per_node, plan
+
+
+def _train_here(resolved, start):
+    """This process's share of the run (all of it when alone); a stop by signal exits 128 + its number."""
+    from qlm_core.train.trainer import Trainer
+
+    summary = Trainer(resolved, Path(resolved.train.output), on_event=RunView(), start=start).run()
     if summary.get("stopped", {}).get("exit_code"):
         raise typer.Exit(summary["stopped"]["exit_code"])  # 128 + the signal's number (qlm_core/train/signals.py)
 

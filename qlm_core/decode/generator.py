@@ -20,6 +20,14 @@ from qlm_core.models.gpt import GPTModel
 from qlm_core.parallel.state import default_device
 
 
+def check_batching(batch_size: int, iteration: int | None):
+    """`qlm generate`'s --batch-size and --iteration, each named when out of range."""
+    if batch_size < 1:
+        raise QlmError(f"--batch-size {batch_size} holds no prompt", "pass --batch-size 1 or more")
+    if iteration is not None and iteration < 0:
+        raise QlmError(f"--iteration {iteration} is negative", "pass an iteration of the checkpoint, or drop it")
+
+
 @dataclass
 class Generator:
     """A checkpoint opened for `qlm generate`: its tokenizer, the prompt template, the stops, and (after load())
@@ -87,6 +95,14 @@ class Generator:
                              max_new_tokens=min(max_new_tokens, max(rooms)), eos_token_id=self.stops.ids,
                              sampling=sampling, stop=self.stops.reached(self.tokenizer), on_token=on_token,
                              row_limits=rooms)
+
+    def window_warning(self, encoded: Sequence[Sequence[int]], max_new_tokens: int) -> str | None:
+        """A warning line when the longest prompt leaves fewer than max_new_tokens tokens of the window."""
+        longest = max(len(ids) for ids in encoded)
+        if longest + max_new_tokens <= self.context:
+            return None
+        return (f"warning: answers stop at the context window of {self.context} tokens (the longest prompt has "
+                f"{longest})")
 
     def text(self, generation: Generation) -> str:
         return answer_text(self.tokenizer, generation.tokens, self.stops)

@@ -255,3 +255,31 @@ def why_faster(a: Candidate, b: Candidate, limit: int = 2) -> str:
     top = sorted((k for k in diffs if diffs[k] > 0.05 * gain), key=lambda k: -diffs[k])[:limit]
     parts = ", ".join(f"{k} -{diffs[k]:.3g} s" for k in top)
     return f"-{gain:.3g} s/sample: {parts}"
+
+
+def resolve_model_case(case: ProfileCase, given: set[str], num_gpus: int | None, search: bool, gpu: GpuSpec,
+                       eff: Efficiency, allowance: Allowance, assumed: list[str],
+                       progress: Callable[[int, int], None] | None = None) -> tuple[ProfileCase, str]:
+    """A model named without a recipe: with no layout option (`given` names the layout options set), the smallest
+    layout that fits (the fewest devices, then the fastest; under --search only the device count). Returns the case
+    and one line naming it and which of its values are defaults (`assumed`: the options not given)."""
+    if given:
+        how = (f"layout from {', '.join(sorted('--' + k.replace('_stage', '').replace('_', '-') for k in given))}, "
+               f"the rest qlm's defaults")
+    else:
+        found = smallest_fitting(case, gpu, eff, allowance, num_gpus=num_gpus, progress=progress)
+        if found is None:
+            how = (f"no layout fits {num_gpus or 'up to 4096'} x {gpu.name}: qlm's default layout shown "
+                   f"(try --search, --seq-len, --recompute full)")
+        elif search:
+            case = case.replace(num_gpus=found.fitting[0].case.num_gpus)
+            how = f"the fewest devices where a layout fits: {case.num_gpus}"
+        else:
+            case = found.fitting[0].case
+            how = "the smallest layout that fits (fewest devices, then fastest; any layout option fixes it)"
+    line = (f"resolved case: {case.model_name}, seq {case.seq_len}, micro-batch {case.micro_batch_size}, global "
+            f"batch {case.global_batch_size}, {case.dtype}"
+            + (f" ({', '.join(assumed)} not given: defaults)" if assumed else "")
+            + (f"; {case.describe()} on {case.num_gpus} x {gpu.name}" if not search else "")
+            + f"; {how}")
+    return case, line

@@ -4,6 +4,7 @@ run on, the model's numbers and the data files."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.state import ParallelSizes, resolve_sizes
 from qlm_core.train.checkpointing import describe_resume, resume_iteration
 from qlm_core.train.data import check_cache_dir, check_data_files
+from qlm_core.train.run_dir import RunLock, claim_run_dir
 from qlm_core.train.sources import resolve_model
 from qlm_core.train.validate import (
     validate_compile_cache,
@@ -33,6 +35,39 @@ def total_steps(recipe: Recipe) -> int:
     if train.train_samples > 0:
         return math.ceil(train.train_samples / train.global_batch_size)
     raise QlmError("neither train.train_iters nor train.train_samples is set", "set one of them")
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """How `qlm train` starts in its run directory, decided once from the command line and the recipe, and obeyed
+    by the launcher and by every rank:
+      resume   continue from the directory's checkpoint (checkpoint.resume, or --resume / --no-resume)
+      force    start over: an earlier run is moved aside (RUN.replaced-TIME, nothing deleted) by whoever claims
+      dry_run  plan and print: nothing is started and the directory is not claimed
+    The directory is claimed (checked, created, locked: run_dir.claim_run_dir) by node 0's launcher, whose lock the
+    workers it starts inherit, or, when no qlm launcher started the ranks (srun, a user's torchrun), by rank 0. The
+    earlier run is moved aside once, by that claimer (for_ranks)."""
+
+    run_dir: Path
+    resume: bool
+    force: bool = False
+    dry_run: bool = False
+
+    @classmethod
+    def of(cls, recipe: Recipe, *, force: bool = False, dry_run: bool = False) -> RunStart:
+        return cls(Path(recipe.train.output), recipe.checkpoint.resume, force, dry_run)
+
+    def launcher_claims(self, node_rank: int) -> bool:
+        """Whether this launcher claims the directory before it starts the workers: node 0's, unless a dry run."""
+        return not self.dry_run and node_rank == 0
+
+    def claim(self, notice: Callable[[str], None] | None = None) -> RunLock:
+        """Check, create and lock the directory; with `force`, move an earlier run aside."""
+        return claim_run_dir(self.run_dir, self.resume, self.force, *([notice] if notice else []))
+
+    def for_ranks(self, launcher_claimed: bool) -> RunStart:
+        """What the ranks obey: after a launcher claimed the directory they move nothing aside again."""
+        return replace(self, force=self.force and not launcher_claimed)
 
 
 @dataclass

@@ -56,8 +56,8 @@ from qlm_core.train.engine import Engine
 from qlm_core.train.load_pin import pinned_error, pinned_iteration, record_pin
 from qlm_core.train.metrics import MetricsWriter, StepMetrics, device_memory_gb, peak_memory_gb, plot_loss, strict_json
 from qlm_core.train.objectives.recipe import recipe_objective
-from qlm_core.train.plan import total_steps
-from qlm_core.train.run_dir import claim_run_dir, os_error
+from qlm_core.train.plan import RunStart, total_steps
+from qlm_core.train.run_dir import os_error
 from qlm_core.train.schedule import learning_rate
 from qlm_core.train.signals import StopControl, StopReason
 from qlm_core.train.sources import resolve_model
@@ -132,10 +132,11 @@ def stop_line(reason: StopReason, step: int, checkpoint: Path | None, new: bool 
 
 class Trainer:
     def __init__(self, recipe: Recipe, run_dir: Path, on_event: Callable[[Event], None] | None = None,
-                 force: bool = False):
-        """`force`: start over in a run directory with an earlier run (moved aside by rank 0), for runs started
-        by srun or a user's torchrun; qlm's own launcher has done that before starting the workers."""
-        self.recipe, self.run_dir, self.force = recipe, Path(run_dir), force
+                 start: RunStart | None = None):
+        """`start`: how the run starts in its directory (plan.RunStart: resume, --force; rank 0 claims the
+        directory, or holds the lock qlm's launcher passed on); default the recipe's checkpoint.resume."""
+        self.recipe, self.run_dir = recipe, Path(run_dir)
+        self.start = start or RunStart(self.run_dir, recipe.checkpoint.resume)
         self.on_event = on_event or (lambda event: None)
         self.saver: CheckpointSaver | None = None  # made at the first save
         self.eval_figures: dict[str, float] | None = None  # preference runs: the last evaluation's metrics
@@ -158,7 +159,7 @@ class Trainer:
         claim_error = None
         if self.grid.rank == 0:
             try:
-                claim_run_dir(self.run_dir, r.checkpoint.resume, self.force)  # the launcher's lock, or this run's
+                self.start.claim()  # the launcher's lock, or this run's
                 write_text_atomic(self.run_dir / "config.toml", recipe_to_toml(r))
             except QlmError as exc:
                 claim_error = exc
@@ -172,7 +173,7 @@ class Trainer:
         if claim_error is not None:
             raise claim_error
         self.ckpt_root = self.run_dir / CHECKPOINTS_DIR
-        start = resume_iteration(self.ckpt_root, r.checkpoint.load_iteration) if r.checkpoint.resume else None
+        start = resume_iteration(self.ckpt_root, r.checkpoint.load_iteration) if self.start.resume else None
         source = self._resolve_source(resuming=start is not None)
         cache = Path(r.data.cache_dir) if r.data.cache_dir else self.run_dir / "cache"
         check_cache_dir(r.data.cache_dir, self.run_dir)
