@@ -147,7 +147,8 @@ def nccl(args):
 # ---- parity ---------------------------------------------------------------------------------------------------------
 
 def reference(data: str, micro_batch_size: int, steps: int) -> dict:
-    """The parity suite's one-process run (tests/test_parallel_parity.py's reference) on this process's device."""
+    """The parity suite's one-process run (tests/parallel/test_parallel_parity.py's reference) on this process's
+    device."""
     from parallel_cases import GLOBAL_BATCH, SEQ, case_moe, case_spec, make_batch
     from workers.parity_worker import OPTIM
 

@@ -1,5 +1,5 @@
 """One-process references for the runs of tests/workers/dp_worker.py, and how far a run's raw results are from them
-(tests/test_data_parallel.py asserts on these numbers)."""
+(tests/parallel/test_data_parallel.py asserts on these numbers)."""
 
 import torch
 from torch import nn

@@ -4,7 +4,7 @@ Autograd on the plain expression would save the fp32 copy of the input, 1/rms an
 token in bf16, 8h in fp32) for a tensor whose input already exists; Megatron's fused norms keep only the input and
 1/rms. `RMSNormFunction` does that: it saves the input (in its own dtype) and the fp32 1/rms and recomputes the rest
 in backward, with the same operations autograd would run, so outputs and gradients are bit-identical to the plain
-expression (tests/test_fused_pointwise.py).
+expression (tests/models/test_fused_pointwise.py).
 """
 
 from __future__ import annotations

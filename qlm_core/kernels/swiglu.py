@@ -2,7 +2,8 @@
 
 Autograd on the plain expression keeps fc1's output (gate and up are views of it) and silu(gate) besides; like
 Megatron's fused bias-SwiGLU, `SwiGLUFunction` keeps only fc1's output and recomputes silu in backward with the ops
-autograd would run, so outputs and gradients are bit-identical to the plain expression (tests/test_fused_pointwise.py).
+autograd would run, so outputs and gradients are bit-identical to the plain expression
+(tests/models/test_fused_pointwise.py).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ padded vocabulary per TP rank:
 Residual adds, RoPE's rotate-half and the TP/SP collectives save nothing. Packed documents and sliding windows
 change none of this: their attention runs piece by piece (kernels/piecewise.py) and saves exactly what the fused
 kernel saves (q, k, v, the output laid out like q, the fp32 log-sum-exp), and the documents are described by Python
-ranges, not tensors (measured equal to the unpacked bytes: tests/test_profile_packed.py).
+ranges, not tensors (measured equal to the unpacked bytes: tests/profile/test_profile_packed.py).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ RUNS_FILE = Path(__file__).with_name("calibration_runs.json")
 # orderings the sources publish (the ratio between two runs of one table), for rows outside RUNS_FILE (Float8)
 ORDERINGS_FILE = Path(__file__).with_name("calibration_orderings.json")
 
-# Targets of issue 14, held by tests/test_profile_calibration.py
+# Targets of issue 14, held by tests/profile/test_profile_calibration.py
 MEDIAN_ERROR_AT_MOST = 0.10
 WITHIN_15_AT_LEAST = 24
 WORST_RATIO_AT_MOST = 1.5

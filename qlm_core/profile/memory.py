@@ -181,7 +181,7 @@ _MATRIX_NUMELS: dict[tuple, tuple[list, tuple[int, int]]] = {}
 def held_sends(schedule: str, pp: int, rank: int, in_flight: int) -> tuple[int, int]:
     """(sent input gradients, sent outputs) that rank `rank` still holds at its activation peak under a multi-chunk
     schedule (parallel/pipeline.SendRelease), from torch's own action orders replayed for pp 2-35, vpp 2-8 and up to
-    280 micro-batches (tests/test_send_release.py): they do not depend on the number of micro-batches. The last
+    280 micro-batches (tests/parallel/test_send_release.py): they do not depend on the number of micro-batches. The last
     rank's outputs go to rank 0, whose gradients for them come last: it keeps those of all its forwards in flight;
     under zero-bubble rank 0's gradients go to the last rank, which reads them last."""
     outputs = in_flight if rank == pp - 1 else (3 if schedule == "interleaved_1f1b" else 2)

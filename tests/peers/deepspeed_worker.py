@@ -1,4 +1,4 @@
-"""Real DeepSpeed engines on CPU / gloo, one torchrun launch for all of tests/test_deepspeed.py.
+"""Real DeepSpeed engines on CPU / gloo, one torchrun launch for all of tests/checkpoint/test_deepspeed.py.
 
     torchrun --standalone --nproc-per-node 3 tests/peers/deepspeed_worker.py CASES.json
 

@@ -1,4 +1,5 @@
-"""torchrun worker for tests/test_chunked_loss.py (4 gloo ranks, one launch): the chunked loss head against the whole
+"""torchrun worker for tests/models/test_chunked_loss.py (4 gloo ranks, one launch): the chunked loss head against
+the whole
 logits under tensor, sequence, pipeline, context and data parallelism.
 
   head/<case>.rank<R>.pt      one loss head (GPTModel.loss) on a leaf input, whole logits and chunked, same weights:

@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_context_parallel.py: context-parallel attention against full attention.
+"""torchrun worker for tests/parallel/test_context_parallel.py: context-parallel attention against full attention.
 
 Run as: torchrun --standalone --nproc-per-node 4 cp_worker.py OUTDIR. Every rank builds the same seeded full q/k/v
 (check_inputs), runs the CP version on its own slice with cp = 2 (groups {0, 2} and {1, 3}) and cp = 4, and writes

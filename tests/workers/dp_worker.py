@@ -1,4 +1,5 @@
-"""torchrun worker for tests/test_data_parallel.py (4 gloo ranks): data parallelism + the distributed optimizer on
+"""torchrun worker for tests/parallel/test_data_parallel.py (4 gloo ranks): data parallelism + the distributed
+optimizer on
 tiny models. It writes what each run produced (losses, grad norms, final params, step 0's reduced grads, bucket and
 gather counters); the test computes the one-process references (tests/dp_references.py) and compares.
 

@@ -1,4 +1,5 @@
-"""torchrun worker (4 ranks) for tests/test_ep_checkpoint.py: an MoE run at tp2 (sp) x ep2 (etp 2) trains, saves a
+"""torchrun worker (4 ranks) for tests/checkpoint/test_ep_checkpoint.py: an MoE run at tp2 (sp) x ep2 (etp 2)
+trains, saves a
 checkpoint after SAVED steps and trains on; the same checkpoint resumed at ep1 x tp1 (one rank) and at ep4 trains
 the remaining steps. Per format (torch, torch_dist) and job, OUTDIR/{job}.json holds the losses after the save.
 

@@ -1,4 +1,4 @@
-"""torchrun worker (2 ranks) for tests/test_moe_expert_bias_parallel.py: the sigmoid-routed MoE model with expert
+"""torchrun worker (2 ranks) for tests/models/test_moe_expert_bias_parallel.py: the sigmoid-routed MoE model with expert
 biases (aux-loss-free balancing) trains STEPS steps at dp2 ZeRO 1, tp2 (sp), cp2, ep2 and pp2, each writing its
 losses and every MoE layer's final bias; then an ep2 run saves after SAVED steps (both formats) and a one-rank run
 resumes from it, writing the losses after the save and the biases at the end.

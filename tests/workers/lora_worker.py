@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_lora.py (4 gloo ranks): LoRA training through Engine in several layouts (3 AdamW
+"""torchrun worker for tests/train/test_lora.py (4 gloo ranks): LoRA training through Engine in several layouts (3 AdamW
 steps each: losses to JSON, the trained adapters saved as a LoRA run saves them), the logits of the tp2·pp2 model,
 and the collectives one LoRA layer issues at tp2 with and without sequence parallelism.
 

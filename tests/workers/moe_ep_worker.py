@@ -1,4 +1,4 @@
-"""torchrun worker (2 ranks) for tests/test_moe_ep.py: LoRA on the MoE model at ep2 x dp2 ZeRO 1 (the adapters
+"""torchrun worker (2 ranks) for tests/parallel/test_moe_ep.py: LoRA on the MoE model at ep2 x dp2 ZeRO 1 (the adapters
 are dense, the frozen routed experts divided over the EP ranks), the dispatch's plan on both ranks, and the
 global-batch load-balancing loss at dp2.
 

@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_pp_buffers.py (2 gloo ranks, one launch): per pipeline schedule and number of
+"""torchrun worker for tests/parallel/test_pp_buffers.py (2 gloo ranks, one launch): per pipeline schedule and number of
 micro-batches, the peak bytes the trainer allocates on each stage from building the Engine through two training
 steps (AllocationMeter: every tensor, weights, optimizer states, activations, receive buffers, transients), what the
 pipeline stages still reference after the step, and memory.py's components for the same case.

@@ -1,11 +1,11 @@
-"""torchrun worker for tests/test_profile_parallel.py (4 gloo ranks, one launch):
+"""torchrun worker for tests/profile/test_profile_parallel.py (4 gloo ranks, one launch):
 
   states/<case>.rank<R>.json   the Engine's measured weights/grads/optimizer bytes and profile.states' prediction
   layer/<case>.json            saved bytes of one middle transformer layer (hooks) and activations.py's formula
   head/<case>.json             saved bytes of the loss region (final norm + loss head, whole logits or chunked)
   stage/<case>.json            peak saved bytes on pipeline stage 0 over a whole 1F1B / interleaved step, and
                                memory.py's activations + logits_loss for that stage
-With `ep` after OUTDIR only the expert-parallel jobs run (tests/test_profile_ep.py):
+With `ep` after OUTDIR only the expert-parallel jobs run (tests/profile/test_profile_ep.py):
   ep_states/<case>.rank<R>.json  as states/, for EP layouts of the tiny MoE model
   ep_layer/<case>.rank<R>.json   saved bytes of MoE layer 1 on every rank, the rows it received (ExpertLoadMeter)
                                  and activations.py's formula at that load

@@ -3,7 +3,7 @@
 `torch.serialization.skip_data` saves a file's zip structure and pickle with every storage's bytes left as a hole
 (a sparse file: the holes read as zeros); a torch.load of it onto the meta device gives each storage's file offset
 (`_checkpoint_offset`). The bytes then go in with pwrite or copy_file_range, in whatever order suits the source, and
-the finished file is byte for byte what torch.save writes (tests/test_legacy_stream.py).
+the finished file is byte for byte what torch.save writes (tests/checkpoint/test_legacy_stream.py).
 """
 
 from __future__ import annotations

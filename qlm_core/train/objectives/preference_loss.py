@@ -2,7 +2,7 @@
 
 Pure torch, no model: the caller runs the policy (and, for the DPO family, the reference) on the chosen and rejected
 sequences of each pair, turns the logits into per-sequence sums with `sequence_logps`, and calls `preference_loss`.
-The formulas are TRL 1.16's, checked against TRL itself in tests/test_preference_loss.py:
+The formulas are TRL 1.16's, checked against TRL itself in tests/train/test_preference_loss.py:
 
     DPO family (reference needed), with d = (pi_c - ref_c) - (pi_r - ref_r) on summed log-probs:
       sigmoid   -(1 - ls)·logσ(β·d) - ls·logσ(-β·d)   (cDPO when label_smoothing = ls > 0; TRL's DPOTrainer 1.16

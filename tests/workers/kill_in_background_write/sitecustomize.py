@@ -1,4 +1,5 @@
-"""Put on PYTHONPATH by tests/test_async_checkpoint.py, so that every process of a `qlm train` launch (the launcher,
+"""Put on PYTHONPATH by tests/checkpoint/test_async_checkpoint.py, so that every process of a `qlm train` launch
+(the launcher,
 torchrun, each worker) runs this at start-up. With QLM_TEST_KILL_AT_SAVE=N set, the process of global rank
 QLM_TEST_KILL_RANK SIGKILLs itself in the middle of its N-th checkpoint write (part of the bytes out) when that write
 runs on a background thread; on the training thread (async_save not in effect) it leaves the file

@@ -1,4 +1,4 @@
-"""Put on PYTHONPATH by tests/test_dpo_parallel.py: with QLM_TEST_KILL_IN_TABLE set, the process that writes the
+"""Put on PYTHONPATH by tests/train/test_dpo_parallel.py: with QLM_TEST_KILL_IN_TABLE set, the process that writes the
 precomputed reference table (rank 0) writes half of it under its temporary name and SIGKILLs itself, as a kill -9
 or a lost node would stop it in the middle of the write."""
 

@@ -1,4 +1,4 @@
-"""Put on PYTHONPATH by tests/test_train_signals.py, so that every process of a `qlm train` launch runs this at
+"""Put on PYTHONPATH by tests/train/test_train_signals.py, so that every process of a `qlm train` launch runs this at
 start-up. With QLM_TEST_STEP_SECONDS set, every training step of every rank takes at least that long, so that a
 signal sent after the first step surely lands before the last one, however fast the machine."""
 

@@ -1,7 +1,7 @@
 """DeepSpeed checkpoints (ROOT/latest + ROOT/<tag>/), read without importing deepspeed: the full weights of the
 engine's module (a transformers model, so HF names), rebuilt from whatever the ZeRO stage left on disk.
 
-What DeepSpeed (checked against 0.19.8 engines in tests/test_deepspeed.py) writes in a tag directory:
+What DeepSpeed (checked against 0.19.8 engines in tests/checkpoint/test_deepspeed.py) writes in a tag directory:
   mp_rank_00_model_states.pt    ZeRO 0-2. `module`: every state_dict tensor in the engine's dtype (bf16 runs: bf16);
                                 `param_shapes`: one {name: shape} per optimizer group, in flattening order;
                                 `shared_params` {alias: owner} (tied weights); `frozen_param_shapes` /
