@@ -46,7 +46,9 @@ class RunView:
         self.plain: PlainProgress | None = None  # without a terminal: plain step lines now and then
 
     def __call__(self, event):
-        getattr(self, f"_on_{event.kind}")(event.data)
+        render = getattr(self, f"_on_{event.kind}", None)
+        if render is not None:  # an event this view does not show
+            render(event.data)
 
     def _on_start(self, data):
         console.print(kv_table("run", {
@@ -150,7 +152,7 @@ def train(
     if resume is not None:
         resolved.checkpoint.resume = resume
     start = RunStart.of(resolved, force=force, dry_run=dry_run)
-    if under_launcher():  # a rank (srun, a user's torchrun, or qlm's launch below)
+    if under_launcher() and not start.dry_run:  # a rank (srun, a user's torchrun, or qlm's launch below)
         _train_here(resolved, start.for_ranks(launcher_claimed=False))
         return
     per_node, plan = _plan_launch(resolved, nproc_per_node, nnodes, start)

@@ -66,7 +66,8 @@ class RunStart:
         return claim_run_dir(self.run_dir, self.resume, self.force, *([notice] if notice else []))
 
     def for_ranks(self, launcher_claimed: bool) -> RunStart:
-        """What the ranks obey: after a launcher claimed the directory they move nothing aside again."""
+        """What the ranks obey: under a qlm launcher (which claimed the directory, or left it to node 0's) they move
+        nothing aside again; ranks started otherwise claim it on rank 0, --force included."""
         return replace(self, force=self.force and not launcher_claimed)
 
 

@@ -87,11 +87,12 @@ def detect_format(path: Path, iteration: int | None = None) -> str:
 def inspect_checkpoint(path: str | Path, iteration: int | None = None,
                        config: str | Path | None = None) -> Inspection:
     """`config` (HF directory or preset): the architecture of a Megatron checkpoint that stores no args (else
-    its run_config.yaml is read; see megatron_open.py)."""
+    its run_config.yaml is read; see formats/megatron/open_configured.py). A qlm run directory: its checkpoints."""
     path = Path(path)
     fmt = detect_format(path, iteration)
     if fmt in (MCORE_TORCH, MCORE_TORCH_DIST):
-        return {MCORE_TORCH: _inspect_mcore, MCORE_TORCH_DIST: _inspect_torch_dist}[fmt](path, iteration, config)
+        inspect = {MCORE_TORCH: _inspect_mcore, MCORE_TORCH_DIST: _inspect_torch_dist}[fmt]
+        return inspect(run_checkpoint_dir(path) or path, iteration, config)
     if config is not None:
         raise QlmError(f"--config applies to Megatron checkpoints and {path} is {fmt}", "drop --config")
     return {HF: _inspect_hf, DEEPSPEED: _inspect_deepspeed}[fmt](path, iteration)

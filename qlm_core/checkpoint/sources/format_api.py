@@ -1,7 +1,7 @@
 """What every checkpoint format qlm reads and writes supplies (one CheckpointFormat object per format, listed in
 registry.py): sniff a directory, open it as a TensorSource with what verbs need beside the weights
 (OpenedCheckpoint), write one from any TensorSource, and reopen what was written for verification. The conversion
-skeleton (checkpoint/convert/pipeline.py) and open_checkpoint (open.py) use nothing else of a format."""
+skeleton (checkpoint/convert/skeleton.py) and open_checkpoint (open.py) use nothing else of a format."""
 
 from __future__ import annotations
 
