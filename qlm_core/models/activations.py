@@ -26,7 +26,7 @@ class ActivationKind:
     function: Callable[[torch.Tensor], torch.Tensor]
     gated: bool
     grouped_mlp: Callable[..., torch.Tensor]
-    megatron_args: dict[str, Any]
+    megatron_args: tuple[tuple[str, Any], ...]
 
     def fc1_rows(self, ffn_hidden_size: int) -> int:
         return 2 * ffn_hidden_size if self.gated else ffn_hidden_size
@@ -39,7 +39,7 @@ class ActivationKind:
 
 ACTIVATION_KINDS: dict[str, ActivationKind] = {
     "swiglu": ActivationKind(swiglu, gated=True, grouped_mlp=grouped_swiglu_mlp,
-                             megatron_args={"swiglu": True, "squared_relu": False}),
+                             megatron_args=(("swiglu", True), ("squared_relu", False))),
 }
 
 

@@ -27,7 +27,8 @@ class AttentionKind:
     """What one attention kind brings to the model, the layout and the FLOP count.
 
     module(spec, parallel, dtype, layer_index) -> the layer's `self_attention` module; its forward takes
-        (x [s, b, h], cos, sin, inputs: AttentionInputs) and returns [s, b, h], after its output projection
+        (x [s, b, h], positions — the position scheme's tuple, models/positions.py —, inputs: AttentionInputs) and
+        returns [s, b, h], after its output projection
         (the row-parallel linear reduces over TP).
     layer_entries(spec, layer) -> its tensors of layer `layer`: suffixes below `decoder.layers.N.`, global
         TensorLayouts whose Segments name the HF tensors (`model.layers.N.self_attn...`).

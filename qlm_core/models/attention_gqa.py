@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from qlm_core.errors import QlmError
 from qlm_core.kernels.attention import core_attention, masked_attention
 from qlm_core.kernels.piecewise import piecewise_attention
 from qlm_core.kernels.rope import apply_rope
@@ -49,6 +50,9 @@ class GroupedQueryAttention(nn.Module):
             spec.hidden_size, spec.qkv_rows, bias=spec.qkv_bias,
             tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
         )
+        if spec.position != "rope":  # q and k are rotated by the (cos, sin) it hands each layer
+            raise QlmError(f"grouped-query attention takes RoPE positions, not {spec.position!r}",
+                           "pair another position scheme with an attention kind that takes it")
         self.q_layernorm = self.k_layernorm = None
         if spec.qk_layernorm:  # on each head; every TP rank holds other heads, so their gradients are summed
             self.q_layernorm = build_norm(spec, spec.kv_channels, dtype)
@@ -99,7 +103,7 @@ class GroupedQueryAttention(nn.Module):
         return checkpoint(self._core_attention, q, k, v, inputs, use_reentrant=False)
 
     def forward(self, x: torch.Tensor, positions: tuple[torch.Tensor, ...], inputs: AttentionInputs) -> torch.Tensor:
-        cos, sin = positions  # RoPE's (the only position scheme a GQA layer takes today)
+        cos, sin = positions  # RoPE's
         q, k, v = self._split_qkv(self.linear_qkv(x))
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)

@@ -20,6 +20,8 @@ AttentionName = Literal["gqa"]
 NormName = Literal["rmsnorm"]
 ActivationName = Literal["swiglu"]
 PositionName = Literal["rope"]
+# config.json's hidden_act of each MLP activation (a gated one names its gate's function)
+HF_ACTIVATIONS: dict[str, str] = {"swiglu": "silu"}
 
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral's experts: w1 the gate, w3 the up and w2 the down projection

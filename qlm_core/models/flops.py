@@ -72,11 +72,12 @@ def megatron_flops_per_sequence(spec: ModelSpec, seq_length: int) -> float:
     h, a, g = spec.hidden_size, spec.num_attention_heads, spec.num_query_groups
     q = a * spec.kv_channels
     attention = (1 + g / a + seq_length / h) * q / h
-    mlp = 1.5 * spec.ffn_hidden_size / h  # SwiGLU: three h x f matrices
+    half_matrices = activation_kind(spec).matrices / 2  # SwiGLU: three h x f matrices, 1.5
+    mlp = half_matrices * spec.ffn_hidden_size / h
     if spec.moe is not None:  # per-layer mean: dense layers' f, MoE layers' top-k experts and shared expert
         moe_layers = spec.moe.num_moe_layers(spec.num_layers)
         routed = spec.moe.topk * spec.moe.ffn_hidden_size + spec.moe.shared_expert_hidden_size
-        mlp = 1.5 * ((spec.num_layers - moe_layers) * spec.ffn_hidden_size + moe_layers * routed) / (
+        mlp = half_matrices * ((spec.num_layers - moe_layers) * spec.ffn_hidden_size + moe_layers * routed) / (
             spec.num_layers * h)
     return (12 * seq_length * spec.num_layers * h * h * (attention + mlp)
             + 6 * seq_length * h * spec.vocab_size)

@@ -22,7 +22,7 @@ from qlm_core.models.attention import AttentionInputs, KVCache, attention_inputs
 from qlm_core.models.attention_kinds import attention_kind
 from qlm_core.models.mlp import MLP
 from qlm_core.models.moe import MoELayer, MoeTracker
-from qlm_core.models.norms import build_norm
+from qlm_core.models.norms import build_norm, norm_kind
 from qlm_core.models.positions import position_kind
 from qlm_core.models.runtime import ParallelOptions, allow_eager_regions, discard_output, outside_compile
 from qlm_core.models.spec import ModelSpec, padded_vocab_size
@@ -242,9 +242,10 @@ class GPTModel(nn.Module):
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None):
         """Megatron's default init: N(0, std) for weights, std/sqrt(2L) for the layers feeding the residual."""
         out_std = std / math.sqrt(2.0 * self.spec.num_layers)
+        norm_init = norm_kind(self.spec).init
         for name, param in self.named_parameters():
             if name.endswith("layernorm.weight"):
-                param.fill_(1.0)
+                param.fill_(norm_init)
             elif name.endswith(".bias"):
                 param.zero_()
             else:

@@ -249,8 +249,8 @@ class SequentialExperts(nn.Module):
 
     def _mlp(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         return self.activation.grouped_mlp(rows, counts, [e.linear_fc1.weight for e in self.local_experts],
-                                  [e.linear_fc2.weight for e in self.local_experts],
-                                  grouped=None if rows.shape[0] else False)
+                                           [e.linear_fc2.weight for e in self.local_experts],
+                                           grouped=None if rows.shape[0] else False)
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor,
                 capacity_factor: float | None) -> torch.Tensor:
@@ -277,8 +277,8 @@ class SequentialExperts(nn.Module):
 
 
 class SharedExpertMLP(MLP):
-    """Megatron's SharedExpertMLP: a dense SwiGLU MLP (TP-split like the layer's MLP) and, when gated, its output
-    scaled by sigmoid(x · gate_weight) (Qwen2-MoE's shared_expert_gate)."""
+    """Megatron's SharedExpertMLP: a dense MLP of the spec's activation (TP-split like the layer's MLP) and, when
+    gated, its output scaled by sigmoid(x · gate_weight) (Qwen2-MoE's shared_expert_gate)."""
 
     def __init__(self, hidden: int, moe: MoeSpec, parallel, dtype, activation: ActivationKind):
         super().__init__(hidden, moe.shared_expert_hidden_size, parallel, dtype, activation)

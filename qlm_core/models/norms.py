@@ -17,14 +17,23 @@ from qlm_core.models.spec import ModelSpec
 @dataclass(frozen=True)
 class NormKind:
     """module(size, eps, dtype) -> the norm; `tensors`: its parameters in Megatron's (and HF's) state_dict order,
-    each named `<norm>.<tensor>` on both sides; `megatron_name`: Megatron-LM's `--normalization` value."""
+    each named `<norm>.<tensor>` on both sides; `megatron_name`: Megatron-LM's `--normalization` value; `init`: its
+    weight's value in a fresh model (Gemma's (1 + w) RMSNorm: 0); saved_bytes(dtype_bytes, size): what it keeps
+    for backward per token (the profile)."""
 
     module: Callable[[int, float, torch.dtype], nn.Module]
     tensors: tuple[str, ...]
     megatron_name: str
+    init: float
+    saved_bytes: Callable[[int, int], float]
 
 
-NORM_KINDS: dict[str, NormKind] = {"rmsnorm": NormKind(RMSNorm, ("weight",), "RMSNorm")}
+def _rms_norm_saved(dtype_bytes: int, size: int) -> float:
+    """kernels/norm.RMSNormFunction keeps its input and the fp32 1/rms."""
+    return dtype_bytes * size + 4
+
+
+NORM_KINDS: dict[str, NormKind] = {"rmsnorm": NormKind(RMSNorm, ("weight",), "RMSNorm", 1.0, _rms_norm_saved)}
 
 
 def norm_kind(spec: ModelSpec) -> NormKind:

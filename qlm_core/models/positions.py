@@ -1,10 +1,12 @@
 """Every position scheme qlm builds, by ModelSpec.position: what GPTModel hands each attention layer for the tokens'
-positions (RoPE: cos and sin; ALiBi would hand its slopes, learned absolute positions nothing, their embedding added
-to the token embedding). A new scheme: its class and one row of POSITION_KINDS; the attention kinds read the tuple."""
+positions (RoPE: cos and sin). A new scheme is its class and one row of POSITION_KINDS, and each attention kind that
+takes it reads its tuple (grouped-query attention refuses any scheme but RoPE); a scheme with parameters of its own
+(learned absolute positions) also brings its layout entries."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -14,7 +16,7 @@ from qlm_core.models.spec import ModelSpec
 
 
 class RotaryPositions:
-    """RoPE with the spec's base and scaling: each layer gets (cos, sin) [b, s, head_dim] in the compute dtype."""
+    """RoPE with the spec's base and scaling: each layer gets (cos, sin) [s, b, 1, head_dim] in the compute dtype."""
 
     def __init__(self, spec: ModelSpec):
         self.inv_freq = rope_inv_freq(spec.kv_channels, spec.rope_theta, spec.rope_scaling)
@@ -27,13 +29,15 @@ class RotaryPositions:
 @dataclass(frozen=True)
 class PositionKind:
     """scheme(spec) -> an object whose layer_inputs(position_ids [b, s], dtype) is every layer's `positions`;
-    megatron_name: Megatron-LM's `--position-embedding-type`."""
+    megatron_args: what Megatron-LM's args say of it (`--position-embedding-type` and its switches)."""
 
     scheme: type
-    megatron_name: str
+    megatron_args: tuple[tuple[str, Any], ...]
 
 
-POSITION_KINDS: dict[str, PositionKind] = {"rope": PositionKind(RotaryPositions, "rope")}
+POSITION_KINDS: dict[str, PositionKind] = {"rope": PositionKind(RotaryPositions, (
+    ("position_embedding_type", "rope"), ("add_position_embedding", False), ("use_rotary_position_embeddings", True),
+))}
 
 
 def position_kind(spec: ModelSpec) -> PositionKind:

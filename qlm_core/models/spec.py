@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from qlm_core.errors import QlmError
-from qlm_core.models.families import FAMILIES, ActivationName, AttentionName, NormName, PositionName
+from qlm_core.models.families import (
+    FAMILIES,
+    HF_ACTIVATIONS,
+    ActivationName,
+    AttentionName,
+    NormName,
+    PositionName,
+)
 from qlm_core.models.moe_spec import MOE_MODEL_TYPES, MoeSpec, moe_from_hf, moe_to_hf
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -22,8 +29,6 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 QK_NORM_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.qk_norm)
 QKV_BIAS_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.qkv_bias != "never")
 SLIDING_WINDOW_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.sliding_window == "applied")
-
-
 
 
 @dataclass(frozen=True)
@@ -58,11 +63,11 @@ class ModelSpec:
     qk_layernorm: bool = False  # Qwen3: q_layernorm / k_layernorm [head_dim] on each head before RoPE
     moe: MoeSpec | None = None  # Mixture of Experts (None: every layer a dense MLP of ffn_hidden_size)
     # the per-family choices (families.py), each built in one place: models/attention_kinds.py, norms.py,
-    # activations.py, positions.py
-    attention: AttentionName = "gqa"
-    norm: NormName = "rmsnorm"
-    activation: ActivationName = "swiglu"
-    position: PositionName = "rope"
+    # activations.py, positions.py; None: the family's (a preset, a Megatron checkpoint's args)
+    attention: AttentionName | None = None
+    norm: NormName | None = None
+    activation: ActivationName | None = None
+    position: PositionName | None = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -70,6 +75,10 @@ class ModelSpec:
                 f"unsupported model_type {self.model_type!r}",
                 f"qlm supports {', '.join(SUPPORTED_MODEL_TYPES)}",
             )
+        family = FAMILIES[self.model_type]
+        for choice in ("attention", "norm", "activation", "position"):
+            if getattr(self, choice) is None:
+                object.__setattr__(self, choice, getattr(family, choice))
         if (self.moe is not None) != (self.model_type in MOE_MODEL_TYPES):
             raise QlmError(f"model_type {self.model_type!r} {'needs' if self.moe is None else 'takes no'} MoE numbers",
                            f"MoE model types are {', '.join(MOE_MODEL_TYPES)}")
@@ -106,10 +115,10 @@ class ModelSpec:
             )
         family = FAMILIES[model_type]
         act = config.get("hidden_act", "silu")
-        if act != _HF_ACTIVATIONS[family.activation]:
+        if act != HF_ACTIVATIONS[family.activation]:
             raise QlmError(f"hidden_act {act!r} is not supported for {model_type}",
                            f"{model_type}'s MLP is {family.activation} (hidden_act "
-                           f"{_HF_ACTIVATIONS[family.activation]!r})")
+                           f"{HF_ACTIVATIONS[family.activation]!r})")
         for flag in ("attention_bias", "mlp_bias"):
             if family.qkv_bias == "never" and config.get(flag):
                 raise QlmError(f"{flag}=true is not supported for {model_type}", "use a checkpoint without biases")
@@ -152,10 +161,6 @@ class ModelSpec:
             eos_token_id=config.get("eos_token_id"),
             qk_layernorm=family.qk_norm,
             moe=moe,
-            attention=family.attention,
-            norm=family.norm,
-            activation=family.activation,
-            position=family.position,
         )
 
     @classmethod
@@ -181,7 +186,7 @@ class ModelSpec:
             "max_position_embeddings": self.max_position_embeddings,
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.norm_epsilon,
-            "hidden_act": _HF_ACTIVATIONS[self.activation],
+            "hidden_act": HF_ACTIVATIONS[self.activation],
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": torch_dtype,
             "bos_token_id": self.bos_token_id,
@@ -202,9 +207,6 @@ class ModelSpec:
             config.update(moe_to_hf(self.moe, self.model_type, self.num_layers))
         return config
 
-
-# config.json's hidden_act of each MLP activation (the gated ones name their gate's function)
-_HF_ACTIVATIONS = {"swiglu": "silu"}
 
 # optional config.json numbers: key -> (kind, least); None is always allowed (the key's default)
 _OPTIONAL_NUMBERS = {"num_key_value_heads": (int, 1), "head_dim": (int, 1), "max_position_embeddings": (int, 1),

@@ -65,6 +65,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qlm_core.models.activations import activation_kind
+from qlm_core.models.norms import norm_kind
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, loss_is_chunked
 from qlm_core.profile.attention_terms import attention_terms
@@ -189,7 +190,7 @@ def layer_terms(x: ActivationInputs, recompute: str = "none", moe_layer: bool | 
     if norms_discarded:  # each norm keeps its input; the linear inputs are discarded
         terms = {"rmsnorm inputs x2 (checkpoint)": 2 * e * h * Tsp, "linear_fc1 input": 0.0}
     else:
-        norm = e * h * Tsp + 4 * Tsp
+        norm = norm_kind(x.spec).saved_bytes(e, h) * Tsp
         terms = {"rmsnorm x2": 2 * norm, "linear_fc1 input": e * h * Tsp if x.keeps_input("linear_fc1") else 0.0}
     terms.update(attention_terms(x).saved(x, recompute, norms_discarded))
     mlp = x.recomputes(recompute, "mlp")  # the checkpoint keeps only its input, the pre-MLP norm's output
@@ -236,7 +237,7 @@ def loss_keeps_input(x: ActivationInputs) -> bool:
 def head_terms(x: ActivationInputs) -> dict[str, float]:
     """The last stage's final norm, output layer and loss, for one micro-batch."""
     e, T, Tsp, h = x.dtype_bytes, x.tokens, x.sp_tokens, x.spec.hidden_size
-    terms = {"final rmsnorm": e * h * Tsp + 4 * Tsp}
+    terms = {"final rmsnorm": norm_kind(x.spec).saved_bytes(e, h) * Tsp}
     if x.chunked_loss:
         terms.update({"loss input": e * h * Tsp, "log-sum-exp (fp32)": 4 * T, "targets": 8 * T})
         return terms

@@ -1,7 +1,6 @@
 """The profile's side of the attention seam: what each attention kind (ModelSpec.attention, models/attention_kinds.py)
 saves for backward. A new kind adds its module of terms and one row here (tests/models/test_seams.py checks that
-every kind
-the model builds has one)."""
+every kind the model builds has one)."""
 
 from __future__ import annotations
 

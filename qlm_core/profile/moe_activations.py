@@ -44,6 +44,7 @@ import math
 import torch
 
 from qlm_core.kernels.grouped_mlp import ROW_PAD, grouped_mm_fits
+from qlm_core.models.activations import activation_kind
 
 DTYPE_OF_BYTES = {2: torch.bfloat16, 4: torch.float32}
 
@@ -105,7 +106,7 @@ def dispatch_terms(x) -> dict[str, float]:
         "routing indices (int64)": 8 * R + 16 * S,
         "received-row permutations (int64)": 16 * V,
         "received rows (expert fc1 input)": e * h * V,
-        "expert fc1 output": e * 2 * expert_ffn(x) * padded_rows(x, V),
+        "expert fc1 output": e * activation_kind(x.spec).fc1_rows(expert_ffn(x)) * padded_rows(x, V),
         "returned rows and probabilities (weighted unpermute)": e * h * S + e * S,
     }
 
@@ -120,7 +121,7 @@ def expert_terms(x) -> dict[str, float]:
     return {
         "token rows (int64)": 8 * R,
         "sorted tokens (expert fc1 input)": e * h * R,
-        "expert fc1 output": e * 2 * ffn * padded,
+        "expert fc1 output": e * activation_kind(x.spec).fc1_rows(ffn) * padded,
         "expert output (weighted unpermute)": e * h * padded,
         "sorted probabilities and order": e * R + 8 * R,
     }
@@ -132,7 +133,8 @@ def shared_expert_terms(x) -> dict[str, float]:
         return {}
     e, T, Tr = x.dtype_bytes, x.tokens, x.sp_tokens
     s = moe.shared_expert_hidden_size / x.tp
-    terms = {"shared expert fc1 output": e * 2 * s * T, "shared expert fc2 input": e * s * T}
+    terms = {"shared expert fc1 output": e * activation_kind(x.spec).fc1_rows(s) * T,
+             "shared expert fc2 input": e * s * T}
     if moe.shared_expert_gate:
         terms["shared expert output and gate"] = e * x.spec.hidden_size * Tr + e * Tr
     return terms
@@ -158,5 +160,6 @@ def moe_backward_transient(x) -> float:
         exchanged = e * h * (sent_rows(x) + rows)
     else:
         rows, experts, exchanged = routed_rows(x), moe.num_experts, 0.0
-    weights = e * 3 * ffn * h * experts
-    return 2 * weights + e * (3 * ffn + h) * padded_rows(x, rows) + exchanged
+    activation = activation_kind(x.spec)
+    weights = e * activation.matrices * ffn * h * experts
+    return 2 * weights + e * (activation.fc1_rows(ffn) + ffn + h) * padded_rows(x, rows) + exchanged

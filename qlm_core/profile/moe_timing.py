@@ -38,6 +38,7 @@ experts of F/etp over α·etp·T_r·k received rows:
 from __future__ import annotations
 
 from qlm_core.hardware import GpuSpec
+from qlm_core.models.activations import activation_kind
 from qlm_core.profile.case import ProfileCase
 from qlm_core.profile.efficiency import KernelRates
 
@@ -80,11 +81,13 @@ def moe_layer_gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float, a
     router = router_share * 2 * h * router_n / (peak * rates.gemm(h, router_n))
     ffn, rows = expert_ffn(case), expert_rows_per_token(case)
     weight_read = local_experts(case) * h * ffn * case.dtype_bytes / (hbm_bytes_per_s * tokens)  # per token, F x h
-    fc1 = max(rows * 2 * h * 2 * ffn / (peak * rates.gemm(h, 2 * ffn)), 2 * weight_read)
+    fc1_rows = activation_kind(case.spec).fc1_rows(ffn)
+    fc1 = max(rows * 2 * h * fc1_rows / (peak * rates.gemm(h, fc1_rows)), (fc1_rows / ffn) * weight_read)
     fc2 = max(rows * 2 * ffn * h / (peak * rates.gemm(ffn, h)), weight_read)
     shared = moe.shared_expert_hidden_size / tp
     if shared:
-        fc1 += 2 * h * 2 * shared / (peak * rates.gemm(h, 2 * shared))
+        shared_rows = activation_kind(case.spec).fc1_rows(shared)
+        fc1 += 2 * h * shared_rows / (peak * rates.gemm(h, shared_rows))
         fc2 += 2 * shared * h / (peak * rates.gemm(shared, h))
     return {"linear_qkv": attention["linear_qkv"], "linear_proj": attention["linear_proj"],
             "linear_fc1": router + fc1, "linear_fc2": fc2}

@@ -10,6 +10,7 @@ from qlm_core.checkpoint.io.staging import probe_writable
 from qlm_core.disk import replace_atomically
 from qlm_core.errors import QlmError
 from qlm_core.hardware import GpuSpec
+from qlm_core.models.activations import activation_kind
 from qlm_core.models.parameters import num_parameters
 from qlm_core.models.spec import parameters_text
 from qlm_core.profile.case import ProfileCase
@@ -154,13 +155,14 @@ def _expert_parallel_line(case: ProfileCase, gpu: GpuSpec, rates: KernelRates, r
     where = ("inside one NVLink domain" if expert_group_fits_domain(gpu, sizes)
              else f"across NVLink domains (the NIC's {gpu.internode_gbps:g} GB/s for the remote share)")
     edp_bw = expert_bandwidth(gpu, sizes, ("edp",), rates.comm) / 1e9 if sizes.edp > 1 else 0.0
+    fc1_rows = activation_kind(case.spec).fc1_rows(expert_ffn(case))
     return (f"MoE expert parallelism: ep {sizes.ep} x etp {sizes.etp} (edp {sizes.edp}"
             + (f", expert gradients over {edp_bw:,.0f} GB/s" if sizes.edp > 1 else "") + "), "
             f"{moe.num_experts // sizes.ep} experts of FFN {expert_ffn(case):g} per rank; {routing} routing sized "
             f"for a busiest-rank load of {case.load_factor:g}x the mean (--moe-imbalance); all-to-all per MoE layer "
             f"and micro-batch (forward + backward, counts included) {(token_bytes + counts) / 2**20:,.1f} MiB on "
             f"the busiest rank, {seconds * 1e3:.3g} ms {where}; expert GEMMs at "
-            f"{rates.gemm(case.spec.hidden_size, 2 * expert_ffn(case)):.0%} for their shape; aux/z-loss graphs "
+            f"{rates.gemm(case.spec.hidden_size, fc1_rows):.0%} for their shape; aux/z-loss graphs "
             f"{losses}")
 
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from qlm_core.dtypes import DTYPES
 from qlm_core.hardware import GpuSpec
+from qlm_core.models.activations import activation_kind
 from qlm_core.models.flops import (
     flops_per_sequence,
     layer_flops_per_token,
@@ -125,7 +126,8 @@ def gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float) -> dict[str
     """Forward seconds per token of each of one layer's GEMMs on this rank, each at the efficiency of its shape."""
     s, tp = case.spec, case.parallel.tp
     h, f, q = s.hidden_size, s.ffn_hidden_size, s.num_attention_heads * s.kv_channels
-    shapes = {"linear_qkv": (h, s.qkv_rows / tp), "linear_proj": (q / tp, h), "linear_fc1": (h, 2 * f / tp),
+    fc1 = activation_kind(s).fc1_rows(f)
+    shapes = {"linear_qkv": (h, s.qkv_rows / tp), "linear_proj": (q / tp, h), "linear_fc1": (h, fc1 / tp),
               "linear_fc2": (f / tp, h)}
     return {name: 2 * k * n / (peak * rates.gemm(k, n)) for name, (k, n) in shapes.items()}
 

@@ -25,9 +25,9 @@ class ModelSource:
     weights_dir: Path | None = None  # the directory the weights were read from (None: random init)
 
 
-# the numbers that fix every weight's shape: model.spec and model.load must agree on them
+# the numbers and choices that fix every weight's shape: model.spec and model.load must agree on them
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                "kv_channels", "vocab_size")
+                "kv_channels", "vocab_size", "attention", "norm", "activation")
 
 
 def check_spec_matches_load(config: ModelConfig, loaded: ModelSpec):

@@ -9,6 +9,7 @@ import zlib
 import torch
 
 from qlm_core.models.layout import ModelLayout, TensorLayout
+from qlm_core.models.norms import norm_kind
 
 
 class RandomInitSource:
@@ -28,7 +29,7 @@ class RandomInitSource:
             shape = list(tensor.shape)
             shape[tensor.axis] = tensor.real_extent  # padding rows are never read
             if name.endswith("layernorm.weight"):
-                value = torch.ones(shape)
+                value = torch.full(shape, norm_kind(self.layout.spec).init)
             elif name.endswith((".bias", ".expert_bias")):
                 value = torch.zeros(shape)
             else:

@@ -31,9 +31,7 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         kv_channels=s.kv_channels,
         max_position_embeddings=s.max_position_embeddings,
         seq_length=min(s.max_position_embeddings, 4096),
-        position_embedding_type=position_kind(s).megatron_name,
-        add_position_embedding=False,
-        use_rotary_position_embeddings=True,
+        **dict(position_kind(s).megatron_args),
         rotary_base=theta,
         rotary_percent=1.0,
         rotary_interleaved=False,
@@ -42,7 +40,7 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         rope_scaling_factor=s.rope_scaling.factor if s.rope_scaling else 8.0,
         add_bias_linear=False,
         add_qkv_bias=s.qkv_bias,
-        **activation_kind(s).megatron_args,
+        **dict(activation_kind(s).megatron_args),
         untie_embeddings_and_output_weights=not s.tie_word_embeddings,
         apply_layernorm_1p=False,
         normalization=norm_kind(s).megatron_name,
@@ -178,13 +176,15 @@ def spec_from_args(args) -> ModelSpec:
     where = getattr(args, "qlm_args_from", None)  # a Megatron-Bridge run_config.yaml (bridge_config.py)
     model = f"the model of {where}" if where else "the checkpoint's model"
     activation = next((name for name, kind in ACTIVATION_KINDS.items()
-                       if all(getattr(args, key, False) == value for key, value in kind.megatron_args.items())), None)
+                       if all(bool(getattr(args, key, False)) == value for key, value in kind.megatron_args)), None)
     if activation is None:
-        raise QlmError(f"{model} does not use SwiGLU", "qlm converts Llama/Qwen2/Mistral-style models")
+        raise QlmError(f"{model} uses an MLP activation qlm does not build",
+                       f"qlm builds {', '.join(ACTIVATION_KINDS)} (Megatron's --swiglu)")
     normalization = getattr(args, "normalization", "LayerNorm")
     norm = next((name for name, kind in NORM_KINDS.items() if kind.megatron_name == normalization), None)
     if norm is None:
-        raise QlmError(f"{model} uses {normalization}", "qlm converts RMSNorm models only")
+        raise QlmError(f"{model} uses {normalization}",
+                       f"qlm builds {', '.join(kind.megatron_name for kind in NORM_KINDS.values())}")
     if getattr(args, "add_bias_linear", False):
         raise QlmError(f"{model} has biases on its linear layers", "qlm supports bias on linear_qkv only")
     moe = moe_from_args(args, need("num_layers"))
