@@ -43,9 +43,12 @@ def check_sampling(sampling: Sampling, max_new_tokens: int):
                        "pass --temperature > 0 to sample, or drop --top-p / --top-k")
 
 
-def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of each row and its log-probability (fp32) under the distribution it was drawn from: logits /
+    temperature with top-k and top-p applied (greedy: the plain softmax's)."""
     if sampling.temperature <= 0:
-        return logits.argmax(dim=-1)
+        chosen = logits.argmax(dim=-1)
+        return chosen, logits.float().log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
     scaled = logits.float() / sampling.temperature
     if not torch.isfinite(scaled).all():  # a temperature so small that logits overflow (or 0 in fp32): relative to
         # each row's largest logit, the others go to -inf (greedy, in effect) and softmax sees no inf - inf
@@ -60,13 +63,18 @@ def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cumulative - sorted_logits.softmax(dim=-1) > sampling.top_p  # keep the first token always
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(dim=-1).cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    chosen = torch.multinomial(logits.softmax(dim=-1).cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    return chosen, logits.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
 
 
 @dataclass
 class Generation:
     tokens: list[int] = field(default_factory=list)  # the new tokens, without the one that ended the turn
     finish: str = "length"  # "stop": an eos / stop token or `stop` ended it; "length": max_new_tokens reached
+    # log-probability of each token under the distribution it was drawn from (a rollout's π_old), then, when an
+    # eos id ended the turn, that token's (a rollout trains on it too)
+    logprobs: list[float] = field(default_factory=list)
+    eos_token: int | None = None  # the eos id that ended the turn (finish "stop" by eos)
 
 
 @torch.no_grad()
@@ -104,15 +112,17 @@ def generate_rows(
     active = list(range(rows))  # the rows still in the batch (finished ones are dropped, see below)
     next_position = positions[:, -1] + 1
     for step in range(max_new_tokens):
-        chosen = _choose(logits, sampling, generator)
-        for slot, token in enumerate(chosen.tolist()):
+        chosen, logprobs = _choose(logits, sampling, generator)
+        for slot, (token, logprob) in enumerate(zip(chosen.tolist(), logprobs.tolist(), strict=True)):
             row = active[slot]
             if done[row]:
                 continue
             if token in eos:
-                done[row], out[row].finish = True, "stop"
+                done[row], out[row].finish, out[row].eos_token = True, "stop", token
+                out[row].logprobs.append(logprob)  # the ending token's, which a rollout trains on too
                 continue
             out[row].tokens.append(token)
+            out[row].logprobs.append(logprob)
             if on_token is not None:
                 on_token(row, token)
             if stop is not None and stop(out[row].tokens):

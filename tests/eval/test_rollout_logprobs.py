@@ -1,0 +1,59 @@
+"""A rollout's log-probs are the ones the trainer recomputes: each sampled token's log-probability under the
+distribution it was drawn from equals, in fp32, the full forward's log_softmax(logits / temperature) at its
+position, for left-padded prompts of different lengths, with and without an eos ending the turn."""
+
+import pytest
+import torch
+
+from qlm_core.decode.sampling import Sampling, generate_rows, left_pad
+from qlm_core.models.gpt import GPTModel
+from qlm_core.models.spec import ModelSpec
+
+SPEC = ModelSpec(model_type="qwen2", vocab_size=97, hidden_size=32, ffn_hidden_size=64, num_layers=2,
+                 num_attention_heads=4, num_query_groups=2, kv_channels=8, max_position_embeddings=128,
+                 rope_theta=10000.0, norm_epsilon=1e-6, qkv_bias=True, tie_word_embeddings=False)
+
+
+def _recomputed(model, prompt, tokens, temperature):
+    """The training side: one forward over prompt + completion, log_softmax(logits / T) of each completion token."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logits = model(ids)[0].float()
+    scaled = logits / temperature if temperature > 0 else logits
+    positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))
+    return scaled.log_softmax(-1)[positions, torch.tensor(tokens)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
+def test_rollout_logprobs_equal_the_training_forward(temperature):
+    torch.manual_seed(0)
+    model = GPTModel(SPEC, padded_vocab=SPEC.vocab_size).eval()
+    prompts = [[5, 9, 11, 3], [7], [2, 4, 6, 8, 10, 12, 14]]
+    ids, mask = left_pad(prompts, pad_id=0)
+    sampling = Sampling(temperature=temperature, seed=3)
+    first = generate_rows(model, ids, mask, max_new_tokens=12, eos_token_id=None, sampling=sampling)
+    eos = first[1].tokens[3]  # the same draws again end row 1 with it (or earlier)
+    rows = generate_rows(model, ids, mask, max_new_tokens=12, eos_token_id=eos, sampling=sampling)
+    ended = 0
+    for prompt, row in zip(prompts, rows, strict=True):
+        trained = row.tokens + ([row.eos_token] if row.eos_token is not None else [])
+        ended += row.eos_token is not None
+        assert len(row.logprobs) == len(trained) > 0
+        expected = _recomputed(model, prompt, trained, temperature)
+        assert torch.allclose(torch.tensor(row.logprobs), expected, atol=1e-5, rtol=0), (row, expected)
+    assert rows[1].eos_token == eos and ended >= 1
+
+
+def test_top_k_and_top_p_renormalise_the_logprobs():
+    """With top-k / top-p the token comes from the truncated distribution: its log-prob is that one's (higher than
+    the full distribution's), which is what truncated importance sampling corrects for."""
+    torch.manual_seed(0)
+    model = GPTModel(SPEC, padded_vocab=SPEC.vocab_size).eval()
+    ids, mask = left_pad([[5, 9, 11]], pad_id=0)
+    full = generate_rows(model, ids, mask, max_new_tokens=6, eos_token_id=None, sampling=Sampling(0.9, seed=1))[0]
+    top = generate_rows(model, ids, mask, max_new_tokens=6, eos_token_id=None,
+                        sampling=Sampling(0.9, top_k=5, seed=1))[0]
+    recomputed = _recomputed(model, [5, 9, 11], top.tokens, 0.9)
+    assert all(a >= b - 1e-6 for a, b in zip(top.logprobs, recomputed.tolist(), strict=True))
+    assert any(a > b + 1e-3 for a, b in zip(top.logprobs, recomputed.tolist(), strict=True))
+    assert torch.allclose(torch.tensor(full.logprobs), _recomputed(model, [5, 9, 11], full.tokens, 0.9), atol=1e-5)
