@@ -1,4 +1,4 @@
-"""Every parallel layout reproduces the one-process run: 5 AdamW steps' losses (10 for the expert-parallel cases)
+"""Every parallel layout reproduces the one-process run: 3 AdamW steps' losses (10 for the expert-parallel cases)
 within rtol 1e-4 and the first step's reduced gradients within 1e-5 (relative L2 per tensor). One torchrun launch
 (8 gloo ranks) runs all cases; a second one (2 ranks) runs the train.compile = true cases (COMPILED_CASES)."""
 
