@@ -1,6 +1,6 @@
 """torchrun worker for the parallel parity suite: runs every case of tests/parallel_cases.py (3 AdamW steps each,
-10 for expert parallelism) and writes, per case, the losses and grad norms (JSON) and the first step's reduced gradients as a Megatron-layout
-checkpoint (so the test can re-assemble full tensors with qlm's checkpoint reader).
+10 for expert parallelism) and writes, per case, the losses and grad norms (JSON) and the first step's reduced
+gradients as a Megatron-layout checkpoint (so the test can re-assemble full tensors with qlm's checkpoint reader).
 
     torchrun --nproc-per-node 8 tests/workers/parity_worker.py OUTDIR [CASE ...]
 """
