@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from qlm_core.errors import QlmError
 from qlm_core.kernels.grouped_mlp import grouped_swiglu_mlp
 from qlm_core.kernels.swiglu import swiglu
+from qlm_core.models.families import chosen_kind
 from qlm_core.models.spec import ModelSpec
 
 
@@ -44,8 +44,4 @@ ACTIVATION_KINDS: dict[str, ActivationKind] = {
 
 
 def activation_kind(spec: ModelSpec) -> ActivationKind:
-    kind = ACTIVATION_KINDS.get(spec.activation)
-    if kind is None:
-        raise QlmError(f"activation {spec.activation!r} is not one qlm builds",
-                       f"use one of {', '.join(sorted(ACTIVATION_KINDS))}")
-    return kind
+    return chosen_kind(ACTIVATION_KINDS, spec.activation, "activation")

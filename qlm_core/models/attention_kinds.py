@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from qlm_core.errors import QlmError
 from qlm_core.models.attention import AttentionKind
 from qlm_core.models.attention_gqa import GQA
+from qlm_core.models.families import chosen_kind
 from qlm_core.models.spec import ModelSpec
 
 ATTENTION_KINDS: dict[str, AttentionKind] = {"gqa": GQA}
@@ -12,8 +12,4 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {"gqa": GQA}
 
 def attention_kind(spec: ModelSpec) -> AttentionKind:
     """The attention kind a spec names."""
-    kind = ATTENTION_KINDS.get(spec.attention)
-    if kind is None:
-        raise QlmError(f"attention kind {spec.attention!r} is not one qlm builds",
-                       f"use one of {', '.join(sorted(ATTENTION_KINDS))}")
-    return kind
+    return chosen_kind(ATTENTION_KINDS, spec.attention, "attention kind")

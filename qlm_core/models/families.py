@@ -5,7 +5,9 @@ a new family is a row here, its numbers in ModelSpec.from_hf_config and a test a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
+
+from qlm_core.errors import QlmError
 
 # qkv_bias: "always" (Qwen2), "never", or "config" (Qwen2-MoE's own `qkv_bias` key, default true)
 QkvBias = Literal["always", "never", "config"]
@@ -54,3 +56,14 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family("MixtralForCausalLM", sliding_window="applied", moe=True, moe_block="block_sparse_moe.",
                       expert_projections=W1_W3_W2),
 }
+
+
+Kind = TypeVar("Kind")
+
+
+def chosen_kind(table: dict[str, Kind], name: str, what: str) -> Kind:
+    """The row of a choice's table (attention_kinds.py, norms.py, activations.py, positions.py) a spec names."""
+    kind = table.get(name)
+    if kind is None:
+        raise QlmError(f"{what} {name!r} is not one qlm builds", f"use one of {', '.join(sorted(table))}")
+    return kind

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qlm_core.errors import QlmError
 from qlm_core.kernels.norm import RMSNorm
+from qlm_core.models.families import chosen_kind
 from qlm_core.models.spec import ModelSpec
 
 
@@ -37,10 +37,7 @@ NORM_KINDS: dict[str, NormKind] = {"rmsnorm": NormKind(RMSNorm, ("weight",), "RM
 
 
 def norm_kind(spec: ModelSpec) -> NormKind:
-    kind = NORM_KINDS.get(spec.norm)
-    if kind is None:
-        raise QlmError(f"norm {spec.norm!r} is not one qlm builds", f"use one of {', '.join(sorted(NORM_KINDS))}")
-    return kind
+    return chosen_kind(NORM_KINDS, spec.norm, "norm")
 
 
 def build_norm(spec: ModelSpec, size: int, dtype: torch.dtype) -> nn.Module:

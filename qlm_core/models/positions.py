@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from qlm_core.errors import QlmError
 from qlm_core.kernels.rope import rope_cos_sin, rope_inv_freq
+from qlm_core.models.families import chosen_kind
 from qlm_core.models.spec import ModelSpec
 
 
@@ -41,8 +41,4 @@ POSITION_KINDS: dict[str, PositionKind] = {"rope": PositionKind(RotaryPositions,
 
 
 def position_kind(spec: ModelSpec) -> PositionKind:
-    kind = POSITION_KINDS.get(spec.position)
-    if kind is None:
-        raise QlmError(f"position scheme {spec.position!r} is not one qlm builds",
-                       f"use one of {', '.join(sorted(POSITION_KINDS))}")
-    return kind
+    return chosen_kind(POSITION_KINDS, spec.position, "position scheme")

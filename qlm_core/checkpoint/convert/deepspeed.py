@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.checkpoint.convert.skeleton import ConvertResult, convert_opened, parse_dtype
+from qlm_core.checkpoint.convert.skeleton import ConvertResult, convert_opened, open_source, parse_dtype
 from qlm_core.checkpoint.formats.megatron.args import make_args
 from qlm_core.checkpoint.io.progress import Progress, no_progress
-from qlm_core.checkpoint.io.staging import check_output_dir
 from qlm_core.checkpoint.sources.deepspeed_format import DEEPSPEED_FORMAT
 from qlm_core.checkpoint.sources.format_api import ReadOptions, WriteOptions
 from qlm_core.checkpoint.sources.hf_format import HF_FORMAT
@@ -27,9 +26,8 @@ def ds_to_hf(
     """DeepSpeed (ZeRO 0-3) -> HF: the fp32 master weights (default dtype fp32), frozen and tied params included.
     `config`: the HF config (dir or config.json) of the trained model; default a config.json next to the checkpoint."""
     started = time.perf_counter()
-    src = DEEPSPEED_FORMAT.open(Path(ds), ReadOptions(tag=tag, config=config, allow_bf16_weights=allow_bf16_weights))
-    out = Path(out)
-    check_output_dir(out, force, src.root)
+    read = ReadOptions(tag=tag, config=config, allow_bf16_weights=allow_bf16_weights)
+    src, out = open_source(DEEPSPEED_FORMAT, ds, out, force, read)
     dtype = parse_dtype(dtype) or src.dtype
     options = WriteOptions(max_shard_bytes=int(max_shard_size_gb * 2**30))
     return convert_opened(src, out, HF_FORMAT, src.layout, dtype, options, started=started, force=force,
@@ -44,9 +42,8 @@ def ds_to_mcore(
 ) -> ConvertResult:
     """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy torch (release/), streamed one rank file at a time."""
     started = time.perf_counter()
-    src = DEEPSPEED_FORMAT.open(Path(ds), ReadOptions(tag=tag, config=config, allow_bf16_weights=allow_bf16_weights))
-    out = Path(out)
-    check_output_dir(out, force, src.root)
+    read = ReadOptions(tag=tag, config=config, allow_bf16_weights=allow_bf16_weights)
+    src, out = open_source(DEEPSPEED_FORMAT, ds, out, force, read)
     layout = ModelLayout(src.spec, tp, pp, vpp, first_stage_layers, last_stage_layers, make_vocab_size_divisible_by)
     dtype = parse_dtype(dtype) or src.dtype
     options = WriteOptions(args=make_args(layout, dtype))
@@ -61,9 +58,7 @@ def hf_to_ds(
     """HF -> DeepSpeed: OUT/latest + OUT/<tag>/mp_rank_00_model_states.pt (+ fp32 masters as one ZeRO-2 partition),
     with the HF config and tokenizer files next to `latest`."""
     started = time.perf_counter()
-    src = HF_FORMAT.open(Path(hf), ReadOptions())
-    out = Path(out)
-    check_output_dir(out, force, src.root)
+    src, out = open_source(HF_FORMAT, hf, out, force, ReadOptions())
     dtype = parse_dtype(dtype) or src.dtype
     options = WriteOptions(tag=tag or "global_step0", global_steps=0, fp32_master=fp32_master)
     return convert_opened(src, out, DEEPSPEED_FORMAT, src.layout, dtype, options, started=started, force=force,
@@ -78,9 +73,7 @@ def mcore_to_ds(
     """Megatron-Core (any TP/PP, a LoRA run merged) -> DeepSpeed; tag default global_step<iteration>. `config`: the
     architecture (HF dir, config.json or preset) for a checkpoint without Megatron-LM args."""
     started = time.perf_counter()
-    src = MEGATRON_FORMAT.open(Path(mcore), ReadOptions(iteration=iteration, config=config))
-    out = Path(out)
-    check_output_dir(out, force, src.root)
+    src, out = open_source(MEGATRON_FORMAT, mcore, out, force, ReadOptions(iteration=iteration, config=config))
     dtype = parse_dtype(dtype) or src.dtype
     steps = src.iteration or 0
     options = WriteOptions(tag=tag or f"global_step{steps}", global_steps=steps, fp32_master=fp32_master)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.checkpoint.convert.skeleton import ConvertResult, convert_opened, dir_bytes, parse_dtype
+from qlm_core.checkpoint.convert.skeleton import ConvertResult, convert_opened, dir_bytes, open_source, parse_dtype
 from qlm_core.checkpoint.convert.train_state import TrainStateCarrier
 from qlm_core.checkpoint.formats.hf.checkpoint import is_hf_dir, write_hf_config
 from qlm_core.checkpoint.formats.hf.write import write_hf
@@ -52,9 +52,7 @@ def hf_to_mcore(
     `etp`: expert parallel and expert tensor parallel sizes (MoE models; etp None: tp)."""
     started = time.perf_counter()
     check_format(format)
-    src = HF_FORMAT.open(Path(hf), ReadOptions())
-    out = Path(out)
-    check_output_dir(out, force, src.root)
+    src, out = open_source(HF_FORMAT, hf, out, force, ReadOptions())
     layout = ModelLayout(src.spec, tp, pp, vpp, first_stage_layers, last_stage_layers, make_vocab_size_divisible_by,
                          **expert_layout(src.spec, ep, etp))
     check_output_layout(layout, format)
@@ -72,9 +70,7 @@ def mcore_to_hf(
     """`config`: an HF directory or preset naming the architecture (needed when the checkpoint stores no Megatron
     args and has no run_config.yaml); the export then has exactly its vocab_size rows (no Megatron padding)."""
     started = time.perf_counter()
-    src = MEGATRON_FORMAT.open(Path(mcore), ReadOptions(iteration=iteration, config=config))
-    out = Path(out)
-    check_output_dir(out, force, src.root)
+    src, out = open_source(MEGATRON_FORMAT, mcore, out, force, ReadOptions(iteration=iteration, config=config))
     dtype = parse_dtype(dtype) or src.dtype
     options = WriteOptions(max_shard_bytes=int(max_shard_size_gb * 2**30))
     return convert_opened(src, out, HF_FORMAT, src.layout, dtype, options, started=started, force=force,

@@ -21,8 +21,8 @@ from qlm_core.checkpoint.convert.verify import (
     scan_nan,
 )
 from qlm_core.checkpoint.io.progress import Progress, no_progress
-from qlm_core.checkpoint.io.staging import staged_output
-from qlm_core.checkpoint.sources.format_api import CheckpointFormat, OpenedCheckpoint, WriteOptions
+from qlm_core.checkpoint.io.staging import check_output_dir, staged_output
+from qlm_core.checkpoint.sources.format_api import CheckpointFormat, OpenedCheckpoint, ReadOptions, WriteOptions
 from qlm_core.checkpoint.sources.nearby import tokenizer_near
 from qlm_core.dtypes import dtype_named
 from qlm_core.errors import QlmError
@@ -78,6 +78,15 @@ def dir_bytes(path: Path) -> tuple[int, int]:
 def finish_report(report: VerifyReport | None):
     if report is not None and not report.ok:
         raise QlmError(f"verification failed: {report.summary()}", "nothing was written; please report this bug")
+
+
+def open_source(fmt: CheckpointFormat, src: str | Path, out: str | Path, force: bool,
+                options: ReadOptions) -> tuple[OpenedCheckpoint, Path]:
+    """SRC opened by its format, and OUT checked: free (or --force) and not the source or inside it."""
+    opened = fmt.open(Path(src), options)
+    out = Path(out)
+    check_output_dir(out, force, opened.root)
+    return opened, out
 
 
 def verify_written(opened: OpenedCheckpoint, target: CheckpointFormat, tmp: Path, layout: ModelLayout,
