@@ -69,6 +69,12 @@ def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return _conjugate(x, group, _identity, _sum)
 
 
+def sum_across(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """The sum of every rank's part, used by every rank: all-reduced forward, and backward too (each rank's part
+    gets the gradient that every rank's use of the sum sends back)."""
+    return _conjugate(x, group, _sum, _sum)
+
+
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return _conjugate(x, group, _sum, _identity)
 

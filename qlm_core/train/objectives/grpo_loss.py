@@ -25,6 +25,7 @@ clipped share), kl (token mean of the estimator), each as (sum, count) so that s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -95,16 +96,22 @@ def kl_per_token(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: KlEsti
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+def _local_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(-1)
+
+
 def grpo_token_loss(loss: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, ref_logps: torch.Tensor | None = None
+                    mask: torch.Tensor, ref_logps: torch.Tensor | None = None,
+                    row_sum: Callable[[torch.Tensor], torch.Tensor] = _local_rows,
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss [B, T] (before masking) and the masked per-token statistics the metrics sum: `low`, `high`
     (clipped on either side, where the clip binds), `kl` (when beta > 0). logps, old_logps, ref_logps, mask: [B, T];
-    advantages [B]."""
+    advantages [B]. `row_sum`: a row's sum over its whole sequence (under context parallelism, every rank's part:
+    parallel/tensor.sum_across), for GSPO's sequence mean."""
     mask = mask.to(logps.dtype)
     log_ratio = logps - old_logps
     if loss.importance_sampling_level == "sequence":  # GSPO: the sequence's mean log-ratio, for all its tokens
-        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        log_ratio = (row_sum(log_ratio * mask) / row_sum(mask).detach().clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
     advantage = advantages.unsqueeze(1).to(logps.dtype)
     clipped = torch.clamp(ratio, 1 - loss.epsilon_low, 1 + loss.upper)
@@ -124,11 +131,15 @@ def grpo_token_loss(loss: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor
     return per_token.expand_as(mask), stats
 
 
-def reduce_grpo_loss(loss: GrpoLoss, per_token: torch.Tensor, mask: torch.Tensor, step: StepCounts) -> torch.Tensor:
-    """This micro-batch's share of the step's loss: summed over micro-batches and ranks it is the step's loss."""
+def reduce_grpo_loss(loss: GrpoLoss, per_token: torch.Tensor, mask: torch.Tensor, step: StepCounts,
+                     row_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """This micro-batch's share of the step's loss: summed over micro-batches and ranks it is the step's loss.
+    `row_tokens`: each row's completion tokens over its whole sequence (default: this mask's; under context
+    parallelism the sum over the ranks' parts)."""
     mask = mask.to(per_token.dtype)
     if loss.loss_type == "grpo":
-        per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        counts = mask.sum(-1) if row_tokens is None else row_tokens.to(per_token.dtype)
+        per_sequence = (per_token * mask).sum(-1) / counts.clamp(min=1.0)
         return per_sequence.sum() / max(step.sequences, 1)
     total = (per_token * mask).sum()
     if loss.loss_type == "dr_grpo":

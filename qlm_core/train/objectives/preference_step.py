@@ -27,6 +27,7 @@ from qlm_core.parallel import shape_inference
 from qlm_core.parallel.comm import all_reduce, group_size
 from qlm_core.parallel.state import Grid
 from qlm_core.parallel.tensor import reduce_from_tp
+from qlm_core.train.objectives.microbatch import microbatch_index
 from qlm_core.train.objectives.preference_loss import PreferenceLossConfig, pair_metric_sums, pair_terms
 from qlm_core.train.validate import validate_preference_model
 
@@ -84,12 +85,7 @@ class PreferenceStep:
 
     def microbatch_of(self, labels: torch.Tensor) -> int:
         """Which micro-batch `labels` (a view of the step's labels) is."""
-        base = self.labels
-        offset = labels.data_ptr() - base.data_ptr()
-        row_bytes = base.stride(0) * base.element_size()
-        if labels.shape[1:] != base.shape[1:] or offset % (row_bytes * self.micro_rows):
-            raise RuntimeError("the loss function was handed labels that are not a micro-batch of the step's")
-        return offset // (row_bytes * self.micro_rows)
+        return microbatch_index(self.labels, labels, self.micro_rows)
 
     def rows(self, index: int) -> slice:
         return slice(index * self.micro_rows, (index + 1) * self.micro_rows)

@@ -1,0 +1,108 @@
+"""Group-relative policy optimisation on the Objective seam: each micro-batch's loss is grpo_loss.py's over its
+rows' completion tokens, from the policy's log-probs (the loss head's per-token losses, negated), the rollout
+policy's (π_old) and, for a KL term, the reference's, with each row's advantage.
+
+The step's rows come as a RolloutBatch: a Batch whose labels are the completion tokens (-100 on the prompt and
+padding) with, aligned to them, `old_logps` and `ref_logps` [rows, seq] and `advantages` [rows]. They are split
+over context-parallel ranks exactly as the labels are. Each micro-batch's loss is its share of the step's (the
+normalisers count every micro-batch and data-parallel rank: StepCounts), so the reported losses and the gradients
+add up over micro-batches and ranks as the language-model loss's do; a sequence's mean (loss_type grpo's token
+mean, GSPO's ratio) spans its context-parallel parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qlm_core.parallel import shape_inference
+from qlm_core.parallel.comm import all_reduce, group_size
+from qlm_core.parallel.context_parallel import split_for_cp
+from qlm_core.parallel.tensor import sum_across
+from qlm_core.train.engine import Batch
+from qlm_core.train.objectives.grpo_loss import (
+    GrpoLoss,
+    StepCounts,
+    grpo_metric_sums,
+    grpo_token_loss,
+    reduce_grpo_loss,
+)
+from qlm_core.train.objectives.microbatch import microbatch_index
+
+METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl")
+
+
+@dataclass
+class RolloutBatch(Batch):
+    """A Batch of rollouts: per-token log-probs aligned with `labels` (the rollout's and the reference's; 0 where
+    the label is -100) and each row's advantage."""
+
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+
+
+class GrpoObjective:
+    def __init__(self, loss: GrpoLoss):
+        self.config = loss
+
+    def bind(self, engine, weights) -> None:
+        self.grid, self.cp = engine.grid, engine.config.cp
+        self.micro_rows = engine.micro_batch_size
+        self.dp = engine.grid.sizes.dp
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.grid.device)
+        return split_for_cp(t, self.cp, self.grid.cp_rank, dim=1).contiguous() if self.cp > 1 else t.contiguous()
+
+    def start(self, batch: RolloutBatch, inputs, labels: torch.Tensor, tokens: float) -> None:
+        if batch.old_logps is None or batch.advantages is None:
+            raise ValueError("a GRPO step needs a RolloutBatch with old_logps and advantages")
+        if self.config.beta != 0.0 and batch.ref_logps is None:
+            raise ValueError("a KL term (rl.beta > 0) needs the reference's log-probs in the batch")
+        self.labels = labels
+        self.old = self._local(batch.old_logps.float())
+        self.ref = None if batch.ref_logps is None else self._local(batch.ref_logps.float())
+        self.advantages = batch.advantages.float().to(self.grid.device)
+        self.step = StepCounts(sequences=labels.shape[0] * self.dp, tokens=int(tokens))
+        self.sums = torch.zeros(2 * len(METRICS), dtype=torch.float64, device=labels.device)
+
+    def loss(self, token_loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if shape_inference.active():  # the pipeline's placeholder forward: a loss of the right graph, nothing kept
+            return token_loss.sum() * 0.0
+        first = microbatch_index(self.labels, labels, self.micro_rows) * self.micro_rows
+        rows = slice(first, first + self.micro_rows)
+        mask = labels >= 0
+        cp_group = self.grid.cp_group
+        spans = group_size(cp_group) > 1
+
+        def row_sum(x: torch.Tensor) -> torch.Tensor:
+            return sum_across(x.sum(-1), cp_group) if spans else x.sum(-1)
+
+        row_tokens = None
+        if spans:
+            row_tokens = all_reduce(mask.sum(-1).to(torch.float32), cp_group)
+        logps = -token_loss.float()
+        per_token, stats = grpo_token_loss(self.config, logps, self.old[rows], self.advantages[rows], mask,
+                                           None if self.ref is None else self.ref[rows], row_sum=row_sum)
+        sums = grpo_metric_sums(stats, mask)
+        for index, name in enumerate(METRICS):
+            total, count = sums.get(name, (0.0, 0.0))
+            self.sums[2 * index] += total
+            self.sums[2 * index + 1] += count
+        return reduce_grpo_loss(self.config, per_token, mask, self.step, row_tokens)
+
+    def reported(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss.detach().float()
+
+    def figures(self) -> dict[str, float]:
+        """TRL's metrics over the step's completion tokens, every rank's (a collective)."""
+        sums = all_reduce(self.sums.clone(), self.grid.dp_cp_group)
+        if group_size(self.grid.pp_group) > 1:  # only the last stage computed them
+            all_reduce(sums, self.grid.pp_group)
+        out = {}
+        for index, name in enumerate(METRICS):
+            total, count = sums[2 * index].item(), sums[2 * index + 1].item()
+            if count > 0 and (name != "kl" or self.config.beta != 0.0):
+                out[name] = total / count
+        return out

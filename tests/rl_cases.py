@@ -1,0 +1,50 @@
+"""The RL step the GRPO parity checks run (shared by the pytest module and its torchrun worker): a fixed rollout
+batch of the parity suite's tiny model and the layouts with the loss each runs."""
+
+import math
+
+import torch
+from parallel_cases import GLOBAL_BATCH, SEQ, SPEC
+
+from qlm_core.train.objectives.grpo import RolloutBatch
+from qlm_core.train.objectives.grpo_loss import GrpoLoss
+
+STEPS, MICRO = 2, 2
+GRPO = GrpoLoss(loss_type="grpo", beta=0.04, max_completion_length=SEQ)
+DAPO = GrpoLoss(loss_type="dapo", epsilon_high=0.28, max_completion_length=SEQ)
+GSPO = GrpoLoss(loss_type="dr_grpo", importance_sampling_level="sequence", beta=0.04, max_completion_length=SEQ)
+
+# name -> (ParallelConfig fields, loss); every case runs on 2 ranks
+CASES = {
+    "tp2_sp": (dict(tp=2, sp=True), GRPO),
+    "cp2_grpo": (dict(cp=2, cp_comm_type="p2p"), GRPO),
+    "cp2_gspo": (dict(cp=2, cp_comm_type="allgather"), GSPO),
+    "pp2": (dict(pp=2, pp_schedule="1f1b"), DAPO),
+    "dp2_zero1": (dict(zero_stage=1), DAPO),
+    "dp2_zero3": (dict(zero_stage=3), GSPO),
+}
+
+
+def rollout_batch() -> RolloutBatch:
+    """Prompts and completions of different lengths (labels -100 on prompt and padding); the rollout's log-probs
+    near a random-init model's (-log V), so the ratios fall on both sides of the clip; a reference nearby."""
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, SPEC.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    for row in range(GLOBAL_BATCH):
+        labels[row, :3 + row] = -100
+        labels[row, SEQ - 2 * row:] = -100
+    mask = labels >= 0
+    base = -math.log(SPEC.vocab_size)  # per token and per row apart: GSPO's sequence ratios reach the clip too
+    noise = 0.3 * torch.randn(GLOBAL_BATCH, SEQ, generator=g) + 0.3 * torch.randn(GLOBAL_BATCH, 1, generator=g)
+    old = torch.where(mask, base + noise, torch.zeros(()))
+    ref = torch.where(mask, base + 0.3 * torch.randn(GLOBAL_BATCH, SEQ, generator=g), torch.zeros(()))
+    return RolloutBatch(input_ids, labels, old_logps=old, ref_logps=ref,
+                        advantages=torch.randn(GLOBAL_BATCH, generator=g))
+
+
+def rank_rows(batch: RolloutBatch, dp_rank: int, dp: int) -> RolloutBatch:
+    rows = GLOBAL_BATCH // dp
+    mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
+    return RolloutBatch(batch.input_ids[mine], batch.labels[mine], old_logps=batch.old_logps[mine],
+                        ref_logps=batch.ref_logps[mine], advantages=batch.advantages[mine])
