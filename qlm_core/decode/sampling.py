@@ -138,7 +138,8 @@ def generate_rows(
             cache.select(keep)
             mask, next_position, chosen = mask[keep], next_position[keep], chosen[keep]
         mask = torch.cat((mask, torch.ones(len(active), 1, dtype=mask.dtype, device=mask.device)), dim=1)
-        logits = model(chosen[:, None], next_position[:, None], cache=cache, attention_mask=mask)[:, -1]
+        hidden = model.hidden_states(chosen[:, None], next_position[:, None], cache=cache, attention_mask=mask)
+        logits = model.logits(hidden)[:, -1]  # any GPTModel, a pipeline StageModel (a rollout's policy) too
         next_position = next_position + 1
     return out
 

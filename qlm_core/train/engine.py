@@ -218,6 +218,9 @@ class Engine:
     def loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's output (the final norm's) through the loss head, then the objective's loss of the
         micro-batch."""
+        scale = getattr(self.objective, "logit_scale", 1.0)  # an RL objective's 1 / sampling temperature
+        if scale != 1.0:
+            hidden = hidden * scale  # logits are linear in the final norm's output: logits / temperature
         return self.objective.loss(self.chunks[-1].loss(hidden, labels), labels)
 
     def local_inputs(self, batch: Batch) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:

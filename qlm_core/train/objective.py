@@ -16,6 +16,10 @@ import torch
 
 
 class Objective(Protocol):
+    # optional: the loss head's logits are multiplied by it (an RL objective's 1 / sampling temperature, so that the
+    # policy's log-probs are those of the distribution the rollout sampled from); absent: 1
+    logit_scale: float
+
     def bind(self, engine: Any, weights: Any) -> None:
         """Called once by the Engine, after the policy's chunks and pipeline schedule are built; `weights` the
         TensorSource they were filled from (for a reference copy; not to be kept)."""

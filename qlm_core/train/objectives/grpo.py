@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from qlm_core.parallel import shape_inference
 from qlm_core.parallel.comm import all_reduce, group_size
@@ -43,8 +44,11 @@ class RolloutBatch(Batch):
 
 
 class GrpoObjective:
-    def __init__(self, loss: GrpoLoss):
+    def __init__(self, loss: GrpoLoss, temperature: float = 1.0):
+        """`temperature`: the rollout's sampling temperature; the policy's log-probs are log_softmax(logits / T),
+        the distribution the rollout drew from (as TRL computes them)."""
         self.config = loss
+        self.logit_scale = 1.0 / temperature if temperature > 0 else 1.0
 
     def bind(self, engine, weights) -> None:
         self.grid, self.cp = engine.grid, engine.config.cp
@@ -66,6 +70,9 @@ class GrpoObjective:
         self.advantages = batch.advantages.float().to(self.grid.device)
         self.step = StepCounts(sequences=labels.shape[0] * self.dp, tokens=int(tokens))
         self.sums = torch.zeros(2 * len(METRICS), dtype=torch.float64, device=labels.device)
+        # |log π_train - log π_rollout| over the completion tokens: (sum, count), and the largest
+        self.drift = torch.zeros(2, dtype=torch.float64, device=labels.device)
+        self.drift_max = torch.zeros((), dtype=torch.float64, device=labels.device)
 
     def loss(self, token_loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if shape_inference.active():  # the pipeline's placeholder forward: a loss of the right graph, nothing kept
@@ -85,6 +92,9 @@ class GrpoObjective:
         logps = -token_loss.float()
         per_token, stats = grpo_token_loss(self.config, logps, self.old[rows], self.advantages[rows], mask,
                                            None if self.ref is None else self.ref[rows], row_sum=row_sum)
+        drift = (logps.detach() - self.old[rows]).abs().double() * mask
+        self.drift += torch.stack([drift.sum(), mask.sum().double()])
+        self.drift_max = torch.maximum(self.drift_max, drift.max())
         sums = grpo_metric_sums(stats, mask)
         for index, name in enumerate(METRICS):
             total, count = sums.get(name, (0.0, 0.0))
@@ -105,4 +115,12 @@ class GrpoObjective:
             total, count = sums[2 * index].item(), sums[2 * index + 1].item()
             if count > 0 and (name != "kl" or self.config.beta != 0.0):
                 out[name] = total / count
+        drift = all_reduce(self.drift.clone(), self.grid.dp_cp_group)
+        largest = all_reduce(self.drift_max.clone(), self.grid.dp_cp_group, op=dist.ReduceOp.MAX)
+        if group_size(self.grid.pp_group) > 1:
+            all_reduce(drift, self.grid.pp_group)
+            all_reduce(largest, self.grid.pp_group, op=dist.ReduceOp.MAX)
+        if drift[1] > 0:  # slime's and NeMo-RL's check: the trainer's log-probs of the rollout's own tokens
+            out["train_rollout_logprob_abs_diff/mean"] = (drift[0] / drift[1]).item()
+            out["train_rollout_logprob_abs_diff/max"] = largest.item()
         return out
