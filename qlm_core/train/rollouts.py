@@ -31,6 +31,10 @@ class RolloutConfig:
     max_completion_length: int = 64
     sampling: Sampling = field(default_factory=lambda: Sampling(temperature=1.0))
     scale_rewards: ScaleRewards = "group"
+    overlong_filter: bool = False  # truncated completions do not train (DAPO)
+    overlong_buffer: int = 0  # soft overlong punishment over the last this many tokens (DAPO's L_cache; 0: off)
+    overlong_penalty_factor: float = 1.0
+    max_sampling_tries: int = 4  # dynamic sampling: the most prompt draws for one step
 
 
 def trained_tokens(generation: Generation) -> list[int]:
@@ -70,12 +74,41 @@ def generate_groups(model: GPTModel, prompts: Sequence[Sequence[int]], config: R
                          eos_token_id=eos_token_id, sampling=config.sampling)
 
 
-def rollout(model: GPTModel, prompts: Sequence[Sequence[int]], records: Sequence[dict[str, Any]],
-            config: RolloutConfig, rewards: Rewards, decode_text: Callable[[list[int]], str], *,
-            seq_length: int, eos_token_id: int | Sequence[int] | None, pad_id: int
-            ) -> tuple[RolloutBatch, dict[str, float]]:
-    """One step's rollout batch from `prompts` (token ids; `records` their data records, each with its `prompt`
-    text and the fields the rewards read) and the step's metrics (TRL's names)."""
+@dataclass
+class Groups:
+    """Sampled groups before they become a batch: each row's prompt ids, record and completion, the sources'
+    rewards [rows, sources]; a group is `num_generations` adjacent rows."""
+
+    prompts: list[list[int]]
+    records: list[dict[str, Any]]
+    generations: list[Generation]
+    per_source: torch.Tensor
+
+    def select(self, groups: list[int], size: int) -> Groups:
+        rows = [g * size + k for g in groups for k in range(size)]
+        return Groups([self.prompts[r] for r in rows], [self.records[r] for r in rows],
+                      [self.generations[r] for r in rows], self.per_source[rows])
+
+    @staticmethod
+    def join(parts: Sequence[Groups]) -> Groups:
+        return Groups([p for g in parts for p in g.prompts], [r for g in parts for r in g.records],
+                      [x for g in parts for x in g.generations], torch.cat([g.per_source for g in parts]))
+
+
+def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_length - buffer tokens, then falling linearly to -1 at
+    max_length (and beyond)."""
+    free = max_length - buffer
+    if length <= free:
+        return 0.0
+    return max((free - length) / buffer, -1.0)
+
+
+def sample_groups(model: GPTModel, prompts: Sequence[Sequence[int]], records: Sequence[dict[str, Any]],
+                  config: RolloutConfig, rewards: Rewards, decode_text: Callable[[list[int]], str], *,
+                  seq_length: int, eos_token_id: int | Sequence[int] | None, pad_id: int) -> Groups:
+    """`num_generations` scored completions of each prompt (`records`: their data records, each with its `prompt`
+    text and the fields the rewards read)."""
     longest = max(len(p) for p in prompts)
     if longest + config.max_completion_length - 1 > seq_length:
         raise QlmError(f"a prompt of {longest} tokens leaves no room for rl.max_completion_length "
@@ -83,16 +116,78 @@ def rollout(model: GPTModel, prompts: Sequence[Sequence[int]], records: Sequence
                        "raise data.seq_length, lower rl.max_completion_length or shorten the prompts")
     generations = generate_groups(model, prompts, config, eos_token_id, pad_id)
     n = config.num_generations
-    texts = [decode_text(g.tokens) for g in generations]
-    prompt_texts = [str(record.get("prompt", "")) for record in records for _ in range(n)]
+    row_prompts = [list(p) for p in prompts for _ in range(n)]
     row_records = [record for record in records for _ in range(n)]
-    per_source = rewards.score(prompt_texts, texts, row_records)
-    advantages, metrics = group_advantages(per_source, rewards.weights, n, config.scale_rewards)
-    batch = pack_rollouts([p for p in prompts for _ in range(n)], generations, seq_length, pad_id)
+    texts = [decode_text(g.tokens) for g in generations]
+    per_source = rewards.score([str(r.get("prompt", "")) for r in row_records], texts, row_records)
+    return Groups(row_prompts, row_records, list(generations), per_source)
+
+
+def assemble(groups: Groups, config: RolloutConfig, rewards: Rewards, *, seq_length: int,
+             pad_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """The training rows of sampled groups, their advantages and the step's metrics (TRL's names)."""
+    per_source, weights, names = groups.per_source, rewards.weights, rewards.names
+    if config.overlong_buffer > 0:  # soft overlong punishment: one more reward source
+        penalty = torch.tensor([[overlong_penalty(len(trained_tokens(g)), config.max_completion_length,
+                                                  config.overlong_buffer)] for g in groups.generations],
+                               dtype=per_source.dtype)
+        per_source = torch.cat([per_source, penalty], dim=1)
+        weights = torch.cat([weights, torch.tensor([config.overlong_penalty_factor], dtype=weights.dtype)])
+        names = [*names, "overlong"]
+    advantages, metrics = group_advantages(per_source, weights, config.num_generations, config.scale_rewards)
+    batch = pack_rollouts(groups.prompts, groups.generations, seq_length, pad_id)
     batch.advantages = advantages.float()
-    lengths = torch.tensor([len(trained_tokens(g)) for g in generations], dtype=torch.float64)
-    metrics.update(source_metrics(per_source, rewards.names))
+    truncated = [g.finish == "length" for g in groups.generations]
+    if config.overlong_filter:  # a truncated completion's tokens do not train (DAPO's overlong filtering)
+        batch.labels[torch.tensor(truncated)] = -100
+    lengths = torch.tensor([len(trained_tokens(g)) for g in groups.generations], dtype=torch.float64)
+    metrics.update(source_metrics(per_source, names))
     metrics.update({"completions/mean_length": lengths.mean().item(), "completions/max_length": lengths.max().item(),
                     "completions/min_length": lengths.min().item(),
-                    "completions/clipped_ratio": sum(g.finish == "length" for g in generations) / len(generations)})
+                    "completions/clipped_ratio": sum(truncated) / len(truncated)})
+    return batch, metrics
+
+
+def rollout(model: GPTModel, prompts: Sequence[Sequence[int]], records: Sequence[dict[str, Any]],
+            config: RolloutConfig, rewards: Rewards, decode_text: Callable[[list[int]], str], *,
+            seq_length: int, eos_token_id: int | Sequence[int] | None, pad_id: int
+            ) -> tuple[RolloutBatch, dict[str, float]]:
+    """One step's rollout batch from `prompts` (token ids; `records` their data records) and its metrics."""
+    groups = sample_groups(model, prompts, records, config, rewards, decode_text, seq_length=seq_length,
+                           eos_token_id=eos_token_id, pad_id=pad_id)
+    return assemble(groups, config, rewards, seq_length=seq_length, pad_id=pad_id)
+
+
+def dynamic_rollout(model: GPTModel, draw: Callable[[], tuple[list[list[int]], list[dict[str, Any]]]],
+                    num_prompts: int, config: RolloutConfig, rewards: Rewards,
+                    decode_text: Callable[[list[int]], str], *, seq_length: int,
+                    eos_token_id: int | Sequence[int] | None, pad_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """DAPO's dynamic sampling: groups whose completions all earned the same reward (no signal) are dropped and
+    more prompts drawn (`draw()`: the next prompts and records) until `num_prompts` groups carry a signal, at most
+    `max_sampling_tries` draws; then the batch is filled with dropped groups. Reports the draws and the groups
+    filled."""
+    n, kept, dropped, tries = config.num_generations, [], [], 0
+    while sum(len(g.prompts) for g in kept) < num_prompts * n and tries < config.max_sampling_tries:
+        prompts, records = draw()
+        groups = sample_groups(model, prompts, records, config, rewards, decode_text, seq_length=seq_length,
+                               eos_token_id=eos_token_id, pad_id=pad_id)
+        tries += 1
+        totals = (groups.per_source * rewards.weights).nansum(dim=1).view(-1, n)
+        signal = [g for g in range(totals.shape[0]) if not torch.all(totals[g] == totals[g, 0])]
+        flat = [g for g in range(totals.shape[0]) if g not in signal]
+        if signal:
+            kept.append(groups.select(signal, n))
+        if flat:
+            dropped.append(groups.select(flat, n))
+    joined = Groups.join(kept) if kept else None
+    have = 0 if joined is None else len(joined.prompts) // n
+    filled = 0
+    if have < num_prompts:  # out of tries: the batch is filled with groups that carry no signal
+        spare = Groups.join(dropped)
+        filled = num_prompts - have
+        spare = spare.select(list(range(filled)), n)
+        joined = spare if joined is None else Groups.join([joined, spare])
+    joined = joined.select(list(range(num_prompts)), n)
+    batch, metrics = assemble(joined, config, rewards, seq_length=seq_length, pad_id=pad_id)
+    metrics.update({"dynamic_sampling/draws": float(tries), "dynamic_sampling/filled_groups": float(filled)})
     return batch, metrics

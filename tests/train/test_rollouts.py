@@ -99,3 +99,55 @@ def test_the_rl_loop_raises_a_reward(even_reward):
         assert result.figures["train_rollout_logprob_abs_diff/max"] <= 1e-5
         rewards.append(metrics["reward"])
     assert sum(rewards[:5]) / 5 <= 0.6 and sum(rewards[-5:]) / 5 >= 0.75, rewards
+
+
+def test_overlong_penalty_is_dapos():
+    from qlm_core.train.rollouts import overlong_penalty
+
+    assert [overlong_penalty(n, 12, 4) for n in (5, 8, 9, 10, 12, 13)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+
+
+@pytest.fixture
+def easy_rewards(tmp_path, monkeypatch):
+    (tmp_path / "toy_rl_easy.py").write_text(
+        "def score(prompt, completion, record):\n"
+        "    if record['easy']:\n        return 1.0\n"
+        "    ids = [int(t) for t in completion.split()]\n"
+        "    return sum(i % 2 == 0 for i in ids) / max(len(ids), 1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return Rewards([RewardSource("toy_rl_easy:score")])
+
+
+def test_dynamic_sampling_drops_groups_without_signal_and_says_when_it_fills(easy_rewards):
+    from qlm_core.train.rollouts import dynamic_rollout
+
+    engine = _engine()
+    draws = iter(range(100))
+
+    def draw(easy_every: int):
+        def next_prompts():
+            k = next(draws)
+            return [[10 + k, 20 + k], [30 + k, 40 + k]], [{"prompt": "", "easy": (k + i) % easy_every == 0}
+                                                           for i in range(2)]
+        return next_prompts
+
+    config = RolloutConfig(num_generations=GENERATIONS, max_completion_length=8, sampling=Sampling(1.0, seed=2),
+                           max_sampling_tries=4)
+    batch, metrics = dynamic_rollout(engine.chunks[0], draw(2), 2, config, easy_rewards, _text, seq_length=SEQ,
+                                     eos_token_id=None, pad_id=0)
+    assert batch.input_ids.shape[0] == 2 * GENERATIONS and metrics["dynamic_sampling/filled_groups"] == 0
+    assert metrics["dynamic_sampling/draws"] == 2 and metrics["frac_reward_zero_std"] == 0  # one easy a draw
+    batch, metrics = dynamic_rollout(engine.chunks[0], draw(1), 2, config, easy_rewards, _text, seq_length=SEQ,
+                                     eos_token_id=None, pad_id=0)  # every prompt easy: filled after 4 draws
+    assert metrics["dynamic_sampling/draws"] == 4 and metrics["dynamic_sampling/filled_groups"] == 2
+    assert torch.all(batch.advantages == 0)
+
+
+def test_overlong_filtering_and_soft_punishment(even_reward):
+    engine = _engine()
+    config = RolloutConfig(num_generations=GENERATIONS, max_completion_length=6, sampling=Sampling(1.0, seed=1),
+                           overlong_filter=True, overlong_buffer=3)
+    batch, metrics = rollout(engine.chunks[0], [[3, 4, 5]], [{"prompt": ""}], config, even_reward, _text,
+                             seq_length=SEQ, eos_token_id=None, pad_id=0)  # no eos: every answer is truncated
+    assert torch.all(batch.labels == -100) and metrics["completions/clipped_ratio"] == 1.0
+    assert metrics["rewards/overlong/mean"] == -1.0
