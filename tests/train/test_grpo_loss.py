@@ -49,7 +49,7 @@ def _batch(seed: int = 0):
     return logps, old, ref, advantages, mask
 
 
-def _trl(loss: GrpoLoss, logps, old, ref, advantages, mask):
+def _trl(loss: GrpoLoss, logps, old, ref, advantages, mask, vllm_ratio=None):
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     trainer = GRPOTrainer.__new__(GRPOTrainer)  # only _compute_loss's own state, no model or data
@@ -57,7 +57,8 @@ def _trl(loss: GrpoLoss, logps, old, ref, advantages, mask):
         top_entropy_quantile=1.0, off_policy_mask_threshold=None,
         importance_sampling_level=loss.importance_sampling_level, beta=loss.beta, loss_type=loss.loss_type,
         epsilon_low=loss.epsilon_low, epsilon_high=loss.upper,
-        use_vllm=False, model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        use_vllm=vllm_ratio is not None, vllm_importance_sampling_correction=vllm_ratio is not None,
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
         max_completion_length=loss.max_completion_length, accelerator=_OneProcess(), _entropy_bonus_enabled=False,
         aux_loss_enabled=False, _metrics={"train": defaultdict(list)},
         args=SimpleNamespace(use_bias_correction_kl=False, delta=loss.delta, steps_per_generation=1))
@@ -65,7 +66,7 @@ def _trl(loss: GrpoLoss, logps, old, ref, advantages, mask):
     inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1),
               "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
               "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": mask.sum()}
+              "num_items_in_batch": mask.sum(), "importance_sampling_ratio": vllm_ratio}
     return trainer._compute_loss(None, inputs), trainer._metrics["train"]
 
 
@@ -146,3 +147,31 @@ def test_any_micro_batch_split_gives_the_step_loss_and_gradient(kind):
 def test_a_wrong_setting_is_one_line(field, value):
     with pytest.raises(QlmError, match=f"rl.{field}"):
         GrpoLoss(**{field: value})
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_rollout_correction_equals_trls_vllm_importance_sampling(mode):
+    """TRL's vLLM importance-sampling correction (its ratio from _generate_and_score_completions, then
+    _compute_loss with use_vllm): π_old the trainer's own log-probs, the rollout's weighing each token."""
+    from qlm_core.train.objectives.grpo_loss import rollout_correction_weights
+
+    loss = GrpoLoss(loss_type="dapo", beta=0.04, max_completion_length=T, rollout_correction=mode,
+                    correction_clip_min=0.5, correction_clip_max=1.5)
+    logps, rollout, ref, advantages, mask = _batch(3)
+    trainer_old = logps.clone()  # the trainer's π_old: this step's forward
+    weights = rollout_correction_weights(loss, trainer_old, rollout, mask)
+    diff = (trainer_old - rollout) * mask  # TRL's formula, written out
+    diff = diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff
+    ratio = torch.exp(diff)
+    expected = (ratio.clamp(0.5, 1.5) if mode.endswith("truncate")
+                else ratio.masked_fill((ratio < 0.5) | (ratio > 1.5), 0.0))
+    assert torch.equal(weights, expected)
+    assert (weights != ratio).any() and (weights == ratio).any()  # the bounds bind on some tokens, not all
+    ours_in, trl_in = logps.clone().requires_grad_(), logps.clone().requires_grad_()
+    per_token, _ = grpo_token_loss(loss, ours_in, trainer_old, advantages, mask, ref, correction=weights)
+    ours = reduce_grpo_loss(loss, per_token, mask, StepCounts(sequences=B, tokens=int(mask.sum())))
+    theirs = _trl(loss, trl_in, trainer_old, ref, advantages, mask, vllm_ratio=weights)[0]
+    ours.backward()
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-10)
+    assert torch.allclose(ours_in.grad, trl_in.grad, rtol=1e-10, atol=1e-12)

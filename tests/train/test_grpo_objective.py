@@ -13,7 +13,13 @@ from qlm_core.config import OptimConfig, ParallelConfig
 from qlm_core.parallel.state import Grid
 from qlm_core.train.engine import Engine
 from qlm_core.train.objectives.grpo import GrpoObjective
-from qlm_core.train.objectives.grpo_loss import GrpoLoss, StepCounts, grpo_token_loss, reduce_grpo_loss
+from qlm_core.train.objectives.grpo_loss import (
+    GrpoLoss,
+    StepCounts,
+    grpo_token_loss,
+    reduce_grpo_loss,
+    rollout_correction_weights,
+)
 
 
 def engine(loss: GrpoLoss, micro_batch_size: int) -> Engine:
@@ -24,10 +30,13 @@ def engine(loss: GrpoLoss, micro_batch_size: int) -> Engine:
 
 LOSSES = [GrpoLoss(loss_type="grpo", beta=0.04, max_completion_length=SEQ),
           GrpoLoss(loss_type="dapo", epsilon_high=0.28, max_completion_length=SEQ),
-          GrpoLoss(loss_type="dr_grpo", importance_sampling_level="sequence", beta=0.04, max_completion_length=SEQ)]
+          GrpoLoss(loss_type="dr_grpo", importance_sampling_level="sequence", beta=0.04, max_completion_length=SEQ),
+          GrpoLoss(loss_type="bnpo", rollout_correction="token_truncate", correction_clip_max=1.2,
+                   max_completion_length=SEQ)]
 
 
-@pytest.mark.parametrize("loss", LOSSES, ids=lambda c: f"{c.loss_type}-{c.importance_sampling_level}")
+@pytest.mark.parametrize("loss", LOSSES,
+                         ids=lambda c: f"{c.loss_type}-{c.importance_sampling_level}-{c.rollout_correction}")
 def test_the_step_loss_is_the_batch_loss_and_any_split_gives_the_same_gradient(loss):
     results = {}
     for micro in (8, 4, 1):
@@ -38,7 +47,12 @@ def test_the_step_loss_is_the_batch_loss_and_any_split_gives_the_same_gradient(l
                 positions = torch.arange(SEQ)[None].expand(GLOBAL_BATCH, SEQ)
                 logps = -e.chunks[0].loss(e.chunks[0](batch.input_ids, positions), batch.labels)
             mask = batch.labels >= 0
-            per_token, _ = grpo_token_loss(loss, logps, batch.old_logps, batch.advantages, mask, batch.ref_logps)
+            old, correction = batch.old_logps, None
+            if loss.rollout_correction != "none":  # π_old the trainer's own, the rollout's weighing the tokens
+                correction = rollout_correction_weights(loss, logps, old, mask)
+                old = logps
+            per_token, _ = grpo_token_loss(loss, logps, old, batch.advantages, mask, batch.ref_logps,
+                                           correction=correction)
             expected = reduce_grpo_loss(loss, per_token, mask, StepCounts(GLOBAL_BATCH, int(mask.sum()))).item()
         loss_sum = e.forward_backward(batch)
         grads = torch.cat([e.optimizer.full_grad(p).flatten() for p in e.chunks[0].parameters()])
@@ -51,7 +65,9 @@ def test_the_step_loss_is_the_batch_loss_and_any_split_gives_the_same_gradient(l
         assert torch.allclose(results[micro][1], results[8][1], rtol=1e-5, atol=1e-7), micro
         assert results[micro][2] == pytest.approx(results[8][2], rel=1e-6)
     figures = results[8][2]
-    assert 0 < figures["clip_ratio/region_mean"] < 1 and ("kl" in figures) == (loss.beta != 0)
+    clipped = figures["clip_ratio/region_mean"]  # with the correction π_old is π: nothing is clipped
+    assert (clipped == 0) if loss.rollout_correction != "none" else 0 < clipped < 1
+    assert ("kl" in figures) == (loss.beta != 0)
 
 
 def one_process(loss: GrpoLoss) -> dict:

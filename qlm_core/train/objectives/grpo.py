@@ -27,6 +27,7 @@ from qlm_core.train.objectives.grpo_loss import (
     grpo_metric_sums,
     grpo_token_loss,
     reduce_grpo_loss,
+    rollout_correction_weights,
 )
 from qlm_core.train.objectives.microbatch import microbatch_index
 
@@ -90,8 +91,15 @@ class GrpoObjective:
         if spans:
             row_tokens = all_reduce(mask.sum(-1).to(torch.float32), cp_group)
         logps = -token_loss.float()
-        per_token, stats = grpo_token_loss(self.config, logps, self.old[rows], self.advantages[rows], mask,
-                                           None if self.ref is None else self.ref[rows], row_sum=row_sum)
+        old, correction = self.old[rows], None
+        if self.config.rollout_correction != "none":
+            # π_old is the trainer's own at the rollout's weights (this step's forward, before its update); the
+            # rollout's log-probs only weigh each token by how far they are from it (TIS / masked IS)
+            correction = rollout_correction_weights(self.config, logps.detach(), old, mask, row_sum)
+            old = logps.detach()
+        per_token, stats = grpo_token_loss(self.config, logps, old, self.advantages[rows], mask,
+                                           None if self.ref is None else self.ref[rows], row_sum=row_sum,
+                                           correction=correction)
         drift = (logps.detach() - self.old[rows]).abs().double() * mask
         self.drift += torch.stack([drift.sum(), mask.sum().double()])
         self.drift_max = torch.maximum(self.drift_max, drift.max())

@@ -36,6 +36,8 @@ from qlm_core.errors import QlmError
 GrpoLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 KlEstimator = Literal["k1", "k2", "k3"]
+# correcting for log-probs that differ between rollout and trainer (TRL's vllm_importance_sampling_mode, "none": off)
+RolloutCorrection = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 @dataclass(frozen=True)
@@ -51,15 +53,18 @@ class GrpoLoss:
     beta: float = 0.0
     kl_estimator: KlEstimator = "k3"
     max_completion_length: int = 256
+    rollout_correction: RolloutCorrection = "none"
+    correction_clip_min: float | None = None  # TIS / masked IS bounds on exp(log π_old - log π_rollout)
+    correction_clip_max: float | None = 3.0
 
     def __post_init__(self):
         for name, options in (("loss_type", GrpoLossType), ("importance_sampling_level", ImportanceSamplingLevel),
-                              ("kl_estimator", KlEstimator)):
+                              ("kl_estimator", KlEstimator), ("rollout_correction", RolloutCorrection)):
             if getattr(self, name) not in get_args(options):
                 raise QlmError(f"rl.{name} {getattr(self, name)!r} is not one qlm knows",
                                f"use one of {', '.join(get_args(options))}")
         for name, least in (("epsilon", 0.0), ("epsilon_high", 0.0), ("delta", 1.0), ("dual_clip", 1.0),
-                            ("beta", 0.0)):
+                            ("beta", 0.0), ("correction_clip_min", 0.0), ("correction_clip_max", 0.0)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value < least
@@ -100,14 +105,32 @@ def _local_rows(x: torch.Tensor) -> torch.Tensor:
     return x.sum(-1)
 
 
+def rollout_correction_weights(loss: GrpoLoss, old_logps: torch.Tensor, rollout_logps: torch.Tensor,
+                               mask: torch.Tensor, row_sum: Callable[[torch.Tensor], torch.Tensor] = _local_rows
+                               ) -> torch.Tensor:
+    """TRL's vLLM importance-sampling correction: exp(log π_old - log π_rollout) per token, or per sequence (the
+    sum over its tokens), truncated to [clip_min, clip_max] or masked to 0 outside them. [B, T] or [B, 1]."""
+    diff = (old_logps - rollout_logps) * mask.to(old_logps.dtype)
+    if loss.rollout_correction.startswith("sequence"):
+        diff = row_sum(diff).unsqueeze(-1)
+    ratio = torch.exp(diff)
+    low = -math.inf if loss.correction_clip_min is None else loss.correction_clip_min
+    high = math.inf if loss.correction_clip_max is None else loss.correction_clip_max
+    if loss.rollout_correction.endswith("truncate"):
+        return torch.clamp(ratio, min=low, max=high)
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
 def grpo_token_loss(loss: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, ref_logps: torch.Tensor | None = None,
                     row_sum: Callable[[torch.Tensor], torch.Tensor] = _local_rows,
+                    correction: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss [B, T] (before masking) and the masked per-token statistics the metrics sum: `low`, `high`
     (clipped on either side, where the clip binds), `kl` (when beta > 0). logps, old_logps, ref_logps, mask: [B, T];
     advantages [B]. `row_sum`: a row's sum over its whole sequence (under context parallelism, every rank's part:
-    parallel/tensor.sum_across), for GSPO's sequence mean."""
+    parallel/tensor.sum_across), for GSPO's sequence mean. `correction`: rollout_correction_weights, multiplying
+    the policy term (as TRL does, before the KL term)."""
     mask = mask.to(logps.dtype)
     log_ratio = logps - old_logps
     if loss.importance_sampling_level == "sequence":  # GSPO: the sequence's mean log-ratio, for all its tokens
@@ -122,6 +145,8 @@ def grpo_token_loss(loss: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor
     # [B, T], or [B, 1] per sequence (GSPO): TRL averages those over sequences, not tokens
     stats = {"low": ((ratio < 1 - loss.epsilon_low) & (advantage < 0)).to(logps.dtype),
              "high": ((ratio > 1 + loss.upper) & (advantage > 0)).to(logps.dtype)}
+    if correction is not None:
+        per_token = per_token * correction
     if loss.beta != 0.0:
         if ref_logps is None:
             raise ValueError("a KL term (beta > 0) needs the reference's log-probs")
