@@ -135,7 +135,7 @@ def _host_copy(host: HostBuffers | None, key, tensor: torch.Tensor) -> torch.Ten
     return tensor.detach().cpu().clone() if host is None else host.copy(key, tensor)
 
 
-def _model_states(engine: Engine, host: HostBuffers | None = None) -> list[dict]:
+def model_states(engine: Engine, host: HostBuffers | None = None) -> list[dict]:
     """Each chunk's weights in the compute dtype, copied (ZeRO 1/2 params are views of a shared buffer, ZeRO 3
     params are shards: both need a copy of their own). LoRA runs store only the adapters."""
     states = []
@@ -346,7 +346,7 @@ def snapshot_checkpoint(root: Path, engine: Engine, train_state: TrainState, ext
             # the keys the snapshot copies under below: it then finds them held, and copies nothing
             return [host.buffer((view, index), shape, torch.float32, pinned) for view in OPTIMIZER_VIEWS]
     param_states, step = engine.optimizer.full_param_states(into)  # collectives: every rank takes part
-    models = _model_states(engine, host)
+    models = model_states(engine, host)
     args = make_args(engine.layout, engine.dtype, iteration=train_state.iteration,
                      consumed_train_samples=train_state.consumed_samples, **extra_args)
     scheduler = {"num_steps": train_state.iteration}

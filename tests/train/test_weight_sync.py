@@ -1,0 +1,41 @@
+"""Weight sync: the rollout model built in memory from the trainer's shards equals, bit for bit, the whole-model
+shard that `qlm convert` writes at TP 1 from the same trainer's checkpoint, at every training layout here."""
+
+import json
+
+import pytest
+import torch
+from conftest import run_worker_jobs
+from workers.sync_worker import CASES
+
+from qlm_core.checkpoint.formats.megatron.legacy import MegatronTorchCheckpoint
+from qlm_core.models.layout import ModelLayout, build_shard
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory):
+    out, code, errors = run_worker_jobs("sync_worker.py", 2, tmp_path_factory.mktemp("sync"), timeout=900)
+    assert code == 0, errors
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_synced_rollout_weights_equal_what_convert_writes(case, synced):
+    ckpt = MegatronTorchCheckpoint(synced / case)
+    layout = ModelLayout(ckpt.spec, make_vocab_size_divisible_by=ckpt.layout.make_vocab_size_divisible_by)
+    expected = {k: v for k, v in build_shard(layout, 0, 0, 0, ckpt, torch.float32).items() if v is not None}
+    rollout = torch.load(synced / f"{case}.rollout.pt", weights_only=True)
+    assert sorted(rollout) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(rollout[name], tensor), name
+    assert ckpt.layout.tp * ckpt.layout.pp * ckpt.layout.ep > 1 or case in ("cp2", "dp2_zero3")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_the_trainer_agrees_with_a_rollout_on_the_synced_weights(case, synced):
+    """train_rollout_logprob_abs_diff: the rollout decodes at TP 1 on the synced weights, the trainer recomputes the
+    same tokens' log-probs at its own layout; fp32 on CPU, within 1e-5."""
+    figures = json.loads((synced / f"{case}.json").read_text())
+    assert figures["train_rollout_logprob_abs_diff/max"] <= 1e-5, figures
