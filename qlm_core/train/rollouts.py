@@ -13,7 +13,7 @@ counted), so the trainer's forward of a row is the rollout's forward of the same
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -36,6 +36,17 @@ class RolloutConfig:
     overlong_penalty_factor: float = 1.0
     max_sampling_tries: int = 4  # dynamic sampling: the most prompt draws for one step
 
+    def __post_init__(self):
+        for name, least in (("num_generations", 1), ("max_completion_length", 1), ("max_sampling_tries", 1),
+                            ("overlong_buffer", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise QlmError(f"rl.{name} is {value!r}, not an integer of {least} or more",
+                               f"set rl.{name} to {least} or more")
+        if self.overlong_buffer >= self.max_completion_length:
+            raise QlmError(f"rl.overlong_buffer {self.overlong_buffer} is not below rl.max_completion_length "
+                           f"{self.max_completion_length}", "set a buffer shorter than the longest completion")
+
 
 def trained_tokens(generation: Generation) -> list[int]:
     """The completion tokens the step trains on: the kept ones and the eos that ended the turn."""
@@ -51,6 +62,8 @@ def pack_rollouts(prompts: Sequence[Sequence[int]], generations: Sequence[Genera
     labels = torch.full((rows, seq_length), -100, dtype=torch.long)
     old = torch.zeros(rows, seq_length, dtype=torch.float32)
     for row, (prompt, generation) in enumerate(zip(prompts, generations, strict=True)):
+        if not prompt:
+            raise QlmError(f"rollout row {row} has an empty prompt", "give every prompt at least one token")
         completion = trained_tokens(generation)
         sequence = list(prompt) + completion
         if len(sequence) - 1 > seq_length:
@@ -70,7 +83,8 @@ def generate_groups(model: GPTModel, prompts: Sequence[Sequence[int]], config: R
     """`num_generations` completions of each prompt, a prompt's adjacent, in one batched decode."""
     repeated = [list(p) for p in prompts for _ in range(config.num_generations)]
     input_ids, mask = left_pad(repeated, pad_id)
-    return generate_rows(model, input_ids, mask, max_new_tokens=config.max_completion_length,
+    device = next(model.parameters()).device
+    return generate_rows(model, input_ids.to(device), mask.to(device), max_new_tokens=config.max_completion_length,
                          eos_token_id=eos_token_id, sampling=config.sampling)
 
 
@@ -123,17 +137,23 @@ def sample_groups(model: GPTModel, prompts: Sequence[Sequence[int]], records: Se
     return Groups(row_prompts, row_records, list(generations), per_source)
 
 
-def assemble(groups: Groups, config: RolloutConfig, rewards: Rewards, *, seq_length: int,
-             pad_id: int) -> tuple[RolloutBatch, dict[str, float]]:
-    """The training rows of sampled groups, their advantages and the step's metrics (TRL's names)."""
+def _scored(groups: Groups, config: RolloutConfig, rewards: Rewards) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """(rewards per source [rows, sources], their weights, their names), the soft overlong punishment one more."""
     per_source, weights, names = groups.per_source, rewards.weights, rewards.names
-    if config.overlong_buffer > 0:  # soft overlong punishment: one more reward source
+    if config.overlong_buffer > 0:
         penalty = torch.tensor([[overlong_penalty(len(trained_tokens(g)), config.max_completion_length,
                                                   config.overlong_buffer)] for g in groups.generations],
                                dtype=per_source.dtype)
         per_source = torch.cat([per_source, penalty], dim=1)
         weights = torch.cat([weights, torch.tensor([config.overlong_penalty_factor], dtype=weights.dtype)])
         names = [*names, "overlong"]
+    return per_source, weights, names
+
+
+def assemble(groups: Groups, config: RolloutConfig, rewards: Rewards, *, seq_length: int,
+             pad_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """The training rows of sampled groups, their advantages and the step's metrics (TRL's names)."""
+    per_source, weights, names = _scored(groups, config, rewards)
     advantages, metrics = group_advantages(per_source, weights, config.num_generations, config.scale_rewards)
     batch = pack_rollouts(groups.prompts, groups.generations, seq_length, pad_id)
     batch.advantages = advantages.float()
@@ -158,6 +178,14 @@ def rollout(model: GPTModel, prompts: Sequence[Sequence[int]], records: Sequence
     return assemble(groups, config, rewards, seq_length=seq_length, pad_id=pad_id)
 
 
+def _group_spread(totals: torch.Tensor) -> torch.Tensor:
+    """Each group's std of its scored rewards (NaN with fewer than two), as group_advantages sees them."""
+    mean = torch.nanmean(totals, dim=1, keepdim=True)
+    count = (~torch.isnan(totals)).sum(dim=1)
+    variance = torch.nansum((totals - mean) ** 2, dim=1) / (count - 1).clamp(min=1)
+    return torch.where(count > 1, variance.sqrt(), torch.full_like(variance, float("nan")))
+
+
 def dynamic_rollout(model: GPTModel, draw: Callable[[], tuple[list[list[int]], list[dict[str, Any]]]],
                     num_prompts: int, config: RolloutConfig, rewards: Rewards,
                     decode_text: Callable[[list[int]], str], *, seq_length: int,
@@ -169,12 +197,16 @@ def dynamic_rollout(model: GPTModel, draw: Callable[[], tuple[list[list[int]], l
     n, kept, dropped, tries = config.num_generations, [], [], 0
     while sum(len(g.prompts) for g in kept) < num_prompts * n and tries < config.max_sampling_tries:
         prompts, records = draw()
-        groups = sample_groups(model, prompts, records, config, rewards, decode_text, seq_length=seq_length,
+        draw_config = replace(config, sampling=replace(config.sampling, seed=config.sampling.seed + tries))
+        groups = sample_groups(model, prompts, records, draw_config, rewards, decode_text, seq_length=seq_length,
                                eos_token_id=eos_token_id, pad_id=pad_id)
         tries += 1
-        totals = (groups.per_source * rewards.weights).nansum(dim=1).view(-1, n)
-        signal = [g for g in range(totals.shape[0]) if not torch.all(totals[g] == totals[g, 0])]
-        flat = [g for g in range(totals.shape[0]) if g not in signal]
+        per_source, weights, _ = _scored(groups, config, rewards)
+        totals = (per_source * weights).nansum(dim=1)
+        totals[torch.isnan(per_source).all(dim=1)] = float("nan")
+        spread = torch.nan_to_num(_group_spread(totals.view(-1, n)), nan=0.0)  # as the advantages will see it
+        signal = [g for g in range(spread.shape[0]) if spread[g] > 0]
+        flat = [g for g in range(spread.shape[0]) if spread[g] <= 0]
         if signal:
             kept.append(groups.select(signal, n))
         if flat:
@@ -182,11 +214,14 @@ def dynamic_rollout(model: GPTModel, draw: Callable[[], tuple[list[list[int]], l
     joined = Groups.join(kept) if kept else None
     have = 0 if joined is None else len(joined.prompts) // n
     filled = 0
-    if have < num_prompts:  # out of tries: the batch is filled with groups that carry no signal
+    if have < num_prompts and dropped:  # out of tries: the batch is filled with groups that carry no signal
         spare = Groups.join(dropped)
-        filled = num_prompts - have
+        filled = min(num_prompts - have, len(spare.prompts) // n)
         spare = spare.select(list(range(filled)), n)
         joined = spare if joined is None else Groups.join([joined, spare])
+    if joined is None or len(joined.prompts) < num_prompts * n:
+        raise QlmError(f"the prompts ran out: {0 if joined is None else len(joined.prompts) // n} of {num_prompts} "
+                       "groups for the step", "give more prompts (or fewer per step)")
     joined = joined.select(list(range(num_prompts)), n)
     batch, metrics = assemble(joined, config, rewards, seq_length=seq_length, pad_id=pad_id)
     metrics.update({"dynamic_sampling/draws": float(tries), "dynamic_sampling/filled_groups": float(filled)})

@@ -50,7 +50,11 @@ class WholeTensors:
 
 
 def gather_weights(engine: Engine) -> WholeTensors:
-    """Every global tensor of the trainer's model, whole, on every rank (a collective: every rank calls it)."""
+    """Every global tensor of the trainer's model, whole, on every rank (a collective: every rank calls it). The
+    shards travel in one all-gather of pickled tensors and every rank holds the whole model on the host: sized for
+    models that fit one device (the rollout layout here is TP 1); per-tensor collectives on the device are the way
+    to the large ones."""
+    engine.optimizer.wait_param_gather()  # ZeRO 1/2 with overlap_param_gather: the step's gathers land first
     mine = _contributions(engine)
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone: list = [None] * dist.get_world_size()
@@ -83,8 +87,11 @@ def gather_weights(engine: Engine) -> WholeTensors:
     return WholeTensors(whole)
 
 
-def rollout_model(engine: Engine, dtype: torch.dtype | None = None) -> GPTModel:
+def rollout_model(engine: Engine, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> GPTModel:
     """The trainer's current weights as one whole model on this rank (the rollout layout of a model that fits one
-    device: TP 1, PP 1, every rank its own copy), built by the layout module from gather_weights."""
+    device: TP 1, PP 1, every rank its own copy), built by the layout module from gather_weights, on `device`
+    (default the trainer's), routing as the trainer does (its [moe] options)."""
     layout = ModelLayout(engine.spec, make_vocab_size_divisible_by=engine.layout.make_vocab_size_divisible_by)
-    return build_rank_model(layout, RankCoords(), gather_weights(engine), dtype=dtype or engine.dtype).eval()
+    return build_rank_model(layout, RankCoords(), gather_weights(engine), dtype=dtype or engine.dtype,
+                            device=device or engine.grid.device, moe_options=engine.moe).eval()

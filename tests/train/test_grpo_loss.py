@@ -103,8 +103,11 @@ def test_loss_gradient_and_metrics_equal_trl(loss):
 def test_delta_caps_the_ratio_as_trl_does():
     loss = GrpoLoss(loss_type="dapo", delta=1.1, max_completion_length=T)
     logps, old, ref, advantages, mask = _batch(1)
-    ours = _ours(loss, logps, old, ref, advantages, mask)[0]
-    assert ours.item() == pytest.approx(_trl(loss, logps, old, ref, advantages, mask)[0].item(), rel=1e-10)
+    ours, our_metrics = _ours(loss, logps, old, ref, advantages, mask)
+    theirs, their_metrics = _trl(loss, logps, old, ref, advantages, mask)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-10)
+    for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):  # of the capped ratio
+        assert our_metrics[name] == pytest.approx(their_metrics[name][0], rel=1e-6), name
     assert ours.item() != pytest.approx(_ours(GrpoLoss(loss_type="dapo", max_completion_length=T), logps, old, ref,
                                               advantages, mask)[0].item(), rel=1e-6)
 

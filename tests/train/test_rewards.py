@@ -68,7 +68,8 @@ def test_think_format_is_trls():
     ("so the answer is \\boxed{42}", "42", 1.0), ("\\boxed{\\frac{1}{2}} or 3", "3", 0.0),
     ("first 3, then 7", "7", 1.0), ("it is 1/2", "0.5", 1.0), ("1,234 apples", "1234", 1.0),
     ("no number", "5", 0.0), ("\\boxed{5}", "\\boxed{5}", 1.0), ("anything", "not a number", None)])
-def test_math_answer(completion, gold, expected):
+def test_math_answer(completion, gold, expected, monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # the fallback's rules, whether or not it is installed
     assert math_answer("q", completion, {"answer": gold}) == expected
 
 

@@ -151,3 +151,20 @@ def test_overlong_filtering_and_soft_punishment(even_reward):
                              seq_length=SEQ, eos_token_id=None, pad_id=0)  # no eos: every answer is truncated
     assert torch.all(batch.labels == -100) and metrics["completions/clipped_ratio"] == 1.0
     assert metrics["rewards/overlong/mean"] == -1.0
+
+
+@pytest.mark.parametrize("fields, message", [(dict(num_generations=0), "rl.num_generations is 0"),
+                                             (dict(max_sampling_tries=0), "rl.max_sampling_tries is 0"),
+                                             (dict(overlong_buffer=64), "rl.overlong_buffer 64 is not below")])
+def test_a_wrong_rollout_setting_is_one_line(fields, message):
+    with pytest.raises(QlmError, match=message):
+        RolloutConfig(**fields)
+
+
+def test_dynamic_sampling_says_when_the_prompts_run_out(easy_rewards):
+    from qlm_core.train.rollouts import dynamic_rollout
+
+    config = RolloutConfig(num_generations=GENERATIONS, max_completion_length=8, max_sampling_tries=1)
+    with pytest.raises(QlmError, match="the prompts ran out: 1 of 2 groups"):
+        dynamic_rollout(_engine().chunks[0], lambda: ([[5, 6]], [{"prompt": "", "easy": True}]), 2, config,
+                        easy_rewards, _text, seq_length=SEQ, eos_token_id=None, pad_id=0)

@@ -71,6 +71,10 @@ class GrpoLoss:
                                       or (value == least and name in ("delta", "dual_clip"))):
                 bound = f"above {least:g}" if name in ("delta", "dual_clip") else f"{least:g} or more"
                 raise QlmError(f"rl.{name} is {value!r}, not a finite number {bound}", f"set rl.{name} {bound}")
+        if (self.correction_clip_min is not None and self.correction_clip_max is not None
+                and self.correction_clip_min > self.correction_clip_max):
+            raise QlmError(f"rl.correction_clip_min {self.correction_clip_min} is above rl.correction_clip_max "
+                           f"{self.correction_clip_max}", "give a minimum at or below the maximum")
         if self.max_completion_length < 1:
             raise QlmError(f"rl.max_completion_length is {self.max_completion_length}", "set it to 1 or more")
 
@@ -142,9 +146,10 @@ def grpo_token_loss(loss: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor
     per_token = -torch.min(capped * advantage, clipped * advantage)
     if loss.dual_clip is not None:  # a negative advantage's loss is bounded by c·|A|
         per_token = torch.where(advantage < 0, torch.minimum(per_token, -loss.dual_clip * advantage), per_token)
-    # [B, T], or [B, 1] per sequence (GSPO): TRL averages those over sequences, not tokens
-    stats = {"low": ((ratio < 1 - loss.epsilon_low) & (advantage < 0)).to(logps.dtype),
-             "high": ((ratio > 1 + loss.upper) & (advantage > 0)).to(logps.dtype)}
+    # [B, T], or [B, 1] per sequence (GSPO): TRL averages those over sequences, not tokens; of the ratio after the
+    # delta cap, as TRL counts them
+    stats = {"low": ((capped < 1 - loss.epsilon_low) & (advantage < 0)).to(logps.dtype),
+             "high": ((capped > 1 + loss.upper) & (advantage > 0)).to(logps.dtype)}
     if correction is not None:
         per_token = per_token * correction
     if loss.beta != 0.0:
