@@ -14,14 +14,16 @@ GRPO = GrpoLoss(loss_type="grpo", beta=0.04, max_completion_length=SEQ)
 DAPO = GrpoLoss(loss_type="dapo", epsilon_high=0.28, max_completion_length=SEQ)
 GSPO = GrpoLoss(loss_type="dr_grpo", importance_sampling_level="sequence", beta=0.04, max_completion_length=SEQ)
 
-# name -> (ParallelConfig fields, loss); every case runs on 2 ranks
+# name -> (ParallelConfig fields, loss, where the reference's log-probs come from); every case runs on 2 ranks
 CASES = {
-    "tp2_sp": (dict(tp=2, sp=True), GRPO),
-    "cp2_grpo": (dict(cp=2, cp_comm_type="p2p"), GRPO),
-    "cp2_gspo": (dict(cp=2, cp_comm_type="allgather"), GSPO),
-    "pp2": (dict(pp=2, pp_schedule="1f1b"), DAPO),
-    "dp2_zero1": (dict(zero_stage=1), DAPO),
-    "dp2_zero3": (dict(zero_stage=3), GSPO),
+    "tp2_sp": (dict(tp=2, sp=True), GRPO, "batch"),
+    "cp2_grpo": (dict(cp=2, cp_comm_type="p2p"), GRPO, "batch"),
+    "cp2_gspo": (dict(cp=2, cp_comm_type="allgather"), GSPO, "batch"),
+    "pp2": (dict(pp=2, pp_schedule="1f1b"), DAPO, "batch"),
+    "dp2_zero1": (dict(zero_stage=1), DAPO, "batch"),
+    "dp2_zero3": (dict(zero_stage=3), GSPO, "batch"),
+    "pp2_frozen_reference": (dict(pp=2, pp_schedule="1f1b"), GRPO, "frozen"),
+    "cp2_frozen_reference": (dict(cp=2, cp_comm_type="p2p"), GSPO, "frozen"),
 }
 
 

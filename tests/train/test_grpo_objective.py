@@ -70,8 +70,9 @@ def test_the_step_loss_is_the_batch_loss_and_any_split_gives_the_same_gradient(l
     assert ("kl" in figures) == (loss.beta != 0)
 
 
-def one_process(loss: GrpoLoss) -> dict:
-    e = engine(loss, MICRO)
+def one_process(loss: GrpoLoss, reference: str) -> dict:
+    e = Engine(SPEC, ParallelConfig(), Grid.single(), micro_batch_size=MICRO, global_batch_size=GLOBAL_BATCH,
+               seq_length=SEQ, optim=OptimConfig(lr=1e-3), seed=3, objective=GrpoObjective(loss, reference=reference))
     batch = rollout_batch()
     results = [e.train_step(batch, lr=1e-3) for _ in range(STEPS)]
     return {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
@@ -88,10 +89,36 @@ def grpo_run(tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES)
 def test_every_layout_reproduces_the_one_process_rl_step(case, grpo_run):
-    """tp2·SP, cp2 (a sequence's mean over both ranks' parts), pp2, dp2 ZeRO 1 and 3: the RL step's losses and
-    gradient norms within the parity suite's rtol 1e-4, its metrics too."""
+    """tp2·SP, cp2 (a sequence's mean over both ranks' parts), pp2, dp2 ZeRO 1 and 3, and a frozen reference at pp2
+    and cp2: the RL step's losses and gradient norms within the parity suite's rtol 1e-4, its metrics too."""
     ours = json.loads((grpo_run / f"{case}.json").read_text())
-    reference = one_process(CASES[case][1])
+    reference = one_process(*CASES[case][1:])
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-4)
     assert ours["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
     assert ours["figures"] == pytest.approx(reference["figures"], rel=1e-4, abs=1e-9)
+
+
+def test_a_frozen_reference_is_the_starting_weights():
+    """reference = "frozen": at the first step the reference is the policy (KL 0, the loss of a batch whose
+    ref_logps are the policy's own); after an update it is still the starting weights, scaled by the temperature."""
+    loss = GrpoLoss(loss_type="dapo", beta=0.1, max_completion_length=SEQ)
+    temperature = 0.7
+    frozen = Engine(SPEC, ParallelConfig(), Grid.single(), micro_batch_size=4, global_batch_size=GLOBAL_BATCH,
+                    seq_length=SEQ, optim=OptimConfig(lr=1e-2), seed=3,
+                    objective=GrpoObjective(loss, temperature, reference="frozen"))
+    batch = rollout_batch()
+    batch.ref_logps = None
+    positions = torch.arange(SEQ)[None].expand(GLOBAL_BATCH, SEQ)
+    with torch.no_grad():
+        start = -frozen.chunks[0].loss(frozen.chunks[0](batch.input_ids, positions) / temperature, batch.labels)
+    first = frozen.train_step(batch, lr=1e-2)
+    assert first.figures["kl"] == pytest.approx(0.0, abs=1e-9)
+    assert torch.allclose(frozen.objective.ref, start, atol=1e-6)
+    second = frozen.train_step(batch, lr=1e-2)
+    assert second.figures["kl"] > 1e-6
+    assert torch.allclose(frozen.objective.ref, start, atol=1e-6)  # still the starting weights'
+    given = engine(loss, 4)  # the same first step with the reference's log-probs handed in by the batch
+    given.objective = GrpoObjective(loss, temperature)
+    given.objective.bind(given, None)
+    batch.ref_logps = start
+    assert given.train_step(batch, lr=1e-2).loss == pytest.approx(first.loss, rel=1e-6, abs=2e-7)

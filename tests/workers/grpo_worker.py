@@ -15,12 +15,12 @@ from workers.harness import run_jobs
 
 
 def run_case(name: str, outdir: Path):
-    fields, loss = CASES[name]
+    fields, loss, reference = CASES[name]
     config = ParallelConfig(**fields)
     sizes = resolve_sizes(2, tp=config.tp, pp=config.pp, cp=config.cp)
     grid = Grid.build(sizes, ranks=[0, 1])
     engine = Engine(SPEC, config, grid, micro_batch_size=MICRO, global_batch_size=GLOBAL_BATCH, seq_length=SEQ,
-                    optim=OptimConfig(lr=1e-3), seed=3, objective=GrpoObjective(loss))
+                    optim=OptimConfig(lr=1e-3), seed=3, objective=GrpoObjective(loss, reference=reference))
     batch = rank_rows(rollout_batch(), grid.dp_rank, sizes.dp)
     losses, norms = [], []
     for _ in range(STEPS):

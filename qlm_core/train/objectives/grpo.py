@@ -12,6 +12,7 @@ mean, GSPO's ratio) spans its context-parallel parts."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from qlm_core.train.objectives.grpo_loss import (
 )
 from qlm_core.train.objectives.microbatch import microbatch_index
 
+ReferenceSource = Literal["batch", "frozen"]
 METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl")
 
 
@@ -45,16 +47,37 @@ class RolloutBatch(Batch):
 
 
 class GrpoObjective:
-    def __init__(self, loss: GrpoLoss, temperature: float = 1.0):
-        """`temperature`: the rollout's sampling temperature; the policy's log-probs are log_softmax(logits / T),
-        the distribution the rollout drew from (as TRL computes them)."""
+    def __init__(self, loss: GrpoLoss, temperature: float = 1.0, reference: ReferenceSource = "batch"):
+        """`temperature`: the rollout's sampling temperature; the policy's and the reference's log-probs are
+        log_softmax(logits / T), the distribution the rollout drew from (as TRL computes them). `reference` (a KL
+        term, beta > 0): "batch" — the RolloutBatch brings ref_logps —, or "frozen" — a frozen copy of the starting
+        weights, run forward on each step's rows."""
         self.config = loss
         self.logit_scale = 1.0 / temperature if temperature > 0 else 1.0
+        self.reference = reference
+        self.reference_chunks = self.reference_runner = None
 
     def bind(self, engine, weights) -> None:
+        self.engine = engine
         self.grid, self.cp = engine.grid, engine.config.cp
         self.micro_rows = engine.micro_batch_size
         self.dp = engine.grid.sizes.dp
+        if self.reference == "frozen" and self.config.beta != 0.0:  # in the compute dtype, never trained or sharded
+            self.reference_chunks = engine.build_chunks(weights, param_dtype=engine.dtype)
+            for chunk in self.reference_chunks:
+                chunk.requires_grad_(False)
+                chunk.train(False)
+            self.reference_runner = engine.make_runner(self.reference_chunks, self._reference_loss_fn())
+
+    def _reference_loss_fn(self):
+        def record(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                token_loss = self.reference_chunks[-1].loss(hidden * self.logit_scale, labels)
+                if not shape_inference.active():  # not the pipeline's placeholder forward
+                    first = microbatch_index(self.labels, labels, self.micro_rows) * self.micro_rows
+                    self.ref[first:first + self.micro_rows] = -token_loss.float()
+                return token_loss.sum()
+        return record
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         t = t.to(self.grid.device)
@@ -63,11 +86,17 @@ class GrpoObjective:
     def start(self, batch: RolloutBatch, inputs, labels: torch.Tensor, tokens: float) -> None:
         if batch.old_logps is None or batch.advantages is None:
             raise ValueError("a GRPO step needs a RolloutBatch with old_logps and advantages")
-        if self.config.beta != 0.0 and batch.ref_logps is None:
-            raise ValueError("a KL term (rl.beta > 0) needs the reference's log-probs in the batch")
+        if self.config.beta != 0.0 and batch.ref_logps is None and self.reference_chunks is None:
+            raise ValueError("a KL term (rl.beta > 0) needs the reference's log-probs in the batch or a frozen "
+                             "reference")
         self.labels = labels
         self.old = self._local(batch.old_logps.float())
         self.ref = None if batch.ref_logps is None else self._local(batch.ref_logps.float())
+        if self.reference_chunks is not None:  # the frozen starting weights' log-probs of these rows
+            self.ref = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+            with torch.no_grad():
+                self.engine.forward_backward_chunks(self.reference_chunks, self.reference_runner,
+                                                    self._reference_loss_fn(), inputs, labels, backward=False)
         self.advantages = batch.advantages.float().to(self.grid.device)
         self.step = StepCounts(sequences=labels.shape[0] * self.dp, tokens=int(tokens))
         self.sums = torch.zeros(2 * len(METRICS), dtype=torch.float64, device=labels.device)
