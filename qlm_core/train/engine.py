@@ -223,19 +223,21 @@ class Engine:
             hidden = hidden * scale  # logits are linear in the final norm's output: logits / temperature
         return self.objective.loss(self.chunks[-1].loss(hidden, labels), labels)
 
+    def local_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a per-token tensor of its rows [rows, seq] (its context-parallel chunks), on its
+        device: what the labels and inputs become, and an objective's per-token data with them."""
+        t = t.to(self.grid.device)
+        cp = self.config.cp
+        return split_for_cp(t, cp, self.grid.cp_rank, dim=1).contiguous() if cp > 1 else t.contiguous()
+
     def local_inputs(self, batch: Batch) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """(the model's inputs: input_ids, position_ids[, segment_ids]; labels) of this rank's rows, split into its
         context-parallel chunks; positions default to global token indices."""
-        g, cp = self.grid, self.config.cp
         rows, seq = batch.input_ids.shape
         position_ids = batch.position_ids
         if position_ids is None:
             position_ids = torch.arange(seq)[None, :].expand(rows, seq)
-
-        def local(t):
-            t = t.to(self.grid.device)
-            return split_for_cp(t, cp, g.cp_rank, dim=1).contiguous() if cp > 1 else t.contiguous()
-
+        local = self.local_tokens
         inputs = (local(batch.input_ids), local(position_ids))
         if batch.segment_ids is not None:
             inputs += (local(batch.segment_ids),)

@@ -163,7 +163,7 @@ class Rewards:
         return out
 
 
-def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """TRL's nanstd: Bessel-corrected, NaN entries left out (NaN with fewer than two values)."""
     keep = dim is not None
     mean = torch.nanmean(x, dim=dim, keepdim=True) if keep else torch.nanmean(x)
@@ -184,15 +184,15 @@ def group_advantages(per_source: torch.Tensor, weights: torch.Tensor, num_genera
     grouped = rewards.view(-1, num_generations)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
     if scale == "batch":
-        std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
     elif num_generations > 1:
-        std = _nanstd(grouped, dim=1).repeat_interleave(num_generations)
+        std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
     else:
         std = torch.zeros_like(rewards)
     advantages = rewards - mean
     if scale != "none":
         advantages = advantages / (std + 1e-4)
-    metrics = {"reward": torch.nanmean(rewards).item(), "reward_std": _nanstd(rewards).item(),
+    metrics = {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item(),
                "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).double().mean().item()}
     return torch.nan_to_num(advantages, nan=0.0), metrics
 
@@ -202,5 +202,5 @@ def source_metrics(per_source: torch.Tensor, names: Sequence[str]) -> dict[str, 
     out = {}
     for column, name in enumerate(names):
         out[f"rewards/{name}/mean"] = torch.nanmean(per_source[:, column]).item()
-        out[f"rewards/{name}/std"] = _nanstd(per_source[:, column]).item()
+        out[f"rewards/{name}/std"] = nanstd(per_source[:, column]).item()
     return out

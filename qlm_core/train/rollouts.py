@@ -22,7 +22,7 @@ from qlm_core.decode.sampling import Generation, Sampling, generate_rows, left_p
 from qlm_core.errors import QlmError
 from qlm_core.models.gpt import GPTModel
 from qlm_core.train.objectives.grpo import RolloutBatch
-from qlm_core.train.rewards import Rewards, ScaleRewards, group_advantages, source_metrics
+from qlm_core.train.rewards import Rewards, ScaleRewards, group_advantages, nanstd, source_metrics
 
 
 @dataclass(frozen=True)
@@ -178,14 +178,6 @@ def rollout(model: GPTModel, prompts: Sequence[Sequence[int]], records: Sequence
     return assemble(groups, config, rewards, seq_length=seq_length, pad_id=pad_id)
 
 
-def _group_spread(totals: torch.Tensor) -> torch.Tensor:
-    """Each group's std of its scored rewards (NaN with fewer than two), as group_advantages sees them."""
-    mean = torch.nanmean(totals, dim=1, keepdim=True)
-    count = (~torch.isnan(totals)).sum(dim=1)
-    variance = torch.nansum((totals - mean) ** 2, dim=1) / (count - 1).clamp(min=1)
-    return torch.where(count > 1, variance.sqrt(), torch.full_like(variance, float("nan")))
-
-
 def dynamic_rollout(model: GPTModel, draw: Callable[[], tuple[list[list[int]], list[dict[str, Any]]]],
                     num_prompts: int, config: RolloutConfig, rewards: Rewards,
                     decode_text: Callable[[list[int]], str], *, seq_length: int,
@@ -204,7 +196,7 @@ def dynamic_rollout(model: GPTModel, draw: Callable[[], tuple[list[list[int]], l
         per_source, weights, _ = _scored(groups, config, rewards)
         totals = (per_source * weights).nansum(dim=1)
         totals[torch.isnan(per_source).all(dim=1)] = float("nan")
-        spread = torch.nan_to_num(_group_spread(totals.view(-1, n)), nan=0.0)  # as the advantages will see it
+        spread = torch.nan_to_num(nanstd(totals.view(-1, n), dim=1), nan=0.0)  # as the advantages will see it
         signal = [g for g in range(spread.shape[0]) if spread[g] > 0]
         flat = [g for g in range(spread.shape[0]) if spread[g] <= 0]
         if signal:

@@ -14,7 +14,7 @@ from qlm_core.train.engine import Engine
 from qlm_core.train.objectives.grpo import GrpoObjective
 from qlm_core.train.objectives.grpo_loss import GrpoLoss
 from qlm_core.train.rewards import Rewards, RewardSource
-from qlm_core.train.rollouts import RolloutConfig, rollout, trained_tokens
+from qlm_core.train.rollouts import RolloutConfig, rollout
 
 SEQ, PROMPTS, GENERATIONS = 32, 2, 4
 EOS = 7
@@ -64,13 +64,6 @@ def test_rollout_rows_train_on_what_was_sampled_with_its_logprobs(even_reward, t
     figures = engine.objective.figures()
     assert figures["train_rollout_logprob_abs_diff/max"] <= 1e-5, figures
     assert figures["clip_ratio/region_mean"] == 0.0  # π_old is π: no ratio is away from 1
-
-
-def test_the_ending_eos_is_trained_on():
-    from qlm_core.decode.sampling import Generation
-
-    assert trained_tokens(Generation([3, 4], "stop", [-1.0, -2.0, -0.5], eos_token=EOS)) == [3, 4, EOS]
-    assert trained_tokens(Generation([3, 4], "length", [-1.0, -2.0])) == [3, 4]
 
 
 def test_a_prompt_that_leaves_no_room_to_answer_is_one_line(even_reward):

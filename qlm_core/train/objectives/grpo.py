@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from qlm_core.parallel import shape_inference
 from qlm_core.parallel.comm import all_reduce, group_size
-from qlm_core.parallel.context_parallel import split_for_cp
 from qlm_core.parallel.tensor import sum_across
 from qlm_core.train.engine import Batch
+from qlm_core.train.objectives.frozen import frozen_chunks
 from qlm_core.train.objectives.grpo_loss import (
     GrpoLoss,
     StepCounts,
@@ -59,14 +59,11 @@ class GrpoObjective:
 
     def bind(self, engine, weights) -> None:
         self.engine = engine
-        self.grid, self.cp = engine.grid, engine.config.cp
+        self.grid = engine.grid
         self.micro_rows = engine.micro_batch_size
         self.dp = engine.grid.sizes.dp
-        if self.reference == "frozen" and self.config.beta != 0.0:  # in the compute dtype, never trained or sharded
-            self.reference_chunks = engine.build_chunks(weights, param_dtype=engine.dtype)
-            for chunk in self.reference_chunks:
-                chunk.requires_grad_(False)
-                chunk.train(False)
+        if self.reference == "frozen" and self.config.beta != 0.0:
+            self.reference_chunks = frozen_chunks(engine, weights)
             self.reference_runner = engine.make_runner(self.reference_chunks, self._reference_loss_fn())
 
     def _reference_loss_fn(self):
@@ -79,10 +76,6 @@ class GrpoObjective:
                 return token_loss.sum()
         return record
 
-    def _local(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.grid.device)
-        return split_for_cp(t, self.cp, self.grid.cp_rank, dim=1).contiguous() if self.cp > 1 else t.contiguous()
-
     def start(self, batch: RolloutBatch, inputs, labels: torch.Tensor, tokens: float) -> None:
         if batch.old_logps is None or batch.advantages is None:
             raise ValueError("a GRPO step needs a RolloutBatch with old_logps and advantages")
@@ -90,8 +83,8 @@ class GrpoObjective:
             raise ValueError("a KL term (rl.beta > 0) needs the reference's log-probs in the batch or a frozen "
                              "reference")
         self.labels = labels
-        self.old = self._local(batch.old_logps.float())
-        self.ref = None if batch.ref_logps is None else self._local(batch.ref_logps.float())
+        self.old = self.engine.local_tokens(batch.old_logps.float())
+        self.ref = None if batch.ref_logps is None else self.engine.local_tokens(batch.ref_logps.float())
         if self.reference_chunks is not None:  # the frozen starting weights' log-probs of these rows
             self.ref = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
             with torch.no_grad():

@@ -11,6 +11,7 @@ import torch
 from qlm_core.config import ReferenceModel
 from qlm_core.parallel import shape_inference
 from qlm_core.train.lora import adapters_disabled
+from qlm_core.train.objectives.frozen import frozen_chunks
 from qlm_core.train.objectives.preference_loss import PreferenceLossConfig
 from qlm_core.train.objectives.preference_step import (
     PreferenceStep,
@@ -30,11 +31,8 @@ class PreferenceObjective:
         validate_preference_engine(engine.spec, self.config, self.reference, engine.lora, engine.micro_batch_size)
         self.engine = engine
         self.step = PreferenceStep(self.config, engine.grid, engine.micro_batch_size, engine.global_batch_size)
-        if self.reference == "frozen":  # in the compute dtype, never trained, never sharded by ZeRO
-            self.reference_chunks = engine.build_chunks(weights, param_dtype=engine.dtype)
-            for chunk in self.reference_chunks:
-                chunk.requires_grad_(False)
-                chunk.train(False)
+        if self.reference == "frozen":
+            self.reference_chunks = frozen_chunks(engine, weights)
         if self.reference in ("frozen", "adapters_off"):
             # the reference forward has a schedule of its own: torch's schedule re-infers its shapes (one more
             # forward) each time it switches between evaluation and training
