@@ -34,7 +34,7 @@ TrainDtype = Literal["bf16", "fp32"]  # fp16 would need loss scaling, which qlm 
 # grad_reduce_in_fp32=False); the optimizer's masters and updates stay fp32 either way
 GradReduceDtype = Literal["fp32", "bf16"]  # bf16 only with bf16 training (train/validate.py)
 EvalBackend = Literal["qlm", "hf"]  # qlm's own model, or lm-eval's hf model on an HF export
-DataKind = Literal["sft", "pretrain", "preference"]
+DataKind = Literal["sft", "pretrain", "preference", "rl"]
 SftFormat = Literal["auto", "alpaca", "sharegpt", "messages"]  # data/sft.py
 PreferenceFormat = Literal["auto", "trl", "alpaca", "sharegpt"]  # data/preference.py
 DataFormat = Literal["auto", "alpaca", "sharegpt", "messages", "trl"]  # either kind's (train/validate.py checks)
@@ -57,6 +57,14 @@ ConvertTargetName = Literal["hf", "torch", "torch_dist", "deepspeed", "peft"]  #
 # global_aux_loss, the global-batch balancing Qwen3-MoE was trained with); transformers: one such loss over every
 # layer's router logits together (transformers' load_balancing_loss_func, k times larger for one layer)
 MoeAuxLossType = Literal["megatron", "sequence", "global", "transformers"]
+# reinforcement learning (train/objectives/grpo_loss.py, train/rewards.py): the policy-gradient loss's reduction, the
+# importance ratio per token or per sequence (GSPO), the KL estimator, how advantages are scaled (group std, batch
+# std, none: Dr. GRPO) and how log-probs that differ between rollout and trainer are corrected (TIS / masked IS)
+GrpoLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+KlEstimator = Literal["k1", "k2", "k3"]
+ScaleRewards = Literal["group", "batch", "none"]
+RolloutCorrection = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 # softmax over the experts, or each expert's sigmoid score (DeepSeek-V3; Megatron's --moe-router-score-function)
 RouterScoreFunction = Literal["softmax", "sigmoid"]
 
@@ -308,6 +316,42 @@ class PreferenceConfig:
 
 
 @dataclass
+class RlConfig:
+    """[rl]: reinforcement learning with verifiable rewards (data.kind = "rl"): each step the policy answers
+    train.global_batch_size / num_generations prompts num_generations times, the answers are scored and one optimizer
+    step is taken on them. TRL's GRPOConfig names and meanings where TRL has them."""
+
+    num_generations: int = bounded(8, least=1)  # completions per prompt (a group)
+    max_completion_length: int = bounded(64, least=1)
+    temperature: float = bounded(1.0, above=0, meaning="the sampling temperature, e.g. 1.0")
+    top_p: float = bounded(1.0, above=0, most=1)
+    top_k: int = bounded(0, least=0, meaning="0 turns it off")
+    loss_type: GrpoLossType = "dapo"
+    importance_sampling_level: ImportanceSamplingLevel = "token"  # sequence: GSPO
+    epsilon: float = bounded(0.2, least=0)
+    epsilon_high: float | None = bounded(None, least=0)  # None: epsilon (DAPO's clip-higher sets it above)
+    delta: float | None = bounded(None, above=1)  # two-sided clipping of the ratio (INTELLECT-2)
+    dual_clip: float | None = bounded(None, above=1)  # dual-clip PPO's c for negative advantages
+    beta: float = bounded(0.0, least=0, meaning="the KL coefficient; 0: no reference model")
+    kl_estimator: KlEstimator = "k3"
+    scale_rewards: ScaleRewards = "group"  # none: Dr. GRPO
+    # built-ins (exact_answer, math_answer, think_format) or module:function, called as fn(prompt, completion, record)
+    reward_funcs: list[str] = field(default_factory=lambda: ["exact_answer"])
+    reward_weights: list[float] = field(default_factory=list)  # one per reward_funcs entry; default 1 each
+    mask_truncated_completions: bool = False  # DAPO's overlong filtering: truncated completions do not train
+    overlong_buffer: int = bounded(0, least=0, meaning="DAPO's soft overlong punishment length; 0 turns it off")
+    overlong_penalty_factor: float = bounded(1.0, least=0)
+    dynamic_sampling: bool = False  # DAPO: groups with equal rewards dropped, more prompts drawn
+    max_sampling_tries: int = bounded(4, least=1)  # dynamic sampling: prompt draws per step at most
+    rollout_correction: RolloutCorrection = "none"
+    correction_clip_min: float | None = bounded(None, least=0)
+    correction_clip_max: float | None = bounded(3.0, least=0)
+    # held-out evaluation (train.eval_interval): prompts scored, and completions written to RUN/completions.jsonl
+    eval_prompts: int = bounded(64, least=1)
+    num_completions_to_print: int = bounded(4, least=0)
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -320,6 +364,7 @@ class Recipe:
     lora: LoraConfig = field(default_factory=LoraConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    rl: RlConfig = field(default_factory=RlConfig)
 
 
 def preference_reference(recipe: Recipe) -> ReferenceModel | None:

@@ -37,6 +37,24 @@ def _notice(text: str):
     err_console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
+def objective_figures(figures: dict[str, float] | None) -> str:
+    """The step line's figures beside the loss: a preference step's accuracy and margin, an RL step's reward, KL,
+    clipped share, completion length and train/rollout log-prob difference."""
+    if not figures:
+        return ""
+    if "rewards/accuracies" in figures:
+        return f" acc {figures['rewards/accuracies']:.2f} margin {figures['rewards/margins']:.3f}"
+    text = f" reward {figures['reward']:.3f}"
+    if "kl" in figures:
+        text += f" kl {figures['kl']:.4f}"
+    if "clip_ratio/region_mean" in figures:
+        text += f" clip {figures['clip_ratio/region_mean']:.3f}"
+    text += f" len {figures['completions/mean_length']:.1f}"
+    if "train_rollout_logprob_abs_diff/max" in figures:
+        text += f" |Δlogp| {figures['train_rollout_logprob_abs_diff/max']:.1e}"
+    return text
+
+
 class RunView:
     """Renders the rank-0 events of a run: a progress bar with the step figures, eval and checkpoint lines."""
 
@@ -80,8 +98,7 @@ class RunView:
         m = data["metrics"]
         figures = (f"loss {m.loss:.4f} lr {m.lr:.2e} {m.tokens_per_s:,.0f} tok/s {m.s_per_sample:.3f} s/sample "
                    f"{m.tflops_per_device:.3g} TFLOP/s MFU {m.mfu:.3f} mem {m.mem_peak_gb:.2f} GB"
-                   + (f" acc {m.preference['rewards/accuracies']:.2f} margin "
-                      f"{m.preference['rewards/margins']:.3f}" if m.preference else ""))
+                   + objective_figures(m.figures))
         if self.plain is not None:
             elapsed = time.monotonic() - self.started
             self.plain(f"step {m.step}/{self.total} {figures}{' skipped' if m.skipped else ''} "
@@ -91,6 +108,10 @@ class RunView:
 
     def _on_eval(self, data):
         figures = data.get("figures")
+        if data["loss"] is None:  # an RL run: its held-out prompts' rewards
+            console.print(f"step {data['step']}: held-out reward {figures['reward']:.3f} (mean completion "
+                          f"{figures['completions/mean_length']:.1f} tokens)")
+            return
         extra = (f", accuracy {figures['rewards/accuracies']:.3f}, margin {figures['rewards/margins']:.3f}"
                  if figures else "")
         console.print(f"step {data['step']}: validation loss {data['loss']:.4f}{extra}")
@@ -106,7 +127,7 @@ class RunView:
             self.progress.stop()
         summary = data["summary"]
         table = Table(title="summary", title_justify="left", show_header=False)
-        for key in ("steps", "first_loss", "last_loss", "valid_loss", "s_per_sample", "tokens_per_s",
+        for key in ("steps", "first_loss", "last_loss", "valid_loss", "valid_reward", "s_per_sample", "tokens_per_s",
                     "tflops_per_device", "mfu", "mem_peak_gb", "skipped_steps", "run_dir", "plot"):
             if key in summary and summary[key] is not None:
                 value = summary[key]

@@ -16,6 +16,8 @@ Files written by build_demo:
     train.jsonl   {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} per line (OpenAI format)
     eval.jsonl    {"task", "question", "answer", "choices" (4 strings), "label" (index of the answer)} per line;
                   the wrong choices are near misses (another order of the same symbols, another symbol of the list)
+    preference.jsonl  {"prompt", "chosen", "rejected"} per line (TRL's format): the answer and a near miss
+    rl.jsonl      {"prompt", "answer", "task"} per line: prompts for RL, scored by their exact answer
     corpus.txt    pretraining text: paragraphs (blank-line separated) of "question\\nanswer" pairs
 Everything is a deterministic function of the seed.
 """
@@ -47,6 +49,7 @@ class DemoPaths:
     eval: Path
     corpus: Path
     preference: Path
+    rl: Path
 
 
 @dataclass
@@ -96,13 +99,13 @@ def messages(example: Example) -> list[dict]:
 
 def build_demo(out_dir: str | os.PathLike, seed: int = 0, num_train: int = 3000, num_eval: int = 150,
                corpus_paragraphs: int = 500, pairs_per_paragraph: int = 6,
-               preference_pairs: int = 1200) -> DemoPaths:
+               preference_pairs: int = 1200, rl_prompts: int = 2000) -> DemoPaths:
     """Write the demo tokenizer, train.jsonl, eval.jsonl and corpus.txt under out_dir, once: a complete directory
     with the same parameters is reused. It is built in a private directory and renamed into place, so processes
     that build it at the same time (the ranks of a run) never read a half-written file."""
     root = Path(out_dir)
     params = dict(seed=seed, num_train=num_train, num_eval=num_eval, corpus_paragraphs=corpus_paragraphs,
-                  pairs_per_paragraph=pairs_per_paragraph, preference_pairs=preference_pairs)
+                  pairs_per_paragraph=pairs_per_paragraph, preference_pairs=preference_pairs, rl_prompts=rl_prompts)
     paths = _paths(root)
     if _intact(root, params):
         return paths
@@ -148,12 +151,12 @@ def _intact(root: Path, params: dict) -> bool:
 
 def _paths(root: Path) -> DemoPaths:
     return DemoPaths(root, root / "tokenizer", root / "train.jsonl", root / "eval.jsonl", root / "corpus.txt",
-                     root / "preference.jsonl")
+                     root / "preference.jsonl", root / "rl.jsonl")
 
 
-def preference_examples(seed: int, count: int, exclude: set[str]) -> list[Example]:
+def distinct_examples(seed: int, count: int, exclude: set[str]) -> list[Example]:
     """`count` examples with distinct questions, none in `exclude`; tasks take turns."""
-    rng = random.Random(seed + 2)
+    rng = random.Random(seed)
     out, seen = [], set(exclude)
     while len(out) < count:
         example = make_example(TASKS[len(out) % len(TASKS)], rng)
@@ -164,7 +167,8 @@ def preference_examples(seed: int, count: int, exclude: set[str]) -> list[Exampl
 
 
 def _write_demo(out_dir: str | os.PathLike, seed: int = 0, num_train: int = 3000, num_eval: int = 150,
-                corpus_paragraphs: int = 500, pairs_per_paragraph: int = 6, preference_pairs: int = 1200) -> DemoPaths:
+                corpus_paragraphs: int = 500, pairs_per_paragraph: int = 6, preference_pairs: int = 1200,
+                rl_prompts: int = 2000) -> DemoPaths:
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     paths = _paths(root)
@@ -172,10 +176,13 @@ def _write_demo(out_dir: str | os.PathLike, seed: int = 0, num_train: int = 3000
     sft, pretrain = train[:num_train], train[num_train:]
     rng = random.Random(seed + 3)
     with open(paths.preference, "w") as out:
-        for example in preference_examples(seed, preference_pairs, {e.question for e in evals}):
+        for example in distinct_examples(seed + 2, preference_pairs, {e.question for e in evals}):
             out.write(json.dumps({"prompt": example.question, "chosen": example.answer,
                                   "rejected": rng.choice(example.wrong)}) + "\n")
 
+    with open(paths.rl, "w") as out:  # prompts for RL, scored by their exact answer (rewards.exact_answer)
+        for example in distinct_examples(seed + 4, rl_prompts, {e.question for e in evals}):
+            out.write(json.dumps({"prompt": example.question, "answer": example.answer, "task": example.task}) + "\n")
     with open(paths.train, "w") as out:
         for example in sft:
             out.write(json.dumps({"messages": messages(example)}) + "\n")

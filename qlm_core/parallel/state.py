@@ -165,6 +165,11 @@ class Grid:
     expert_dp_group: ProcessGroup | None = None  # edp: expert gradients are reduced over it
     expert_coords: dict[str, int] = field(default_factory=lambda: {"etp": 0, "ep": 0, "edp": 0})
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, stage order
+    # one model replica: the tp x pp x cp ranks of this data-parallel rank (rank order; its first, tp = pp = cp = 0,
+    # is the replica's leader), and the data-parallel ranks of this rank's place in the replica
+    replica_group: ProcessGroup | None = None
+    replica_ranks: tuple[int, ...] = (0,)
+    dp_group: ProcessGroup | None = None
     device: torch.device = field(default_factory=default_device)
 
     @property
@@ -244,6 +249,9 @@ class Grid:
         grid.dp_cp_group = groups_varying(("dp", "cp"))[0]
         grid.pp_group, pp_ranks = groups_varying(("pp",))
         grid.pp_ranks = tuple(pp_ranks)
+        grid.replica_group, replica_ranks = groups_varying(("pp", "cp", "tp"))
+        grid.replica_ranks = tuple(replica_ranks)
+        grid.dp_group = groups_varying(("dp",))[0]
         # The embedding group joins the first and last stage of each pipeline (one group per pipeline).
         for dp, cp, tp in product(axes["dp"], axes["cp"], axes["tp"]) if sizes.pp > 1 else ():
             members = sorted({ranks[sizes.rank_of(dp, 0, cp, tp)], ranks[sizes.rank_of(dp, sizes.pp - 1, cp, tp)]})

@@ -1,7 +1,7 @@
 """Where the trainer's global batches come from: a BatchSource hands this data-parallel rank its rows of each global
 batch, resumable from a sample count. Today's source reads the run's datasets (DatasetBatches: packed SFT or pretrain
 samples, or preference pairs with their precomputed reference log-probs); an objective that makes its own batches
-(a rollout of reinforcement learning) brings another source."""
+brings another source (RL: train/rollout_batches.py, the policy's rollouts)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,17 @@ class BatchSource(Protocol):
         """This rank's rows of the global batches of `split` ("train" / "valid"), from sample `consumed` on."""
         ...
 
+    def consumed_after_step(self, consumed: int) -> int:
+        """The run's consumed samples after a step's batch that started at `consumed`."""
+        ...
+
 
 class DatasetBatches:
     def __init__(self, recipe: Recipe, grid: Grid, data: RunData, reference_tables: dict[str, np.ndarray]):
         self.recipe, self.grid, self.data, self.reference_tables = recipe, grid, data, reference_tables
+
+    def consumed_after_step(self, consumed: int) -> int:
+        return consumed + self.recipe.train.global_batch_size
 
     def batches(self, split: str, consumed: int) -> Iterator[Batch]:
         r = self.recipe

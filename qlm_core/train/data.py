@@ -12,12 +12,13 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import ConcatDataset, Subset
 
-from qlm_core.config import DataConfig, DataKind, PreferenceConfig, choices
+from qlm_core.config import DataConfig, DataKind, PreferenceConfig, RlConfig, choices
 from qlm_core.data.demo import build_demo
 from qlm_core.data.indexed import IndexedDataset
 from qlm_core.data.preference import PreferenceDataConfig, build_preference_dataset
 from qlm_core.data.preprocess import preprocess
 from qlm_core.data.pretrain import PretrainConfig, build_pretrain_datasets
+from qlm_core.data.rl_prompts import PromptSet, load_prompts
 from qlm_core.data.sft import SFTConfig, build_sft_dataset
 from qlm_core.data.tokenizer import load_tokenizer
 from qlm_core.disk import file_in_the_way
@@ -77,11 +78,12 @@ def _has_records(path: Path) -> bool:
 
 
 def build_run_data(data: DataConfig, tokenizer_dir: Path | None, cache_dir: Path, train_samples: int,
-                   valid_samples: int, preference: PreferenceConfig | None = None) -> RunData:
+                   valid_samples: int, preference: PreferenceConfig | None = None,
+                   rl: RlConfig | None = None) -> RunData:
     train_names, valid_names = list(data.train), list(data.valid)
     if DEMO in train_names or DEMO in valid_names:
         paths = demo_paths(cache_dir, data.seed)
-        demo = {"sft": paths.train, "preference": paths.preference}.get(data.kind)
+        demo = {"sft": paths.train, "preference": paths.preference, "rl": paths.rl}.get(data.kind)
         demo = str(demo) if demo is not None else demo_corpus_prefix(paths, cache_dir)
         train_names = [demo if n == DEMO else n for n in train_names]
         valid_names = [demo if n == DEMO else n for n in valid_names]
@@ -91,7 +93,13 @@ def build_run_data(data: DataConfig, tokenizer_dir: Path | None, cache_dir: Path
     if tokenizer_dir is None:
         raise QlmError(f"{data.kind} data needs a tokenizer", "set model.tokenizer or load an HF model with one")
     cache = str(Path(cache_dir) / "datasets")
-    if data.kind == "preference":
+    if data.kind == "rl":
+        rl = rl or RlConfig()
+
+        def build(name):
+            return load_prompts(name, tokenizer_dir, data.chat_template or None, seq_length=data.seq_length,
+                                max_completion_length=rl.max_completion_length, cache_dir=cache)
+    elif data.kind == "preference":
         pref = preference or PreferenceConfig()
         config = PreferenceDataConfig(
             seq_length=data.seq_length, chat_template=data.chat_template or None, max_length=pref.max_length,
@@ -111,6 +119,8 @@ def build_run_data(data: DataConfig, tokenizer_dir: Path | None, cache_dir: Path
             return build_sft_dataset(name, tokenizer_dir, config, cache_dir=cache)
     train = [build(name) for name in train_names]
     valid = [build(name) for name in valid_names]
+    if data.kind == "rl":
+        return _prompt_data(data, train, valid, tokenizer_dir)
     truncated = sum(getattr(dataset, "truncated", 0) for dataset in train + valid)
     train_set = train[0] if len(train) == 1 else ConcatDataset(train)
     if valid:
@@ -123,6 +133,22 @@ def build_run_data(data: DataConfig, tokenizer_dir: Path | None, cache_dir: Path
     if data.kind == "preference":  # SFT data is shuffled when built; pairs keep the file's order, so hold out a sample
         order = np.random.default_rng(data.seed).permutation(len(train_set)).tolist()
     return RunData(Subset(train_set, order[:cut]), Subset(train_set, order[cut:]), tokenizer_dir, truncated)
+
+
+def _prompt_data(data: DataConfig, train: list[PromptSet], valid: list[PromptSet], tokenizer_dir: Path) -> RunData:
+    """RL prompts: the files joined; without data.valid, a seeded data.valid_fraction of them held out."""
+    def joined(sets: list[PromptSet]) -> PromptSet:
+        return PromptSet([i for s in sets for i in s.ids], [r for s in sets for r in s.records])
+
+    train_set = joined(train)
+    if valid:
+        return RunData(train_set, joined(valid), tokenizer_dir)
+    held_out = int(len(train_set) * data.valid_fraction)
+    if held_out == 0:
+        return RunData(train_set, None, tokenizer_dir)
+    order = np.random.default_rng(data.seed).permutation(len(train_set)).tolist()
+    cut = len(train_set) - held_out
+    return RunData(train_set.subset(order[:cut]), train_set.subset(order[cut:]), tokenizer_dir)
 
 
 def _pretrain(data, train_names, valid_names, tokenizer_dir, cache_dir, train_samples, valid_samples) -> RunData:

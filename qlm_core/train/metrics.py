@@ -41,15 +41,18 @@ class StepMetrics:
     # MoE models: moe_aux_loss and moe_z_loss (as they entered the objective), moe_load_max / moe_load_min (the
     # most and least loaded expert's share of its layer's choices over an even split); written as top-level keys
     moe: dict[str, float] | None = None
-    # preference training: TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
-    # logps/rejected (and nll_loss, log_odds_ratio, log_odds_chosen where the loss has them); top-level keys
-    preference: dict[str, float] | None = None
+    # the objective's figures, top-level keys (TRL's names). Preference training: rewards/chosen, rewards/rejected,
+    # rewards/accuracies, rewards/margins, logps/chosen, logps/rejected (and nll_loss, log_odds_ratio,
+    # log_odds_chosen where the loss has them). RL: reward, reward_std, frac_reward_zero_std, rewards/<name>/mean and
+    # /std, completions/mean_length (min, max, clipped_ratio), clip_ratio/..., kl (beta > 0),
+    # train_rollout_logprob_abs_diff/mean and /max (dynamic_sampling/draws and /filled_groups with it)
+    figures: dict[str, float] | None = None
 
     def record(self) -> dict:
         """The metrics.jsonl line."""
         line = asdict(self)
         line.update(line.pop("moe") or {})
-        line.update(line.pop("preference") or {})
+        line.update(line.pop("figures") or {})
         for key in DEVICE_MEMORY_KEYS:
             if line[key] is None:
                 del line[key]
@@ -175,16 +178,18 @@ class MetricsWriter:
             for key, value in (metrics.moe or {}).items():
                 self.tb.add_scalar(f"train/{key}", value, metrics.step)
 
-    def log_eval(self, step: int, loss: float, figures: dict[str, float] | None = None):
-        """One eval.jsonl line: valid_loss, and preference training's metrics as valid_<name>."""
+    def log_eval(self, step: int, loss: float | None, figures: dict[str, float] | None = None):
+        """One eval.jsonl line: valid_loss (an RL run has none), and the objective's metrics as valid_<name>."""
         if step in self._eval_steps:
             return
         self._eval_steps.add(step)
-        line = {"step": step, "valid_loss": loss, **{f"valid_{k}": v for k, v in (figures or {}).items()}}
+        line = {"step": step, **({"valid_loss": loss} if loss is not None else {}),
+                **{f"valid_{k}": v for k, v in (figures or {}).items()}}
         with open(self.run_dir / "eval.jsonl", "a") as fh:
             fh.write(strict_json(line) + "\n")
         if self.tb is not None:
-            self.tb.add_scalar("valid/loss", loss, step)
+            if loss is not None:
+                self.tb.add_scalar("valid/loss", loss, step)
             for key, value in (figures or {}).items():
                 self.tb.add_scalar(f"valid/{key}", value, step)
 

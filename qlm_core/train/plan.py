@@ -24,6 +24,7 @@ from qlm_core.train.validate import (
     validate_moe,
     validate_preference_model,
     validate_recipe,
+    validate_rl,
 )
 
 
@@ -161,6 +162,11 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
         source = resolve_model(model, recipe.moe)
     if recipe.data.kind == "preference":
         validate_preference_model(source.spec)
+    if recipe.data.kind == "rl":  # the prompts per data-parallel rank, and every reward function imported
+        from qlm_core.train.rollout_batches import recipe_rewards
+
+        validate_rl(recipe, sizes.dp)
+        recipe_rewards(recipe)
     layout = recipe_layout(source.spec, p)
     validate_layout(source.spec, p, sizes, recipe.data.seq_length, t.micro_batch_size, t.global_batch_size)
     validate_moe(source.spec, recipe.moe, p, recipe.lora.rank)  # as every rank's Engine will, before they start

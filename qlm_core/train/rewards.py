@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from qlm_core.config import ScaleRewards
 from qlm_core.errors import QlmError
 
 RewardFunction = Callable[[str, str, dict[str, Any]], float | None]
-ScaleRewards = Literal["group", "batch", "none"]
 
 
 def exact_answer(prompt: str, completion: str, record: dict[str, Any]) -> float:
@@ -109,11 +111,14 @@ def load_reward(name: str) -> RewardFunction:
     if not module_name or not function_name:
         raise QlmError(f"reward {name!r} is neither a built-in nor module:function",
                        f"use one of {', '.join(BUILT_IN)} or name a function as package.module:function")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # `python -m` has it; the qlm script does not
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # the user's module: any error while importing it is theirs to see, named
         raise QlmError(f"reward {name}: cannot import {module_name} ({type(exc).__name__}: {exc})",
-                       "put the module on PYTHONPATH (or next to the recipe) and fix its import") from None
+                       "run qlm from the module's folder or put that folder on PYTHONPATH, and fix its import"
+                       ) from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise QlmError(f"reward {name}: {module_name} has no function {function_name}",
@@ -126,7 +131,7 @@ class Rewards:
 
     def __init__(self, sources: Sequence[RewardSource]):
         if not sources:
-            raise QlmError("an RL run names no reward", "add rl.rewards, e.g. [\"exact_answer\"]")
+            raise QlmError("an RL run names no reward", "add rl.reward_funcs, e.g. [\"exact_answer\"]")
         for source in sources:
             if isinstance(source.weight, bool) or not isinstance(source.weight, (int, float)) or not math.isfinite(
                     source.weight):

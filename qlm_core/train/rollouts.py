@@ -150,21 +150,38 @@ def _scored(groups: Groups, config: RolloutConfig, rewards: Rewards) -> tuple[to
     return per_source, weights, names
 
 
-def assemble(groups: Groups, config: RolloutConfig, rewards: Rewards, *, seq_length: int,
-             pad_id: int) -> tuple[RolloutBatch, dict[str, float]]:
-    """The training rows of sampled groups, their advantages and the step's metrics (TRL's names)."""
+@dataclass
+class DataRanks:
+    """Where a rank's rows sit among the data-parallel ranks of a step: its index of `size`, and `gather`, which
+    joins a tensor's rows of every data-parallel rank in rank order (a collective; one process: the tensor)."""
+
+    rank: int = 0
+    size: int = 1
+    gather: Callable[[torch.Tensor], torch.Tensor] = lambda rows: rows
+
+
+def assemble(groups: Groups, config: RolloutConfig, rewards: Rewards, *, seq_length: int, pad_id: int,
+             ranks: DataRanks | None = None) -> tuple[RolloutBatch, dict[str, float]]:
+    """The training rows of sampled groups, their advantages and the step's metrics (TRL's names). With several
+    data-parallel `ranks` each holds its own groups; the rewards of every rank's are gathered, so that the batch
+    scaling and the metrics are the global batch's."""
+    ranks = ranks or DataRanks()
     per_source, weights, names = _scored(groups, config, rewards)
-    advantages, metrics = group_advantages(per_source, weights, config.num_generations, config.scale_rewards)
-    batch = pack_rollouts(groups.prompts, groups.generations, seq_length, pad_id)
-    batch.advantages = advantages.float()
     truncated = [g.finish == "length" for g in groups.generations]
+    lengths = [float(len(trained_tokens(g))) for g in groups.generations]
+    local = torch.cat([per_source, torch.tensor([lengths, truncated], dtype=per_source.dtype).T], dim=1)
+    everyone = ranks.gather(local)
+    per_source, lengths, clipped = everyone[:, :-2], everyone[:, -2], everyone[:, -1]
+    advantages, metrics = group_advantages(per_source, weights, config.num_generations, config.scale_rewards)
+    rows = len(groups.generations)
+    batch = pack_rollouts(groups.prompts, groups.generations, seq_length, pad_id)
+    batch.advantages = advantages[ranks.rank * rows:(ranks.rank + 1) * rows].float()
     if config.overlong_filter:  # a truncated completion's tokens do not train (DAPO's overlong filtering)
         batch.labels[torch.tensor(truncated)] = -100
-    lengths = torch.tensor([len(trained_tokens(g)) for g in groups.generations], dtype=torch.float64)
     metrics.update(source_metrics(per_source, names))
     metrics.update({"completions/mean_length": lengths.mean().item(), "completions/max_length": lengths.max().item(),
                     "completions/min_length": lengths.min().item(),
-                    "completions/clipped_ratio": sum(truncated) / len(truncated)})
+                    "completions/clipped_ratio": clipped.mean().item()})
     return batch, metrics
 
 
@@ -178,27 +195,34 @@ def rollout(model: GPTModel, prompts: Sequence[Sequence[int]], records: Sequence
     return assemble(groups, config, rewards, seq_length=seq_length, pad_id=pad_id)
 
 
-def dynamic_rollout(model: GPTModel, draw: Callable[[], tuple[list[list[int]], list[dict[str, Any]]]],
-                    num_prompts: int, config: RolloutConfig, rewards: Rewards,
-                    decode_text: Callable[[list[int]], str], *, seq_length: int,
-                    eos_token_id: int | Sequence[int] | None, pad_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+def signal_split(groups: Groups, config: RolloutConfig, rewards: Rewards) -> tuple[list[int], list[int]]:
+    """The groups whose completions earned different rewards (a learning signal) and those that all earned the
+    same, as the advantages will see them."""
+    per_source, weights, _ = _scored(groups, config, rewards)
+    totals = (per_source * weights).nansum(dim=1)
+    totals[torch.isnan(per_source).all(dim=1)] = float("nan")
+    spread = torch.nan_to_num(nanstd(totals.view(-1, config.num_generations), dim=1), nan=0.0)
+    return ([g for g in range(spread.shape[0]) if spread[g] > 0],
+            [g for g in range(spread.shape[0]) if spread[g] <= 0])
+
+
+def collect_groups(sample: Callable[[int], Groups], num_prompts: int, config: RolloutConfig, rewards: Rewards,
+                   agree: Callable[[bool], bool] = lambda done: done) -> tuple[Groups, dict[str, float]]:
     """DAPO's dynamic sampling: groups whose completions all earned the same reward (no signal) are dropped and
-    more prompts drawn (`draw()`: the next prompts and records) until `num_prompts` groups carry a signal, at most
-    `max_sampling_tries` draws; then the batch is filled with dropped groups. Reports the draws and the groups
-    filled."""
+    more prompts drawn (`sample(k)`: the k-th draw's scored groups) until `num_prompts` groups carry a signal, at
+    most `max_sampling_tries` draws; then the batch is filled with dropped groups. `agree(done)`: whether every
+    rank that draws in step with this one is done (a collective; one process: `done`). Reports the draws and the
+    groups filled."""
     n, kept, dropped, tries = config.num_generations, [], [], 0
-    while sum(len(g.prompts) for g in kept) < num_prompts * n and tries < config.max_sampling_tries:
-        prompts, records = draw()
-        draw_config = replace(config, sampling=replace(config.sampling, seed=config.sampling.seed + tries))
-        groups = sample_groups(model, prompts, records, draw_config, rewards, decode_text, seq_length=seq_length,
-                               eos_token_id=eos_token_id, pad_id=pad_id)
-        tries += 1
-        per_source, weights, _ = _scored(groups, config, rewards)
-        totals = (per_source * weights).nansum(dim=1)
-        totals[torch.isnan(per_source).all(dim=1)] = float("nan")
-        spread = torch.nan_to_num(nanstd(totals.view(-1, n), dim=1), nan=0.0)  # as the advantages will see it
-        signal = [g for g in range(spread.shape[0]) if spread[g] > 0]
-        flat = [g for g in range(spread.shape[0]) if spread[g] <= 0]
+    while tries < config.max_sampling_tries:
+        done = sum(len(g.prompts) for g in kept) >= num_prompts * n
+        if agree(done):
+            break
+        tries += 1  # a draw of every rank's prompts: a rank already full skips its share
+        if done:
+            continue
+        groups = sample(tries - 1)
+        signal, flat = signal_split(groups, config, rewards)
         if signal:
             kept.append(groups.select(signal, n))
         if flat:
@@ -214,7 +238,22 @@ def dynamic_rollout(model: GPTModel, draw: Callable[[], tuple[list[list[int]], l
     if joined is None or len(joined.prompts) < num_prompts * n:
         raise QlmError(f"the prompts ran out: {0 if joined is None else len(joined.prompts) // n} of {num_prompts} "
                        "groups for the step", "give more prompts (or fewer per step)")
-    joined = joined.select(list(range(num_prompts)), n)
-    batch, metrics = assemble(joined, config, rewards, seq_length=seq_length, pad_id=pad_id)
-    metrics.update({"dynamic_sampling/draws": float(tries), "dynamic_sampling/filled_groups": float(filled)})
+    return joined.select(list(range(num_prompts)), n), {"dynamic_sampling/draws": float(tries),
+                                                        "dynamic_sampling/filled_groups": float(filled)}
+
+
+def dynamic_rollout(model: GPTModel, draw: Callable[[], tuple[list[list[int]], list[dict[str, Any]]]],
+                    num_prompts: int, config: RolloutConfig, rewards: Rewards,
+                    decode_text: Callable[[list[int]], str], *, seq_length: int,
+                    eos_token_id: int | Sequence[int] | None, pad_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """collect_groups in one process (`draw()`: the next prompts and records), then the batch."""
+    def sample(tries: int) -> Groups:
+        prompts, records = draw()
+        draw_config = replace(config, sampling=replace(config.sampling, seed=config.sampling.seed + tries))
+        return sample_groups(model, prompts, records, draw_config, rewards, decode_text, seq_length=seq_length,
+                             eos_token_id=eos_token_id, pad_id=pad_id)
+
+    groups, counts = collect_groups(sample, num_prompts, config, rewards)
+    batch, metrics = assemble(groups, config, rewards, seq_length=seq_length, pad_id=pad_id)
+    metrics.update(counts)
     return batch, metrics

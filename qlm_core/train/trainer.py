@@ -61,7 +61,7 @@ from qlm_core.train.run_dir import os_error
 from qlm_core.train.schedule import learning_rate
 from qlm_core.train.signals import StopControl, StopReason
 from qlm_core.train.sources import resolve_model
-from qlm_core.train.validate import validate_compile_cache, validate_recipe
+from qlm_core.train.validate import validate_compile_cache, validate_recipe, validate_rl
 from qlm_core.train.wandb_log import WandbLogger, check_wandb
 
 
@@ -154,6 +154,8 @@ class Trainer:
         sizes = resolve_sizes(world, r.parallel.tp, r.parallel.pp, r.parallel.cp, r.parallel.dp, r.parallel.ep,
                               r.parallel.etp)
         self.grid = Grid.build(sizes)
+        if r.data.kind == "rl":  # a worker started by srun / torchrun never passed the launcher's check
+            validate_rl(r, sizes.dp)
         torch.manual_seed(r.train.seed)
         self.steps = total_steps(r)
         claim_error = None
@@ -182,7 +184,8 @@ class Trainer:
         for turn in ("first", "rest"):
             if (self.grid.rank == 0) == (turn == "first"):
                 self.data = build_run_data(r.data, source.tokenizer_dir, cache,
-                                           self.steps * r.train.global_batch_size, valid_samples, r.preference)
+                                           self.steps * r.train.global_batch_size, valid_samples, r.preference,
+                                           r.rl)
             if dist.is_initialized():
                 dist.barrier()
         rows = rows_per_sample(r)
@@ -203,6 +206,11 @@ class Trainer:
                 {"train": self.data.train, "valid": self.data.valid},
                 r.train.global_batch_size, r.train.micro_batch_size, self.grid.rank == 0)
         self.batch_source: BatchSource = DatasetBatches(r, self.grid, self.data, self.reference_tables)
+        if r.data.kind == "rl":  # the policy's own rollouts, not a dataset's rows
+            from qlm_core.train.rollout_batches import RolloutBatches
+
+            self.batch_source = RolloutBatches(r, self.engine, self.data.train, self.data.valid,
+                                               self.data.tokenizer_dir, self.run_dir)
         if self.grid.rank == 0:
             write_hf_side_dir(self.ckpt_root, source.spec, self.data.tokenizer_dir)
         self.state = TrainState()
@@ -256,9 +264,12 @@ class Trainer:
 
     def evaluate(self) -> float | None:
         """The mean validation loss over eval_iters batches (preference runs: also their metrics, in
-        self.eval_figures)."""
+        self.eval_figures). RL runs have no validation loss: their held-out prompts' rewards are the figures."""
         self.eval_figures = None
         if self.data.valid is None:
+            return None
+        if self.recipe.data.kind == "rl":
+            self.eval_figures = self.batch_source.evaluate(self.state.iteration)
             return None
         losses, figures = [], []
         batches = self.batch_source.batches("valid", 0)
@@ -331,6 +342,8 @@ class Trainer:
         self._totals = {"steps": 0, "samples": 0, "tokens": 0, "label_tokens": 0}
         # a signal during the setup stops the run before its first step
         stopped = self.stop.poll(device, clock=False) if self.state.iteration < self.steps else None
+        if stopped is None and r.data.kind == "rl" and self.state.iteration == 0 and r.train.eval_interval:
+            self._log_eval()  # the starting policy's held-out reward, which the run's are compared with
         loop_started = time.perf_counter()
         while stopped is None and self.state.iteration < self.steps:
             step = self.state.iteration
@@ -338,7 +351,7 @@ class Trainer:
             started = time.perf_counter()
             result = self.engine.train_step(next(batches), lr)
             seconds = time.perf_counter() - started
-            self.state.consumed_samples += r.train.global_batch_size
+            self.state.consumed_samples = self.batch_source.consumed_after_step(self.state.consumed_samples)
             self.state.iteration += 1
             self.state.skipped_in_row = self.state.skipped_in_row + 1 if result.skipped else 0
             self.state.skipped_total += int(result.skipped)
@@ -355,7 +368,7 @@ class Trainer:
                 s_per_sample=seconds / r.train.global_batch_size,
                 tokens_per_s=r.train.global_batch_size * self.sample_tokens / seconds,
                 tflops_per_device=tflops, mfu=tflops / self.peak, mem_peak_gb=peak_memory_gb(),
-                skipped=result.skipped, moe=result.moe, preference=result.figures,
+                skipped=result.skipped, moe=result.moe, figures=self._figures(result),
                 **device_memory_gb(),
             )
             if self.metrics is not None:
@@ -408,6 +421,8 @@ class Trainer:
         summary = self._summary(final_valid)
         if self.eval_figures and final_valid is not None:
             summary["valid_preference"] = self.eval_figures  # the last evaluation's metrics (TRL's names)
+        if self.eval_figures and r.data.kind == "rl" and self._last_eval[0] == self.state.iteration:
+            summary["valid_reward"] = self.eval_figures["reward"]  # the held-out prompts' mean reward
         if stopped is not None:
             summary["stopped"] = self._stopped(stopped, last_saved)
         if self.metrics is not None:
@@ -418,6 +433,13 @@ class Trainer:
         self._emit("end", summary=summary)
         destroy_distributed()
         return summary
+
+    def _figures(self, result) -> dict[str, float] | None:
+        """The step's figures beside the loss: the objective's, and an RL step's rollout metrics first."""
+        rollout = getattr(self.batch_source, "metrics", None) or {}
+        if not rollout and not result.figures:
+            return None
+        return {**rollout, **(result.figures or {})}
 
     def _finished_summary(self) -> dict | None:
         """RUN/summary.json of a run that already reached its last step (None: missing, unreadable or earlier)."""
@@ -432,7 +454,7 @@ class Trainer:
     def _log_eval(self) -> float | None:
         loss = self.evaluate()
         self._last_eval = (self.state.iteration, loss)
-        if loss is not None:
+        if loss is not None or self.eval_figures:
             if self.metrics is not None:
                 self.metrics.log_eval(self.state.iteration, loss, self.eval_figures)
             if self.wandb is not None:

@@ -25,6 +25,7 @@ from qlm_core.errors import QlmError
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.pipeline_rules import min_microbatches, validate_schedule
 from qlm_core.parallel.state import ParallelSizes
+from qlm_core.train.objectives.grpo_loss import GrpoLoss
 from qlm_core.train.objectives.preference_loss import PreferenceLossConfig
 
 
@@ -68,11 +69,13 @@ def validate_recipe(recipe: Recipe):
     validate_data_format(recipe)
     if recipe.data.kind == "preference":
         validate_preference(recipe)
+    if recipe.data.kind == "rl":
+        validate_rl(recipe)
 
 
 def validate_data_format(recipe: Recipe):
     kind, fmt = recipe.data.kind, recipe.data.format
-    if kind == "pretrain":
+    if kind in ("pretrain", "rl"):  # indexed documents; RL prompts are read by their `prompt` field
         return
     formats = choices(PreferenceFormat if kind == "preference" else SftFormat)
     if fmt not in formats:
@@ -92,6 +95,27 @@ def validate_preference(recipe: Recipe):
     if pref.precompute_reference and pref.loss_type in REFERENCE_FREE_LOSSES:
         raise QlmError(f"preference.precompute_reference with the reference-free {pref.loss_type} loss",
                        "remove precompute_reference (simpo and orpo use no reference model)")
+
+
+def validate_rl(recipe: Recipe, dp: int | None = None):
+    """data.kind = "rl" with [rl]: the loss's settings, the batch in whole groups over the data-parallel ranks
+    (`dp`, once the world is known), and the rewards' weights."""
+    rl, t = recipe.rl, recipe.train
+    GrpoLoss.from_recipe(rl)
+    if t.global_batch_size % rl.num_generations:
+        raise QlmError(f"train.global_batch_size {t.global_batch_size} (completions per step) is not a multiple of "
+                       f"rl.num_generations {rl.num_generations}", "make the batch whole groups of completions")
+    prompts = t.global_batch_size // rl.num_generations
+    if dp is not None and prompts % dp:
+        raise QlmError(f"the step's {prompts} prompts (train.global_batch_size / rl.num_generations) do not divide "
+                       f"among {dp} data-parallel ranks", f"make train.global_batch_size a multiple of "
+                       f"{rl.num_generations * dp}")
+    if rl.reward_weights and len(rl.reward_weights) != len(rl.reward_funcs):
+        raise QlmError(f"rl.reward_weights has {len(rl.reward_weights)} entries for {len(rl.reward_funcs)} "
+                       "rl.reward_funcs", "give one weight per reward function, or none (1 each)")
+    if recipe.lora.rank > 0:
+        raise QlmError("RL with LoRA: the rollout model is built from whole weights, and a LoRA run's are the base "
+                       "and its adapters apart", "set lora.rank = 0 (RL trains every weight)")
 
 
 def validate_preference_model(spec: ModelSpec):

@@ -124,9 +124,9 @@ class WandbLogger:
             values = {f"train/{k}": v for k, v in metrics.record().items() if k != "step"}
             self.run.log(_finite({"step": metrics.step, **values}))
 
-    def log_eval(self, step: int, loss: float, figures: dict[str, float] | None = None) -> None:
+    def log_eval(self, step: int, loss: float | None, figures: dict[str, float] | None = None) -> None:
         if self.run is not None:
-            self.run.log(_finite({"step": step, "valid/loss": loss,
+            self.run.log(_finite({"step": step, **({"valid/loss": loss} if loss is not None else {}),
                                   **{f"valid/{k}": v for k, v in (figures or {}).items()}}))
 
     def finish(self, exit_code: int = 0) -> None:

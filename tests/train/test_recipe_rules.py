@@ -35,6 +35,11 @@ ENUM_KEYS = {
     "moe.aux_loss_type": "switch",
     "preference.loss_type": "kto",
     "preference.truncation_mode": "keep_middle",
+    "rl.loss_type": "ppo",
+    "rl.importance_sampling_level": "batch",
+    "rl.kl_estimator": "k4",
+    "rl.scale_rewards": "median",
+    "rl.rollout_correction": "clip",
 }
 
 

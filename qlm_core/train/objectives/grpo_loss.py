@@ -27,17 +27,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
+from qlm_core.config import (
+    GrpoLossType,
+    ImportanceSamplingLevel,
+    KlEstimator,
+    RlConfig,
+    RolloutCorrection,
+)
 from qlm_core.errors import QlmError
-
-GrpoLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
-ImportanceSamplingLevel = Literal["token", "sequence"]
-KlEstimator = Literal["k1", "k2", "k3"]
-# correcting for log-probs that differ between rollout and trainer (TRL's vllm_importance_sampling_mode, "none": off)
-RolloutCorrection = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class GrpoLoss:
     rollout_correction: RolloutCorrection = "none"
     correction_clip_min: float | None = None  # TIS / masked IS bounds on exp(log π_old - log π_rollout)
     correction_clip_max: float | None = 3.0
+
+    @classmethod
+    def from_recipe(cls, rl: RlConfig) -> GrpoLoss:
+        return cls(**{f: getattr(rl, f) for f in cls.__dataclass_fields__})
 
     def __post_init__(self):
         for name, options in (("loss_type", GrpoLossType), ("importance_sampling_level", ImportanceSamplingLevel),

@@ -1,0 +1,154 @@
+"""RL through a recipe (data.kind = "rl"): each step's rows are the policy's own rollouts; metrics.jsonl carries TRL's
+reward metrics and the train/rollout log-prob difference, evaluations score held-out prompts and write completions,
+a stopped run resumes to the uninterrupted numbers (dynamic sampling's extra draws included), and bad input is one
+line before the first step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import assert_clean_failure, metrics, qlm_train
+
+from qlm_core.config import load_recipe
+from qlm_core.train.trainer import Trainer
+
+RECIPE = """
+[model]
+spec = "qlm-tiny"
+dtype = "fp32"
+[data]
+kind = "rl"
+train = ["@demo"]
+seq_length = 32
+cache_dir = "{cache}"
+[rl]
+num_generations = 4
+max_completion_length = 8
+eval_prompts = 8
+num_completions_to_print = 3
+[train]
+micro_batch_size = 8
+global_batch_size = 16
+train_iters = 4
+eval_interval = 2
+[optim]
+lr = 1e-3
+[schedule]
+lr_schedule = "constant"
+[logging]
+tensorboard = false
+plot = false
+"""
+
+
+@pytest.fixture(scope="module")
+def recipe_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl")
+    path = root / "rl.toml"
+    path.write_text(RECIPE.format(cache=root / "cache"))
+    return path
+
+
+def _run(recipe_file, run_dir, *overrides):
+    recipe = load_recipe(recipe_file, list(overrides))
+    return Trainer(recipe, run_dir).run()
+
+
+def test_an_rl_run_logs_rewards_scores_held_out_prompts_and_writes_completions(recipe_file, tmp_path):
+    summary = _run(recipe_file, tmp_path / "run")
+    rows = metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/exact_answer/mean", "completions/mean_length",
+                "completions/clipped_ratio", "clip_ratio/region_mean"} <= set(row), sorted(row)
+        assert row["train_rollout_logprob_abs_diff/max"] <= 1e-5  # the trainer's forward of the rollout's tokens
+        assert "kl" not in row  # beta 0: no reference
+    assert [row["samples"] for row in rows] == [16, 32, 48, 64]  # completions drawn
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2, 4] and all("valid_loss" not in e for e in evals)
+    assert all(0.0 <= e["valid_reward"] <= 1.0 for e in evals)
+    assert summary["valid_reward"] == evals[-1]["valid_reward"]
+    written = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert [w["step"] for w in written] == [0] * 3 + [2] * 3 + [4] * 3
+    assert all(set(w) == {"step", "prompt", "completion", "reward"} for w in written)
+    assert (tmp_path / "run" / "checkpoints" / "iter_0000004").is_dir()
+
+
+def test_a_stopped_rl_run_resumes_to_the_uninterrupted_numbers(recipe_file, tmp_path):
+    """With dynamic sampling a step may draw several times: the draws are the run's consumed samples, so the
+    resumed run draws the same prompts at the same seeds."""
+    sets = ["rl.dynamic_sampling=true", "rl.max_sampling_tries=3", "train.eval_interval=0"]
+    _run(recipe_file, tmp_path / "straight", *sets)
+    _run(recipe_file, tmp_path / "run", *sets, "train.exit_interval=2")
+    assert len(metrics(tmp_path / "run")) == 2
+    _run(recipe_file, tmp_path / "run", *sets)
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "run")
+    keys = ("loss", "grad_norm", "samples", "reward", "dynamic_sampling/draws", "completions/mean_length")
+    assert [[row[k] for k in keys] for row in resumed] == [[row[k] for k in keys] for row in straight]
+    assert any(row["dynamic_sampling/draws"] > 1 for row in straight)  # some step drew again
+
+
+def test_rollout_rows_and_batch_scaled_advantages_are_the_global_batchs_across_data_parallel_ranks():
+    """assemble on two data-parallel ranks, each with its own groups: the rewards are gathered, so each rank's
+    advantages (scaled by the whole batch's std) and the metrics are those of one rank holding every group."""
+    from qlm_core.decode.sampling import Generation
+    from qlm_core.train.rewards import Rewards, RewardSource
+    from qlm_core.train.rollouts import DataRanks, Groups, RolloutConfig, assemble
+
+    g = torch.Generator().manual_seed(0)
+    rows = 8
+    gens = [Generation(tokens=[5] * (1 + r % 3), finish="stop", logprobs=[-1.0] * (2 + r % 3), eos_token=2)
+            for r in range(rows)]
+    groups = Groups([[9, 9]] * rows, [{"prompt": ""}] * rows, gens, torch.rand(rows, 1, generator=g,
+                                                                             dtype=torch.float64))
+    config = RolloutConfig(num_generations=2, max_completion_length=8, scale_rewards="batch")
+    rewards = Rewards([RewardSource("exact_answer")])
+    whole, whole_metrics = assemble(groups, config, rewards, seq_length=16, pad_id=0)
+    halves = [groups.select([0, 1], 2), groups.select([2, 3], 2)]
+    sent = [assemble_rows(half, config, rewards) for half in halves]  # what each rank puts in the gather
+    for rank, half in enumerate(halves):
+        def gather(mine, rank=rank):
+            return torch.cat([mine if r == rank else sent[r] for r in range(2)])
+        part, part_metrics = assemble(half, config, rewards, seq_length=16, pad_id=0,
+                                      ranks=DataRanks(rank, 2, gather))
+        assert torch.equal(part.advantages, whole.advantages[rank * 4:(rank + 1) * 4])
+        assert part_metrics == whole_metrics
+    alone, _ = assemble(halves[1], config, rewards, seq_length=16, pad_id=0)
+    assert not torch.equal(alone.advantages, whole.advantages[4:])  # without the gather: its own std
+
+
+def assemble_rows(groups, config, rewards) -> torch.Tensor:
+    """The rows one rank puts in assemble's gather (its rewards, lengths and truncation flags)."""
+    captured = []
+
+    def gather(rows):
+        captured.append(rows)
+        return rows
+
+    from qlm_core.train.rollouts import DataRanks, assemble
+
+    assemble(groups, config, rewards, seq_length=16, pad_id=0, ranks=DataRanks(0, 1, gather))
+    return captured[0]
+
+
+@pytest.mark.parametrize("sets, needles", [
+    (["rl.reward_funcs=['no_such_module_q:score']"], ["reward no_such_module_q:score: cannot import"]),
+    (["train.global_batch_size=18"], ["train.global_batch_size 18", "rl.num_generations 4"]),
+    (["rl.reward_weights=[1.0, 2.0]"], ["rl.reward_weights has 2 entries for 1"]),
+    (["rl.max_completion_length=30"], ["leaves no room for rl.max_completion_length 30"]),
+])
+def test_bad_rl_input_is_one_line_before_the_first_step(recipe_file, tmp_path, sets, needles):
+    out = tmp_path / "run"
+    result = qlm_train(recipe_file, "--output", out, *[a for s in sets for a in ("--set", s)], check=False)
+    assert_clean_failure((result.returncode, result.stdout, result.stderr), out / "metrics.jsonl", *needles)
+
+
+def test_a_reward_that_returns_nan_names_itself_and_the_record(recipe_file, tmp_path):
+    (tmp_path / "bad_reward_q.py").write_text("def score(prompt, completion, record):\n    return float('nan')\n")
+    out = tmp_path / "run"
+    result = qlm_train(recipe_file, "--output", out, "--set", "rl.reward_funcs=['bad_reward_q:score']", check=False,
+                       env_extra={"PYTHONPATH": str(tmp_path)})
+    assert_clean_failure((result.returncode, result.stdout, result.stderr), out / "metrics.jsonl",
+                         "reward bad_reward_q:score returned NaN or infinite", "on record 0")
