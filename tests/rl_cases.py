@@ -4,7 +4,7 @@ batch of the parity suite's tiny model and the layouts with the loss each runs."
 import math
 
 import torch
-from parallel_cases import GLOBAL_BATCH, SEQ, SPEC
+from parallel_cases import GLOBAL_BATCH, SEQ, SPEC, case_moe, case_spec
 
 from qlm_core.train.objectives.grpo import RolloutBatch
 from qlm_core.train.objectives.grpo_loss import GrpoLoss
@@ -14,7 +14,8 @@ GRPO = GrpoLoss(loss_type="grpo", beta=0.04, max_completion_length=SEQ)
 DAPO = GrpoLoss(loss_type="dapo", epsilon_high=0.28, max_completion_length=SEQ)
 GSPO = GrpoLoss(loss_type="dr_grpo", importance_sampling_level="sequence", beta=0.04, max_completion_length=SEQ)
 
-# name -> (ParallelConfig fields, loss, where the reference's log-probs come from); every case runs on 2 ranks
+# name -> (ParallelConfig fields, loss, where the reference's log-probs come from[, the model's data kind of
+# parallel_cases: "moe" for the MoE model with its router losses]); every case runs on 2 ranks
 CASES = {
     "tp2_sp": (dict(tp=2, sp=True), GRPO, "batch"),
     "cp2_grpo": (dict(cp=2, cp_comm_type="p2p"), GRPO, "batch"),
@@ -24,7 +25,16 @@ CASES = {
     "dp2_zero3": (dict(zero_stage=3), GSPO, "batch"),
     "pp2_frozen_reference": (dict(pp=2, pp_schedule="1f1b"), GRPO, "frozen"),
     "cp2_frozen_reference": (dict(cp=2, cp_comm_type="p2p"), GSPO, "frozen"),
+    "moe_ep2": (dict(ep=2), DAPO, "batch", "moe"),
+    "moe_tp2_ep2": (dict(tp=2, sp=True, ep=2, etp=1), GRPO, "frozen", "moe"),
 }
+
+
+def case_parts(name: str):
+    """(ParallelConfig fields, loss, reference, model spec, MoE training options) of a case."""
+    fields, loss, reference, *data = CASES[name]
+    data = data[0] if data else "plain"
+    return fields, loss, reference, case_spec(data), case_moe(data)
 
 
 def rollout_batch() -> RolloutBatch:

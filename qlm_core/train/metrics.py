@@ -45,7 +45,8 @@ class StepMetrics:
     # rewards/accuracies, rewards/margins, logps/chosen, logps/rejected (and nll_loss, log_odds_ratio,
     # log_odds_chosen where the loss has them). RL: reward, reward_std, frac_reward_zero_std, rewards/<name>/mean and
     # /std, completions/mean_length (min, max, clipped_ratio), clip_ratio/..., kl (beta > 0),
-    # train_rollout_logprob_abs_diff/mean and /max (dynamic_sampling/draws and /filled_groups with it)
+    # train_rollout_logprob_abs_diff/mean and /max (dynamic_sampling/draws and /filled_groups with it), and the
+    # step's seconds in time/weight_sync_s and time/rollout_s (step_time_s holds them and the training pass)
     figures: dict[str, float] | None = None
 
     def record(self) -> dict:

@@ -21,6 +21,7 @@ RUN/completions.jsonl."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -142,7 +143,9 @@ class RolloutBatches:
         return self.train.subset([sampler.sample_index(p) for p in range(first, first + share)])
 
     def _step(self) -> RolloutBatch:
+        started = time.perf_counter()
         model = self._model()
+        synced = time.perf_counter()
         share = self.prompts_per_step // self.dp
         first_draw = self.drawn // self.prompts_per_step
 
@@ -157,6 +160,9 @@ class RolloutBatches:
                                   pad_id=self.pad_id, ranks=ranks)
         if self.recipe.rl.dynamic_sampling:
             metrics.update(counts)
+        # where a step's time goes beside the training pass (rank 0's clock): the weight sync, and the sampling
+        # and scoring of the rollouts (the replica's other ranks wait in it)
+        metrics.update({"time/weight_sync_s": synced - started, "time/rollout_s": time.perf_counter() - synced})
         self.metrics = metrics
         return batch
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import run_worker_jobs
 from parallel_cases import GLOBAL_BATCH, SEQ, SPEC
-from rl_cases import CASES, MICRO, STEPS, rollout_batch
+from rl_cases import CASES, MICRO, STEPS, case_parts, rollout_batch
 
 from qlm_core.config import OptimConfig, ParallelConfig
 from qlm_core.parallel.state import Grid
@@ -70,9 +70,10 @@ def test_the_step_loss_is_the_batch_loss_and_any_split_gives_the_same_gradient(l
     assert ("kl" in figures) == (loss.beta != 0)
 
 
-def one_process(loss: GrpoLoss, reference: str) -> dict:
-    e = Engine(SPEC, ParallelConfig(), Grid.single(), micro_batch_size=MICRO, global_batch_size=GLOBAL_BATCH,
-               seq_length=SEQ, optim=OptimConfig(lr=1e-3), seed=3, objective=GrpoObjective(loss, reference=reference))
+def one_process(loss: GrpoLoss, reference: str, spec=SPEC, moe=None) -> dict:
+    e = Engine(spec, ParallelConfig(), Grid.single(), micro_batch_size=MICRO, global_batch_size=GLOBAL_BATCH,
+               seq_length=SEQ, optim=OptimConfig(lr=1e-3), seed=3, moe=moe,
+               objective=GrpoObjective(loss, reference=reference))
     batch = rollout_batch()
     results = [e.train_step(batch, lr=1e-3) for _ in range(STEPS)]
     return {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
@@ -89,10 +90,11 @@ def grpo_run(tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES)
 def test_every_layout_reproduces_the_one_process_rl_step(case, grpo_run):
-    """tp2·SP, cp2 (a sequence's mean over both ranks' parts), pp2, dp2 ZeRO 1 and 3, and a frozen reference at pp2
-    and cp2: the RL step's losses and gradient norms within the parity suite's rtol 1e-4, its metrics too."""
+    """tp2·SP, cp2 (a sequence's mean over both ranks' parts), pp2, dp2 ZeRO 1 and 3, a frozen reference at pp2
+    and cp2, and the MoE model at ep2 and tp2·SP·ep2 (router losses included): the RL step's losses and gradient norms
+    within the parity suite's rtol 1e-4, its metrics too."""
     ours = json.loads((grpo_run / f"{case}.json").read_text())
-    reference = one_process(*CASES[case][1:])
+    reference = one_process(*case_parts(case)[1:])
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-4)
     assert ours["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
     assert ours["figures"] == pytest.approx(reference["figures"], rel=1e-4, abs=1e-9)

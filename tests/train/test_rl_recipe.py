@@ -65,6 +65,7 @@ def test_an_rl_run_logs_rewards_scores_held_out_prompts_and_writes_completions(r
                 "completions/clipped_ratio", "clip_ratio/region_mean"} <= set(row), sorted(row)
         assert row["train_rollout_logprob_abs_diff/max"] <= 1e-5  # the trainer's forward of the rollout's tokens
         assert "kl" not in row  # beta 0: no reference
+        assert 0 < row["time/weight_sync_s"] + row["time/rollout_s"] < row["step_time_s"]
     assert [row["samples"] for row in rows] == [16, 32, 48, 64]  # completions drawn
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2, 4] and all("valid_loss" not in e for e in evals)
@@ -152,3 +153,33 @@ def test_a_reward_that_returns_nan_names_itself_and_the_record(recipe_file, tmp_
                        env_extra={"PYTHONPATH": str(tmp_path)})
     assert_clean_failure((result.returncode, result.stdout, result.stderr), out / "metrics.jsonl",
                          "reward bad_reward_q:score returned NaN or infinite", "on record 0")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [("parallel.tp=2", "parallel.sp=true"), ("parallel.pp=2",)])
+def test_an_rl_run_at_a_model_parallel_layout_reproduces_the_one_process_run(recipe_file, tmp_path, layout):
+    """tp2·SP or pp2 (one data-parallel rank): the replica's leader samples at the one-process seeds from weights the
+    sync gathers whole, so the rollouts, rewards and losses are the one-process run's (rtol 1e-4)."""
+    sets = ["train.train_iters=3", "train.eval_interval=0"]
+    qlm_train(recipe_file, "--output", tmp_path / "one", *[a for s in sets for a in ("--set", s)])
+    qlm_train(recipe_file, "--output", tmp_path / "layout", *[a for s in (*sets, *layout) for a in ("--set", s)])
+    one, other = metrics(tmp_path / "one"), metrics(tmp_path / "layout")
+    for a, b in zip(one, other, strict=True):
+        assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
+        assert b["train_rollout_logprob_abs_diff/max"] <= 1e-5
+
+
+@pytest.mark.distributed
+def test_an_rl_run_on_two_data_parallel_ranks_shares_the_prompts_and_gathers_the_rewards(recipe_file, tmp_path):
+    """dp2: each rank answers half of the step's prompts; the step's metrics count every completion."""
+    run = tmp_path / "dp2"
+    qlm_train(recipe_file, "--output", run, "--set", "parallel.dp=2", "--set", "train.train_iters=2",
+              "--set", "train.eval_interval=2", "--set", "parallel.zero_stage=1")
+    rows = metrics(run)
+    assert [row["samples"] for row in rows] == [16, 32]
+    for row in rows:  # the completions' mean length is over all 16 (every token they hold is trained on)
+        assert row["completions/mean_length"] * 16 == pytest.approx(row["label_tokens"])
+        assert row["train_rollout_logprob_abs_diff/max"] <= 1e-5
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2]

@@ -4,8 +4,8 @@ the same rollout batch and rank 0 writes its losses and grad norms (JSON)."""
 import json
 from pathlib import Path
 
-from parallel_cases import GLOBAL_BATCH, SEQ, SPEC
-from rl_cases import CASES, MICRO, STEPS, rank_rows, rollout_batch
+from parallel_cases import GLOBAL_BATCH, SEQ
+from rl_cases import CASES, MICRO, STEPS, case_parts, rank_rows, rollout_batch
 
 from qlm_core.config import OptimConfig, ParallelConfig
 from qlm_core.parallel.state import Grid, resolve_sizes
@@ -15,12 +15,12 @@ from workers.harness import run_jobs
 
 
 def run_case(name: str, outdir: Path):
-    fields, loss, reference = CASES[name]
+    fields, loss, reference, spec, moe = case_parts(name)
     config = ParallelConfig(**fields)
-    sizes = resolve_sizes(2, tp=config.tp, pp=config.pp, cp=config.cp)
+    sizes = resolve_sizes(2, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep, etp=config.etp)
     grid = Grid.build(sizes, ranks=[0, 1])
-    engine = Engine(SPEC, config, grid, micro_batch_size=MICRO, global_batch_size=GLOBAL_BATCH, seq_length=SEQ,
-                    optim=OptimConfig(lr=1e-3), seed=3, objective=GrpoObjective(loss, reference=reference))
+    engine = Engine(spec, config, grid, micro_batch_size=MICRO, global_batch_size=GLOBAL_BATCH, seq_length=SEQ,
+                    optim=OptimConfig(lr=1e-3), seed=3, moe=moe, objective=GrpoObjective(loss, reference=reference))
     batch = rank_rows(rollout_batch(), grid.dp_rank, sizes.dp)
     losses, norms = [], []
     for _ in range(STEPS):

@@ -1,0 +1,195 @@
+"""RL throughput: qlm's GRPO step against TRL's GRPOTrainer on the same tiny model, prompts and sampling, in one run;
+and qlm's weight sync against a plain in-memory copy of the same bytes.
+
+    python bench/rl.py                 # hidden 256, 4 layers; 16 prompts x 8 completions a step, 12 new tokens
+    python bench/rl.py --steps 6 --hidden 512 --layers 8
+
+Both train the same random Qwen2-shaped HF model (qlm's demo tokenizer) on the demo's RL prompts (chat template,
+exact-answer reward), at temperature 1, DAPO's loss, beta 0, fp32, one optimizer step per rollout batch, on this
+CPU with the same threads. qlm runs `qlm train`'s Trainer; TRL runs GRPOTrainer (transformers' generate). The first
+step of each is a warm-up and not counted. Prints, per side: rollout tokens/s (completion tokens sampled per second
+of generation), whole-step samples/s (completions per second of the step: sync + rollout + training), where the
+step's time goes, and the ratios (target >= 2 for both); then the weight sync's seconds against torch's copy of the
+same tensors (target <= 1.5x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from eval import build_model  # noqa: E402  (bench/eval.py: a random Qwen2 shape with the demo tokenizer)
+
+RECIPE = """
+[model]
+spec = "qlm-tiny"
+load = "{model}"
+dtype = "fp32"
+[data]
+kind = "rl"
+train = ["{prompts}"]
+valid_fraction = 0.0
+seq_length = 32
+cache_dir = "{cache}"
+[rl]
+num_generations = {generations}
+max_completion_length = {new_tokens}
+temperature = 1.0
+loss_type = "dapo"
+[train]
+micro_batch_size = {batch}
+global_batch_size = {batch}
+train_iters = {steps}
+eval_interval = 0
+[optim]
+lr = 1e-5
+weight_decay = 0.0
+[schedule]
+lr_schedule = "constant"
+[logging]
+tensorboard = false
+plot = false
+"""
+
+
+def run_qlm(root: Path, model: Path, prompts: Path, args) -> dict:
+    from qlm_core.config import load_recipe
+    from qlm_core.train.trainer import Trainer
+
+    recipe_path = root / "qlm.toml"
+    recipe_path.write_text(RECIPE.format(model=model, prompts=prompts, cache=root / "cache",
+                                         generations=args.generations, new_tokens=args.new_tokens,
+                                         batch=args.prompts * args.generations, steps=args.steps))
+    Trainer(load_recipe(recipe_path), root / "qlm-run").run()
+    rows = [json.loads(line) for line in (root / "qlm-run" / "metrics.jsonl").read_text().splitlines()][1:]
+    step = sum(r["step_time_s"] for r in rows)
+    sync = sum(r["time/weight_sync_s"] for r in rows)
+    rollout = sum(r["time/rollout_s"] for r in rows)
+    tokens = sum(r["completions/mean_length"] * args.prompts * args.generations for r in rows)
+    return {"steps": len(rows), "step_s": step, "sync_s": sync, "rollout_s": rollout, "train_s": step - sync - rollout,
+            "tokens": tokens, "reward": statistics.mean(r["reward"] for r in rows)}
+
+
+def exact_answer(prompts, completions, answer, **kwargs):
+    return [1.0 if c[0]["content"].strip() == a.strip() else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def run_trl(root: Path, model: Path, prompts: Path, args) -> dict:
+    import datasets
+    import transformers
+    from trl import GRPOConfig, GRPOTrainer
+
+    records = [json.loads(line) for line in prompts.read_text().splitlines()]
+    dataset = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
+                                           "answer": r["answer"]} for r in records])
+    batch = args.prompts * args.generations
+    config = GRPOConfig(output_dir=str(root / "trl-run"), per_device_train_batch_size=batch,
+                        gradient_accumulation_steps=1, num_generations=args.generations,
+                        max_completion_length=args.new_tokens, temperature=1.0, loss_type="dapo", beta=0.0,
+                        learning_rate=1e-5, weight_decay=0.0, lr_scheduler_type="constant", max_steps=args.steps,
+                        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False,
+                        disable_dropout=True, seed=0, num_iterations=1)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    trainer = GRPOTrainer(model=str(model), reward_funcs=[exact_answer], args=config, train_dataset=dataset,
+                          processing_class=tokenizer)
+    generation, steps, tokens = [], [], []
+    inner = trainer._generate_single_turn
+
+    def timed(*a, **k):
+        started = time.perf_counter()
+        out = inner(*a, **k)
+        generation.append(time.perf_counter() - started)
+        completion_ids = out[1] if isinstance(out, tuple) else out["completion_ids"]
+        tokens.append(sum(len(ids) for ids in completion_ids))
+        return out
+
+    trainer._generate_single_turn = timed
+
+    class StepClock(transformers.TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            steps.append(time.perf_counter() - self.started)
+
+    trainer.add_callback(StepClock())
+    trainer.train()
+    step, rollout = sum(steps[1:]), sum(generation[1:])
+    return {"steps": len(steps) - 1, "step_s": step, "sync_s": 0.0, "rollout_s": rollout, "train_s": step - rollout,
+            "tokens": sum(tokens[1:]), "reward": float("nan")}
+
+
+def sync_ratio(model: Path, repeats: int = 5) -> tuple[float, float]:
+    """Seconds of qlm's weight sync (the trainer's shards -> whole tensors -> the rollout model) against copying the
+    same tensors in memory (torch's clone of every parameter into a fresh model's buffers)."""
+    from qlm_core.config import ModelConfig, OptimConfig, ParallelConfig
+    from qlm_core.parallel.state import Grid
+    from qlm_core.train.engine import Engine
+    from qlm_core.train.sources import resolve_model
+    from qlm_core.train.weight_sync import rollout_model
+
+    source = resolve_model(ModelConfig(spec="qlm-tiny", load=str(model), dtype="fp32"))
+    engine = Engine(source.spec, ParallelConfig(), Grid.single(), micro_batch_size=1, global_batch_size=1,
+                    seq_length=32, dtype=torch.float32, optim=OptimConfig(), source=source.weights)
+    tensors = {k: v.detach() for k, v in engine.chunks[0].state_dict().items()}
+    synced, copied = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        rollout_model(engine)
+        synced.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        copy = {k: torch.empty_like(v) for k, v in tensors.items()}
+        for k, v in tensors.items():
+            copy[k].copy_(v)
+        copied.append(time.perf_counter() - started)
+    return min(synced), min(copied)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=4, help="steps of each (the first is a warm-up)")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = build_model(root, args.hidden, args.layers)
+        from qlm_core.data.demo import build_demo
+
+        prompts = build_demo(root / "demo", num_train=200, num_eval=5, corpus_paragraphs=20).rl
+        qlm = run_qlm(root, model, prompts, args)
+        trl = run_trl(root, model, prompts, args)
+        sync_s, copy_s = sync_ratio(model)
+    batch = args.prompts * args.generations
+    print(f"model hidden {args.hidden}, {args.layers} layers; {args.prompts} prompts x {args.generations} "
+          f"completions a step, <= {args.new_tokens} new tokens; {qlm['steps']} timed steps each; "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'':6} {'rollout tok/s':>14} {'samples/s':>10} {'sync s':>8} {'rollout s':>10} {'train s':>8}")
+    for name, r in (("qlm", qlm), ("trl", trl)):
+        print(f"{name:6} {r['tokens'] / r['rollout_s']:14.1f} {batch * r['steps'] / r['step_s']:10.2f} "
+              f"{r['sync_s'] / r['steps']:8.3f} {r['rollout_s'] / r['steps']:10.3f} {r['train_s'] / r['steps']:8.3f}")
+    rollout_ratio = (qlm["tokens"] / qlm["rollout_s"]) / (trl["tokens"] / trl["rollout_s"])
+    step_ratio = (qlm["steps"] / qlm["step_s"]) / (trl["steps"] / trl["step_s"])
+    print(f"qlm / trl: rollout tokens/s {rollout_ratio:.2f}x, whole-step samples/s {step_ratio:.2f}x (target >= 2)")
+    print(f"weight sync {sync_s * 1e3:.1f} ms vs an in-memory copy of the same tensors {copy_s * 1e3:.1f} ms: "
+          f"{sync_s / copy_s:.2f}x (target <= 1.5)")
+
+
+if __name__ == "__main__":
+    main()
