@@ -34,14 +34,14 @@ from eval import build_model  # noqa: E402  (bench/eval.py: a random Qwen2 shape
 
 RECIPE = """
 [model]
-spec = "qlm-tiny"
+spec = "{model}"
 load = "{model}"
 dtype = "fp32"
 [data]
 kind = "rl"
 train = ["{prompts}"]
 valid_fraction = 0.0
-seq_length = 32
+seq_length = {seq_length}
 cache_dir = "{cache}"
 [rl]
 num_generations = {generations}
@@ -71,7 +71,8 @@ def run_qlm(root: Path, model: Path, prompts: Path, args) -> dict:
     recipe_path = root / "qlm.toml"
     recipe_path.write_text(RECIPE.format(model=model, prompts=prompts, cache=root / "cache",
                                          generations=args.generations, new_tokens=args.new_tokens,
-                                         batch=args.prompts * args.generations, steps=args.steps))
+                                         batch=args.prompts * args.generations, steps=args.steps,
+                                         seq_length=20 + args.new_tokens))  # the demo's prompts: under 20 tokens
     Trainer(load_recipe(recipe_path), root / "qlm-run").run()
     rows = [json.loads(line) for line in (root / "qlm-run" / "metrics.jsonl").read_text().splitlines()][1:]
     step = sum(r["step_time_s"] for r in rows)
@@ -111,7 +112,7 @@ def run_trl(root: Path, model: Path, prompts: Path, args) -> dict:
         started = time.perf_counter()
         out = inner(*a, **k)
         generation.append(time.perf_counter() - started)
-        completion_ids = out[1] if isinstance(out, tuple) else out["completion_ids"]
+        completion_ids = out[0]  # TRL 1.16: (completion_ids, logprobs or None)
         tokens.append(sum(len(ids) for ids in completion_ids))
         return out
 
@@ -132,22 +133,23 @@ def run_trl(root: Path, model: Path, prompts: Path, args) -> dict:
 
 
 def sync_ratio(model: Path, repeats: int = 5) -> tuple[float, float]:
-    """Seconds of qlm's weight sync (the trainer's shards -> whole tensors -> the rollout model) against copying the
-    same tensors in memory (torch's clone of every parameter into a fresh model's buffers)."""
+    """Seconds of qlm's weight sync at a step after the first (the trainer's shards -> whole tensors -> the rollout
+    model, refilled) against copying the same tensors in memory (each into a new tensor of its shape)."""
     from qlm_core.config import ModelConfig, OptimConfig, ParallelConfig
     from qlm_core.parallel.state import Grid
     from qlm_core.train.engine import Engine
     from qlm_core.train.sources import resolve_model
-    from qlm_core.train.weight_sync import rollout_model
+    from qlm_core.train.weight_sync import fill_rollout_model, gather_weights
 
-    source = resolve_model(ModelConfig(spec="qlm-tiny", load=str(model), dtype="fp32"))
+    source = resolve_model(ModelConfig(spec=str(model), load=str(model), dtype="fp32"))
     engine = Engine(source.spec, ParallelConfig(), Grid.single(), micro_batch_size=1, global_batch_size=1,
                     seq_length=32, dtype=torch.float32, optim=OptimConfig(), source=source.weights)
-    tensors = {k: v.detach() for k, v in engine.chunks[0].state_dict().items()}
+    tensors = {k: v.detach() for k, v in engine.chunks[0].state_dict().items() if isinstance(v, torch.Tensor)}
     synced, copied = [], []
+    model = fill_rollout_model(engine, gather_weights(engine))  # the first step builds it; the others refill it
     for _ in range(repeats):
         started = time.perf_counter()
-        rollout_model(engine)
+        fill_rollout_model(engine, gather_weights(engine), model)
         synced.append(time.perf_counter() - started)
         started = time.perf_counter()
         copy = {k: torch.empty_like(v) for k, v in tensors.items()}

@@ -17,7 +17,7 @@ Files written by build_demo:
     eval.jsonl    {"task", "question", "answer", "choices" (4 strings), "label" (index of the answer)} per line;
                   the wrong choices are near misses (another order of the same symbols, another symbol of the list)
     preference.jsonl  {"prompt", "chosen", "rejected"} per line (TRL's format): the answer and a near miss
-    rl.jsonl      {"prompt", "answer", "task"} per line: prompts for RL, scored by their exact answer
+    rl.jsonl      {"prompt", "answer", "task"} per line: "largest" prompts for RL, scored by their exact answer
     corpus.txt    pretraining text: paragraphs (blank-line separated) of "question\\nanswer" pairs
 Everything is a deterministic function of the seed.
 """
@@ -154,12 +154,12 @@ def _paths(root: Path) -> DemoPaths:
                      root / "preference.jsonl", root / "rl.jsonl")
 
 
-def distinct_examples(seed: int, count: int, exclude: set[str]) -> list[Example]:
-    """`count` examples with distinct questions, none in `exclude`; tasks take turns."""
+def distinct_examples(seed: int, count: int, exclude: set[str], tasks: tuple[str, ...] = TASKS) -> list[Example]:
+    """`count` examples of `tasks` with distinct questions, none in `exclude`; tasks take turns."""
     rng = random.Random(seed)
     out, seen = [], set(exclude)
     while len(out) < count:
-        example = make_example(TASKS[len(out) % len(TASKS)], rng)
+        example = make_example(tasks[len(out) % len(tasks)], rng)
         if example.question not in seen:
             seen.add(example.question)
             out.append(example)
@@ -180,8 +180,10 @@ def _write_demo(out_dir: str | os.PathLike, seed: int = 0, num_train: int = 3000
             out.write(json.dumps({"prompt": example.question, "chosen": example.answer,
                                   "rejected": rng.choice(example.wrong)}) + "\n")
 
-    with open(paths.rl, "w") as out:  # prompts for RL, scored by their exact answer (rewards.exact_answer)
-        for example in distinct_examples(seed + 4, rl_prompts, {e.question for e in evals}):
+    # prompts for RL, scored by their exact answer (rewards.exact_answer): the one-token task, whose right answer a
+    # partly trained model samples now and then (the learning signal), where four letters in order it rarely does
+    with open(paths.rl, "w") as out:
+        for example in distinct_examples(seed + 4, rl_prompts, {e.question for e in evals}, ("largest",)):
             out.write(json.dumps({"prompt": example.question, "answer": example.answer, "task": example.task}) + "\n")
     with open(paths.train, "w") as out:
         for example in sft:

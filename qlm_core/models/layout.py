@@ -448,11 +448,16 @@ def read_shard_tensor(tensor: TensorLayout, tp: int, rank: int, source: TensorSo
     """TP rank `rank`'s shard of `tensor`: its ranges read straight into one buffer, zeros where they are
     vocabulary padding."""
     out = torch.empty(tensor.shard_shape(tp), dtype=held_dtype(tensor, source, dtype))
+    read_shard_into(tensor, tp, rank, source, out)
+    return out
+
+
+def read_shard_into(tensor: TensorLayout, tp: int, rank: int, source: TensorSource, out: torch.Tensor) -> None:
+    """read_shard_tensor into an existing buffer of the shard's shape."""
     offset = 0
     for start, stop in tensor.tp_ranges(tp, rank):
         _read_padded_into(source, tensor, start, stop, out.narrow(tensor.axis, offset, stop - start))
         offset += stop - start
-    return out
 
 
 def build_shard(layout: ModelLayout, tp_rank: int, pp_rank: int, chunk: int, source: TensorSource,
@@ -466,6 +471,17 @@ def build_shard(layout: ModelLayout, tp_rank: int, pp_rank: int, chunk: int, sou
             tensor, layout.split_size(tensor), etp_rank if tensor.expert else tp_rank, source, dtype)
         for name, tensor in layout.shard_entries(pp_rank, chunk, ep_rank)
     }
+
+
+@torch.no_grad()
+def fill_shard(layout: ModelLayout, tp_rank: int, pp_rank: int, chunk: int, source: TensorSource,
+               state: dict[str, torch.Tensor | None], ep_rank: int = 0, etp_rank: int | None = None) -> None:
+    """build_shard into a shard's existing tensors (`state`: a model's state_dict(keep_vars=True)), in place."""
+    etp_rank = tp_rank if etp_rank is None else etp_rank
+    for name, tensor in layout.shard_entries(pp_rank, chunk, ep_rank):
+        if tensor is not None:
+            read_shard_into(tensor, layout.split_size(tensor), etp_rank if tensor.expert else tp_rank, source,
+                            state[name])
 
 
 def assemble_hf_tensor(layout: ModelLayout, hf_name: str, source: TensorSource,

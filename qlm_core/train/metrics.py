@@ -61,6 +61,7 @@ class StepMetrics:
 
 
 DEVICE_MEMORY_KEYS = ("mem_allocated_gb", "mem_reserved_gb")
+COMPLETIONS_FILE = "completions.jsonl"  # RL evaluations' sampled answers (train/rollout_batches.py)
 
 
 def peak_memory_gb() -> float:
@@ -158,6 +159,8 @@ class MetricsWriter:
             rows = _repair_log(log, resumed_from)
             if log.name == "eval.jsonl":
                 self._eval_steps = {row["step"] for row in rows}
+        # an RL run's sampled completions: a fresh start's step-0 evaluation writes its block again
+        _repair_log(self.run_dir / COMPLETIONS_FILE, resumed_from if resumed_from else -1)
         self.tb = None
         if tensorboard:
             try:

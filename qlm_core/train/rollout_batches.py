@@ -11,8 +11,8 @@ Each step, on every rank together:
    metrics are the global batch's; each rank packs its rows (rollouts.assemble).
 With rl.dynamic_sampling every data-parallel rank draws in step until each holds its share of groups that carry a
 signal (rollouts.collect_groups). What a step drew is a count of prompts: it is the run's consumed_samples (in
-completions) and numbers the draws, which seed the sampling: a resumed run draws the same prompts at the same seeds
-as an uninterrupted one.
+completions) and numbers the draws, which seed the sampling: a run resumed at the same data-parallel size draws the
+same prompts at the same seeds as an uninterrupted one (another size shares the prompts and seeds out otherwise).
 
 Evaluation (train.eval_interval) answers rl.eval_prompts held-out prompts once each at the rollout's sampling, with
 a fixed seed, and reports their mean reward; the first rl.num_completions_to_print answers go to
@@ -35,17 +35,22 @@ from qlm_core.data.rl_prompts import PromptSet
 from qlm_core.data.tokenizer import load_tokenizer, resolve_chat_template
 from qlm_core.decode.prompts import answer_text, stop_tokens
 from qlm_core.decode.sampling import MAX_SEED, Sampling
-from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import GPTModel
-from qlm_core.models.layout import ModelLayout
 from qlm_core.parallel.comm import group_size
 from qlm_core.train.engine import Engine
+from qlm_core.train.metrics import COMPLETIONS_FILE
 from qlm_core.train.objectives.grpo import RolloutBatch
 from qlm_core.train.rewards import Rewards, RewardSource, source_metrics
-from qlm_core.train.rollouts import DataRanks, Groups, RolloutConfig, assemble, collect_groups, sample_groups
-from qlm_core.train.weight_sync import gather_weights
-
-COMPLETIONS_FILE = "completions.jsonl"
+from qlm_core.train.rollouts import (
+    DataRanks,
+    Groups,
+    RolloutConfig,
+    assemble,
+    collect_groups,
+    sample_groups,
+    trained_tokens,
+)
+from qlm_core.train.weight_sync import fill_rollout_model, gather_weights
 
 
 def rollout_config(recipe: Recipe) -> RolloutConfig:
@@ -85,6 +90,7 @@ class RolloutBatches:
         self.leader = self.grid.replica_ranks[0]
         self.is_leader = self.grid.rank == self.leader
         self.metrics: dict[str, float] = {}  # the last step's rollout metrics
+        self._rollout: GPTModel | None = None
         self.drawn = 0  # prompts drawn so far (every rank's)
 
     # -- collectives over the replica and the data-parallel ranks ------------------------------------------------
@@ -111,15 +117,14 @@ class RolloutBatches:
         return flag.item() == 0
 
     # -- one step ---------------------------------------------------------------------------------------------------
-    def _model(self) -> GPTModel | None:
-        """The policy's current weights as one whole model on the replica leader (None elsewhere)."""
+    def _model(self, builds: bool | None = None) -> GPTModel | None:
+        """The policy's current weights as one whole model on the ranks that `builds` (default: the replica
+        leaders; None elsewhere). A collective: every rank calls it."""
         weights = gather_weights(self.engine)
-        if not self.is_leader:
+        if not (self.is_leader if builds is None else builds):
             return None
-        e = self.engine
-        layout = ModelLayout(e.spec, make_vocab_size_divisible_by=e.layout.make_vocab_size_divisible_by)
-        return build_rank_model(layout, RankCoords(), weights, dtype=e.dtype, device=e.grid.device,
-                                moe_options=e.moe).eval()
+        self._rollout = fill_rollout_model(self.engine, weights, self._rollout)  # built once, then refilled
+        return self._rollout
 
     def _text(self, tokens: list[int]) -> str:
         return answer_text(self.tokenizer, tokens, self.stops)
@@ -158,7 +163,9 @@ class RolloutBatches:
         ranks = DataRanks(self.dp_rank, self.dp, self._gather_rows)
         batch, metrics = assemble(groups, self.config, self.rewards, seq_length=self.recipe.data.seq_length,
                                   pad_id=self.pad_id, ranks=ranks)
-        if self.recipe.rl.dynamic_sampling:
+        if self.recipe.rl.dynamic_sampling:  # the draws are every rank's; the groups filled are summed over them
+            counts["dynamic_sampling/filled_groups"] = self._gather_rows(
+                torch.tensor([[counts["dynamic_sampling/filled_groups"]]])).sum().item()
             metrics.update(counts)
         # where a step's time goes beside the training pass (rank 0's clock): the weight sync, and the sampling
         # and scoring of the rollouts (the replica's other ranks wait in it)
@@ -185,7 +192,7 @@ class RolloutBatches:
         rank 0 writes the first answers to RUN/completions.jsonl. A collective: every rank calls it."""
         if self.valid is None:
             return None
-        model = self._model()
+        model = self._model(builds=self.grid.rank == 0)
         figures = None
         if self.grid.rank == 0:
             prompts = self.valid.subset(range(min(self.recipe.rl.eval_prompts, len(self.valid))))
@@ -194,7 +201,7 @@ class RolloutBatches:
                                    seq_length=self.recipe.data.seq_length, eos_token_id=sorted(self.stops.ids),
                                    pad_id=self.pad_id)
             totals = (groups.per_source * self.rewards.weights).nansum(dim=1)
-            lengths = torch.tensor([len(g.tokens) for g in groups.generations], dtype=torch.float64)
+            lengths = torch.tensor([len(trained_tokens(g)) for g in groups.generations], dtype=torch.float64)
             figures = {"reward": totals.mean().item(), **source_metrics(groups.per_source, self.rewards.names),
                        "completions/mean_length": lengths.mean().item()}
             self._write_completions(step, groups, totals)
@@ -209,9 +216,8 @@ class RolloutBatches:
         count = self.recipe.rl.num_completions_to_print
         if count == 0:
             return
-        with open(self.run_dir / COMPLETIONS_FILE, "a", encoding="utf-8") as out:
-            for row in range(min(count, len(groups.generations))):
-                record = groups.records[row]
-                out.write(json.dumps({"step": step, "prompt": record.get("prompt", ""),
-                                      "completion": self._text(groups.generations[row].tokens),
-                                      "reward": totals[row].item()}, ensure_ascii=False) + "\n")
+        lines = [json.dumps({"step": step, "prompt": groups.records[row].get("prompt", ""),
+                             "completion": self._text(groups.generations[row].tokens), "reward": totals[row].item()},
+                            ensure_ascii=False) + "\n" for row in range(min(count, len(groups.generations)))]
+        with open(self.run_dir / COMPLETIONS_FILE, "a", encoding="utf-8") as out:  # one write: whole lines only
+            out.write("".join(lines))

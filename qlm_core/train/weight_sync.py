@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import GPTModel
-from qlm_core.models.layout import ModelLayout
+from qlm_core.models.layout import ModelLayout, fill_shard
 from qlm_core.models.tensor_layout import REPLICATED, TensorLayout
 from qlm_core.train.checkpointing import model_states
 from qlm_core.train.engine import Engine
@@ -69,10 +69,10 @@ def gather_weights(engine: Engine) -> WholeTensors:
     whole = {}
     for tensor in layout.global_tensors:
         held = parts[tensor.name]
-        if tensor.split == REPLICATED:
+        size = layout.split_size(tensor)
+        if tensor.split == REPLICATED or size == 1:  # one part: the whole tensor already
             whole[tensor.name] = next(iter(held.values()))
             continue
-        size = layout.split_size(tensor)
         first = held[0]
         shape = list(first.shape)
         shape[tensor.axis] = tensor.shape[tensor.axis]
@@ -87,11 +87,25 @@ def gather_weights(engine: Engine) -> WholeTensors:
     return WholeTensors(whole)
 
 
+def rollout_layout(engine: Engine) -> ModelLayout:
+    """The rollout's layout: the trainer's model whole (TP 1, PP 1)."""
+    return ModelLayout(engine.spec, make_vocab_size_divisible_by=engine.layout.make_vocab_size_divisible_by)
+
+
+def fill_rollout_model(engine: Engine, weights: WholeTensors, model: GPTModel | None = None,
+                       dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> GPTModel:
+    """`weights` (gather_weights) as one whole model (the rollout layout of a model that fits one device), built by
+    the layout module on `device` (default the trainer's), routing as the trainer does (its [moe] options); `model`
+    an earlier one to refill in place (no modules built again)."""
+    layout = rollout_layout(engine)
+    if model is None:
+        return build_rank_model(layout, RankCoords(), weights, dtype=dtype or engine.dtype,
+                                device=device or engine.grid.device, moe_options=engine.moe).eval()
+    fill_shard(layout, 0, 0, 0, weights, model.state_dict(keep_vars=True))
+    return model
+
+
 def rollout_model(engine: Engine, dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None) -> GPTModel:
-    """The trainer's current weights as one whole model on this rank (the rollout layout of a model that fits one
-    device: TP 1, PP 1, every rank its own copy), built by the layout module from gather_weights, on `device`
-    (default the trainer's), routing as the trainer does (its [moe] options)."""
-    layout = ModelLayout(engine.spec, make_vocab_size_divisible_by=engine.layout.make_vocab_size_divisible_by)
-    return build_rank_model(layout, RankCoords(), gather_weights(engine), dtype=dtype or engine.dtype,
-                            device=device or engine.grid.device, moe_options=engine.moe).eval()
+    """The trainer's current weights as one whole model on this rank (a collective: gather_weights)."""
+    return fill_rollout_model(engine, gather_weights(engine), dtype=dtype, device=device)

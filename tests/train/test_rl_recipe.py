@@ -28,6 +28,7 @@ num_generations = 4
 max_completion_length = 8
 eval_prompts = 8
 num_completions_to_print = 3
+reward_funcs = ["rl_test_rewards:odd_length"]
 [train]
 micro_batch_size = 8
 global_batch_size = 16
@@ -43,12 +44,25 @@ plot = false
 """
 
 
+# a random model's answers earn different rewards (exact_answer would give every one 0: no advantage, no update)
+REWARDS = ("def odd_length(prompt, completion, record):\n    return float(len(completion) % 2)\n\n\n"
+           "def answer_value(prompt, completion, record):\n    return float(record['answer'])\n")
+
+
 @pytest.fixture(scope="module")
 def recipe_file(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
     path = root / "rl.toml"
     path.write_text(RECIPE.format(cache=root / "cache"))
+    (root / "rl_test_rewards.py").write_text(REWARDS)
     return path
+
+
+@pytest.fixture
+def rewards_path(recipe_file, monkeypatch):
+    """The reward module importable in this process and in the runs it launches."""
+    monkeypatch.syspath_prepend(str(recipe_file.parent))
+    monkeypatch.setenv("PYTHONPATH", str(recipe_file.parent))
 
 
 def _run(recipe_file, run_dir, *overrides):
@@ -56,20 +70,27 @@ def _run(recipe_file, run_dir, *overrides):
     return Trainer(recipe, run_dir).run()
 
 
-def test_an_rl_run_logs_rewards_scores_held_out_prompts_and_writes_completions(recipe_file, tmp_path):
+def _learning(rows):
+    """The runs' numbers are not a degenerate 0 everywhere: rewards differ within groups, losses and lengths vary."""
+    assert any(row["reward_std"] > 0 for row in rows) and any(row["loss"] != 0 for row in rows)
+    assert any(row["completions/min_length"] < row["completions/max_length"] for row in rows)
+
+
+def test_an_rl_run_logs_rewards_scores_held_out_prompts_and_writes_completions(recipe_file, rewards_path, tmp_path):
     summary = _run(recipe_file, tmp_path / "run")
     rows = metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     for row in rows:
-        assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/exact_answer/mean", "completions/mean_length",
+        assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/odd_length/mean", "completions/mean_length",
                 "completions/clipped_ratio", "clip_ratio/region_mean"} <= set(row), sorted(row)
         assert row["train_rollout_logprob_abs_diff/max"] <= 1e-5  # the trainer's forward of the rollout's tokens
         assert "kl" not in row  # beta 0: no reference
-        assert 0 < row["time/weight_sync_s"] + row["time/rollout_s"] < row["step_time_s"]
+        assert row["time/weight_sync_s"] >= 0 and row["time/rollout_s"] >= 0
     assert [row["samples"] for row in rows] == [16, 32, 48, 64]  # completions drawn
+    _learning(rows)
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2, 4] and all("valid_loss" not in e for e in evals)
-    assert all(0.0 <= e["valid_reward"] <= 1.0 for e in evals)
+    assert all(0.0 <= e["valid_reward"] <= 1.0 for e in evals) and len({e["valid_reward"] for e in evals}) > 1
     assert summary["valid_reward"] == evals[-1]["valid_reward"]
     written = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert [w["step"] for w in written] == [0] * 3 + [2] * 3 + [4] * 3
@@ -77,7 +98,7 @@ def test_an_rl_run_logs_rewards_scores_held_out_prompts_and_writes_completions(r
     assert (tmp_path / "run" / "checkpoints" / "iter_0000004").is_dir()
 
 
-def test_a_stopped_rl_run_resumes_to_the_uninterrupted_numbers(recipe_file, tmp_path):
+def test_a_stopped_rl_run_resumes_to_the_uninterrupted_numbers(recipe_file, rewards_path, tmp_path):
     """With dynamic sampling a step may draw several times: the draws are the run's consumed samples, so the
     resumed run draws the same prompts at the same seeds."""
     sets = ["rl.dynamic_sampling=true", "rl.max_sampling_tries=3", "train.eval_interval=0"]
@@ -86,9 +107,10 @@ def test_a_stopped_rl_run_resumes_to_the_uninterrupted_numbers(recipe_file, tmp_
     assert len(metrics(tmp_path / "run")) == 2
     _run(recipe_file, tmp_path / "run", *sets)
     straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "run")
-    keys = ("loss", "grad_norm", "samples", "reward", "dynamic_sampling/draws", "completions/mean_length")
+    keys = ("loss", "grad_norm", "samples", "reward", "reward_std", "dynamic_sampling/draws",
+            "completions/mean_length", "completions/max_length")
     assert [[row[k] for k in keys] for row in resumed] == [[row[k] for k in keys] for row in straight]
-    assert any(row["dynamic_sampling/draws"] > 1 for row in straight)  # some step drew again
+    _learning(straight)
 
 
 def test_rollout_rows_and_batch_scaled_advantages_are_the_global_batchs_across_data_parallel_ranks():
@@ -139,8 +161,11 @@ def assemble_rows(groups, config, rewards) -> torch.Tensor:
     (["train.global_batch_size=18"], ["train.global_batch_size 18", "rl.num_generations 4"]),
     (["rl.reward_weights=[1.0, 2.0]"], ["rl.reward_weights has 2 entries for 1"]),
     (["rl.max_completion_length=30"], ["leaves no room for rl.max_completion_length 30"]),
+    (["train.micro_batch_size=1", "train.global_batch_size=12", "parallel.dp=2"],
+     ["the step's 3 prompts", "among 2 data-parallel ranks"]),
+    (["lora.rank=4", "model.load=nowhere"], ["RL with LoRA"]),
 ])
-def test_bad_rl_input_is_one_line_before_the_first_step(recipe_file, tmp_path, sets, needles):
+def test_bad_rl_input_is_one_line_before_the_first_step(recipe_file, rewards_path, tmp_path, sets, needles):
     out = tmp_path / "run"
     result = qlm_train(recipe_file, "--output", out, *[a for s in sets for a in ("--set", s)], check=False)
     assert_clean_failure((result.returncode, result.stdout, result.stderr), out / "metrics.jsonl", *needles)
@@ -157,29 +182,39 @@ def test_a_reward_that_returns_nan_names_itself_and_the_record(recipe_file, tmp_
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", [("parallel.tp=2", "parallel.sp=true"), ("parallel.pp=2",)])
-def test_an_rl_run_at_a_model_parallel_layout_reproduces_the_one_process_run(recipe_file, tmp_path, layout):
+def test_an_rl_run_at_a_model_parallel_layout_reproduces_the_one_process_run(recipe_file, rewards_path, tmp_path,
+                                                                             layout):
     """tp2·SP or pp2 (one data-parallel rank): the replica's leader samples at the one-process seeds from weights the
     sync gathers whole, so the rollouts, rewards and losses are the one-process run's (rtol 1e-4)."""
     sets = ["train.train_iters=3", "train.eval_interval=0"]
     qlm_train(recipe_file, "--output", tmp_path / "one", *[a for s in sets for a in ("--set", s)])
     qlm_train(recipe_file, "--output", tmp_path / "layout", *[a for s in (*sets, *layout) for a in ("--set", s)])
     one, other = metrics(tmp_path / "one"), metrics(tmp_path / "layout")
+    _learning(one)
     for a, b in zip(one, other, strict=True):
-        assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+        for key in ("reward", "reward_std", "completions/mean_length", "completions/min_length",
+                    "completions/max_length"):  # the same completions sampled
+            assert a[key] == b[key], key
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
         assert b["train_rollout_logprob_abs_diff/max"] <= 1e-5
 
 
 @pytest.mark.distributed
-def test_an_rl_run_on_two_data_parallel_ranks_shares_the_prompts_and_gathers_the_rewards(recipe_file, tmp_path):
-    """dp2: each rank answers half of the step's prompts; the step's metrics count every completion."""
+def test_an_rl_run_on_two_data_parallel_ranks_shares_the_prompts_and_gathers_the_rewards(recipe_file, rewards_path,
+                                                                                        tmp_path):
+    """dp2: each rank answers half of the step's prompts, which are the one-process run's; the step's metrics are
+    every completion's (a reward that is the prompt's answer, whatever the completion, has the one-process mean)."""
+    sets = ["train.train_iters=2", "train.eval_interval=2", "rl.reward_funcs=['rl_test_rewards:odd_length', "
+            "'rl_test_rewards:answer_value']"]
+    _run(recipe_file, tmp_path / "one", *sets)
     run = tmp_path / "dp2"
-    qlm_train(recipe_file, "--output", run, "--set", "parallel.dp=2", "--set", "train.train_iters=2",
-              "--set", "train.eval_interval=2", "--set", "parallel.zero_stage=1")
-    rows = metrics(run)
+    qlm_train(recipe_file, "--output", run, "--set", "parallel.dp=2", "--set", "parallel.zero_stage=1",
+              *[a for s in sets for a in ("--set", s)])
+    rows, one = metrics(run), metrics(tmp_path / "one")
     assert [row["samples"] for row in rows] == [16, 32]
-    for row in rows:  # the completions' mean length is over all 16 (every token they hold is trained on)
-        assert row["completions/mean_length"] * 16 == pytest.approx(row["label_tokens"])
+    assert [r["rewards/answer_value/mean"] for r in rows] == [r["rewards/answer_value/mean"] for r in one]
+    assert [r["rewards/answer_value/std"] for r in rows] == [r["rewards/answer_value/std"] for r in one]
+    for row in rows:
         assert row["train_rollout_logprob_abs_diff/max"] <= 1e-5
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2]

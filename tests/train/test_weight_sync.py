@@ -39,3 +39,31 @@ def test_the_trainer_agrees_with_a_rollout_on_the_synced_weights(case, synced):
     same tokens' log-probs at its own layout; fp32 on CPU, within 1e-5."""
     figures = json.loads((synced / f"{case}.json").read_text())
     assert figures["train_rollout_logprob_abs_diff/max"] <= 1e-5, figures
+
+
+def test_a_refilled_rollout_model_equals_a_fresh_one():
+    """From the second step on the rollout model is refilled in place: after an update it holds exactly what a model
+    built anew from the same weights holds (vocabulary padding included)."""
+    from parallel_cases import SPEC
+
+    from qlm_core.config import OptimConfig, ParallelConfig
+    from qlm_core.parallel.state import Grid
+    from qlm_core.train.engine import Batch, Engine
+    from qlm_core.train.weight_sync import fill_rollout_model, gather_weights, rollout_model
+
+    engine = Engine(SPEC, ParallelConfig(), Grid.single(), micro_batch_size=2, global_batch_size=2, seq_length=8,
+                    optim=OptimConfig(lr=1e-2), seed=3)
+    model = rollout_model(engine)
+    before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    tokens = torch.randint(0, SPEC.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    engine.train_step(Batch(tokens[:, :-1], tokens[:, 1:]), lr=1e-2)
+    fill_rollout_model(engine, gather_weights(engine), model)
+    fresh = rollout_model(engine).state_dict()
+    refilled = model.state_dict()
+    assert sorted(fresh) == sorted(refilled)
+    changed = 0
+    for name, tensor in fresh.items():
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(refilled[name], tensor), name
+            changed += not torch.equal(before[name], tensor)
+    assert changed > 0  # the update reached the rollout model
