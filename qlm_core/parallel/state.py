@@ -167,6 +167,7 @@ class Grid:
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, stage order
     # one model replica: the tp x pp x cp ranks of this data-parallel rank (rank order; its first, tp = pp = cp = 0,
     # is the replica's leader), and the data-parallel ranks of this rank's place in the replica
+    ranks: tuple[int, ...] = (0,)  # the global rank of each rank of this grid (grid rank -> global rank)
     replica_group: ProcessGroup | None = None
     replica_ranks: tuple[int, ...] = (0,)
     dp_group: ProcessGroup | None = None
@@ -226,7 +227,8 @@ class Grid:
                            "launch dp*pp*cp*tp processes")
         me = dist.get_rank()
         rank = ranks.index(me) if me in ranks else None
-        grid = cls(sizes, rank=rank or 0, coords=sizes.coords(rank or 0), expert_coords=sizes.expert_coords(rank or 0))
+        grid = cls(sizes, rank=rank or 0, coords=sizes.coords(rank or 0), expert_coords=sizes.expert_coords(rank or 0),
+                   ranks=tuple(ranks))
         axes = {"dp": range(sizes.dp), "pp": range(sizes.pp), "cp": range(sizes.cp), "tp": range(sizes.tp)}
 
         def groups_varying(varying: tuple[str, ...]):

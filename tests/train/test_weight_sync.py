@@ -30,6 +30,8 @@ def test_synced_rollout_weights_equal_what_convert_writes(case, synced):
     for name, tensor in expected.items():
         assert torch.equal(rollout[name], tensor), name
     assert ckpt.layout.tp * ckpt.layout.pp * ckpt.layout.ep > 1 or case in ("cp2", "dp2_zero3")
+    # the rollout source's sync: to each replica's leader only, bucket by bucket, the same tensors
+    assert json.loads((synced / f"{case}.json").read_text())["leaders_bucketed_equal"]
 
 
 @pytest.mark.distributed

@@ -3,6 +3,7 @@ trainer's log-probs against the rollout's), trains one more step at its layout, 
 the whole rollout model from the trainer's shards (train/weight_sync.py); rank 0 saves it, and every rank writes
 its shards as a Megatron checkpoint (the reference `qlm convert` reads)."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from qlm_core.train.objectives.grpo_loss import GrpoLoss
 from qlm_core.train.objectives.lm import LanguageModelObjective
 from qlm_core.train.rewards import Rewards, RewardSource
 from qlm_core.train.rollouts import RolloutConfig, rollout
-from qlm_core.train.weight_sync import rollout_model
+from qlm_core.train.weight_sync import fill_rollout_model, gather_weights, rollout_model
 from workers.harness import run_jobs
 
 # name -> (ParallelConfig fields, MoE model?, micro-batch size)
@@ -61,6 +62,16 @@ def run_case(name: str, outdir: Path):
     engine.objective = LanguageModelObjective()
     engine.train_step(Batch(input_ids[mine], labels[mine]), lr=1e-2)
     model = rollout_model(engine)
+    # to the replica leaders only, in buckets of 4 KiB (many of them): the same tensors there, nothing elsewhere
+    leads = gather_weights(engine, bucket_bytes=4096)
+    leader = grid.tp_rank == 0 and grid.pp_rank == 0 and grid.cp_rank == 0
+    same = (leads is not None) == leader
+    if leads is not None:
+        refilled = fill_rollout_model(engine, leads, copy.deepcopy(model)).state_dict()
+        same = same and all(torch.equal(refilled[k], v) for k, v in model.state_dict().items()
+                            if isinstance(v, torch.Tensor))
+    agree = torch.tensor([int(same)])
+    torch.distributed.all_reduce(agree, op=torch.distributed.ReduceOp.MIN)
     states = model_states(engine)
     rank_dir = legacy_shard_dir(grid, sizes.pp)
     if rank_dir is not None:
@@ -72,7 +83,8 @@ def run_case(name: str, outdir: Path):
     if grid.rank == 0:
         torch.save({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
                    outdir / f"{name}.rollout.pt")
-        (outdir / f"{name}.json").write_text(json.dumps({"train_rollout_logprob_abs_diff/max": drift}))
+        (outdir / f"{name}.json").write_text(json.dumps({"train_rollout_logprob_abs_diff/max": drift,
+                                                         "leaders_bucketed_equal": bool(agree.item())}))
 
 
 if __name__ == "__main__":
