@@ -73,13 +73,15 @@ def kv_table(title: str, items: dict[str, Any]) -> Table:
 
 
 MEMORY_NOTES = {
-    "weights": "parameters on this rank (and a frozen DPO reference)",
+    "weights": "parameters on this rank (and a frozen DPO / RL reference)",
     "grads": "gradient buffers (parallel.grad_reduce_dtype)",
     "optimizer": "fp32 masters + Adam moments",
     "activations": "saved for backward, all in-flight micro-batches",
     "logits_loss": "loss head: fp32 softmax (chunked: input, lse)",
     "workspace": "largest transient (recompute / loss logits / CP K/V)", "pp_buffers": "pipeline stage I/O kept",
-    "comm_buffers": "ZeRO 2 buckets / ZeRO 3 gathered params", "allocator": "allowance: fragmentation + CUDA context",
+    "comm_buffers": "ZeRO 2 buckets / ZeRO 3 gathered params",
+    "rollout": "RL: whole rollout model; KV cache + synced weights past training's",
+    "allocator": "allowance: fragmentation + CUDA context",
 }
 
 

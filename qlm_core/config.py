@@ -343,6 +343,8 @@ class RlConfig:
     overlong_penalty_factor: float = bounded(1.0, least=0)
     dynamic_sampling: bool = False  # DAPO: groups with equal rewards dropped, more prompts drawn
     max_sampling_tries: int = bounded(4, least=1)  # dynamic sampling: prompt draws per step at most
+    # completions a replica's leader decodes at once (its KV cache holds this many sequences); 0: its whole share
+    rollout_batch_size: int = bounded(0, least=0, meaning="0: each rank's whole share at once")
     rollout_correction: RolloutCorrection = "none"
     correction_clip_min: float | None = bounded(None, least=0)
     correction_clip_max: float | None = bounded(3.0, least=0)

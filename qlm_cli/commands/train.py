@@ -230,6 +230,4 @@ def _print_dry_run(resolved, plan):
     }))
     memory, device = planned_memory(resolved, plan)
     console.print(memory_table(memory, f"memory per rank, heaviest stage, on {device}"))
-    if resolved.data.kind == "rl":
-        console.print("an RL step also holds a whole rollout model on each replica's leader, its KV cache and, with "
-                      "rl.beta > 0, a frozen reference: not counted above yet", markup=False, highlight=False)
+

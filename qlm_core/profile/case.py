@@ -81,17 +81,22 @@ class ProfileCase:
     # from, config.preference_reference's "frozen" / "adapters_off" / "precomputed", or "none" for a
     # reference-free loss; "": language-model training
     preference_reference: ReferenceModel | Literal["none", ""] = ""
+    # reinforcement learning (data.kind = "rl"; the batch sizes count completions): each replica's leader holds a
+    # whole rollout model and decodes its share of the step's completions; rl_reference: a frozen reference (beta > 0)
+    rl: bool = False
+    rl_reference: bool = False
+    rl_batch_rows: int = 0  # completions decoded at once (rl.rollout_batch_size; 0: the leader's whole share)
 
     @property
     def reference_copy(self) -> bool:
         """A frozen copy of the starting weights (compute dtype, sharded as the policy's TP/PP shards)."""
-        return self.preference_reference == "frozen"
+        return self.preference_reference == "frozen" or self.rl_reference
 
     @property
     def reference_forward(self) -> bool:
         """A reference forward of every micro-batch, without gradients (the frozen copy, or the policy with its
         LoRA adapters switched off; a precomputed table runs none during training)."""
-        return self.preference_reference in ("frozen", "adapters_off")  # config.model_reference's kinds
+        return self.preference_reference in ("frozen", "adapters_off") or self.rl_reference
 
     @property
     def grad_reduce_dtype(self) -> str:
@@ -244,7 +249,8 @@ def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpe
     return ProfileCase(
         spec=spec, model_name=name, parallel=p, seq_len=recipe.data.seq_length,
         micro_batch_size=recipe.train.micro_batch_size * rows, global_batch_size=recipe.train.global_batch_size * rows,
-        preference_reference=reference,
+        preference_reference=reference, rl=recipe.data.kind == "rl",
+        rl_reference=recipe.data.kind == "rl" and recipe.rl.beta > 0, rl_batch_rows=recipe.rl.rollout_batch_size,
         num_gpus=num_gpus, dtype=recipe.model.dtype, lora_rank=recipe.lora.rank,
         lora_targets=tuple(recipe.lora.target_modules), loss_chunk_tokens=recipe.train.loss_chunk_tokens,
         mean_doc_len=recipe.data.mean_doc_len, moe=dataclasses.replace(recipe.moe),
@@ -305,7 +311,7 @@ def build_case(recipe: Recipe | None = None, *, model: str | None = None, seq_le
                    global_batch_size=global_batch_size and global_batch_size * rows, dtype=dtype,
                    lora_rank=lora_rank, loss_chunk_tokens=loss_chunk_tokens, mean_doc_len=mean_doc_len)
     case = case.replace(**{k: v for k, v in changes.items() if v is not None})
-    if case.reference_forward:  # --lora-rank decides between them, as for a recipe
+    if case.preference_reference in ("frozen", "adapters_off"):  # --lora-rank decides between them, as a recipe
         case = case.replace(preference_reference=model_reference(case.lora_rank))
     p = case.parallel
     if num_gpus is not None:

@@ -21,6 +21,12 @@
                 with overlap);
                 ZeRO 3: FSDP's unsharded parameters (the root's embedding/output and two layers, prefetch) in the
                 compute dtype plus one layer's reduce-scatter input (grad_reduce_dtype); ZeRO 0/1 reduce in place (0)
+  rollout       RL (data.kind = "rl"), on the stage of each model replica's leader (stage 0): the whole rollout model
+                in the compute dtype (kept between steps), plus what the rollout holds only while it runs — the KV
+                cache of the completions it decodes at once (global batch / dp, or rl.rollout_batch_size, rows of
+                seq_len tokens), the synced whole weights
+                before they are copied in, the last position's fp32 logits — beyond the training step's transient
+                memory (activations, loss, workspace, pipeline and communication buffers), which is freed by then
   allocator     an allowance, not a measurement: `fraction` of the above for the caching allocator's rounding and
                 fragmentation (PyTorch's reserved/allocated ratio is typically 1.03-1.10 in steady training;
                 0.08 by default) plus `context_gib` for the CUDA context, cuBLAS workspaces and NCCL buffers
@@ -37,6 +43,7 @@ import torch
 from qlm_core.config import Recipe
 from qlm_core.dtypes import DTYPES
 from qlm_core.hardware import GPUS
+from qlm_core.models.parameters import num_parameters
 from qlm_core.parallel.pipeline_rules import MULTI_CHUNK_SCHEDULES
 from qlm_core.profile.activations import (
     ActivationInputs,
@@ -52,7 +59,7 @@ from qlm_core.profile.states import model_state_bytes, stage_params
 from qlm_core.train.plan import RunPlan
 
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "logits_loss", "workspace", "pp_buffers",
-              "comm_buffers", "allocator")
+              "comm_buffers", "rollout", "allocator")
 GIB = 2**30
 
 
@@ -265,8 +272,22 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
         "activations": chunk_bytes * chunks, "logits_loss": head, "workspace": workspace, "pp_buffers": pp_buffers,
         "comm_buffers": comm_buffer_bytes(case, layout, stage, states),
     }
+    training_transient = sum(components[k] for k in ("activations", "logits_loss", "workspace", "pp_buffers",
+                                                     "comm_buffers"))
+    components["rollout"] = rollout_bytes(case, training_transient) if case.rl and stage == 0 else 0.0
     components["allocator"] = allowance.fraction * sum(components.values()) + allowance.context_gib * GIB
     return StageMemory(stage, components, layers, chunks, layer_bytes(x, modes[0], kinds[0][0]), p.vpp)
+
+
+def rollout_bytes(case: ProfileCase, training_transient: float) -> float:
+    """An RL leader's rollout memory (the module docstring's `rollout`)."""
+    spec, width = case.spec, case.dtype_bytes
+    model = width * num_parameters(spec)
+    rows = case.global_batch_size // case.sizes.dp
+    rows = min(rows, case.rl_batch_rows) if case.rl_batch_rows else rows
+    kv_cache = rows * case.seq_len * spec.num_layers * 2 * spec.num_query_groups * spec.kv_channels * width
+    logits = 4.0 * rows * spec.vocab_size
+    return model + max(0.0, kv_cache + model + logits - training_transient)
 
 
 def estimate_memory(case: ProfileCase, capacity_gib: float, device: str = "cuda",

@@ -60,7 +60,7 @@ def rollout_config(recipe: Recipe) -> RolloutConfig:
         sampling=Sampling(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k, seed=recipe.train.seed),
         scale_rewards=rl.scale_rewards, overlong_filter=rl.mask_truncated_completions,
         overlong_buffer=rl.overlong_buffer, overlong_penalty_factor=rl.overlong_penalty_factor,
-        max_sampling_tries=rl.max_sampling_tries if rl.dynamic_sampling else 1)
+        max_sampling_tries=rl.max_sampling_tries if rl.dynamic_sampling else 1, batch_rows=rl.rollout_batch_size)
 
 
 def recipe_rewards(recipe: Recipe) -> Rewards:

@@ -35,10 +35,11 @@ class RolloutConfig:
     overlong_buffer: int = 0  # soft overlong punishment over the last this many tokens (DAPO's L_cache; 0: off)
     overlong_penalty_factor: float = 1.0
     max_sampling_tries: int = 4  # dynamic sampling: the most prompt draws for one step
+    batch_rows: int = 0  # completions decoded at once (bounds the KV cache); 0: all of them
 
     def __post_init__(self):
         for name, least in (("num_generations", 1), ("max_completion_length", 1), ("max_sampling_tries", 1),
-                            ("overlong_buffer", 0)):
+                            ("overlong_buffer", 0), ("batch_rows", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise QlmError(f"rl.{name} is {value!r}, not an integer of {least} or more",
@@ -80,12 +81,18 @@ def pack_rollouts(prompts: Sequence[Sequence[int]], generations: Sequence[Genera
 @torch.no_grad()
 def generate_groups(model: GPTModel, prompts: Sequence[Sequence[int]], config: RolloutConfig,
                     eos_token_id: int | Sequence[int] | None, pad_id: int) -> list[Generation]:
-    """`num_generations` completions of each prompt, a prompt's adjacent, in one batched decode."""
+    """`num_generations` completions of each prompt, a prompt's adjacent, decoded `batch_rows` at a time (default
+    all in one batch)."""
     repeated = [list(p) for p in prompts for _ in range(config.num_generations)]
-    input_ids, mask = left_pad(repeated, pad_id)
     device = next(model.parameters()).device
-    return generate_rows(model, input_ids.to(device), mask.to(device), max_new_tokens=config.max_completion_length,
-                         eos_token_id=eos_token_id, sampling=config.sampling)
+    size = config.batch_rows or len(repeated)
+    out = []
+    for index, first in enumerate(range(0, len(repeated), size)):  # each decode batch its own seed
+        input_ids, mask = left_pad(repeated[first:first + size], pad_id)
+        sampling = replace(config.sampling, seed=config.sampling.seed + index)
+        out += generate_rows(model, input_ids.to(device), mask.to(device), max_new_tokens=config.max_completion_length,
+                             eos_token_id=eos_token_id, sampling=sampling)
+    return out
 
 
 @dataclass

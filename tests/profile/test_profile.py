@@ -200,7 +200,8 @@ def test_json_keys_are_stable(run_qlm, tmp_path):
     assert set(doc) == JSON_KEYS and doc["schema"] == "qlm-profile/1" and doc["kind"] == "profile"
     assert set(doc["memory"]) == MEMORY_KEYS and set(doc["time"]) == TIME_KEYS
     assert set(doc["memory"]["components_gib"]) == {"weights", "grads", "optimizer", "activations", "logits_loss",
-                                                    "workspace", "pp_buffers", "comm_buffers", "allocator"}
+                                                    "workspace", "pp_buffers", "comm_buffers", "rollout",
+                                                    "allocator"}
     assert doc["layout"]["pp"] == 2 and len(doc["memory"]["stages_total_gib"]) == 2
     assert (tmp_path / "m.png").stat().st_size > 1000
 

@@ -218,3 +218,26 @@ def test_an_rl_run_on_two_data_parallel_ranks_shares_the_prompts_and_gathers_the
         assert row["train_rollout_logprob_abs_diff/max"] <= 1e-5
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2]
+
+
+def test_the_profile_counts_an_rl_leaders_rollout_model_and_kv_cache(recipe_file):
+    """The memory estimate of an RL recipe: stage 0 holds the whole rollout model and, beyond the training step's
+    transient memory, the KV cache of the completions decoded at once (rl.rollout_batch_size bounds it); a frozen
+    reference (rl.beta > 0) adds the policy's weights again; a language-model run has no rollout term."""
+    from qlm_core.models.parameters import num_parameters
+    from qlm_core.models.presets import PRESETS
+    from qlm_core.profile.case import case_from_recipe
+    from qlm_core.profile.memory import estimate_memory
+
+    def memory(*sets, world=1):
+        recipe = load_recipe(recipe_file, ["model.spec=qwen3-8b", "data.seq_length=4096", "model.dtype=bf16",
+                                           "train.global_batch_size=64", "train.micro_batch_size=1", *sets])
+        return estimate_memory(case_from_recipe(recipe, world), capacity_gib=1e4).stages[0].components
+
+    model_bytes = 2 * num_parameters(PRESETS["qwen3-8b"])
+    kv_row = 4096 * 36 * 2 * 8 * 128 * 2  # tokens x layers x (K, V) x groups x head dim x bf16 (+ fp32 logits)
+    whole, bounded = memory(), memory("rl.rollout_batch_size=32")
+    assert model_bytes < bounded["rollout"] < whole["rollout"]
+    assert whole["rollout"] - bounded["rollout"] == pytest.approx((64 - 32) * (kv_row + 4 * 151936), rel=1e-6)
+    assert memory("rl.beta=0.04")["weights"] - whole["weights"] == pytest.approx(model_bytes, rel=0.01)
+    assert memory("data.kind='sft'", "data.packing=false")["rollout"] == 0

@@ -40,14 +40,15 @@ def even_reward(tmp_path, monkeypatch):
     return Rewards([RewardSource("toy_rl_rewards:even_share")])
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_rollout_rows_train_on_what_was_sampled_with_its_logprobs(even_reward, temperature):
+@pytest.mark.parametrize("temperature, batch_rows", [(1.0, 0), (0.6, 0), (1.0, 3)])
+def test_rollout_rows_train_on_what_was_sampled_with_its_logprobs(even_reward, temperature, batch_rows):
+    """batch_rows 3: decoded three completions at a time (another left padding per batch), the same agreement."""
     engine = _engine(temperature)
     model = engine.chunks[0]
     prompts = [[11, 12, 13, 14, 15], [21, 22]]
     records = [{"prompt": "a"}, {"prompt": "b"}]
     config = RolloutConfig(num_generations=GENERATIONS, max_completion_length=12,
-                           sampling=Sampling(temperature=temperature, seed=5))
+                           sampling=Sampling(temperature=temperature, seed=5), batch_rows=batch_rows)
     batch, metrics = rollout(model, prompts, records, config, even_reward, _text, seq_length=SEQ, eos_token_id=EOS,
                              pad_id=0)
     assert batch.input_ids.shape == batch.labels.shape == batch.old_logps.shape == (PROMPTS * GENERATIONS, SEQ)
