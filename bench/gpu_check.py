@@ -35,6 +35,8 @@ GLOO_CASES = ("tp2_sp", "cp2_packed", "pp2_1f1b", "dp2_zero1", "packed_tp2")
 PROFILE_ARGS = ("--model", "qwen2-1.5b", "--seq-len", "4096", "--mbs", "1", "--gbs", "8", "--tp", "1", "--pp", "1",
                 "--cp", "1", "--dp", "1", "--no-sp", "--zero", "0", "--recompute", "none", "--dtype", "bf16",
                 "--gpu", "h200", "--num-gpus", "1")
+GRPO_SETS = ("model.load=''", "train.train_iters=10", "train.eval_interval=5", "checkpoint.save_interval=0",
+             "logging.plot=false", "logging.tensorboard=false")
 TRAIN_SETS = ("train.train_iters=20", "train.empty_cache_interval=5", "train.eval_interval=0",
               "checkpoint.save_interval=0", "logging.plot=false", "logging.tensorboard=false")
 
@@ -124,6 +126,12 @@ def plan(out: str) -> list[Step]:
              [qlm("train", "recipes/tiny-sft.toml", "--output", f"{out}/tiny-sft", "--force",
                   *[arg for value in TRAIN_SETS for arg in ("--set", value)], timeout_s=120),
               worker("train-metrics", out, timeout_s=30)]),
+        Step("grpo", "`qlm train recipes/tiny-grpo.toml` on CUDA from a random init (fp32, 10 steps): the trainer's "
+                     "and the sampler's log-probs of the sampled tokens (max |diff|), seconds of weight sync, "
+                     "rollout and whole step",
+             [qlm("train", "recipes/tiny-grpo.toml", "--output", f"{out}/tiny-grpo", "--force",
+                  *[arg for value in GRPO_SETS for arg in ("--set", value)], timeout_s=120),
+              worker("grpo-summary", out, timeout_s=30)]),
     ]
 
 

@@ -419,10 +419,31 @@ def train_metrics(args):
     result(args.out, "train-metrics", "FAIL" if problems else "PASS", figures, "; ".join(problems))
 
 
+# ---- GRPO -----------------------------------------------------------------------------------------------------------
+
+def grpo_summary(args):
+    path = args.out / "tiny-grpo" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not rows:
+        return result(args.out, "grpo", "FAIL", {}, f"no rows in {path}")
+    drift = max(row["train_rollout_logprob_abs_diff/max"] for row in rows)
+    timed = rows[1:] or rows  # the first step builds the rollout model
+    figures = {"steps": len(rows), "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
+               "logprob_abs_diff_max": drift,
+               "sync_s": sum(r["time/weight_sync_s"] for r in timed) / len(timed),
+               "rollout_s": sum(r["time/rollout_s"] for r in timed) / len(timed),
+               "step_s": sum(r["step_time_s"] for r in timed) / len(timed)}
+    # fp32 on CUDA: cuBLAS may pick other GEMM algorithms for the decode's shapes than for the training forward's
+    ok = drift <= 1e-4
+    result(args.out, "grpo", "PASS" if ok else "FAIL", figures,
+           "" if ok else f"the trainer's and the sampler's log-probs differ by {drift:.2e} (> 1e-4)")
+
+
 WORKERS = {"env": env, "nccl": nccl, "parity-reference": parity_reference,
            "parity-compare-devices": parity_compare_devices, "parity-rank": parity_rank,
            "parity-compare-gloo": parity_compare_gloo, "throughput": throughput, "profile-summary": profile_summary,
-           "attention": attention, "long-context-summary": long_context_summary, "train-metrics": train_metrics}
+           "attention": attention, "long-context-summary": long_context_summary, "train-metrics": train_metrics,
+           "grpo-summary": grpo_summary}
 
 
 def build_parser() -> argparse.ArgumentParser:

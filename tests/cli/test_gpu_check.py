@@ -64,7 +64,7 @@ def test_every_check_prints_its_commands_and_what_it_proves(dry):
     names = [line.split("]")[0][1:] for line in dry.splitlines() if line.startswith("[")]
     assert names == ["install-qlm", "install-flash-attn", "env", "nccl", "parity-cuda-cpu", "qwen2-1.5b-4k",
                      "qwen2-1.5b-4k-compiled",
-                     "profile-probe", "long-context", "gloo-cuda-parity", "train-metrics"]
+                     "profile-probe", "long-context", "gloo-cuda-parity", "train-metrics", "grpo"]
     assert len(printed_commands(dry)) >= 20
     assert "gpu_check.json" in dry
 
@@ -109,7 +109,7 @@ def test_the_qlm_commands_are_valid_qlm_commands(dry, tmp_path):
         if args[0] == "profile":
             document = json.loads(proc.stdout)
             assert document["layout"]["global_batch_size"] == 8
-    assert sorted(verbs) == ["profile", "train"]
+    assert sorted(verbs) == ["profile", "train", "train"]
 
 
 def test_an_unknown_check_is_refused():
