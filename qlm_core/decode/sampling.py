@@ -89,14 +89,16 @@ def generate_rows(
     stop: Callable[[list[int]], bool] | None = None,
     on_token: Callable[[int, int], None] | None = None,
     row_limits: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
 ) -> list[Generation]:
     """input_ids / attention_mask [b, L], left-padded (mask 0 on padding). Each row's new tokens, ending at an
     eos id (`eos_token_id`: one or several; excluded) or when `stop(new_tokens)` says so (the tokens so far kept;
     callers trim stop strings). `on_token(row, token)` sees every kept token as it is chosen. `row_limits`: each
-    row's own most tokens (its room in the context window), at most max_new_tokens."""
+    row's own most tokens (its room in the context window), at most max_new_tokens. `generator`: the random stream
+    to sample from (default a new one seeded with sampling.seed), for callers that decode in several batches."""
     sampling = sampling or Sampling()
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-    generator = torch.Generator().manual_seed(sampling.seed)
+    generator = generator or torch.Generator().manual_seed(sampling.seed)
     model.eval()
     rows = input_ids.shape[0]
     mask = attention_mask.long()

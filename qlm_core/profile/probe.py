@@ -210,6 +210,9 @@ def _wait(proc: subprocess.Popen, progress_file: Path, timeout_s: float, progres
 def probe(case: ProfileCase, gpu: GpuSpec, *, steps: int = 3, efficiency: Efficiency = Efficiency(),
           allowance: Allowance = Allowance(), max_ranks: int = 16, progress: Progress | None = None) -> ProbeResult:
     cuda = torch.cuda.is_available()
+    # the probe runs the trainer's language-model step: an RL recipe's is measured (and predicted) without its
+    # rollout model, KV cache and reference, which the probe does not run
+    case = case.replace(rl=False, rl_reference=False, rl_batch_rows=0)
     ran = fit_to_gpus(case, torch.cuda.device_count()) if cuda else scale_down(case, max_ranks)
     device = "cuda" if cuda else "cpu"
     if not cuda:  # a CPU "device": all of its RAM, its fp32 matmul peak, loopback links

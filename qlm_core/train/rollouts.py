@@ -86,12 +86,12 @@ def generate_groups(model: GPTModel, prompts: Sequence[Sequence[int]], config: R
     repeated = [list(p) for p in prompts for _ in range(config.num_generations)]
     device = next(model.parameters()).device
     size = config.batch_rows or len(repeated)
+    generator = torch.Generator().manual_seed(config.sampling.seed)  # one stream through every decode batch
     out = []
-    for index, first in enumerate(range(0, len(repeated), size)):  # each decode batch its own seed
+    for first in range(0, len(repeated), size):
         input_ids, mask = left_pad(repeated[first:first + size], pad_id)
-        sampling = replace(config.sampling, seed=config.sampling.seed + index)
         out += generate_rows(model, input_ids.to(device), mask.to(device), max_new_tokens=config.max_completion_length,
-                             eos_token_id=eos_token_id, sampling=sampling)
+                             eos_token_id=eos_token_id, sampling=config.sampling, generator=generator)
     return out
 
 

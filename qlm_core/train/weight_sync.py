@@ -22,7 +22,7 @@ from qlm_core.models.gpt import GPTModel
 from qlm_core.models.layout import ModelLayout, fill_shard
 from qlm_core.models.tensor_layout import REPLICATED, TensorLayout
 from qlm_core.parallel.comm import group_size
-from qlm_core.train.checkpointing import model_states
+from qlm_core.parallel.sharded_tensors import whole
 from qlm_core.train.engine import Engine
 
 BUCKET_BYTES = 256 * 2**20  # the most bytes of whole tensors one broadcast carries
@@ -39,6 +39,22 @@ class Part:
     index: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+
+
+def device_states(engine: Engine) -> list[dict]:
+    """Each chunk's weights where they live (the trainer's device), in the compute dtype (buffers keep theirs, the
+    routers' fp32 expert bias): no copy where they already are; ZeRO 3's parameters gathered whole (a collective)."""
+    states = []
+    for chunk in engine.chunks:
+        buffers = {name for name, _ in chunk.named_buffers()}
+        state = {}
+        for name, value in chunk.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                value = whole(value).detach()
+                value = value if name in buffers else value.to(engine.dtype)
+            state[name] = value
+        states.append(state)
+    return states
 
 
 def _my_parts(engine: Engine, states: list[dict]) -> list[tuple[str, Part]]:
@@ -134,7 +150,7 @@ def gather_weights(engine: Engine, everywhere: bool = False,
     to rank 0, which puts the bucket's tensors together (TensorLayout.tp_ranges) and broadcasts them, flattened,
     to the leaders. A rank holds its own shards and at most one bucket beside them; a leader the whole model."""
     engine.optimizer.wait_param_gather()  # ZeRO 1/2 with overlap_param_gather: the step's gathers land first
-    states = model_states(engine)
+    states = device_states(engine)
     plan = sync_plan(engine, states)
     g, layout = engine.grid, engine.layout
     multi = dist.is_initialized() and g.sizes.world > 1
