@@ -165,12 +165,14 @@ class Grid:
     expert_dp_group: ProcessGroup | None = None  # edp: expert gradients are reduced over it
     expert_coords: dict[str, int] = field(default_factory=lambda: {"etp": 0, "ep": 0, "edp": 0})
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, stage order
-    # one model replica: the tp x pp x cp ranks of this data-parallel rank (rank order; its first, tp = pp = cp = 0,
-    # is the replica's leader), and the data-parallel ranks of this rank's place in the replica
     ranks: tuple[int, ...] = (0,)  # the global rank of each rank of this grid (grid rank -> global rank)
+    # one model replica: the tp x pp x cp ranks of this data-parallel rank (rank order; its first, tp = pp = cp = 0,
+    # is the replica's leader), and the data-parallel ranks of this rank's place in the replica; made by
+    # build_replica_groups
     replica_group: ProcessGroup | None = None
     replica_ranks: tuple[int, ...] = (0,)
     dp_group: ProcessGroup | None = None
+    _replica_groups_built: bool = False
     device: torch.device = field(default_factory=default_device)
 
     @property
@@ -232,28 +234,13 @@ class Grid:
         axes = {"dp": range(sizes.dp), "pp": range(sizes.pp), "cp": range(sizes.cp), "tp": range(sizes.tp)}
 
         def groups_varying(varying: tuple[str, ...]):
-            """One group per assignment of the fixed axes; returns the group containing this rank."""
-            fixed = [a for a in ("dp", "pp", "cp", "tp") if a not in varying]
-            mine = None
-            for values in product(*(axes[a] for a in fixed)):
-                where = dict(zip(fixed, values, strict=True))
-                members = sorted(
-                    ranks[sizes.rank_of(**{**where, **dict(zip(varying, free, strict=True))})]
-                    for free in product(*(axes[a] for a in varying))
-                )
-                group = dist.new_group(members)
-                if me in members:
-                    mine = (group, members)
-            return mine or (None, [])
+            return _groups_varying(sizes, ranks, me, varying)
 
         grid.tp_group = groups_varying(("tp",))[0]
         grid.cp_group = groups_varying(("cp",))[0]
         grid.dp_cp_group = groups_varying(("dp", "cp"))[0]
         grid.pp_group, pp_ranks = groups_varying(("pp",))
         grid.pp_ranks = tuple(pp_ranks)
-        grid.replica_group, replica_ranks = groups_varying(("pp", "cp", "tp"))
-        grid.replica_ranks = tuple(replica_ranks)
-        grid.dp_group = groups_varying(("dp",))[0]
         # The embedding group joins the first and last stage of each pipeline (one group per pipeline).
         for dp, cp, tp in product(axes["dp"], axes["cp"], axes["tp"]) if sizes.pp > 1 else ():
             members = sorted({ranks[sizes.rank_of(dp, 0, cp, tp)], ranks[sizes.rank_of(dp, sizes.pp - 1, cp, tp)]})
@@ -265,10 +252,40 @@ class Grid:
                 _expert_groups(sizes, ranks, me, varying) for varying in (("ep", "etp"), ("edp",)))
         return grid if rank is not None else None
 
+    def build_replica_groups(self) -> None:
+        """replica_group, replica_ranks and dp_group (what RL's rollouts use), made at their first use rather than
+        by build (every other run would pay for groups it never uses). A collective: every rank of the grid calls
+        it; later calls do nothing."""
+        if self._replica_groups_built:
+            return
+        self._replica_groups_built = True
+        if not dist.is_initialized() or self.sizes.world == 1:
+            return
+        ranks, me = list(self.ranks), dist.get_rank()
+        self.replica_group, replica_ranks = _groups_varying(self.sizes, ranks, me, ("pp", "cp", "tp"))
+        self.replica_ranks = tuple(replica_ranks)
+        self.dp_group = _groups_varying(self.sizes, ranks, me, ("dp",))[0]
+
     def describe(self) -> str:
         s = self.sizes
         experts = f", experts ep{s.ep} x etp{s.etp} x edp{s.edp}" if s.expert_parallel else ""
         return f"dp{s.dp} x pp{s.pp} x cp{s.cp} x tp{s.tp}{experts} (rank {self.rank}: {self.coords})"
+
+
+def _groups_varying(sizes: ParallelSizes, ranks: list[int], me: int, varying: tuple[str, ...]):
+    """One group per assignment of the fixed axes (a collective: every rank creates every group in the same
+    order); returns (the group containing `me`, its members), or (None, [])."""
+    axes = {"dp": range(sizes.dp), "pp": range(sizes.pp), "cp": range(sizes.cp), "tp": range(sizes.tp)}
+    fixed = [a for a in ("dp", "pp", "cp", "tp") if a not in varying]
+    mine = None
+    for values in product(*(axes[a] for a in fixed)):
+        where = dict(zip(fixed, values, strict=True))
+        members = sorted(ranks[sizes.rank_of(**{**where, **dict(zip(varying, free, strict=True))})]
+                         for free in product(*(axes[a] for a in varying)))
+        group = dist.new_group(members)
+        if me in members:
+            mine = (group, members)
+    return mine or (None, [])
 
 
 def _expert_groups(sizes: ParallelSizes, ranks: list[int], me: int, varying: tuple[str, ...]) -> ProcessGroup | None:

@@ -86,9 +86,10 @@ class RolloutBatches:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.completions = recipe.train.global_batch_size
         self.prompts_per_step = self.completions // self.config.num_generations
+        self.grid.build_replica_groups()  # every rank builds the source: the collective's place
         self.dp, self.dp_rank = self.grid.sizes.dp, self.grid.dp_rank
-        self.leader = self.grid.replica_ranks[0]
-        self.is_leader = self.grid.rank == self.leader
+        self.leader = self.grid.replica_ranks[0]  # a global rank (broadcast's src)
+        self.is_leader = self.grid.tp_rank == 0 and self.grid.pp_rank == 0 and self.grid.cp_rank == 0
         self.metrics: dict[str, float] = {}  # the last step's rollout metrics
         self._rollout: GPTModel | None = None
         self.drawn = 0  # prompts drawn so far (every rank's)

@@ -150,6 +150,7 @@ def gather_weights(engine: Engine, everywhere: bool = False,
     to rank 0, which puts the bucket's tensors together (TensorLayout.tp_ranges) and broadcasts them, flattened,
     to the leaders. A rank holds its own shards and at most one bucket beside them; a leader the whole model."""
     engine.optimizer.wait_param_gather()  # ZeRO 1/2 with overlap_param_gather: the step's gathers land first
+    engine.grid.build_replica_groups()
     states = device_states(engine)
     plan = sync_plan(engine, states)
     g, layout = engine.grid, engine.layout

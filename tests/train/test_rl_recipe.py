@@ -158,17 +158,29 @@ def assemble_rows(groups, config, rewards) -> torch.Tensor:
 
 @pytest.mark.parametrize("sets, needles", [
     (["rl.reward_funcs=['no_such_module_q:score']"], ["reward no_such_module_q:score: cannot import"]),
-    (["train.global_batch_size=18"], ["train.global_batch_size 18", "rl.num_generations 4"]),
-    (["rl.reward_weights=[1.0, 2.0]"], ["rl.reward_weights has 2 entries for 1"]),
     (["rl.max_completion_length=30"], ["leaves no room for rl.max_completion_length 30"]),
-    (["train.micro_batch_size=1", "train.global_batch_size=12", "parallel.dp=2"],
-     ["the step's 3 prompts", "among 2 data-parallel ranks"]),
-    (["lora.rank=4", "model.load=nowhere"], ["RL with LoRA"]),
 ])
 def test_bad_rl_input_is_one_line_before_the_first_step(recipe_file, rewards_path, tmp_path, sets, needles):
     out = tmp_path / "run"
     result = qlm_train(recipe_file, "--output", out, *[a for s in sets for a in ("--set", s)], check=False)
     assert_clean_failure((result.returncode, result.stdout, result.stderr), out / "metrics.jsonl", *needles)
+
+
+@pytest.mark.parametrize("world, sets, message", [
+    (1, ["train.global_batch_size=18"], "train.global_batch_size 18 .* rl.num_generations 4"),
+    (1, ["rl.reward_weights=[1.0, 2.0]"], "rl.reward_weights has 2 entries for 1"),
+    (2, ["train.micro_batch_size=1", "train.global_batch_size=12"], "the step's 3 prompts .* among 2 data-parallel"),
+    (1, ["lora.rank=4", "model.load=nowhere"], "RL with LoRA"),
+])
+def test_rl_recipe_rules_are_checked_when_the_run_is_planned(recipe_file, rewards_path, tmp_path, world, sets,
+                                                             message):
+    """What `qlm train` checks before any process starts (the two cases above show the line it prints)."""
+    from qlm_core.errors import QlmError
+    from qlm_core.train.plan import plan_run
+
+    recipe = load_recipe(recipe_file, [*sets, f"train.output='{tmp_path / 'run'}'"])
+    with pytest.raises(QlmError, match=message):
+        plan_run(recipe, world)
 
 
 def test_a_reward_that_returns_nan_names_itself_and_the_record(recipe_file, tmp_path):
@@ -180,16 +192,27 @@ def test_a_reward_that_returns_nan_names_itself_and_the_record(recipe_file, tmp_
                          "reward bad_reward_q:score returned NaN or infinite", "on record 0")
 
 
+LAYOUT_SETS = ("train.train_iters=3", "train.eval_interval=0")
+
+
+@pytest.fixture(scope="module")
+def one_process_run(recipe_file, tmp_path_factory):
+    """The layout tests' one-process run (in this process, once)."""
+    run = tmp_path_factory.mktemp("one") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(recipe_file.parent))
+        _run(recipe_file, run, *LAYOUT_SETS)
+    return run
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", [("parallel.tp=2", "parallel.sp=true"), ("parallel.pp=2",)])
 def test_an_rl_run_at_a_model_parallel_layout_reproduces_the_one_process_run(recipe_file, rewards_path, tmp_path,
-                                                                             layout):
+                                                                             layout, one_process_run):
     """tp2·SP or pp2 (one data-parallel rank): the replica's leader samples at the one-process seeds from weights the
     sync gathers whole, so the rollouts, rewards and losses are the one-process run's (rtol 1e-4)."""
-    sets = ["train.train_iters=3", "train.eval_interval=0"]
-    qlm_train(recipe_file, "--output", tmp_path / "one", *[a for s in sets for a in ("--set", s)])
-    qlm_train(recipe_file, "--output", tmp_path / "layout", *[a for s in (*sets, *layout) for a in ("--set", s)])
-    one, other = metrics(tmp_path / "one"), metrics(tmp_path / "layout")
+    qlm_train(recipe_file, "--output", tmp_path / "layout", *[a for s in (*LAYOUT_SETS, *layout) for a in ("--set", s)])
+    one, other = metrics(one_process_run), metrics(tmp_path / "layout")
     _learning(one)
     for a, b in zip(one, other, strict=True):
         for key in ("reward", "reward_std", "completions/mean_length", "completions/min_length",
