@@ -17,6 +17,7 @@ one HF tensor or of Megatron's vocabulary padding; a TP shard is a list of range
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -450,6 +451,21 @@ def read_shard_tensor(tensor: TensorLayout, tp: int, rank: int, source: TensorSo
     out = torch.empty(tensor.shard_shape(tp), dtype=held_dtype(tensor, source, dtype))
     read_shard_into(tensor, tp, rank, source, out)
     return out
+
+
+def read_from_parts(tensor: TensorLayout, split: int, part: Callable[[int], torch.Tensor], start: int, stop: int,
+                    out: torch.Tensor) -> None:
+    """Global entries [start, stop) of `tensor` along its axis into `out`, put together from its `split` TP parts
+    (`part(rank)`: TP rank `rank`'s shard, asked for only when it holds some of the range; a replicated tensor's
+    from part 0): the inverse of read_shard_into, for every reader of TP-split tensors."""
+    axis = tensor.axis
+    for rank in range(1 if tensor.split == REPLICATED else split):
+        offset = 0
+        for a, b in tensor.tp_ranges(split, rank):
+            lo, hi = max(a, start), min(b, stop)
+            if lo < hi:
+                out.narrow(axis, lo - start, hi - lo).copy_(part(rank).narrow(axis, offset + lo - a, hi - lo))
+            offset += b - a
 
 
 def read_shard_into(tensor: TensorLayout, tp: int, rank: int, source: TensorSource, out: torch.Tensor) -> None:

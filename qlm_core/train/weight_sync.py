@@ -1,13 +1,8 @@
-"""Weight sync for rollouts: the trainer's weights, wherever its layout put them (TP / PP / EP shards, ZeRO-3
-parts), as whole tensors on each model replica's leader, from which a rollout model of another layout is built with
-the layout module `qlm convert` uses (models/layout.build_shard / fill_shard), in memory: no checkpoint is written or
-read.
-
-Each part travels once: the rank that holds it (a dense shard from data- and context-parallel rank 0, a routed
-expert's from expert-data-parallel rank 0) sends it to rank 0, bucket by bucket of bounded size, on the trainer's
-device; rank 0 puts each global tensor together by its TP split rule (TensorLayout.tp_ranges), as the Megatron
-checkpoint reader does from rank files, and broadcasts the bucket to the leaders. Who sends what (names, dtypes,
-shapes) is exchanged once and kept."""
+"""Weight sync for rollouts: the trainer's weights, wherever its layout put them (TP / PP / CP / EP shards, ZeRO 1-3),
+on each model replica's leader as the TP parts of every global tensor (WeightSync), from which the rollout model of
+another layout is built or refilled by the layout module `qlm convert` uses (models/layout.build_shard / fill_shard,
+reading the parts with layout.read_from_parts, as the Megatron checkpoint reader does from rank files), in memory:
+no checkpoint is written or read."""
 
 from __future__ import annotations
 
@@ -19,19 +14,18 @@ import torch.distributed as dist
 
 from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import GPTModel
-from qlm_core.models.layout import ModelLayout, fill_shard
+from qlm_core.models.layout import ModelLayout, fill_shard, read_from_parts
 from qlm_core.models.tensor_layout import REPLICATED, TensorLayout
-from qlm_core.parallel.comm import group_size
 from qlm_core.parallel.sharded_tensors import whole
 from qlm_core.train.engine import Engine
 
-BUCKET_BYTES = 256 * 2**20  # the most bytes of whole tensors one broadcast carries
+BUCKET_BYTES = 256 * 2**20  # the most bytes of parts one broadcast carries
 
 
 @dataclass(frozen=True)
 class Part:
-    """One part of a global tensor rank 0 puts together: who sends it (global rank; its chunk and local name there),
-    which TP / expert-TP part it is, and its dtype and shape."""
+    """One part of a global tensor: who sends it (global rank; its chunk and local name there), which TP /
+    expert-TP part it is, and its dtype and shape."""
 
     rank: int
     chunk: int
@@ -39,6 +33,10 @@ class Part:
     index: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def device_states(engine: Engine) -> list[dict]:
@@ -57,140 +55,131 @@ def device_states(engine: Engine) -> list[dict]:
     return states
 
 
-def _my_parts(engine: Engine, states: list[dict]) -> list[tuple[str, Part]]:
-    """(global tensor name, part) of the shards this rank sends: a dense shard from data- and context-parallel rank
-    0, a routed expert's from expert-data-parallel rank 0 (each part once)."""
-    if engine.lora is not None and engine.lora.rank > 0:
-        raise ValueError("weight sync of a LoRA run: merge the adapters first")
-    g, layout = engine.grid, engine.layout
-    dense_sender = g.dp_rank == 0 and g.cp_rank == 0
-    expert_sender = g.expert_coords["edp"] == 0
-    out = []
-    for chunk, state in enumerate(states):
-        for local, tensor in layout.shard_entries(g.pp_rank, chunk, g.ep_rank):
-            if tensor is None or not (expert_sender if tensor.expert else dense_sender):
-                continue
-            value = state[local]
-            out.append((tensor.name, Part(g.ranks[g.rank], chunk, local, g.etp_rank if tensor.expert else g.tp_rank,
-                                          value.dtype, tuple(value.shape))))
-    return out
+class SyncedWeights:
+    """Global tensors as a TensorSource, from their TP parts at the trainer's layout `layout` (its vocabulary
+    padding may differ from the reader's; layout.read_from_parts): what gather() hands the rollout model's
+    build_shard / fill_shard."""
 
-
-def sync_plan(engine: Engine, states: list[dict]) -> dict[str, list[Part]]:
-    """Every global tensor's parts, by part index: every rank's own list, exchanged once (one small all-gather of
-    names, dtypes and shapes) and kept on the engine."""
-    plan = getattr(engine, "_weight_sync_plan", None)
-    if plan is not None:
-        return plan
-    mine = _my_parts(engine, states)
-    everyone = [mine]
-    if dist.is_initialized() and engine.grid.sizes.world > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    plan = {}
-    for contribution in everyone:
-        for name, part in contribution or ():
-            plan.setdefault(name, {})[part.index] = part
-    one_part = {t.name for t in engine.layout.global_tensors
-                if t.split == REPLICATED or engine.layout.split_size(t) == 1}  # every TP rank holds it whole
-    engine._weight_sync_plan = {name: [parts[i] for i in sorted(parts)][:1 if name in one_part else None]
-                                for name, parts in plan.items()}
-    return engine._weight_sync_plan
-
-
-class WholeTensors:
-    """Whole global tensors as a TensorSource (build_shard reads any layout's shards from it)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
+    def __init__(self, layout: ModelLayout, parts: dict[str, list[torch.Tensor]]):
+        self.tensors = {tensor.name: tensor for tensor in layout.global_tensors}
+        self.parts = parts
 
     def stored_dtype(self, tensor: TensorLayout) -> torch.dtype:
-        return self.tensors[tensor.name].dtype
+        return self.parts[tensor.name][0].dtype
 
     def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor) -> None:
-        out.copy_(self.tensors[tensor.name].narrow(tensor.axis, start, stop - start))
+        parts = self.parts[tensor.name]
+        read_from_parts(self.tensors[tensor.name], len(parts), parts.__getitem__, start, stop, out)
 
 
-def _buckets(layout: ModelLayout, plan: dict[str, list[Part]], limit: int) -> list[list[TensorLayout]]:
-    """The global tensors in layout order, in buckets of one dtype and at most `limit` bytes (a larger tensor alone)."""
-    buckets, size, dtype = [], 0, None
-    for tensor in layout.global_tensors:
-        parts = plan[tensor.name]
-        nbytes = math.prod(tensor.shape) * parts[0].dtype.itemsize
-        if not buckets or parts[0].dtype != dtype or size + nbytes > limit:
-            buckets.append([])
-            size, dtype = 0, parts[0].dtype
-        buckets[-1].append(tensor)
-        size += nbytes
-    return buckets
+class WeightSync:
+    """The trainer's weights, whatever its layout (TP / PP / CP / EP shards, ZeRO 1-3), on each model replica's
+    leader (tp = pp = cp = 0 of each data-parallel rank) or on every rank, bucket by bucket on the trainer's device:
+    each part travels once, point to point, from the rank that holds it (a dense shard from data- and
+    context-parallel rank 0, a routed expert's from expert-data-parallel rank 0) to rank 0, which broadcasts the
+    bucket's parts, flattened, to the receivers. Who sends what (names, dtypes, shapes) is exchanged at the first
+    gather and kept. A rank holds its own shards and at most one bucket beside them; a receiver every part."""
 
+    def __init__(self, engine: Engine, bucket_bytes: int = BUCKET_BYTES):
+        if engine.lora is not None and engine.lora.rank > 0:
+            raise ValueError("weight sync of a LoRA run: merge the adapters first")
+        self.engine, self.bucket_bytes = engine, bucket_bytes
+        self.plan: dict[str, list[Part]] | None = None  # each global tensor's parts, by part index
 
-def _whole(layout: ModelLayout, tensor: TensorLayout, parts: list[torch.Tensor]) -> torch.Tensor:
-    """A global tensor from its TP parts (TensorLayout.tp_ranges), as the Megatron checkpoint reader does."""
-    size = layout.split_size(tensor)
-    if tensor.split == REPLICATED or size == 1:  # one part: the whole tensor already
-        return parts[0]
-    shape = list(parts[0].shape)
-    shape[tensor.axis] = tensor.shape[tensor.axis]
-    full = parts[0].new_empty(shape)
-    for rank in range(size):
-        offset = 0
-        for begin, end in tensor.tp_ranges(size, rank):
-            full.narrow(tensor.axis, begin, end - begin).copy_(parts[rank].narrow(tensor.axis, offset, end - begin))
-            offset += end - begin
-    return full
+    def _my_parts(self, states: list[dict]) -> list[tuple[str, Part]]:
+        """(global tensor name, part) of the shards this rank sends."""
+        g, layout = self.engine.grid, self.engine.layout
+        dense_sender = g.dp_rank == 0 and g.cp_rank == 0
+        expert_sender = g.expert_coords["edp"] == 0
+        out = []
+        for chunk, state in enumerate(states):
+            for local, tensor in layout.shard_entries(g.pp_rank, chunk, g.ep_rank):
+                if tensor is None or not (expert_sender if tensor.expert else dense_sender):
+                    continue
+                value = state[local]
+                out.append((tensor.name, Part(g.ranks[g.rank], chunk, local,
+                                              g.etp_rank if tensor.expert else g.tp_rank, value.dtype,
+                                              tuple(value.shape))))
+        return out
 
+    def _make_plan(self, states: list[dict]) -> dict[str, list[Part]]:
+        mine = self._my_parts(states)
+        everyone = [mine]
+        if dist.is_initialized() and self.engine.grid.sizes.world > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        by_index: dict[str, dict[int, Part]] = {}
+        for contribution in everyone:
+            for name, part in contribution or ():
+                by_index.setdefault(name, {})[part.index] = part
+        layout = self.engine.layout
+        one_part = {t.name for t in layout.global_tensors
+                    if t.split == REPLICATED or layout.split_size(t) == 1}  # every TP rank holds it whole
+        return {name: [parts[i] for i in sorted(parts)][:1 if name in one_part else None]
+                for name, parts in by_index.items()}
 
-def gather_weights(engine: Engine, everywhere: bool = False,
-                   bucket_bytes: int = BUCKET_BYTES) -> WholeTensors | None:
-    """Every global tensor of the trainer's model, whole, on each model replica's leader (tp = pp = cp = 0 of each
-    data-parallel rank), or on every rank when `everywhere`; None on the others. A collective: every rank calls it.
+    def _buckets(self) -> list[list[str]]:
+        """The global tensors' names in layout order, in buckets of one dtype and at most bucket_bytes of parts
+        (a larger tensor alone)."""
+        buckets, size, dtype = [], 0, None
+        for tensor in self.engine.layout.global_tensors:
+            parts = self.plan[tensor.name]
+            nbytes = sum(part.nbytes for part in parts)
+            if not buckets or parts[0].dtype != dtype or size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size, dtype = 0, parts[0].dtype
+            buckets[-1].append(tensor.name)
+            size += nbytes
+        return buckets
 
-    Bucket by bucket, on the trainer's device: each part travels once, point to point, from the rank that holds it
-    to rank 0, which puts the bucket's tensors together (TensorLayout.tp_ranges) and broadcasts them, flattened,
-    to the leaders. A rank holds its own shards and at most one bucket beside them; a leader the whole model."""
-    engine.optimizer.wait_param_gather()  # ZeRO 1/2 with overlap_param_gather: the step's gathers land first
-    engine.grid.build_replica_groups()
-    states = device_states(engine)
-    plan = sync_plan(engine, states)
-    g, layout = engine.grid, engine.layout
-    multi = dist.is_initialized() and g.sizes.world > 1
-    me, root = g.ranks[g.rank], g.ranks[0]
-    group = None if everywhere else g.dp_group  # rank 0's data-parallel group: the replica leaders
-    receives = everywhere or not multi or (g.tp_rank == 0 and g.pp_rank == 0 and g.cp_rank == 0)
-    whole: dict[str, torch.Tensor] = {}
-    for bucket in _buckets(layout, plan, bucket_bytes):
-        received: dict[str, list[torch.Tensor]] = {}
-        ops = []
-        for tensor in bucket:
-            for part in plan[tensor.name]:
-                if part.rank == me and (me == root or not multi):
-                    received.setdefault(tensor.name, []).append(states[part.chunk][part.local])
+    def gather(self, everywhere: bool = False) -> SyncedWeights | None:
+        """Every global tensor's parts on the replica leaders (every rank when `everywhere`); None on the others.
+        A collective: every rank calls it."""
+        engine, g = self.engine, self.engine.grid
+        engine.optimizer.wait_param_gather()  # ZeRO 1/2 with overlap_param_gather: the step's gathers land first
+        g.build_replica_groups()
+        states = device_states(engine)
+        if self.plan is None:
+            self.plan = self._make_plan(states)
+        multi = dist.is_initialized() and g.sizes.world > 1
+        if not multi:
+            return SyncedWeights(engine.layout, {name: [states[p.chunk][p.local] for p in parts]
+                                                 for name, parts in self.plan.items()})
+        me, root = g.ranks[g.rank], g.ranks[0]
+        group = None if everywhere else g.dp_group  # rank 0's data-parallel group: the replica leaders
+        receivers = dist.get_world_size() if everywhere else g.sizes.dp
+        receives = everywhere or (g.tp_rank == 0 and g.pp_rank == 0 and g.cp_rank == 0)
+        held: dict[str, list[torch.Tensor]] = {}
+        for bucket in self._buckets():
+            parts = [(name, part) for name in bucket for part in self.plan[name]]
+            ops, received = [], []
+            for _, part in parts:
+                if part.rank == me == root:
+                    received.append(states[part.chunk][part.local])
                 elif part.rank == me:
                     ops.append(dist.P2POp(dist.isend, states[part.chunk][part.local].contiguous(), root))
                 elif me == root:
-                    buffer = torch.empty(part.shape, dtype=part.dtype, device=g.device)
-                    ops.append(dist.P2POp(dist.irecv, buffer, part.rank))
-                    received.setdefault(tensor.name, []).append(buffer)
-        for request in dist.batch_isend_irecv(ops) if ops else ():
-            request.wait()
-        if not receives:
-            continue
-        if me == root or not multi:
-            tensors = {t.name: _whole(layout, t, received[t.name]) for t in bucket}
-        else:
-            dtype = plan[bucket[0].name][0].dtype
-            tensors = {t.name: torch.empty(t.shape, dtype=dtype, device=g.device) for t in bucket}
-        if multi and group_size(group if group is not None else dist.group.WORLD) > 1:
-            flat = torch.cat([t.reshape(-1) for t in tensors.values()]) if me == root else torch.empty(
-                sum(t.numel() for t in tensors.values()), dtype=next(iter(tensors.values())).dtype, device=g.device)
-            dist.broadcast(flat, src=root, group=group)
-            offset = 0
-            for name, t in tensors.items():
-                tensors[name] = flat[offset:offset + t.numel()].view(t.shape)
-                offset += t.numel()
-        whole.update(tensors)
-    return WholeTensors(whole) if receives else None
+                    received.append(torch.empty(part.shape, dtype=part.dtype, device=g.device))
+                    ops.append(dist.P2POp(dist.irecv, received[-1], part.rank))
+            for request in dist.batch_isend_irecv(ops) if ops else ():
+                request.wait()
+            if not receives:
+                continue
+            if receivers > 1:  # rank 0's parts, flattened, to the other receivers
+                flat = (torch.cat([t.reshape(-1) for t in received]) if me == root else
+                        torch.empty(sum(math.prod(part.shape) for _, part in parts), dtype=parts[0][1].dtype,
+                                    device=g.device))
+                dist.broadcast(flat, src=root, group=group)
+                received = list(torch.split(flat, [math.prod(part.shape) for _, part in parts]))
+                received = [t.view(part.shape) for t, (_, part) in zip(received, parts, strict=True)]
+            for (name, _), tensor in zip(parts, received, strict=True):
+                held.setdefault(name, []).append(tensor)
+        return SyncedWeights(engine.layout, held) if receives else None
+
+
+def gather_weights(engine: Engine, everywhere: bool = False, bucket_bytes: int = BUCKET_BYTES) -> SyncedWeights | None:
+    """WeightSync(engine).gather(everywhere): once (a run that syncs every step keeps its WeightSync)."""
+    return WeightSync(engine, bucket_bytes).gather(everywhere)
 
 
 def rollout_layout(engine: Engine) -> ModelLayout:
@@ -198,7 +187,7 @@ def rollout_layout(engine: Engine) -> ModelLayout:
     return ModelLayout(engine.spec, make_vocab_size_divisible_by=engine.layout.make_vocab_size_divisible_by)
 
 
-def fill_rollout_model(engine: Engine, weights: WholeTensors, model: GPTModel | None = None,
+def fill_rollout_model(engine: Engine, weights: SyncedWeights, model: GPTModel | None = None,
                        dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> GPTModel:
     """`weights` (gather_weights) as one whole model (the rollout layout of a model that fits one device), built by
     the layout module on `device` (default the trainer's), routing as the trainer does (its [moe] options); `model`

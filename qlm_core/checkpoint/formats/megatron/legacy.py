@@ -23,7 +23,7 @@ from qlm_core.checkpoint.formats.megatron.trainer_state import OPTIMIZER_KEY
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.checkpoint.io.text import read_text_file
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import REPLICATED, ModelLayout, TensorLayout, normalize_megatron_name
+from qlm_core.models.layout import ModelLayout, TensorLayout, normalize_megatron_name, read_from_parts
 from qlm_core.models.spec import ModelSpec
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -393,15 +393,9 @@ class MegatronTorchCheckpoint:
 
     def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor):
         pp_rank, chunk, local, source, ep_rank = self._locate(tensor)
-        axis, split = source.axis, self.layout.split_size(source)
-        for rank in range(1 if source.split == REPLICATED else split):
-            offset = 0
-            for a, b in source.tp_ranges(split, rank):
-                lo, hi = max(a, start), min(b, stop)
-                if lo < hi:
-                    shard = self._shard(self._part_file(source, rank, pp_rank, ep_rank), chunk, local)
-                    out.narrow(axis, lo - start, hi - lo).copy_(shard.narrow(axis, offset + lo - a, hi - lo))
-                offset += b - a
+        read_from_parts(source, self.layout.split_size(source),
+                        lambda rank: self._shard(self._part_file(source, rank, pp_rank, ep_rank), chunk, local),
+                        start, stop, out)
 
 
 def _leftover_setting(local: str) -> str:
