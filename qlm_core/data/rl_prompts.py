@@ -66,6 +66,13 @@ def render_prompt(prompt: Any, tokenizer, template: str | None, where: str) -> t
     return list(tokenizer.encode(text, add_special_tokens=False)), turns[-1]["content"]
 
 
+def prompts_template(tokenizer, chat_template: str | None) -> str | None:
+    """The template RL prompts are rendered with: data.chat_template, else the tokenizer's own; None (the prompt
+    as written) when there is neither."""
+    own = getattr(tokenizer, "chat_template", None)
+    return resolve_chat_template(tokenizer, chat_template) if chat_template or own else None
+
+
 def load_prompts(path: str | os.PathLike, tokenizer_dir: Path, chat_template: str | None, *, seq_length: int,
                  max_completion_length: int, cache_dir: str | None = None) -> PromptSet:
     """Every record of `path` rendered and checked for room to answer."""
@@ -79,8 +86,7 @@ def load_prompts(path: str | os.PathLike, tokenizer_dir: Path, chat_template: st
         raise QlmError(f"RL prompt file {path} has no prompt column",
                        "give each record a prompt (a string or a list of turns) beside the fields the rewards read")
     tokenizer = load_tokenizer(tokenizer_dir)
-    own = getattr(tokenizer, "chat_template", None)
-    template = resolve_chat_template(tokenizer, chat_template) if chat_template or own else None
+    template = prompts_template(tokenizer, chat_template)
     room = seq_length - max_completion_length + 1  # the last completion token is a label, never an input
     ids, records = [], []
     for index, record in enumerate(dataset):

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from qlm_core.config import Recipe
 from qlm_core.data.loader import GlobalBatchSampler
-from qlm_core.data.rl_prompts import PromptSet
-from qlm_core.data.tokenizer import load_tokenizer, resolve_chat_template
+from qlm_core.data.rl_prompts import PromptSet, prompts_template
+from qlm_core.data.tokenizer import load_tokenizer
 from qlm_core.decode.prompts import answer_text, stop_tokens
 from qlm_core.decode.sampling import MAX_SEED, Sampling
 from qlm_core.models.gpt import GPTModel
@@ -50,7 +50,7 @@ from qlm_core.train.rollouts import (
     sample_groups,
     trained_tokens,
 )
-from qlm_core.train.weight_sync import fill_rollout_model, gather_weights
+from qlm_core.train.weight_sync import WeightSync, fill_rollout_model
 
 
 def rollout_config(recipe: Recipe) -> RolloutConfig:
@@ -79,23 +79,25 @@ class RolloutBatches:
         self.config = rollout_config(recipe)
         self.rewards = recipe_rewards(recipe)
         self.tokenizer = load_tokenizer(tokenizer_dir)
-        chat_template = recipe.data.chat_template or None
-        own = getattr(self.tokenizer, "chat_template", None)
-        template = resolve_chat_template(self.tokenizer, chat_template) if chat_template or own else None
+        template = prompts_template(self.tokenizer, recipe.data.chat_template or None)
         self.stops = stop_tokens(self.tokenizer, template, [tokenizer_dir])
+        self.eos_ids = sorted(self.stops.ids)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.completions = recipe.train.global_batch_size
-        self.prompts_per_step = self.completions // self.config.num_generations
+        self.prompts_per_step = recipe.train.global_batch_size // self.config.num_generations
         self.grid.build_replica_groups()  # every rank builds the source: the collective's place
         self.dp, self.dp_rank = self.grid.sizes.dp, self.grid.dp_rank
+        self.share = self.prompts_per_step // self.dp  # this data-parallel rank's prompts of a draw
+        # the prompts' order: a seeded permutation per epoch (positions past one epoch wrap into the next)
+        self.order = GlobalBatchSampler(len(train), self.prompts_per_step, seed=recipe.train.seed, shuffle=True)
         self.leader = self.grid.replica_ranks[0]  # a global rank (broadcast's src)
         self.is_leader = self.grid.tp_rank == 0 and self.grid.pp_rank == 0 and self.grid.cp_rank == 0
+        self.sync = WeightSync(engine)
         self.metrics: dict[str, float] = {}  # the last step's rollout metrics
         self._rollout: GPTModel | None = None
         self.drawn = 0  # prompts drawn so far (every rank's)
 
     # -- collectives over the replica and the data-parallel ranks ------------------------------------------------
-    def _share(self, value):
+    def _from_leader(self, value):
         """The replica leader's `value` on every rank of the replica."""
         if group_size(self.grid.replica_group) == 1:
             return value
@@ -121,7 +123,7 @@ class RolloutBatches:
     def _model(self, builds: bool | None = None) -> GPTModel | None:
         """The policy's current weights as one whole model on the ranks that `builds` (default: the replica
         leaders; None elsewhere). A collective: every rank calls it."""
-        weights = gather_weights(self.engine)
+        weights = self.sync.gather()
         if not (self.is_leader if builds is None else builds):
             return None
         self._rollout = fill_rollout_model(self.engine, weights, self._rollout)  # built once, then refilled
@@ -136,30 +138,26 @@ class RolloutBatches:
         if model is not None:
             config = replace(self.config, sampling=replace(self.config.sampling, seed=seed % MAX_SEED))
             groups = sample_groups(model, prompts.ids, prompts.records, config, self.rewards, self._text,
-                                   seq_length=self.recipe.data.seq_length, eos_token_id=sorted(self.stops.ids),
+                                   seq_length=self.recipe.data.seq_length, eos_token_id=self.eos_ids,
                                    pad_id=self.pad_id)
-        return self._share(groups)
+        return self._from_leader(groups)
 
     def _draw(self, draw: int) -> PromptSet:
         """This data-parallel rank's prompts of the run's `draw`-th draw."""
-        sampler = GlobalBatchSampler(len(self.train), self.prompts_per_step, self.dp_rank, self.dp,
-                                     seed=self.recipe.train.seed, shuffle=True)
-        share = self.prompts_per_step // self.dp
-        first = draw * self.prompts_per_step + self.dp_rank * share
-        return self.train.subset([sampler.sample_index(p) for p in range(first, first + share)])
+        first = draw * self.prompts_per_step + self.dp_rank * self.share
+        return self.train.subset([self.order.sample_index(p) for p in range(first, first + self.share)])
 
     def _step(self) -> RolloutBatch:
         started = time.perf_counter()
         model = self._model()
         synced = time.perf_counter()
-        share = self.prompts_per_step // self.dp
         first_draw = self.drawn // self.prompts_per_step
 
         def sample(attempt: int) -> Groups:  # each draw of each data-parallel rank its own seed
             draw = first_draw + attempt
             return self._sample(model, self._draw(draw), self.recipe.train.seed + draw * self.dp + self.dp_rank)
 
-        groups, counts = collect_groups(sample, share, self.config, self.rewards, agree=self._all_done)
+        groups, counts = collect_groups(sample, self.share, self.config, self.rewards, agree=self._all_done)
         self.drawn += int(counts["dynamic_sampling/draws"]) * self.prompts_per_step
         ranks = DataRanks(self.dp_rank, self.dp, self._gather_rows)
         batch, metrics = assemble(groups, self.config, self.rewards, seq_length=self.recipe.data.seq_length,
@@ -199,14 +197,13 @@ class RolloutBatches:
             prompts = self.valid.subset(range(min(self.recipe.rl.eval_prompts, len(self.valid))))
             config = replace(self.config, num_generations=1)
             groups = sample_groups(model, prompts.ids, prompts.records, config, self.rewards, self._text,
-                                   seq_length=self.recipe.data.seq_length, eos_token_id=sorted(self.stops.ids),
+                                   seq_length=self.recipe.data.seq_length, eos_token_id=self.eos_ids,
                                    pad_id=self.pad_id)
             totals = (groups.per_source * self.rewards.weights).nansum(dim=1)
             lengths = torch.tensor([len(trained_tokens(g)) for g in groups.generations], dtype=torch.float64)
             figures = {"reward": totals.mean().item(), **source_metrics(groups.per_source, self.rewards.names),
                        "completions/mean_length": lengths.mean().item()}
             self._write_completions(step, groups, totals)
-        del model
         if dist.is_initialized() and dist.get_world_size() > 1:
             box = [figures]
             dist.broadcast_object_list(box, src=0)

@@ -13,7 +13,7 @@ counted), so the trainer's forward of a row is the rollout's forward of the same
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -247,20 +247,3 @@ def collect_groups(sample: Callable[[int], Groups], num_prompts: int, config: Ro
                        "groups for the step", "give more prompts (or fewer per step)")
     return joined.select(list(range(num_prompts)), n), {"dynamic_sampling/draws": float(tries),
                                                         "dynamic_sampling/filled_groups": float(filled)}
-
-
-def dynamic_rollout(model: GPTModel, draw: Callable[[], tuple[list[list[int]], list[dict[str, Any]]]],
-                    num_prompts: int, config: RolloutConfig, rewards: Rewards,
-                    decode_text: Callable[[list[int]], str], *, seq_length: int,
-                    eos_token_id: int | Sequence[int] | None, pad_id: int) -> tuple[RolloutBatch, dict[str, float]]:
-    """collect_groups in one process (`draw()`: the next prompts and records), then the batch."""
-    def sample(tries: int) -> Groups:
-        prompts, records = draw()
-        draw_config = replace(config, sampling=replace(config.sampling, seed=config.sampling.seed + tries))
-        return sample_groups(model, prompts, records, draw_config, rewards, decode_text, seq_length=seq_length,
-                             eos_token_id=eos_token_id, pad_id=pad_id)
-
-    groups, counts = collect_groups(sample, num_prompts, config, rewards)
-    batch, metrics = assemble(groups, config, rewards, seq_length=seq_length, pad_id=pad_id)
-    metrics.update(counts)
-    return batch, metrics

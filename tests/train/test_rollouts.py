@@ -2,6 +2,8 @@
 are what the trainer's own forward gives (train_rollout_logprob_abs_diff within 1e-5 in fp32), scored and turned
 into advantages, and a prompt that leaves no room to answer is one line."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from parallel_cases import SPEC
@@ -14,7 +16,7 @@ from qlm_core.train.engine import Engine
 from qlm_core.train.objectives.grpo import GrpoObjective
 from qlm_core.train.objectives.grpo_loss import GrpoLoss
 from qlm_core.train.rewards import Rewards, RewardSource
-from qlm_core.train.rollouts import RolloutConfig, rollout
+from qlm_core.train.rollouts import RolloutConfig, assemble, collect_groups, rollout, sample_groups
 
 SEQ, PROMPTS, GENERATIONS = 32, 2, 4
 EOS = 7
@@ -112,9 +114,20 @@ def easy_rewards(tmp_path, monkeypatch):
     return Rewards([RewardSource("toy_rl_easy:score")])
 
 
-def test_dynamic_sampling_drops_groups_without_signal_and_says_when_it_fills(easy_rewards):
-    from qlm_core.train.rollouts import dynamic_rollout
+def dynamic_rollout(model, draw, num_prompts, config, rewards):
+    """collect_groups in one process, each draw at its own seed, then the batch (RolloutBatches' step, alone)."""
+    def sample(attempt):
+        prompts, records = draw()
+        seeded = replace(config, sampling=replace(config.sampling, seed=config.sampling.seed + attempt))
+        return sample_groups(model, prompts, records, seeded, rewards, _text, seq_length=SEQ, eos_token_id=None,
+                             pad_id=0)
 
+    groups, counts = collect_groups(sample, num_prompts, config, rewards)
+    batch, metrics = assemble(groups, config, rewards, seq_length=SEQ, pad_id=0)
+    return batch, {**metrics, **counts}
+
+
+def test_dynamic_sampling_drops_groups_without_signal_and_says_when_it_fills(easy_rewards):
     engine = _engine()
     draws = iter(range(100))
 
@@ -127,12 +140,10 @@ def test_dynamic_sampling_drops_groups_without_signal_and_says_when_it_fills(eas
 
     config = RolloutConfig(num_generations=GENERATIONS, max_completion_length=8, sampling=Sampling(1.0, seed=2),
                            max_sampling_tries=4)
-    batch, metrics = dynamic_rollout(engine.chunks[0], draw(2), 2, config, easy_rewards, _text, seq_length=SEQ,
-                                     eos_token_id=None, pad_id=0)
+    batch, metrics = dynamic_rollout(engine.chunks[0], draw(2), 2, config, easy_rewards)
     assert batch.input_ids.shape[0] == 2 * GENERATIONS and metrics["dynamic_sampling/filled_groups"] == 0
     assert metrics["dynamic_sampling/draws"] == 2 and metrics["frac_reward_zero_std"] == 0  # one easy a draw
-    batch, metrics = dynamic_rollout(engine.chunks[0], draw(1), 2, config, easy_rewards, _text, seq_length=SEQ,
-                                     eos_token_id=None, pad_id=0)  # every prompt easy: filled after 4 draws
+    batch, metrics = dynamic_rollout(engine.chunks[0], draw(1), 2, config, easy_rewards)  # all easy: filled after 4
     assert metrics["dynamic_sampling/draws"] == 4 and metrics["dynamic_sampling/filled_groups"] == 2
     assert torch.all(batch.advantages == 0)
 
@@ -156,9 +167,7 @@ def test_a_wrong_rollout_setting_is_one_line(fields, message):
 
 
 def test_dynamic_sampling_says_when_the_prompts_run_out(easy_rewards):
-    from qlm_core.train.rollouts import dynamic_rollout
-
     config = RolloutConfig(num_generations=GENERATIONS, max_completion_length=8, max_sampling_tries=1)
     with pytest.raises(QlmError, match="the prompts ran out: 1 of 2 groups"):
         dynamic_rollout(_engine().chunks[0], lambda: ([[5, 6]], [{"prompt": "", "easy": True}]), 2, config,
-                        easy_rewards, _text, seq_length=SEQ, eos_token_id=None, pad_id=0)
+                        easy_rewards)
