@@ -14,6 +14,11 @@ def heads(x) -> tuple[float, float, float]:
     return hq, 1, s.num_attention_heads + 2 * s.num_query_groups  # gathered whole, one group kept
 
 
+def kv_cache_entries(spec) -> float:
+    """A token's entries in one layer's decoding cache (models/attention.KVCache): its key and value per group."""
+    return 2.0 * spec.num_query_groups * spec.kv_channels
+
+
 def q_copied(x) -> bool:
     """Whether q is a copy of linear_qkv's output: reshaping a rank's query heads out of more than one group of
     [q heads; k; v] rows cannot be a view (one group, or one head per group, can)."""

@@ -17,7 +17,8 @@ class AttentionTerms:
     selective); op(x): what torchtitan's per-op policy keeps of it; matmuls: its aten.mm calls per forward (which of
     the MLP's the op policy keeps follows from them); recomputed_core(x): what recomputing core_attn rebuilds in
     backward; cp_buffers(x): the context-parallel kernel's transient; per_forward(x): saved once per stage chunk
-    (position tensors)."""
+    (position tensors); kv_cache(spec): the entries a token keeps in one layer's decoding cache (a rollout's KV
+    cache, the whole model on one rank)."""
 
     saved: Callable[..., dict[str, float]]
     op: Callable[..., dict[str, float]]
@@ -25,11 +26,12 @@ class AttentionTerms:
     recomputed_core: Callable[..., float]
     cp_buffers: Callable[..., float]
     per_forward: Callable[..., dict[str, float]]
+    kv_cache: Callable[..., float]
 
 
 ATTENTION_TERMS: dict[str, AttentionTerms] = {
     "gqa": AttentionTerms(saved=gqa.saved_terms, op=gqa.op_terms, matmuls=2, recomputed_core=gqa.recomputed_core,
-                          cp_buffers=gqa.cp_buffers, per_forward=gqa.position_terms),
+                          cp_buffers=gqa.cp_buffers, per_forward=gqa.position_terms, kv_cache=gqa.kv_cache_entries),
 }
 
 

@@ -54,6 +54,7 @@ from qlm_core.profile.activations import (
     logits_transient,
     loss_keeps_input,
 )
+from qlm_core.profile.attention_terms import attention_terms
 from qlm_core.profile.case import ProfileCase, case_from_recipe
 from qlm_core.profile.states import model_state_bytes, stage_params
 from qlm_core.train.plan import RunPlan
@@ -274,18 +275,18 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
     }
     training_transient = sum(components[k] for k in ("activations", "logits_loss", "workspace", "pp_buffers",
                                                      "comm_buffers"))
-    components["rollout"] = rollout_bytes(case, training_transient) if case.rl and stage == 0 else 0.0
+    components["rollout"] = rollout_bytes(case, x, training_transient) if case.rl and stage == 0 else 0.0
     components["allocator"] = allowance.fraction * sum(components.values()) + allowance.context_gib * GIB
     return StageMemory(stage, components, layers, chunks, layer_bytes(x, modes[0], kinds[0][0]), p.vpp)
 
 
-def rollout_bytes(case: ProfileCase, training_transient: float) -> float:
+def rollout_bytes(case: ProfileCase, x: ActivationInputs, training_transient: float) -> float:
     """An RL leader's rollout memory (the module docstring's `rollout`)."""
     spec, width = case.spec, case.dtype_bytes
     model = width * num_parameters(spec)
     rows = case.global_batch_size // case.sizes.dp
     rows = min(rows, case.rl_batch_rows) if case.rl_batch_rows else rows
-    kv_cache = rows * case.seq_len * spec.num_layers * 2 * spec.num_query_groups * spec.kv_channels * width
+    kv_cache = rows * case.seq_len * spec.num_layers * attention_terms(x).kv_cache(spec) * width
     logits = 4.0 * rows * spec.vocab_size
     return model + max(0.0, kv_cache + model + logits - training_transient)
 
