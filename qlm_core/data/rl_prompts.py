@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qlm_core.data.files import quiet, read_dataset
+from qlm_core.data.files import cache_errors, quiet, read_dataset
 from qlm_core.data.tokenizer import load_tokenizer, resolve_chat_template
 from qlm_core.errors import QlmError
 
@@ -73,25 +73,12 @@ def prompts_template(tokenizer, chat_template: str | None) -> str | None:
     return resolve_chat_template(tokenizer, chat_template) if chat_template or own else None
 
 
-def load_prompts(path: str | os.PathLike, tokenizer_dir: Path, chat_template: str | None, *, seq_length: int,
-                 max_completion_length: int, cache_dir: str | None = None) -> PromptSet:
-    """Every record of `path` rendered and checked for room to answer."""
-    quiet()
-    path = Path(path)
-    builder = "parquet" if path.suffix.lower() == ".parquet" else "json"
-    dataset = read_dataset(builder, path, "RL prompt file", cache_dir)
-    if len(dataset) == 0:
-        raise QlmError(f"RL prompt file {path} has no records", "check the file")
-    if "prompt" not in dataset.column_names:
-        raise QlmError(f"RL prompt file {path} has no prompt column",
-                       "give each record a prompt (a string or a list of turns) beside the fields the rewards read")
-    tokenizer = load_tokenizer(tokenizer_dir)
-    template = prompts_template(tokenizer, chat_template)
-    room = seq_length - max_completion_length + 1  # the last completion token is a label, never an input
-    ids, records = [], []
-    for index, record in enumerate(dataset):
+def _render(batch, indices, tokenizer, template: str | None, room: int, max_completion_length: int,
+            seq_length: int, path: str):
+    ids, texts = [], []
+    for index, prompt in zip(indices, batch["prompt"], strict=True):
         where = f"{path} record {index}"
-        prompt_ids, text = render_prompt(record["prompt"], tokenizer, template, where)
+        prompt_ids, text = render_prompt(prompt, tokenizer, template, where)
         if len(prompt_ids) > room:
             raise QlmError(f"{where}: its prompt of {len(prompt_ids)} tokens leaves no room for "
                            f"rl.max_completion_length {max_completion_length} in data.seq_length {seq_length}",
@@ -99,5 +86,33 @@ def load_prompts(path: str | os.PathLike, tokenizer_dir: Path, chat_template: st
         if not prompt_ids:
             raise QlmError(f"{where}: its prompt renders to no tokens", "give every record a non-empty prompt")
         ids.append(prompt_ids)
-        records.append({**record, "prompt": text})
-    return PromptSet(ids, records)
+        texts.append(text)
+    return {PROMPT_IDS: ids, "prompt": texts}
+
+
+PROMPT_IDS = "qlm_prompt_ids"
+
+
+def load_prompts(path: str | os.PathLike, tokenizer_dir: Path, chat_template: str | None, *, seq_length: int,
+                 max_completion_length: int, cache_dir: str | None = None) -> PromptSet:
+    """Every record of `path` rendered and checked for room to answer (through `datasets`, cached: the ranks that
+    read the file after the first find its rendering there)."""
+    quiet()
+    path = Path(path)
+    builder = "parquet" if path.suffix.lower() == ".parquet" else "json"
+    with cache_errors(f"cannot prepare {path}"):
+        dataset = read_dataset(builder, path, "RL prompt file", cache_dir)
+        if len(dataset) == 0:
+            raise QlmError(f"RL prompt file {path} has no records", "check the file")
+        if "prompt" not in dataset.column_names:
+            raise QlmError(f"RL prompt file {path} has no prompt column",
+                           "give each record a prompt (a string or a list of turns) beside the fields the rewards "
+                           "read")
+        tokenizer = load_tokenizer(tokenizer_dir)
+        room = seq_length - max_completion_length + 1  # the last completion token is a label, never an input
+        template = prompts_template(tokenizer, chat_template)
+        rendered = dataset.map(_render, batched=True, with_indices=True, desc="render RL prompts",
+                               fn_kwargs={"tokenizer": tokenizer, "template": template, "room": room,
+                                          "max_completion_length": max_completion_length, "seq_length": seq_length,
+                                          "path": str(path)})
+    return PromptSet(rendered[PROMPT_IDS], rendered.remove_columns(PROMPT_IDS).to_list())
