@@ -20,6 +20,8 @@ from qlm_core.train.engine import Batch
 
 
 class BatchSource(Protocol):
+    metrics: dict[str, float]  # figures of the last batch handed out (an RL step's rollout metrics), logged with it
+
     def batches(self, split: str, consumed: int) -> Iterator[Batch]:
         """This rank's rows of the global batches of `split` ("train" / "valid"), from sample `consumed` on."""
         ...
@@ -32,6 +34,7 @@ class BatchSource(Protocol):
 class DatasetBatches:
     def __init__(self, recipe: Recipe, grid: Grid, data: RunData, reference_tables: dict[str, np.ndarray]):
         self.recipe, self.grid, self.data, self.reference_tables = recipe, grid, data, reference_tables
+        self.metrics: dict[str, float] = {}  # a dataset's rows bring no figures of their own
 
     def consumed_after_step(self, consumed: int) -> int:
         return consumed + self.recipe.train.global_batch_size

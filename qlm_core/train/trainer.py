@@ -436,10 +436,9 @@ class Trainer:
 
     def _figures(self, result) -> dict[str, float] | None:
         """The step's figures beside the loss: the objective's, and an RL step's rollout metrics first."""
-        rollout = getattr(self.batch_source, "metrics", None) or {}
-        if not rollout and not result.figures:
+        if not self.batch_source.metrics and not result.figures:
             return None
-        return {**rollout, **(result.figures or {})}
+        return {**self.batch_source.metrics, **(result.figures or {})}
 
     def _finished_summary(self) -> dict | None:
         """RUN/summary.json of a run that already reached its last step (None: missing, unreadable or earlier)."""
