@@ -34,7 +34,8 @@ TrainDtype = Literal["bf16", "fp32"]  # fp16 would need loss scaling, which qlm 
 # grad_reduce_in_fp32=False); the optimizer's masters and updates stay fp32 either way
 GradReduceDtype = Literal["fp32", "bf16"]  # bf16 only with bf16 training (train/validate.py)
 EvalBackend = Literal["qlm", "hf"]  # qlm's own model, or lm-eval's hf model on an HF export
-DataKind = Literal["sft", "pretrain", "preference", "rl"]
+DataKind = Literal["sft", "pretrain", "preference", "reward", "rl"]
+PAIR_KINDS = ("preference", "reward")  # data kinds read as preference pairs (a chosen and a rejected sequence)
 SftFormat = Literal["auto", "alpaca", "sharegpt", "messages"]  # data/sft.py
 PreferenceFormat = Literal["auto", "trl", "alpaca", "sharegpt"]  # data/preference.py
 DataFormat = Literal["auto", "alpaca", "sharegpt", "messages", "trl"]  # either kind's (train/validate.py checks)
@@ -316,6 +317,16 @@ class PreferenceConfig:
 
 
 @dataclass
+class RewardConfig:
+    """[reward]: a Bradley-Terry reward model (data.kind = "reward") trained on preference pairs: the model gets a
+    scalar head read at each sequence's last token (a new one, when model.load is a language model). TRL's
+    RewardConfig names."""
+
+    center_rewards_coefficient: float | None = bounded(None, least=0)  # weight of mean((r_c + r_r)²); None: off
+    max_length: int | None = bounded(None, least=2)  # prompt + response tokens; None: data.seq_length
+
+
+@dataclass
 class RlConfig:
     """[rl]: reinforcement learning with verifiable rewards (data.kind = "rl"): each step the policy answers
     train.global_batch_size / num_generations prompts num_generations times, the answers are scored and one optimizer
@@ -366,6 +377,7 @@ class Recipe:
     lora: LoraConfig = field(default_factory=LoraConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rl: RlConfig = field(default_factory=RlConfig)
 
 
@@ -384,8 +396,9 @@ def model_reference(lora_rank: int) -> ReferenceModel:
 
 
 def rows_per_sample(recipe: Recipe) -> int:
-    """Sequences per sample of train.micro_batch_size / global_batch_size: a preference pair is two."""
-    return 2 if recipe.data.kind == "preference" else 1
+    """Sequences per sample of train.micro_batch_size / global_batch_size: a preference pair is two (a reward
+    model's pairs too)."""
+    return 2 if recipe.data.kind in PAIR_KINDS else 1
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}

@@ -142,7 +142,8 @@ def mcore2hf(
     verify: VERIFY = None,
     config: MCORE_CONFIG = None,
 ):
-    """Megatron-Core -> HF (config.json, safetensors, tokenizer files), loadable with AutoModelForCausalLM.
+    """Megatron-Core -> HF (config.json, safetensors, tokenizer files), loadable with AutoModelForCausalLM
+    (AutoModelForSequenceClassification for a reward model).
 
     A LoRA run's checkpoint (adapters + args naming the base) is written merged: W + alpha/r * B A."""
     from qlm_core.checkpoint.convert.hf_megatron import mcore_to_hf

@@ -37,13 +37,22 @@ def _notice(text: str):
     err_console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
+def pair_figures(figures: dict[str, float]) -> tuple[float, float] | None:
+    """A preference or reward-model step's (accuracy, margin); None for other objectives."""
+    if "rewards/accuracies" in figures:
+        return figures["rewards/accuracies"], figures["rewards/margins"]
+    if "accuracy" in figures:  # a reward model
+        return figures["accuracy"], figures["margin"]
+    return None
+
+
 def objective_figures(figures: dict[str, float] | None) -> str:
-    """The step line's figures beside the loss: a preference step's accuracy and margin, an RL step's reward, KL,
-    clipped share, completion length and train/rollout log-prob difference."""
+    """The step line's figures beside the loss: a preference or reward-model step's accuracy and margin, an RL
+    step's reward, KL, clipped share, completion length and train/rollout log-prob difference."""
     if not figures:
         return ""
-    if "rewards/accuracies" in figures:
-        return f" acc {figures['rewards/accuracies']:.2f} margin {figures['rewards/margins']:.3f}"
+    if pair := pair_figures(figures):
+        return f" acc {pair[0]:.2f} margin {pair[1]:.3f}"
     text = f" reward {figures['reward']:.3f}"
     if "kl" in figures:
         text += f" kl {figures['kl']:.4f}"
@@ -112,8 +121,8 @@ class RunView:
             console.print(f"step {data['step']}: held-out reward {figures['reward']:.3f} (mean completion "
                           f"{figures['completions/mean_length']:.1f} tokens)")
             return
-        extra = (f", accuracy {figures['rewards/accuracies']:.3f}, margin {figures['rewards/margins']:.3f}"
-                 if figures else "")
+        pair = pair_figures(figures) if figures else None
+        extra = f", accuracy {pair[0]:.3f}, margin {pair[1]:.3f}" if pair else ""
         console.print(f"step {data['step']}: validation loss {data['loss']:.4f}{extra}")
 
     def _on_checkpoint(self, data):

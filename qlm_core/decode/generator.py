@@ -12,7 +12,7 @@ import torch
 from qlm_core.checkpoint.formats.megatron.legacy import HF_SIDE_DIR
 from qlm_core.checkpoint.sources.open import OpenedCheckpoint, open_checkpoint
 from qlm_core.data.tokenizer import load_tokenizer
-from qlm_core.decode.model import build_model
+from qlm_core.decode.model import build_model, require_language_model
 from qlm_core.decode.prompts import Prompting, Stops, answer_text, encode_prompt, prompt_template, stop_tokens
 from qlm_core.decode.sampling import Generation, Sampling, generate_rows, left_pad
 from qlm_core.errors import QlmError
@@ -45,6 +45,7 @@ class Generator:
              iteration: int | None = None) -> Generator:
         """`iteration` of a Megatron root or a qlm run (default: its latest)."""
         opened = open_checkpoint(checkpoint, iteration)
+        require_language_model(opened, checkpoint)
         tokenizer_dir = tokenizer if tokenizer is not None else opened.tokenizer_dir
         if tokenizer_dir is None:
             raise QlmError(f"no tokenizer found with {checkpoint}", "pass --tokenizer DIR (a Hugging Face tokenizer)")

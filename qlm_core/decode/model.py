@@ -24,7 +24,15 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     opened = open_checkpoint(path, iteration)
     if opened.tokenizer_dir is None:
         raise QlmError(f"no tokenizer found with {path}", "keep the tokenizer files beside the checkpoint")
+    require_language_model(opened, path)
     return build_model(opened, dtype, device, tp_group), load_tokenizer(opened.tokenizer_dir), opened.description
+
+
+def require_language_model(opened: OpenedCheckpoint, path: str | Path):
+    """One line for a reward model (a score head) given where text is decoded or scored."""
+    if opened.spec.head != "lm":
+        raise QlmError(f"{path} is a reward model (a score head, no vocabulary to decode or score text with)",
+                       "give a language model: the one it was trained from, or a language model run's checkpoint")
 
 
 def build_model(opened: OpenedCheckpoint, dtype: torch.dtype, device: torch.device,

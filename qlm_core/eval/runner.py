@@ -20,6 +20,7 @@ from qlm_core.checkpoint.formats.hf.write import write_hf
 from qlm_core.checkpoint.io.staging import probe_writable
 from qlm_core.checkpoint.sources.open import open_checkpoint
 from qlm_core.config import EvalBackend, check_finite, choices
+from qlm_core.decode.model import require_language_model
 from qlm_core.dtypes import DTYPES, HF_DTYPE_NAMES, dtype_named
 from qlm_core.errors import QlmError
 from qlm_core.eval.tasks import DEMO_TASKS, write_demo_tasks
@@ -111,9 +112,10 @@ def task_manager(config: EvalConfig):
 
 def _hf_dir_for(checkpoint: str, workdir: Path, dtype: torch.dtype, iteration: int | None = None) -> str:
     """The checkpoint as an HF directory for lm-eval's hf backend (exported when it is not one)."""
+    opened = open_checkpoint(checkpoint, iteration)
+    require_language_model(opened, checkpoint)
     if is_hf_dir(Path(checkpoint)) and iteration is None:
         return checkpoint
-    opened = open_checkpoint(checkpoint, iteration)
     layout = ModelLayout(opened.spec, make_vocab_size_divisible_by=opened.make_vocab_size_divisible_by)
     out = workdir / "hf"
     out.mkdir(parents=True)

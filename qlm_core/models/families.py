@@ -22,6 +22,9 @@ AttentionName = Literal["gqa"]
 NormName = Literal["rmsnorm"]
 ActivationName = Literal["swiglu"]
 PositionName = Literal["rope"]
+# the last stage's head: "lm" the vocabulary projection (HF *ForCausalLM), "score" one scalar per token, read at a
+# sequence's last token (a Bradley-Terry reward model; HF *ForSequenceClassification with num_labels 1)
+HeadName = Literal["lm", "score"]
 # config.json's hidden_act of each MLP activation (a gated one names its gate's function)
 HF_ACTIVATIONS: dict[str, str] = {"swiglu": "silu"}
 
@@ -31,7 +34,7 @@ W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral's experts: w1 the gate, w3 the up and w
 
 @dataclass(frozen=True)
 class Family:
-    architecture: str  # transformers' *ForCausalLM class
+    architecture: str  # transformers' *ForCausalLM class (a score head's class: *ForSequenceClassification)
     qkv_bias: QkvBias = "never"
     qk_norm: bool = False  # RMSNorm over head_dim on each q and k head, before RoPE (Qwen3)
     sliding_window: SlidingWindow = "none"
@@ -56,6 +59,15 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family("MixtralForCausalLM", sliding_window="applied", moe=True, moe_block="block_sparse_moe.",
                       expert_projections=W1_W3_W2),
 }
+
+
+SCORE_ARCHITECTURE = ("ForCausalLM", "ForSequenceClassification")
+
+
+def hf_architecture(model_type: str, head: str) -> str:
+    """transformers' class of a family's model with this head."""
+    causal = FAMILIES[model_type].architecture
+    return causal.replace(*SCORE_ARCHITECTURE) if head == "score" else causal
 
 
 Kind = TypeVar("Kind")

@@ -51,7 +51,7 @@ def model_layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: 
 
 
 def logits_flops_per_token(spec: ModelSpec) -> float:
-    return 2 * spec.hidden_size * spec.vocab_size
+    return 2 * spec.hidden_size * spec.head_outputs
 
 
 def flops_per_sequence(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> float:
@@ -80,4 +80,4 @@ def megatron_flops_per_sequence(spec: ModelSpec, seq_length: int) -> float:
         mlp = half_matrices * ((spec.num_layers - moe_layers) * spec.ffn_hidden_size + moe_layers * routed) / (
             spec.num_layers * h)
     return (12 * seq_length * spec.num_layers * h * h * (attention + mlp)
-            + 6 * seq_length * h * spec.vocab_size)
+            + 6 * seq_length * h * spec.head_outputs)

@@ -25,6 +25,7 @@ from qlm_core.models.moe import MoELayer, MoeTracker
 from qlm_core.models.norms import build_norm, norm_kind
 from qlm_core.models.positions import position_kind
 from qlm_core.models.runtime import ParallelOptions, allow_eager_regions, discard_output, outside_compile
+from qlm_core.models.score_head import ScoreHead
 from qlm_core.models.spec import ModelSpec, padded_vocab_size
 from qlm_core.parallel import shape_inference
 from qlm_core.parallel.comm import group_rank, group_size
@@ -231,10 +232,14 @@ class GPTModel(nn.Module):
         if post_process:
             # With tied embeddings the output layer borrows the embedding weight when both live in this stage;
             # a last stage without the embedding keeps its own copy (synchronised by the pipeline code).
-            self.output_layer = OutputLayer(
-                spec.hidden_size, self.padded_vocab, vocab_size=spec.vocab_size, tp_group=tp_group,
-                sequence_parallel=parallel.sequence_parallel, skip_weight=self.tied_in_stage, dtype=dtype,
-            )
+            if spec.head == "score":
+                self.output_layer = ScoreHead(spec.hidden_size, tp_group=tp_group, dtype=dtype,
+                                              sequence_parallel=parallel.sequence_parallel)
+            else:
+                self.output_layer = OutputLayer(
+                    spec.hidden_size, self.padded_vocab, vocab_size=spec.vocab_size, tp_group=tp_group,
+                    sequence_parallel=parallel.sequence_parallel, skip_weight=self.tied_in_stage, dtype=dtype,
+                )
         self.positions = position_kind(spec).scheme(spec)  # holds no parameters of RoPE's
         self.reset_parameters()
 
@@ -319,7 +324,10 @@ class GPTModel(nn.Module):
         return self.decoder(x, positions, inputs)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The final norm's output [s, b, h] -> logits [b, s, vocab_size], gathered over TP, padding removed."""
+        """The final norm's output [s, b, h] -> logits [b, s, vocab_size], gathered over TP, padding removed (a
+        score head: every token's score [b, s, 1])."""
+        if self.spec.head == "score":
+            return self.output_layer(hidden)[..., None]
         logits = self.output_layer(hidden, self.output_weight())
         return gather_last_dim(logits, self.tp_group)[..., : self.spec.vocab_size].transpose(0, 1)
 
@@ -327,7 +335,10 @@ class GPTModel(nn.Module):
         """The loss head: the final norm's output [s, b, h] (this rank's sequence shard under SP), labels [b, s] ->
         per-token loss [b, s] (fp32), zero where the label is negative. When the rank's tokens exceed
         `loss_chunk_tokens` the projection and the cross entropy run chunk by chunk (never [s, b, V/tp] logits);
-        otherwise through the whole logits, as token_loss."""
+        otherwise through the whole logits, as token_loss. A score head: each labelled token's score [b, s]
+        (fp32), zero elsewhere."""
+        if self.spec.head == "score":
+            return self.output_layer(hidden) * (labels >= 0)
         if loss_is_chunked(self.loss_chunk_tokens, labels.numel()):
             return self.output_layer(hidden, self.output_weight(), labels=labels, chunk_tokens=self.loss_chunk_tokens)
         return self.token_loss(self.output_layer(hidden, self.output_weight()), labels)

@@ -194,6 +194,9 @@ class ModelLayout:
         return self._vocab_tensor(EMBEDDING, "model.embed_tokens.weight", True)
 
     def output_layer(self) -> TensorLayout:
+        if self.spec.head == "score":  # one row, whole on every TP rank (qlm's extension of Megatron's names)
+            h = self.spec.hidden_size
+            return TensorLayout("output_layer.weight", (1, h), REPLICATED, (Segment(0, 1, "score.weight"),))
         if self.spec.tie_word_embeddings:  # a copy of the embedding (a last stage without it keeps its own)
             return self._vocab_tensor("output_layer.weight", "model.embed_tokens.weight", False, stored_as=EMBEDDING)
         return self._vocab_tensor("output_layer.weight", "lm_head.weight", True)

@@ -17,10 +17,13 @@ from qlm_core.errors import QlmError
 from qlm_core.models.families import (
     FAMILIES,
     HF_ACTIVATIONS,
+    SCORE_ARCHITECTURE,
     ActivationName,
     AttentionName,
+    HeadName,
     NormName,
     PositionName,
+    hf_architecture,
 )
 from qlm_core.models.moe_spec import MOE_MODEL_TYPES, MoeSpec, moe_from_hf, moe_to_hf
 
@@ -68,6 +71,9 @@ class ModelSpec:
     norm: NormName | None = None
     activation: ActivationName | None = None
     position: PositionName | None = None
+    head: HeadName = "lm"  # "score": a reward model's scalar head (families.HeadName); never tied
+    # a score head's: transformers' *ForSequenceClassification reads a row's score at its last token before padding
+    pad_token_id: int | None = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -82,12 +88,19 @@ class ModelSpec:
         if (self.moe is not None) != (self.model_type in MOE_MODEL_TYPES):
             raise QlmError(f"model_type {self.model_type!r} {'needs' if self.moe is None else 'takes no'} MoE numbers",
                            f"MoE model types are {', '.join(MOE_MODEL_TYPES)}")
+        if self.head == "score" and self.tie_word_embeddings:
+            raise QlmError("a score head is never tied to the embedding", "set tie_word_embeddings = false")
         if self.num_attention_heads % self.num_query_groups:
             raise QlmError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_query_groups}",
                 "fix the config",
             )
+
+    @property
+    def head_outputs(self) -> int:
+        """The last stage's outputs per token: the vocabulary's logits, or a score head's one score."""
+        return 1 if self.head == "score" else self.vocab_size
 
     @property
     def heads_per_group(self) -> int:
@@ -141,6 +154,7 @@ class ModelSpec:
             raise QlmError(f"{model_type} use_sliding_window=true is not supported", "set use_sliding_window to false")
         qkv_bias = family.qkv_bias == "always" or (family.qkv_bias == "config" and bool(config.get("qkv_bias", True)))
         moe = moe_from_hf(config, model_type, config["num_hidden_layers"]) if family.moe else None
+        head = _read_head(config, model_type)
         return cls(
             model_type=model_type,
             vocab_size=config["vocab_size"],
@@ -154,13 +168,15 @@ class ModelSpec:
             rope_theta=theta,
             norm_epsilon=config.get("rms_norm_eps", 1e-6),
             qkv_bias=qkv_bias,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=head == "lm" and bool(config.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
             sliding_window=sliding,
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
             qk_layernorm=family.qk_norm,
             moe=moe,
+            head=head,
+            pad_token_id=config.get("pad_token_id") if head == "score" else None,
         )
 
     @classmethod
@@ -174,7 +190,7 @@ class ModelSpec:
                 raise QlmError(f"a {self.model_type} model {'with' if getattr(self, flag) else 'without'} {flag} "
                                "has no Hugging Face config", f"{flag} goes with model types {', '.join(types)}")
         config: dict[str, Any] = {
-            "architectures": [FAMILIES[self.model_type].architecture],
+            "architectures": [hf_architecture(self.model_type, self.head)],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -205,12 +221,32 @@ class ModelSpec:
             config["qkv_bias"] = self.qkv_bias
         if self.moe is not None:
             config.update(moe_to_hf(self.moe, self.model_type, self.num_layers))
+        if self.pad_token_id is not None:
+            config["pad_token_id"] = self.pad_token_id
+        if self.head == "score":  # num_labels 1, as transformers writes it
+            config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
         return config
+
+    def as_reward_model(self) -> ModelSpec:
+        """This decoder with a score head (a reward model started from a language model: the head is new)."""
+        return self.replace(head="score", tie_word_embeddings=False)
 
 
 # optional config.json numbers: key -> (kind, least); None is always allowed (the key's default)
 _OPTIONAL_NUMBERS = {"num_key_value_heads": (int, 1), "head_dim": (int, 1), "max_position_embeddings": (int, 1),
                      "rope_theta": (float, 0.0), "rms_norm_eps": (float, 0.0)}
+
+
+def _read_head(config: dict[str, Any], model_type: str) -> str:
+    """"score" for a *ForSequenceClassification model with one label, "lm" otherwise."""
+    architectures = config.get("architectures") or []
+    if not any(isinstance(a, str) and a.endswith(SCORE_ARCHITECTURE[1]) for a in architectures):
+        return "lm"
+    labels = config.get("num_labels", len(config.get("id2label") or {"0": None}))
+    if labels != 1:
+        raise QlmError(f"config.json ({model_type}): a sequence classifier with {labels} labels",
+                       "qlm reads one-label classifiers (reward models, num_labels = 1)")
+    return "score"
 
 
 def _check_optional_numbers(config: dict[str, Any], model_type: str):

@@ -87,6 +87,16 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.T
     return _conjugate(x, group, reduce_scatter_dim0, all_gather_dim0)
 
 
+def gather_from_sp_whole_grad(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """fwd all-gather the sequence (dim 0); bwd keep this rank's slice: for a result every TP rank uses alike, so
+    that each already holds the whole gradient (a reduce-scatter would count it tp times)."""
+    return _conjugate(x, group, all_gather_dim0, _keep_dim0_slice)
+
+
+def _keep_dim0_slice(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    return split_dim(x, group, 0)
+
+
 def gather_last_dim(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """fwd all-gather the last dim; bwd keep this rank's slice (every rank holds the same full gradient)."""
     return _conjugate(x, group, all_gather_last_dim, _keep_last_dim_slice)

@@ -120,8 +120,9 @@ class ActivationInputs:
 
     @property
     def chunked_loss(self) -> bool:
-        """Whether GPTModel.loss runs chunk by chunk (it does when the rank's tokens exceed the chunk)."""
-        return loss_is_chunked(self.loss_chunk_tokens, self.tokens)
+        """Whether GPTModel.loss runs chunk by chunk (it does when the rank's tokens exceed the chunk; a score head
+        never does)."""
+        return self.spec.head == "lm" and loss_is_chunked(self.loss_chunk_tokens, self.tokens)
 
     @property
     def frozen(self) -> bool:
@@ -225,6 +226,9 @@ def forward_terms(x: ActivationInputs, embedding: bool) -> dict[str, float]:
 
 
 def vocab_per_rank(x: ActivationInputs) -> float:
+    """The head's outputs per token on this rank: the padded vocabulary's TP share (a score head: its one score)."""
+    if x.spec.head == "score":
+        return 1.0
     return (x.padded_vocab or x.spec.vocab_size) / x.tp
 
 

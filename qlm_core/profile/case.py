@@ -234,13 +234,13 @@ def load_spec(model: str | Path) -> tuple[ModelSpec, str]:
 def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpec | None = None) -> ProfileCase:
     """The recipe's model (what model.load holds, any checkpoint qlm train reads, when it exists here; else
     model.spec), layout and batch. `spec`: the model's numbers when the caller already has them."""
-    from qlm_core.train.sources import resolve_model
+    from qlm_core.train.sources import recipe_head, resolve_model
 
     model = recipe.model
     if model.load and not Path(model.load).exists():
         model = dataclasses.replace(model, load="")
     name = model.load or model.spec
-    spec = spec or resolve_model(model, recipe.moe).spec
+    spec = spec or resolve_model(model, recipe.moe, head=recipe_head(recipe)).spec
     p = dataclasses.replace(recipe.parallel)
     if num_gpus is None:
         num_gpus = p.tp * p.pp * p.cp * p.dp if p.dp else SEED_GPUS

@@ -139,7 +139,8 @@ def layer_gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float) -> fl
 
 def logits_gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float) -> float:
     """Forward seconds per token of the output layer's GEMM on this rank."""
-    h, v = case.spec.hidden_size, case.spec.vocab_size / case.parallel.tp
+    h = case.spec.hidden_size
+    v = 1 if case.spec.head == "score" else case.spec.vocab_size / case.parallel.tp
     return 2 * h * v / (peak * rates.gemm(h, v))
 
 

@@ -1,7 +1,7 @@
 """Where the trainer's global batches come from: a BatchSource hands this data-parallel rank its rows of each global
 batch, resumable from a sample count. Today's source reads the run's datasets (DatasetBatches: packed SFT or pretrain
-samples, or preference pairs with their precomputed reference log-probs); an objective that makes its own batches
-brings another source (RL: train/rollout_batches.py, the policy's rollouts)."""
+samples, preference pairs with their precomputed reference log-probs, or a reward model's pairs); an objective that
+makes its own batches brings another source (RL: train/rollout_batches.py, the policy's rollouts)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from typing import Protocol
 import numpy as np
 from torch.utils.data import DataLoader
 
-from qlm_core.config import Recipe
+from qlm_core.config import PAIR_KINDS, Recipe
 from qlm_core.data.loader import GlobalBatchSampler, collate
 from qlm_core.data.preference import PositionedPairs, collate_pairs
 from qlm_core.parallel.state import Grid
 from qlm_core.train.data import RunData
 from qlm_core.train.engine import Batch
+from qlm_core.train.objectives.reward import reward_labels
 
 
 class BatchSource(Protocol):
@@ -42,7 +43,7 @@ class DatasetBatches:
     def batches(self, split: str, consumed: int) -> Iterator[Batch]:
         r = self.recipe
         dataset = self.data.train if split == "train" else self.data.valid
-        preference = r.data.kind == "preference"  # pairs in a seeded order per epoch (SFT data is shuffled when built)
+        preference = r.data.kind in PAIR_KINDS  # pairs in a seeded order per epoch (SFT data is shuffled when built)
         sampler = GlobalBatchSampler(len(dataset), r.train.global_batch_size, self.grid.dp_rank,
                                      self.grid.sizes.dp, consumed_samples=consumed, seed=r.train.seed,
                                      shuffle=preference and split == "train")
@@ -51,6 +52,8 @@ class DatasetBatches:
             loader = DataLoader(PositionedPairs(dataset), batch_sampler=sampler,
                                 collate_fn=lambda items: collate_pairs(items, r.train.micro_batch_size, table))
             for input_ids, labels, reference in loader:
+                if r.data.kind == "reward":  # scored at each sequence's last token
+                    labels = reward_labels(labels)
                 yield Batch(input_ids, labels, reference_logps=reference)
             return
         for input_ids, labels, position_ids, segment_ids in DataLoader(dataset, batch_sampler=sampler,

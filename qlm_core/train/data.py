@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import ConcatDataset, Subset
 
-from qlm_core.config import DataConfig, DataKind, PreferenceConfig, RlConfig, choices
+from qlm_core.config import PAIR_KINDS, DataConfig, DataKind, PreferenceConfig, RewardConfig, RlConfig, choices
 from qlm_core.data.demo import build_demo
 from qlm_core.data.indexed import IndexedDataset
 from qlm_core.data.preference import PreferenceDataConfig, build_preference_dataset
@@ -79,11 +79,12 @@ def _has_records(path: Path) -> bool:
 
 def build_run_data(data: DataConfig, tokenizer_dir: Path | None, cache_dir: Path, train_samples: int,
                    valid_samples: int, preference: PreferenceConfig | None = None,
-                   rl: RlConfig | None = None) -> RunData:
+                   rl: RlConfig | None = None, reward: RewardConfig | None = None) -> RunData:
     train_names, valid_names = list(data.train), list(data.valid)
     if DEMO in train_names or DEMO in valid_names:
         paths = demo_paths(cache_dir, data.seed)
-        demo = {"sft": paths.train, "preference": paths.preference, "rl": paths.rl}.get(data.kind)
+        demo = {"sft": paths.train, "preference": paths.preference, "reward": paths.preference,
+                "rl": paths.rl}.get(data.kind)
         demo = str(demo) if demo is not None else demo_corpus_prefix(paths, cache_dir)
         train_names = [demo if n == DEMO else n for n in train_names]
         valid_names = [demo if n == DEMO else n for n in valid_names]
@@ -99,8 +100,11 @@ def build_run_data(data: DataConfig, tokenizer_dir: Path | None, cache_dir: Path
         def build(name):
             return load_prompts(name, tokenizer_dir, data.chat_template or None, seq_length=data.seq_length,
                                 max_completion_length=rl.max_completion_length, cache_dir=cache)
-    elif data.kind == "preference":
-        pref = preference or PreferenceConfig()
+    elif data.kind in PAIR_KINDS:
+        if data.kind == "reward":  # TRL's RewardConfig has max_length only: prompts are cut to fit it
+            pref = PreferenceConfig(max_length=(reward or RewardConfig()).max_length)
+        else:
+            pref = preference or PreferenceConfig()
         config = PreferenceDataConfig(
             seq_length=data.seq_length, chat_template=data.chat_template or None, max_length=pref.max_length,
             max_prompt_length=pref.max_prompt_length, truncation_mode=pref.truncation_mode, format=data.format,
@@ -130,7 +134,7 @@ def build_run_data(data: DataConfig, tokenizer_dir: Path | None, cache_dir: Path
         return RunData(train_set, None, tokenizer_dir, truncated)
     cut = len(train_set) - held_out
     order = range(len(train_set))
-    if data.kind == "preference":  # SFT data is shuffled when built; pairs keep the file's order, so hold out a sample
+    if data.kind in PAIR_KINDS:  # SFT data is shuffled when built; pairs keep the file's order, so hold out a sample
         order = np.random.default_rng(data.seed).permutation(len(train_set)).tolist()
     return RunData(Subset(train_set, order[:cut]), Subset(train_set, order[cut:]), tokenizer_dir, truncated)
 

@@ -17,7 +17,7 @@ from qlm_core.parallel.state import ParallelSizes, resolve_sizes
 from qlm_core.train.checkpointing import describe_resume, resume_iteration
 from qlm_core.train.data import check_cache_dir, check_data_files
 from qlm_core.train.run_dir import RunLock, claim_run_dir
-from qlm_core.train.sources import resolve_model
+from qlm_core.train.sources import recipe_head, resolve_model
 from qlm_core.train.validate import (
     validate_compile_cache,
     validate_layout,
@@ -156,10 +156,10 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
         # the recipe names, said as such (not "random init")
         warnings.append(f"warning: model.load {model.load} does not exist here: this dry run takes the model's "
                         f"numbers from model.spec {model.spec} (a real run stops at this)")
-        source = resolve_model(replace(model, load=""), recipe.moe)
+        source = resolve_model(replace(model, load=""), recipe.moe, head=recipe_head(recipe))
         source = replace(source, description=f"{model.spec} from model.spec (model.load {model.load} not found)")
     else:
-        source = resolve_model(model, recipe.moe)
+        source = resolve_model(model, recipe.moe, head=recipe_head(recipe))
     if recipe.data.kind == "preference":
         validate_preference_model(source.spec)
     if recipe.data.kind == "rl":  # the prompts per data-parallel rank, and every reward function imported

@@ -7,12 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from qlm_core.checkpoint.sources.open import open_checkpoint, tokenizer_near
-from qlm_core.config import ModelConfig, MoeConfig
+from qlm_core.config import ModelConfig, MoeConfig, Recipe
+from qlm_core.data.tokenizer import tokenizer_and_pad
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import TensorSource
+from qlm_core.models.families import HeadName
+from qlm_core.models.layout import TensorLayout, TensorSource
 from qlm_core.models.presets import load_model_spec
 from qlm_core.models.spec import ModelSpec
+
+SCORE_HEAD = "output_layer.weight"  # a score head's name in Megatron's view (models/score_head.py)
 
 
 @dataclass
@@ -61,9 +67,11 @@ def with_recipe_router(spec: ModelSpec, moe: MoeConfig, loaded: bool) -> ModelSp
     return replace(spec, moe=replace(spec.moe, **changes))
 
 
-def resolve_model(config: ModelConfig, moe: MoeConfig | None = None, iteration: int | None = None) -> ModelSource:
+def resolve_model(config: ModelConfig, moe: MoeConfig | None = None, iteration: int | None = None,
+                  head: HeadName = "lm", seed: int = 0) -> ModelSource:
     """`moe`: the recipe's [moe], whose router choices apply to a model trained from scratch. `iteration`: the
-    iteration of a Megatron checkpoint or qlm run in model.load to read (None: its latest)."""
+    iteration of a Megatron checkpoint or qlm run in model.load to read (None: its latest). `head`: the head the
+    run trains (recipe_head); a language model loaded for a score head gets a new one, drawn with `seed`."""
     moe = MoeConfig() if moe is None else moe
     iteration_read, weights_dir = None, None
     if config.load:
@@ -80,4 +88,40 @@ def resolve_model(config: ModelConfig, moe: MoeConfig | None = None, iteration: 
         tokenizer = tokenizer_near(Path(config.spec)) if Path(config.spec).exists() else None
     if config.tokenizer:
         tokenizer = Path(config.tokenizer)
+    if head != spec.head:
+        spec, weights, what = _with_head(spec, weights, what, head, seed, config, tokenizer)
     return ModelSource(spec, weights, tokenizer, what, iteration_read, weights_dir)
+
+
+def recipe_head(recipe: Recipe) -> HeadName:
+    """The head a recipe trains: a score head for a reward model, else the language model's."""
+    return "score" if recipe.data.kind == "reward" else "lm"
+
+
+def _with_head(spec: ModelSpec, weights: TensorSource | None, what: str, head: HeadName, seed: int,
+               config: ModelConfig, tokenizer: Path | None):
+    if head == "lm":
+        raise QlmError(f"model.load {config.load} is a reward model (a score head), not a language model",
+                       'train it with data.kind = "reward", or load a language model')
+    pad = tokenizer_and_pad(tokenizer)[1] if tokenizer is not None else None
+    spec = spec.as_reward_model().replace(pad_token_id=pad)
+    if weights is None:
+        return spec, None, what + " with a score head"
+    return spec, NewScoreHead(weights, spec.hidden_size, seed), what + " with a new score head (random, std 0.02)"
+
+
+class NewScoreHead:
+    """A language model's weights with a new score head (models/score_head.py) in place of its output layer: drawn
+    from N(0, 0.02²) with `seed`, the init transformers gives a *ForSequenceClassification's new `score`."""
+
+    def __init__(self, weights: TensorSource, hidden_size: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        self.weights, self.head = weights, torch.randn(1, hidden_size, generator=generator) * 0.02
+
+    def stored_dtype(self, tensor: TensorLayout) -> torch.dtype:
+        return self.head.dtype if tensor.name == SCORE_HEAD else self.weights.stored_dtype(tensor)
+
+    def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor) -> None:
+        if tensor.name != SCORE_HEAD:
+            return self.weights.read_into(tensor, start, stop, out)
+        out.copy_(self.head[start:stop])

@@ -60,7 +60,7 @@ from qlm_core.train.plan import RunStart, total_steps
 from qlm_core.train.run_dir import os_error
 from qlm_core.train.schedule import learning_rate
 from qlm_core.train.signals import StopControl, StopReason
-from qlm_core.train.sources import resolve_model
+from qlm_core.train.sources import recipe_head, resolve_model
 from qlm_core.train.validate import validate_compile_cache, validate_recipe, validate_rl
 from qlm_core.train.wandb_log import WandbLogger, check_wandb
 
@@ -185,7 +185,7 @@ class Trainer:
             if (self.grid.rank == 0) == (turn == "first"):
                 self.data = build_run_data(r.data, source.tokenizer_dir, cache,
                                            self.steps * r.train.global_batch_size, valid_samples, r.preference,
-                                           r.rl)
+                                           r.rl, r.reward)
             if dist.is_initialized():
                 dist.barrier()
         rows = rows_per_sample(r)
@@ -232,7 +232,7 @@ class Trainer:
         r = self.recipe
         pinned = pinned_iteration(self.run_dir, r.model.load) if r.model.load and resuming else None
         try:
-            source = resolve_model(r.model, r.moe, iteration=pinned)
+            source = resolve_model(r.model, r.moe, iteration=pinned, head=recipe_head(r), seed=r.train.seed)
         except QlmError as exc:
             if pinned is None:
                 raise

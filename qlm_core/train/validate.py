@@ -10,6 +10,7 @@ Engine (built by workers and tests without a Recipe) and `qlm profile`.
 from __future__ import annotations
 
 from qlm_core.config import (
+    PAIR_KINDS,
     REFERENCE_FREE_LOSSES,
     MoeConfig,
     ParallelConfig,
@@ -69,6 +70,8 @@ def validate_recipe(recipe: Recipe):
     validate_data_format(recipe)
     if recipe.data.kind == "preference":
         validate_preference(recipe)
+    if recipe.data.kind == "reward":
+        validate_reward(recipe)
     if recipe.data.kind == "rl":
         validate_rl(recipe)
 
@@ -77,7 +80,7 @@ def validate_data_format(recipe: Recipe):
     kind, fmt = recipe.data.kind, recipe.data.format
     if kind in ("pretrain", "rl"):  # indexed documents; RL prompts are read by their `prompt` field
         return
-    formats = choices(PreferenceFormat if kind == "preference" else SftFormat)
+    formats = choices(PreferenceFormat if kind in PAIR_KINDS else SftFormat)
     if fmt not in formats:
         raise QlmError(f"data.format {fmt!r} is not a {kind} format", f"use one of {', '.join(formats)}")
 
@@ -95,6 +98,20 @@ def validate_preference(recipe: Recipe):
     if pref.precompute_reference and pref.loss_type in REFERENCE_FREE_LOSSES:
         raise QlmError(f"preference.precompute_reference with the reference-free {pref.loss_type} loss",
                        "remove precompute_reference (simpo and orpo use no reference model)")
+
+
+def validate_reward(recipe: Recipe):
+    """data.kind = "reward" with [reward]."""
+    data, reward = recipe.data, recipe.reward
+    if data.packing:
+        raise QlmError("data.packing with data.kind = \"reward\": each pair is two padded sequences (chosen, "
+                       "rejected) of one micro-batch, never packed", "set data.packing = false")
+    if reward.max_length is not None and reward.max_length > data.seq_length:
+        raise QlmError(f"reward.max_length {reward.max_length} is longer than data.seq_length {data.seq_length}",
+                       "lower reward.max_length or raise data.seq_length")
+    if recipe.lora.rank > 0:
+        raise QlmError("LoRA with data.kind = \"reward\": the new score head would stay frozen",
+                       "set lora.rank = 0 (a reward model trains all its weights)")
 
 
 def validate_rl(recipe: Recipe, dp: int | None = None):

@@ -96,13 +96,17 @@ def qlm_model(layout: ModelLayout, source: TensorSource, weight_dtype: torch.dty
 
 
 def load_hf_model(path: Path, weight_dtype: torch.dtype):
-    """transformers' model in fp32 compute, weights rounded to `weight_dtype`."""
-    from transformers import AutoModelForCausalLM
+    """transformers' model in fp32 compute, weights rounded to `weight_dtype`: its causal LM, or its sequence
+    classifier where config.json names one (a reward model)."""
+    import transformers
 
+    architecture = (transformers.AutoConfig.from_pretrained(path).architectures or [""])[0]
+    auto = (transformers.AutoModelForSequenceClassification if architecture.endswith("ForSequenceClassification")
+            else transformers.AutoModelForCausalLM)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = auto.from_pretrained(path, dtype=torch.float32)
     except TypeError:  # transformers < 4.56 names it torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+        model = auto.from_pretrained(path, torch_dtype=torch.float32)
     return model.to(weight_dtype).float().eval()
 
 
@@ -120,7 +124,11 @@ def compare_logits(report: VerifyReport, reference, candidate, spec):
 
 
 def hf_logits_fn(path: Path, weight_dtype: torch.dtype):
+    """A sequence classifier scores every position with its own `score` (what qlm's model returns), not only the
+    last non-pad token its forward pools."""
     model = load_hf_model(path, weight_dtype)
+    if hasattr(model, "score"):
+        return lambda ids: model.score(model.base_model(ids).last_hidden_state)
     return lambda ids: model(ids).logits
 
 

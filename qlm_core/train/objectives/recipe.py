@@ -9,12 +9,15 @@ from qlm_core.train.objectives.grpo_loss import GrpoLoss
 from qlm_core.train.objectives.lm import LanguageModelObjective
 from qlm_core.train.objectives.preference import PreferenceObjective
 from qlm_core.train.objectives.preference_loss import PreferenceLossConfig
+from qlm_core.train.objectives.reward import RewardObjective
 
 
 def recipe_objective(recipe: Recipe) -> Objective:
     """The objective a recipe's data kind trains."""
     if recipe.data.kind == "rl":  # the reference (beta > 0): a frozen copy of the starting weights
         return GrpoObjective(GrpoLoss.from_recipe(recipe.rl), recipe.rl.temperature, reference="frozen")
+    if recipe.data.kind == "reward":
+        return RewardObjective(recipe.reward.center_rewards_coefficient)
     if recipe.data.kind == "preference":
         return PreferenceObjective(PreferenceLossConfig.from_recipe(recipe.preference), preference_reference(recipe))
     return LanguageModelObjective()

@@ -59,6 +59,8 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         qlm_model_type=s.model_type,
         qlm_rope_scaling=None if s.rope_scaling is None else vars(s.rope_scaling).copy(),
         qk_layernorm=s.qk_layernorm,
+        qlm_head=s.head,
+        qlm_pad_token_id=s.pad_token_id,
         **moe_args(s),
     )
     set_layout_args(args, layout, dtype)
@@ -219,6 +221,8 @@ def spec_from_args(args) -> ModelSpec:
         moe=moe,
         norm=norm,
         activation=activation,
+        head=getattr(args, "qlm_head", None) or "lm",
+        pad_token_id=getattr(args, "qlm_pad_token_id", None),
     )
 
 
