@@ -24,6 +24,7 @@ from qlm_core.train.validate import (
     validate_moe,
     validate_preference_model,
     validate_recipe,
+    validate_reward_model,
     validate_rl,
 )
 
@@ -162,6 +163,8 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
         source = resolve_model(model, recipe.moe, head=recipe_head(recipe))
     if recipe.data.kind == "preference":
         validate_preference_model(source.spec)
+    if recipe.data.kind == "reward":
+        validate_reward_model(source.spec)
     if recipe.data.kind == "rl":  # the prompts per data-parallel rank, and every reward function imported
         from qlm_core.train.rollout_batches import recipe_rewards
 

@@ -101,3 +101,27 @@ def test_stop_and_resume_is_bit_identical(recipe, baseline, tmp_path):
     qlm_train(recipe, "--output", run)
     keys = PAIR_KEYS + REWARD_KEYS
     assert [[r[k] for k in keys] for r in metrics(run)] == [[r[k] for k in keys] for r in metrics(baseline)]
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["model.spec=qlm-tiny-moe"], "takes dense models"),
+    (["data.packing=true"], "never packed"),
+    (["lora.rank=4", "model.load={baseline}"], "score head would stay frozen"),
+    (["reward.max_length=64"], "reward.max_length 64 is longer than data.seq_length 32"),
+], ids=["moe", "packing", "lora", "max_length"])
+def test_a_recipe_it_cannot_train_is_one_line(recipe, baseline, tmp_path, sets, needle):
+    proc = qlm_train(recipe, "--dry-run", "--output", tmp_path / "run",
+                     *[arg for value in sets for arg in ("--set", value.format(baseline=baseline))], check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("warning:")]
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-1500:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_reward_model_given_to_a_language_model_run_is_one_line(recipe, baseline, tmp_path):
+    sft = recipe.read_text().replace('kind = "reward"', 'kind = "sft"').replace('spec = "qlm-tiny"',
+                                                                                 f"load = {json.dumps(str(baseline))}")
+    path = tmp_path / "sft.toml"
+    path.write_text(sft.split("[reward]")[0] + "[train]" + sft.split("[train]")[1])
+    proc = qlm_train(path, "--output", tmp_path / "run", check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("warning:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "is a reward model" in lines[0], proc.stderr[-1500:]
