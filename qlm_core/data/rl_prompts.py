@@ -5,10 +5,13 @@ functions read (`answer`, `solution`, a task name...), as TRL's GRPOTrainer take
 A prompt is rendered with the chat template (data.chat_template, else the tokenizer's own) as the user's turn and
 the assistant's generation prompt; a tokenizer without a template takes a string prompt as it is. Every prompt must
 leave room for rl.max_completion_length tokens in data.seq_length: one that does not is one line naming the file and
-the record, before the first step."""
+the record, before the first step. Each record keeps the rendered conversation (its turns, as JSON text, under
+CONVERSATION; "" for a prompt taken as written) for a reward model, which renders it with its own template; reward
+functions see the record without it (`user_fields`)."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,11 +51,20 @@ def _turns(value: list, where: str) -> list[dict]:
     return turns
 
 
-def render_prompt(prompt: Any, tokenizer, template: str | None, where: str) -> tuple[list[int], str]:
-    """(token ids, the prompt as text for the rewards) of one record's prompt."""
+CONVERSATION = "qlm_conversation"
+
+
+def user_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """A prompt record as its file had it (the prompt as text): what a reward function is given."""
+    return {key: value for key, value in record.items() if key != CONVERSATION}
+
+
+def render_prompt(prompt: Any, tokenizer, template: str | None, where: str) -> tuple[list[int], str, list[dict]]:
+    """(token ids, the prompt as text for the rewards, the turns rendered: [] for a prompt taken as written) of one
+    record's prompt."""
     if isinstance(prompt, str):
         if template is None:
-            return list(tokenizer.encode(prompt)), prompt
+            return list(tokenizer.encode(prompt)), prompt, []
         turns = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list):
         if template is None:
@@ -63,7 +75,7 @@ def render_prompt(prompt: Any, tokenizer, template: str | None, where: str) -> t
         raise QlmError(f"{where}: prompt is a {type(prompt).__name__}, not a string or a list of turns",
                        "write each record's prompt as a string or a list of {role, content} turns")
     text = tokenizer.apply_chat_template(turns, chat_template=template, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(text, add_special_tokens=False)), turns[-1]["content"]
+    return list(tokenizer.encode(text, add_special_tokens=False)), turns[-1]["content"], turns
 
 
 def prompts_template(tokenizer, chat_template: str | None) -> str | None:
@@ -75,10 +87,10 @@ def prompts_template(tokenizer, chat_template: str | None) -> str | None:
 
 def _render(batch, indices, tokenizer, template: str | None, room: int, max_completion_length: int,
             seq_length: int, path: str):
-    ids, texts = [], []
+    ids, texts, conversations = [], [], []
     for index, prompt in zip(indices, batch["prompt"], strict=True):
         where = f"{path} record {index}"
-        prompt_ids, text = render_prompt(prompt, tokenizer, template, where)
+        prompt_ids, text, turns = render_prompt(prompt, tokenizer, template, where)
         if len(prompt_ids) > room:
             raise QlmError(f"{where}: its prompt of {len(prompt_ids)} tokens leaves no room for "
                            f"rl.max_completion_length {max_completion_length} in data.seq_length {seq_length}",
@@ -87,7 +99,8 @@ def _render(batch, indices, tokenizer, template: str | None, room: int, max_comp
             raise QlmError(f"{where}: its prompt renders to no tokens", "give every record a non-empty prompt")
         ids.append(prompt_ids)
         texts.append(text)
-    return {PROMPT_IDS: ids, "prompt": texts}
+        conversations.append(json.dumps(turns) if turns else "")
+    return {PROMPT_IDS: ids, "prompt": texts, CONVERSATION: conversations}
 
 
 PROMPT_IDS = "qlm_prompt_ids"

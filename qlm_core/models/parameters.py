@@ -36,6 +36,7 @@ def layer_parameters(spec: ModelSpec, layer: int, active: bool = False) -> int:
 def num_parameters(spec: ModelSpec, active: bool = False) -> int:
     """Every parameter (HF's count: the embedding once when tied); `active`: those one token computes with, the
     routed experts counted top-k times instead of num_experts."""
-    embed = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    head = 0 if spec.tie_word_embeddings else spec.head_outputs * spec.hidden_size  # a score head: one row
+    embed = spec.vocab_size * spec.hidden_size + head
     final_norm = len(norm_kind(spec).tensors) * spec.hidden_size
     return sum(layer_parameters(spec, i, active) for i in range(spec.num_layers)) + embed + final_norm

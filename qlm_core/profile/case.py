@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from qlm_core.checkpoint.sources.open import open_checkpoint
 from qlm_core.config import (
     ModelConfig,
     MoeConfig,
@@ -30,6 +31,7 @@ from qlm_core.config import (
 from qlm_core.dtypes import DTYPES
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import LORA_TARGETS, UNEVEN_SPLIT_KEYS, ModelLayout
+from qlm_core.models.parameters import num_parameters
 from qlm_core.models.presets import load_model_spec
 from qlm_core.models.spec import ModelSpec
 from qlm_core.parallel.pipeline_rules import validate_recompute
@@ -86,6 +88,7 @@ class ProfileCase:
     rl: bool = False
     rl_reference: bool = False
     rl_batch_rows: int = 0  # completions decoded at once (rl.rollout_batch_size; 0: the leader's whole share)
+    rl_reward_model_params: int = 0  # the reward models rl.reward_funcs names, whole on each leader
 
     @property
     def reference_copy(self) -> bool:
@@ -251,10 +254,22 @@ def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpe
         micro_batch_size=recipe.train.micro_batch_size * rows, global_batch_size=recipe.train.global_batch_size * rows,
         preference_reference=reference, rl=recipe.data.kind == "rl",
         rl_reference=recipe.data.kind == "rl" and recipe.rl.beta > 0, rl_batch_rows=recipe.rl.rollout_batch_size,
+        rl_reward_model_params=reward_model_parameters(recipe),
         num_gpus=num_gpus, dtype=recipe.model.dtype, lora_rank=recipe.lora.rank,
         lora_targets=tuple(recipe.lora.target_modules), loss_chunk_tokens=recipe.train.loss_chunk_tokens,
         mean_doc_len=recipe.data.mean_doc_len, moe=dataclasses.replace(recipe.moe),
     )
+
+
+def reward_model_parameters(recipe: Recipe) -> int:
+    """The parameters of the reward models an RL recipe's rl.reward_funcs names (0 for functions only)."""
+    from qlm_core.train.reward_model_source import is_reward_model_path
+    from qlm_core.train.rewards import BUILT_IN
+
+    if recipe.data.kind != "rl":
+        return 0
+    return sum(num_parameters(open_checkpoint(name).spec) for name in recipe.rl.reward_funcs
+               if name not in BUILT_IN and is_reward_model_path(name))
 
 
 def case_to_dict(case: ProfileCase) -> dict:

@@ -22,9 +22,9 @@
                 ZeRO 3: FSDP's unsharded parameters (the root's embedding/output and two layers, prefetch) in the
                 compute dtype plus one layer's reduce-scatter input (grad_reduce_dtype); ZeRO 0/1 reduce in place (0)
   rollout       RL (data.kind = "rl"), on the stage of each model replica's leader (stage 0): the whole rollout model
-                in the compute dtype (kept between steps), plus what the rollout holds only while it runs — the KV
-                cache of the completions it decodes at once (global batch / dp, or rl.rollout_batch_size, rows of
-                seq_len tokens), the synced whole weights
+                and any reward model rl.reward_funcs names in the compute dtype (kept between steps), plus what
+                the rollout holds only while it runs — the KV cache of the completions it decodes at once
+                (global batch / dp, or rl.rollout_batch_size, rows of seq_len tokens), the synced whole weights
                 before they are copied in, the last position's fp32 logits — beyond the training step's transient
                 memory (activations, loss, workspace, pipeline and communication buffers), which is freed by then
   allocator     an allowance, not a measurement: `fraction` of the above for the caching allocator's rounding and
@@ -284,11 +284,12 @@ def rollout_bytes(case: ProfileCase, x: ActivationInputs, training_transient: fl
     """An RL leader's rollout memory (the module docstring's `rollout`)."""
     spec, width = case.spec, case.dtype_bytes
     model = width * num_parameters(spec)
+    reward_models = width * case.rl_reward_model_params
     rows = case.global_batch_size // case.sizes.dp
     rows = min(rows, case.rl_batch_rows) if case.rl_batch_rows else rows
     kv_cache = rows * case.seq_len * spec.num_layers * attention_terms(x).kv_cache(spec) * width
     logits = 4.0 * rows * spec.vocab_size
-    return model + max(0.0, kv_cache + model + logits - training_transient)
+    return model + reward_models + max(0.0, kv_cache + model + logits - training_transient)
 
 
 def estimate_memory(case: ProfileCase, capacity_gib: float, device: str = "cuda",

@@ -2,9 +2,11 @@
 
 A reward source is a Python function named in the recipe — a built-in (`exact_answer`, `math_answer`, `think_format`)
 or `module:function` — called as fn(prompt, completion, record) with the record's other fields, returning a number
-(or None: the function does not score this record, as in TRL). Several sources are summed with their weights. Each
-is imported when the run is planned, so a name that cannot be imported is one line before step 1; a function that
-raises, returns NaN or something that is not a number is one line naming it and the record.
+(or None: the function does not score this record, as in TRL), or a trained reward model named by its checkpoint
+directory (reward_model_source.py), which scores a batch of rows at once. Several sources are summed with their
+weights. Each is imported (a reward model opened) when the run is planned, so a name that cannot be is one line
+before step 1; a function that raises, returns NaN or something that is not a number is one line naming it and the
+record.
 
 Advantages are TRL 1.16's GRPOTrainer ("sum_then_normalize"): the weighted sum r, minus its group's mean (the
 `num_generations` completions of one prompt), divided by the group's std + 1e-4 (scale "group"), the batch's
@@ -26,7 +28,9 @@ from typing import Any
 import torch
 
 from qlm_core.config import ScaleRewards
+from qlm_core.data.rl_prompts import user_fields
 from qlm_core.errors import QlmError
+from qlm_core.train.reward_model_source import RewardModelSource, is_reward_model_path
 
 RewardFunction = Callable[[str, str, dict[str, Any]], float | None]
 
@@ -99,7 +103,7 @@ BUILT_IN: dict[str, RewardFunction] = {"exact_answer": exact_answer, "math_answe
 
 @dataclass(frozen=True)
 class RewardSource:
-    name: str  # a built-in or "module:function"
+    name: str  # a built-in, "module:function" or a reward model's checkpoint directory
     weight: float = 1.0
 
 
@@ -109,8 +113,9 @@ def load_reward(name: str) -> RewardFunction:
         return BUILT_IN[name]
     module_name, _, function_name = name.partition(":")
     if not module_name or not function_name:
-        raise QlmError(f"reward {name!r} is neither a built-in nor module:function",
-                       f"use one of {', '.join(BUILT_IN)} or name a function as package.module:function")
+        raise QlmError(f"reward {name!r} is neither a built-in, module:function nor a reward model's directory",
+                       f"use one of {', '.join(BUILT_IN)}, name a function as package.module:function, or give "
+                       "the path of a reward model")
     if "" not in sys.path and os.getcwd() not in sys.path:  # `python -m` has it; the qlm script does not
         sys.path.append(os.getcwd())
     try:
@@ -129,7 +134,7 @@ def load_reward(name: str) -> RewardFunction:
 class Rewards:
     """The recipe's reward sources, loaded (each import checked) when built."""
 
-    def __init__(self, sources: Sequence[RewardSource]):
+    def __init__(self, sources: Sequence[RewardSource], model_dtype: torch.dtype = torch.float32):
         if not sources:
             raise QlmError("an RL run names no reward", "add rl.reward_funcs, e.g. [\"exact_answer\"]")
         for source in sources:
@@ -138,21 +143,28 @@ class Rewards:
                 raise QlmError(f"reward {source.name}'s weight is {source.weight!r}, not a finite number",
                                "give each reward a finite weight")
         self.sources = list(sources)
-        self.functions = [load_reward(source.name) for source in sources]
+        self.functions = [RewardModelSource(source.name, model_dtype)
+                          if source.name not in BUILT_IN and is_reward_model_path(source.name)
+                          else load_reward(source.name) for source in sources]
         self.weights = torch.tensor([float(source.weight) for source in sources], dtype=torch.float64)
 
     @property
     def names(self) -> list[str]:
-        return [source.name.rpartition(":")[2] for source in self.sources]
+        """Each source's name in the metrics: a function's name, a reward model's directory name."""
+        return [function.name if isinstance(function, RewardModelSource) else source.name.rpartition(":")[2]
+                for source, function in zip(self.sources, self.functions, strict=True)]
 
     def score(self, prompts: Sequence[str], completions: Sequence[str],
               records: Sequence[dict[str, Any]]) -> torch.Tensor:
         """[N, sources] rewards (float64; NaN where a function returned None)."""
         out = torch.full((len(completions), len(self.functions)), float("nan"), dtype=torch.float64)
-        for row, (prompt, completion, record) in enumerate(zip(prompts, completions, records, strict=True)):
-            for column, (source, function) in enumerate(zip(self.sources, self.functions, strict=True)):
+        for column, (source, function) in enumerate(zip(self.sources, self.functions, strict=True)):
+            if isinstance(function, RewardModelSource):
+                out[:, column] = torch.tensor(function(prompts, completions, records), dtype=torch.float64)
+                continue
+            for row, (prompt, completion, record) in enumerate(zip(prompts, completions, records, strict=True)):
                 try:
-                    value = function(prompt, completion, record)
+                    value = function(prompt, completion, user_fields(record))
                 except Exception as exc:  # the user's function: its failure is named with the record
                     raise QlmError(f"reward {source.name} raised {type(exc).__name__}: {exc} on record {row} "
                                    f"(prompt {prompt[:60]!r})", "fix the reward function") from None

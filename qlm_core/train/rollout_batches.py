@@ -35,6 +35,7 @@ from qlm_core.data.rl_prompts import PromptSet, prompts_template
 from qlm_core.data.tokenizer import load_tokenizer
 from qlm_core.decode.prompts import answer_text, stop_tokens
 from qlm_core.decode.sampling import MAX_SEED, Sampling
+from qlm_core.dtypes import DTYPES
 from qlm_core.models.gpt import GPTModel
 from qlm_core.parallel.comm import group_size
 from qlm_core.train.engine import Engine
@@ -65,10 +66,11 @@ def rollout_config(recipe: Recipe) -> RolloutConfig:
 
 def recipe_rewards(recipe: Recipe) -> Rewards:
     """rl.reward_funcs with rl.reward_weights (default 1 each; their count checked by validate_rl), every
-    function imported now."""
+    function imported and every reward model opened now (its weights read in model.dtype at its first score)."""
     rl = recipe.rl
     weights = rl.reward_weights or [1.0] * len(rl.reward_funcs)
-    return Rewards([RewardSource(name, weight) for name, weight in zip(rl.reward_funcs, weights, strict=True)])
+    return Rewards([RewardSource(name, weight) for name, weight in zip(rl.reward_funcs, weights, strict=True)],
+                   model_dtype=DTYPES[recipe.model.dtype])
 
 
 class RolloutBatches:

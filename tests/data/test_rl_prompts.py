@@ -7,7 +7,7 @@ import json
 import pytest
 
 from qlm_core.data.demo import build_demo
-from qlm_core.data.rl_prompts import load_prompts
+from qlm_core.data.rl_prompts import CONVERSATION, load_prompts, user_fields
 from qlm_core.data.tokenizer import load_tokenizer
 from qlm_core.errors import QlmError
 
@@ -34,8 +34,11 @@ def test_prompts_render_as_transformers_chat_template_with_the_generation_prompt
                                               return_dict=True)["input_ids"]
                 for conversation in ([{"role": "user", "content": "Largest of: 1 7 3"}], turns)]
     assert [list(ids) for ids in prompts.ids] == [list(e) for e in expected]
-    assert prompts.records == [{"prompt": "Largest of: 1 7 3", "answer": "7"}, {"prompt": "Sort: c a b",
-                                                                                "answer": "a b c"}]
+    assert [user_fields(r) for r in prompts.records] == [{"prompt": "Largest of: 1 7 3", "answer": "7"},
+                                                         {"prompt": "Sort: c a b", "answer": "a b c"}]
+    # the turns rendered, for a reward model's own template
+    assert [json.loads(r[CONVERSATION]) for r in prompts.records] == [
+        [{"role": "user", "content": "Largest of: 1 7 3"}], turns]
 
 
 @pytest.mark.parametrize("record, message", [

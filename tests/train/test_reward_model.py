@@ -154,3 +154,38 @@ def test_reward_model_from_a_language_model_exports_a_sequence_classifier(setup,
             code, out, err = call_qlm(*verb)
             lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
             assert code == 2 and len(lines) == 1 and "is a reward model" in lines[0], (verb, out[-800:], err[-800:])
+
+
+def test_a_reward_model_scores_rl_completions_as_trl_grpo_does(setup, tmp_path):
+    """rl.reward_funcs naming a reward model: qlm's rewards of prompt + completion rows equal TRL 1.16
+    GRPOTrainer's scoring with the same model (its chat-template rendering of prompt + completion turns, right
+    padding, `logits[:, 0]`), for conversation and string prompts, within 1e-5."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl.data_utils import apply_chat_template
+
+    from qlm_core.data.rl_prompts import load_prompts
+    from qlm_core.train.rewards import Rewards, RewardSource
+
+    _, rm, _, _ = setup
+    conversations = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "sort b a c"}],
+                     [{"role": "user", "content": "largest of 3 9 4"}]]
+    strings = ["count the letters of abc", "reverse xyz"]
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in conversations + strings))
+    prompts = load_prompts(prompts_file, rm, None, seq_length=64, max_completion_length=8,
+                           cache_dir=str(tmp_path / "cache"))
+    completions = ["a b c", "9", "3 letters, surely", "zyx"]
+    rewards = Rewards([RewardSource(str(rm))])
+    assert rewards.names == ["rm"]
+    ours = rewards.score([r["prompt"] for r in prompts.records], completions, prompts.records)[:, 0]
+
+    tokenizer = AutoTokenizer.from_pretrained(rm)
+    model = AutoModelForSequenceClassification.from_pretrained(rm, dtype=torch.float32).eval()
+    trl_prompts = conversations + [[{"role": "user", "content": p}] for p in strings]  # qlm renders strings as turns
+    texts = [apply_chat_template({"messages": p + [{"role": "assistant", "content": c}]}, tokenizer)["text"]
+             for p, c in zip(trl_prompts, completions, strict=True)]
+    inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    with torch.no_grad():
+        theirs = model(**inputs).logits[:, 0].double()
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours, theirs)
+    assert len(set(ours.tolist())) == len(completions)  # distinct rows, distinct rewards: nothing pooled wrongly

@@ -122,7 +122,7 @@ def test_a_bad_reward_value_is_one_line_naming_it_and_the_record(user_rewards, n
     ("my_rewards:missing", "my_rewards has no function missing"),
     ("broken_rewards:f", r"cannot import broken_rewards \(ModuleNotFoundError"),
     ("no_such_module_q:f", "cannot import no_such_module_q"),
-    ("plainname", "neither a built-in nor module:function"),
+    ("plainname", "neither a built-in, module:function nor a reward model"),
 ])
 def test_a_reward_that_cannot_be_loaded_is_one_line(user_rewards, name, message):
     with pytest.raises(QlmError, match=message):

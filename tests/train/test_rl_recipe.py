@@ -264,3 +264,56 @@ def test_the_profile_counts_an_rl_leaders_rollout_model_and_kv_cache(recipe_file
     assert whole["rollout"] - bounded["rollout"] == pytest.approx((64 - 32) * (kv_row + 4 * 151936), rel=1e-6)
     assert memory("rl.beta=0.04")["weights"] - whole["weights"] == pytest.approx(model_bytes, rel=0.01)
     assert memory("data.kind='sft'", "data.packing=false")["rollout"] == 0
+
+
+@pytest.fixture(scope="module")
+def reward_model_run(recipe_file):
+    """A reward model trained 2 steps by qlm on the demo's pairs (the RL run's tokenizer and chat template)."""
+    text = recipe_file.read_text()
+    for old, new in (('kind = "rl"', 'kind = "reward"'), ("seq_length = 32", "seq_length = 32\npacking = false"),
+                     ("train_iters = 4", "train_iters = 2"), ("eval_interval = 2", "eval_interval = 0")):
+        text = text.replace(old, new)
+    text = text.split("[rl]")[0] + "[train]" + text.split("[train]")[1]
+    path = recipe_file.parent / "reward.toml"
+    path.write_text(text)
+    run = recipe_file.parent / "reward-model"
+    qlm_train(path, "--output", run)
+    return run
+
+
+def test_a_trained_reward_model_is_a_reward_source(recipe_file, reward_model_run, rewards_path, tmp_path):
+    """rl.reward_funcs naming a qlm reward-model run beside a function: its scores enter the rewards with their
+    weight and are logged under the run's directory name; a language model named there is one line."""
+    sets = ("rl.reward_funcs=['rl_test_rewards:odd_length', " + json.dumps(str(reward_model_run)) + "]",
+            "rl.reward_weights=[1.0, 0.5]", "train.train_iters=2")
+    _run(recipe_file, tmp_path / "run", *sets)
+    rows = metrics(tmp_path / "run")
+    for row in rows:
+        scored = row["rewards/reward-model/mean"]
+        assert scored != 0 and row["reward"] == pytest.approx(row["rewards/odd_length/mean"] + 0.5 * scored, abs=1e-6)
+    lm = tmp_path / "lm"
+    qlm_train(recipe_file, "--output", lm, "--set", "data.kind=sft", "--set", "train.train_iters=1",
+              "--set", "train.eval_interval=0", "--set", "data.packing=false")
+    out = tmp_path / "refused"
+    result = qlm_train(recipe_file, "--output", out, "--set", f"rl.reward_funcs=[{json.dumps(str(lm))}]", check=False)
+    assert_clean_failure((result.returncode, result.stdout, result.stderr), out / "metrics.jsonl",
+                         "is a language model, not a reward model")
+
+
+def test_the_profile_counts_a_reward_models_weights_on_each_leader(recipe_file, reward_model_run):
+    from qlm_core.checkpoint.sources.open import open_checkpoint
+    from qlm_core.models.parameters import num_parameters
+    from qlm_core.profile.case import case_from_recipe
+    from qlm_core.profile.memory import estimate_memory
+
+    def rollout(*sets):
+        case = case_from_recipe(load_recipe(recipe_file, list(sets)), num_gpus=1)
+        return case, estimate_memory(case, 80.0).stages[0].components["rollout"]
+
+    _, without = rollout()
+    case, with_model = rollout("rl.reward_funcs=['exact_answer', " + json.dumps(str(reward_model_run)) + "]")
+    params = num_parameters(open_checkpoint(reward_model_run).spec)
+    spec = case.spec  # the policy: the reward model is it with a one-row score head for its output layer (untied)
+    head = spec.hidden_size * (1 if spec.tie_word_embeddings else 1 - spec.vocab_size)
+    assert case.rl_reward_model_params == params == num_parameters(spec) + head
+    assert with_model - without == pytest.approx(4 * params)  # fp32
