@@ -85,15 +85,21 @@ def validate_data_format(recipe: Recipe):
         raise QlmError(f"data.format {fmt!r} is not a {kind} format", f"use one of {', '.join(formats)}")
 
 
+def _validate_pairs(recipe: Recipe, section: str, max_length: int | None):
+    """The rules of data kinds made of pairs (`section`: the kind, and its recipe table holding max_length)."""
+    data = recipe.data
+    if data.packing:
+        raise QlmError(f"data.packing with data.kind = \"{section}\": each pair is two padded sequences (chosen, "
+                       "rejected) of one micro-batch, never packed", "set data.packing = false")
+    if max_length is not None and max_length > data.seq_length:
+        raise QlmError(f"{section}.max_length {max_length} is longer than data.seq_length {data.seq_length}",
+                       f"lower {section}.max_length or raise data.seq_length")
+
+
 def validate_preference(recipe: Recipe):
     """data.kind = "preference" with [preference]."""
-    pref, data = recipe.preference, recipe.data
-    if data.packing:
-        raise QlmError("data.packing with data.kind = \"preference\": each pair is two padded sequences (chosen, "
-                       "rejected) of one micro-batch, never packed", "set data.packing = false")
-    if pref.max_length is not None and pref.max_length > data.seq_length:
-        raise QlmError(f"preference.max_length {pref.max_length} is longer than data.seq_length {data.seq_length}",
-                       "lower preference.max_length or raise data.seq_length")
+    pref = recipe.preference
+    _validate_pairs(recipe, "preference", pref.max_length)
     PreferenceLossConfig.from_recipe(pref).check()
     if pref.precompute_reference and pref.loss_type in REFERENCE_FREE_LOSSES:
         raise QlmError(f"preference.precompute_reference with the reference-free {pref.loss_type} loss",
@@ -102,13 +108,7 @@ def validate_preference(recipe: Recipe):
 
 def validate_reward(recipe: Recipe):
     """data.kind = "reward" with [reward]."""
-    data, reward = recipe.data, recipe.reward
-    if data.packing:
-        raise QlmError("data.packing with data.kind = \"reward\": each pair is two padded sequences (chosen, "
-                       "rejected) of one micro-batch, never packed", "set data.packing = false")
-    if reward.max_length is not None and reward.max_length > data.seq_length:
-        raise QlmError(f"reward.max_length {reward.max_length} is longer than data.seq_length {data.seq_length}",
-                       "lower reward.max_length or raise data.seq_length")
+    _validate_pairs(recipe, "reward", recipe.reward.max_length)
     if recipe.lora.rank > 0:
         raise QlmError("LoRA with data.kind = \"reward\": the new score head would stay frozen",
                        "set lora.rank = 0 (a reward model trains all its weights)")
