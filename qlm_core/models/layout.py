@@ -34,6 +34,7 @@ from qlm_core.models.tensor_layout import COLS, FC1, REPLICATED, ROWS, Segment, 
 _FIRST_FLAG, _LAST_FLAG = "--num-layers-in-first-pipeline-stage", "--num-layers-in-last-pipeline-stage"
 
 EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"  # the vocabulary projection, or a reward model's score head
 LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 # LoRA target name (LoraConfig.target_modules) -> the linear it adapts; in state_dict order. In an MoE layer the MLP
 # targets adapt the shared expert's linears (SHARED_EXPERT_LINEARS); routed experts take no adapters.
@@ -196,10 +197,10 @@ class ModelLayout:
     def output_layer(self) -> TensorLayout:
         if self.spec.head == "score":  # one row, whole on every TP rank (qlm's extension of Megatron's names)
             h = self.spec.hidden_size
-            return TensorLayout("output_layer.weight", (1, h), REPLICATED, (Segment(0, 1, "score.weight"),))
+            return TensorLayout(OUTPUT_LAYER, (1, h), REPLICATED, (Segment(0, 1, "score.weight"),))
         if self.spec.tie_word_embeddings:  # a copy of the embedding (a last stage without it keeps its own)
-            return self._vocab_tensor("output_layer.weight", "model.embed_tokens.weight", False, stored_as=EMBEDDING)
-        return self._vocab_tensor("output_layer.weight", "lm_head.weight", True)
+            return self._vocab_tensor(OUTPUT_LAYER, "model.embed_tokens.weight", False, stored_as=EMBEDDING)
+        return self._vocab_tensor(OUTPUT_LAYER, "lm_head.weight", True)
 
     def final_norms(self) -> list[tuple[str, TensorLayout]]:
         """(name, tensor) of the final norm's tensors (`decoder.final_layernorm.<tensor>`)."""
@@ -290,7 +291,7 @@ class ModelLayout:
         if last:
             entries += self.final_norms()
             if not (self.spec.tie_word_embeddings and first):
-                entries.append(("output_layer.weight", self.output_layer()))
+                entries.append((OUTPUT_LAYER, self.output_layer()))
             entries.append(("output_layer._extra_state", None))
         return entries
 

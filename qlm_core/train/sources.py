@@ -14,11 +14,9 @@ from qlm_core.config import ModelConfig, MoeConfig, Recipe
 from qlm_core.data.tokenizer import tokenizer_and_pad
 from qlm_core.errors import QlmError
 from qlm_core.models.families import HeadName
-from qlm_core.models.layout import TensorLayout, TensorSource
+from qlm_core.models.layout import OUTPUT_LAYER, TensorLayout, TensorSource
 from qlm_core.models.presets import load_model_spec
 from qlm_core.models.spec import ModelSpec
-
-SCORE_HEAD = "output_layer.weight"  # a score head's name in Megatron's view (models/score_head.py)
 
 
 @dataclass
@@ -119,9 +117,9 @@ class NewScoreHead:
         self.weights, self.head = weights, torch.randn(1, hidden_size, generator=generator) * 0.02
 
     def stored_dtype(self, tensor: TensorLayout) -> torch.dtype:
-        return self.head.dtype if tensor.name == SCORE_HEAD else self.weights.stored_dtype(tensor)
+        return self.head.dtype if tensor.name == OUTPUT_LAYER else self.weights.stored_dtype(tensor)
 
     def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor) -> None:
-        if tensor.name != SCORE_HEAD:
+        if tensor.name != OUTPUT_LAYER:
             return self.weights.read_into(tensor, start, stop, out)
         out.copy_(self.head[start:stop])
