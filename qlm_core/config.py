@@ -357,6 +357,9 @@ class RlConfig:
     # completions a replica's leader decodes at once (its KV cache holds this many sequences); 0: its whole share
     rollout_batch_size: int = bounded(0, least=0, meaning="0: each rank's whole share at once")
     rollout_correction: RolloutCorrection = "none"
+    # an MoE policy: the trainer routes each token to the experts the rollout chose (R3); false: its own routers
+    # choose, and metrics.jsonl still counts where they differ from the rollout's (moe_route_mismatch)
+    routing_replay: bool = True
     correction_clip_min: float | None = bounded(None, least=0)
     correction_clip_max: float | None = bounded(3.0, least=0)
     # held-out evaluation (train.eval_interval): prompts scored, and completions written to RUN/completions.jsonl

@@ -75,6 +75,35 @@ class Generation:
     # eos id ended the turn, that token's (a rollout trains on it too)
     logprobs: list[float] = field(default_factory=list)
     eos_token: int | None = None  # the eos id that ended the turn (finish "stop" by eos)
+    # record_routes (an MoE model): the experts each token the model was fed (the prompt's, then every new token but
+    # the last) was routed to, [tokens, MoE layers, k] int32
+    routes: torch.Tensor | None = None
+
+
+class RouteRecorder:
+    """The expert routes an MoE model's layers choose during decoding's forwards (routing replay's record); a model
+    without MoE layers records nothing."""
+
+    def __init__(self, model: GPTModel, rows: int, enabled: bool):
+        self.tracker = model.moe.tracker if enabled and model.spec.moe is not None else None
+        self.rows: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+
+    def forward(self, run: Callable[..., torch.Tensor], *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """run(*args, **kwargs) and the routes its MoE layers chose, [s, b, MoE layers, k] (None: not recording)."""
+        if self.tracker is None:
+            return run(*args, **kwargs), None
+        self.tracker.recording = []
+        try:
+            out = run(*args, **kwargs)
+            return out, torch.stack(self.tracker.recording, dim=2).to(torch.int32).cpu()
+        finally:
+            self.tracker.recording = None
+
+    def keep(self, row: int, routes: torch.Tensor) -> None:
+        self.rows[row].append(routes)
+
+    def routes(self, row: int) -> torch.Tensor | None:
+        return torch.cat(self.rows[row]) if self.tracker is not None else None
 
 
 @torch.no_grad()
@@ -90,12 +119,14 @@ def generate_rows(
     on_token: Callable[[int, int], None] | None = None,
     row_limits: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    record_routes: bool = False,
 ) -> list[Generation]:
     """input_ids / attention_mask [b, L], left-padded (mask 0 on padding). Each row's new tokens, ending at an
     eos id (`eos_token_id`: one or several; excluded) or when `stop(new_tokens)` says so (the tokens so far kept;
     callers trim stop strings). `on_token(row, token)` sees every kept token as it is chosen. `row_limits`: each
     row's own most tokens (its room in the context window), at most max_new_tokens. `generator`: the random stream
-    to sample from (default a new one seeded with sampling.seed), for callers that decode in several batches."""
+    to sample from (default a new one seeded with sampling.seed), for callers that decode in several batches.
+    `record_routes`: each Generation keeps the MoE routes of the tokens fed (Generation.routes)."""
     sampling = sampling or Sampling()
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     generator = generator or torch.Generator().manual_seed(sampling.seed)
@@ -104,7 +135,12 @@ def generate_rows(
     mask = attention_mask.long()
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     cache = KVCache.empty(len(model.decoder.layers))
-    hidden = model.hidden_states(input_ids, positions, cache=cache, attention_mask=mask)  # [L, b, h]
+    recorder = RouteRecorder(model, rows, record_routes)
+    hidden, routes = recorder.forward(model.hidden_states, input_ids, positions, cache=cache,
+                                      attention_mask=mask)  # [L, b, h]
+    if routes is not None:  # each row's prompt: its last tokens (left padding)
+        for row, length in enumerate(mask.sum(dim=1).tolist()):
+            recorder.keep(row, routes[routes.shape[0] - length:, row])
     logits = model.logits(hidden[-1:])[:, -1]  # the last position's only: never [b, L, vocab]
     if max_new_tokens > 1:
         cache.reserve(max_new_tokens - 1)  # each step writes its token's keys and values in place
@@ -140,9 +176,16 @@ def generate_rows(
             cache.select(keep)
             mask, next_position, chosen = mask[keep], next_position[keep], chosen[keep]
         mask = torch.cat((mask, torch.ones(len(active), 1, dtype=mask.dtype, device=mask.device)), dim=1)
-        hidden = model.hidden_states(chosen[:, None], next_position[:, None], cache=cache, attention_mask=mask)
+        hidden, routes = recorder.forward(model.hidden_states, chosen[:, None], next_position[:, None], cache=cache,
+                                          attention_mask=mask)
+        if routes is not None:
+            for slot, row in enumerate(active):
+                if not done[row]:
+                    recorder.keep(row, routes[:, slot])
         logits = model.logits(hidden)[:, -1]  # any GPTModel, a pipeline StageModel (a rollout's policy) too
         next_position = next_position + 1
+    for row, generation in enumerate(out):
+        generation.routes = recorder.routes(row)
     return out
 
 

@@ -99,6 +99,8 @@ class TransformerLayer(nn.Module):
             moe = moe or MoeContext(MoeConfig(), MoeTracker())
             self.mlp = MoELayer(spec.hidden_size, spec.moe, parallel, moe.options, moe.tracker, global_layer, dtype,
                                 activation_kind(spec))
+            # its index among the model's MoE layers: its slot in a batch's recorded routes
+            self.route_slot = sum(spec.is_moe_layer(index) for index in range(global_layer))
         else:
             self.mlp = MLP(spec.hidden_size, spec.ffn_hidden_size, parallel, dtype, activation_kind(spec))
         self.parallel = parallel
@@ -128,25 +130,28 @@ class TransformerLayer(nn.Module):
         discard_output(normed, out, lambda: norm(x))
         return out
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
+        args = (x,) if routes is None or not isinstance(self.mlp, MoELayer) else (x, routes[:, :, self.route_slot])
         if self.parallel.recomputes("mlp"):
-            return outside_compile(self._recomputed_mlp, x)
+            return outside_compile(self._recomputed_mlp, *args)
         if isinstance(self.mlp, MoELayer):  # data-dependent routing and dispatch: eager
-            return outside_compile(self.mlp, x)
+            return outside_compile(self.mlp, *args)
         return self.mlp(x)
 
-    def _recomputed_mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.mlp, x, use_reentrant=False)
+    def _recomputed_mlp(self, *args: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.mlp, *args, use_reentrant=False)
 
-    def forward(self, x, positions: tuple[torch.Tensor, ...], inputs: AttentionInputs):
-        """`positions`: what the position scheme hands each layer (models/positions.py; RoPE: cos and sin)."""
+    def forward(self, x, positions: tuple[torch.Tensor, ...], inputs: AttentionInputs,
+                routes: torch.Tensor | None = None):
+        """`positions`: what the position scheme hands each layer (models/positions.py; RoPE: cos and sin).
+        `routes` [b, s, MoE layers, k]: the experts recorded for the tokens, which an MoE layer replays."""
         if self._compiled is not None and torch.is_grad_enabled() and not shape_inference.active():
-            return self._compiled(x, positions, inputs)
-        return self._forward(x, positions, inputs)
+            return self._compiled(x, positions, inputs, routes)
+        return self._forward(x, positions, inputs, routes)
 
-    def _forward(self, x, positions, inputs: AttentionInputs):
+    def _forward(self, x, positions, inputs: AttentionInputs, routes: torch.Tensor | None = None):
         x = x + self._norm_then(self.input_layernorm, self.self_attention, x, positions, inputs)
-        return x + self._norm_then(self.pre_mlp_layernorm, self._mlp, x)
+        return x + self._norm_then(self.pre_mlp_layernorm, self._mlp, x, routes)
 
 
 class TransformerBlock(nn.Module):
@@ -158,15 +163,16 @@ class TransformerBlock(nn.Module):
                                     for index in range(num_layers))
         self.final_layernorm = replicated_norm(spec, parallel, dtype) if post_process else None
 
-    def forward(self, x, positions, inputs: AttentionInputs):
+    def forward(self, x, positions, inputs: AttentionInputs, routes: torch.Tensor | None = None):
         full = len(self.layers) if self.parallel.recompute_num_layers is None else self.parallel.recompute_num_layers
         for index, layer in enumerate(self.layers):
             if self.parallel.recompute == "full" and index < full and torch.is_grad_enabled():
-                x = checkpoint(layer, x, positions, inputs, use_reentrant=False)
+                x = checkpoint(layer, x, positions, inputs, routes, use_reentrant=False)
             elif self.parallel.recompute == "op" and torch.is_grad_enabled():
-                x = checkpoint(layer, x, positions, inputs, use_reentrant=False, context_fn=op_policy_contexts)
+                x = checkpoint(layer, x, positions, inputs, routes, use_reentrant=False,
+                               context_fn=op_policy_contexts)
             else:
-                x = layer(x, positions, inputs)
+                x = layer(x, positions, inputs, routes)
         return self.final_layernorm(x) if self.final_layernorm is not None else x
 
 
@@ -276,12 +282,13 @@ class GPTModel(nn.Module):
         segment_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        routes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden_states() and, on the last stage, the output layer: the per-token loss [b, s] when `labels` are
         given (label -100 = ignored, loss 0), else logits [b, s, vocab_size]. Other stages return the hidden states.
         """
         hidden = self.hidden_states(input_ids, position_ids, segment_ids=segment_ids, cache=cache,
-                                    attention_mask=attention_mask)
+                                    attention_mask=attention_mask, routes=routes)
         if not self.post_process:
             return hidden
         return self.logits(hidden) if labels is None else self.loss(hidden, labels)
@@ -294,6 +301,7 @@ class GPTModel(nn.Module):
         segment_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        routes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One pass over this module's layers: `x` the token ids [b, s] on the first stage, else the previous
         stage's hidden states [s, b, h]. Returns the hidden states [s, b, h] (the last stage: the final norm's).
@@ -305,6 +313,10 @@ class GPTModel(nn.Module):
 
         Incremental decoding: pass a `cache` (KVCache.empty(num_layers)) that this call extends, the new tokens'
         position_ids, and for padded batches `attention_mask` [b, cached + new] (True = a real token).
+
+        Routing replay: `routes` [b, s, the model's MoE layers, k] are the experts recorded for these tokens (-1:
+        none); the MoE layers take them instead of their routers' choice (MoeTracker.replay) and count where they
+        differ.
         """
         if self.pre_process:
             x = self.embedding(x)
@@ -321,7 +333,7 @@ class GPTModel(nn.Module):
         inputs = attention_inputs(local_tokens=local_tokens, batch=x.shape[1], window=self.spec.sliding_window,
                                   parallel=self.parallel, segment_ids=segment_ids, cache=cache,
                                   attention_mask=attention_mask)
-        return self.decoder(x, positions, inputs)
+        return self.decoder(x, positions, inputs, routes)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm's output [s, b, h] -> logits [b, s, vocab_size], gathered over TP, padding removed (a

@@ -33,7 +33,7 @@ from qlm_core.models.activations import ACTIVATION_KINDS, ActivationKind
 from qlm_core.models.mlp import MLP
 from qlm_core.models.moe_spec import MoeSpec
 from qlm_core.parallel import shape_inference
-from qlm_core.parallel.comm import all_gather_dim0, all_reduce, group_size
+from qlm_core.parallel.comm import all_gather_dim0, all_reduce, group_rank, group_size
 from qlm_core.parallel.expert_dispatch import ExpertParallel, all_to_all, inverse_permutation, plan_dispatch
 from qlm_core.parallel.param_meta import mark
 from qlm_core.parallel.tensor import (
@@ -53,6 +53,8 @@ class MoeRecord:
     aux_loss: torch.Tensor  # this rank's part: summed over the sequence shards it is the layer's loss
     z_loss: torch.Tensor  # likewise
     tokens_per_expert: torch.Tensor  # [E] over every sequence shard of the micro-batch (before capacity drops)
+    # routing replay: [this rank's tokens whose router chose other experts than the replayed ones, tokens replayed]
+    route_mismatch: torch.Tensor | None = None
 
 
 @dataclass
@@ -68,6 +70,11 @@ class MoeTracker:
     # the global variant: per layer, the token counts over every data-parallel rank summed over the step's
     # micro-batches so far, and how many (reset_step at each step's start)
     step_counts: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    # routing replay (R3): with routes handed to a forward, whether the layers use them (False: only compare them
+    # with their own choices)
+    replay: bool = True
+    # while decoding records routes: each MoE layer's expert indices [s, b, k], in the order the layers ran
+    recording: list[torch.Tensor] | None = None
 
     def reset_step(self) -> None:
         self.step_counts.clear()
@@ -128,20 +135,44 @@ def route(logits: torch.Tensor, moe: MoeSpec,
           expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (probabilities [T, k] in the logits' dtype, expert indices [T, k]). `expert_bias`
     (sigmoid routing): added to the scores to choose the experts, not to weigh them."""
+    indices = chosen_experts(logits, moe, expert_bias)
+    return expert_weights(logits, moe, indices), indices
+
+
+def chosen_experts(logits: torch.Tensor, moe: MoeSpec, expert_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The router's own top-k experts [T, k] of logits [T, E] (highest first; ties as torch.topk breaks them)."""
     if moe.score_function == "sigmoid":
         scores = torch.sigmoid(logits.float())
-        if expert_bias is not None:
-            indices = torch.topk(scores + expert_bias, moe.topk, dim=-1).indices
-            top = scores.gather(-1, indices)
-        else:
-            top, indices = torch.topk(scores, moe.topk, dim=-1)
+        return torch.topk(scores if expert_bias is None else scores + expert_bias, moe.topk, dim=-1).indices
+    if moe.pre_softmax:
+        return torch.topk(torch.softmax(logits.float(), dim=-1), moe.topk, dim=-1).indices
+    return torch.topk(logits, moe.topk, dim=-1).indices
+
+
+def expert_weights(logits: torch.Tensor, moe: MoeSpec, indices: torch.Tensor) -> torch.Tensor:
+    """The probabilities [T, k] (logits' dtype) that weigh the experts `indices` [T, k] chose: the scores of the
+    chosen, renormalised (sigmoid, k > 1), the full softmax's (pre_softmax), or the softmax over the chosen logits."""
+    if moe.score_function == "sigmoid":
+        top = torch.sigmoid(logits.float()).gather(-1, indices)
         probs = top / (top.sum(-1, keepdim=True) + 1e-20) if moe.topk > 1 else top
     elif moe.pre_softmax:
-        probs, indices = torch.topk(torch.softmax(logits.float(), dim=-1), moe.topk, dim=-1)
+        probs = torch.softmax(logits.float(), dim=-1).gather(-1, indices)
     else:
-        top, indices = torch.topk(logits, moe.topk, dim=-1)
-        probs = torch.softmax(top.float(), dim=-1)
-    return probs.to(logits.dtype), indices
+        probs = torch.softmax(logits.gather(-1, indices).float(), dim=-1)
+    return probs.to(logits.dtype)
+
+
+def replayed_experts(own: torch.Tensor, replay: torch.Tensor) -> torch.Tensor:
+    """Routing replay (R3): the recorded experts [T, k] where a token has them, the router's own (`own`) where its
+    row is -1 (a token the rollout never fed, such as padding)."""
+    return torch.where(replay[:, :1] >= 0, replay.to(own.dtype), own)
+
+
+def route_mismatch(own: torch.Tensor, replayed: torch.Tensor) -> torch.Tensor:
+    """[tokens whose own top-k set differs from the replayed one, tokens replayed] (rows of -1 are not replayed)."""
+    replayed_rows = replayed[:, 0] >= 0
+    differ = (own.sort(dim=-1).values != replayed.to(own.dtype).sort(dim=-1).values).any(dim=-1) & replayed_rows
+    return torch.stack([differ.sum(), replayed_rows.sum()]).float()
 
 
 def updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, rate: float) -> torch.Tensor:
@@ -309,12 +340,24 @@ class MoELayer(nn.Module):
         self.shared_experts = (SharedExpertMLP(hidden, moe, parallel, dtype, activation)
                                if moe.shared_expert_hidden_size else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> torch.Tensor:
+        """`replay` [b, s, k]: the experts recorded for the micro-batch's tokens (this context-parallel rank's
+        chunks; -1 where none were), replayed when the tracker says so and compared with the router's own choice."""
         s, b, h = x.shape
         tokens = x.reshape(-1, h)
         logits = self.router(tokens)
-        probs, indices = route(logits, self.moe, self.router.expert_bias)
-        losses = self._losses(logits, indices, b) if torch.is_grad_enabled() else None  # training forwards only
+        indices = chosen_experts(logits, self.moe, self.router.expert_bias)
+        mismatch = None
+        if replay is not None and not shape_inference.active():  # pipelining's shape pass: placeholder routes
+            recorded = self._local_replay(replay, s)
+            mismatch = route_mismatch(indices, recorded)
+            if self.tracker.replay:
+                indices = replayed_experts(indices, recorded)
+        probs = expert_weights(logits, self.moe, indices)
+        if self.tracker.recording is not None:
+            self.tracker.recording.append(indices.view(s, b, -1))
+        # training forwards only
+        losses = self._losses(logits, indices, b, mismatch) if torch.is_grad_enabled() else None
         tp = group_size(self.tp_group)
         if self.expert_parallel is not None:  # each rank dispatches its own tokens (validate: SP under TP)
             out = self.experts(tokens, probs, indices, self.options.capacity_factor)
@@ -335,11 +378,20 @@ class MoELayer(nn.Module):
             out = _AttachLoss.apply(out, losses, self.tracker.loss_scale)
         return out
 
+    def _local_replay(self, replay: torch.Tensor, s: int) -> torch.Tensor:
+        """[b, s', k] -> this rank's tokens' rows [s·b, k] in the order of x.reshape(-1, h) (under SP its part of
+        the sequence)."""
+        by_position = replay.transpose(0, 1)
+        if self.sp and group_size(self.tp_group) > 1:
+            by_position = by_position.narrow(0, group_rank(self.tp_group) * s, s)
+        return by_position.reshape(-1, by_position.shape[-1])
+
     def _sequence_groups(self):
         """The groups over which this rank's tokens are a shard of the micro-batch's."""
         return [g for g in ((self.tp_group if self.sp else None), self.cp_group) if group_size(g) > 1]
 
-    def _losses(self, logits: torch.Tensor, indices: torch.Tensor, rows: int) -> torch.Tensor | None:
+    def _losses(self, logits: torch.Tensor, indices: torch.Tensor, rows: int,
+                mismatch: torch.Tensor | None = None) -> torch.Tensor | None:
         """This rank's part of the layer's aux loss (Megatron's variants) plus z-loss, both with their
         coefficients (None when neither is set: nothing to attach), recorded with the token counts (not while
         backward recomputes the layer). `rows`: the micro-batch's rows (token t is in row t % rows)."""
@@ -378,7 +430,7 @@ class MoELayer(nn.Module):
         if not (o.aux_loss_coeff or o.z_loss_coeff):
             if not recomputing:
                 zero = counts.new_zeros(())
-                self.tracker.records.append(MoeRecord(self.layer, zero, zero, layer_counts))
+                self.tracker.records.append(MoeRecord(self.layer, zero, zero, layer_counts, mismatch))
             return None
         scores = aux_loss_scores(logits, moe)
         prob_sum = scores.view(-1, rows, experts).sum(0).reshape(-1) if per_row else scores.sum(0)
@@ -387,7 +439,7 @@ class MoELayer(nn.Module):
             aux = aux / rows
         z = o.z_loss_coeff * torch.logsumexp(logits.float(), dim=-1).square().sum() / (logits.shape[0] * self._shards())
         if not recomputing:
-            self.tracker.records.append(MoeRecord(self.layer, aux.detach(), z.detach(), layer_counts))
+            self.tracker.records.append(MoeRecord(self.layer, aux.detach(), z.detach(), layer_counts, mismatch))
             if o.aux_loss_type == "transformers" and o.aux_loss_coeff:
                 self.tracker.pending.append((prob_sum, counts, tokens))
         return z if o.aux_loss_type == "transformers" else aux + z

@@ -51,6 +51,8 @@ class Batch:
     position_ids: torch.Tensor | None = None
     segment_ids: torch.Tensor | None = None
     reference_logps: torch.Tensor | None = None  # preference, precomputed reference: per row [rows]
+    # RL on an MoE model: the experts the rollout routed each input token to [rows, seq, MoE layers, k] (-1: none)
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -113,6 +115,12 @@ class Engine:
         self.objective: Objective = LanguageModelObjective() if objective is None else objective
         weights = self.source or RandomInitSource(self.layout, seed=self.seed)  # not kept: it may cache tensors
         self.chunks = self.build_chunks(weights)
+        # routing replay: an RL objective's batches carry the rollout's MoE routes, replayed or only compared
+        routing_replay = getattr(self.objective, "routing_replay", None)
+        self.route_inputs = self.spec.moe is not None and routing_replay is not None
+        for chunk in self.chunks:
+            chunk.replays_routes = self.route_inputs
+            chunk.moe.tracker.replay = bool(routing_replay)
         # an MoE loss enters each micro-batch's backward as a mean over the global batch's micro-batches
         self.moe_loss_scale = 1.0 / (self.num_microbatches * g.sizes.dp)
         for chunk in self.chunks:
@@ -231,8 +239,9 @@ class Engine:
         return split_for_cp(t, cp, self.grid.cp_rank, dim=1).contiguous() if cp > 1 else t.contiguous()
 
     def local_inputs(self, batch: Batch) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """(the model's inputs: input_ids, position_ids[, segment_ids]; labels) of this rank's rows, split into its
-        context-parallel chunks; positions default to global token indices."""
+        """(the model's inputs: input_ids, position_ids[, segment_ids][, routes]; labels) of this rank's rows, split
+        into its context-parallel chunks; positions default to global token indices, routes (route_inputs) to none
+        recorded (-1)."""
         rows, seq = batch.input_ids.shape
         position_ids = batch.position_ids
         if position_ids is None:
@@ -241,6 +250,13 @@ class Engine:
         inputs = (local(batch.input_ids), local(position_ids))
         if batch.segment_ids is not None:
             inputs += (local(batch.segment_ids),)
+        if self.route_inputs:
+            routes = batch.routes
+            if routes is None:
+                moe = self.spec.moe
+                layers = sum(self.spec.is_moe_layer(index) for index in range(self.spec.num_layers))
+                routes = torch.full((rows, seq, layers, moe.topk), -1, dtype=torch.int32)
+            inputs += (local(routes),)
         return inputs, local(batch.labels)
 
     def _run_microbatches(self, batch: Batch, *, backward: bool) -> torch.Tensor:

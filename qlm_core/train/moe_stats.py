@@ -2,7 +2,8 @@
 MoeTracker: the load-balancing and z-losses as they entered the objective (coefficients included, the mean over the
 global batch's micro-batches, summed over layers), and the spread of tokens per expert (an expert's share of its
 layer's top-k choices over the step, relative to an even split: the largest and the smallest over every layer and
-expert).
+expert), and with an RL batch's recorded routes (routing replay) the share of (token, MoE layer) routes where the
+trainer's router chose other experts than the rollout did (`moe_route_mismatch`, and their count).
 
 A layer's loss is split over the ranks that hold shards of its tokens (SP's TP ranks, CP ranks): those parts are
 summed; TP ranks without SP each hold the whole value. Token counts are already whole over the sequence shards.
@@ -65,8 +66,23 @@ class MoeStepStats:
             share = layers / layers.mean(dim=1, keepdim=True).clamp(min=1e-12)
             spread = torch.stack([share.max(), -share.min()])
         all_reduce(spread, g.pp_group, op=dist.ReduceOp.MAX)
-        return {"moe_aux_loss": losses[0].item(), "moe_z_loss": losses[1].item(),
-                "moe_load_max": spread[0].item(), "moe_load_min": -spread[1].item()}
+        figures = {"moe_aux_loss": losses[0].item(), "moe_z_loss": losses[1].item(),
+                   "moe_load_max": spread[0].item(), "moe_load_min": -spread[1].item()}
+        return figures | self._route_mismatch(records)
+
+    def _route_mismatch(self, records) -> dict[str, float]:
+        """Routing replay's comparison over the step's (token, MoE layer) pairs of every rank (TP ranks without SP
+        each saw every token: counted once). Nothing when the step's batch carried no routes."""
+        g = self.grid
+        parts = [r.route_mismatch.float() for r in records if r.route_mismatch is not None]
+        sums = torch.stack(parts).sum(0) if parts else torch.zeros(2, device=g.device)
+        all_reduce(sums, g.dp_cp_group)
+        if self.sequence_parallel:
+            all_reduce(sums, g.tp_group)
+        all_reduce(sums, g.pp_group)
+        if sums[1] == 0:
+            return {}
+        return {"moe_route_mismatch": (sums[0] / sums[1]).item(), "moe_route_mismatch_tokens": sums[0].item()}
 
     def _step_records(self, chunk) -> list:
         """The chunk's records of this step's micro-batches: one per MoE layer and micro-batch, the last ones."""

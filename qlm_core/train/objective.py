@@ -19,6 +19,9 @@ class Objective(Protocol):
     # optional: the loss head's logits are multiplied by it (an RL objective's 1 / sampling temperature, so that the
     # policy's log-probs are those of the distribution the rollout sampled from); absent: 1
     logit_scale: float
+    # optional, an RL objective's: its batches carry the rollout's MoE routes (Batch.routes), which an MoE model's
+    # layers replay (True) or only compare with their own choices (False); absent or None: no routes
+    routing_replay: bool | None
 
     def bind(self, engine: Any, weights: Any) -> None:
         """Called once by the Engine, after the policy's chunks and pipeline schedule are built; `weights` the

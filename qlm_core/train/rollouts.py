@@ -8,7 +8,9 @@ RolloutBatch (objectives/grpo.py):
     distribution it was sampled from, at its label's position. A completion that an eos ended trains on the eos too.
 
 Positions are the tokens' indices from the prompt's first token, as decoding saw them (its left padding is not
-counted), so the trainer's forward of a row is the rollout's forward of the same tokens."""
+counted), so the trainer's forward of a row is the rollout's forward of the same tokens. An MoE policy's rollout
+records the experts each of those input tokens was routed to (`routes`, -1 on the padding), for the trainer to
+replay (routing replay, R3) or compare."""
 
 from __future__ import annotations
 
@@ -62,6 +64,8 @@ def pack_rollouts(prompts: Sequence[Sequence[int]], generations: Sequence[Genera
     input_ids = torch.full((rows, seq_length), pad_id, dtype=torch.long)
     labels = torch.full((rows, seq_length), -100, dtype=torch.long)
     old = torch.zeros(rows, seq_length, dtype=torch.float32)
+    recorded = generations[0].routes if generations else None
+    routes = None if recorded is None else torch.full((rows, seq_length, *recorded.shape[1:]), -1, dtype=torch.int32)
     for row, (prompt, generation) in enumerate(zip(prompts, generations, strict=True)):
         if not prompt:
             raise QlmError(f"rollout row {row} has an empty prompt", "give every prompt at least one token")
@@ -75,7 +79,11 @@ def pack_rollouts(prompts: Sequence[Sequence[int]], generations: Sequence[Genera
         first = len(prompt) - 1  # the position that predicts the first completion token
         labels[row, first:length] = torch.tensor(completion)
         old[row, first:length] = torch.tensor(generation.logprobs, dtype=torch.float32)
-    return RolloutBatch(input_ids, labels, old_logps=old)
+        if routes is not None:
+            if generation.routes.shape[0] != length:  # decoding fed every input token once
+                raise ValueError(f"row {row}: routes of {generation.routes.shape[0]} tokens for {length} inputs")
+            routes[row, :length] = generation.routes
+    return RolloutBatch(input_ids, labels, old_logps=old, routes=routes)
 
 
 @torch.no_grad()
@@ -91,7 +99,8 @@ def generate_groups(model: GPTModel, prompts: Sequence[Sequence[int]], config: R
     for first in range(0, len(repeated), size):
         input_ids, mask = left_pad(repeated[first:first + size], pad_id)
         out += generate_rows(model, input_ids.to(device), mask.to(device), max_new_tokens=config.max_completion_length,
-                             eos_token_id=eos_token_id, sampling=config.sampling, generator=generator)
+                             eos_token_id=eos_token_id, sampling=config.sampling, generator=generator,
+                             record_routes=True)
     return out
 
 

@@ -70,14 +70,14 @@ def test_the_step_loss_is_the_batch_loss_and_any_split_gives_the_same_gradient(l
     assert ("kl" in figures) == (loss.beta != 0)
 
 
-def one_process(loss: GrpoLoss, reference: str, spec=SPEC, moe=None) -> dict:
+def one_process(loss: GrpoLoss, reference: str, spec=SPEC, moe=None, replay=None) -> dict:
     e = Engine(spec, ParallelConfig(), Grid.single(), micro_batch_size=MICRO, global_batch_size=GLOBAL_BATCH,
                seq_length=SEQ, optim=OptimConfig(lr=1e-3), seed=3, moe=moe,
-               objective=GrpoObjective(loss, reference=reference))
-    batch = rollout_batch()
+               objective=GrpoObjective(loss, reference=reference, routing_replay=replay))
+    batch = rollout_batch(spec)
     results = [e.train_step(batch, lr=1e-3) for _ in range(STEPS)]
     return {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-            "figures": results[-1].figures}
+            "figures": results[-1].figures, "moe": results[-1].moe}
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +91,17 @@ def grpo_run(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_every_layout_reproduces_the_one_process_rl_step(case, grpo_run):
     """tp2·SP, cp2 (a sequence's mean over both ranks' parts), pp2, dp2 ZeRO 1 and 3, a frozen reference at pp2
-    and cp2, and the MoE model at ep2 and tp2·SP·ep2 (router losses included): the RL step's losses and gradient norms
-    within the parity suite's rtol 1e-4, its metrics too."""
+    and cp2, and the MoE model at ep2, tp2·SP·ep2, pp2 and cp2 (router losses included) with routes replayed — or at
+    cp2 only compared — from the batch: the RL step's losses and gradient norms within the parity suite's rtol 1e-4,
+    its metrics and the route comparison's too."""
     ours = json.loads((grpo_run / f"{case}.json").read_text())
     reference = one_process(*case_parts(case)[1:])
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-4)
     assert ours["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
     assert ours["figures"] == pytest.approx(reference["figures"], rel=1e-4, abs=1e-9)
+    if reference["moe"] is not None:
+        assert ours["moe"] == pytest.approx(reference["moe"], rel=1e-4, abs=1e-9)
+        assert reference["moe"]["moe_route_mismatch"] > 0.5  # random routes: most are not the router's
 
 
 def test_a_frozen_reference_is_the_starting_weights():

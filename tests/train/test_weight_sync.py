@@ -38,9 +38,12 @@ def test_synced_rollout_weights_equal_what_convert_writes(case, synced):
 @pytest.mark.parametrize("case", CASES)
 def test_the_trainer_agrees_with_a_rollout_on_the_synced_weights(case, synced):
     """train_rollout_logprob_abs_diff: the rollout decodes at TP 1 on the synced weights, the trainer recomputes the
-    same tokens' log-probs at its own layout; fp32 on CPU, within 1e-5."""
+    same tokens' log-probs at its own layout; fp32 on CPU, within 1e-5. An MoE policy's rollout records its routes and
+    the trainer, at ep2 and tp2·SP·ep2, routes every token of them to the same experts."""
     figures = json.loads((synced / f"{case}.json").read_text())
     assert figures["train_rollout_logprob_abs_diff/max"] <= 1e-5, figures
+    if CASES[case][1]:  # an MoE policy: the trainer's own routers choose every recorded route again
+        assert figures["moe_route_mismatch"] == 0.0, figures
 
 
 def test_a_refilled_rollout_model_equals_a_fresh_one():

@@ -15,13 +15,14 @@ from workers.harness import run_jobs
 
 
 def run_case(name: str, outdir: Path):
-    fields, loss, reference, spec, moe = case_parts(name)
+    fields, loss, reference, spec, moe, replay = case_parts(name)
     config = ParallelConfig(**fields)
     sizes = resolve_sizes(2, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep, etp=config.etp)
     grid = Grid.build(sizes, ranks=[0, 1])
     engine = Engine(spec, config, grid, micro_batch_size=MICRO, global_batch_size=GLOBAL_BATCH, seq_length=SEQ,
-                    optim=OptimConfig(lr=1e-3), seed=3, moe=moe, objective=GrpoObjective(loss, reference=reference))
-    batch = rank_rows(rollout_batch(), grid.dp_rank, sizes.dp)
+                    optim=OptimConfig(lr=1e-3), seed=3, moe=moe,
+                    objective=GrpoObjective(loss, reference=reference, routing_replay=replay))
+    batch = rank_rows(rollout_batch(spec), grid.dp_rank, sizes.dp)
     losses, norms = [], []
     for _ in range(STEPS):
         result = engine.train_step(batch, lr=1e-3)
@@ -29,7 +30,7 @@ def run_case(name: str, outdir: Path):
         norms.append(result.grad_norm)
     if grid.rank == 0:
         (outdir / f"{name}.json").write_text(json.dumps({"losses": losses, "grad_norms": norms,
-                                                         "figures": result.figures}))
+                                                         "figures": result.figures, "moe": result.moe}))
 
 
 if __name__ == "__main__":

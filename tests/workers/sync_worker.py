@@ -1,5 +1,6 @@
 """torchrun worker (2 gloo ranks) for weight sync: each case rolls out on the synced weights and trains on it (the
-trainer's log-probs against the rollout's), trains one more step at its layout, then every rank builds
+trainer's log-probs against the rollout's; an MoE policy's routes recorded by the rollout and compared by the
+trainer), trains one more step at its layout, then every rank builds
 the whole rollout model from the trainer's shards (train/weight_sync.py); rank 0 saves it, and every rank writes
 its shards as a Megatron checkpoint (the reference `qlm convert` reads)."""
 
@@ -44,7 +45,7 @@ def run_case(name: str, outdir: Path):
     loss = GrpoLoss(loss_type="dapo", max_completion_length=8)
     engine = Engine(MOE if moe else SPEC, config, grid, micro_batch_size=micro, global_batch_size=GLOBAL_BATCH,
                     seq_length=SEQ, optim=OptimConfig(lr=1e-2), seed=1234, moe=MOE_TRAINING if moe else None,
-                    objective=GrpoObjective(loss))
+                    objective=GrpoObjective(loss, routing_replay=True if moe else None))
     # a rollout with the synced weights (every rank the same draws), then the trainer's step on this rank's rows:
     # the trainer's log-probs of the rollout's tokens, at its layout, against the rollout's
     g = torch.Generator().manual_seed(0)
@@ -56,8 +57,11 @@ def run_case(name: str, outdir: Path):
     rows = GLOBAL_BATCH // sizes.dp
     mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
     step = engine.train_step(RolloutBatch(batch.input_ids[mine], batch.labels[mine],
-                                          old_logps=batch.old_logps[mine], advantages=batch.advantages[mine]))
+                                          old_logps=batch.old_logps[mine], advantages=batch.advantages[mine],
+                                          routes=None if batch.routes is None else batch.routes[mine]))
     drift = step.figures["train_rollout_logprob_abs_diff/max"]
+    # an MoE policy: the share of the rollout's recorded routes the trainer's own routers chose otherwise
+    mismatch = step.moe["moe_route_mismatch"] if moe else None
     input_ids, labels, _, _ = make_batch("plain")  # then weights away from the init
     engine.objective = LanguageModelObjective()
     engine.train_step(Batch(input_ids[mine], labels[mine]), lr=1e-2)
@@ -84,6 +88,7 @@ def run_case(name: str, outdir: Path):
         torch.save({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
                    outdir / f"{name}.rollout.pt")
         (outdir / f"{name}.json").write_text(json.dumps({"train_rollout_logprob_abs_diff/max": drift,
+                                                         "moe_route_mismatch": mismatch,
                                                          "leaders_bucketed_equal": bool(agree.item())}))
 
 

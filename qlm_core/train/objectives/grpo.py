@@ -47,12 +47,16 @@ class RolloutBatch(Batch):
 
 
 class GrpoObjective:
-    def __init__(self, loss: GrpoLoss, temperature: float = 1.0, reference: ReferenceSource = "batch"):
+    def __init__(self, loss: GrpoLoss, temperature: float = 1.0, reference: ReferenceSource = "batch",
+                 routing_replay: bool | None = None):
         """`temperature`: the rollout's sampling temperature; the policy's and the reference's log-probs are
         log_softmax(logits / T), the distribution the rollout drew from (as TRL computes them). `reference` (a KL
         term, beta > 0): "batch" — the RolloutBatch brings ref_logps —, or "frozen" — a frozen copy of the starting
-        weights, run forward on each step's rows."""
+        weights, run forward on each step's rows (routed by its own routers). `routing_replay` (an MoE policy): the
+        batches bring the rollout's routes, which the policy's MoE layers replay (True, R3) or only compare with
+        their own choices (False); None: the batches bring none."""
         self.config = loss
+        self.routing_replay = routing_replay
         self.logit_scale = 1.0 / temperature if temperature > 0 else 1.0
         self.reference = reference
         self.reference_chunks = self.reference_runner = None
@@ -87,9 +91,11 @@ class GrpoObjective:
         self.ref = None if batch.ref_logps is None else self.engine.local_tokens(batch.ref_logps.float())
         if self.reference_chunks is not None:  # the frozen starting weights' log-probs of these rows
             self.ref = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+            reference_inputs = inputs[:-1] if self.engine.route_inputs else inputs  # it routes by its own routers
             with torch.no_grad():
                 self.engine.forward_backward_chunks(self.reference_chunks, self.reference_runner,
-                                                    self._reference_loss_fn(), inputs, labels, backward=False)
+                                                    self._reference_loss_fn(), reference_inputs, labels,
+                                                    backward=False)
         self.advantages = batch.advantages.float().to(self.grid.device)
         self.step = StepCounts(sequences=labels.shape[0] * self.dp, tokens=int(tokens))
         self.sums = torch.zeros(2 * len(METRICS), dtype=torch.float64, device=labels.device)
