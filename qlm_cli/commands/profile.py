@@ -18,14 +18,18 @@ GradDtype = enum_of("GradDtype", choices(GradReduceDtype))
 
 
 def _time_table(time) -> Table:
+    from qlm_core.profile.rl_timing import RL_COMPONENTS
     from qlm_core.profile.timing import TIME_COMPONENTS
 
     table = Table(title="time per step (slowest stage)", title_justify="left")
     table.add_column("component")
     table.add_column("s / step", justify="right")
     table.add_column("share", justify="right")
+    rl = any(time.components[key] for key in RL_COMPONENTS)
     for key in TIME_COMPONENTS:
         value = time.components[key]
+        if key in RL_COMPONENTS and not rl:  # not an RL step
+            continue
         table.add_row(key, f"{value:,.3f}", f"{value / time.step_s:.0%}")
     table.add_row("[bold]step", f"[bold]{time.step_s:,.3f}", "")
     return table

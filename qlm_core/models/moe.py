@@ -135,23 +135,26 @@ def route(logits: torch.Tensor, moe: MoeSpec,
           expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (probabilities [T, k] in the logits' dtype, expert indices [T, k]). `expert_bias`
     (sigmoid routing): added to the scores to choose the experts, not to weigh them."""
-    indices = chosen_experts(logits, moe, expert_bias)
-    return expert_weights(logits, moe, indices), indices
-
-
-def chosen_experts(logits: torch.Tensor, moe: MoeSpec, expert_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The router's own top-k experts [T, k] of logits [T, E] (highest first; ties as torch.topk breaks them)."""
     if moe.score_function == "sigmoid":
         scores = torch.sigmoid(logits.float())
-        return torch.topk(scores if expert_bias is None else scores + expert_bias, moe.topk, dim=-1).indices
-    if moe.pre_softmax:
-        return torch.topk(torch.softmax(logits.float(), dim=-1), moe.topk, dim=-1).indices
-    return torch.topk(logits, moe.topk, dim=-1).indices
+        if expert_bias is not None:
+            indices = torch.topk(scores + expert_bias, moe.topk, dim=-1).indices
+            top = scores.gather(-1, indices)
+        else:
+            top, indices = torch.topk(scores, moe.topk, dim=-1)
+        probs = top / (top.sum(-1, keepdim=True) + 1e-20) if moe.topk > 1 else top
+    elif moe.pre_softmax:
+        probs, indices = torch.topk(torch.softmax(logits.float(), dim=-1), moe.topk, dim=-1)
+    else:  # topk's values, not a gather of the logits: a gather would keep the [T, E] logits for backward
+        top, indices = torch.topk(logits, moe.topk, dim=-1)
+        probs = torch.softmax(top.float(), dim=-1)
+    return probs.to(logits.dtype), indices
 
 
 def expert_weights(logits: torch.Tensor, moe: MoeSpec, indices: torch.Tensor) -> torch.Tensor:
-    """The probabilities [T, k] (logits' dtype) that weigh the experts `indices` [T, k] chose: the scores of the
-    chosen, renormalised (sigmoid, k > 1), the full softmax's (pre_softmax), or the softmax over the chosen logits."""
+    """The probabilities [T, k] (logits' dtype) that weigh the experts `indices` [T, k] (replayed ones) — as route()
+    weighs its own choice: the scores of the chosen, renormalised (sigmoid, k > 1), the full softmax's (pre_softmax),
+    or the softmax over the chosen logits (whose gather keeps the logits for backward)."""
     if moe.score_function == "sigmoid":
         top = torch.sigmoid(logits.float()).gather(-1, indices)
         probs = top / (top.sum(-1, keepdim=True) + 1e-20) if moe.topk > 1 else top
@@ -346,14 +349,14 @@ class MoELayer(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(-1, h)
         logits = self.router(tokens)
-        indices = chosen_experts(logits, self.moe, self.router.expert_bias)
+        probs, indices = route(logits, self.moe, self.router.expert_bias)
         mismatch = None
         if replay is not None and not shape_inference.active():  # pipelining's shape pass: placeholder routes
             recorded = self._local_replay(replay, s)
             mismatch = route_mismatch(indices, recorded)
             if self.tracker.replay:
                 indices = replayed_experts(indices, recorded)
-        probs = expert_weights(logits, self.moe, indices)
+                probs = expert_weights(logits, self.moe, indices)
         if self.tracker.recording is not None:
             self.tracker.recording.append(indices.view(s, b, -1))
         # training forwards only

@@ -36,8 +36,17 @@ ATTENTION_TERMS: dict[str, AttentionTerms] = {
 
 
 def attention_terms(x) -> AttentionTerms:
-    terms = ATTENTION_TERMS.get(x.spec.attention)
+    return spec_terms(x.spec)
+
+
+def spec_terms(spec) -> AttentionTerms:
+    terms = ATTENTION_TERMS.get(spec.attention)
     if terms is None:
-        raise QlmError(f"the profile has no activation model of attention {x.spec.attention!r}",
+        raise QlmError(f"the profile has no activation model of attention {spec.attention!r}",
                        f"profile a model with attention {', '.join(sorted(ATTENTION_TERMS))}")
     return terms
+
+
+def kv_cache_entries(spec) -> float:
+    """The entries a token keeps in one layer's decoding cache."""
+    return spec_terms(spec).kv_cache(spec)

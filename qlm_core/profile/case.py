@@ -21,6 +21,7 @@ from qlm_core.config import (
     ParallelConfig,
     Recipe,
     ReferenceModel,
+    RlConfig,
     TrainConfig,
     check_finite,
     checked_field,
@@ -88,6 +89,7 @@ class ProfileCase:
     rl: bool = False
     rl_reference: bool = False
     rl_batch_rows: int = 0  # completions decoded at once (rl.rollout_batch_size; 0: the leader's whole share)
+    rl_completion_tokens: int = RlConfig.max_completion_length  # rl.max_completion_length
     rl_reward_model_params: int = 0  # the reward models rl.reward_funcs names, whole on each leader
 
     @property
@@ -254,6 +256,7 @@ def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpe
         micro_batch_size=recipe.train.micro_batch_size * rows, global_batch_size=recipe.train.global_batch_size * rows,
         preference_reference=reference, rl=recipe.data.kind == "rl",
         rl_reference=recipe.data.kind == "rl" and recipe.rl.beta > 0, rl_batch_rows=recipe.rl.rollout_batch_size,
+        rl_completion_tokens=recipe.rl.max_completion_length,
         rl_reward_model_params=reward_model_parameters(recipe),
         num_gpus=num_gpus, dtype=recipe.model.dtype, lora_rank=recipe.lora.rank,
         lora_targets=tuple(recipe.lora.target_modules), loss_chunk_tokens=recipe.train.loss_chunk_tokens,

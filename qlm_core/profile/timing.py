@@ -35,8 +35,9 @@ and parameters (in `param_gather_dtype`) (ZeRO 0 all-reduce; 1 reduce-scatter + 
 every micro-batch; 3 FSDP all-gathers forward and backward and a reduce-scatter per micro-batch), hidden behind
 backward/forward when overlap is on except what
 exceeds the compute it overlaps (and, at least, the last bucket), plus AdamW over this rank's fp32 shard at HBM
-speed (~28 + e bytes moved per element), plus the fitted per-step overhead. Every collective's bandwidth follows
-where its group's ranks sit (profile/topology.py).
+speed (~28 + e bytes moved per element), plus the fitted per-step overhead, plus an RL step's weight sync, rollout
+decoding and reward models (profile/rl_timing.py). Every collective's bandwidth follows where its group's ranks sit
+(profile/topology.py).
 """
 
 from __future__ import annotations
@@ -61,12 +62,13 @@ from qlm_core.profile.moe_timing import (
     moe_layer_tp_bytes,
     moe_mlp_volumes,
 )
+from qlm_core.profile.rl_timing import RL_COMPONENTS, rl_times
 from qlm_core.profile.states import model_state_bytes
 from qlm_core.profile.topology import all_to_all_seconds, expert_bandwidth, group_bandwidth, p2p_bandwidth
 
 # what microbatch_times returns (seconds of one micro-batch), then the per-step parts estimate_time adds
 MICROBATCH_COMPONENTS = ("compute", "recompute", "reference", "tp_comm", "cp_comm", "ep_comm", "pp_p2p")
-TIME_COMPONENTS = MICROBATCH_COMPONENTS + ("pp_bubble", "dp_comm", "optimizer", "overhead")
+TIME_COMPONENTS = MICROBATCH_COMPONENTS + ("pp_bubble", "dp_comm", "optimizer", "overhead") + RL_COMPONENTS
 
 
 @dataclass
@@ -396,6 +398,7 @@ def estimate_time(case: ProfileCase, gpu: GpuSpec, eff: Efficiency = Efficiency(
     dp, optimizer = dp_times(case, gpu, rates, slowest, forward_s, mb["compute"] - forward_s + mb["recompute"])
     components = {key: m * mb[key] for key in MICROBATCH_COMPONENTS}
     components.update(pp_bubble=bubble, dp_comm=dp, optimizer=optimizer, overhead=rates.step_overhead_s)
+    components.update(rl_times(case, gpu, rates))
     return TimeEstimate(components, case.global_batch_size, case.seq_len, case.num_gpus,
                         flops_per_sequence(case.spec, case.seq_len, case.mean_doc_len),
                         megatron_flops_per_sequence(case.spec, case.seq_len), gpu.peak_tflops, rates)

@@ -86,19 +86,22 @@ def test_a_replayed_route_takes_the_given_experts_and_still_trains_the_router(mo
     out.sum().backward()
     assert replayed.router.weight.grad is not None and replayed.router.weight.grad.abs().sum() > 0
 
-    real = moe_module.chosen_experts
+    real = moe_module.route
     rows = given.transpose(0, 1).reshape(-1, MOE.moe.topk)
-    forced = lambda logits, moe, bias=None: torch.where(rows[:, :1] >= 0, rows.long(), real(logits, moe, bias))  # noqa: E731
-    monkeypatch.setattr(moe_module, "chosen_experts", forced)
+
+    def forced(logits, moe, bias=None):  # the layer's own routing, with the given experts chosen
+        indices = torch.where(rows[:, :1] >= 0, rows.long(), real(logits, moe, bias)[1])
+        return moe_module.expert_weights(logits, moe, indices), indices
+    monkeypatch.setattr(moe_module, "route", forced)
     expected = _layer(True)(x.clone().requires_grad_())
-    monkeypatch.setattr(moe_module, "chosen_experts", real)
+    monkeypatch.setattr(moe_module, "route", real)
     assert torch.allclose(out, expected, atol=1e-6, rtol=0)
     unreplayed = _layer(True)(x.clone().requires_grad_())
     assert not torch.allclose(out, unreplayed, atol=1e-3)  # the given routes mattered
 
     own_out = own(x.clone().requires_grad_(), given)
     assert torch.equal(own_out, unreplayed)
-    own_choice = real(own.router(x.reshape(-1, 16)), MOE.moe)
+    own_choice = real(own.router(x.reshape(-1, 16)), MOE.moe)[1]
     differ = (own_choice.sort(-1).values != rows.long().sort(-1).values).any(-1) & (rows[:, 0] >= 0)
     for layer in (replayed, own):
         record = layer.tracker.take_records()[-1]

@@ -1,0 +1,72 @@
+"""The profile's time of an RL step (profile/rl_timing.py): the weight sync, the leaders' KV-cache decoding and the
+reward models beside the training pass, each checked against its formula worked by hand; and the search weighs them
+(more data-parallel leaders decode a step's completions in parallel)."""
+
+from __future__ import annotations
+
+import pytest
+
+from qlm_core.config import ParallelConfig
+from qlm_core.hardware import GPUS
+from qlm_core.models.parameters import num_parameters
+from qlm_core.models.presets import PRESETS
+from qlm_core.profile.case import ProfileCase
+from qlm_core.profile.efficiency import Efficiency
+from qlm_core.profile.rl_timing import RL_COMPONENTS
+from qlm_core.profile.timing import TIME_COMPONENTS, estimate_time
+
+GPU = GPUS["h100"]
+SPEC = PRESETS["qwen3-8b"]
+
+
+def rl_case(**fields) -> ProfileCase:
+    base = dict(spec=SPEC, model_name="qwen3-8b", parallel=ParallelConfig(zero_stage=1), seq_len=3072,
+                micro_batch_size=1, global_batch_size=64, num_gpus=8, dtype="bf16", rl=True, rl_completion_tokens=2048)
+    return ProfileCase(**{**base, **fields})
+
+
+def test_a_language_model_step_has_no_rl_time():
+    times = estimate_time(rl_case(rl=False), GPU).components
+    assert set(RL_COMPONENTS) <= set(TIME_COMPONENTS) == set(times)
+    assert all(times[key] == 0 for key in RL_COMPONENTS)
+
+
+def test_decoding_one_completion_at_a_time_reads_the_weights_and_the_cache_each_step():
+    """One completion per leader (batch 1): each decode step is bound by HBM (the weights, then the cache up to
+    that token), the prefill by the GEMMs; the sum over the 2047 steps is exact (the cost is linear in the context)."""
+    case = rl_case(global_batch_size=8, rl_completion_tokens=2048)  # dp 8: one completion a leader
+    rates = Efficiency().rates(GPU)
+    weights = 2 * num_parameters(SPEC)
+    kv = SPEC.num_layers * 2 * SPEC.num_query_groups * SPEC.kv_channels * 2  # bytes a token adds to the cache
+    prompt, steps = 3072 - 2048, 2047
+    reads = steps * weights + kv * (steps * prompt + steps * (steps + 1) / 2)
+    generate = estimate_time(case, GPU).components["rl_generate"]
+    prefill = generate - reads / (GPU.hbm_gbps * 1e9)
+    assert 0 < prefill < 0.05 * generate  # the prefill of 1024 tokens: a small part next to 2047 reads of 16 GB
+    gemm_rate = GPU.peak_tflops * 1e12 * rates.gemm(SPEC.hidden_size, SPEC.ffn_hidden_size)
+    assert prefill == pytest.approx(2 * num_parameters(SPEC) * prompt / gemm_rate, rel=0.15)  # + attention
+
+
+def test_more_leaders_share_the_decoding_and_a_batch_bound_adds_passes():
+    """The leaders decode their shares at once: dp 8 decodes an eighth of dp 1's completions per leader (at batch 8
+    each step costs about what batch 64's does: the weights' reads dominate); rollout_batch_size = 8 at dp 1 runs
+    8 passes of 8 instead of one of 64."""
+    one = estimate_time(rl_case(num_gpus=1), GPU).components["rl_generate"]
+    eight = estimate_time(rl_case(num_gpus=8), GPU).components["rl_generate"]
+    bounded = estimate_time(rl_case(num_gpus=1, rl_batch_rows=8), GPU).components["rl_generate"]
+    assert eight < one < bounded
+    assert bounded == pytest.approx(8 * eight, rel=1e-9)  # 8 passes of batch 8, each a dp-8 leader's one pass
+
+
+def test_the_weight_sync_moves_the_model_and_the_reward_models_run_forward():
+    """Sync: the model's bytes read and written once on the leader, over the replica (tp 2) and to the other leaders
+    (dp 4); a reward model of N parameters costs 2 N FLOPs per token of every completion of the leader."""
+    rates = Efficiency().rates(GPU)
+    model = 2 * num_parameters(SPEC)
+    case = rl_case(parallel=ParallelConfig(tp=2, sp=True, zero_stage=1), rl_reward_model_params=10**9)
+    times = estimate_time(case, GPU).components
+    nvlink = GPU.nvlink_gbps * 1e9 * rates.comm
+    assert times["rl_sync"] == pytest.approx(2 * model / (GPU.hbm_gbps * 1e9) + 2 * model / nvlink, rel=1e-9)
+    reward = 2 * 10**9 * (64 // 4) * 3072 / (GPU.peak_tflops * 1e12 * rates.gemm_max)
+    assert times["rl_reward"] == pytest.approx(reward, rel=1e-9)
+    assert estimate_time(rl_case(), GPU).components["rl_reward"] == 0  # reward functions only
