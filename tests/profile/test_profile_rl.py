@@ -70,3 +70,24 @@ def test_the_weight_sync_moves_the_model_and_the_reward_models_run_forward():
     reward = 2 * 10**9 * (64 // 4) * 3072 / (GPU.peak_tflops * 1e12 * rates.gemm_max)
     assert times["rl_reward"] == pytest.approx(reward, rel=1e-9)
     assert estimate_time(rl_case(), GPU).components["rl_reward"] == 0  # reward functions only
+
+
+def test_the_grpo_recipe_fits_and_decodes_on_every_gpu():
+    """recipes/qwen3-8b-grpo.toml (the search's pick on 8 H100s) fits, and decodes faster than tp2·cp2·dp2 does with
+    its two leaders, which also fits."""
+    from pathlib import Path
+
+    from qlm_core.config import load_recipe
+    from qlm_core.profile.case import build_case, validate_case
+    from qlm_core.profile.memory import estimate_memory
+
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "qwen3-8b-grpo.toml")
+    pick = build_case(recipe, num_gpus=8)
+    validate_case(pick)
+    two_leaders = pick.with_parallel(tp=2, sp=True, cp=2, zero_stage=1, recompute="none")
+    for case in (pick, two_leaders):
+        assert estimate_memory(case, GPU.memory_gib).fits
+    assert pick.sizes.dp == 8 and two_leaders.sizes.dp == 2
+    times = estimate_time(pick, GPU).components, estimate_time(two_leaders, GPU).components
+    assert times[0]["rl_generate"] < times[1]["rl_generate"] / 3
+    assert sum(times[0].values()) < sum(times[1].values())
