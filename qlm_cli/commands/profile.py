@@ -70,6 +70,9 @@ def _print_probe(result):
         table.add_row(key, f"{predicted:.6f}", "—" if measured is None else f"{measured:.6f}",
                       "—" if error is None else f"{error:+.1%}")
     console.print(table)
+    for key, (predicted_s, measured_s) in (result.rl_times or {}).items():
+        console.print(f"{key} (s a step, the slowest leader): predicted {predicted_s:.4g}, measured {measured_s:.4g}",
+                      highlight=False)
     error = result.predicted_s_per_sample / result.measured_s_per_sample - 1
     console.print(f"s/sample: predicted {result.predicted_s_per_sample:.4g}, measured "
                   f"{result.measured_s_per_sample:.4g} ({error:+.0%})", highlight=False)

@@ -25,8 +25,12 @@
                 and any reward model rl.reward_funcs names in the compute dtype (kept between steps), plus what
                 the rollout holds only while it runs — the KV cache of the completions it decodes at once
                 (global batch / dp, or rl.rollout_batch_size, rows of seq_len tokens), the synced whole weights
-                before they are copied in, the last position's fp32 logits — beyond the training step's transient
-                memory (activations, loss, workspace, pipeline and communication buffers), which is freed by then
+                before they are copied in, the last position's fp32 logits, and the prefill's working set (one
+                layer's forward over the prompts of those rows, seq_len - max_completion_length tokens each: the
+                residual and the norm's output with the larger of attention's q/k/v and RoPE copies or the MLP's fc1
+                and activation outputs; an MoE layer's k routed copies of each token through an expert) — beyond
+                the training step's transient memory (activations, loss, workspace, pipeline and communication
+                buffers), which is freed by then
   allocator     an allowance, not a measurement: `fraction` of the above for the caching allocator's rounding and
                 fragmentation (PyTorch's reserved/allocated ratio is typically 1.03-1.10 in steady training;
                 0.08 by default) plus `context_gib` for the CUDA context, cuBLAS workspaces and NCCL buffers
@@ -43,6 +47,7 @@ import torch
 from qlm_core.config import Recipe
 from qlm_core.dtypes import DTYPES
 from qlm_core.hardware import GPUS
+from qlm_core.models.activations import activation_kind
 from qlm_core.models.parameters import num_parameters
 from qlm_core.parallel.pipeline_rules import MULTI_CHUNK_SCHEDULES
 from qlm_core.profile.activations import (
@@ -54,7 +59,7 @@ from qlm_core.profile.activations import (
     logits_transient,
     loss_keeps_input,
 )
-from qlm_core.profile.attention_terms import attention_terms
+from qlm_core.profile.attention_terms import attention_terms, kv_cache_entries
 from qlm_core.profile.case import ProfileCase, case_from_recipe
 from qlm_core.profile.states import model_state_bytes, stage_params
 from qlm_core.train.plan import RunPlan
@@ -289,7 +294,27 @@ def rollout_bytes(case: ProfileCase, x: ActivationInputs, training_transient: fl
     rows = min(rows, case.rl_batch_rows) if case.rl_batch_rows else rows
     kv_cache = rows * case.seq_len * spec.num_layers * attention_terms(x).kv_cache(spec) * width
     logits = 4.0 * rows * spec.vocab_size
-    return model + reward_models + max(0.0, kv_cache + model + logits - training_transient)
+    prompt = case.seq_len - min(case.rl_completion_tokens, case.seq_len - 1)
+    prefill = rows * prompt * width * prefill_values_per_token(spec)
+    return model + reward_models + max(0.0, kv_cache + model + logits + prefill - training_transient)
+
+
+def prefill_values_per_token(spec) -> float:
+    """Values one prompt token holds at the peak of a layer's forward without gradients (the module docstring's
+    prefill working set): the residual stream and the norm's output, the MLP's fc1 output with the activation's
+    outputs (a gated one: the activation of the gate and the product), the hidden state handed on, and the layer's
+    new K and V with their RoPE copies."""
+    h, activation = spec.hidden_size, activation_kind(spec)
+
+    def mlp(ffn: int) -> float:
+        return activation.fc1_rows(ffn) + (activation.matrices - 1) * ffn
+
+    if spec.moe is None:
+        working = mlp(spec.ffn_hidden_size)
+    else:
+        moe = spec.moe
+        working = moe.topk * (h + mlp(moe.ffn_hidden_size)) + mlp(moe.shared_expert_hidden_size)
+    return 3 * h + working + 2 * kv_cache_entries(spec)
 
 
 def estimate_memory(case: ProfileCase, capacity_gib: float, device: str = "cuda",

@@ -12,6 +12,8 @@ On GPUs the model is the real one and data parallelism shrinks only to fit the l
                                once), split at the peak into the layers (+ embedding) and the loss region
   total                        CUDA: torch.cuda.max_memory_allocated(); CPU: the sum of the measured components
   comm_buffers                 ZeRO 2: the peak bucket storage GradientBuffers borrowed during backward
+  rollout                      RL: a leader's rollout model, and the peak of its weight sync and decoding above the
+                               training step's (profile/probe_rl.py); with the seconds of each beside the prediction
   expert load                  expert parallelism: the rows the rank's MoE layers received over those they sent
                                (measure.ExpertLoadMeter); the prediction is made at the measured rank's load (a
                                tiny random router is not the full model's), the case's allowance is reported beside
@@ -56,6 +58,7 @@ class ProbeResult:
     predicted_s_per_sample: float
     measured_s_per_sample: float
     expert_load: float | None = None  # EP: the measured rank's rows received / sent (the prediction's load)
+    rl_times: dict[str, tuple[float, float]] | None = None  # RL: (predicted, measured) seconds of rl_sync, rl_generate
 
     def error(self, key: str) -> float | None:
         if key not in self.measured or not self.measured[key]:
@@ -72,11 +75,15 @@ class ProbeResult:
         """What the measured total covers: every allocated component on CUDA, the measured ones on CPU."""
         if self.device == "cuda":
             return sum(v for k, v in self.predicted.items() if k != "allocator")
-        return sum(self.predicted[k] for k in MEASURED)
+        return sum(self.predicted[k] for k in self.measured_keys)
+
+    @property
+    def measured_keys(self) -> tuple[str, ...]:
+        return MEASURED + (("rollout",) if "rollout" in self.measured else ())
 
     @property
     def measured_total(self) -> float:
-        return self.measured.get("total") or sum(self.measured[k] for k in MEASURED)
+        return self.measured.get("total") or sum(self.measured[k] for k in self.measured_keys)
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -113,9 +120,11 @@ def scale_down(case: ProfileCase, max_ranks: int = 16, target_seq: int = 128) ->
     if loss_is_chunked(chunk, tokens):  # a chunked loss stays chunked, in as many chunks as far as the tokens allow
         scaled_tokens = case.micro_batch_size * seq // p.cp
         chunk = max(1, min(round(chunk * scaled_tokens / tokens), scaled_tokens - 1))
+    # RL: completions keep their share of the sequence
+    completion = max(1, min(round(case.rl_completion_tokens * seq / case.seq_len), seq // 2))
     scaled = case.replace(spec=spec, model_name=f"{case.model_name} (scaled down)", parallel=parallel, seq_len=seq,
                           global_batch_size=case.micro_batch_size * dp * m, num_gpus=model_ranks * dp,
-                          loss_chunk_tokens=chunk)
+                          loss_chunk_tokens=chunk, rl_completion_tokens=completion)
     validate_case(scaled)
     return scaled
 
@@ -210,10 +219,9 @@ def _wait(proc: subprocess.Popen, progress_file: Path, timeout_s: float, progres
 def probe(case: ProfileCase, gpu: GpuSpec, *, steps: int = 3, efficiency: Efficiency = Efficiency(),
           allowance: Allowance = Allowance(), max_ranks: int = 16, progress: Progress | None = None) -> ProbeResult:
     cuda = torch.cuda.is_available()
-    # the probe runs the trainer's language-model step: an RL recipe's is measured (and predicted) without its
-    # rollout model, KV cache and reference, which the probe does not run
-    case = case.replace(rl=False, rl_reference=False, rl_batch_rows=0)
     ran = fit_to_gpus(case, torch.cuda.device_count()) if cuda else scale_down(case, max_ranks)
+    if ran.rl:  # reward models are not loaded (probe_rl.py): predicted without them
+        ran = ran.replace(rl_reward_model_params=0)
     device = "cuda" if cuda else "cpu"
     if not cuda:  # a CPU "device": all of its RAM, its fp32 matmul peak, loopback links
         from qlm_core.hardware import measure_cpu_peak_tflops
@@ -226,20 +234,26 @@ def probe(case: ProfileCase, gpu: GpuSpec, *, steps: int = 3, efficiency: Effici
     memory = estimate_memory(ran, gpu.memory_gib, device, allowance)
     stage = memory.heaviest.stage
     mine = [r for r in ranks if r["stage"] == stage]
-    worst = max(mine, key=lambda r: sum(r["states"].values()) + r["activations"] + r["logits_loss"])
+    worst = max(mine, key=lambda r: sum(r["states"].values()) + r["activations"] + r["logits_loss"]
+                + r.get("rollout", 0))
     load = worst.get("expert_load")
     if load is not None:  # predict at the load the measured rank saw (ProfileCase.moe_imbalance, unchecked here)
         memory = estimate_memory(ran.replace(moe_imbalance=load), gpu.memory_gib, device, allowance)
     measured = {**{k: float(v) for k, v in worst["states"].items()}, "activations": float(worst["activations"]),
                 "logits_loss": float(worst["logits_loss"])}
-    if "comm_buffers" in worst:
-        measured["comm_buffers"] = float(worst["comm_buffers"])
+    for key in ("comm_buffers", "rollout"):
+        if key in worst:
+            measured[key] = float(worst[key])
     if worst.get("max_allocated"):
         measured["total"] = float(max(r["max_allocated"] for r in mine))
     step_s = max(sum(r["step_times"]) / len(r["step_times"]) for r in ranks)
     predicted = estimate_time(ran, gpu, efficiency)
+    rl_times = None
+    if ran.rl:  # the slowest leader's, beside the prediction
+        leaders = [r["rl_times"] for r in ranks if "rl_times" in r]
+        rl_times = {key: (predicted.components[key], max(t[key] for t in leaders)) for key in leaders[0]}
     return ProbeResult(ran, device, stage, dict(memory.stages[stage].components), measured,
-                       predicted.s_per_sample, step_s / ran.global_batch_size, load)
+                       predicted.s_per_sample, step_s / ran.global_batch_size, load, rl_times)
 
 
 def probe_rows(result: ProbeResult) -> list[tuple[str, float, float | None, float | None]]:

@@ -5,7 +5,8 @@
 
 Also called in-process for a one-rank case (run_rank). A preference case trains as qlm train does: its pairs'
 two sequences, its reference (the frozen copy, the adapters switched off, or a precomputed table), with DPO's
-sigmoid loss (SimPO's when reference-free; the NLL terms of ORPO or rpo_alpha are not run).
+sigmoid loss (SimPO's when reference-free; the NLL terms of ORPO or rpo_alpha are not run). An RL case runs its
+rollouts too (profile/probe_rl.py: a leader's `rollout` bytes and `rl_times` beside the rest).
 Each rank writes OUTDIR/rank{R}.json:
   stage, dp_rank, tp_rank, cp_rank; states (bytes of weights, grads, optimizer actually allocated after a step);
   activations / logits_loss (peak live bytes saved for backward during the first step, saved-tensor hooks);
@@ -29,6 +30,7 @@ from qlm_core.config import LoraConfig, OptimConfig
 from qlm_core.parallel.state import Grid, default_device, destroy_distributed, init_distributed
 from qlm_core.profile.case import ProfileCase, case_from_dict
 from qlm_core.profile.measure import ExpertLoadMeter, SavedTensorMeter, measure_model_states
+from qlm_core.profile.probe_rl import rl_engine, run_rl_rank
 from qlm_core.train.engine import Batch, Engine
 from qlm_core.train.objectives.preference import PreferenceObjective
 from qlm_core.train.objectives.preference_loss import PreferenceLossConfig
@@ -57,25 +59,14 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def run_rank(case: ProfileCase, steps: int, grid: Grid, on_step: Callable[[int, int], None] | None = None) -> dict:
-    """`on_step(done, total)` after each step (the probe's progress)."""
-    lora = LoraConfig(rank=case.lora_rank, target_modules=list(case.lora_targets)) if case.lora_rank else None
-    preference, reference = _preference(case)
-    engine = Engine(case.spec, case.parallel, grid, micro_batch_size=case.micro_batch_size,
-                    global_batch_size=case.global_batch_size, seq_length=case.seq_len, dtype=case.torch_dtype,
-                    optim=OptimConfig(lr=1e-4), seed=1234, lora=lora, loss_chunk_tokens=case.loss_chunk_tokens,
-                    moe=case.moe,
-                    objective=None if preference is None else PreferenceObjective(preference, reference))
-    batch = _batch(case, grid)
+def _first_step(case: ProfileCase, grid: Grid, engine: Engine, batch: Batch) -> dict:
+    """Run and measure the first training step (module docstring: all but step_times)."""
     cuda = grid.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(grid.device)
     with SavedTensorMeter(engine.chunks) as meter, ExpertLoadMeter(engine.chunks) as load:
         engine.train_step(batch)
     _sync(grid.device)
-    total = 1 + max(1, steps - 1)
-    if on_step is not None:
-        on_step(1, total)
     result = {"stage": grid.pp_rank, "dp_rank": grid.dp_rank, "cp_rank": grid.cp_rank, "tp_rank": grid.tp_rank,
               "states": measure_model_states(engine)}
     regions = meter.peak_by_region
@@ -86,6 +77,27 @@ def run_rank(case: ProfileCase, steps: int, grid: Grid, on_step: Callable[[int, 
     result["max_allocated"] = torch.cuda.max_memory_allocated(grid.device) if cuda else None
     if case.parallel.zero_stage == 2:  # the bucket storage ZeRO 2 borrows during backward (GradientBuffers records it)
         result["comm_buffers"] = 4 * engine.optimizer.buffers.peak_transient_grad_numel
+    return result
+
+
+def run_rank(case: ProfileCase, steps: int, grid: Grid, on_step: Callable[[int, int], None] | None = None) -> dict:
+    """`on_step(done, total)` after each step (the probe's progress)."""
+    if case.rl:  # rollouts and the GRPO objective (profile/probe_rl.py)
+        engine = rl_engine(case, grid)
+        return run_rl_rank(case, steps, grid, engine, lambda batch: _first_step(case, grid, engine, batch),
+                           lambda: _sync(grid.device), on_step)
+    lora = LoraConfig(rank=case.lora_rank, target_modules=list(case.lora_targets)) if case.lora_rank else None
+    preference, reference = _preference(case)
+    engine = Engine(case.spec, case.parallel, grid, micro_batch_size=case.micro_batch_size,
+                    global_batch_size=case.global_batch_size, seq_length=case.seq_len, dtype=case.torch_dtype,
+                    optim=OptimConfig(lr=1e-4), seed=1234, lora=lora, loss_chunk_tokens=case.loss_chunk_tokens,
+                    moe=case.moe,
+                    objective=None if preference is None else PreferenceObjective(preference, reference))
+    batch = _batch(case, grid)
+    result = _first_step(case, grid, engine, batch)
+    total = 1 + max(1, steps - 1)
+    if on_step is not None:
+        on_step(1, total)
     times = []
     for _ in range(max(1, steps - 1)):
         _sync(grid.device)

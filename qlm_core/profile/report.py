@@ -16,7 +16,7 @@ from qlm_core.models.spec import parameters_text
 from qlm_core.profile.case import ProfileCase
 from qlm_core.profile.efficiency import KernelRates
 from qlm_core.profile.memory import COMPONENTS, GIB, Allowance, MemoryEstimate
-from qlm_core.profile.probe import MEASURED, ProbeResult
+from qlm_core.profile.probe import ProbeResult
 from qlm_core.profile.search import SearchResult, why_faster
 from qlm_core.profile.timing import TIME_COMPONENTS, Efficiency, TimeEstimate
 from qlm_core.profile.topology import group_bandwidth, p2p_bandwidth
@@ -206,13 +206,16 @@ def probe_dict(result: ProbeResult) -> dict:
     total_pred, total_meas = result.predicted_total_comparable, result.measured_total
     return {
         "schema": SCHEMA, "kind": "probe", "device": result.device, "stage": result.stage,
-        "model": model_dict(result.case), "layout": layout_dict(result.case), "measured_components": list(MEASURED),
+        "model": model_dict(result.case), "layout": layout_dict(result.case),
+        "measured_components": list(result.measured_keys),
         "components": components,
         "total": {"predicted_gib": _r(total_pred / GIB, 6), "measured_gib": _r(total_meas / GIB, 6),
                   "error": _r(total_pred / total_meas - 1) if total_meas else None},
         "s_per_sample": {"predicted": _r(result.predicted_s_per_sample, 6),
                          "measured": _r(result.measured_s_per_sample, 6),
                          "error": _r(result.predicted_s_per_sample / result.measured_s_per_sample - 1)},
+        "rl_times_s": {key: {"predicted": _r(predicted, 6), "measured": _r(measured, 6)}
+                       for key, (predicted, measured) in (result.rl_times or {}).items()},
     }
 
 

@@ -73,8 +73,9 @@ def test_the_weight_sync_moves_the_model_and_the_reward_models_run_forward():
 
 
 def test_the_grpo_recipe_fits_and_decodes_on_every_gpu():
-    """recipes/qwen3-8b-grpo.toml (the search's pick on 8 H100s) fits, and decodes faster than tp2·cp2·dp2 does with
-    its two leaders, which also fits."""
+    """recipes/qwen3-8b-grpo.toml (the search's pick on 8 H100s) fits, and decodes faster than tp2·cp2·dp2 (the
+    recipe's layout before decoding was in the profile) does with its two leaders, which also runs out of memory
+    by the prefill's working set."""
     from pathlib import Path
 
     from qlm_core.config import load_recipe
@@ -85,9 +86,43 @@ def test_the_grpo_recipe_fits_and_decodes_on_every_gpu():
     pick = build_case(recipe, num_gpus=8)
     validate_case(pick)
     two_leaders = pick.with_parallel(tp=2, sp=True, cp=2, zero_stage=1, recompute="none")
-    for case in (pick, two_leaders):
-        assert estimate_memory(case, GPU.memory_gib).fits
+    assert estimate_memory(pick, GPU.memory_gib).fits and not estimate_memory(two_leaders, GPU.memory_gib).fits
     assert pick.sizes.dp == 8 and two_leaders.sizes.dp == 2
     times = estimate_time(pick, GPU).components, estimate_time(two_leaders, GPU).components
     assert times[0]["rl_generate"] < times[1]["rl_generate"] / 3
     assert sum(times[0].values()) < sum(times[1].values())
+
+
+def _probe(num_gpus: int, **parallel):
+    from pathlib import Path
+
+    from qlm_core.config import load_recipe
+    from qlm_core.profile.case import build_case
+    from qlm_core.profile.probe import probe
+
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny-grpo.toml")
+    return probe(build_case(recipe, num_gpus=num_gpus, **parallel), GPU, steps=3)
+
+
+def _check_probe(result):
+    """Every measured component within 10% of the prediction, the rollout's among them; the leaders' sync and
+    decoding timed."""
+    assert "rollout" in result.measured and result.measured["rollout"] > 0
+    for key in result.measured_keys:
+        assert result.error(key) == pytest.approx(0.0, abs=0.10), (key, result.predicted[key], result.measured[key])
+    assert set(result.rl_times) == {"rl_sync", "rl_generate"}
+    assert all(predicted > 0 and measured > 0 for predicted, measured in result.rl_times.values())
+
+
+def test_the_probe_runs_an_rl_step_and_measures_its_rollout():
+    """`qlm profile recipes/tiny-grpo.toml --probe --num-gpus 1`: the rollout model is measured beside the
+    training states and activations."""
+    _check_probe(_probe(1))
+
+
+@pytest.mark.distributed
+def test_the_probe_runs_an_rl_step_at_tp2():
+    """The weight sync gathers the TP shards to the leader, which decodes and hands its rows to the other rank."""
+    result = _probe(2, tp=2)
+    assert result.case.parallel.tp == 2
+    _check_probe(result)
