@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import GPTModel
-from qlm_core.models.layout import ModelLayout, fill_shard, read_from_parts
+from qlm_core.models.layout import ModelLayout, read_from_parts, read_shard_into
 from qlm_core.models.tensor_layout import REPLICATED, TensorLayout
 from qlm_core.parallel.sharded_tensors import whole
 from qlm_core.train.engine import Engine
@@ -196,8 +196,30 @@ def fill_rollout_model(engine: Engine, weights: SyncedWeights, model: GPTModel |
     if model is None:
         return build_rank_model(layout, RankCoords(), weights, dtype=dtype or engine.dtype,
                                 device=device or engine.grid.device, moe_options=engine.moe).eval()
-    fill_shard(layout, 0, 0, 0, weights, model.state_dict(keep_vars=True))
+    refill(layout, weights, model.state_dict(keep_vars=True))
     return model
+
+
+@torch.no_grad()
+def refill(layout: ModelLayout, weights: SyncedWeights, state: dict[str, torch.Tensor]) -> None:
+    """fill_shard at the rollout layout, with every tensor that arrived whole (one part of the rollout's shape and
+    dtype, no vocabulary padding: its values are the global tensor's as they are) copied in one foreach call; the
+    rest (TP parts to put together, padding to zero) through the layout module."""
+    whole_out, whole_in, rest = [], [], {}
+    for name, tensor in layout.shard_entries(0, 0, 0):
+        if tensor is None:
+            continue
+        parts, out = weights.parts[tensor.name], state[name]
+        if (len(parts) == 1 and parts[0].shape == out.shape == torch.Size(tensor.shape)
+                and parts[0].dtype == out.dtype and tensor.real_extent == tensor.shape[tensor.axis]):
+            whole_out.append(out)
+            whole_in.append(parts[0])
+        else:
+            rest[name] = tensor
+    if whole_out:
+        torch._foreach_copy_(whole_out, whole_in)
+    for name, tensor in rest.items():
+        read_shard_into(tensor, 1, 0, weights, state[name])
 
 
 def rollout_model(engine: Engine, dtype: torch.dtype | None = None,

@@ -245,7 +245,8 @@ def test_an_rl_run_on_two_data_parallel_ranks_shares_the_prompts_and_gathers_the
 
 def test_the_profile_counts_an_rl_leaders_rollout_model_and_kv_cache(recipe_file):
     """The memory estimate of an RL recipe: stage 0 holds the whole rollout model and, beyond the training step's
-    transient memory, the KV cache of the completions decoded at once (rl.rollout_batch_size bounds it); a frozen
+    transient memory, the KV cache and the prefill's working set of the completions decoded at once
+    (rl.rollout_batch_size bounds both); a frozen
     reference (rl.beta > 0) adds the policy's weights again; a language-model run has no rollout term."""
     from qlm_core.models.parameters import num_parameters
     from qlm_core.models.presets import PRESETS
@@ -259,9 +260,14 @@ def test_the_profile_counts_an_rl_leaders_rollout_model_and_kv_cache(recipe_file
 
     model_bytes = 2 * num_parameters(PRESETS["qwen3-8b"])
     kv_row = 4096 * 36 * 2 * 8 * 128 * 2  # tokens x layers x (K, V) x groups x head dim x bf16 (+ fp32 logits)
+    # the prefill of a row's prompt (4096 - 8 tokens), each token at the peak of a layer's forward: the residual,
+    # the norm's output and the hidden state handed on, fc1's [gate; up], silu(gate) and the product, the new K, V
+    # and their RoPE copies, in bf16
+    prefill_row = 4088 * 2 * (3 * 4096 + 2 * 12288 + 2 * 12288 + 2 * (2 * 8 * 128))
     whole, bounded = memory(), memory("rl.rollout_batch_size=32")
     assert model_bytes < bounded["rollout"] < whole["rollout"]
-    assert whole["rollout"] - bounded["rollout"] == pytest.approx((64 - 32) * (kv_row + 4 * 151936), rel=1e-6)
+    assert whole["rollout"] - bounded["rollout"] == pytest.approx((64 - 32) * (kv_row + 4 * 151936 + prefill_row),
+                                                                  rel=1e-6)
     assert memory("rl.beta=0.04")["weights"] - whole["weights"] == pytest.approx(model_bytes, rel=0.01)
     assert memory("data.kind='sft'", "data.packing=false")["rollout"] == 0
 
