@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qlm_core.config import check_finite
+from qlm_core.decode.routes import RouteRecorder
 from qlm_core.errors import QlmError
 from qlm_core.models.attention import KVCache
 from qlm_core.models.gpt import GPTModel
@@ -76,34 +77,8 @@ class Generation:
     logprobs: list[float] = field(default_factory=list)
     eos_token: int | None = None  # the eos id that ended the turn (finish "stop" by eos)
     # record_routes (an MoE model): the experts each token the model was fed (the prompt's, then every new token but
-    # the last) was routed to, [tokens, MoE layers, k] int32
+    # the last) was routed to, [tokens, MoE layers, k] int16 (decode/routes.py)
     routes: torch.Tensor | None = None
-
-
-class RouteRecorder:
-    """The expert routes an MoE model's layers choose during decoding's forwards (routing replay's record); a model
-    without MoE layers records nothing."""
-
-    def __init__(self, model: GPTModel, rows: int, enabled: bool):
-        self.tracker = model.moe.tracker if enabled and model.spec.moe is not None else None
-        self.rows: list[list[torch.Tensor]] = [[] for _ in range(rows)]
-
-    def forward(self, run: Callable[..., torch.Tensor], *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """run(*args, **kwargs) and the routes its MoE layers chose, [s, b, MoE layers, k] (None: not recording)."""
-        if self.tracker is None:
-            return run(*args, **kwargs), None
-        self.tracker.recording = []
-        try:
-            out = run(*args, **kwargs)
-            return out, torch.stack(self.tracker.recording, dim=2).to(torch.int32).cpu()
-        finally:
-            self.tracker.recording = None
-
-    def keep(self, row: int, routes: torch.Tensor) -> None:
-        self.rows[row].append(routes)
-
-    def routes(self, row: int) -> torch.Tensor | None:
-        return torch.cat(self.rows[row]) if self.tracker is not None else None
 
 
 @torch.no_grad()
@@ -135,12 +110,11 @@ def generate_rows(
     mask = attention_mask.long()
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     cache = KVCache.empty(len(model.decoder.layers))
-    recorder = RouteRecorder(model, rows, record_routes)
-    hidden, routes = recorder.forward(model.hidden_states, input_ids, positions, cache=cache,
-                                      attention_mask=mask)  # [L, b, h]
-    if routes is not None:  # each row's prompt: its last tokens (left padding)
-        for row, length in enumerate(mask.sum(dim=1).tolist()):
-            recorder.keep(row, routes[routes.shape[0] - length:, row])
+    recorder = RouteRecorder(model, rows, input_ids.shape[1], max_new_tokens, record_routes)
+    hidden, routes = recorder.run(model.hidden_states, input_ids, positions, cache=cache,
+                                  attention_mask=mask)  # [L, b, h]
+    if routes is not None:
+        recorder.keep_prompts(routes, mask.sum(dim=1).tolist())
     logits = model.logits(hidden[-1:])[:, -1]  # the last position's only: never [b, L, vocab]
     if max_new_tokens > 1:
         cache.reserve(max_new_tokens - 1)  # each step writes its token's keys and values in place
@@ -176,12 +150,11 @@ def generate_rows(
             cache.select(keep)
             mask, next_position, chosen = mask[keep], next_position[keep], chosen[keep]
         mask = torch.cat((mask, torch.ones(len(active), 1, dtype=mask.dtype, device=mask.device)), dim=1)
-        hidden, routes = recorder.forward(model.hidden_states, chosen[:, None], next_position[:, None], cache=cache,
-                                          attention_mask=mask)
-        if routes is not None:
-            for slot, row in enumerate(active):
-                if not done[row]:
-                    recorder.keep(row, routes[:, slot])
+        hidden, routes = recorder.run(model.hidden_states, chosen[:, None], next_position[:, None], cache=cache,
+                                      attention_mask=mask)
+        if routes is not None:  # the rows still answering were fed their token; the others' is never read
+            fed = [(slot, row) for slot, row in enumerate(active) if not done[row]]
+            recorder.keep_step(routes, [slot for slot, _ in fed], [row for _, row in fed])
         logits = model.logits(hidden)[:, -1]  # any GPTModel, a pipeline StageModel (a rollout's policy) too
         next_position = next_position + 1
     for row, generation in enumerate(out):

@@ -19,10 +19,11 @@ def attended_keys_per_token(seq_length: int, mean_doc_len: int = 0, window: int 
     return window - window * window / (2 * m)
 
 
-def layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> tuple[float, float]:
+def layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0,
+                          keys: float | None = None) -> tuple[float, float]:
     """Forward FLOPs per token of one dense layer: (dense matmuls, causal attention over the keys each token
-    reads)."""
-    keys = attended_keys_per_token(seq_length, mean_doc_len, spec.sliding_window)
+    reads; `keys`: that many instead, as a decoding step's token reads every cached key)."""
+    keys = attended_keys_per_token(seq_length, mean_doc_len, spec.sliding_window) if keys is None else keys
     projections, attention = attention_kind(spec).flops_per_token(spec, keys)
     return projections + dense_mlp_flops_per_token(spec), attention
 
@@ -40,9 +41,10 @@ def moe_mlp_flops_per_token(spec: ModelSpec) -> float:
     return 2 * (h * moe.num_experts + matrices * h * active + (h if moe.shared_expert_gate else 0))
 
 
-def model_layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> float:
+def model_layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0,
+                                keys: float | None = None) -> float:
     """Forward FLOPs per token of all layers (matmuls and attention), each MoE layer at its active parameters."""
-    dense, attention = layer_flops_per_token(spec, seq_length, mean_doc_len)
+    dense, attention = layer_flops_per_token(spec, seq_length, mean_doc_len, keys)
     if spec.moe is None:
         return spec.num_layers * (dense + attention)
     moe_layers = spec.moe.num_moe_layers(spec.num_layers)

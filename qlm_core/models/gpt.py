@@ -100,7 +100,7 @@ class TransformerLayer(nn.Module):
             self.mlp = MoELayer(spec.hidden_size, spec.moe, parallel, moe.options, moe.tracker, global_layer, dtype,
                                 activation_kind(spec))
             # its index among the model's MoE layers: its slot in a batch's recorded routes
-            self.route_slot = sum(spec.is_moe_layer(index) for index in range(global_layer))
+            self.route_slot = spec.moe.num_moe_layers(global_layer)
         else:
             self.mlp = MLP(spec.hidden_size, spec.ffn_hidden_size, parallel, dtype, activation_kind(spec))
         self.parallel = parallel

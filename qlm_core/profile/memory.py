@@ -25,12 +25,13 @@
                 and any reward model rl.reward_funcs names in the compute dtype (kept between steps), plus what
                 the rollout holds only while it runs — the KV cache of the completions it decodes at once
                 (global batch / dp, or rl.rollout_batch_size, rows of seq_len tokens), the synced whole weights
-                before they are copied in, the last position's fp32 logits, and the prefill's working set (one
-                layer's forward over the prompts of those rows, seq_len - max_completion_length tokens each: the
-                residual and the norm's output with the larger of attention's q/k/v and RoPE copies or the MLP's fc1
-                and activation outputs; an MoE layer's k routed copies of each token through an expert) — beyond
-                the training step's transient memory (activations, loss, workspace, pipeline and communication
-                buffers), which is freed by then
+                before they are copied in (under ZeRO 3 twice: the parameters are gathered whole to be sent),
+                the last position's fp32 logits, and the prefill's working set (one layer's forward over the
+                prompts of those rows, seq_len - max_completion_length tokens each: the residual stream, the norm's
+                output and the hidden state handed on, the MLP's fc1 output with its activation's outputs, the new
+                K and V with their RoPE copies; an MoE layer's k routed copies of each token through an expert)
+                — beyond the training step's transient memory (activations, loss, workspace, pipeline and
+                communication buffers), which is freed by then
   allocator     an allowance, not a measurement: `fraction` of the above for the caching allocator's rounding and
                 fragmentation (PyTorch's reserved/allocated ratio is typically 1.03-1.10 in steady training;
                 0.08 by default) plus `context_gib` for the CUDA context, cuBLAS workspaces and NCCL buffers
@@ -296,7 +297,8 @@ def rollout_bytes(case: ProfileCase, x: ActivationInputs, training_transient: fl
     logits = 4.0 * rows * spec.vocab_size
     prompt = case.seq_len - min(case.rl_completion_tokens, case.seq_len - 1)
     prefill = rows * prompt * width * prefill_values_per_token(spec)
-    return model + reward_models + max(0.0, kv_cache + model + logits + prefill - training_transient)
+    gathered = model if case.parallel.zero_stage == 3 else 0.0  # ZeRO 3: the shards gathered whole to be synced
+    return model + reward_models + max(0.0, kv_cache + model + gathered + logits + prefill - training_transient)
 
 
 def prefill_values_per_token(spec) -> float:

@@ -120,7 +120,7 @@ def scale_down(case: ProfileCase, max_ranks: int = 16, target_seq: int = 128) ->
     if loss_is_chunked(chunk, tokens):  # a chunked loss stays chunked, in as many chunks as far as the tokens allow
         scaled_tokens = case.micro_batch_size * seq // p.cp
         chunk = max(1, min(round(chunk * scaled_tokens / tokens), scaled_tokens - 1))
-    # RL: completions keep their share of the sequence
+    # RL: completions keep their share of the sequence, at most half of it (the prompt keeps the rest)
     completion = max(1, min(round(case.rl_completion_tokens * seq / case.seq_len), seq // 2))
     scaled = case.replace(spec=spec, model_name=f"{case.model_name} (scaled down)", parallel=parallel, seq_len=seq,
                           global_batch_size=case.micro_batch_size * dp * m, num_gpus=model_ranks * dp,
@@ -249,7 +249,7 @@ def probe(case: ProfileCase, gpu: GpuSpec, *, steps: int = 3, efficiency: Effici
     step_s = max(sum(r["step_times"]) / len(r["step_times"]) for r in ranks)
     predicted = estimate_time(ran, gpu, efficiency)
     rl_times = None
-    if ran.rl:  # the slowest leader's, beside the prediction
+    if ran.rl:  # the slowest rank's (a leader's, or a rank waiting for one), beside the prediction
         leaders = [r["rl_times"] for r in ranks if "rl_times" in r]
         rl_times = {key: (predicted.components[key], max(t[key] for t in leaders)) for key in leaders[0]}
     return ProbeResult(ran, device, stage, dict(memory.stages[stage].components), measured,

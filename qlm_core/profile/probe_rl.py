@@ -9,7 +9,8 @@ Beside probe_worker.py's measurements, a leader reports:
   rollout        the rollout model's bytes, plus how far the peak allocated during the weight sync and decoding
                  (the synced weights, the KV cache, the logits) rises above the training step's peak (both measured
                  the same way, measure.AllocationMeter, in the second step: the rollout model is built in the first)
-  rl_times       seconds of the weight sync and the decoding, per timed step
+  rl_times       seconds of the weight sync and of the decoding with the rows handed to the replica (a rank that
+                 does not decode: its wait for them), per timed step
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def run_rl_rank(case: ProfileCase, steps: int, grid: Grid, engine: Engine,
                 measure_first: Callable[[RolloutBatch], dict], sync: Callable[[], None],
                 on_step: Callable[[int, int], None] | None = None) -> dict:
     """probe_worker.run_rank for an RL case: `measure_first(batch)` runs and measures the first training step as
-    run_rank does for any case (its result dict is completed here), `sync` waits for the device."""
+    run_rank does for any case (its result dict is completed here), `sync` waits for the device. Every rank times
+    the sync and the decoding (a rank that does not decode waits for its leader's rows)."""
     rollout = ProbeRollout(case, engine)
     total = 2 + max(1, steps - 2)
 
@@ -101,6 +103,8 @@ def run_rl_rank(case: ProfileCase, steps: int, grid: Grid, engine: Engine,
         rollout.sync_weights()
         return rollout.share(rollout.decode())
 
+    if grid.device.type == "cuda":  # max_allocated covers the first step's rollout too
+        torch.cuda.reset_peak_memory_stats(grid.device)
     result = measure_first(step_batch())
     if on_step is not None:
         on_step(1, total)
@@ -128,10 +132,10 @@ def run_rl_rank(case: ProfileCase, steps: int, grid: Grid, engine: Engine,
         rollout.sync_weights()
         sync()
         synced = time.perf_counter()
-        batch = rollout.decode()
+        batch = rollout.share(rollout.decode())
         sync()
         decoded = time.perf_counter()
-        engine.train_step(rollout.share(batch))
+        engine.train_step(batch)
         sync()
         times.append(time.perf_counter() - start)
         sync_s.append(synced - start)

@@ -59,10 +59,11 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def _first_step(case: ProfileCase, grid: Grid, engine: Engine, batch: Batch) -> dict:
-    """Run and measure the first training step (module docstring: all but step_times)."""
+def _first_step(case: ProfileCase, grid: Grid, engine: Engine, batch: Batch, reset: bool = True) -> dict:
+    """Run and measure the first training step (module docstring: all but step_times); `reset`: CUDA's peak counts
+    from here (an RL case resets it before its rollout)."""
     cuda = grid.device.type == "cuda"
-    if cuda:
+    if cuda and reset:
         torch.cuda.reset_peak_memory_stats(grid.device)
     with SavedTensorMeter(engine.chunks) as meter, ExpertLoadMeter(engine.chunks) as load:
         engine.train_step(batch)
@@ -84,7 +85,7 @@ def run_rank(case: ProfileCase, steps: int, grid: Grid, on_step: Callable[[int, 
     """`on_step(done, total)` after each step (the probe's progress)."""
     if case.rl:  # rollouts and the GRPO objective (profile/probe_rl.py)
         engine = rl_engine(case, grid)
-        return run_rl_rank(case, steps, grid, engine, lambda batch: _first_step(case, grid, engine, batch),
+        return run_rl_rank(case, steps, grid, engine, lambda batch: _first_step(case, grid, engine, batch, False),
                            lambda: _sync(grid.device), on_step)
     lora = LoraConfig(rank=case.lora_rank, target_modules=list(case.lora_targets)) if case.lora_rank else None
     preference, reference = _preference(case)

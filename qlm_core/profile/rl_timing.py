@@ -3,9 +3,10 @@ replica's other ranks wait (train/rollout_batches.py). The training pass, the fr
 `reference`) and the rest are profile/timing.py's; π_old is the sampler's own log-probs, so no extra forward computes
 them.
 
-  rl_sync      weight sync: each trainer shard once, point to point, to the replica's rank 0 (the whole model in the
-               compute dtype over the replica's slowest link), a broadcast of it to the other leaders over the
-               data-parallel group, and the copy into the rollout model (read and written at HBM speed).
+  rl_sync      weight sync: under ZeRO 3 the parameters gathered whole first (an all-gather over dp·cp), then each
+               trainer shard once, point to point, to the replica's rank 0 (the whole model in the compute dtype over
+               the replica's slowest link), a broadcast of it to the other leaders over the data-parallel group, and
+               the copy into the rollout model (read and written at HBM speed).
   rl_generate  KV-cache decoding of the leader's completions (global batch / dp of them, rl.rollout_batch_size at a
                time) by the whole model at TP 1: the prefill of the prompts (the longest a prompt may be, seq_len -
                max_completion_length) at the GEMM rate, then max_completion_length steps, each the larger of reading
@@ -41,6 +42,8 @@ def rl_times(case: ProfileCase, gpu: GpuSpec, rates: KernelRates) -> dict[str, f
 def sync_seconds(case: ProfileCase, gpu: GpuSpec, rates: KernelRates) -> float:
     sizes, model = case.sizes, case.dtype_bytes * num_parameters(case.spec)
     seconds = 2 * model / (gpu.hbm_gbps * 1e9)
+    if case.parallel.zero_stage == 3 and sizes.dp * sizes.cp > 1:  # the shards gathered whole first
+        seconds += model * (1 - 1 / (sizes.dp * sizes.cp)) / group_bandwidth(gpu, sizes, ("dp", "cp"), rates.comm)
     if sizes.tp * sizes.pp * sizes.cp > 1:
         seconds += model / group_bandwidth(gpu, sizes, ("tp", "cp", "pp"), rates.comm)
     if sizes.dp > 1:
@@ -80,7 +83,9 @@ def generate_seconds(case: ProfileCase, gpu: GpuSpec, rates: KernelRates) -> flo
         for index in range(samples):
             context = prompt + 0.5 + (index + 0.5) * steps / samples  # step t attends to prompt + t tokens
             read = weights + rows * context * kv_per_token
-            flops = rows * (model_layer_flops_per_token(spec, round(context)) + logits_flops_per_token(spec))
+            keys = min(context, spec.sliding_window or context)  # a new token reads every cached key
+            flops = rows * (model_layer_flops_per_token(spec, round(context), keys=keys)
+                            + logits_flops_per_token(spec))
             seconds += steps / samples * max(read / hbm, flops / gemm_rate)
     return seconds
 

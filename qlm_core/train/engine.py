@@ -254,10 +254,14 @@ class Engine:
             routes = batch.routes
             if routes is None:
                 moe = self.spec.moe
-                layers = sum(self.spec.is_moe_layer(index) for index in range(self.spec.num_layers))
-                routes = torch.full((rows, seq, layers, moe.topk), -1, dtype=torch.int32)
+                routes = torch.full((rows, seq, moe.num_moe_layers(self.spec.num_layers), moe.topk), -1,
+                                    dtype=torch.int32)
             inputs += (local(routes),)
         return inputs, local(batch.labels)
+
+    def without_routes(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """local_inputs' inputs less the routes (for a model that routes by its own routers: a frozen reference)."""
+        return inputs[:-1] if self.route_inputs else inputs
 
     def _run_microbatches(self, batch: Batch, *, backward: bool) -> torch.Tensor:
         """Forward (and, with `backward`, backward) over every microbatch of this rank's rows, through the

@@ -3,7 +3,7 @@ MoeTracker: the load-balancing and z-losses as they entered the objective (coeff
 global batch's micro-batches, summed over layers), and the spread of tokens per expert (an expert's share of its
 layer's top-k choices over the step, relative to an even split: the largest and the smallest over every layer and
 expert), and with an RL batch's recorded routes (routing replay) the share of (token, MoE layer) routes where the
-trainer's router chose other experts than the rollout did (`moe_route_mismatch`, and their count).
+trainer's router chose other experts than the rollout did (`moe_route_mismatch`; their count: `moe_routes_differed`).
 
 A layer's loss is split over the ranks that hold shards of its tokens (SP's TP ranks, CP ranks): those parts are
 summed; TP ranks without SP each hold the whole value. Token counts are already whole over the sequence shards.
@@ -82,7 +82,7 @@ class MoeStepStats:
         all_reduce(sums, g.pp_group)
         if sums[1] == 0:
             return {}
-        return {"moe_route_mismatch": (sums[0] / sums[1]).item(), "moe_route_mismatch_tokens": sums[0].item()}
+        return {"moe_route_mismatch": (sums[0] / sums[1]).item(), "moe_routes_differed": sums[0].item()}
 
     def _step_records(self, chunk) -> list:
         """The chunk's records of this step's micro-batches: one per MoE layer and micro-batch, the last ones."""

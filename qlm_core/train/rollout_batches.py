@@ -200,7 +200,7 @@ class RolloutBatches:
             config = replace(self.config, num_generations=1)
             groups = sample_groups(model, prompts.ids, prompts.records, config, self.rewards, self._text,
                                    seq_length=self.recipe.data.seq_length, eos_token_id=self.eos_ids,
-                                   pad_id=self.pad_id)
+                                   pad_id=self.pad_id, record_routes=False)  # scored, not trained on
             totals = (groups.per_source * self.rewards.weights).nansum(dim=1)
             lengths = torch.tensor([len(trained_tokens(g)) for g in groups.generations], dtype=torch.float64)
             figures = {"reward": totals.mean().item(), **source_metrics(groups.per_source, self.rewards.names),

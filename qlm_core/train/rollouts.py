@@ -88,9 +88,10 @@ def pack_rollouts(prompts: Sequence[Sequence[int]], generations: Sequence[Genera
 
 @torch.no_grad()
 def generate_groups(model: GPTModel, prompts: Sequence[Sequence[int]], config: RolloutConfig,
-                    eos_token_id: int | Sequence[int] | None, pad_id: int) -> list[Generation]:
+                    eos_token_id: int | Sequence[int] | None, pad_id: int,
+                    record_routes: bool = True) -> list[Generation]:
     """`num_generations` completions of each prompt, a prompt's adjacent, decoded `batch_rows` at a time (default
-    all in one batch)."""
+    all in one batch); an MoE model's routes recorded for the trainer (`record_routes`)."""
     repeated = [list(p) for p in prompts for _ in range(config.num_generations)]
     device = next(model.parameters()).device
     size = config.batch_rows or len(repeated)
@@ -100,7 +101,7 @@ def generate_groups(model: GPTModel, prompts: Sequence[Sequence[int]], config: R
         input_ids, mask = left_pad(repeated[first:first + size], pad_id)
         out += generate_rows(model, input_ids.to(device), mask.to(device), max_new_tokens=config.max_completion_length,
                              eos_token_id=eos_token_id, sampling=config.sampling, generator=generator,
-                             record_routes=True)
+                             record_routes=record_routes)
     return out
 
 
@@ -136,15 +137,16 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
 
 def sample_groups(model: GPTModel, prompts: Sequence[Sequence[int]], records: Sequence[dict[str, Any]],
                   config: RolloutConfig, rewards: Rewards, decode_text: Callable[[list[int]], str], *,
-                  seq_length: int, eos_token_id: int | Sequence[int] | None, pad_id: int) -> Groups:
+                  seq_length: int, eos_token_id: int | Sequence[int] | None, pad_id: int,
+                  record_routes: bool = True) -> Groups:
     """`num_generations` scored completions of each prompt (`records`: their data records, each with its `prompt`
-    text and the fields the rewards read)."""
+    text and the fields the rewards read); `record_routes`: an MoE model's routes kept for training."""
     longest = max(len(p) for p in prompts)
     if longest + config.max_completion_length - 1 > seq_length:
         raise QlmError(f"a prompt of {longest} tokens leaves no room for rl.max_completion_length "
                        f"{config.max_completion_length} in data.seq_length {seq_length}",
                        "raise data.seq_length, lower rl.max_completion_length or shorten the prompts")
-    generations = generate_groups(model, prompts, config, eos_token_id, pad_id)
+    generations = generate_groups(model, prompts, config, eos_token_id, pad_id, record_routes)
     n = config.num_generations
     row_prompts = [list(p) for p in prompts for _ in range(n)]
     row_records = [record for record in records for _ in range(n)]

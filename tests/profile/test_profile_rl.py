@@ -121,8 +121,10 @@ def test_the_probe_runs_an_rl_step_and_measures_its_rollout():
 
 
 @pytest.mark.distributed
-def test_the_probe_runs_an_rl_step_at_tp2():
-    """The weight sync gathers the TP shards to the leader, which decodes and hands its rows to the other rank."""
-    result = _probe(2, tp=2)
-    assert result.case.parallel.tp == 2
+def test_the_probe_runs_an_rl_step_at_dp2():
+    """Two leaders, each decoding its half of the completions on the weights rank 0 broadcast to both. (At tp2 the
+    tiny model's decoding and training peaks come within a few percent of each other, where the rollout's excess
+    over training is a difference of two near-equal measurements.)"""
+    result = _probe(2)
+    assert result.case.sizes.dp == 2
     _check_probe(result)

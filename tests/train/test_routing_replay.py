@@ -24,7 +24,7 @@ from qlm_core.train.rewards import Rewards, RewardSource
 from qlm_core.train.rollouts import RolloutConfig, rollout
 from qlm_core.train.trainer import Trainer
 
-MOE_LAYERS = sum(MOE.is_moe_layer(index) for index in range(MOE.num_layers))
+MOE_LAYERS = MOE.moe.num_moe_layers(MOE.num_layers)
 SEQ, EOS = 32, 7
 
 
@@ -58,9 +58,23 @@ def test_decoding_records_the_routes_of_every_token_it_fed():
     for prompt, generation in zip(prompts, generations, strict=True):
         fed = prompt + generation.tokens[:len(generation.tokens) - (generation.eos_token is None)]
         assert generation.routes.shape == (len(fed), MOE_LAYERS, MOE.moe.topk)
-        assert torch.equal(generation.routes, _forward_routes(model, fed).to(torch.int32))
+        assert torch.equal(generation.routes.long(), _forward_routes(model, fed))
     plain = generate_rows(_model(SPEC), ids, mask, max_new_tokens=3, eos_token_id=None, record_routes=True)
     assert all(g.routes is None for g in plain)  # a dense model records nothing
+
+
+@pytest.mark.parametrize("score, pre_softmax, bias", [("softmax", False, False), ("softmax", True, False),
+                                                      ("sigmoid", False, False), ("sigmoid", False, True)])
+def test_a_replayed_route_is_weighed_as_the_router_weighs_its_own(score, pre_softmax, bias):
+    """expert_weights of the router's own choice are route()'s probabilities, bit for bit, for every score function:
+    a replay of the routes the rollout chose gives the trainer the rollout's expert weights."""
+    from dataclasses import replace
+
+    spec = replace(MOE.moe, score_function=score, pre_softmax=pre_softmax, expert_bias=bias)
+    logits = torch.randn(64, spec.num_experts, generator=torch.Generator().manual_seed(3))
+    expert_bias = torch.randn(spec.num_experts) if bias else None
+    probs, indices = moe_module.route(logits, spec, expert_bias)
+    assert torch.equal(moe_module.expert_weights(logits, spec, indices), probs)
 
 
 def _layer(replay: bool):
@@ -76,8 +90,8 @@ def test_a_replayed_route_takes_the_given_experts_and_still_trains_the_router(mo
     """The output is the layer's with the given experts chosen (its router's probabilities weigh them), tokens
     without a record (-1) route themselves, the router's weight gets a gradient, and the records count the tokens whose
     own choice differed. replay False: the layer's own routes, the same count."""
-    x = torch.randn(6, 2, 16)
     g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 2, 16, generator=g)
     given = torch.rand(2, 6, MOE.moe.num_experts, generator=g).argsort(-1)[..., :MOE.moe.topk].to(torch.int32)
     given[:, -1] = -1  # [b, s, k]: the last position of each row has no record
     replayed, own = _layer(True), _layer(False)
@@ -183,5 +197,5 @@ def test_an_moe_rl_run_logs_how_many_routes_differed(tmp_path, odd_reward, repla
     rows = metrics(tmp_path / "run")
     assert len(rows) == 2
     for row in rows:
-        assert 0.0 <= row["moe_route_mismatch"] <= 1.0 and row["moe_route_mismatch_tokens"] >= 0
+        assert 0.0 <= row["moe_route_mismatch"] <= 1.0 and row["moe_routes_differed"] >= 0
         assert row["train_rollout_logprob_abs_diff/mean"] >= 0

@@ -91,11 +91,10 @@ class GrpoObjective:
         self.ref = None if batch.ref_logps is None else self.engine.local_tokens(batch.ref_logps.float())
         if self.reference_chunks is not None:  # the frozen starting weights' log-probs of these rows
             self.ref = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
-            reference_inputs = inputs[:-1] if self.engine.route_inputs else inputs  # it routes by its own routers
-            with torch.no_grad():
+            with torch.no_grad():  # it routes by its own routers
                 self.engine.forward_backward_chunks(self.reference_chunks, self.reference_runner,
-                                                    self._reference_loss_fn(), reference_inputs, labels,
-                                                    backward=False)
+                                                    self._reference_loss_fn(), self.engine.without_routes(inputs),
+                                                    labels, backward=False)
         self.advantages = batch.advantages.float().to(self.grid.device)
         self.step = StepCounts(sequences=labels.shape[0] * self.dp, tokens=int(tokens))
         self.sums = torch.zeros(2 * len(METRICS), dtype=torch.float64, device=labels.device)
