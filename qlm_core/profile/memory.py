@@ -24,8 +24,8 @@
   rollout       RL (data.kind = "rl"), on the stage of each model replica's leader (stage 0): the whole rollout model
                 and any reward model rl.reward_funcs names in the compute dtype (kept between steps), plus what
                 the rollout holds only while it runs — the KV cache of the completions it decodes at once
-                (global batch / dp, or rl.rollout_batch_size, rows of seq_len tokens), the synced whole weights
-                before they are copied in (under ZeRO 3 twice: the parameters are gathered whole to be sent),
+                (global batch / dp, or rl.rollout_batch_size, rows of seq_len tokens), one bucket of the synced
+                weights before it is copied in (under ZeRO 3 twice: its parameters are gathered whole to be sent),
                 the last position's fp32 logits, and the prefill's working set (one layer's forward over the
                 prompts of those rows, seq_len - max_completion_length tokens each: the residual stream, the norm's
                 output and the hidden state handed on, the MLP's fc1 output with its activation's outputs, the new
@@ -64,6 +64,7 @@ from qlm_core.profile.attention_terms import attention_terms, kv_cache_entries
 from qlm_core.profile.case import ProfileCase, case_from_recipe
 from qlm_core.profile.states import model_state_bytes, stage_params
 from qlm_core.train.plan import RunPlan
+from qlm_core.train.weight_sync import BUCKET_BYTES
 
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "logits_loss", "workspace", "pp_buffers",
               "comm_buffers", "rollout", "allocator")
@@ -297,8 +298,9 @@ def rollout_bytes(case: ProfileCase, x: ActivationInputs, training_transient: fl
     logits = 4.0 * rows * spec.vocab_size
     prompt = case.seq_len - min(case.rl_completion_tokens, case.seq_len - 1)
     prefill = rows * prompt * width * prefill_values_per_token(spec)
-    gathered = model if case.parallel.zero_stage == 3 else 0.0  # ZeRO 3: the shards gathered whole to be synced
-    return model + reward_models + max(0.0, kv_cache + model + gathered + logits + prefill - training_transient)
+    bucket = min(float(BUCKET_BYTES), model)  # the sync fills the rollout model a bucket at a time
+    synced = bucket * (2 if case.parallel.zero_stage == 3 else 1)  # ZeRO 3: the bucket's shards gathered whole too
+    return model + reward_models + max(0.0, kv_cache + synced + logits + prefill - training_transient)
 
 
 def prefill_values_per_token(spec) -> float:

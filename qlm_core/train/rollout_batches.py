@@ -51,7 +51,7 @@ from qlm_core.train.rollouts import (
     sample_groups,
     trained_tokens,
 )
-from qlm_core.train.weight_sync import WeightSync, fill_rollout_model
+from qlm_core.train.weight_sync import WeightSync, refill, rollout_layout, rollout_shell
 
 
 def rollout_config(recipe: Recipe) -> RolloutConfig:
@@ -124,12 +124,15 @@ class RolloutBatches:
     # -- one step ---------------------------------------------------------------------------------------------------
     def _model(self, builds: bool | None = None) -> GPTModel | None:
         """The policy's current weights as one whole model on the ranks that `builds` (default: the replica
-        leaders; None elsewhere). A collective: every rank calls it."""
-        weights = self.sync.gather()
-        if not (self.is_leader if builds is None else builds):
-            return None
-        self._rollout = fill_rollout_model(self.engine, weights, self._rollout)  # built once, then refilled
-        return self._rollout
+        leaders; None elsewhere), filled bucket by bucket as the sync brings them (the model is built once, then
+        refilled: never a second whole copy). A collective: every rank calls it."""
+        builds = self.is_leader if builds is None else builds
+        if builds and self._rollout is None:
+            self._rollout = rollout_shell(self.engine)
+        layout = rollout_layout(self.engine)
+        state = self._rollout.state_dict(keep_vars=True) if builds else None
+        self.sync.gather(fill=lambda bucket: refill(layout, bucket, state) if builds else None)
+        return self._rollout if builds else None
 
     def _text(self, tokens: list[int]) -> str:
         return answer_text(self.tokenizer, tokens, self.stops)

@@ -7,6 +7,7 @@ no checkpoint is written or read."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,20 +40,29 @@ class Part:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def device_states(engine: Engine) -> list[dict]:
-    """Each chunk's weights where they live (the trainer's device), in the compute dtype (buffers keep theirs, the
-    routers' fp32 expert bias): no copy where they already are; ZeRO 3's parameters gathered whole (a collective)."""
-    states = []
-    for chunk in engine.chunks:
-        buffers = {name for name, _ in chunk.named_buffers()}
-        state = {}
-        for name, value in chunk.state_dict().items():
-            if isinstance(value, torch.Tensor):
-                value = whole(value).detach()
-                value = value if name in buffers else value.to(engine.dtype)
-            state[name] = value
-        states.append(state)
-    return states
+class TrainerStates:
+    """Each chunk's weights as the sync sends them: where they live (no copy), in the compute dtype (buffers keep
+    theirs, the routers' fp32 expert bias). A ZeRO 3 parameter is gathered whole only when value() asks for it, a
+    collective over its FSDP group, so that a rank never holds more than one bucket of them whole."""
+
+    def __init__(self, engine: Engine):
+        self.dtype = engine.dtype
+        self.raw = [{name: value for name, value in chunk.state_dict().items() if isinstance(value, torch.Tensor)}
+                    for chunk in engine.chunks]
+        self.buffers = [{name for name, _ in chunk.named_buffers()} for chunk in engine.chunks]
+
+    def sharded(self, chunk: int, local: str) -> bool:
+        return hasattr(self.raw[chunk][local], "full_tensor")
+
+    def dtype_of(self, chunk: int, local: str) -> torch.dtype:
+        return self.raw[chunk][local].dtype if local in self.buffers[chunk] else self.dtype
+
+    def shape_of(self, chunk: int, local: str) -> tuple[int, ...]:
+        return tuple(self.raw[chunk][local].shape)  # a DTensor's is the whole tensor's
+
+    def value(self, chunk: int, local: str) -> torch.Tensor:
+        value = whole(self.raw[chunk][local]).detach()
+        return value if local in self.buffers[chunk] else value.to(self.dtype)
 
 
 class SyncedWeights:
@@ -86,23 +96,24 @@ class WeightSync:
         self.engine, self.bucket_bytes = engine, bucket_bytes
         self.plan: dict[str, list[Part]] | None = None  # each global tensor's parts, by part index
 
-    def _my_parts(self, states: list[dict]) -> list[tuple[str, Part]]:
-        """(global tensor name, part) of the shards this rank sends."""
+    def _my_parts(self, states: TrainerStates, senders_only: bool = True) -> list[tuple[str, Part]]:
+        """(global tensor name, part) of the shards this rank sends (`senders_only` False: of every shard it holds,
+        a copy of which another data-parallel rank may send)."""
         g, layout = self.engine.grid, self.engine.layout
         dense_sender = g.dp_rank == 0 and g.cp_rank == 0
         expert_sender = g.expert_coords["edp"] == 0
         out = []
-        for chunk, state in enumerate(states):
+        for chunk in range(len(states.raw)):
             for local, tensor in layout.shard_entries(g.pp_rank, chunk, g.ep_rank):
-                if tensor is None or not (expert_sender if tensor.expert else dense_sender):
+                if tensor is None or (senders_only and not (expert_sender if tensor.expert else dense_sender)):
                     continue
-                value = state[local]
                 out.append((tensor.name, Part(g.ranks[g.rank], chunk, local,
-                                              g.etp_rank if tensor.expert else g.tp_rank, value.dtype,
-                                              tuple(value.shape))))
+                                              g.etp_rank if tensor.expert else g.tp_rank,
+                                              states.dtype_of(chunk, local), states.shape_of(chunk, local))))
         return out
 
-    def _make_plan(self, states: list[dict]) -> dict[str, list[Part]]:
+    def _make_plan(self, states: TrainerStates) -> dict[str, list[Part]]:
+        self.held = {(name, part.index) for name, part in self._my_parts(states, senders_only=False)}
         mine = self._my_parts(states)
         everyone = [mine]
         if dist.is_initialized() and self.engine.grid.sizes.world > 1:
@@ -132,19 +143,25 @@ class WeightSync:
             size += nbytes
         return buckets
 
-    def gather(self, everywhere: bool = False) -> SyncedWeights | None:
+    def gather(self, everywhere: bool = False,
+               fill: Callable[[SyncedWeights], None] | None = None) -> SyncedWeights | None:
         """Every global tensor's parts on the replica leaders (every rank when `everywhere`); None on the others.
-        A collective: every rank calls it."""
+        `fill`: called on the receivers with each bucket's tensors as they arrive, none of which are kept (gather
+        then returns None everywhere). A collective: every rank calls it."""
         engine, g = self.engine, self.engine.grid
         engine.optimizer.wait_param_gather()  # ZeRO 1/2 with overlap_param_gather: the step's gathers land first
         g.build_replica_groups()
-        states = device_states(engine)
+        states = TrainerStates(engine)
         if self.plan is None:
             self.plan = self._make_plan(states)
         multi = dist.is_initialized() and g.sizes.world > 1
         if not multi:
-            return SyncedWeights(engine.layout, {name: [states[p.chunk][p.local] for p in parts]
-                                                 for name, parts in self.plan.items()})
+            weights = SyncedWeights(engine.layout, {name: [states.value(p.chunk, p.local) for p in parts]
+                                                    for name, parts in self.plan.items()})
+            if fill is None:
+                return weights
+            fill(weights)
+            return None
         me, root = g.ranks[g.rank], g.ranks[0]
         group = None if everywhere else g.dp_group  # rank 0's data-parallel group: the replica leaders
         receivers = dist.get_world_size() if everywhere else g.sizes.dp
@@ -153,11 +170,14 @@ class WeightSync:
         for bucket in self._buckets():
             parts = [(name, part) for name in bucket for part in self.plan[name]]
             ops, received = [], []
-            for _, part in parts:
+            for name, part in parts:
+                value = None
+                if part.rank == me or ((name, part.index) in self.held and states.sharded(part.chunk, part.local)):
+                    value = states.value(part.chunk, part.local)  # ZeRO 3: every holder joins the gather
                 if part.rank == me == root:
-                    received.append(states[part.chunk][part.local])
+                    received.append(value)
                 elif part.rank == me:
-                    ops.append(dist.P2POp(dist.isend, states[part.chunk][part.local].contiguous(), root))
+                    ops.append(dist.P2POp(dist.isend, value.contiguous(), root))
                 elif me == root:
                     received.append(torch.empty(part.shape, dtype=part.dtype, device=g.device))
                     ops.append(dist.P2POp(dist.irecv, received[-1], part.rank))
@@ -172,9 +192,14 @@ class WeightSync:
                 dist.broadcast(flat, src=root, group=group)
                 received = list(torch.split(flat, [math.prod(part.shape) for _, part in parts]))
                 received = [t.view(part.shape) for t, (_, part) in zip(received, parts, strict=True)]
+            arrived: dict[str, list[torch.Tensor]] = {}
             for (name, _), tensor in zip(parts, received, strict=True):
-                held.setdefault(name, []).append(tensor)
-        return SyncedWeights(engine.layout, held) if receives else None
+                arrived.setdefault(name, []).append(tensor)
+            if fill is not None:
+                fill(SyncedWeights(engine.layout, arrived))
+            else:
+                held.update(arrived)
+        return SyncedWeights(engine.layout, held) if receives and fill is None else None
 
 
 def gather_weights(engine: Engine, everywhere: bool = False, bucket_bytes: int = BUCKET_BYTES) -> SyncedWeights | None:
@@ -202,12 +227,13 @@ def fill_rollout_model(engine: Engine, weights: SyncedWeights, model: GPTModel |
 
 @torch.no_grad()
 def refill(layout: ModelLayout, weights: SyncedWeights, state: dict[str, torch.Tensor]) -> None:
-    """fill_shard at the rollout layout, with every tensor that arrived whole (one part of the rollout's shape and
+    """fill_shard at the rollout layout of the tensors `weights` holds (all, or a bucket's), with every one that arrived
+    whole (one part of the rollout's shape and
     dtype, no vocabulary padding: its values are the global tensor's as they are) copied in one foreach call; the
     rest (TP parts to put together, padding to zero) through the layout module."""
     whole_out, whole_in, rest = [], [], {}
     for name, tensor in layout.shard_entries(0, 0, 0):
-        if tensor is None:
+        if tensor is None or tensor.name not in weights.parts:  # a bucket brings some of the tensors
             continue
         parts, out = weights.parts[tensor.name], state[name]
         if (len(parts) == 1 and parts[0].shape == out.shape == torch.Size(tensor.shape)
@@ -220,6 +246,17 @@ def refill(layout: ModelLayout, weights: SyncedWeights, state: dict[str, torch.T
         torch._foreach_copy_(whole_out, whole_in)
     for name, tensor in rest.items():
         read_shard_into(tensor, 1, 0, weights, state[name])
+
+
+def rollout_shell(engine: Engine, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> GPTModel:
+    """The rollout layout's model on `device` (default the trainer's), its weights not filled yet (refill() or
+    WeightSync.gather(fill=...) fill them): built there, so that the model is never held twice."""
+    layout = rollout_layout(engine)
+    with torch.device(device or engine.grid.device):
+        model = GPTModel(layout.spec, padded_vocab=layout.padded_vocab, dtype=dtype or engine.dtype,
+                         moe_options=engine.moe)
+    return model.eval()
 
 
 def rollout_model(engine: Engine, dtype: torch.dtype | None = None,

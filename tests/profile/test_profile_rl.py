@@ -74,8 +74,7 @@ def test_the_weight_sync_moves_the_model_and_the_reward_models_run_forward():
 
 def test_the_grpo_recipe_fits_and_decodes_on_every_gpu():
     """recipes/qwen3-8b-grpo.toml (the search's pick on 8 H100s) fits, and decodes faster than tp2·cp2·dp2 (the
-    recipe's layout before decoding was in the profile) does with its two leaders, which also runs out of memory
-    by the prefill's working set."""
+    recipe's layout before decoding was in the profile) does with its two leaders, which fits too."""
     from pathlib import Path
 
     from qlm_core.config import load_recipe
@@ -86,7 +85,7 @@ def test_the_grpo_recipe_fits_and_decodes_on_every_gpu():
     pick = build_case(recipe, num_gpus=8)
     validate_case(pick)
     two_leaders = pick.with_parallel(tp=2, sp=True, cp=2, zero_stage=1, recompute="none")
-    assert estimate_memory(pick, GPU.memory_gib).fits and not estimate_memory(two_leaders, GPU.memory_gib).fits
+    assert estimate_memory(pick, GPU.memory_gib).fits and estimate_memory(two_leaders, GPU.memory_gib).fits
     assert pick.sizes.dp == 8 and two_leaders.sizes.dp == 2
     times = estimate_time(pick, GPU).components, estimate_time(two_leaders, GPU).components
     assert times[0]["rl_generate"] < times[1]["rl_generate"] / 3

@@ -72,3 +72,28 @@ def test_a_refilled_rollout_model_equals_a_fresh_one():
             assert torch.equal(refilled[name], tensor), name
             changed += not torch.equal(before[name], tensor)
     assert changed > 0  # the update reached the rollout model
+
+
+@pytest.mark.parametrize("spec_name", ["SPEC", "MOE"])
+def test_a_streamed_sync_fills_a_shell_with_what_a_fresh_build_holds(spec_name):
+    """The run's sync: a model shell (random until filled) refilled as each bucket arrives holds exactly what a
+    model built from the whole weights holds: tied or untied output, vocabulary padding, an MoE model's experts."""
+    import parallel_cases
+
+    from qlm_core.config import OptimConfig, ParallelConfig
+    from qlm_core.parallel.state import Grid
+    from qlm_core.train.engine import Engine
+    from qlm_core.train.weight_sync import WeightSync, refill, rollout_layout, rollout_model, rollout_shell
+
+    spec = getattr(parallel_cases, spec_name)
+    engine = Engine(spec, ParallelConfig(), Grid.single(), micro_batch_size=2, global_batch_size=2, seq_length=8,
+                    optim=OptimConfig(lr=1e-2), seed=3)
+    shell = rollout_shell(engine)
+    state = shell.state_dict(keep_vars=True)
+    WeightSync(engine, bucket_bytes=4096).gather(fill=lambda bucket: refill(rollout_layout(engine), bucket, state))
+    fresh = rollout_model(engine).state_dict()
+    streamed = shell.state_dict()
+    assert sorted(fresh) == sorted(streamed)
+    for name, tensor in fresh.items():
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(streamed[name], tensor), name

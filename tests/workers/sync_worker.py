@@ -23,7 +23,15 @@ from qlm_core.train.objectives.grpo_loss import GrpoLoss
 from qlm_core.train.objectives.lm import LanguageModelObjective
 from qlm_core.train.rewards import Rewards, RewardSource
 from qlm_core.train.rollouts import RolloutConfig, rollout
-from qlm_core.train.weight_sync import fill_rollout_model, gather_weights, rollout_model
+from qlm_core.train.weight_sync import (
+    WeightSync,
+    fill_rollout_model,
+    gather_weights,
+    refill,
+    rollout_layout,
+    rollout_model,
+    rollout_shell,
+)
 from workers.harness import run_jobs
 
 # name -> (ParallelConfig fields, MoE model?, micro-batch size)
@@ -73,6 +81,15 @@ def run_case(name: str, outdir: Path):
     if leads is not None:
         refilled = fill_rollout_model(engine, leads, copy.deepcopy(model)).state_dict()
         same = same and all(torch.equal(refilled[k], v) for k, v in model.state_dict().items()
+                            if isinstance(v, torch.Tensor))
+    # streamed: each bucket of 4 KiB refills a model shell as it arrives, nothing else kept: the same tensors
+    shell = rollout_shell(engine) if leader else None
+    state = shell.state_dict(keep_vars=True) if leader else None
+    layout = rollout_layout(engine)
+    WeightSync(engine, bucket_bytes=4096).gather(fill=lambda bucket: refill(layout, bucket, state) if leader else None)
+    if leader:
+        streamed = shell.state_dict()
+        same = same and all(torch.equal(streamed[k], v) for k, v in model.state_dict().items()
                             if isinstance(v, torch.Tensor))
     agree = torch.tensor([int(same)])
     torch.distributed.all_reduce(agree, op=torch.distributed.ReduceOp.MIN)
