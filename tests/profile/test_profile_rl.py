@@ -127,3 +127,24 @@ def test_the_probe_runs_an_rl_step_at_dp2():
     result = _probe(2)
     assert result.case.sizes.dp == 2
     _check_probe(result)
+
+
+def test_the_moe_grpo_recipe_fits_with_its_routes_replayed():
+    """recipes/qwen1.5-moe-a2.7b-grpo.toml (the search's pick on 8 H100s): an MoE policy whose whole rollout model
+    (26.7 GiB) fits beside ZeRO 3's shards, its decoding's KV cache, prefill and one synced bucket within what the
+    training step's transients free (a sync that held the model whole once more would not fit)."""
+    from pathlib import Path
+
+    from qlm_core.config import load_recipe
+    from qlm_core.profile.case import build_case, validate_case
+    from qlm_core.profile.memory import estimate_memory
+    from qlm_core.train.objectives.recipe import recipe_objective
+
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "qwen1.5-moe-a2.7b-grpo.toml")
+    case = build_case(recipe, num_gpus=8)
+    validate_case(case)
+    assert case.spec.moe is not None and case.sizes.dp == 8 and recipe_objective(recipe).routing_replay
+    memory = estimate_memory(case, GPU.memory_gib)
+    assert memory.fits
+    assert memory.stages[0].components["rollout"] == 2 * num_parameters(case.spec)  # bf16: the model only
+    assert memory.total_gib + 2 * num_parameters(case.spec) / 2**30 > GPU.memory_gib
