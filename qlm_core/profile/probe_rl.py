@@ -31,7 +31,7 @@ from qlm_core.train.engine import Engine
 from qlm_core.train.objectives.grpo import GrpoObjective, RolloutBatch
 from qlm_core.train.objectives.grpo_loss import GrpoLoss
 from qlm_core.train.rollouts import RolloutConfig, generate_groups, pack_rollouts
-from qlm_core.train.weight_sync import WeightSync, refill, rollout_layout, rollout_shell
+from qlm_core.train.weight_sync import WeightSync, sync_rollout_model
 
 
 def rl_engine(case: ProfileCase, grid: Grid) -> Engine:
@@ -60,11 +60,7 @@ class ProbeRollout:
                                     batch_rows=case.rl_batch_rows)
 
     def sync_weights(self) -> None:
-        if self.leader and self.model is None:
-            self.model = rollout_shell(self.engine)
-        state = self.model.state_dict(keep_vars=True) if self.leader else None
-        layout = rollout_layout(self.engine)
-        self.sync.gather(fill=lambda bucket: refill(layout, bucket, state) if self.leader else None)
+        self.model = sync_rollout_model(self.sync, self.model, self.leader)
 
     def decode(self) -> RolloutBatch | None:
         if not self.leader:

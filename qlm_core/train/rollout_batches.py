@@ -51,7 +51,7 @@ from qlm_core.train.rollouts import (
     sample_groups,
     trained_tokens,
 )
-from qlm_core.train.weight_sync import WeightSync, refill, rollout_layout, rollout_shell
+from qlm_core.train.weight_sync import WeightSync, sync_rollout_model
 
 
 def rollout_config(recipe: Recipe) -> RolloutConfig:
@@ -127,12 +127,10 @@ class RolloutBatches:
         leaders; None elsewhere), filled bucket by bucket as the sync brings them (the model is built once, then
         refilled: never a second whole copy). A collective: every rank calls it."""
         builds = self.is_leader if builds is None else builds
-        if builds and self._rollout is None:
-            self._rollout = rollout_shell(self.engine)
-        layout = rollout_layout(self.engine)
-        state = self._rollout.state_dict(keep_vars=True) if builds else None
-        self.sync.gather(fill=lambda bucket: refill(layout, bucket, state) if builds else None)
-        return self._rollout if builds else None
+        model = sync_rollout_model(self.sync, self._rollout, builds)
+        if model is not None:  # built once, then refilled
+            self._rollout = model
+        return model
 
     def _text(self, tokens: list[int]) -> str:
         return answer_text(self.tokenizer, tokens, self.stops)

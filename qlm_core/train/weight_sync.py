@@ -259,6 +259,18 @@ def rollout_shell(engine: Engine, dtype: torch.dtype | None = None,
     return model.eval()
 
 
+def sync_rollout_model(sync: WeightSync, model: GPTModel | None, builds: bool) -> GPTModel | None:
+    """The run's sync (a collective: every rank calls it): on the ranks that `builds` (replica leaders), `model` — or,
+    the first time, a new rollout_shell — refilled bucket by bucket as the buckets arrive; None elsewhere."""
+    if not builds:
+        sync.gather(fill=lambda bucket: None)
+        return None
+    model = model if model is not None else rollout_shell(sync.engine)
+    layout, state = rollout_layout(sync.engine), model.state_dict(keep_vars=True)
+    sync.gather(fill=lambda bucket: refill(layout, bucket, state))
+    return model
+
+
 def rollout_model(engine: Engine, dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None) -> GPTModel:
     """The trainer's current weights as one whole model on every rank (a collective: gather_weights)."""
