@@ -122,7 +122,6 @@ def run_rl_rank(case: ProfileCase, steps: int, grid: Grid, engine: Engine,
         on_step(2, total)
     if rollout.leader:
         result["rollout"] = rollout.model_bytes() + max(0, rollout_peak.peak - training_peak.peak)
-        result["rollout_parts"] = {"decode_peak": rollout_peak.peak, "training_peak": training_peak.peak}
     times, sync_s, generate_s = [], [], []
     for _ in range(total - 2):
         sync()

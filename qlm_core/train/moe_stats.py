@@ -49,7 +49,11 @@ class MoeStepStats:
         aux = (self._transformers_aux if self.moe.aux_loss_type == "transformers"
                else sum((r.aux_loss.float() for r in records), torch.zeros((), device=device)))
         z = sum((r.z_loss.float() for r in records), torch.zeros((), device=device))
-        losses = torch.stack([aux, z]) * loss_scale
+        # routing replay: [routes the trainer's routers chose otherwise, routes replayed] — summed over the same
+        # ranks as the losses' parts (TP ranks without SP each saw every token: counted once), in the same reduce
+        routes = [r.route_mismatch.float() for r in records if r.route_mismatch is not None]
+        mismatch = torch.stack(routes).sum(0) if routes else torch.zeros(2, device=device)
+        losses = torch.cat([torch.stack([aux, z]) * loss_scale, mismatch])
         all_reduce(losses, g.dp_cp_group)
         if self.sequence_parallel:
             all_reduce(losses, g.tp_group)
@@ -68,21 +72,9 @@ class MoeStepStats:
         all_reduce(spread, g.pp_group, op=dist.ReduceOp.MAX)
         figures = {"moe_aux_loss": losses[0].item(), "moe_z_loss": losses[1].item(),
                    "moe_load_max": spread[0].item(), "moe_load_min": -spread[1].item()}
-        return figures | self._route_mismatch(records)
-
-    def _route_mismatch(self, records) -> dict[str, float]:
-        """Routing replay's comparison over the step's (token, MoE layer) pairs of every rank (TP ranks without SP
-        each saw every token: counted once). Nothing when the step's batch carried no routes."""
-        g = self.grid
-        parts = [r.route_mismatch.float() for r in records if r.route_mismatch is not None]
-        sums = torch.stack(parts).sum(0) if parts else torch.zeros(2, device=g.device)
-        all_reduce(sums, g.dp_cp_group)
-        if self.sequence_parallel:
-            all_reduce(sums, g.tp_group)
-        all_reduce(sums, g.pp_group)
-        if sums[1] == 0:
-            return {}
-        return {"moe_route_mismatch": (sums[0] / sums[1]).item(), "moe_routes_differed": sums[0].item()}
+        if losses[3] > 0:  # the step's batch carried routes
+            figures.update(moe_route_mismatch=(losses[2] / losses[3]).item(), moe_routes_differed=losses[2].item())
+        return figures
 
     def _step_records(self, chunk) -> list:
         """The chunk's records of this step's micro-batches: one per MoE layer and micro-batch, the last ones."""

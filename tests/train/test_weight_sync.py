@@ -83,14 +83,12 @@ def test_a_streamed_sync_fills_a_shell_with_what_a_fresh_build_holds(spec_name):
     from qlm_core.config import OptimConfig, ParallelConfig
     from qlm_core.parallel.state import Grid
     from qlm_core.train.engine import Engine
-    from qlm_core.train.weight_sync import WeightSync, refill, rollout_layout, rollout_model, rollout_shell
+    from qlm_core.train.weight_sync import WeightSync, rollout_model, sync_rollout_model
 
     spec = getattr(parallel_cases, spec_name)
     engine = Engine(spec, ParallelConfig(), Grid.single(), micro_batch_size=2, global_batch_size=2, seq_length=8,
                     optim=OptimConfig(lr=1e-2), seed=3)
-    shell = rollout_shell(engine)
-    state = shell.state_dict(keep_vars=True)
-    WeightSync(engine, bucket_bytes=4096).gather(fill=lambda bucket: refill(rollout_layout(engine), bucket, state))
+    shell = sync_rollout_model(WeightSync(engine, bucket_bytes=4096), None, builds=True)  # the run's sync
     fresh = rollout_model(engine).state_dict()
     streamed = shell.state_dict()
     assert sorted(fresh) == sorted(streamed)

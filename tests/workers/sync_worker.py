@@ -27,10 +27,8 @@ from qlm_core.train.weight_sync import (
     WeightSync,
     fill_rollout_model,
     gather_weights,
-    refill,
-    rollout_layout,
     rollout_model,
-    rollout_shell,
+    sync_rollout_model,
 )
 from workers.harness import run_jobs
 
@@ -83,10 +81,7 @@ def run_case(name: str, outdir: Path):
         same = same and all(torch.equal(refilled[k], v) for k, v in model.state_dict().items()
                             if isinstance(v, torch.Tensor))
     # streamed: each bucket of 4 KiB refills a model shell as it arrives, nothing else kept: the same tensors
-    shell = rollout_shell(engine) if leader else None
-    state = shell.state_dict(keep_vars=True) if leader else None
-    layout = rollout_layout(engine)
-    WeightSync(engine, bucket_bytes=4096).gather(fill=lambda bucket: refill(layout, bucket, state) if leader else None)
+    shell = sync_rollout_model(WeightSync(engine, bucket_bytes=4096), None, leader)  # the run's sync
     if leader:
         streamed = shell.state_dict()
         same = same and all(torch.equal(streamed[k], v) for k, v in model.state_dict().items()
