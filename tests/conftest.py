@@ -43,6 +43,22 @@ QWEN3_MOE_KINDS = {
                                     norm_topk_prob=True, head_dim=24)),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
 }
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+         "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0}
+_V3 = dict(num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=1, kv_lora_rank=16, qk_nope_head_dim=8,
+           qk_rope_head_dim=4, v_head_dim=8, tie_word_embeddings=False)  # values narrower than keys
+# DeepSeek-V3-class models (multi-latent attention, sigmoid group-limited routing with a correction bias, shared and
+# dense first layers): "deepseek_v3" with q's low rank, yarn and interleaved rotary rows; "deepseek_v3_lite" without
+# q's low rank (V2-Lite's attention), rotary rows in halves and no groups
+MLA_KINDS = {
+    # 16 experts in 4 groups, 2 groups kept, top 4 (so a group's score is its top-2 sum in Megatron-Core too)
+    "deepseek_v3": ("deepseek_v3", dict(_V3, n_routed_experts=16, num_experts_per_tok=4, q_lora_rank=24, n_group=4,
+                                        topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                        rope_parameters=_YARN, rope_interleave=True)),
+    "deepseek_v3_lite": ("deepseek_v3", dict(_V3, n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=None,
+                                             n_group=1, topk_group=1, first_k_dense_replace=2,
+                                             routed_scaling_factor=1.0, rope_interleave=False)),
+}
 
 
 def make_tokenizer(path: Path, vocab_size: int = 280):
@@ -64,7 +80,7 @@ def make_hf_model(path: Path, kind: str, dtype=torch.float32, seed: int = 0, **o
     """Save a tiny random HF model of `kind` (see MODEL_KINDS) with a tokenizer; returns the model (eval)."""
     import transformers
 
-    model_type, extra = {**MODEL_KINDS, **QWEN3_MOE_KINDS}[kind]
+    model_type, extra = {**MODEL_KINDS, **QWEN3_MOE_KINDS, **MLA_KINDS}[kind]
     config = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -74,6 +90,9 @@ def make_hf_model(path: Path, kind: str, dtype=torch.float32, seed: int = 0, **o
                 param.add_(torch.randn_like(param) * 0.1)
             if name.endswith("mlp.gate.weight"):  # MoE routers: distinct logits, so no top-k ties
                 param.copy_(torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's routers: a bias that changes the choice
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
     model.to(dtype).save_pretrained(path)
     make_tokenizer(path)
     return model
@@ -143,6 +162,15 @@ def moe_models(tmp_path_factory) -> dict[str, Path]:
     for kind in QWEN3_MOE_KINDS:
         make_hf_model(root / kind, kind)
     return {kind: root / kind for kind in QWEN3_MOE_KINDS}
+
+
+@pytest.fixture(scope="session")
+def mla_models(tmp_path_factory) -> dict[str, Path]:
+    """One saved tiny model per MLA_KINDS entry (fp32)."""
+    root = tmp_path_factory.mktemp("hf_mla")
+    for kind in MLA_KINDS:
+        make_hf_model(root / kind, kind)
+    return {kind: root / kind for kind in MLA_KINDS}
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,9 @@ from dataclasses import dataclass, field
 import torch
 
 from qlm_core.config import MoeConfig
+from qlm_core.models.mla_spec import MlaSpec
 from qlm_core.models.moe_spec import MoeSpec
-from qlm_core.models.spec import ModelSpec
+from qlm_core.models.spec import ModelSpec, YarnScaling
 
 # Tiny Qwen2: GQA (4 heads, 2 query groups) and qkv bias; vocabulary 300 exercises Megatron's padding.
 SPEC = ModelSpec(
@@ -28,16 +29,27 @@ MOE_TRAINING = MoeConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001)
 MOE_SEQ_TRAINING = MoeConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001, aux_loss_type="sequence")
 # moe_global: the global-batch loss (the same as one process unless data-parallel ranks share it)
 MOE_GLOBAL_TRAINING = MoeConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001, aux_loss_type="global")
-# window: packed documents and the windowed model; moe: MOE
-DATA_KINDS = ("plain", "packed", "window", "moe", "moe_seq", "moe_global")
+# A DeepSeek-V3 shape: multi-latent attention (q's low rank, values narrower than keys, yarn), sigmoid routing over
+# 8 experts in 4 groups (2 kept) with the correction bias, a scaling factor, a shared expert and a dense first layer
+MLA = SPEC.replace(
+    model_type="deepseek_v3", qkv_bias=False, num_query_groups=4, kv_channels=12, attention="mla",
+    mla=MlaSpec(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=24),
+    rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.8),
+    moe=MoeSpec(num_experts=8, topk=2, ffn_hidden_size=32, score_function="sigmoid", expert_bias=True,
+                shared_expert_hidden_size=32, layer_pattern=(0, 1, 1, 1), num_groups=4, group_topk=2,
+                topk_scaling_factor=2.5))
+# window: packed documents and the windowed model; moe: MOE; mla: MLA (mla_packed: with packed documents)
+DATA_KINDS = ("plain", "packed", "window", "moe", "moe_seq", "moe_global", "mla", "mla_packed")
 
 
 def case_spec(data: str) -> ModelSpec:
-    return {"window": WINDOWED, "moe": MOE, "moe_seq": MOE, "moe_global": MOE}.get(data, SPEC)
+    return {"window": WINDOWED, "moe": MOE, "moe_seq": MOE, "moe_global": MOE, "mla": MLA,
+            "mla_packed": MLA}.get(data, SPEC)
 
 
 def case_moe(data: str) -> MoeConfig | None:
-    return {"moe": MOE_TRAINING, "moe_seq": MOE_SEQ_TRAINING, "moe_global": MOE_GLOBAL_TRAINING}.get(data)
+    return {"moe": MOE_TRAINING, "moe_seq": MOE_SEQ_TRAINING, "moe_global": MOE_GLOBAL_TRAINING,
+            "mla": MOE_TRAINING, "mla_packed": MOE_TRAINING}.get(data)
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,15 @@ CASES = {
     # 1F1B runs stage 0's second forward before its first backward recomputes: the recompute must not see it
     "moe_global_pp2_recompute_full": LayoutCase(2, dict(pp=2, recompute="full"), data="moe_global"),
     "moe_global_cp2": LayoutCase(2, dict(cp=2), data="moe_global"),
+    "mla_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="mla"),
+    "mla_pp2": LayoutCase(2, dict(pp=2), data="mla"),
+    "mla_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), micro_batch_size=1, data="mla"),
+    "mla_dp2_zero3": LayoutCase(2, dict(zero_stage=3), micro_batch_size=1, data="mla"),
+    "mla_ep2": LayoutCase(2, dict(ep=2), micro_batch_size=1, data="mla"),
+    "mla_cp2_p2p_packed": LayoutCase(2, dict(cp=2, cp_comm_type="p2p"), data="mla_packed"),
+    "mla_cp2_allgather_packed": LayoutCase(2, dict(cp=2, cp_comm_type="allgather"), data="mla_packed"),
+    "mla_cp2_a2a_packed": LayoutCase(2, dict(cp=2, cp_comm_type="a2a"), data="mla_packed"),
+    "mla_tp2_sp_recompute_selective": LayoutCase(2, dict(tp=2, sp=True, recompute="selective"), data="mla"),
 }
 
 
@@ -142,7 +163,7 @@ COMPILED_CASES = {
 def make_batch(packed: bool | str):
     """Global batch: input_ids, labels (-100 across document boundaries), position_ids and segment_ids (packed, or
     data kind "packed" / "window")."""
-    packed = packed in (True, "packed", "window")
+    packed = packed in (True, "packed", "window", "mla_packed")
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, SPEC.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=generator)
     input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()

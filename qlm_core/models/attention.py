@@ -54,7 +54,8 @@ class AttentionInputs:
 
 @dataclass
 class KVCache:
-    """Keys and values (after RoPE) of the tokens already decoded, per layer: [b, groups, tokens, head_dim].
+    """Keys and values (after RoPE) of the tokens already decoded, per layer: [b, groups, tokens, head_dim] (multi-
+    latent attention: its latent [b, 1, tokens, kv_lora_rank] and rotated key part [b, 1, tokens, rope dims]).
 
     extend() concatenates, unless reserve() made room: then each layer's keys and values are views of a buffer the
     new tokens are written into, so a decoding step copies only its own token (not the whole cache)."""
@@ -75,8 +76,9 @@ class KVCache:
         """Room for `tokens` more per layer (after at least one extend)."""
         self.buffers = []
         for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
-            shape = (*k.shape[:2], k.shape[2] + tokens, k.shape[3])
-            buffer_k, buffer_v = k.new_empty(shape), v.new_empty(shape)
+            # keys and values may differ in size (multi-latent attention caches its latent and rotary key part)
+            buffer_k = k.new_empty((*k.shape[:2], k.shape[2] + tokens, k.shape[3]))
+            buffer_v = v.new_empty((*v.shape[:2], v.shape[2] + tokens, v.shape[3]))
             buffer_k[:, :, :k.shape[2]], buffer_v[:, :, :v.shape[2]] = k, v
             self.buffers.append((buffer_k, buffer_v))
             self.keys[layer], self.values[layer] = buffer_k[:, :, :k.shape[2]], buffer_v[:, :, :v.shape[2]]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from qlm_core.models.attention import AttentionKind
 from qlm_core.models.attention_gqa import GQA
+from qlm_core.models.attention_mla import MLA
 from qlm_core.models.families import chosen_kind
 from qlm_core.models.spec import ModelSpec
 
-ATTENTION_KINDS: dict[str, AttentionKind] = {"gqa": GQA}
+ATTENTION_KINDS: dict[str, AttentionKind] = {"gqa": GQA, "mla": MLA}
 
 
 def attention_kind(spec: ModelSpec) -> AttentionKind:

@@ -18,7 +18,8 @@ SlidingWindow = Literal["applied", "gated", "none"]
 # The per-family choices of the decoder, each built in one place: the attention kind of every layer
 # (models/attention_kinds.py), the norm (models/norms.py), the MLP activation (models/activations.py) and the position
 # scheme (models/positions.py). A new choice is a value here and one row in its module; ModelSpec holds them.
-AttentionName = Literal["gqa"]
+# "mla": multi-latent attention (DeepSeek-V2/V3), models/attention_mla.py
+AttentionName = Literal["gqa", "mla"]
 NormName = Literal["rmsnorm"]
 ActivationName = Literal["swiglu"]
 PositionName = Literal["rope"]
@@ -42,6 +43,7 @@ class Family:
     moe: bool = False
     moe_block: str = "mlp."  # where an MoE layer's router and experts live under model.layers.N.
     expert_projections: tuple[str, str, str] = GATE_UP_DOWN  # an expert's gate, up and down projections
+    shared_expert_block: str = "shared_expert."  # the shared expert's module under the MoE block
     attention: AttentionName = "gqa"
     norm: NormName = "rmsnorm"
     activation: ActivationName = "swiglu"
@@ -58,6 +60,10 @@ FAMILIES: dict[str, Family] = {
                         moe=True),
     "mixtral": Family("MixtralForCausalLM", sliding_window="applied", moe=True, moe_block="block_sparse_moe.",
                       expert_projections=W1_W3_W2),
+    # DeepSeek-V3 / R1, Kimi-K2, Moonlight: multi-latent attention, sigmoid group-limited routing with a correction
+    # bias, shared experts, dense first layers
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", declares_no_bias=True, moe=True,
+                          shared_expert_block="shared_experts.", attention="mla"),
 }
 
 

@@ -48,6 +48,13 @@ TE_NORM_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
+# ... and in multi-latent attention the q and kv latents' norms into the up projections (its input_layernorm stays
+# a module of its own under both specs)
+MLA_TE_NORM_NAMES = {
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,13 @@ class ModelLayout:
                 f"--tp {tp} does not divide num_attention_heads {s.num_attention_heads}",
                 f"use a TP size that divides {s.num_attention_heads}",
             )
-        if s.num_query_groups % tp and tp % s.num_query_groups:
+        if s.mla is not None:
+            for what, size in (("q_lora_rank", s.mla.q_lora_rank), ("kv_lora_rank + qk_rope_head_dim",
+                                                                   s.mla.kv_lora_rank + s.mla.qk_rope_head_dim)):
+                if size is not None and size % tp:  # the local spec's column-parallel down projections
+                    raise QlmError(f"--tp {tp} does not divide multi-latent attention's {what} {size}",
+                                   f"use a TP size that divides {size}")
+        elif s.num_query_groups % tp and tp % s.num_query_groups:
             raise QlmError(
                 f"--tp {tp} neither divides nor is a multiple of num_query_groups {s.num_query_groups}",
                 f"use a TP size that divides {s.num_query_groups} or a multiple of it",
@@ -242,7 +255,7 @@ class ModelLayout:
                                 projections, gated, expert=True)
         if moe.shared_expert_hidden_size:
             out += _mlp_entries(name, "mlp.shared_experts.", moe.shared_expert_hidden_size, h,
-                                moe_hf + "shared_expert.", _GATE_UP_DOWN, gated)
+                                moe_hf + family.shared_expert_block, _GATE_UP_DOWN, gated)
         if moe.shared_expert_gate:
             out.append(("mlp.shared_experts.gate_weight", TensorLayout(
                 name + "mlp.shared_experts.gate_weight", (1, h), REPLICATED,
@@ -556,7 +569,7 @@ def normalize_megatron_name(local_name: str) -> str | None:
     if re.search(r"\bmlp\.experts\.weight[12]$", local_name):
         raise QlmError(f"checkpoint tensor {local_name} is a legacy GroupedMLP weight (--moe-grouped-gemm with the "
                        "grouped_gemm package)", "re-save the model with SequentialMLP or TEGroupedMLP experts")
-    for te, local in TE_NORM_NAMES.items():
+    for te, local in {**TE_NORM_NAMES, **MLA_TE_NORM_NAMES}.items():
         if local_name.endswith(te):
             return local_name[: -len(te)] + local
     if local_name.endswith(("layer_norm_bias", "layernorm.bias")):

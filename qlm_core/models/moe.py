@@ -137,18 +137,31 @@ def route(logits: torch.Tensor, moe: MoeSpec,
     (sigmoid routing): added to the scores to choose the experts, not to weigh them."""
     if moe.score_function == "sigmoid":
         scores = torch.sigmoid(logits.float())
-        if expert_bias is not None:
-            indices = torch.topk(scores + expert_bias, moe.topk, dim=-1).indices
-            top = scores.gather(-1, indices)
-        else:
-            top, indices = torch.topk(scores, moe.topk, dim=-1)
-        probs = top / (top.sum(-1, keepdim=True) + 1e-20) if moe.topk > 1 else top
+        choice = scores if expert_bias is None else scores + expert_bias
+        if moe.num_groups > 1:
+            choice = group_limited(choice, moe)
+        # unsorted, as transformers' DeepSeek-V3 router takes them (tied scores then pick the same experts)
+        indices = torch.topk(choice, moe.topk, dim=-1, sorted=False).indices
+        top = scores.gather(-1, indices)
+        probs = (top / (top.sum(-1, keepdim=True) + 1e-20) if moe.topk > 1 else top) * moe.topk_scaling_factor
     elif moe.pre_softmax:
         probs, indices = torch.topk(torch.softmax(logits.float(), dim=-1), moe.topk, dim=-1)
     else:  # topk's values, not a gather of the logits: a gather would keep the [T, E] logits for backward
         top, indices = torch.topk(logits, moe.topk, dim=-1)
         probs = torch.softmax(top.float(), dim=-1)
+    if moe.score_function != "sigmoid" and moe.topk_scaling_factor != 1.0:
+        probs = probs * moe.topk_scaling_factor
     return probs.to(logits.dtype), indices
+
+
+def group_limited(choice: torch.Tensor, moe: MoeSpec) -> torch.Tensor:
+    """Choice scores [T, E] with every expert outside the token's `group_topk` best groups at -inf; a group's score
+    is the sum of its two best experts' (transformers' DeepSeek-V3 router, unsorted topk as it takes them)."""
+    tokens = choice.shape[0]
+    grouped = choice.view(tokens, moe.num_groups, -1)
+    best = torch.topk(torch.topk(grouped, 2, dim=-1).values.sum(-1), moe.group_topk, dim=-1, sorted=False).indices
+    keep = torch.zeros(tokens, moe.num_groups, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, -1)
 
 
 def expert_weights(logits: torch.Tensor, moe: MoeSpec, indices: torch.Tensor) -> torch.Tensor:
@@ -157,11 +170,13 @@ def expert_weights(logits: torch.Tensor, moe: MoeSpec, indices: torch.Tensor) ->
     or the softmax over the chosen logits (whose gather keeps the logits for backward)."""
     if moe.score_function == "sigmoid":
         top = torch.sigmoid(logits.float()).gather(-1, indices)
-        probs = top / (top.sum(-1, keepdim=True) + 1e-20) if moe.topk > 1 else top
+        probs = (top / (top.sum(-1, keepdim=True) + 1e-20) if moe.topk > 1 else top) * moe.topk_scaling_factor
     elif moe.pre_softmax:
         probs = torch.softmax(logits.float(), dim=-1).gather(-1, indices)
     else:
         probs = torch.softmax(logits.gather(-1, indices).float(), dim=-1)
+    if moe.score_function != "sigmoid" and moe.topk_scaling_factor != 1.0:
+        probs = probs * moe.topk_scaling_factor
     return probs.to(logits.dtype)
 
 

@@ -6,7 +6,10 @@ all experts and keeps the top-k probabilities as they are; otherwise the top-k o
 k (Mixtral; equal to Qwen3-MoE's softmax over all experts renormalised over the top k). `score_function = "sigmoid"`
 scores each expert independently and normalises the top k to sum to one (DeepSeek-V3's router); with
 `expert_bias` a per-expert bias (a fp32 buffer the trainer moves toward an even load) is added to those scores to
-choose the top k, and the chosen experts' unbiased scores weigh them (aux-loss-free balancing).
+choose the top k, and the chosen experts' unbiased scores weigh them (aux-loss-free balancing). Group-limited
+routing (DeepSeek-V3's `n_group` / `topk_group`, Megatron's `moe_router_num_groups` / `moe_router_group_topk`)
+first keeps the `group_topk` groups of experts whose two best choice scores sum highest, as transformers computes it;
+`topk_scaling_factor` (`routed_scaling_factor`) multiplies the chosen experts' weights.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class MoeSpec:
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x . gate_weight)
     layer_pattern: tuple[int, ...] = ()  # per layer 1 = MoE, 0 = dense MLP (Megatron's --moe-layer-freq list); ()
     # means every layer is MoE
+    num_groups: int = 1  # group-limited routing: the experts in this many equal groups
+    group_topk: int = 1  # ... of which each token may choose from this many
+    topk_scaling_factor: float = 1.0
 
     def __post_init__(self):
         if self.num_experts < 1 or not 1 <= self.topk <= self.num_experts:
@@ -48,6 +54,17 @@ class MoeSpec:
                            "use sigmoid scores (a recipe's moe.router_score_function, Megatron's "
                            "moe_router_score_function) or drop the bias (moe.router_expert_bias, "
                            "moe_router_enable_expert_bias)")
+        if self.num_groups < 1 or self.num_experts % self.num_groups or not 1 <= self.group_topk <= self.num_groups:
+            raise QlmError(f"group-limited routing of {self.num_experts} experts in {self.num_groups} groups, "
+                           f"{self.group_topk} of them chosen",
+                           "n_group must divide the expert count and topk_group be between 1 and n_group")
+        if self.num_groups > 1 and self.score_function != "sigmoid":
+            raise QlmError("group-limited routing with softmax scores", "qlm limits groups of sigmoid-scored routers")
+        if self.num_groups > 1 and (self.num_experts // self.num_groups < 2
+                                    or self.topk > self.group_topk * self.num_experts // self.num_groups):
+            raise QlmError(f"group-limited routing: top-{self.topk} of {self.group_topk} groups of "
+                           f"{self.num_experts // self.num_groups} experts",
+                           "each group needs two experts or more, and the chosen groups at least top-k experts")
         if self.shared_expert_gate and not self.shared_expert_hidden_size:
             raise QlmError("a shared-expert gate without a shared expert", "set shared_expert_intermediate_size")
 
@@ -78,8 +95,51 @@ def _typed(config: dict[str, Any], model_type: str, key: str, kind: type, defaul
     return value
 
 
+def _deepseek_moe(config: dict[str, Any], model_type: str, num_layers: int) -> MoeSpec:
+    """DeepSeek-V3's MoE keys: sigmoid scores with the correction bias, groups, scaling, shared experts and the
+    first_k_dense_replace dense layers."""
+    experts = _typed(config, model_type, "n_routed_experts", int, None, least=1)
+    topk = _typed(config, model_type, "num_experts_per_tok", int, None, least=1)
+    if experts is None or topk is None:
+        raise QlmError(f"config.json ({model_type}) has no n_routed_experts / num_experts_per_tok",
+                       "use a complete config.json from transformers")
+    if not _typed(config, model_type, "norm_topk_prob", bool, True):
+        raise QlmError(f"config.json ({model_type}): norm_topk_prob is false",
+                       "qlm (and Megatron-Core) normalise sigmoid routing's top-k weights: use norm_topk_prob true")
+    scaling = config.get("routed_scaling_factor", 1.0)
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0:
+        raise QlmError(f"config.json ({model_type}): routed_scaling_factor is {scaling!r}, not a positive number",
+                       "set routed_scaling_factor as transformers writes it")
+    dense = _typed(config, model_type, "first_k_dense_replace", int, 3)
+    pattern = tuple(int(i >= dense) for i in range(num_layers))
+    ffn = _typed(config, model_type, "moe_intermediate_size", int, None, least=1)
+    if ffn is None:
+        raise QlmError(f"config.json ({model_type}) has no moe_intermediate_size", "use a complete config.json")
+    return MoeSpec(num_experts=experts, topk=topk, ffn_hidden_size=ffn, score_function="sigmoid",
+                   expert_bias=True,
+                   shared_expert_hidden_size=ffn * _typed(config, model_type, "n_shared_experts", int, 0),
+                   layer_pattern=() if all(pattern) else pattern,
+                   num_groups=_typed(config, model_type, "n_group", int, 1, least=1),
+                   group_topk=_typed(config, model_type, "topk_group", int, 1, least=1),
+                   topk_scaling_factor=float(scaling))
+
+
+def _deepseek_moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[str, Any]:
+    dense = [i for i in range(num_layers) if not moe.is_moe_layer(i)]
+    if dense != list(range(len(dense))) or not moe.expert_bias or moe.shared_expert_gate \
+            or moe.shared_expert_hidden_size % moe.ffn_hidden_size:
+        raise QlmError(f"this MoE is not a {model_type} one (dense layers only first, sigmoid routing with a "
+                       "correction bias, ungated shared experts of whole expert sizes)", "keep it in a Megatron format")
+    return {"n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+            "moe_intermediate_size": moe.ffn_hidden_size, "first_k_dense_replace": len(dense),
+            "n_shared_experts": moe.shared_expert_hidden_size // moe.ffn_hidden_size, "n_group": moe.num_groups,
+            "topk_group": moe.group_topk, "routed_scaling_factor": moe.topk_scaling_factor, "norm_topk_prob": True}
+
+
 def moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> MoeSpec:
     """The MoeSpec of an HF config.json of one of MOE_MODEL_TYPES."""
+    if model_type == "deepseek_v3":
+        return _deepseek_moe(config, model_type, num_layers)
     experts = config.get("num_experts", config.get("num_local_experts"))
     topk = config.get("num_experts_per_tok")
     if not isinstance(experts, int) or not isinstance(topk, int) or isinstance(experts, bool) \
@@ -110,6 +170,11 @@ def moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> Moe
 
 def moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[str, Any]:
     """The config.json keys transformers reads for `moe` (the inverse of moe_from_hf)."""
+    if model_type == "deepseek_v3" and moe.score_function == "sigmoid":
+        return _deepseek_moe_to_hf(moe, model_type, num_layers)
+    if moe.num_groups > 1 or moe.topk_scaling_factor != 1.0:
+        raise QlmError(f"this model's router limits groups or scales its weights, which transformers' {model_type} "
+                       "does not", "export it as deepseek_v3, or keep it in a Megatron format")
     if moe.score_function != "softmax":
         raise QlmError(f"this model routes with sigmoid scores, which transformers' {model_type} does not have, so "
                        "it has no Hugging Face form", "keep it in a Megatron format (qlm eval, generate and train read "

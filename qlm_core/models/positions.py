@@ -10,20 +10,22 @@ from typing import Any
 
 import torch
 
-from qlm_core.kernels.rope import rope_cos_sin, rope_inv_freq
+from qlm_core.kernels.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 from qlm_core.models.families import chosen_kind
 from qlm_core.models.spec import ModelSpec
 
 
 class RotaryPositions:
-    """RoPE with the spec's base and scaling: each layer gets (cos, sin) [s, b, 1, head_dim] in the compute dtype."""
+    """RoPE with the spec's base and scaling: each layer gets (cos, sin) [s, b, 1, rotated dims] in the compute
+    dtype (YaRN: times its attention factor)."""
 
     def __init__(self, spec: ModelSpec):
-        self.inv_freq = rope_inv_freq(spec.kv_channels, spec.rope_theta, spec.rope_scaling)
+        self.inv_freq = rope_inv_freq(spec.rope_dim, spec.rope_theta, spec.rope_scaling)
+        self.factor = rope_attention_factor(spec.rope_scaling)
 
     def layer_inputs(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         self.inv_freq = self.inv_freq.to(position_ids.device)
-        return rope_cos_sin(position_ids, self.inv_freq, dtype)
+        return rope_cos_sin(position_ids, self.inv_freq, dtype, self.factor)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from qlm_core.models.families import (
     PositionName,
     hf_architecture,
 )
+from qlm_core.models.mla_spec import MlaSpec, mla_from_hf, mla_to_hf
 from qlm_core.models.moe_spec import MOE_MODEL_TYPES, MoeSpec, moe_from_hf, moe_to_hf
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -44,6 +45,49 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1·mscale·ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (`rope_type: yarn`), as transformers and Megatron-Core's YarnRotaryEmbedding compute it. cos and sin are
+    multiplied by `cos_sin_factor`; multi-latent attention also multiplies its softmax scale by
+    `softmax_scale_factor` (DeepSeek's mscale_all_dim)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # given outright (else from factor, mscale and mscale_all_dim)
+    truncate: bool = True
+
+    @property
+    def cos_sin_factor(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_scale_factor(self) -> float:
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+    def to_hf(self) -> dict[str, Any]:
+        keys = {"rope_type": "yarn", "factor": self.factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "beta_fast": self.beta_fast, "beta_slow": self.beta_slow}
+        keys.update({key: value for key in ("mscale", "mscale_all_dim", "attention_factor")
+                     if (value := getattr(self, key)) is not None})
+        if not self.truncate:
+            keys["truncate"] = False
+        return keys
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     model_type: str
@@ -59,12 +103,13 @@ class ModelSpec:
     norm_epsilon: float
     qkv_bias: bool
     tie_word_embeddings: bool
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     qk_layernorm: bool = False  # Qwen3: q_layernorm / k_layernorm [head_dim] on each head before RoPE
     moe: MoeSpec | None = None  # Mixture of Experts (None: every layer a dense MLP of ffn_hidden_size)
+    mla: MlaSpec | None = None  # multi-latent attention's sizes (attention "mla"); kv_channels is then its q/k head
     # the per-family choices (families.py), each built in one place: models/attention_kinds.py, norms.py,
     # activations.py, positions.py; None: the family's (a preset, a Megatron checkpoint's args)
     attention: AttentionName | None = None
@@ -88,6 +133,9 @@ class ModelSpec:
         if (self.moe is not None) != (self.model_type in MOE_MODEL_TYPES):
             raise QlmError(f"model_type {self.model_type!r} {'needs' if self.moe is None else 'takes no'} MoE numbers",
                            f"MoE model types are {', '.join(MOE_MODEL_TYPES)}")
+        if (self.mla is not None) != (self.attention == "mla"):
+            raise QlmError(f"attention {self.attention!r} {'takes no' if self.mla is not None else 'needs'} "
+                           "multi-latent attention sizes", "give kv_lora_rank and the head sizes with attention 'mla'")
         if self.head == "score" and self.tie_word_embeddings:
             raise QlmError("a score head is never tied to the embedding", "set tie_word_embeddings = false")
         if self.num_attention_heads % self.num_query_groups:
@@ -105,6 +153,11 @@ class ModelSpec:
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def rope_dim(self) -> int:
+        """The size RoPE rotates per head: the whole head, or multi-latent attention's rotary part."""
+        return self.kv_channels if self.mla is None else self.mla.qk_rope_head_dim
 
     @property
     def qkv_rows(self) -> int:
@@ -154,6 +207,9 @@ class ModelSpec:
             raise QlmError(f"{model_type} use_sliding_window=true is not supported", "set use_sliding_window to false")
         qkv_bias = family.qkv_bias == "always" or (family.qkv_bias == "config" and bool(config.get("qkv_bias", True)))
         moe = moe_from_hf(config, model_type, config["num_hidden_layers"]) if family.moe else None
+        mla = mla_from_hf(config, model_type) if family.attention == "mla" else None
+        if mla is not None and config.get("attention_bias"):
+            raise QlmError(f"attention_bias=true is not supported for {model_type}", "use a checkpoint without biases")
         head = _read_head(config, model_type)
         return cls(
             model_type=model_type,
@@ -162,8 +218,9 @@ class ModelSpec:
             ffn_hidden_size=config["intermediate_size"],
             num_layers=config["num_hidden_layers"],
             num_attention_heads=heads,
-            num_query_groups=config.get("num_key_value_heads") or heads,
-            kv_channels=config.get("head_dim") or config["hidden_size"] // heads,
+            # multi-latent attention: every head its own keys and values, of its own sizes
+            num_query_groups=heads if mla else config.get("num_key_value_heads") or heads,
+            kv_channels=mla.q_head_dim if mla else config.get("head_dim") or config["hidden_size"] // heads,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             rope_theta=theta,
             norm_epsilon=config.get("rms_norm_eps", 1e-6),
@@ -175,6 +232,7 @@ class ModelSpec:
             eos_token_id=config.get("eos_token_id"),
             qk_layernorm=family.qk_norm,
             moe=moe,
+            mla=mla,
             head=head,
             pad_token_id=config.get("pad_token_id") if head == "score" else None,
         )
@@ -208,8 +266,13 @@ class ModelSpec:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
         }
-        if self.rope_scaling is not None:
+        if isinstance(self.rope_scaling, YarnScaling):
+            config["rope_scaling"] = self.rope_scaling.to_hf()
+        elif self.rope_scaling is not None:
             config["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        if self.mla is not None:
+            config.update(mla_to_hf(self.mla), head_dim=self.mla.qk_rope_head_dim,
+                          num_key_value_heads=self.num_attention_heads)
         family = FAMILIES[self.model_type]
         if family.sliding_window == "applied":
             config["sliding_window"] = self.sliding_window
@@ -266,7 +329,7 @@ def _check_optional_numbers(config: dict[str, Any], model_type: str):
             raise QlmError(f"config.json ({model_type}): {key} is {value!r}, not {what}", fix)
 
 
-def _read_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _read_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | YarnScaling | None]:
     """transformers 4.x keeps `rope_theta` + `rope_scaling`; 5.x folds both into `rope_parameters`."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {}
@@ -278,12 +341,11 @@ def _read_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
-            raise QlmError(f"config.json: rope_theta is {theta!r}, not a positive number",
-                           "set rope_theta as transformers writes it (e.g. 10000.0)")
-        return float(theta), None
+        return _positive_theta(theta), None
+    if kind == "yarn":
+        return _positive_theta(theta), _read_yarn(config, scaling)
     if kind != "llama3":
-        raise QlmError(f"rope scaling type {kind!r} is not supported", "qlm supports no scaling or 'llama3'")
+        raise QlmError(f"rope scaling type {kind!r} is not supported", "qlm supports no scaling, 'llama3' or 'yarn'")
     try:
         numbers = (float(theta), float(scaling["factor"]), float(scaling.get("low_freq_factor", 1.0)),
                    float(scaling.get("high_freq_factor", 4.0)),
@@ -296,6 +358,38 @@ def _read_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         raise QlmError(f"config.json: the llama3 rope scaling {scaling!r} holds a number that is not positive",
                        "give positive numbers, as transformers writes them")
     return numbers[0], RopeScaling(*numbers[1:])
+
+
+def _positive_theta(theta) -> float:
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+        raise QlmError(f"config.json: rope_theta is {theta!r}, not a positive number",
+                       "set rope_theta as transformers writes it (e.g. 10000.0)")
+    return float(theta)
+
+
+def _read_yarn(config: dict[str, Any], scaling: dict[str, Any]) -> YarnScaling:
+    """transformers' yarn keys; a null factor is max_position_embeddings over the original (as transformers reads
+    it)."""
+    def number(key, default=None, kind=float):
+        value = scaling.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise QlmError(f"config.json: yarn rope scaling's {key} is {value!r}, not a positive number",
+                           f"set {key} as transformers writes it")
+        return kind(value)
+
+    original = number("original_max_position_embeddings", kind=int)
+    if original is None:
+        raise QlmError("config.json: yarn rope scaling without original_max_position_embeddings",
+                       "give the context the model was pretrained at, as transformers writes it")
+    factor = number("factor")
+    if factor is None:
+        factor = float(config.get("max_position_embeddings", original)) / original
+    return YarnScaling(factor=factor, original_max_position_embeddings=original,
+                       beta_fast=number("beta_fast", 32.0), beta_slow=number("beta_slow", 1.0),
+                       mscale=number("mscale"), mscale_all_dim=number("mscale_all_dim"),
+                       attention_factor=number("attention_factor"), truncate=bool(scaling.get("truncate", True)))
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:

@@ -153,7 +153,7 @@ def _op_terms(x: ActivationInputs, moe: bool) -> dict[str, float]:
     e, T, Tsp, h = x.dtype_bytes, x.tokens, x.sp_tokens, x.spec.hidden_size
     attention = attention_terms(x)
     terms = {"layer input (checkpoint)": e * h * Tsp, **attention.op(x)}
-    first = attention.matmuls + 1  # the MLP's first aten.mm in the layer
+    first = attention.matmuls(x.spec) + 1  # the MLP's first aten.mm in the layer
 
     def kept(n: int) -> bool:
         return n % 2 == 1

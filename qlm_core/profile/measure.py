@@ -291,10 +291,11 @@ def unique_bytes(tensors) -> int:
 
 
 def model_state_tensors(engine) -> dict[str, list[torch.Tensor]]:
-    """The tensors behind an Engine's weights (a preference run's frozen reference copy included), gradients and
-    optimizer state on this rank (after a step)."""
+    """The tensors behind an Engine's weights (a preference run's frozen reference copy included; with the modules'
+    buffers), gradients and optimizer state on this rank (after a step)."""
     reference = getattr(engine.objective, "reference_chunks", None) or []
     params = [p for chunk in [*engine.chunks, *reference] for p in chunk.parameters()]
+    params += [b for chunk in [*engine.chunks, *reference] for b in chunk.buffers()]  # the routers' expert bias
     optimizer = engine.optimizer
     if engine.config.zero_stage == 3:
         grads = [p.grad for p in optimizer.params if p.grad is not None]

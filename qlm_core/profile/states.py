@@ -22,6 +22,8 @@ Expert parallelism (layout.ep > 1 or etp != tp): a stage holds the routed expert
 each split over etp instead of tp), and their gradients are bucketed apart and reduced over the expert-data-parallel
 group (`expert_shards` = dp·cp·tp / (ep·etp) ranks): ZeRO 1/2 pad those buckets to edp·64 and shard them over edp,
 ZeRO 3 chunks the experts' dim 0 over edp (the dense parameters keep dp·cp).
+The routers' expert bias and their token counts are buffers: fp32, whole on every rank, no gradient or optimizer
+state.
 AdamW's per-parameter `step` scalars (4 bytes each) are not counted.
 """
 
@@ -46,6 +48,7 @@ class ParamInfo:
     trainable: bool
     shared_embedding: bool = False
     expert: bool = False  # a routed expert's weight under expert parallelism (its own buckets, the edp group)
+    buffer: bool = False  # a module buffer (the routers' fp32 expert bias): its bytes only, whole under ZeRO 3
 
     @cached_property
     def numel(self) -> int:  # cached: an MoE stage lists thousands of expert tensors, summed per layout searched
@@ -89,6 +92,9 @@ def expert_parallel(layout: ModelLayout) -> bool:
 def _info(layout: ModelLayout, tensor, trainable: bool, shared: bool = False) -> ParamInfo:
     """A parameter's shard on rank 0 of its split (etp for a routed expert's linear, else tp)."""
     expert = tensor.expert and expert_parallel(layout)
+    if tensor.buffer:  # the expert bias, and beside it the router's count of its tokens (not saved), alike
+        shape = tensor.shard_shape(layout.split_size(tensor))
+        return ParamInfo((2, *shape), False, buffer=True)
     return ParamInfo(tensor.shard_shape(layout.split_size(tensor)), trainable, shared, expert and trainable)
 
 
@@ -162,7 +168,8 @@ def zero_state_bytes(params: list[ParamInfo], dtype: torch.dtype, zero_stage: in
     size = torch.empty((), dtype=dtype).element_size()
     g = grad_dtype.itemsize
     trainable = [p for p in params if p.trainable]
-    frozen_bytes = sum(p.numel for p in params if not p.trainable) * size
+    frozen_bytes = sum(p.numel for p in params if not p.trainable and not p.buffer) * size \
+        + sum(4 * p.numel for p in params if p.buffer)
     if not trainable:
         return StateBytes(frozen_bytes, 0, 0, 0, 0, 0)
     bucket_numel = None if bucket_size_mb is None else max(1, int(bucket_size_mb * 2**20) // 4)
@@ -204,6 +211,9 @@ def fsdp_state_bytes(params: list[ParamInfo], shards: int, dp_rank: int,
     """FSDP2's bytes; under expert parallelism the experts are chunked over their `expert_shards` (edp) ranks."""
     weights = grads = moments = 0
     for p in params:
+        if p.buffer:  # FSDP2 shards parameters only
+            weights += 4 * p.numel
+            continue
         dim0 = p.shape[0] if p.shape else 1
         row = p.numel // dim0 if dim0 else 0
         n, rank = (expert_shards, expert_rank) if p.expert and expert_shards else (shards, dp_rank)

@@ -112,7 +112,7 @@ def test_torch_dist_holds_megatron_cores_moe_keys(moe_models, tmp_path):
 def test_reads_the_te_spec_pre_mlp_layernorm_in_torch_dist(moe_models, tmp_path, monkeypatch):
     """Transformer-Engine-spec MoE checkpoints (Megatron-Bridge, Pai) store `decoder.layers.pre_mlp_layernorm
     .weight` where the local spec stores `decoder.layers.mlp.linear_fc1.layer_norm_weight`."""
-    monkeypatch.setattr(torch_dist_write, "dist_key", lambda name, stacked=True: dist_key(
+    monkeypatch.setattr(torch_dist_write, "primary_key", lambda name, spec, stacked=True: dist_key(
         name, stacked, te_norms=not name.endswith("pre_mlp_layernorm.weight")))
     for kind in ("mixtral", "qwen2_moe"):
         hf_to_mcore(moe_models[kind], tmp_path / kind, format="torch_dist", verify=False)

@@ -66,8 +66,8 @@ def test_a_second_attention_kind_is_counted_by_its_own_rule(hf_models, monkeypat
 def test_an_attention_kind_qlm_does_not_build_is_one_line(hf_models):
     from qlm_core.errors import QlmError
 
-    with pytest.raises(QlmError, match="attention kind 'mla' is not one qlm builds; use one of gqa"):
-        attention_kind(HFCheckpoint(hf_models["qwen2"]).spec.replace(attention="mla"))
+    with pytest.raises(QlmError, match="attention kind 'linear' is not one qlm builds; use one of gqa, mla"):
+        attention_kind(replace(HFCheckpoint(hf_models["qwen2"]).spec, attention="linear"))
 
 
 # ---- a second objective through train/objective.py alone ----------------------------------------------------------
@@ -145,7 +145,8 @@ def test_the_kernels_of_each_choice_are_read_in_one_place():
     assert (root / "models" / "norms.py").is_file()
     owners = {"qlm_core.kernels.norm": {"norms.py"}, "qlm_core.kernels.swiglu": {"activations.py"},
               "qlm_core.kernels.grouped_mlp": {"activations.py", "moe_activations.py"},  # its row padding
-              "qlm_core.kernels.rope": {"positions.py", "attention_gqa.py"}}  # GQA applies the rotation
+              # the attention kinds apply the rotation
+              "qlm_core.kernels.rope": {"positions.py", "attention_gqa.py", "attention_mla.py"}}
     seen = set()
     for path in root.rglob("*.py"):
         if path.parent.name == "kernels":

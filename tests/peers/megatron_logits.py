@@ -18,10 +18,20 @@ torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings with PP>1 call
 
 def transformer_config(args, **extra):
     """megatron-core's TransformerConfig of a checkpoint's Megatron-LM args, for CPU (no fusions, no dropout);
-    `extra` adds fields (the MoE ones)."""
-    from megatron.core.transformer import TransformerConfig
+    `extra` adds fields (the MoE ones). Multi-latent attention's args give its MLATransformerConfig."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    return TransformerConfig(
+    config_class = TransformerConfig
+    if getattr(args, "multi_latent_attention", False):
+        config_class = MLATransformerConfig
+        extra = dict(extra, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+                     qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+                     rope_type=args.rope_type, rotary_base=args.rotary_base)
+        if args.rope_type == "yarn":
+            extra.update({key: getattr(args, key) for key in (
+                "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                "mscale_all_dim")})
+    return config_class(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, add_bias_linear=False, add_qkv_bias=args.add_qkv_bias,

@@ -46,6 +46,23 @@ def _sequence_parallel_torch_norm():
 _sequence_parallel_torch_norm()
 
 
+class _PlainCoreAttention(torch.nn.Module):
+    """Causal softmax(q k^T * scale) v for multi-latent attention's local spec: megatron-core 0.16.1's local
+    DotProductAttention takes no separate key and value sizes (only Transformer Engine's does), so the peer swaps in
+    this plain kernel; every weight and projection stays megatron-core's."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, k_channels=None,
+                 v_channels=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, heads, d] -> [b, heads, s, d]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
 def build_model(args, pre, post, sequence_parallel=False):
     import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core.models.gpt import GPTModel
@@ -59,6 +76,9 @@ def build_model(args, pre, post, sequence_parallel=False):
         moe_shared_expert_gate=args.moe_shared_expert_gate, moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_router_score_function=args.moe_router_score_function, moe_layer_freq=args.moe_layer_freq,
         moe_router_enable_expert_bias=getattr(args, "moe_router_enable_expert_bias", False),
+        moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
+        moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
+        moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
         moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
@@ -68,6 +88,13 @@ def build_model(args, pre, post, sequence_parallel=False):
     config = transformer_config(args, qk_layernorm=args.qk_layernorm, **moe)
     if experts:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        if config.multi_latent_attention:
+            import megatron.core.transformer.multi_latent_attention as mla_module
+
+            # without Transformer Engine its TE names import as mock objects, which its fp8 check hands isinstance
+            mla_module.HAVE_TE = mla_module.HAVE_TE and isinstance(mla_module.TELinear, type)
+            for layer in spec.layer_specs:
+                layer.submodules.self_attention.submodules.core_attention = _PlainCoreAttention
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=args.qk_layernorm)
     return GPTModel(
@@ -108,11 +135,13 @@ def open_case(case):
     def state(model, tp_rank, pp_rank, ep_rank=0):
         # megatron-core's words: "unexpected" = asked for but not in the checkpoint, "missing" = in the checkpoint
         # but not asked for. Nothing may be unexpected; the one key the local spec leaves is the Transformer-Engine
-        # spec's spelling of an MoE layer's pre_mlp_layernorm, written beside the local spec's for that spec
+        # spec's spelling of an MoE layer's pre_mlp_layernorm, written beside the local spec's for that spec (with
+        # multi-latent attention also its fused `layer_norm_weight` spellings of the latents' and dense layers' norms)
         loaded, missing, unexpected = dist_checkpointing.load(
             {"model": model.sharded_state_dict()}, str(iteration_dir), strict=StrictHandling.RETURN_ALL)
         assert not unexpected, sorted(unexpected)
-        assert all(key.endswith("pre_mlp_layernorm.weight") for key in missing), sorted(missing)
+        other_spec = ("pre_mlp_layernorm.weight",) + (("layer_norm_weight",) if args.multi_latent_attention else ())
+        assert all(key.endswith(other_spec) for key in missing), sorted(missing)
         return loaded["model"], None
 
     return args, state

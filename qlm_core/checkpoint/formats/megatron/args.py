@@ -12,10 +12,11 @@ import torch
 from qlm_core.errors import QlmError
 from qlm_core.models.activations import ACTIVATION_KINDS, activation_kind
 from qlm_core.models.layout import ModelLayout
+from qlm_core.models.mla_spec import MlaSpec
 from qlm_core.models.moe_spec import MoeSpec
 from qlm_core.models.norms import NORM_KINDS, norm_kind
 from qlm_core.models.positions import position_kind
-from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec, RopeScaling
+from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec, RopeScaling, YarnScaling
 
 
 def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch", **extra) -> argparse.Namespace:
@@ -36,7 +37,7 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         rotary_percent=1.0,
         rotary_interleaved=False,
         rotary_seq_len_interpolation_factor=None,
-        use_rope_scaling=s.rope_scaling is not None,
+        use_rope_scaling=isinstance(s.rope_scaling, RopeScaling),
         rope_scaling_factor=s.rope_scaling.factor if s.rope_scaling else 8.0,
         add_bias_linear=False,
         add_qkv_bias=s.qkv_bias,
@@ -58,10 +59,11 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         consumed_valid_samples=0,
         qlm_model_type=s.model_type,
         qlm_rope_scaling=None if s.rope_scaling is None else vars(s.rope_scaling).copy(),
-        qk_layernorm=s.qk_layernorm,
+        qk_layernorm=s.qk_layernorm or s.mla is not None,  # MLA's q and kv latent norms (Megatron's switch)
         qlm_head=s.head,
         qlm_pad_token_id=s.pad_token_id,
         **moe_args(s),
+        **mla_args(s),
     )
     set_layout_args(args, layout, dtype)
     for key, value in extra.items():
@@ -87,9 +89,59 @@ def moe_args(spec: ModelSpec) -> dict:
         "moe_grouped_gemm": False,
         "moe_token_dispatcher_type": "allgather",
         "moe_router_load_balancing_type": "aux_loss",
-        "moe_router_topk_scaling_factor": None,
+        "moe_router_topk_scaling_factor": None if moe.topk_scaling_factor == 1.0 else moe.topk_scaling_factor,
         "moe_router_enable_expert_bias": moe.expert_bias,
+        "moe_router_num_groups": moe.num_groups if moe.num_groups > 1 else None,
+        "moe_router_group_topk": moe.group_topk if moe.num_groups > 1 else None,
     }
+
+
+def mla_args(spec: ModelSpec) -> dict:
+    """Megatron-LM's multi-latent attention arguments (its MLATransformerConfig) and YaRN's; `qlm_mla` keeps how HF
+    laid out the rotary rows."""
+    mla, yarn = spec.mla, spec.rope_scaling if isinstance(spec.rope_scaling, YarnScaling) else None
+    args = {"multi_latent_attention": mla is not None}
+    if mla is not None:
+        args.update(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_nope_head_dim,
+                    qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+                    qlm_mla=vars(mla).copy())
+    if yarn is not None:
+        args.update(rope_type="yarn", rotary_scaling_factor=yarn.factor,
+                    original_max_position_embeddings=yarn.original_max_position_embeddings,
+                    beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow, mscale=yarn.mscale or 1.0,
+                    mscale_all_dim=yarn.mscale_all_dim or 0.0)
+    elif mla is not None:
+        args["rope_type"] = "rope"
+    return args
+
+
+def mla_from_args(args) -> MlaSpec | None:
+    if not getattr(args, "multi_latent_attention", False):
+        return None
+    stored = getattr(args, "qlm_mla", None)
+    if stored:
+        return MlaSpec(**stored)
+    return MlaSpec(kv_lora_rank=getattr(args, "kv_lora_rank", 512), qk_nope_head_dim=getattr(args, "qk_head_dim", 128),
+                   qk_rope_head_dim=getattr(args, "qk_pos_emb_head_dim", 64),
+                   v_head_dim=getattr(args, "v_head_dim", 128), q_lora_rank=getattr(args, "q_lora_rank", None))
+
+
+def _rope_scaling_from_args(args) -> RopeScaling | YarnScaling | None:
+    stored = getattr(args, "qlm_rope_scaling", None)
+    if getattr(args, "rope_type", None) == "yarn":
+        if stored:
+            return YarnScaling(**stored)
+        return YarnScaling(factor=float(getattr(args, "rotary_scaling_factor", 40.0)),
+                           original_max_position_embeddings=int(getattr(args, "original_max_position_embeddings",
+                                                                        4096)),
+                           beta_fast=float(getattr(args, "beta_fast", 32.0)),
+                           beta_slow=float(getattr(args, "beta_slow", 1.0)),
+                           mscale=float(getattr(args, "mscale", 1.0)),
+                           mscale_all_dim=float(getattr(args, "mscale_all_dim", 0.0)) or None)
+    if getattr(args, "use_rope_scaling", False):
+        factor = float(getattr(args, "rope_scaling_factor", 8.0))
+        return RopeScaling(**stored) if stored else RopeScaling(factor=factor)
+    return None
 
 
 def moe_from_args(args, num_layers: int) -> MoeSpec | None:
@@ -106,9 +158,7 @@ def moe_from_args(args, num_layers: int) -> MoeSpec | None:
         raise QlmError(f"the checkpoint's moe_layer_freq {freq!r} is neither an integer nor a 0/1 list of "
                        f"{num_layers} layers", "fix moe_layer_freq in the args or pass --config")
     score = getattr(args, "moe_router_score_function", None) or "softmax"
-    if getattr(args, "moe_router_topk_scaling_factor", None) not in (None, 1, 1.0):
-        raise QlmError("the checkpoint's router scales its top-k weights (moe_router_topk_scaling_factor)",
-                       "qlm converts routers without top-k scaling")
+    groups = getattr(args, "moe_router_num_groups", None) or 1
     topk = getattr(args, "moe_router_topk", None) or 2
     where = getattr(args, "qlm_args_from", None) or "the checkpoint's args"
     for key, value in (("num_experts", experts), ("moe_router_topk", topk)):
@@ -129,11 +179,16 @@ def moe_from_args(args, num_layers: int) -> MoeSpec | None:
         shared_expert_hidden_size=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
         shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         layer_pattern=() if all(pattern) else pattern,
+        num_groups=groups,
+        group_topk=getattr(args, "moe_router_group_topk", None) or 1 if groups > 1 else 1,
+        topk_scaling_factor=float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
     )
 
 
 def _guess_model_type(args, moe: MoeSpec | None) -> str:
     """The HF family of args Megatron-LM wrote (qlm's own name it in qlm_model_type)."""
+    if getattr(args, "multi_latent_attention", False):
+        return "deepseek_v3"
     qk_norm, bias = bool(getattr(args, "qk_layernorm", False)), bool(getattr(args, "add_qkv_bias", False))
     if moe is None:
         return "qwen3" if qk_norm else "qwen2" if bias else "llama"
@@ -195,11 +250,8 @@ def spec_from_args(args) -> ModelSpec:
         model_type = _guess_model_type(args, moe)
     heads = need("num_attention_heads")
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
-    scaling = None
-    if getattr(args, "use_rope_scaling", False):
-        stored = getattr(args, "qlm_rope_scaling", None)
-        factor = float(getattr(args, "rope_scaling_factor", 8.0))
-        scaling = RopeScaling(**stored) if stored else RopeScaling(factor=factor)
+    scaling = _rope_scaling_from_args(args)
+    mla = mla_from_args(args)
     window = getattr(args, "window_size", None)
     return ModelSpec(
         model_type=model_type,
@@ -208,8 +260,8 @@ def spec_from_args(args) -> ModelSpec:
         ffn_hidden_size=need("ffn_hidden_size"),
         num_layers=need("num_layers"),
         num_attention_heads=heads,
-        num_query_groups=groups or heads,
-        kv_channels=getattr(args, "kv_channels", None) or args.hidden_size // heads,
+        num_query_groups=heads if mla else groups or heads,
+        kv_channels=mla.q_head_dim if mla else getattr(args, "kv_channels", None) or args.hidden_size // heads,
         max_position_embeddings=getattr(args, "max_position_embeddings", None) or getattr(args, "seq_length", 4096),
         rope_theta=float(getattr(args, "rotary_base", 10000)),
         norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)),
@@ -217,8 +269,10 @@ def spec_from_args(args) -> ModelSpec:
         tie_word_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
         rope_scaling=scaling,
         sliding_window=window[0] if window and window[0] and window[0] > 0 else None,
-        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)) and mla is None,
         moe=moe,
+        mla=mla,
+        attention="mla" if mla else None,
         norm=norm,
         activation=activation,
         head=getattr(args, "qlm_head", None) or "lm",

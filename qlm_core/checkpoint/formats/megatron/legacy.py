@@ -10,6 +10,7 @@ from any file of e whose TT % etp is k.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +26,7 @@ from qlm_core.checkpoint.io.text import read_text_file
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout, TensorLayout, normalize_megatron_name, read_from_parts
 from qlm_core.models.spec import ModelSpec
+from qlm_core.models.tensor_layout import REPLICATED
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"
@@ -161,6 +163,7 @@ class MegatronTorchCheckpoint:
         self._expert_files = self._find_expert_files()
         self.lora = adapter_args(self.args, self.chunk_state(0, 0, 0))  # None unless it holds LoRA adapters
         self._index = self._build_index()
+        self._whole: set[str] = set()  # split tensors every TP file holds whole (_check_shapes)
         self._check_shapes()
 
     # ---- discovery -------------------------------------------------------------------------------------------------
@@ -357,6 +360,9 @@ class MegatronTorchCheckpoint:
                     if stored is None:  # a LoRA run's adapters-only file; else read_into names it
                         continue
                     expected = tensor.shard_shape(self.layout.split_size(tensor))
+                    if tuple(stored.shape) == tensor.shape and tensor.name.endswith(_DUPLICATED):
+                        self._whole.add(tensor.name)  # Transformer Engine's duplicated down projections
+                        continue
                     if tuple(stored.shape) != tuple(expected):
                         raise QlmError(
                                 f"{file}: {local} is {list(stored.shape)} but "
@@ -393,9 +399,16 @@ class MegatronTorchCheckpoint:
 
     def read_into(self, tensor: TensorLayout, start: int, stop: int, out: torch.Tensor):
         pp_rank, chunk, local, source, ep_rank = self._locate(tensor)
+        if source.name in self._whole:  # every TP file holds it whole: read TP rank 0's
+            source = dataclasses.replace(source, split=REPLICATED)
         read_from_parts(source, self.layout.split_size(source),
                         lambda rank: self._shard(self._part_file(source, rank, pp_rank, ep_rank), chunk, local),
                         start, stop, out)
+
+
+# multi-latent attention's down projections: column-parallel under the local spec, but duplicated (whole on every TP
+# rank) under the Transformer Engine spec, whose legacy files qlm reads too
+_DUPLICATED = ("self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight")
 
 
 def _leftover_setting(local: str) -> str:

@@ -46,7 +46,7 @@ from qlm_core.checkpoint.formats.megatron.trainer_state import OPTIMIZER_VIEWS, 
 from qlm_core.checkpoint.io.safe_load import ForeignObject, allowed_globals, safe_torch_load
 from qlm_core.checkpoint.io.text import read_json_object
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import LINEARS, TE_NORM_NAMES, ModelLayout, TensorLayout
+from qlm_core.models.layout import LINEARS, MLA_TE_NORM_NAMES, TE_NORM_NAMES, ModelLayout, TensorLayout
 from qlm_core.models.spec import ModelSpec
 
 COMMON_FILE = "common.pt"
@@ -55,6 +55,7 @@ DIST_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "c
                "common_backend_version": 1}
 EXTRA_STATE_LINEARS = LINEARS  # each local-spec linear of a dense layer has an `_extra_state`
 _LOCAL_TO_TE = {local: te for te, local in TE_NORM_NAMES.items()}
+_MLA_LOCAL_TO_TE = {local: te for te, local in MLA_TE_NORM_NAMES.items()}
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
@@ -65,12 +66,14 @@ def homogeneous(spec: ModelSpec) -> bool:
     return spec.moe is None or not spec.moe.layer_pattern
 
 
-def dist_key(name: str, stacked: bool = True, te_norms: bool = True) -> tuple[str, tuple[int, ...]]:
+def dist_key(name: str, stacked: bool = True, te_norms: bool = True,
+             mla: bool = False) -> tuple[str, tuple[int, ...]]:
     """qlm's global tensor name -> (torch_dist key, index along the key's leading stacked axes): (layer,) for a
     layer's tensor, (layer, expert) for a routed expert's (key `decoder.layers.mlp.experts.experts.…`, the
     doubled `experts` is megatron-core's), () for the rest. `stacked` False: the per-layer keys of a non-homogeneous
     model, the layer in the key ((expert,) or () left). `te_norms` False: the norms under their module names
-    (`pre_mlp_layernorm.weight`, as Transformer-Engine-spec MoE layers store it) instead of the fused names."""
+    (`pre_mlp_layernorm.weight`, as Transformer-Engine-spec MoE layers store it) instead of the fused names; `mla`:
+    the fused names of a multi-latent attention layer (MLA_TE_NORM_NAMES)."""
     match = _LAYER.fullmatch(name)
     if match is None:
         return name, ()
@@ -80,24 +83,41 @@ def dist_key(name: str, stacked: bool = True, te_norms: bool = True) -> tuple[st
     if expert is not None:
         suffix, index = f"mlp.experts.experts.{expert.group(2)}", (*index, int(expert.group(1)))
     elif te_norms:
-        suffix = _LOCAL_TO_TE.get(suffix, suffix)
+        suffix = (_MLA_LOCAL_TO_TE if mla else _LOCAL_TO_TE).get(suffix, suffix)
     return f"decoder.layers.{suffix}" if stacked else f"decoder.layers.{layer}.{suffix}", index
 
 
+def primary_key(name: str, spec: ModelSpec, stacked: bool) -> tuple[str, tuple[int, ...]]:
+    """Where the local spec's sharded_state_dict puts `name`: the fused-norm names of grouped-query attention's
+    layers (its keys map), the modules' own names in multi-latent attention's (whose local spec maps none)."""
+    return dist_key(name, stacked, te_norms=spec.mla is None)
+
+
 def te_spec_norm_key(name: str, spec: ModelSpec, stacked: bool) -> str | None:
-    """The key a Transformer-Engine-spec MoE layer's pre_mlp_layernorm (its own module there, not fused into
-    linear_fc1) is stored under, for an MoE layer's norm; None for every other tensor. Writers store it beside the
-    local spec's key, so a torch_dist checkpoint loads into either spec (Megatron-LM's default strictness accepts
-    the key the other spec does not use)."""
+    """The key the other spec stores a norm under, when it differs from primary_key's; None for every other
+    tensor. Writers store it beside the primary key, so a torch_dist checkpoint loads into either spec
+    (Megatron-LM's default strictness accepts the key the other spec does not use): an MoE layer's
+    pre_mlp_layernorm (its own module under Transformer Engine, not fused into linear_fc1); with multi-latent
+    attention, the q and kv latents' norms and a dense layer's pre_mlp_layernorm (fused under Transformer Engine)."""
     match = _LAYER.fullmatch(name)
-    if match is None or match.group(2) != "pre_mlp_layernorm.weight" or not spec.is_moe_layer(int(match.group(1))):
+    if match is None:
+        return None
+    suffix, moe_layer = match.group(2), spec.is_moe_layer(int(match.group(1)))
+    if spec.mla is not None:
+        if suffix == "pre_mlp_layernorm.weight" and moe_layer:
+            return None  # its own module under both specs
+        fused = dist_key(name, stacked, te_norms=True, mla=True)[0]
+        return fused if fused != primary_key(name, spec, stacked)[0] else None
+    if suffix != "pre_mlp_layernorm.weight" or not moe_layer:
         return None
     return dist_key(name, stacked, te_norms=False)[0]
 
 
-def dist_key_candidates(name: str) -> list[tuple[str, tuple[int, ...]]]:
-    """Every (key, index) a torch_dist checkpoint may hold `name` under, the local spec's stacked key first."""
-    return list(dict.fromkeys(dist_key(name, stacked, te) for te in (True, False) for stacked in (True, False)))
+def dist_key_candidates(name: str, mla: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """Every (key, index) a torch_dist checkpoint may hold `name` under, the local spec's stacked key first
+    (`mla`: a multi-latent attention model's, whose local spec keeps its norms' module names)."""
+    order = (False, True) if mla else (True, False)
+    return list(dict.fromkeys(dist_key(name, stacked, te, mla) for te in order for stacked in (True, False)))
 
 
 def extra_state_key(linear: str, layer: int, num_layers: int, num_experts: int = 0, stacked: bool = True) -> str:
@@ -308,7 +328,9 @@ class TorchDistCheckpoint:
         if self.view == "model":  # a weight key no tensor of the architecture reads would be dropped silently
             # (a tensor's other candidate keys are the same tensor under another spec's name: MoE norms are written
             # under both the local and the Transformer-Engine spec's key)
-            used = {key for tensor in self.layout.global_tensors for key, _ in dist_key_candidates(tensor.stored_name)}
+            mla = self.layout.spec.mla is not None
+            used = {key for tensor in self.layout.global_tensors
+                    for key, _ in dist_key_candidates(tensor.stored_name, mla)}
             weights = [k for k in self.tensors if k.startswith(("embedding.", "decoder.", "output_layer."))]
             side = self.root / HF_SIDE_DIR / "config.json"
             check_no_leftovers(self.dir, weights, used, self._described_as() or
@@ -354,7 +376,7 @@ class TorchDistCheckpoint:
         per-layer keys of a non-homogeneous model, else the Transformer-Engine spec's norm names), and its index
         along the key's stacked axes."""
         prefix = "" if self.view == "model" else view_prefix(self.view)
-        candidates = dist_key_candidates(tensor.stored_name)
+        candidates = dist_key_candidates(tensor.stored_name, self.layout.spec.mla is not None)
         for key, index in candidates:
             meta = self.tensors.get(prefix + key)
             if meta is not None and len(meta.size) == len(index) + len(tensor.shape):

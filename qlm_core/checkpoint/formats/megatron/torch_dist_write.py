@@ -44,9 +44,9 @@ from qlm_core.checkpoint.formats.megatron.torch_dist import (
     COMMON_FILE,
     DIST_CONFIG,
     DIST_CONFIG_FILE,
-    dist_key,
     extra_state_keys,
     homogeneous,
+    primary_key,
     te_spec_norm_key,
 )
 from qlm_core.models.layout import ModelLayout, TensorLayout, TensorSource, read_range
@@ -80,7 +80,7 @@ def plan_chunks(layout: ModelLayout) -> dict[str, tuple[tuple[int, ...], list[Ch
     spec, stacked = layout.spec, homogeneous(layout.spec)
     axes = ((spec.num_layers,) if stacked else ()) + ((spec.moe.num_experts,) if spec.moe is not None else ())
     for tensor in layout.global_tensors:
-        key, index = dist_key(tensor.name, stacked)
+        key, index = primary_key(tensor.name, spec, stacked)
         shape = (*axes[: len(index)], *tensor.shape)
         alias = te_spec_norm_key(tensor.name, spec, stacked)
         for name in (key, alias) if alias not in (None, key) else (key,):

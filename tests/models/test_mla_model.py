@@ -1,0 +1,176 @@
+"""DeepSeek-V3-class models in the one decoder, against transformers: multi-latent attention (with and without q's
+low rank, values narrower than keys, yarn with mscale_all_dim, rotary rows interleaved and in halves), the sigmoid
+router limited to groups (tied group scores broken as transformers breaks them) with its correction bias and
+scaling, shared experts and dense first layers; greedy decoding from the latent cache; the config in and out."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from conftest import MLA_KINDS, call_qlm, make_hf_model
+
+from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
+from qlm_core.data.tokenizer import CHATML
+from qlm_core.errors import QlmError
+from qlm_core.kernels.rope import rope_attention_factor, rope_inv_freq
+from qlm_core.models.attention import KVCache
+from qlm_core.models.gpt import GPTModel
+from qlm_core.models.layout import HFTensorSource, ModelLayout, build_shard
+from qlm_core.models.moe import MoELayer, route
+from qlm_core.models.moe_spec import MoeSpec
+from qlm_core.models.spec import ModelSpec
+
+IDS = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+LABELS = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+def qlm_from_hf(path):
+    ckpt = HFCheckpoint(path)
+    layout = ModelLayout(ckpt.spec)
+    model = GPTModel(ckpt.spec, padded_vocab=layout.padded_vocab)
+    model.load_state_dict(build_shard(layout, 0, 0, 0, HFTensorSource(ckpt)), strict=True)
+    return model.eval(), ckpt.spec
+
+
+@pytest.mark.parametrize("kind", list(MLA_KINDS))
+def test_logits_loss_and_routes_equal_transformers(mla_models, kind):
+    model, spec = qlm_from_hf(mla_models[kind])
+    ref = transformers.AutoModelForCausalLM.from_pretrained(mla_models[kind], dtype=torch.float32).eval()
+    routes = []
+    hooks = [layer.mlp.register_forward_hook(lambda m, i, out: routes.append(m)) for layer in model.decoder.layers
+             if isinstance(layer.mlp, MoELayer)]
+    with torch.no_grad():
+        expected = ref(IDS).logits
+        assert (model(IDS) - expected).abs().max().item() <= 1e-5
+        want = F.cross_entropy(expected.flatten(0, 1), LABELS.flatten(), reduction="none").view(2, 40)
+        assert (model(IDS, labels=LABELS) - want).abs().max().item() <= 1e-5
+    for hook in hooks:
+        hook.remove()
+    assert len(routes) == 2 * spec.moe.num_moe_layers(spec.num_layers)  # the MoE layers ran (dense first ones not)
+    assert spec.mla.v_head_dim != spec.mla.q_head_dim and spec.moe.expert_bias
+
+
+def hf_router(kind_config: dict, weight: torch.Tensor, bias: torch.Tensor):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    router = DeepseekV3TopkRouter(transformers.DeepseekV3Config(**kind_config))
+    with torch.no_grad():
+        router.weight.copy_(weight)
+        router.e_score_correction_bias.copy_(bias)
+    return router
+
+
+def test_group_limited_router_equals_transformers_with_tied_groups():
+    """16 experts in 4 groups, 2 groups kept, top 4: groups 0, 1 and 2 hold the same router rows and biases, so
+    their group scores tie for the two places; transformers' choice of groups (and so of experts, whose weights
+    are the same scores) is qlm's, token by token."""
+    config = dict(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                  routed_scaling_factor=2.5, norm_topk_prob=True)
+    generator = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(16, 32, generator=generator), torch.randn(16, generator=generator) * 0.1
+    weight[4:8], weight[8:12], bias[4:8], bias[8:12] = weight[:4], weight[:4], bias[:4], bias[:4]
+    hidden = torch.randn(64, 32, generator=generator)
+    _, hf_weights, hf_indices = hf_router(config, weight, bias)(hidden)
+    moe = MoeSpec(num_experts=16, topk=4, ffn_hidden_size=8, score_function="sigmoid", expert_bias=True,
+                  num_groups=4, group_topk=2, topk_scaling_factor=2.5)
+    probs, indices = route(hidden @ weight.t(), moe, bias)
+    group_scores = [(hidden @ weight[g:g + 4].t()).sigmoid().add(bias[g:g + 4]).topk(2).values.sum(-1)
+                    for g in (0, 4, 8)]
+    assert torch.equal(group_scores[0], group_scores[1]) and torch.equal(group_scores[0], group_scores[2])
+    assert torch.equal(indices, hf_indices)  # the same experts in the same order: ties broken alike
+    assert (probs - hf_weights).abs().max() <= 1e-6
+    chosen_groups = (indices // 4).unique()
+    assert {0, 1, 2} & set(chosen_groups.tolist())
+
+
+@pytest.mark.parametrize("params", [
+    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
+         mscale=1.0, mscale_all_dim=0.8),
+    dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096),
+    dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=512, attention_factor=1.3, truncate=False),
+])
+def test_yarn_frequencies_and_factors_equal_transformers(params):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
+
+    config = transformers.DeepseekV3Config(qk_rope_head_dim=64, max_position_embeddings=163840,
+                                           rope_parameters={**params, "rope_theta": 10000.0})
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    hf_config = config.to_dict()
+    spec = ModelSpec.from_hf_config({**hf_config, "vocab_size": 300, "architectures": ["DeepseekV3ForCausalLM"]})
+    assert torch.equal(rope_inv_freq(64, spec.rope_theta, spec.rope_scaling), inv_freq)
+    assert rope_attention_factor(spec.rope_scaling) == pytest.approx(factor, rel=1e-12)
+    from qlm_core.models.attention_mla import softmax_scale
+
+    assert softmax_scale(spec) == pytest.approx(yarn_apply_mscale(config.rope_parameters, 192 ** -0.5), rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", list(MLA_KINDS))
+def test_config_round_trips_through_transformers(mla_models, kind):
+    spec = ModelSpec.from_hf_dir(mla_models[kind])
+    assert ModelSpec.from_hf_config(spec.to_hf_config()) == spec
+    written = transformers.DeepseekV3Config(**spec.to_hf_config())
+    stored = json.loads((mla_models[kind] / "config.json").read_text())
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
+                "topk_group", "routed_scaling_factor", "first_k_dense_replace", "n_shared_experts",
+                "rope_interleave", "num_experts_per_tok", "n_routed_experts"):
+        assert getattr(written, key) == stored[key], key
+    assert written.rope_parameters == stored["rope_parameters"]
+
+
+def test_a_latent_cache_holds_the_latent_not_the_heads(mla_models):
+    model, spec = qlm_from_hf(mla_models["deepseek_v3"])
+    cache = KVCache.empty(spec.num_layers)
+    with torch.no_grad():
+        model(IDS[:, :10], cache=cache)
+    assert cache.length == 10
+    assert cache.keys[0].shape == (2, 1, 10, spec.mla.kv_lora_rank)
+    assert cache.values[0].shape == (2, 1, 10, spec.mla.qk_rope_head_dim)
+
+
+@pytest.mark.parametrize("kind", list(MLA_KINDS))
+def test_greedy_generate_equals_transformers(tmp_path, kind):
+    """`qlm generate` decodes from the latent cache (a left-padded batch of two prompts) as transformers' generate
+    does from its own."""
+    path = tmp_path / kind
+    model = make_hf_model(path, kind, initializer_range=0.2)  # not one token repeated
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    prompts = ["the quick brown fox", "the lazy dog jumps over the quick brown fox, how?"]
+    code, out, err = call_qlm("generate", path, "-p", prompts[0], "-p", prompts[1], "--chat-template", "chatml",
+                              "--max-new-tokens", "10", "--jsonl")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    eos = tokenizer.eos_token_id
+    for prompt, row in zip(prompts, rows, strict=True):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], chat_template=CHATML,
+                                             tokenize=False, add_generation_prompt=True)
+        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
+                                  eos_token_id=eos, pad_token_id=eos)[0, ids.shape[1]:].tolist()
+        expected = expected[: next((i for i, t in enumerate(expected) if t == eos), len(expected))]
+        assert len(set(expected)) > 2 and row["token_ids"] == expected
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(norm_topk_prob=False), "norm_topk_prob is false"),
+    (dict(attention_bias=True), "attention_bias=true is not supported for deepseek_v3"),
+    (dict(kv_lora_rank=0), "kv_lora_rank is 0, not a positive integer"),
+    (dict(qk_rope_head_dim=5), "qk_rope_head_dim 5 is odd"),
+    (dict(n_group=3), "n_group must divide the expert count"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}),
+     "yarn rope scaling without original_max_position_embeddings"),
+])
+def test_bad_deepseek_configs_are_one_line(mla_models, change, message):
+    config = json.loads((mla_models["deepseek_v3"] / "config.json").read_text())
+    with pytest.raises(QlmError, match=message):
+        ModelSpec.from_hf_config({**config, **change})
+
+
+def test_tp_not_dividing_the_latent_is_one_line(mla_models):
+    spec = ModelSpec.from_hf_dir(mla_models["deepseek_v3"])  # kv_lora_rank 16 + rope 4 = 20; q_lora_rank 24
+    with pytest.raises(QlmError, match="--tp 16 does not divide multi-latent attention's q_lora_rank 24"):
+        ModelLayout(spec.replace(num_attention_heads=16, num_query_groups=16), tp=16)
+    with pytest.raises(QlmError, match=r"--tp 4 does not divide multi-latent attention's kv_lora_rank \+ "
+                                       r"qk_rope_head_dim 22"):
+        ModelLayout(spec.replace(mla=spec.mla.__class__(**{**vars(spec.mla), "kv_lora_rank": 18})), tp=4)
