@@ -33,7 +33,8 @@ def open_hf(path: Path, options: ReadOptions) -> OpenedCheckpoint:
 
     return OpenedCheckpoint(ckpt.spec, HFTensorSource(ckpt), tokenizer_near(path), f"HF model {path}",
                             weights_dir=path, format="hf", root=ckpt.path, layout=ModelLayout(ckpt.spec),
-                            dtype=ckpt.weights_dtype, hf_path=ckpt.path, side_files=side_files, reader=ckpt)
+                            dtype=ckpt.weights_dtype, hf_path=ckpt.path, side_files=side_files, reader=ckpt,
+                            notes=list(ckpt.notes))
 
 
 def write(out: Path, layout: ModelLayout, weights: TensorSource, dtype: torch.dtype, options: WriteOptions,

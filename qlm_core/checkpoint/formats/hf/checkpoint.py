@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from qlm_core.checkpoint.formats.hf import fp8
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.checkpoint.io.text import read_json_object
 from qlm_core.dtypes import HF_DTYPE_NAMES, set_hf_config_dtype
@@ -140,8 +141,13 @@ class HFCheckpoint:
         # per-expert name -> (fused tensor, expert, first row): transformers-5's fused MoE layout, read as the
         # per-expert tensors the layout asks for
         self._fused: dict[str, tuple[str, int | None, int]] = {}
+        # FP8 weights (name -> their scale grid's name), read dequantised; _stored keeps their on-disk dtype
+        self._fp8: dict[str, str] = {}
+        self._stored: dict[str, torch.dtype] = {}
+        self.notes: list[str] = []  # what reading does beyond copying (FP8 dequantisation)
         self._scan()
         self._alias_fused_experts()
+        self._find_fp8()
 
     def _check_index(self):
         """A sharded model's index names every weight file: one deleted or never copied is an error here."""
@@ -201,6 +207,28 @@ class HFCheckpoint:
             self._fused[name] = (fused, expert, row)
             self._dtypes[name] = self._dtypes[fused]
 
+    def _find_fp8(self):
+        """The weights stored as FP8 with block scales: each reads as DEQUANTISED_DTYPE (or the dtype asked for),
+        its scale grid hidden from the tensor list. An FP8 weight without its scale grid is an error."""
+        block = fp8.block_size(self.config)
+        quantised = [n for n, dt in self._dtypes.items() if dt in fp8.FP8_DTYPES]
+        if not quantised:
+            return
+        if block is None:
+            raise QlmError(f"{self.path} stores {len(quantised)} FP8 tensors ({quantised[0]}, ...) but config.json has "
+                           "no fp8 quantization_config", "restore the released config.json (its quantization_config)")
+        for name in quantised:
+            scale = fp8.scale_name(name)
+            if not name.endswith(".weight") or scale not in self._shapes:
+                raise QlmError(f"{self.path}: the FP8 tensor {name} has no {fp8.SCALE_SUFFIX} beside it",
+                               "restore the checkpoint's scale tensors")
+            fp8.check_scale_shape(name, self._shapes[name], self._shapes[scale], block)
+            self._fp8[name], self._stored[name] = scale, self._dtypes[name]
+            self._dtypes[name] = fp8.DEQUANTISED_DTYPE
+        self._block = block
+        self.notes.append(f"{len(quantised)} FP8 weights dequantised ({block[0]}x{block[1]} block scales) to "
+                          f"{str(fp8.DEQUANTISED_DTYPE).removeprefix('torch.')} or the dtype asked for")
+
     def _load_bin(self, file: Path) -> dict:
         if file not in self._bin_cache:
             self._bin_cache[file] = safe_torch_load(file, mmap=True)
@@ -208,8 +236,10 @@ class HFCheckpoint:
 
     @property
     def names(self) -> list[str]:
-        """The tensors the files hold (a fused MoE layout's fused tensors, not the per-expert views of them)."""
-        return list(self._files)
+        """The tensors the files hold (a fused MoE layout's fused tensors, not the per-expert views of them; FP8
+        weights, not their scale grids)."""
+        scales = set(self._fp8.values())
+        return [n for n in self._files if n not in scales]
 
     def file_of(self, name: str) -> Path:
         return self._files[name]
@@ -240,7 +270,7 @@ class HFCheckpoint:
                     f"tensor {name} has shape {list(self._shapes[name])} but config.json implies {list(shape)}",
                     "the weights do not match config.json",
                 )
-        fused = {source for source, _, _ in self._fused.values()}
+        fused = {source for source, _, _ in self._fused.values()} | set(self._fp8.values())
         extra = [n for n in self._shapes
                  if n not in expected and n not in ignorable and n not in fused and not n.endswith(_BUFFERS)]
         if extra:
@@ -261,6 +291,8 @@ class HFCheckpoint:
 
     def read(self, name: str, axis: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Entries [start, stop) of tensor `name` along `axis` (all when start is None), reading only those bytes."""
+        if name in self._fp8:
+            return self._read_dequantised(name, axis, start, stop, self._dtypes[name])
         if name in self._fused:
             return self._read_fused(name, axis, start, stop)
         index = slice(start, stop)
@@ -295,10 +327,19 @@ class HFCheckpoint:
             return self._read_index(fused, (experts, slice(row + start, row + stop)))[0]
         return self._read_index(fused, (experts, slice(row, row + rows), slice(start, stop)))[0]
 
+    def _read_dequantised(self, name: str, axis: int, start: int | None, stop: int | None,
+                          dtype: torch.dtype) -> torch.Tensor:
+        """An FP8 weight's entries [start, stop) along `axis`, times their blocks' scales, in `dtype`."""
+        start = 0 if start is None else start
+        index = slice(start, stop)
+        quantised = self._read_index(name, (index,) if axis == 0 else (slice(None), index))
+        return fp8.dequantise(quantised, self._read_index(self._fp8[name], (slice(None),)), self._block, axis, start,
+                              dtype)
+
     def byte_span(self, name: str, start: int, stop: int) -> tuple[Path, int, int] | None:
         """(file, offset, bytes) of rows [start, stop) of a safetensors tensor, which lie contiguous in the file;
         None when the tensor is not stored that way (a .bin file, a view of a fused expert tensor)."""
-        if name not in self._data_offsets:
+        if name not in self._data_offsets or name in self._fp8:
             return None
         shape = self._shapes[name]
         row_bytes = self._dtypes[name].itemsize * math.prod(shape[1:])
@@ -307,6 +348,9 @@ class HFCheckpoint:
     def read_into(self, name: str, axis: int, start: int, stop: int, out: torch.Tensor):
         """Copy entries [start, stop) along `axis` into `out`. Row ranges of safetensors files are read with one
         readinto straight into `out` (twice as fast as copying out of the memory map)."""
+        if name in self._fp8:  # straight into the dtype asked for (fp32: no bf16 rounding on the way)
+            out.copy_(self._read_dequantised(name, axis, start, stop, out.dtype))
+            return
         direct = (
             axis == 0 and name in self._data_offsets and out.is_contiguous() and out.dtype == self._dtypes.get(name)
         )
@@ -340,6 +384,8 @@ def write_hf_config(out: Path, side_dir: Path | None, spec: ModelSpec, dtype: to
     if side_dir is not None and (side_dir / "config.json").exists():
         copy(side_dir, out)
         config = set_hf_config_dtype(json.loads((out / "config.json").read_text()), dtype)
+        if fp8.block_size(config) is not None:  # the source's FP8 layout: what is written is dequantised
+            del config["quantization_config"]
     else:
         config = spec.to_hf_config(HF_DTYPE_NAMES[dtype])
     from qlm_core.checkpoint.formats.hf.tokens import add_special_tokens  # eos ids + generation_config.json
