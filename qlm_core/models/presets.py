@@ -3,8 +3,9 @@
 from pathlib import Path
 
 from qlm_core.errors import QlmError
+from qlm_core.models.mla_spec import MlaSpec
 from qlm_core.models.moe_spec import MoeSpec
-from qlm_core.models.spec import ModelSpec, RopeScaling
+from qlm_core.models.spec import ModelSpec, RopeScaling, YarnScaling
 
 
 def _qwen2(hidden, ffn, layers, heads, groups, vocab, tied, max_pos=131072, eps=1e-6) -> ModelSpec:
@@ -54,6 +55,22 @@ def _mixtral(hidden, ffn, layers, heads, max_pos) -> ModelSpec:
     )
 
 
+def _deepseek_v3(vocab, hidden, ffn, layers, heads, q_lora, experts, topk, expert_ffn, shared, groups, group_topk,
+                 scaling_factor, dense, max_pos, theta, yarn, eps, bos, eos) -> ModelSpec:
+    """DeepSeek-V3's layout (Kimi-K2 and Moonlight are configs of it): multi-latent attention with a 512 latent,
+    128 + 64 q/k head and 128 values; sigmoid routing with the correction bias."""
+    mla = MlaSpec(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=q_lora)
+    return ModelSpec(
+        model_type="deepseek_v3", vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
+        num_attention_heads=heads, num_query_groups=heads, kv_channels=mla.q_head_dim, max_position_embeddings=max_pos,
+        rope_theta=theta, norm_epsilon=eps, qkv_bias=False, tie_word_embeddings=False, rope_scaling=yarn,
+        bos_token_id=bos, eos_token_id=eos, mla=mla, attention="mla",
+        moe=MoeSpec(experts, topk, expert_ffn, score_function="sigmoid", expert_bias=True,
+                    shared_expert_hidden_size=shared * expert_ffn, layer_pattern=(0,) * dense + (1,) * (layers - dense),
+                    num_groups=groups, group_topk=group_topk, topk_scaling_factor=scaling_factor),
+    )
+
+
 _LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 PRESETS: dict[str, ModelSpec] = {
@@ -81,6 +98,15 @@ PRESETS: dict[str, ModelSpec] = {
     "qwen3-235b-a22b": _qwen3(4096, 12288, 94, 64, 4, tied=False, moe=MoeSpec(128, 8, 1536)),
     "qwen1.5-moe-a2.7b": _qwen2_moe(2048, 5632, 24, 16, 16, 60, 4, 1408, 5632, max_pos=8192),
     "qwen2-57b-a14b": _qwen2_moe(3584, 18944, 28, 28, 4, 64, 8, 2560, 20480, max_pos=131072),
+    # DeepSeek-V3 / R1 (671B total, 37B active, without its multi-token prediction module), Kimi-K2 (1.04T total,
+    # 32B active) and Moonlight-16B-A3B (16B total, 3B active)
+    "deepseek-v3": _deepseek_v3(129280, 7168, 18432, 61, 128, 1536, 256, 8, 2048, 1, 8, 4, 2.5, 3, 163840, 10000.0,
+                                YarnScaling(40.0, 4096, mscale=1.0, mscale_all_dim=1.0), 1e-6, 0, 1),
+    "kimi-k2": _deepseek_v3(163840, 7168, 18432, 61, 64, 1536, 384, 8, 2048, 1, 1, 1, 2.827, 1, 131072, 50000.0,
+                            YarnScaling(32.0, 4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+                            1e-6, 163584, 163585),
+    "moonlight-16b-a3b": _deepseek_v3(163840, 2048, 11264, 27, 16, None, 64, 6, 1408, 2, 1, 1, 2.446, 1, 8192,
+                                      50000.0, None, 1e-5, 163584, 163585),
     "mixtral-8x7b": _mixtral(4096, 14336, 32, 32, max_pos=32768),
     "mixtral-8x22b": _mixtral(6144, 16384, 56, 48, max_pos=65536),
     # For CPU demos and tests: a Qwen2-style model of ~0.9M parameters (vocabulary 512 fits qlm's demo tokenizer).
@@ -97,6 +123,12 @@ PRESETS: dict[str, ModelSpec] = {
         rope_theta=10000.0, norm_epsilon=1e-6, qkv_bias=False, tie_word_embeddings=False, qk_layernorm=True,
         moe=MoeSpec(num_experts=8, topk=2, ffn_hidden_size=64),
     ),
+    # For CPU demos and tests: DeepSeek-V3's layer at qlm-tiny's size (multi-latent attention with q's low rank,
+    # 8 experts in 4 groups of which 2 are kept, top 2, a shared expert, a dense first layer)
+    "qlm-tiny-mla": _deepseek_v3(512, 128, 352, 4, 4, 48, 8, 2, 64, 1, 4, 2, 2.5, 1, 4096, 10000.0, None, 1e-6,
+                                 None, None).replace(mla=MlaSpec(kv_lora_rank=32, qk_nope_head_dim=32,
+                                                                 qk_rope_head_dim=16, v_head_dim=32, q_lora_rank=48),
+                                                     kv_channels=48),
     "mistral-7b": ModelSpec(
         model_type="mistral", vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
         num_attention_heads=32, num_query_groups=8, kv_channels=128, max_position_embeddings=32768,

@@ -94,6 +94,14 @@ def test_qlm_backend_equals_lm_eval_hf_backend_on_an_moe_model(tmp_path):
 
 
 @pytest.mark.slow
+def test_qlm_backend_equals_lm_eval_hf_backend_on_a_deepseek_v3_model(tmp_path):
+    """DeepSeek-V3's layer (qlm-tiny-mla: multi-latent attention, group-limited sigmoid routing with the correction
+    bias, a shared expert, a dense first layer) in transformers, both backends."""
+    mla_model = random_hf_model(tmp_path / "mla", "qlm-tiny-mla")
+    assert_same(evaluate(mla_model, "qlm", tmp_path), evaluate(mla_model, "hf", tmp_path))
+
+
+@pytest.mark.slow
 def test_megatron_tp2_pp2_checkpoint_equals_its_hf_source(hf_model, tmp_path):
     hf_to_mcore(hf_model, tmp_path / "mcore", tp=2, pp=2, verify=False)
     assert_same(evaluate(tmp_path / "mcore", "qlm", tmp_path), evaluate(hf_model, "qlm", tmp_path), tolerance=1e-5)

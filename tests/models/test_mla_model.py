@@ -174,3 +174,18 @@ def test_tp_not_dividing_the_latent_is_one_line(mla_models):
     with pytest.raises(QlmError, match=r"--tp 4 does not divide multi-latent attention's kv_lora_rank \+ "
                                        r"qk_rope_head_dim 22"):
         ModelLayout(spec.replace(mla=spec.mla.__class__(**{**vars(spec.mla), "kv_lora_rank": 18})), tp=4)
+
+
+@pytest.mark.parametrize("preset, total, active", [
+    ("deepseek-v3", 671e9, 37e9), ("kimi-k2", 1.03e12, 32.5e9), ("moonlight-16b-a3b", 16e9, 3e9)])
+def test_presets_carry_the_published_parameter_counts(preset, total, active):
+    """DeepSeek-V3 (671B total, 37B active, as its report counts them without the MTP module), Kimi-K2 (~1T total,
+    32B active) and Moonlight (16B total, 3B active); each preset's config loads in transformers as the family."""
+    from qlm_core.models.parameters import num_parameters
+    from qlm_core.models.presets import PRESETS
+
+    spec = PRESETS[preset]
+    assert num_parameters(spec) == pytest.approx(total, rel=0.02)
+    assert num_parameters(spec, active=True) == pytest.approx(active, rel=0.04)
+    config = transformers.DeepseekV3Config(**spec.to_hf_config())
+    assert ModelSpec.from_hf_config({**config.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}) == spec
