@@ -36,9 +36,13 @@ _FIRST_FLAG, _LAST_FLAG = "--num-layers-in-first-pipeline-stage", "--num-layers-
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"  # the vocabulary projection, or a reward model's score head
 LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+# multi-latent attention's linears besides linear_proj (Megatron-Bridge's MLA LoRA targets)
+MLA_LINEARS = ("self_attention.linear_q_proj", "self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
+               "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj")
 # LoRA target name (LoraConfig.target_modules) -> the linear it adapts; in state_dict order. In an MoE layer the MLP
-# targets adapt the shared expert's linears (SHARED_EXPERT_LINEARS); routed experts take no adapters.
-LORA_TARGETS = {linear.rsplit(".", 1)[1]: linear for linear in LINEARS}
+# targets adapt the shared expert's linears (SHARED_EXPERT_LINEARS); routed experts take no adapters. A target the
+# layer's attention kind lacks (linear_qkv in multi-latent attention, its own linears elsewhere) adapts nothing.
+LORA_TARGETS = {linear.rsplit(".", 1)[1]: linear for linear in (LINEARS[0], *MLA_LINEARS, *LINEARS[1:])}
 SHARED_EXPERT_LINEARS = {"mlp.linear_fc1": "mlp.shared_experts.linear_fc1",
                          "mlp.linear_fc2": "mlp.shared_experts.linear_fc2"}
 EXPERT_PREFIX = "mlp.experts.local_experts."  # SequentialMLP: `mlp.experts.local_experts.<e>.linear_fc1.weight`
@@ -329,9 +333,15 @@ class ModelLayout:
         """The linear (module path in the layer) a LoRA target adapts in `layer`: in an MoE layer the MLP targets
         adapt the shared expert's linears, and nothing when it has none."""
         linear = LORA_TARGETS[target]
+        if linear.startswith("self_attention.") and linear not in self._attention_linears(layer):
+            return None  # not one of this attention kind's linears (or not with these sizes: q_proj / q's low rank)
         if self.spec.is_moe_layer(layer) and linear in SHARED_EXPERT_LINEARS:
             return SHARED_EXPERT_LINEARS[linear] if self.spec.moe.shared_expert_hidden_size else None
         return linear
+
+    def _attention_linears(self, layer: int) -> set[str]:
+        return {suffix[: -len("._extra_state")] for suffix, tensor in attention_kind(self.spec).layer_entries(
+            self.spec, layer) if tensor is None}
 
     def lora_shard_entries(self, pp_rank: int, chunk: int, rank: int, targets) -> list[tuple[str, TensorLayout]]:
         """(local name, global tensor) of the adapters of one chunk, in the order of its state_dict."""

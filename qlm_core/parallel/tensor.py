@@ -162,14 +162,17 @@ class ColumnParallelLinear(MegatronLinearState, nn.Module):
         self.bias = mark(nn.Parameter(torch.zeros(local_out, dtype=dtype)), tp_split=True) if bias else None
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.local_forward(x, weight)
+        return gather_last_dim(out, self.tp_group) if self.gather_output else out
+
+    def local_forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's output columns (before gather_output)."""
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:
             out = _SPGatherLinear.apply(x, weight, self.tp_group)
         else:
             out = F.linear(copy_to_tp(x, self.tp_group), weight)
-        if self.bias is not None:
-            out = out + self.bias
-        return gather_last_dim(out, self.tp_group) if self.gather_output else out
+        return out + self.bias if self.bias is not None else out
 
 
 class RowParallelLinear(MegatronLinearState, nn.Module):

@@ -47,12 +47,14 @@ from qlm_core.parallel.tensor import (
 
 
 class LoraColumnParallelLinear(ColumnParallelLinear):
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def local_forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's output columns with the adapter's (ColumnParallelLinear.forward gathers them when it
+        gathers its output: multi-latent attention's down projections)."""
         if not self.lora_scale:  # adapters_disabled: the frozen base alone
-            return super().forward(x, weight)
+            return super().local_forward(x, weight)
         if self.sequence_parallel:
             low = gather_from_sp(self.lora_A(self.lora_dropout(x)), self.tp_group)
-            return super().forward(x, weight) + self.lora_scale * self.lora_B(low)
+            return super().local_forward(x, weight) + self.lora_scale * self.lora_B(low)
         x = copy_to_tp(x, self.tp_group)  # shared by W and A: its backward all-reduce serves both
         out = F.linear(x, self.weight if weight is None else weight)
         out = out + self.lora_scale * self.lora_B(self.lora_A(self.lora_dropout(x)))

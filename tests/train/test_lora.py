@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_worker_jobs
-from parallel_cases import GLOBAL_BATCH, SEQ, SPEC, make_batch
-from workers.lora_worker import CASES, LORA, OPTIM, SAVED_CASE, STEPS, WORLD, logits_ids
+from parallel_cases import GLOBAL_BATCH, SEQ, SPEC, case_spec, make_batch
+from workers.lora_worker import CASES, LORA, OPTIM, SAVED_CASE, STEPS, WORLD, logits_ids, lora_moe
 
 from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore
 from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
@@ -145,12 +145,17 @@ def parallel_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    """One process: the losses and the trained adapters (global names = its state_dict names)."""
-    engine = Engine(SPEC, ParallelConfig(), Grid.single(), micro_batch_size=GLOBAL_BATCH,
-                    global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234, lora=LORA)
-    input_ids, labels, _, _ = make_batch(False)
-    losses = [engine.train_step(Batch(input_ids, labels)).loss for _ in range(STEPS)]
-    return losses, lora_state_dict(engine.chunks[0])
+    """One process, per model of the cases: the losses and the trained adapters (global names = its state_dict
+    names)."""
+    out = {}
+    for data in sorted({case.data for case in CASES.values()}):
+        engine = Engine(case_spec(data), ParallelConfig(), Grid.single(), micro_batch_size=GLOBAL_BATCH,
+                        global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234, lora=LORA,
+                        moe=lora_moe(case_spec(data)))
+        input_ids, labels, _, _ = make_batch(False)
+        losses = [engine.train_step(Batch(input_ids, labels)).loss for _ in range(STEPS)]
+        out[data] = losses, lora_state_dict(engine.chunks[0])
+    return out
 
 
 @pytest.mark.distributed
@@ -159,7 +164,7 @@ def test_lora_layout_matches_one_process(case, reference, parallel_run):
     out, code, errors = parallel_run
     result = out / f"{case}.json"
     assert result.exists(), f"worker exit {code}: {errors}"
-    ref_losses, ref_adapters = reference
+    ref_losses, ref_adapters = reference[CASES[case].data]
     run = json.loads(result.read_text())
     losses = run["losses"]
     assert losses == pytest.approx(ref_losses, rel=1e-4), case

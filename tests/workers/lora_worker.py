@@ -22,7 +22,7 @@ from qlm_core.checkpoint.formats.megatron.legacy import (
     write_shard_file,
 )
 from qlm_core.checkpoint.formats.megatron.lora_args import lora_args
-from qlm_core.config import LoraConfig, OptimConfig, ParallelConfig
+from qlm_core.config import LoraConfig, MoeConfig, OptimConfig, ParallelConfig
 from qlm_core.parallel.state import Grid, resolve_sizes
 from qlm_core.parallel.tensor import gather_last_dim
 from qlm_core.train.engine import Batch, Engine
@@ -42,7 +42,16 @@ CASES = {
     "dp2": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True)),
     "dp2_zero3": LayoutCase(2, dict(zero_stage=3)),
     SAVED_CASE: LayoutCase(4, dict(tp=2, pp=2, sp=True)),
+    # DeepSeek-V3's layer: adapters on multi-latent attention's gathered down projections and its up projections
+    "mla_tp2": LayoutCase(2, dict(tp=2), data="mla"),
+    "mla_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="mla"),
 }
+
+
+def lora_moe(spec) -> MoeConfig | None:
+    """An MoE model's training options under LoRA: the frozen routers' expert biases stay put, no auxiliary
+    losses (whose per-micro-batch values the one-process reference would split differently)."""
+    return MoeConfig(router_bias_update_rate=0.0) if spec.moe is not None else None
 
 
 def logits_ids() -> torch.Tensor:
@@ -74,8 +83,8 @@ def run_case(name: str, outdir: Path):
     grid = Grid.build(sizes, ranks=list(range(case.world)))
     if grid is None:
         return
-    engine = Engine(SPEC, config, grid, micro_batch_size=case.micro_batch_size, global_batch_size=GLOBAL_BATCH,
-                    seq_length=SEQ, optim=OPTIM, seed=1234, lora=LORA)
+    engine = Engine(case.spec, config, grid, micro_batch_size=case.micro_batch_size, global_batch_size=GLOBAL_BATCH,
+                    seq_length=SEQ, optim=OPTIM, seed=1234, lora=LORA, moe=lora_moe(case.spec))
     input_ids, labels, _, _ = make_batch(False)
     rows = GLOBAL_BATCH // sizes.dp
     mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
