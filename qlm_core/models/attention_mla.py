@@ -30,13 +30,15 @@ from qlm_core.kernels.attention import core_attention, masked_attention
 from qlm_core.kernels.piecewise import piecewise_attention
 from qlm_core.kernels.rope import apply_rope
 from qlm_core.models.attention import AttentionInputs, AttentionKind, LayerEntries
-from qlm_core.models.norms import build_norm, norm_kind
+from qlm_core.models.norms import norm_kind
 from qlm_core.models.runtime import ParallelOptions, outside_compile
 from qlm_core.models.spec import ModelSpec
 from qlm_core.models.tensor_layout import COLS, REPLICATED, ROWS, Segment, TensorLayout
 from qlm_core.parallel.comm import group_size
 from qlm_core.parallel.context_parallel import context_parallel_attention
 from qlm_core.parallel.tensor import ColumnParallelLinear, RowParallelLinear, copy_to_tp
+
+LATENT_NORM_EPSILON = 1e-6
 
 
 def softmax_scale(spec: ModelSpec) -> float:
@@ -75,9 +77,11 @@ class MultiLatentAttention(nn.Module):
                                                         dtype=dtype)
         self.linear_kv_up_proj = ColumnParallelLinear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim),
                                                       tp_group=tp_group, dtype=dtype)
-        # on the gathered latents, alike on every TP rank: their gradients are whole on each (not summed)
-        self.q_layernorm = None if mla.q_lora_rank is None else build_norm(spec, mla.q_lora_rank, dtype)
-        self.kv_layernorm = build_norm(spec, mla.kv_lora_rank, dtype)
+        # on the gathered latents, alike on every TP rank: their gradients are whole on each (not summed); their
+        # epsilon is DeepSeek's 1e-6 whatever the layers' (transformers' too)
+        norm = norm_kind(spec).module
+        self.q_layernorm = None if mla.q_lora_rank is None else norm(mla.q_lora_rank, LATENT_NORM_EPSILON, dtype)
+        self.kv_layernorm = norm(mla.kv_lora_rank, LATENT_NORM_EPSILON, dtype)
         self.scale = softmax_scale(spec)
 
     def _queries(self, x: torch.Tensor, cos, sin) -> torch.Tensor:

@@ -64,6 +64,9 @@ FAMILIES: dict[str, Family] = {
     # bias, shared experts, dense first layers
     "deepseek_v3": Family("DeepseekV3ForCausalLM", declares_no_bias=True, moe=True,
                           shared_expert_block="shared_experts.", attention="mla"),
+    # GLM-4.7-Flash: DeepSeek-V3's layer, its dense and MoE layers listed in mlp_layer_types
+    "glm4_moe_lite": Family("Glm4MoeLiteForCausalLM", declares_no_bias=True, moe=True,
+                            shared_expert_block="shared_experts.", attention="mla"),
 }
 
 

@@ -23,6 +23,7 @@ from qlm_core.models.families import FAMILIES
 
 ScoreFunction = RouterScoreFunction
 MOE_MODEL_TYPES = tuple(model_type for model_type, family in FAMILIES.items() if family.moe)
+DEEPSEEK_MOE_TYPES = ("deepseek_v3", "glm4_moe_lite")  # sigmoid group-limited routers with a correction bias
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,15 @@ def _deepseek_moe(config: dict[str, Any], model_type: str, num_layers: int) -> M
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0:
         raise QlmError(f"config.json ({model_type}): routed_scaling_factor is {scaling!r}, not a positive number",
                        "set routed_scaling_factor as transformers writes it")
-    dense = _typed(config, model_type, "first_k_dense_replace", int, 3)
-    pattern = tuple(int(i >= dense) for i in range(num_layers))
+    if model_type == "glm4_moe_lite":  # "dense" / "sparse" per layer (default: the first dense)
+        kinds = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
+        if not (isinstance(kinds, list) and len(kinds) == num_layers and set(kinds) <= {"dense", "sparse"}):
+            raise QlmError(f"config.json ({model_type}): mlp_layer_types is {kinds!r}, not {num_layers} of "
+                           "'dense' / 'sparse'", "set mlp_layer_types as transformers writes it")
+        pattern = tuple(int(kind == "sparse") for kind in kinds)
+    else:
+        dense = _typed(config, model_type, "first_k_dense_replace", int, 3)
+        pattern = tuple(int(i >= dense) for i in range(num_layers))
     ffn = _typed(config, model_type, "moe_intermediate_size", int, None, least=1)
     if ffn is None:
         raise QlmError(f"config.json ({model_type}) has no moe_intermediate_size", "use a complete config.json")
@@ -126,19 +134,22 @@ def _deepseek_moe(config: dict[str, Any], model_type: str, num_layers: int) -> M
 
 def _deepseek_moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[str, Any]:
     dense = [i for i in range(num_layers) if not moe.is_moe_layer(i)]
-    if dense != list(range(len(dense))) or not moe.expert_bias or moe.shared_expert_gate \
+    layers = {"mlp_layer_types": ["sparse" if moe.is_moe_layer(i) else "dense" for i in range(num_layers)]} \
+        if model_type == "glm4_moe_lite" else {"first_k_dense_replace": len(dense)}
+    if (model_type != "glm4_moe_lite" and dense != list(range(len(dense)))) or not moe.expert_bias \
+            or moe.shared_expert_gate \
             or moe.shared_expert_hidden_size % moe.ffn_hidden_size:
         raise QlmError(f"this MoE is not a {model_type} one (dense layers only first, sigmoid routing with a "
                        "correction bias, ungated shared experts of whole expert sizes)", "keep it in a Megatron format")
     return {"n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
-            "moe_intermediate_size": moe.ffn_hidden_size, "first_k_dense_replace": len(dense),
+            "moe_intermediate_size": moe.ffn_hidden_size, **layers,
             "n_shared_experts": moe.shared_expert_hidden_size // moe.ffn_hidden_size, "n_group": moe.num_groups,
             "topk_group": moe.group_topk, "routed_scaling_factor": moe.topk_scaling_factor, "norm_topk_prob": True}
 
 
 def moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> MoeSpec:
     """The MoeSpec of an HF config.json of one of MOE_MODEL_TYPES."""
-    if model_type == "deepseek_v3":
+    if model_type in DEEPSEEK_MOE_TYPES:
         return _deepseek_moe(config, model_type, num_layers)
     experts = config.get("num_experts", config.get("num_local_experts"))
     topk = config.get("num_experts_per_tok")
@@ -170,7 +181,7 @@ def moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> Moe
 
 def moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[str, Any]:
     """The config.json keys transformers reads for `moe` (the inverse of moe_from_hf)."""
-    if model_type == "deepseek_v3" and moe.score_function == "sigmoid":
+    if model_type in DEEPSEEK_MOE_TYPES and moe.score_function == "sigmoid":
         return _deepseek_moe_to_hf(moe, model_type, num_layers)
     if moe.num_groups > 1 or moe.topk_scaling_factor != 1.0:
         raise QlmError(f"this model's router limits groups or scales its weights, which transformers' {model_type} "

@@ -56,12 +56,14 @@ def _mixtral(hidden, ffn, layers, heads, max_pos) -> ModelSpec:
 
 
 def _deepseek_v3(vocab, hidden, ffn, layers, heads, q_lora, experts, topk, expert_ffn, shared, groups, group_topk,
-                 scaling_factor, dense, max_pos, theta, yarn, eps, bos, eos) -> ModelSpec:
-    """DeepSeek-V3's layout (Kimi-K2 and Moonlight are configs of it): multi-latent attention with a 512 latent,
-    128 + 64 q/k head and 128 values; sigmoid routing with the correction bias."""
-    mla = MlaSpec(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=q_lora)
+                 scaling_factor, dense, max_pos, theta, yarn, eps, bos, eos, model_type="deepseek_v3",
+                 nope=128, values=128) -> ModelSpec:
+    """DeepSeek-V3's layout (Kimi-K2 and Moonlight are configs of it, GLM-4.7-Flash its own family of the same
+    layer): multi-latent attention with a 512 latent, a 64-wide rotary part; sigmoid routing with the correction
+    bias."""
+    mla = MlaSpec(kv_lora_rank=512, qk_nope_head_dim=nope, qk_rope_head_dim=64, v_head_dim=values, q_lora_rank=q_lora)
     return ModelSpec(
-        model_type="deepseek_v3", vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
+        model_type=model_type, vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
         num_attention_heads=heads, num_query_groups=heads, kv_channels=mla.q_head_dim, max_position_embeddings=max_pos,
         rope_theta=theta, norm_epsilon=eps, qkv_bias=False, tie_word_embeddings=False, rope_scaling=yarn,
         bos_token_id=bos, eos_token_id=eos, mla=mla, attention="mla",
@@ -107,6 +109,9 @@ PRESETS: dict[str, ModelSpec] = {
                             1e-6, 163584, 163585),
     "moonlight-16b-a3b": _deepseek_v3(163840, 2048, 11264, 27, 16, None, 64, 6, 1408, 2, 1, 1, 2.446, 1, 8192,
                                       50000.0, None, 1e-5, 163584, 163585),
+    # GLM-4.7-Flash (30B total, 3B active: transformers' Glm4MoeLiteConfig defaults, which are the released model's)
+    "glm-4.7-flash": _deepseek_v3(154880, 2048, 10240, 47, 20, 768, 64, 4, 1536, 1, 1, 1, 1.8, 1, 202752, 10000.0,
+                                  None, 1e-5, 0, 1, model_type="glm4_moe_lite", nope=192, values=256),
     "mixtral-8x7b": _mixtral(4096, 14336, 32, 32, max_pos=32768),
     "mixtral-8x22b": _mixtral(6144, 16384, 56, 48, max_pos=65536),
     # For CPU demos and tests: a Qwen2-style model of ~0.9M parameters (vocabulary 512 fits qlm's demo tokenizer).

@@ -57,7 +57,7 @@ def test_hf_torch_dist_hf_is_bit_exact_with_both_specs_norm_names(mla_models, tm
     assert f"{layer0}self_attention.linear_kv_up_proj.layer_norm_weight" in md  # the TE spec's, beside
     assert f"{layer0}pre_mlp_layernorm.weight" in md and f"{layer0}mlp.linear_fc1.layer_norm_weight" in md
     assert f"{layer0}self_attention.linear_qkv.layer_norm_weight" not in md
-    assert (f"{layer0}self_attention.q_layernorm.weight" in md) == (kind == "deepseek_v3")
+    assert (f"{layer0}self_attention.q_layernorm.weight" in md) == (kind != "deepseek_v3_lite")
     assert "decoder.layers.3.mlp.router.expert_bias" in md
     mcore_to_hf(without_hf_side_dir(tmp_path / "dist"), tmp_path / "hf", verify=True)
     assert_same_hf(src, tmp_path / "hf")

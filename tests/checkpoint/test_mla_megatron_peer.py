@@ -20,7 +20,9 @@ pytestmark = [pytest.mark.peer, pytest.mark.distributed,
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 LAYOUTS = {"torch": dict(tp=2, pp=2), "torch_dist": dict(tp=1), "torch_ep2": dict(tp=2, ep=2)}
-CASES = {f"{kind}_{name}": (kind, name) for kind in MLA_KINDS for name in LAYOUTS}
+# GLM-4.7-Flash is left out: megatron-core normalises the MLA latents with the layers' epsilon (GLM's 1e-5), where
+# transformers and DeepSeek's reference use 1e-6 (qlm follows transformers)
+CASES = {f"{kind}_{name}": (kind, name) for kind in MLA_KINDS if kind != "glm4_moe_lite" for name in LAYOUTS}
 
 
 @pytest.fixture(scope="module")
