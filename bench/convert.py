@@ -5,6 +5,10 @@ bytes as the converted checkpoint holds, measured in the same run on the same (p
     python bench/convert.py --shape qwen2-7b      # the 15 GB case
     python bench/convert.py --format torch_dist   # write megatron-core's torch_dist format instead
     python bench/convert.py --direction ds2hf     # a DeepSpeed ZeRO checkpoint (8 fp32 partitions) -> HF fp32
+    python bench/convert.py --shape deepseek-v3-scaled --tp 2 --pp 4 --ep 8 --pairs 3 --doubled
+        # DeepSeek-V3's structure (61 layers, the first 3 dense, 256 experts top 8 in 8 groups, a shared expert,
+        # MLA) at narrower widths; --doubled also converts the same structure with twice the expert width (about
+        # twice the bytes) and reports both peaks: the RSS must not grow with the checkpoint
 
 Two figures, each a median of --pairs alternating pairs (with their min and max, so the spread shows):
   in-process     the conversion call against the raw copy, each timed inside its own child process (start-up left
@@ -36,10 +40,29 @@ from qlm_core.config import CheckpointFormat, choices
 from qlm_core.models import load_model_spec
 from qlm_core.models.layout import ModelLayout
 
+SCALED_V3 = "deepseek-v3-scaled"
 
-def make_random_checkpoint(path: Path, shape: str, max_shard_gb: float = 4.0):
+
+def bench_spec(shape: str, expert_ffn: int = 128):
+    """A preset, or SCALED_V3: DeepSeek-V3's layer structure and expert count at 1/14 of its widths (hidden 512,
+    8 heads, latents 128 / 96) with routed experts `expert_ffn` wide."""
+    if shape != SCALED_V3:
+        return load_model_spec(shape)
+    import dataclasses
+
+    from qlm_core.models.mla_spec import MlaSpec
+
+    v3 = load_model_spec("deepseek-v3")
+    return v3.replace(vocab_size=32768, hidden_size=512, ffn_hidden_size=1280, num_attention_heads=8,
+                      num_query_groups=8, kv_channels=48,
+                      mla=MlaSpec(kv_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                                  q_lora_rank=128),
+                      moe=dataclasses.replace(v3.moe, ffn_hidden_size=expert_ffn, shared_expert_hidden_size=expert_ffn))
+
+
+def make_random_checkpoint(path: Path, shape: str, max_shard_gb: float = 4.0, expert_ffn: int = 128):
     """A random bf16 HF checkpoint written tensor by tensor (no model is instantiated)."""
-    spec = load_model_spec(shape)
+    spec = bench_spec(shape, expert_ffn)
     layout = ModelLayout(spec)
     shapes = {name: layout.hf_shape(name) for name in layout.hf_tensors}
     sizes = {name: torch.Size(s).numel() * 2 for name, s in shapes.items()}
@@ -67,7 +90,8 @@ def raw_copy(src: Path, dst: Path, write_bytes: int | None = None) -> int:
     return copy_floor.raw_copy(files, dst, write_bytes)
 
 
-def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 0, fmt: str = "torch") -> dict:
+def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 0, fmt: str = "torch",
+          ep: int = 1) -> dict:
     """Run one measurement in a fresh process; returns its timing and peak RSS."""
     code = (
         "import json, resource, sys, time\n"
@@ -81,7 +105,8 @@ def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 
         f"if {mode!r} == 'raw':\n"
         f"    nbytes = bench.raw_copy(src, dst, {write_bytes:d})\n"
         "else:\n"
-        f"    nbytes = hf_to_mcore(src, dst, tp={tp:d}, pp={pp:d}, verify=False, format={fmt!r}).bytes_written\n"
+        f"    nbytes = hf_to_mcore(src, dst, tp={tp:d}, pp={pp:d}, ep={ep:d}, verify=False, "
+        f"format={fmt!r}).bytes_written\n"
         "seconds = time.perf_counter() - start\n"
         "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "print(json.dumps({'seconds': seconds, 'bytes': nbytes, 'idle_rss_kb': idle, 'peak_rss_kb': peak}))\n"
@@ -90,7 +115,8 @@ def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def whole_process(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int, fmt: str) -> float:
+def whole_process(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int, fmt: str,
+                  ep: int = 1) -> float:
     """Wall seconds of a whole process: `qlm convert hf2mcore` as a user types it, or a python that raw-copies."""
     if mode == "raw":
         command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
@@ -99,7 +125,7 @@ def whole_process(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes
                    f"{write_bytes:d})"]
     else:
         command = [sys.executable, "-m", "qlm_cli.main", "convert", "hf2mcore", "--hf", str(src), "--out", str(dst),
-                   "--tp", str(tp), "--pp", str(pp), "--no-verify", "--format", fmt]
+                   "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--no-verify", "--format", fmt]
     start = time.perf_counter()
     subprocess.run(command, check=True, capture_output=True)
     return time.perf_counter() - start
@@ -121,6 +147,9 @@ def main():
     parser.add_argument("--shape", default="qwen2-1.5b", help="model preset to build (default qwen2-1.5b)")
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE shapes)")
+    parser.add_argument("--doubled", action="store_true",
+                        help=f"{SCALED_V3}: also convert it with twice the expert width and compare the peaks")
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "qlm-bench")
     parser.add_argument("--pairs", type=int, default=7, help="alternating pairs of each figure (median reported)")
     parser.add_argument("--format", default="torch", choices=choices(CheckpointFormat), help="Megatron format to write")
@@ -131,7 +160,7 @@ def main():
                         help="keep the random source checkpoints in --workdir for the next run (default: everything "
                              "the bench wrote there is removed at the end)")
     args = parser.parse_args()
-    made = [args.workdir / name for name in ("warm", "raw-out", "convert-out")]
+    made = [args.workdir / name for name in ("warm", "raw-out", "convert-out", "doubled-out")]
     try:
         return run(args)
     finally:
@@ -149,14 +178,14 @@ def run(args) -> int:
         return convert_deepspeed.run(args, src)
     source_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
 
-    layout = ModelLayout(load_model_spec(args.shape), args.tp, args.pp)
+    layout = ModelLayout(bench_spec(args.shape), args.tp, args.pp, ep=args.ep)
     tensor_bytes = sorted(torch.Size(t.shape).numel() * 2 for t in layout.global_tensors)
-    stage_bytes = [  # one (tp, pp) output file's tensors, per stage
-        sum(torch.Size(t.shard_shape(args.tp)).numel() * 2 for c in range(layout.vpp)
+    stage_bytes = [  # one (tp, pp, ep) output file's tensors, per stage (EP rank 0's experts)
+        sum(torch.Size(t.shard_shape(layout.split_size(t))).numel() * 2 for c in range(layout.vpp)
             for _, t in layout.shard_entries(stage, c) if t is not None)
         for stage in range(args.pp)
     ]
-    file_bytes, output_bytes = max(stage_bytes), sum(stage_bytes) * args.tp
+    file_bytes, output_bytes = max(stage_bytes), sum(stage_bytes) * args.tp * args.ep
     held = "largest output file"
     if args.format == "torch_dist":  # one set of global tensors (no tied copy); DCP holds about one chunk per key
         output_bytes, held = sum(tensor_bytes), "a TP shard per DCP key"
@@ -175,11 +204,11 @@ def run(args) -> int:
         for mode in ("raw", "convert") if i % 2 == 0 else ("convert", "raw"):
             settle(args.workdir / f"{mode}-out")
             runs[mode].append(child(mode, src, args.workdir / f"{mode}-out", args.tp, args.pp, output_bytes,
-                                    args.format))
+                                    args.format, args.ep))
         for mode in ("convert", "raw") if i % 2 == 0 else ("raw", "convert"):
             settle(args.workdir / f"{mode}-out")
             whole[mode].append(whole_process(mode, src, args.workdir / f"{mode}-out", args.tp, args.pp,
-                                             output_bytes, args.format))
+                                             output_bytes, args.format, args.ep))
     best = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items()}
     ratios = [c["seconds"] / r["seconds"] for c, r in zip(runs["convert"], runs["raw"], strict=True)]
     whole_ratios = [c / r for c, r in zip(whole["convert"], whole["raw"], strict=True)]
@@ -200,9 +229,30 @@ def run(args) -> int:
           f" GiB; budget ({held} {file_bytes / gib:.2f} + two largest tensors "
           f"{sum(tensor_bytes[-2:]) / gib:.2f}) = {budget / gib:.2f} GiB -> "
           f"{'within' if peak['convert'] - idle <= budget else 'OVER'} budget")
-    return verdict({"in-process ratio <= 1.1": statistics.median(ratios) <= 1.1,
-                    "whole-process ratio <= 1.3": statistics.median(whole_ratios) <= 1.3,
-                    "peak RSS within budget": peak["convert"] - idle <= budget})
+    checks = {"in-process ratio <= 1.1": statistics.median(ratios) <= 1.1,
+              "whole-process ratio <= 1.3": statistics.median(whole_ratios) <= 1.3,
+              "peak RSS within budget": peak["convert"] - idle <= budget}
+    if args.doubled:
+        checks["peak RSS flat when the checkpoint doubles"] = doubled_peak(args, source_bytes, peak["convert"] - idle)
+    return verdict(checks)
+
+
+def doubled_peak(args, source_bytes: int, peak_above_idle: int) -> bool:
+    """Convert the same structure with twice the expert width; its peak RSS above idle against the first's."""
+    src = args.workdir / f"{args.shape}-doubled-hf"
+    if not (src / "DONE").exists():
+        print(f"building the doubled checkpoint in {src} ...", flush=True)
+        make_random_checkpoint(src, args.shape, expert_ffn=256)
+    doubled_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    settle(args.workdir / "doubled-out")
+    run = child("convert", src, args.workdir / "doubled-out", args.tp, args.pp, 0, args.format, args.ep)
+    above = (run["peak_rss_kb"] - run["idle_rss_kb"]) * 1024
+    gib = 2**30
+    flat = above <= 1.15 * peak_above_idle + 64 * 2**20  # noise: allocator pages, Python objects of more files
+    print(f"  doubled: source {doubled_bytes / gib:.2f} GiB ({doubled_bytes / source_bytes:.2f}x), converted in "
+          f"{run['seconds']:.2f} s, peak RSS above idle {above / gib:.2f} GiB against {peak_above_idle / gib:.2f} -> "
+          f"{'flat' if flat else 'GROWS'}")
+    return flat
 
 
 def verdict(checks: dict[str, bool]) -> int:

@@ -47,6 +47,12 @@ _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
          "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0}
 _V3 = dict(num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=1, kv_lora_rank=16, qk_nope_head_dim=8,
            qk_rope_head_dim=4, v_head_dim=8, tie_word_embeddings=False)  # values narrower than keys
+# GLM-4.5: grouped-query attention with half its head rotated, q/k/v biases and q/k norms, DeepSeek-V3's router (8
+# experts in 2 groups, 1 kept), a shared expert and a dense first layer
+GLM4_MOE = ("glm4_moe", dict(num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                             topk_group=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+                             partial_rotary_factor=0.5, tie_word_embeddings=False))
 # DeepSeek-V3-class models (multi-latent attention, sigmoid group-limited routing with a correction bias, shared and
 # dense first layers): "deepseek_v3" with q's low rank, yarn and interleaved rotary rows; "deepseek_v3_lite" without
 # q's low rank (V2-Lite's attention), rotary rows in halves and no groups
@@ -84,7 +90,7 @@ def make_hf_model(path: Path, kind: str, dtype=torch.float32, seed: int = 0, **o
     """Save a tiny random HF model of `kind` (see MODEL_KINDS) with a tokenizer; returns the model (eval)."""
     import transformers
 
-    model_type, extra = {**MODEL_KINDS, **QWEN3_MOE_KINDS, **MLA_KINDS}[kind]
+    model_type, extra = {**MODEL_KINDS, **QWEN3_MOE_KINDS, **MLA_KINDS, "glm4_moe": GLM4_MOE}[kind]
     config = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()

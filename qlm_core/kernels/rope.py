@@ -66,6 +66,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     """x [s, b, heads, head_dim]. `interleaved`: x's rotated pairs are (x0, x1), (x2, x3), ... (DeepSeek's layout,
     which Megatron-Core's multi-latent attention reads); the result is laid out as halves [x0', x2', ...; x1', x3',
     ...], as both Megatron-Core and transformers return it."""
+    rotated = cos.shape[-1]
+    if rotated < x.shape[-1]:  # partial RoPE: the first dims rotate, the rest pass (GLM's partial_rotary_factor)
+        return torch.cat((apply_rope(x[..., :rotated], cos, sin, interleaved), x[..., rotated:]), dim=-1)
     if interleaved:
         x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)

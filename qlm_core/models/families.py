@@ -9,8 +9,9 @@ from typing import Literal, TypeVar
 
 from qlm_core.errors import QlmError
 
-# qkv_bias: "always" (Qwen2), "never", or "config" (Qwen2-MoE's own `qkv_bias` key, default true)
-QkvBias = Literal["always", "never", "config"]
+# qkv_bias: "always" (Qwen2), "never", "config" (Qwen2-MoE's own `qkv_bias` key, default true) or
+# "attention_bias" (GLM-4.5: config.json's attention_bias puts biases on q, k and v, none on o_proj)
+QkvBias = Literal["always", "never", "config", "attention_bias"]
 # sliding_window: "applied" (Mistral: config.json's sliding_window always holds), "gated" (the Qwens: only with
 # use_sliding_window, which qlm refuses), "none" (Llama: no such key)
 SlidingWindow = Literal["applied", "gated", "none"]
@@ -38,6 +39,7 @@ class Family:
     architecture: str  # transformers' *ForCausalLM class (a score head's class: *ForSequenceClassification)
     qkv_bias: QkvBias = "never"
     qk_norm: bool = False  # RMSNorm over head_dim on each q and k head, before RoPE (Qwen3)
+    qk_norm_key: str | None = None  # ... or as config.json's switch of this name says (GLM-4.5's use_qk_norm)
     sliding_window: SlidingWindow = "none"
     declares_no_bias: bool = False  # config.json says attention_bias / mlp_bias = false
     moe: bool = False
@@ -64,6 +66,10 @@ FAMILIES: dict[str, Family] = {
     # bias, shared experts, dense first layers
     "deepseek_v3": Family("DeepseekV3ForCausalLM", declares_no_bias=True, moe=True,
                           shared_expert_block="shared_experts.", attention="mla"),
+    # GLM-4.5 / 4.6 / Air: grouped-query attention with partial RoPE (partial_rotary_factor), q/k/v biases and q/k
+    # norms as config.json says, DeepSeek-V3's router, shared experts and dense first layers
+    "glm4_moe": Family("Glm4MoeForCausalLM", qkv_bias="attention_bias", qk_norm_key="use_qk_norm", moe=True,
+                       shared_expert_block="shared_experts."),
     # GLM-4.7-Flash: DeepSeek-V3's layer, its dense and MoE layers listed in mlp_layer_types
     "glm4_moe_lite": Family("Glm4MoeLiteForCausalLM", declares_no_bias=True, moe=True,
                             shared_expert_block="shared_experts.", attention="mla"),

@@ -74,6 +74,8 @@ class ModelLayout:
     ep: int = 1  # expert model parallel size
     etp: int | None = None  # expert tensor parallel size; None: tp
     _stage_counts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # layer -> its entries (layer_entries), built once: every shard of an expert-parallel layout walks every layer
+    _entries: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self):
         if self.etp is None:
@@ -232,6 +234,11 @@ class ModelLayout:
     def layer_entries(self, layer: int) -> list[tuple[str, TensorLayout | None]]:
         """(local-spec suffix, global tensor) of one layer in Megatron-Core's state_dict order; a None tensor is
         the `_extra_state` that follows each linear's parameters (suffix `<linear>._extra_state`)."""
+        if layer not in self._entries:
+            self._entries[layer] = tuple(self._layer_entries(layer))
+        return list(self._entries[layer])
+
+    def _layer_entries(self, layer: int) -> list[tuple[str, TensorLayout | None]]:
         s = self.spec
         h = s.hidden_size
         hf = f"model.layers.{layer}."

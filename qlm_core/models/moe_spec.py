@@ -23,7 +23,8 @@ from qlm_core.models.families import FAMILIES
 
 ScoreFunction = RouterScoreFunction
 MOE_MODEL_TYPES = tuple(model_type for model_type, family in FAMILIES.items() if family.moe)
-DEEPSEEK_MOE_TYPES = ("deepseek_v3", "glm4_moe_lite")  # sigmoid group-limited routers with a correction bias
+# sigmoid group-limited routers with a correction bias
+DEEPSEEK_MOE_TYPES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,20 @@ def _deepseek_v3(vocab, hidden, ffn, layers, heads, q_lora, experts, topk, exper
     )
 
 
+def _glm4_moe(hidden, ffn, layers, heads, experts, expert_ffn, dense, scaling_factor, qk_norm) -> ModelSpec:
+    """GLM-4.5's layout: 96 query heads and 8 KV groups of 128, half of each rotated, q/k/v biases, DeepSeek-V3's
+    router over `experts` (top 8) with one shared expert."""
+    return ModelSpec(
+        model_type="glm4_moe", vocab_size=151552, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
+        num_attention_heads=heads, num_query_groups=8, kv_channels=128, max_position_embeddings=131072,
+        rope_theta=1_000_000.0, norm_epsilon=1e-5, qkv_bias=True, tie_word_embeddings=False, qk_layernorm=qk_norm,
+        rotary_percent=0.5, bos_token_id=None, eos_token_id=[151329, 151336, 151338],
+        moe=MoeSpec(experts, 8, expert_ffn, score_function="sigmoid", expert_bias=True,
+                    shared_expert_hidden_size=expert_ffn, layer_pattern=(0,) * dense + (1,) * (layers - dense),
+                    topk_scaling_factor=scaling_factor),
+    )
+
+
 _LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 PRESETS: dict[str, ModelSpec] = {
@@ -109,6 +123,9 @@ PRESETS: dict[str, ModelSpec] = {
                             1e-6, 163584, 163585),
     "moonlight-16b-a3b": _deepseek_v3(163840, 2048, 11264, 27, 16, None, 64, 6, 1408, 2, 1, 1, 2.446, 1, 8192,
                                       50000.0, None, 1e-5, 163584, 163585),
+    # GLM-4.5-Air (106B total, 12B active) and GLM-4.5 (355B total, 32B active)
+    "glm-4.5-air": _glm4_moe(4096, 10944, 46, 96, 128, 1408, 1, 1.0, qk_norm=False),
+    "glm-4.5": _glm4_moe(5120, 12288, 92, 96, 160, 1536, 3, 2.5, qk_norm=True),
     # GLM-4.7-Flash (30B total, 3B active: transformers' Glm4MoeLiteConfig defaults, which are the released model's)
     "glm-4.7-flash": _deepseek_v3(154880, 2048, 10240, 47, 20, 768, 64, 4, 1536, 1, 1, 1, 1.8, 1, 202752, 10000.0,
                                   None, 1e-5, 0, 1, model_type="glm4_moe_lite", nope=192, values=256),

@@ -30,7 +30,7 @@ from qlm_core.models.moe_spec import MOE_MODEL_TYPES, MoeSpec, moe_from_hf, moe_
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # derived from the family table (families.py), for the messages that list them
-QK_NORM_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.qk_norm)
+QK_NORM_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.qk_norm or f.qk_norm_key)
 QKV_BIAS_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.qkv_bias != "never")
 SLIDING_WINDOW_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.sliding_window == "applied")
 
@@ -108,6 +108,7 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     qk_layernorm: bool = False  # Qwen3: q_layernorm / k_layernorm [head_dim] on each head before RoPE
+    rotary_percent: float = 1.0  # the share of each head RoPE rotates, its first dims (GLM's partial_rotary_factor)
     moe: MoeSpec | None = None  # Mixture of Experts (None: every layer a dense MLP of ffn_hidden_size)
     mla: MlaSpec | None = None  # multi-latent attention's sizes (attention "mla"); kv_channels is then its q/k head
     # the per-family choices (families.py), each built in one place: models/attention_kinds.py, norms.py,
@@ -157,7 +158,9 @@ class ModelSpec:
     @property
     def rope_dim(self) -> int:
         """The size RoPE rotates per head: the whole head, or multi-latent attention's rotary part."""
-        return self.kv_channels if self.mla is None else self.mla.qk_rope_head_dim
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.kv_channels * self.rotary_percent)
 
     @property
     def qkv_rows(self) -> int:
@@ -186,7 +189,8 @@ class ModelSpec:
                            f"{model_type}'s MLP is {family.activation} (hidden_act "
                            f"{HF_ACTIVATIONS[family.activation]!r})")
         for flag in ("attention_bias", "mlp_bias"):
-            if family.qkv_bias == "never" and config.get(flag):
+            if (family.qkv_bias == "never" or (flag == "mlp_bias" and family.qkv_bias == "attention_bias")) \
+                    and config.get(flag):
                 raise QlmError(f"{flag}=true is not supported for {model_type}", "use a checkpoint without biases")
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [key for key in sizes if key not in config]
@@ -205,7 +209,9 @@ class ModelSpec:
             sliding = config.get("sliding_window")
         elif config.get("use_sliding_window"):
             raise QlmError(f"{model_type} use_sliding_window=true is not supported", "set use_sliding_window to false")
-        qkv_bias = family.qkv_bias == "always" or (family.qkv_bias == "config" and bool(config.get("qkv_bias", True)))
+        qkv_bias = family.qkv_bias == "always" or (family.qkv_bias == "config" and bool(config.get("qkv_bias", True))) \
+            or (family.qkv_bias == "attention_bias" and bool(config.get("attention_bias", False)))
+        rotary_percent = _rotary_percent(config, model_type)
         moe = moe_from_hf(config, model_type, config["num_hidden_layers"]) if family.moe else None
         mla = mla_from_hf(config, model_type) if family.attention == "mla" else None
         if mla is not None and config.get("attention_bias"):
@@ -230,7 +236,8 @@ class ModelSpec:
             sliding_window=sliding,
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
-            qk_layernorm=family.qk_norm,
+            qk_layernorm=family.qk_norm or bool(family.qk_norm_key and config.get(family.qk_norm_key)),
+            rotary_percent=rotary_percent,
             moe=moe,
             mla=mla,
             head=head,
@@ -243,8 +250,11 @@ class ModelSpec:
 
     def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A config.json transformers loads (4.x `rope_theta`/`rope_scaling` keys, which 5.x also reads)."""
+        family = FAMILIES[self.model_type]
+        switched = {"qk_layernorm": family.qk_norm_key is not None,  # config.json says either way
+                    "qkv_bias": family.qkv_bias in ("config", "attention_bias")}
         for flag, types in (("qk_layernorm", QK_NORM_MODEL_TYPES), ("qkv_bias", QKV_BIAS_MODEL_TYPES)):
-            if getattr(self, flag) != (self.model_type in types):  # its HF model would ignore or lack the tensors
+            if not switched[flag] and getattr(self, flag) != (self.model_type in types):  # HF would lack them
                 raise QlmError(f"a {self.model_type} model {'with' if getattr(self, flag) else 'without'} {flag} "
                                "has no Hugging Face config", f"{flag} goes with model types {', '.join(types)}")
         config: dict[str, Any] = {
@@ -273,7 +283,6 @@ class ModelSpec:
         if self.mla is not None:
             config.update(mla_to_hf(self.mla), head_dim=self.mla.qk_rope_head_dim,
                           num_key_value_heads=self.num_attention_heads)
-        family = FAMILIES[self.model_type]
         if family.sliding_window == "applied":
             config["sliding_window"] = self.sliding_window
         else:
@@ -282,6 +291,12 @@ class ModelSpec:
             config.update(attention_bias=False, mlp_bias=False)
         if family.qkv_bias == "config":
             config["qkv_bias"] = self.qkv_bias
+        if family.qkv_bias == "attention_bias":
+            config["attention_bias"] = self.qkv_bias
+        if family.qk_norm_key:
+            config[family.qk_norm_key] = self.qk_layernorm
+        if self.rotary_percent != 1.0:
+            config["partial_rotary_factor"] = self.rotary_percent
         if self.moe is not None:
             config.update(moe_to_hf(self.moe, self.model_type, self.num_layers))
         if self.pad_token_id is not None:
@@ -298,6 +313,22 @@ class ModelSpec:
 # optional config.json numbers: key -> (kind, least); None is always allowed (the key's default)
 _OPTIONAL_NUMBERS = {"num_key_value_heads": (int, 1), "head_dim": (int, 1), "max_position_embeddings": (int, 1),
                      "rope_theta": (float, 0.0), "rms_norm_eps": (float, 0.0)}
+
+
+def _rotary_percent(config: dict[str, Any], model_type: str) -> float:
+    """partial_rotary_factor (transformers 5 keeps it in rope_parameters), 1.0 when absent."""
+    params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    value = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise QlmError(f"config.json ({model_type}): partial_rotary_factor is {value!r}, not in (0, 1]",
+                       "set it as transformers writes it")
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if int(head * value) % 2:
+        raise QlmError(f"config.json ({model_type}): partial_rotary_factor {value} rotates an odd {head * value} "
+                       f"of {head} head dims", "RoPE rotates pairs: use a factor giving an even size")
+    return float(value)
 
 
 def _read_head(config: dict[str, Any], model_type: str) -> str:

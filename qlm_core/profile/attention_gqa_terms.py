@@ -103,5 +103,5 @@ def cp_buffers(x) -> float:
 
 
 def position_terms(x) -> dict[str, float]:
-    """Saved once per forward of a stage chunk: RoPE's cos and sin [T, d]."""
-    return {"rope cos/sin": 2 * x.dtype_bytes * x.spec.kv_channels * x.tokens} if x.rotary else {}
+    """Saved once per forward of a stage chunk: RoPE's cos and sin [T, rotated dims]."""
+    return {"rope cos/sin": 2 * x.dtype_bytes * x.spec.rope_dim * x.tokens} if x.rotary else {}

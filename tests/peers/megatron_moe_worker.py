@@ -100,6 +100,7 @@ def build_model(args, pre, post, sequence_parallel=False):
     return GPTModel(
         config, spec, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre, post_process=post, position_embedding_type="rope", rotary_base=args.rotary_base,
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, parallel_output=False,
     ).eval()
 
