@@ -40,6 +40,7 @@ class Family:
     qkv_bias: QkvBias = "never"
     qk_norm: bool = False  # RMSNorm over head_dim on each q and k head, before RoPE (Qwen3)
     qk_norm_key: str | None = None  # ... or as config.json's switch of this name says (GLM-4.5's use_qk_norm)
+    rotary_percent: float = 1.0  # partial_rotary_factor when config.json has none (transformers' default: GLM's 0.5)
     sliding_window: SlidingWindow = "none"
     declares_no_bias: bool = False  # config.json says attention_bias / mlp_bias = false
     moe: bool = False
@@ -69,7 +70,7 @@ FAMILIES: dict[str, Family] = {
     # GLM-4.5 / 4.6 / Air: grouped-query attention with partial RoPE (partial_rotary_factor), q/k/v biases and q/k
     # norms as config.json says, DeepSeek-V3's router, shared experts and dense first layers
     "glm4_moe": Family("Glm4MoeForCausalLM", qkv_bias="attention_bias", qk_norm_key="use_qk_norm", moe=True,
-                       shared_expert_block="shared_experts."),
+                       shared_expert_block="shared_experts.", rotary_percent=0.5),
     # GLM-4.7-Flash: DeepSeek-V3's layer, its dense and MoE layers listed in mlp_layer_types
     "glm4_moe_lite": Family("Glm4MoeLiteForCausalLM", declares_no_bias=True, moe=True,
                             shared_expert_block="shared_experts.", attention="mla"),

@@ -347,8 +347,7 @@ class ModelLayout:
         return linear
 
     def _attention_linears(self, layer: int) -> set[str]:
-        return {suffix[: -len("._extra_state")] for suffix, tensor in attention_kind(self.spec).layer_entries(
-            self.spec, layer) if tensor is None}
+        return {linear for linear in self.layer_linears(layer) if linear.startswith("self_attention.")}
 
     def lora_shard_entries(self, pp_rank: int, chunk: int, rank: int, targets) -> list[tuple[str, TensorLayout]]:
         """(local name, global tensor) of the adapters of one chunk, in the order of its state_dict."""

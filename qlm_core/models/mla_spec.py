@@ -38,6 +38,10 @@ class MlaSpec:
                            "set the sizes as transformers writes them")
         if self.qk_rope_head_dim % 2:
             raise QlmError(f"qk_rope_head_dim {self.qk_rope_head_dim} is odd", "RoPE rotates pairs: use an even size")
+        if self.v_head_dim > self.q_head_dim:  # the kernels take one head size: values are padded up to the keys'
+            raise QlmError(f"v_head_dim {self.v_head_dim} is wider than the q/k head ({self.q_head_dim})",
+                           "qlm builds multi-latent attention with values no wider than keys, as every released "
+                           "model has them")
 
     @property
     def q_head_dim(self) -> int:

@@ -140,8 +140,9 @@ def route(logits: torch.Tensor, moe: MoeSpec,
         choice = scores if expert_bias is None else scores + expert_bias
         if moe.num_groups > 1:
             choice = group_limited(choice, moe)
-        # unsorted, as transformers' DeepSeek-V3 router takes them (tied scores then pick the same experts)
-        indices = torch.topk(choice, moe.topk, dim=-1, sorted=False).indices
+        # with groups, unsorted as transformers' DeepSeek-V3 router takes them (tied groups then pick the same
+        # experts); else sorted, as Megatron-Core takes them
+        indices = torch.topk(choice, moe.topk, dim=-1, sorted=moe.num_groups == 1).indices
         top = scores.gather(-1, indices)
         probs = (top / (top.sum(-1, keepdim=True) + 1e-20) if moe.topk > 1 else top) * moe.topk_scaling_factor
     elif moe.pre_softmax:

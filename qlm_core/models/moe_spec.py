@@ -97,9 +97,16 @@ def _typed(config: dict[str, Any], model_type: str, key: str, kind: type, defaul
     return value
 
 
+# transformers' defaults of the keys a config.json may leave out: (n_group, topk_group, routed_scaling_factor,
+# n_shared_experts, first_k_dense_replace)
+_DEEPSEEK_DEFAULTS = {"deepseek_v3": (8, 4, 2.5, 1, 3), "glm4_moe": (1, 1, 1.0, 1, 1),
+                      "glm4_moe_lite": (1, 1, 1.8, 1, 1)}
+
+
 def _deepseek_moe(config: dict[str, Any], model_type: str, num_layers: int) -> MoeSpec:
     """DeepSeek-V3's MoE keys: sigmoid scores with the correction bias, groups, scaling, shared experts and the
-    first_k_dense_replace dense layers."""
+    first_k_dense_replace dense layers (absent keys take transformers' defaults)."""
+    groups, group_topk, scaling_default, shared, first_dense = _DEEPSEEK_DEFAULTS[model_type]
     experts = _typed(config, model_type, "n_routed_experts", int, None, least=1)
     topk = _typed(config, model_type, "num_experts_per_tok", int, None, least=1)
     if experts is None or topk is None:
@@ -108,7 +115,7 @@ def _deepseek_moe(config: dict[str, Any], model_type: str, num_layers: int) -> M
     if not _typed(config, model_type, "norm_topk_prob", bool, True):
         raise QlmError(f"config.json ({model_type}): norm_topk_prob is false",
                        "qlm (and Megatron-Core) normalise sigmoid routing's top-k weights: use norm_topk_prob true")
-    scaling = config.get("routed_scaling_factor", 1.0)
+    scaling = config.get("routed_scaling_factor", scaling_default)
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0:
         raise QlmError(f"config.json ({model_type}): routed_scaling_factor is {scaling!r}, not a positive number",
                        "set routed_scaling_factor as transformers writes it")
@@ -119,17 +126,17 @@ def _deepseek_moe(config: dict[str, Any], model_type: str, num_layers: int) -> M
                            "'dense' / 'sparse'", "set mlp_layer_types as transformers writes it")
         pattern = tuple(int(kind == "sparse") for kind in kinds)
     else:
-        dense = _typed(config, model_type, "first_k_dense_replace", int, 3)
+        dense = _typed(config, model_type, "first_k_dense_replace", int, first_dense)
         pattern = tuple(int(i >= dense) for i in range(num_layers))
     ffn = _typed(config, model_type, "moe_intermediate_size", int, None, least=1)
     if ffn is None:
         raise QlmError(f"config.json ({model_type}) has no moe_intermediate_size", "use a complete config.json")
     return MoeSpec(num_experts=experts, topk=topk, ffn_hidden_size=ffn, score_function="sigmoid",
                    expert_bias=True,
-                   shared_expert_hidden_size=ffn * _typed(config, model_type, "n_shared_experts", int, 0),
+                   shared_expert_hidden_size=ffn * _typed(config, model_type, "n_shared_experts", int, shared),
                    layer_pattern=() if all(pattern) else pattern,
-                   num_groups=_typed(config, model_type, "n_group", int, 1, least=1),
-                   group_topk=_typed(config, model_type, "topk_group", int, 1, least=1),
+                   num_groups=_typed(config, model_type, "n_group", int, groups, least=1),
+                   group_topk=_typed(config, model_type, "topk_group", int, group_topk, least=1),
                    topk_scaling_factor=float(scaling))
 
 
@@ -138,7 +145,7 @@ def _deepseek_moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[
     layers = {"mlp_layer_types": ["sparse" if moe.is_moe_layer(i) else "dense" for i in range(num_layers)]} \
         if model_type == "glm4_moe_lite" else {"first_k_dense_replace": len(dense)}
     if (model_type != "glm4_moe_lite" and dense != list(range(len(dense)))) or not moe.expert_bias \
-            or moe.shared_expert_gate \
+            or moe.score_function != "sigmoid" or moe.shared_expert_gate \
             or moe.shared_expert_hidden_size % moe.ffn_hidden_size:
         raise QlmError(f"this MoE is not a {model_type} one (dense layers only first, sigmoid routing with a "
                        "correction bias, ungated shared experts of whole expert sizes)", "keep it in a Megatron format")
@@ -182,7 +189,7 @@ def moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> Moe
 
 def moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[str, Any]:
     """The config.json keys transformers reads for `moe` (the inverse of moe_from_hf)."""
-    if model_type in DEEPSEEK_MOE_TYPES and moe.score_function == "sigmoid":
+    if model_type in DEEPSEEK_MOE_TYPES:
         return _deepseek_moe_to_hf(moe, model_type, num_layers)
     if moe.num_groups > 1 or moe.topk_scaling_factor != 1.0:
         raise QlmError(f"this model's router limits groups or scales its weights, which transformers' {model_type} "

@@ -134,6 +134,13 @@ class ModelSpec:
         if (self.moe is not None) != (self.model_type in MOE_MODEL_TYPES):
             raise QlmError(f"model_type {self.model_type!r} {'needs' if self.moe is None else 'takes no'} MoE numbers",
                            f"MoE model types are {', '.join(MOE_MODEL_TYPES)}")
+        if not 0 < self.rotary_percent <= 1 or int(self.kv_channels * self.rotary_percent) % 2:
+            raise QlmError(f"rotary_percent {self.rotary_percent} of a {self.kv_channels}-wide head",
+                           "rotate a share in (0, 1] giving an even number of dims")
+        if isinstance(self.rope_scaling, YarnScaling) and self.attention != "mla":
+            raise QlmError(f"yarn rope scaling with {self.attention} attention (qlm checks yarn against "
+                           "transformers and Megatron-Core for multi-latent attention only)",
+                           "drop rope_scaling / the yarn rope_parameters, or use a DeepSeek-V3-class model")
         if (self.mla is not None) != (self.attention == "mla"):
             raise QlmError(f"attention {self.attention!r} {'takes no' if self.mla is not None else 'needs'} "
                            "multi-latent attention sizes", "give kv_lora_rank and the head sizes with attention 'mla'")
@@ -295,8 +302,8 @@ class ModelSpec:
             config["attention_bias"] = self.qkv_bias
         if family.qk_norm_key:
             config[family.qk_norm_key] = self.qk_layernorm
-        if self.rotary_percent != 1.0:
-            config["partial_rotary_factor"] = self.rotary_percent
+        if self.rotary_percent != family.rotary_percent or self.rotary_percent != 1.0:
+            config["partial_rotary_factor"] = self.rotary_percent  # written wherever the family's default differs
         if self.moe is not None:
             config.update(moe_to_hf(self.moe, self.model_type, self.num_layers))
         if self.pad_token_id is not None:
@@ -320,7 +327,7 @@ def _rotary_percent(config: dict[str, Any], model_type: str) -> float:
     params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
     value = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
     if value is None:
-        return 1.0
+        return FAMILIES[model_type].rotary_percent
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise QlmError(f"config.json ({model_type}): partial_rotary_factor is {value!r}, not in (0, 1]",
                        "set it as transformers writes it")
@@ -410,7 +417,11 @@ def _read_yarn(config: dict[str, Any], scaling: dict[str, Any]) -> YarnScaling:
                            f"set {key} as transformers writes it")
         return kind(value)
 
-    original = number("original_max_position_embeddings", kind=int)
+    original = number("original_max_position_embeddings")
+    if original is not None and not float(original).is_integer():
+        raise QlmError(f"config.json: yarn rope scaling's original_max_position_embeddings is {original!r}, not a "
+                       "whole number of tokens", "set it as transformers writes it")
+    original = None if original is None else int(original)
     if original is None:
         raise QlmError("config.json: yarn rope scaling without original_max_position_embeddings",
                        "give the context the model was pretrained at, as transformers writes it")
@@ -420,7 +431,15 @@ def _read_yarn(config: dict[str, Any], scaling: dict[str, Any]) -> YarnScaling:
     return YarnScaling(factor=factor, original_max_position_embeddings=original,
                        beta_fast=number("beta_fast", 32.0), beta_slow=number("beta_slow", 1.0),
                        mscale=number("mscale"), mscale_all_dim=number("mscale_all_dim"),
-                       attention_factor=number("attention_factor"), truncate=bool(scaling.get("truncate", True)))
+                       attention_factor=number("attention_factor"), truncate=_truncate(scaling))
+
+
+def _truncate(scaling: dict[str, Any]) -> bool:
+    value = scaling.get("truncate", True)
+    if not isinstance(value, bool):
+        raise QlmError(f"config.json: yarn rope scaling's truncate is {value!r}, not true or false",
+                       "set truncate as transformers writes it")
+    return value
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:

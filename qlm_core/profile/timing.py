@@ -129,9 +129,19 @@ def gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float) -> dict[str
     s, tp = case.spec, case.parallel.tp
     h, f, q = s.hidden_size, s.ffn_hidden_size, s.num_attention_heads * s.kv_channels
     fc1 = activation_kind(s).fc1_rows(f)
-    shapes = {"linear_qkv": (h, s.qkv_rows / tp), "linear_proj": (q / tp, h), "linear_fc1": (h, fc1 / tp),
-              "linear_fc2": (f / tp, h)}
-    return {name: 2 * k * n / (peak * rates.gemm(k, n)) for name, (k, n) in shapes.items()}
+    seconds = {name: 2 * k * n / (peak * rates.gemm(k, n)) for name, (k, n) in {
+        "linear_qkv": (h, s.qkv_rows / tp), "linear_proj": (q / tp, h), "linear_fc1": (h, fc1 / tp),
+        "linear_fc2": (f / tp, h)}.items()}
+    if s.mla is not None:  # multi-latent attention's q/kv projections stand in for linear_qkv
+        m, heads = s.mla, s.num_attention_heads / tp
+        q_shapes = [(h, heads * m.q_head_dim)] if m.q_lora_rank is None else \
+            [(h, m.q_lora_rank / tp), (m.q_lora_rank, heads * m.q_head_dim)]
+        shapes = [*q_shapes, (h, (m.kv_lora_rank + m.qk_rope_head_dim) / tp),
+                  (m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim))]
+        seconds["linear_qkv"] = sum(2 * k * n / (peak * rates.gemm(k, n)) for k, n in shapes)
+        v = heads * m.v_head_dim
+        seconds["linear_proj"] = 2 * v * h / (peak * rates.gemm(v, h))
+    return seconds
 
 
 def layer_gemm_seconds(case: ProfileCase, rates: KernelRates, peak: float) -> float:
@@ -261,8 +271,12 @@ def _tp_volume(case: ProfileCase, T: float) -> float:
 
 
 def _qkv_gather_bytes(case: ProfileCase, T: float) -> float:
-    """One direction of the gathered linear_qkv output (fewer query groups than TP ranks), else 0."""
+    """One direction of the gathered linear_qkv output (fewer query groups than TP ranks), else 0; with
+    multi-latent attention the gathered latents (its down projections' outputs)."""
     p, s = case.parallel, case.spec
+    if s.mla is not None:
+        latents = (s.mla.q_lora_rank or 0) + s.mla.kv_lora_rank + s.mla.qk_rope_head_dim
+        return (p.tp - 1) / p.tp * case.dtype_bytes * latents * T
     return (p.tp - 1) / p.tp * case.dtype_bytes * s.qkv_rows * T if s.num_query_groups < p.tp else 0.0
 
 

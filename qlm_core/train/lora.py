@@ -26,6 +26,7 @@ from torch import nn
 
 from qlm_core.checkpoint.formats.megatron.lora_args import LoraSettings, check_targets, is_adapter_name, lora_scale
 from qlm_core.checkpoint.sources.lora import LoraInitSource
+from qlm_core.errors import QlmError
 from qlm_core.models.gpt import GPTModel, ParallelOptions
 from qlm_core.models.layout import (
     LORA_TARGETS,
@@ -128,6 +129,14 @@ def apply_lora(chunks: list[GPTModel], config: LoraSettings, parallel_options: P
     """Freeze every parameter of `chunks`, add adapters (initialised as LoraInitSource(seed), this rank's shards)
     to the target linears, and return the adapter parameters in the chunks' parameter order."""
     targets = check_targets(config)
+    if chunks:
+        spec = chunks[0].spec
+        whole = ModelLayout(spec)
+        if not any(whole.lora_linear(layer, t) for layer in range(spec.num_layers) for t in targets):
+            raise QlmError(f"the LoRA target modules {targets} adapt no linear of this {spec.model_type} model",
+                           "choose from the linears it has (multi-latent attention: linear_q_down_proj, "
+                           "linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj, linear_proj; else "
+                           "linear_qkv, linear_proj; and linear_fc1, linear_fc2)")
     tp, tp_rank = group_size(parallel_options.tp_group), group_rank(parallel_options.tp_group)
     init = LoraInitSource(seed)
     for chunk in chunks:

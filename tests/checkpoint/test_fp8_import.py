@@ -125,3 +125,34 @@ def test_an_fp8_weight_without_its_scales_is_one_line(fp8_model, tmp_path):
     with pytest.raises(QlmError, match="the FP8 tensor model.layers.0.self_attn.o_proj.weight has no "
                                        "weight_scale_inv beside it"):
         HFCheckpoint(broken)
+
+
+def test_multi_token_prediction_layers_are_refused_not_dropped(fp8_model, tmp_path):
+    """DeepSeek-V3 as released holds its MTP module as model.layers.<N>.*; a conversion would drop it, so it is
+    refused with one line naming num_nextn_predict_layers."""
+    import shutil
+
+    path, stored = fp8_model
+    mtp = tmp_path / "mtp"
+    shutil.copytree(path, mtp)
+    tensors = dict(stored)
+    tensors["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128, dtype=torch.bfloat16)
+    tensors["model.layers.4.enorm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    save_file(tensors, str(mtp / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(QlmError, match=r"holds 1 multi-token prediction layer\(s\) \(model.layers.4.\*, "
+                                       "num_nextn_predict_layers\\), which qlm does not convert yet"):
+        HFCheckpoint(mtp).check_model()
+
+
+def test_a_scale_grid_of_the_wrong_shape_is_one_line(fp8_model, tmp_path):
+    import shutil
+
+    path, stored = fp8_model
+    broken = tmp_path / "grid"
+    shutil.copytree(path, broken)
+    tensors = dict(stored)
+    tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(3, 3)
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(QlmError, match=r"o_proj.weight_scale_inv is \[3, 3\] but a \[64, 32\] weight in 4x8 blocks "
+                                       r"needs \[16, 4\]"):
+        HFCheckpoint(broken)

@@ -73,3 +73,24 @@ def test_presets_carry_the_published_parameter_counts(preset, total, active):
     hf = spec.to_hf_config()
     assert ModelSpec.from_hf_config({**transformers.AutoConfig.for_model(**hf).to_dict(),
                                      "architectures": hf["architectures"]}) == spec
+
+
+def test_partial_rotary_takes_glms_default_and_a_full_rotation_is_written(glm):
+    """transformers' Glm4MoeConfig rotates half of each head when config.json names no partial_rotary_factor: qlm
+    reads an absent key as 0.5 and writes a full rotation (1.0) out explicitly."""
+    config = json.loads((glm / "config.json").read_text())
+    del config["rope_parameters"]["partial_rotary_factor"]
+    assert ModelSpec.from_hf_config(config).rotary_percent == 0.5
+    full = ModelSpec.from_hf_dir(glm).replace(rotary_percent=1.0)
+    written = full.to_hf_config()
+    assert written["partial_rotary_factor"] == 1.0
+    assert transformers.AutoConfig.for_model(**written).rope_parameters["partial_rotary_factor"] == 1.0
+    assert ModelSpec.from_hf_config(written) == full
+
+
+def test_yarn_on_grouped_query_attention_is_one_line(glm):
+    config = json.loads((glm / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                 "rope_theta": 10000.0}
+    with pytest.raises(QlmError, match="yarn rope scaling with gqa attention"):
+        ModelSpec.from_hf_config(config)

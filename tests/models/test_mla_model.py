@@ -197,3 +197,24 @@ def test_presets_carry_the_published_parameter_counts(preset, total, active):
     hf = spec.to_hf_config()
     config = transformers.AutoConfig.for_model(**hf)
     assert ModelSpec.from_hf_config({**config.to_dict(), "architectures": hf["architectures"]}) == spec
+
+
+def test_absent_router_keys_take_transformers_defaults(mla_models):
+    """A hand-written config.json without n_group, topk_group, routed_scaling_factor, n_shared_experts or
+    first_k_dense_replace reads as transformers reads it (DeepSeek-V3's 8, 4, 2.5, 1, 3)."""
+    config = json.loads((mla_models["deepseek_v3"] / "config.json").read_text())
+    stripped = {k: v for k, v in config.items() if k not in (
+        "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace")}
+    stripped["n_routed_experts"] = 32
+    hf = transformers.DeepseekV3Config(**stripped)
+    moe = ModelSpec.from_hf_config(stripped).moe
+    assert (moe.num_groups, moe.group_topk, moe.topk_scaling_factor) == (hf.n_group, hf.topk_group,
+                                                                          hf.routed_scaling_factor)
+    assert moe.shared_expert_hidden_size == hf.n_shared_experts * hf.moe_intermediate_size
+    assert moe.layer_pattern[:4] == tuple(int(i >= hf.first_k_dense_replace) for i in range(4))
+
+
+def test_values_wider_than_keys_are_one_line(mla_models):
+    config = json.loads((mla_models["deepseek_v3"] / "config.json").read_text())
+    with pytest.raises(QlmError, match="v_head_dim 16 is wider than the q/k head"):
+        ModelSpec.from_hf_config({**config, "v_head_dim": 16})

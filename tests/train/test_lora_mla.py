@@ -57,3 +57,16 @@ def test_grouped_query_targets_adapt_nothing_in_mla_and_the_reverse(mla_models, 
     assert mla.lora_linear(1, "linear_kv_up_proj") == "self_attention.linear_kv_up_proj"
     assert gqa.lora_linear(1, "linear_kv_up_proj") is None and gqa.lora_linear(1, "linear_qkv") is not None
     assert list(LORA_TARGETS)[:2] == ["linear_proj", "linear_q_proj"]  # state_dict order within a layer
+
+
+def test_targets_that_adapt_nothing_are_one_line(mla_models):
+    from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
+    from qlm_core.errors import QlmError
+    from qlm_core.models.gpt import GPTModel
+    from qlm_core.train.lora import apply_lora
+
+    spec = HFCheckpoint(mla_models["deepseek_v3"]).spec
+    model = GPTModel(spec)
+    with pytest.raises(QlmError, match=r"the LoRA target modules \['linear_qkv'\] adapt no linear of this "
+                                       "deepseek_v3 model"):
+        apply_lora([model], LoraConfig(rank=4, target_modules=["linear_qkv"]), model.parallel)

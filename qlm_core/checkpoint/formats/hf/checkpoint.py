@@ -141,9 +141,7 @@ class HFCheckpoint:
         # per-expert name -> (fused tensor, expert, first row): transformers-5's fused MoE layout, read as the
         # per-expert tensors the layout asks for
         self._fused: dict[str, tuple[str, int | None, int]] = {}
-        # FP8 weights (name -> their scale grid's name), read dequantised; _stored keeps their on-disk dtype
-        self._fp8: dict[str, str] = {}
-        self._stored: dict[str, torch.dtype] = {}
+        self._fp8: dict[str, str] = {}  # FP8 weights (name -> their scale grid's name), read dequantised
         self.notes: list[str] = []  # what reading does beyond copying (FP8 dequantisation)
         self._scan()
         self._alias_fused_experts()
@@ -223,7 +221,7 @@ class HFCheckpoint:
                 raise QlmError(f"{self.path}: the FP8 tensor {name} has no {fp8.SCALE_SUFFIX} beside it",
                                "restore the checkpoint's scale tensors")
             fp8.check_scale_shape(name, self._shapes[name], self._shapes[scale], block)
-            self._fp8[name], self._stored[name] = scale, self._dtypes[name]
+            self._fp8[name] = scale
             self._dtypes[name] = fp8.DEQUANTISED_DTYPE
         self._block = block
         self.notes.append(f"{len(quantised)} FP8 weights dequantised ({block[0]}x{block[1]} block scales) to "
@@ -276,6 +274,13 @@ class HFCheckpoint:
         if extra:
             layers = sorted({int(m.group(1)) for n in extra if (m := re.search(r"\.layers\.(\d+)\.", n))})
             what = f"layers {', '.join(map(str, layers))} and " if layers else ""
+            mtp = self.config.get("num_nextn_predict_layers") or 0
+            if layers and mtp and min(layers) >= self.spec.num_layers:  # DeepSeek-V3 / GLM-4.5 as released
+                raise QlmError(f"{self.path} holds {mtp} multi-token prediction layer(s) (model.layers."
+                               f"{self.spec.num_layers}.*, num_nextn_predict_layers), which qlm does not convert "
+                               "yet; converting would drop them",
+                               "remove those tensors and num_nextn_predict_layers from a copy to convert the model "
+                               "without them")
             raise QlmError(
                 f"{self.path} holds {what}{len(extra)} tensors config.json does not describe "
                 f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})",

@@ -33,8 +33,11 @@ def scale_name(weight_name: str) -> str:
 
 def check_scale_shape(name: str, weight_shape: tuple[int, ...], scale_shape: tuple[int, ...],
                       block: tuple[int, int]):
+    if len(weight_shape) != 2:
+        raise QlmError(f"the FP8 tensor {name} is {list(weight_shape)}, not a matrix",
+                       "qlm dequantises 2-D block-scaled weights (per-expert tensors, as DeepSeek releases them)")
     wanted = tuple(-(-n // b) for n, b in zip(weight_shape, block, strict=True))
-    if len(weight_shape) != 2 or tuple(scale_shape) != wanted:
+    if tuple(scale_shape) != wanted:
         raise QlmError(f"{scale_name(name)} is {list(scale_shape)} but a {list(weight_shape)} weight in "
                        f"{block[0]}x{block[1]} blocks needs {list(wanted)}",
                        "the FP8 scales do not match the weights or quantization_config.weight_block_size")

@@ -128,7 +128,10 @@ def mla_from_args(args) -> MlaSpec | None:
 
 def _rope_scaling_from_args(args) -> RopeScaling | YarnScaling | None:
     stored = getattr(args, "qlm_rope_scaling", None)
-    if getattr(args, "rope_type", None) == "yarn":
+    # Megatron-LM's multi-latent attention uses yarn unless told otherwise (MLATransformerConfig.rope_type)
+    rope_type = getattr(args, "rope_type", None) or ("yarn" if getattr(args, "multi_latent_attention", False)
+                                                     else "rope")
+    if rope_type == "yarn":
         if stored:
             return YarnScaling(**stored)
         return YarnScaling(factor=float(getattr(args, "rotary_scaling_factor", 40.0)),
@@ -180,7 +183,7 @@ def moe_from_args(args, num_layers: int) -> MoeSpec | None:
         shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
         layer_pattern=() if all(pattern) else pattern,
         num_groups=groups,
-        group_topk=getattr(args, "moe_router_group_topk", None) or 1 if groups > 1 else 1,
+        group_topk=(getattr(args, "moe_router_group_topk", None) or 1) if groups > 1 else 1,
         topk_scaling_factor=float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
     )
 
