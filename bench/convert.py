@@ -94,13 +94,20 @@ def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 
           ep: int = 1) -> dict:
     """Run one measurement in a fresh process; returns its timing and peak RSS."""
     code = (
-        "import json, resource, sys, time\n"
+        "import json, sys, time\n"
         "from pathlib import Path\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "import convert as bench\n"
         "from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore\n"
         f"src, dst = Path({str(src)!r}), Path({str(dst)!r})\n"
-        "idle = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "import threading, psutil\n"
+        "process, peak_rss = psutil.Process(), [0]\n"
+        "def watch():\n"
+        "    while True:\n"
+        "        peak_rss[0] = max(peak_rss[0], process.memory_info().rss)\n"
+        "        time.sleep(0.01)\n"
+        "idle = process.memory_info().rss // 1024  # the interpreter with everything imported, now\n"
+        "threading.Thread(target=watch, daemon=True).start()\n"
         "start = time.perf_counter()\n"
         f"if {mode!r} == 'raw':\n"
         f"    nbytes = bench.raw_copy(src, dst, {write_bytes:d})\n"
@@ -108,7 +115,8 @@ def child(mode: str, src: Path, dst: Path, tp: int, pp: int, write_bytes: int = 
         f"    nbytes = hf_to_mcore(src, dst, tp={tp:d}, pp={pp:d}, ep={ep:d}, verify=False, "
         f"format={fmt!r}).bytes_written\n"
         "seconds = time.perf_counter() - start\n"
-        "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "time.sleep(0.05)\n"
+        "peak = peak_rss[0] // 1024  # sampled every 10 ms: the import's own transient peak does not hide it\n"
         "print(json.dumps({'seconds': seconds, 'bytes': nbytes, 'idle_rss_kb': idle, 'peak_rss_kb': peak}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -86,7 +86,9 @@ def test_layouts_reproduce_the_one_process_reward_model(layout, recipe, baseline
     assert len(ours) == len(theirs) == 10
     for a, b in zip(ours, theirs, strict=True):
         for key in PAIR_KEYS:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
+            # the margin is a difference of two rewards: its rounding is theirs (~1e-6 here), not relative to itself
+            tolerance = dict(rel=1e-4, abs=1e-5 if key == "margin" else 1e-6)
+            assert a[key] == pytest.approx(b[key], **tolerance), (a["step"], key, a[key], b[key])
         for key in REWARD_KEYS:
             assert a[key] == pytest.approx(b[key], abs=2e-4), (a["step"], key, a[key], b[key])
     for a, b in zip(evals(run), evals(baseline), strict=True):
