@@ -10,13 +10,10 @@ import pytest
 import torch
 import transformers
 from conftest import make_hf_model
-from helpers import assert_same_hf
+from helpers import assert_same_hf, qlm_from_hf
 
 from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf
-from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
 from qlm_core.errors import QlmError
-from qlm_core.models.gpt import GPTModel
-from qlm_core.models.layout import HFTensorSource, ModelLayout, build_shard
 from qlm_core.models.parameters import num_parameters
 from qlm_core.models.presets import PRESETS
 from qlm_core.models.spec import ModelSpec
@@ -33,12 +30,8 @@ def glm(tmp_path_factory):
 
 
 def test_logits_equal_transformers(glm):
-    ckpt = HFCheckpoint(glm)
-    spec = ckpt.spec
+    model, spec = qlm_from_hf(glm)
     assert (spec.rotary_percent, spec.rope_dim, spec.qk_layernorm, spec.qkv_bias) == (0.5, 8, True, True)
-    layout = ModelLayout(spec)
-    model = GPTModel(spec, padded_vocab=layout.padded_vocab)
-    model.load_state_dict(build_shard(layout, 0, 0, 0, HFTensorSource(ckpt)), strict=True)
     ref = transformers.AutoModelForCausalLM.from_pretrained(glm, dtype=torch.float32).eval()
     with torch.no_grad():
         assert (model.eval()(IDS)[..., :300] - ref(IDS).logits).abs().max().item() <= 1e-5

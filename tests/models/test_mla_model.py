@@ -10,28 +10,19 @@ import torch
 import torch.nn.functional as F
 import transformers
 from conftest import MLA_KINDS, call_qlm, make_hf_model
+from helpers import qlm_from_hf
 
-from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
 from qlm_core.data.tokenizer import CHATML
 from qlm_core.errors import QlmError
 from qlm_core.kernels.rope import rope_attention_factor, rope_inv_freq
 from qlm_core.models.attention import KVCache
-from qlm_core.models.gpt import GPTModel
-from qlm_core.models.layout import HFTensorSource, ModelLayout, build_shard
+from qlm_core.models.layout import ModelLayout
 from qlm_core.models.moe import MoELayer, route
 from qlm_core.models.moe_spec import MoeSpec
 from qlm_core.models.spec import ModelSpec
 
 IDS = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(0))
 LABELS = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
-
-
-def qlm_from_hf(path):
-    ckpt = HFCheckpoint(path)
-    layout = ModelLayout(ckpt.spec)
-    model = GPTModel(ckpt.spec, padded_vocab=layout.padded_vocab)
-    model.load_state_dict(build_shard(layout, 0, 0, 0, HFTensorSource(ckpt)), strict=True)
-    return model.eval(), ckpt.spec
 
 
 @pytest.mark.parametrize("kind", list(MLA_KINDS))
