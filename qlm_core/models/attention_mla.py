@@ -149,8 +149,6 @@ class MultiLatentAttention(nn.Module):
             out = outside_compile(self._core_attention, q, k, v, inputs)
         if pad > 0:
             out = out[..., :mla.v_head_dim]
-        elif pad < 0:
-            raise AssertionError("values wider than keys are padded the other way")
         s, b = out.shape[2], out.shape[0]
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
