@@ -231,6 +231,9 @@ class TrainConfig:
     exit_signal_handler: bool = True
     # output projection + cross entropy this many tokens at a time (0: all at once)
     loss_chunk_tokens: int = bounded(2048, least=0, meaning="0: the loss over all logits at once")
+    # a model with multi-token prediction layers (DeepSeek-V3's) trains them with next-token prediction, their loss
+    # weighted by this (Megatron's --mtp-loss-scaling-factor); 0: they do not run and stay as loaded
+    mtp_loss_scaling_factor: float = bounded(0.1, least=0, meaning="Megatron's --mtp-loss-scaling-factor")
     # torch.compile each decoder layer (regional compilation); its compile cost is paid once, in the first step.
     # Absent: on for runs of at least COMPILE_AUTO_STEPS steps (where the gain outweighs that cost), else off
     compile: bool | None = None

@@ -108,6 +108,53 @@ def make_hf_model(path: Path, kind: str, dtype=torch.float32, seed: int = 0, **o
     return model
 
 
+def add_mtp_layers(path: Path, depths: int = 1, seed: int = 1) -> None:
+    """Give a saved tiny DeepSeek-V3-class model `depths` multi-token prediction layers, as DeepSeek-V3's release
+    holds them (transformers saves none): decoder layers num_layers + k, each with enorm, hnorm, eh_proj,
+    shared_head.norm and copies of the embedding (embed_tokens) and output layer (shared_head.head)."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((path / "config.json").read_text())
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    extra = {"num_hidden_layers": layers + depths}
+    if config.get("mlp_layer_types"):  # GLM-4.7-Flash lists each layer's kind: the extra ones are the last's
+        extra["mlp_layer_types"] = config["mlp_layer_types"] + config["mlp_layer_types"][-1:] * depths
+    longer = transformers.AutoConfig.from_pretrained(path, **extra)
+    torch.manual_seed(seed)
+    donor = transformers.AutoModelForCausalLM.from_config(longer).state_dict()
+    tensors = load_file(path / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    for layer in range(layers, layers + depths):
+        prefix = f"model.layers.{layer}."
+        for name, value in donor.items():
+            if not name.startswith(prefix):
+                continue
+            if name.endswith("experts.gate_up_proj"):  # transformers' fused experts, per expert as released
+                ffn = value.shape[1] // 2
+                for e, rows in enumerate(value):
+                    tensors[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = rows[:ffn].clone()
+                    tensors[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = rows[ffn:].clone()
+            elif name.endswith("experts.down_proj"):
+                for e, matrix in enumerate(value):
+                    tensors[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = matrix.clone()
+            else:
+                tensors[name] = value.clone().contiguous()
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{prefix}{norm}.weight"] = 1 + 0.1 * torch.randn(hidden, generator=generator)
+        tensors[f"{prefix}eh_proj.weight"] = 0.05 * torch.randn(hidden, 2 * hidden, generator=generator)
+        tensors[f"{prefix}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"{prefix}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        bias = f"{prefix}mlp.gate.e_score_correction_bias"
+        if bias in tensors:  # a correction bias that changes the choice, as make_hf_model gives the decoder's
+            tensors[bias] = 0.1 * torch.randn(tensors[bias].shape, generator=generator)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = depths
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def make_chat_hf_model(path: Path, demo_dir: Path, chat_template: str | None = None) -> Path:
     """A tiny random Qwen2 with qlm's demo tokenizer (vocabulary 512, chatml; eos <|im_end|>, pad <|endoftext|>),
     optionally another chat template; returns the demo's paths (its data sets go with the tokenizer)."""
@@ -181,6 +228,22 @@ def mla_models(tmp_path_factory) -> dict[str, Path]:
     for kind in MLA_KINDS:
         make_hf_model(root / kind, kind)
     return {kind: root / kind for kind in MLA_KINDS}
+
+
+# the DeepSeek-V3 class with multi-token prediction layers (add_mtp_layers): kind -> (MLA_KINDS / GLM4_MOE kind, depths)
+MTP_KINDS = {"deepseek_v3": ("deepseek_v3", 2), "deepseek_v3_lite": ("deepseek_v3_lite", 1),
+             "glm4_moe_lite": ("glm4_moe_lite", 1), "glm4_moe": ("glm4_moe", 1)}
+
+
+@pytest.fixture(scope="session")
+def mtp_models(tmp_path_factory) -> dict[str, Path]:
+    """One saved tiny model per MTP_KINDS entry (fp32), its multi-token prediction layers as DeepSeek releases
+    them."""
+    root = tmp_path_factory.mktemp("hf_mtp")
+    for name, (kind, depths) in MTP_KINDS.items():
+        make_hf_model(root / name, kind)
+        add_mtp_layers(root / name, depths)
+    return {name: root / name for name in MTP_KINDS}
 
 
 @pytest.fixture(scope="session")

@@ -30,8 +30,9 @@ MOE_SEQ_TRAINING = MoeConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001, aux_loss_t
 # moe_global: the global-batch loss (the same as one process unless data-parallel ranks share it)
 MOE_GLOBAL_TRAINING = MoeConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001, aux_loss_type="global")
 # A DeepSeek-V3 shape: multi-latent attention (q's low rank, values narrower than keys, yarn), sigmoid routing over
-# 8 experts in 4 groups (2 kept) with the correction bias, a scaling factor, a shared expert and a dense first layer
-MLA = SPEC.replace(
+# 8 experts in 4 groups (2 kept) with the correction bias, a scaling factor, a shared expert, a dense first layer
+# and one multi-token prediction layer (on the last pipeline stage, trained with Megatron's default weight 0.1)
+MLA = SPEC.replace(mtp_num_layers=1,
     model_type="deepseek_v3", qkv_bias=False, num_query_groups=4, kv_channels=12, attention="mla",
     mla=MlaSpec(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=24),
     rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.8),

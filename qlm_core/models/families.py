@@ -47,6 +47,8 @@ class Family:
     moe_block: str = "mlp."  # where an MoE layer's router and experts live under model.layers.N.
     expert_projections: tuple[str, str, str] = GATE_UP_DOWN  # an expert's gate, up and down projections
     shared_expert_block: str = "shared_expert."  # the shared expert's module under the MoE block
+    # config.json's count of multi-token prediction layers (DeepSeek-V3's num_nextn_predict_layers); None: none
+    mtp_key: str | None = None
     attention: AttentionName = "gqa"
     norm: NormName = "rmsnorm"
     activation: ActivationName = "swiglu"
@@ -66,14 +68,16 @@ FAMILIES: dict[str, Family] = {
     # DeepSeek-V3 / R1, Kimi-K2, Moonlight: multi-latent attention, sigmoid group-limited routing with a correction
     # bias, shared experts, dense first layers
     "deepseek_v3": Family("DeepseekV3ForCausalLM", declares_no_bias=True, moe=True,
-                          shared_expert_block="shared_experts.", attention="mla"),
+                          shared_expert_block="shared_experts.", attention="mla",
+                          mtp_key="num_nextn_predict_layers"),
     # GLM-4.5 / 4.6 / Air: grouped-query attention with partial RoPE (partial_rotary_factor), q/k/v biases and q/k
     # norms as config.json says, DeepSeek-V3's router, shared experts and dense first layers
     "glm4_moe": Family("Glm4MoeForCausalLM", qkv_bias="attention_bias", qk_norm_key="use_qk_norm", moe=True,
-                       shared_expert_block="shared_experts.", rotary_percent=0.5),
+                       shared_expert_block="shared_experts.", rotary_percent=0.5, mtp_key="num_nextn_predict_layers"),
     # GLM-4.7-Flash: DeepSeek-V3's layer, its dense and MoE layers listed in mlp_layer_types
     "glm4_moe_lite": Family("Glm4MoeLiteForCausalLM", declares_no_bias=True, moe=True,
-                            shared_expert_block="shared_experts.", attention="mla"),
+                            shared_expert_block="shared_experts.", attention="mla",
+                            mtp_key="num_nextn_predict_layers"),
 }
 
 

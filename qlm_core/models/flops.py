@@ -56,10 +56,23 @@ def logits_flops_per_token(spec: ModelSpec) -> float:
     return 2 * spec.hidden_size * spec.head_outputs
 
 
+def mtp_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> float:
+    """Forward FLOPs per token of the multi-token prediction layers: each depth's eh_proj [2h -> h], a layer of the
+    decoder's last layer's kind and its own logits."""
+    if not spec.mtp_num_layers:
+        return 0.0
+    dense, attention = layer_flops_per_token(spec, seq_length, mean_doc_len)
+    if spec.is_moe_layer(spec.num_layers):
+        dense += moe_mlp_flops_per_token(spec) - dense_mlp_flops_per_token(spec)
+    h = spec.hidden_size
+    return spec.mtp_num_layers * (2 * 2 * h * h + dense + attention + logits_flops_per_token(spec))
+
+
 def flops_per_sequence(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> float:
-    """Forward + backward model FLOPs (3x forward, recomputation not counted) of one sequence: the layers and the
-    logits."""
-    per_token = model_layer_flops_per_token(spec, seq_length, mean_doc_len) + logits_flops_per_token(spec)
+    """Forward + backward model FLOPs (3x forward, recomputation not counted) of one sequence: the layers, the
+    logits and the multi-token prediction layers."""
+    per_token = (model_layer_flops_per_token(spec, seq_length, mean_doc_len) + logits_flops_per_token(spec)
+                 + mtp_flops_per_token(spec, seq_length, mean_doc_len))
     return 3.0 * per_token * seq_length
 
 

@@ -22,7 +22,8 @@ from qlm_core.models.attention import AttentionInputs, KVCache, attention_inputs
 from qlm_core.models.attention_kinds import attention_kind
 from qlm_core.models.mlp import MLP
 from qlm_core.models.moe import MoELayer, MoeTracker
-from qlm_core.models.norms import build_norm, norm_kind
+from qlm_core.models.mtp import MultiTokenPredictionBlock, MultiTokenPredictionLayer
+from qlm_core.models.norms import NORM_WEIGHT_SUFFIXES, build_norm, norm_kind
 from qlm_core.models.positions import position_kind
 from qlm_core.models.runtime import ParallelOptions, allow_eager_regions, discard_output, outside_compile
 from qlm_core.models.score_head import ScoreHead
@@ -230,11 +231,19 @@ class GPTModel(nn.Module):
         self.padded_vocab = padded_vocab or padded_vocab_size(spec.vocab_size, 128, group_size(tp_group))
         num_layers = spec.num_layers - layer_offset if num_layers is None else num_layers
         self.tied_in_stage = spec.tie_word_embeddings and pre_process
-        if pre_process:
+        # multi-token prediction runs on the last stage, which then holds a copy of the embedding (Megatron's)
+        mtp = spec.mtp_num_layers if post_process else 0
+        if pre_process or mtp:
             self.embedding = LanguageModelEmbedding(spec, self.padded_vocab, parallel, dtype)
         # MoE layers record their losses and loads here (one tracker per model chunk)
         self.moe = MoeContext(moe_options or MoeConfig(), MoeTracker())
         self.decoder = TransformerBlock(spec, num_layers, post_process, parallel, dtype, layer_offset, self.moe)
+        self.mtp = None
+        if mtp:
+            self.mtp = MultiTokenPredictionBlock([MultiTokenPredictionLayer(
+                spec.hidden_size, lambda: replicated_norm(spec, parallel, dtype),
+                TransformerLayer(spec, parallel, dtype, num_layers + depth, spec.num_layers + depth, self.moe),
+                parallel, dtype) for depth in range(mtp)], parallel)
         if post_process:
             # With tied embeddings the output layer borrows the embedding weight when both live in this stage;
             # a last stage without the embedding keeps its own copy (synchronised by the pipeline code).
@@ -255,7 +264,7 @@ class GPTModel(nn.Module):
         out_std = std / math.sqrt(2.0 * self.spec.num_layers)
         norm_init = norm_kind(self.spec).init
         for name, param in self.named_parameters():
-            if name.endswith("layernorm.weight"):
+            if name.endswith(NORM_WEIGHT_SUFFIXES):
                 param.fill_(norm_init)
             elif name.endswith(".bias"):
                 param.zero_()
@@ -267,6 +276,11 @@ class GPTModel(nn.Module):
         """Compile each decoder layer (TransformerLayer.compile_forward); never the whole model."""
         for layer in self.decoder.layers:
             layer.compile_forward(**options)
+
+    def transformer_layers(self, mtp: bool = True) -> list[TransformerLayer]:
+        """The decoder's layers, then (with `mtp`, on the last stage) each multi-token prediction layer's."""
+        extra = [layer.transformer_layer for layer in self.mtp.layers] if mtp and self.mtp is not None else []
+        return [*self.decoder.layers, *extra]
 
     def output_weight(self) -> torch.Tensor:
         if self.tied_in_stage:
@@ -302,6 +316,7 @@ class GPTModel(nn.Module):
         cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
         routes: torch.Tensor | None = None,
+        mtp_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One pass over this module's layers: `x` the token ids [b, s] on the first stage, else the previous
         stage's hidden states [s, b, h]. Returns the hidden states [s, b, h] (the last stage: the final norm's).
@@ -317,6 +332,10 @@ class GPTModel(nn.Module):
         Routing replay: `routes` [b, s, the model's MoE layers, k] are the experts recorded for these tokens (-1:
         none); the MoE layers take them instead of their routers' choice (MoeTracker.replay) and count where they
         differ.
+
+        Multi-token prediction (the last stage of a model with mtp_num_layers, training): `mtp_tokens` [b, s, depths]
+        are the tokens each depth embeds (models/mtp.py); the result is then the final norm's output followed by
+        each depth's output along the sequence, [(1 + depths) s, b, h], as Megatron-Core hands them to its loss.
         """
         if self.pre_process:
             x = self.embedding(x)
@@ -333,7 +352,10 @@ class GPTModel(nn.Module):
         inputs = attention_inputs(local_tokens=local_tokens, batch=x.shape[1], window=self.spec.sliding_window,
                                   parallel=self.parallel, segment_ids=segment_ids, cache=cache,
                                   attention_mask=attention_mask)
-        return self.decoder(x, positions, inputs, routes)
+        hidden = self.decoder(x, positions, inputs, routes)
+        if mtp_tokens is None or self.mtp is None:
+            return hidden
+        return torch.cat([hidden, *self.mtp(hidden, self.embedding, mtp_tokens, positions, inputs)], dim=0)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm's output [s, b, h] -> logits [b, s, vocab_size], gathered over TP, padding removed (a

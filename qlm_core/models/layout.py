@@ -239,6 +239,8 @@ class ModelLayout:
         return list(self._entries[layer])
 
     def _layer_entries(self, layer: int) -> list[tuple[str, TensorLayout | None]]:
+        """A decoder layer's entries; `layer` past the decoder's: a multi-token prediction layer's transformer
+        layer, as HF numbers it (its global names renamed by mtp_entries)."""
         s = self.spec
         h = s.hidden_size
         hf = f"model.layers.{layer}."
@@ -273,6 +275,41 @@ class ModelLayout:
                 (Segment(0, 1, moe_hf + "shared_expert_gate.weight"),))))
         return out
 
+    def mtp_entries(self, depth: int) -> list[tuple[str, TensorLayout | None]]:
+        """(suffix below `mtp.layers.<depth>.`, global tensor) of multi-token prediction layer `depth`, in
+        Megatron-Core's state_dict order: enorm, hnorm, eh_proj ([h, 2h], its input the normed embedding then the
+        normed hidden state, split by rows as a column-parallel linear), transformer_layer.<a decoder layer's
+        entries>, final_layernorm. HF holds it as decoder layer num_layers + depth (DeepSeek-V3's release), the
+        last norm as `shared_head.norm`."""
+        key = ("mtp", depth)
+        if key not in self._entries:
+            self._entries[key] = tuple(self._mtp_entries(depth))
+        return list(self._entries[key])
+
+    def _mtp_entries(self, depth: int) -> list[tuple[str, TensorLayout | None]]:
+        s, layer = self.spec, self.spec.num_layers + depth
+        h, hf, name = s.hidden_size, f"model.layers.{layer}.", f"mtp.layers.{depth}."
+        out = [*_norm_entries(s, name, "enorm", hf + "enorm"), *_norm_entries(s, name, "hnorm", hf + "hnorm"),
+               ("eh_proj.weight", TensorLayout(name + "eh_proj.weight", (h, 2 * h), ROWS,
+                                               (Segment(0, h, hf + "eh_proj.weight"),))),
+               ("eh_proj._extra_state", None)]
+        decoder, inner = f"decoder.layers.{layer}.", f"{name}transformer_layer."
+        for suffix, tensor in self.layer_entries(layer):
+            out.append(("transformer_layer." + suffix,
+                        None if tensor is None else replace(tensor, name=inner + tensor.name[len(decoder):])))
+        return out + _norm_entries(s, name, "final_layernorm", hf + "shared_head.norm")
+
+    def hf_copies(self) -> dict[str, str]:
+        """HF tensors written as copies of others (and not read): each multi-token prediction layer's
+        `embed_tokens` and `shared_head.head`, the shared embedding and output layer, as DeepSeek-V3's release
+        holds them."""
+        s, out = self.spec, {}
+        head = "model.embed_tokens.weight" if s.tie_word_embeddings else "lm_head.weight"
+        for layer in range(s.num_layers, s.num_layers + s.mtp_num_layers):
+            out[f"model.layers.{layer}.embed_tokens.weight"] = "model.embed_tokens.weight"
+            out[f"model.layers.{layer}.shared_head.head.weight"] = head
+        return out
+
     def layer_tensors(self, layer: int) -> list[TensorLayout]:
         return [tensor for _, tensor in self.layer_entries(layer) if tensor is not None]
 
@@ -287,6 +324,8 @@ class ModelLayout:
         for layer in range(self.spec.num_layers):
             tensors += self.layer_tensors(layer)
         tensors += [tensor for _, tensor in self.final_norms()]
+        for depth in range(self.spec.mtp_num_layers):
+            tensors += [tensor for _, tensor in self.mtp_entries(depth) if tensor is not None]
         if not self.spec.tie_word_embeddings:
             tensors.append(self.output_layer())
         return tensors
@@ -305,7 +344,7 @@ class ModelLayout:
         `ep_rank`: whose routed experts (all of them when ep is 1)."""
         entries: list[tuple[str, TensorLayout | None]] = []
         first, last = self.is_first(pp_rank, chunk), self.is_last(pp_rank, chunk)
-        if first:
+        if first or (last and self.spec.mtp_num_layers):  # multi-token prediction embeds on the last stage too
             entries.append(("embedding.word_embeddings.weight", self.embedding()))
         for local, layer in enumerate(self.chunk_layers(pp_rank, chunk)):
             for suffix, tensor in self.layer_entries(layer):
@@ -314,6 +353,12 @@ class ModelLayout:
                     entries.append((f"decoder.layers.{local}.{mine}", tensor))
         if last:
             entries += self.final_norms()
+            for depth in range(self.spec.mtp_num_layers):
+                for suffix, tensor in self.mtp_entries(depth):
+                    inner = suffix.removeprefix("transformer_layer.")
+                    mine = self.local_expert_suffix(inner, ep_rank)
+                    if mine is not None:
+                        entries.append((f"mtp.layers.{depth}.{suffix[:len(suffix) - len(inner)]}{mine}", tensor))
             if not (self.spec.tie_word_embeddings and first):
                 entries.append((OUTPUT_LAYER, self.output_layer()))
             entries.append(("output_layer._extra_state", None))
@@ -372,7 +417,10 @@ class ModelLayout:
     @cached_property
     def hf_tensors(self) -> dict[str, list[tuple[TensorLayout, Segment]]]:
         """HF name -> the (global tensor, segment) pieces it is made of, in HF order."""
-        return hf_pieces(t for t in self.global_tensors if t.hf_primary)
+        pieces = hf_pieces(t for t in self.global_tensors if t.hf_primary)
+        for copy, original in self.hf_copies().items():
+            pieces[copy] = pieces[original]
+        return pieces
 
     def hf_shape(self, hf_name: str) -> tuple[int, ...]:
         return pieces_shape(self.hf_tensors[hf_name])
@@ -603,7 +651,7 @@ def hf_fused_experts(spec: ModelSpec) -> dict[str, tuple[str, int | None, int]]:
     family = FAMILIES[spec.model_type]
     gate, up, down = family.expert_projections
     ffn, out = spec.moe.ffn_hidden_size, {}
-    for layer in range(spec.num_layers):
+    for layer in range(spec.num_layers + spec.mtp_num_layers):
         if not spec.is_moe_layer(layer):
             continue
         hf = f"model.layers.{layer}."

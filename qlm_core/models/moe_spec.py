@@ -71,7 +71,9 @@ class MoeSpec:
             raise QlmError("a shared-expert gate without a shared expert", "set shared_expert_intermediate_size")
 
     def is_moe_layer(self, layer: int) -> bool:
-        return not self.layer_pattern or bool(self.layer_pattern[layer])
+        """Whether layer `layer` routes; a multi-token prediction layer (numbered after the decoder's) is of the
+        decoder's last layer's kind, as Megatron-Core builds it."""
+        return not self.layer_pattern or bool(self.layer_pattern[min(layer, len(self.layer_pattern) - 1)])
 
     def num_moe_layers(self, num_layers: int) -> int:
         return sum(self.is_moe_layer(i) for i in range(num_layers))

@@ -36,6 +36,11 @@ def _rms_norm_saved(dtype_bytes: int, size: int) -> float:
 NORM_KINDS: dict[str, NormKind] = {"rmsnorm": NormKind(RMSNorm, ("weight",), "RMSNorm", 1.0, _rms_norm_saved)}
 
 
+# the names of norm weights (initialised to the norm kind's `init`): Megatron's *layernorm, multi-token prediction's
+# enorm / hnorm
+NORM_WEIGHT_SUFFIXES = ("layernorm.weight", ".enorm.weight", ".hnorm.weight")
+
+
 def norm_kind(spec: ModelSpec) -> NormKind:
     return chosen_kind(NORM_KINDS, spec.norm, "norm")
 

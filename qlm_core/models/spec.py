@@ -111,6 +111,9 @@ class ModelSpec:
     rotary_percent: float = 1.0  # the share of each head RoPE rotates, its first dims (GLM's partial_rotary_factor)
     moe: MoeSpec | None = None  # Mixture of Experts (None: every layer a dense MLP of ffn_hidden_size)
     mla: MlaSpec | None = None  # multi-latent attention's sizes (attention "mla"); kv_channels is then its q/k head
+    # multi-token prediction layers after the decoder (DeepSeek-V3's num_nextn_predict_layers; Megatron's
+    # --mtp-num-layers): each predicts one token further, on the last pipeline stage
+    mtp_num_layers: int = 0
     # the per-family choices (families.py), each built in one place: models/attention_kinds.py, norms.py,
     # activations.py, positions.py; None: the family's (a preset, a Megatron checkpoint's args)
     attention: AttentionName | None = None
@@ -144,6 +147,17 @@ class ModelSpec:
         if (self.mla is not None) != (self.attention == "mla"):
             raise QlmError(f"attention {self.attention!r} {'takes no' if self.mla is not None else 'needs'} "
                            "multi-latent attention sizes", "give kv_lora_rank and the head sizes with attention 'mla'")
+        if isinstance(self.mtp_num_layers, bool) or not isinstance(self.mtp_num_layers, int) \
+                or self.mtp_num_layers < 0:
+            raise QlmError(f"mtp_num_layers {self.mtp_num_layers!r} is not a count", "give 0 or more layers")
+        if self.mtp_num_layers and self.tie_word_embeddings:
+            raise QlmError("multi-token prediction layers with tied embeddings (DeepSeek-V3 and GLM tie none)",
+                           "set tie_word_embeddings = false or mtp_num_layers = 0")
+        if self.mtp_num_layers and (family.mtp_key is None or self.head == "score"):
+            with_mtp = ", ".join(t for t, f in FAMILIES.items() if f.mtp_key)
+            raise QlmError(f"multi-token prediction layers in a {self.model_type}"
+                           f"{' score' if self.head == 'score' else ''} model",
+                           f"they go with the language models of {with_mtp}")
         if self.head == "score" and self.tie_word_embeddings:
             raise QlmError("a score head is never tied to the embedding", "set tie_word_embeddings = false")
         if self.num_attention_heads % self.num_query_groups:
@@ -224,6 +238,12 @@ class ModelSpec:
         if mla is not None and config.get("attention_bias"):
             raise QlmError(f"attention_bias=true is not supported for {model_type}", "use a checkpoint without biases")
         head = _read_head(config, model_type)
+        mtp = 0
+        if family.mtp_key and head == "lm":
+            mtp = config.get(family.mtp_key) or 0
+            if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+                raise QlmError(f"config.json ({model_type}): {family.mtp_key} is {mtp!r}, not a count of layers",
+                               "set it as transformers writes it (0 or more)")
         return cls(
             model_type=model_type,
             vocab_size=config["vocab_size"],
@@ -247,6 +267,7 @@ class ModelSpec:
             rotary_percent=rotary_percent,
             moe=moe,
             mla=mla,
+            mtp_num_layers=mtp,
             head=head,
             pad_token_id=config.get("pad_token_id") if head == "score" else None,
         )
@@ -306,6 +327,8 @@ class ModelSpec:
             config["partial_rotary_factor"] = self.rotary_percent  # written wherever the family's default differs
         if self.moe is not None:
             config.update(moe_to_hf(self.moe, self.model_type, self.num_layers))
+        if family.mtp_key:
+            config[family.mtp_key] = self.mtp_num_layers
         if self.pad_token_id is not None:
             config["pad_token_id"] = self.pad_token_id
         if self.head == "score":  # num_labels 1, as transformers writes it

@@ -1,8 +1,9 @@
 """The model as pipeline stages: GPTModel with torch.distributed.pipelining's positional I/O.
 
-A stage receives (input_ids or hidden states, position_ids[, segment_ids][, routes]) and, unless it is the last
-stage, returns the hidden states followed by the same position_ids[, segment_ids][, routes], so that every stage
-knows the RoPE positions, documents and (routing replay) recorded expert routes of the microbatch it is running.
+A stage receives (input_ids or hidden states, position_ids[, segment_ids][, routes][, mtp_tokens]) and, unless it
+is the last stage, returns the hidden states followed by the same position_ids[, segment_ids][, routes][,
+mtp_tokens], so that every stage knows the RoPE positions, documents, (routing replay) recorded expert routes and
+(multi-token prediction, run by the last stage) shifted tokens of the microbatch it is running.
 The last stage returns the final norm's output; the schedule's loss function hands it to the loss head
 (GPTModel.loss), which projects it onto the vocabulary (chunk by chunk on long sequences), so no stage output is
 ever [s, b, V/tp] logits.
@@ -21,11 +22,16 @@ class StageModel(GPTModel):
     `replays_routes`: its inputs end with the recorded routes [b, s, MoE layers, k] (the engine sets it)."""
 
     replays_routes = False
+    # its inputs end with the tokens multi-token prediction embeds [b, s, depths] (the engine sets it), which the
+    # last stage runs (its output is then GPTModel.hidden_states' [(1 + depths) s, b, h])
+    carries_mtp_tokens = False
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *extras: torch.Tensor):
-        routes = extras[-1] if self.replays_routes else None
-        segment_ids = extras[0] if len(extras) > (1 if self.replays_routes else 0) else None
-        out = self.hidden_states(x, position_ids, segment_ids=segment_ids, routes=routes)
+        rest = list(extras)
+        mtp_tokens = rest.pop() if self.carries_mtp_tokens else None
+        routes = rest.pop() if self.replays_routes else None
+        segment_ids = rest[0] if rest else None
+        out = self.hidden_states(x, position_ids, segment_ids=segment_ids, routes=routes, mtp_tokens=mtp_tokens)
         if self.post_process:
             return out
         return (out, position_ids, *extras)

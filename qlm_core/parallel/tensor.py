@@ -97,6 +97,11 @@ def _keep_dim0_slice(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tenso
     return split_dim(x, group, 0)
 
 
+def scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """fwd keep this rank's slice of the sequence (dim 0) of a tensor every TP rank holds whole; bwd all-gather."""
+    return _conjugate(x, group, _keep_dim0_slice, all_gather_dim0)
+
+
 def gather_last_dim(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """fwd all-gather the last dim; bwd keep this rank's slice (every rank holds the same full gradient)."""
     return _conjugate(x, group, all_gather_last_dim, _keep_last_dim_slice)

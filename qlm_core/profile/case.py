@@ -91,6 +91,7 @@ class ProfileCase:
     rl_batch_rows: int = 0  # completions decoded at once (rl.rollout_batch_size; 0: the leader's whole share)
     rl_completion_tokens: int = RlConfig.max_completion_length  # rl.max_completion_length
     rl_reward_model_params: int = 0  # the reward models rl.reward_funcs names, whole on each leader
+    mtp_loss_scaling_factor: float = TrainConfig.mtp_loss_scaling_factor  # train.mtp_loss_scaling_factor
 
     @property
     def reference_copy(self) -> bool:
@@ -102,6 +103,13 @@ class ProfileCase:
         """A reference forward of every micro-batch, without gradients (the frozen copy, or the policy with its
         LoRA adapters switched off; a precomputed table runs none during training)."""
         return self.preference_reference in ("frozen", "adapters_off") or self.rl_reference
+
+    @property
+    def trains_mtp(self) -> bool:
+        """Whether the model's multi-token prediction layers run and train (next-token prediction with a non-zero
+        weight, as the engine decides); otherwise they are frozen weights."""
+        return (self.spec.mtp_num_layers > 0 and self.mtp_loss_scaling_factor > 0 and not self.rl
+                and not self.preference_reference and self.spec.head == "lm")
 
     @property
     def grad_reduce_dtype(self) -> str:
@@ -261,6 +269,7 @@ def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpe
         num_gpus=num_gpus, dtype=recipe.model.dtype, lora_rank=recipe.lora.rank,
         lora_targets=tuple(recipe.lora.target_modules), loss_chunk_tokens=recipe.train.loss_chunk_tokens,
         mean_doc_len=recipe.data.mean_doc_len, moe=dataclasses.replace(recipe.moe),
+        mtp_loss_scaling_factor=recipe.train.mtp_loss_scaling_factor,
     )
 
 

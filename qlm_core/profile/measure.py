@@ -2,11 +2,12 @@
 
 Activations (any device) are counted with torch.autograd.graph.saved_tensors_hooks, each storage once
 (docs/ARCHITECTURE.md §3), parameters skipped. Recomputation hides a checkpointed region's tensors from outer hooks
-(torch's non-reentrant checkpoint keeps its own), so the meter also wraps models.gpt's `checkpoint` to count the
-inputs a checkpoint keeps instead (and, under a per-op policy, the outputs it caches), and `discard_output` to drop
-what an output-discarding checkpoint frees. A saved tensor stays live until autograd releases it; the meter tracks
-live bytes over time and records the peak (which is what pipeline schedules and gradient accumulation decide), split
-by region: `layers` (labelled per transformer layer), `embedding` and `head` (final norm, output layer, loss).
+(torch's non-reentrant checkpoint keeps its own), so the meter also wraps models.gpt's and models.mtp's `checkpoint`
+to count the inputs a checkpoint keeps instead (and, under a per-op policy, the outputs it caches), and
+`discard_output` to drop what an output-discarding checkpoint frees. A saved tensor stays live until autograd releases
+it; the meter tracks live bytes over time and records the peak (which is what pipeline schedules and gradient
+accumulation decide), split by region: `layers` (labelled per transformer layer), `embedding`, `mtp` (multi-token
+prediction's layers) and `head` (final norm, output layer, loss: every depth's).
 
 AllocationMeter measures everything else too (receive buffers, gradients, transients): the peak bytes of tensors
 allocated on a device while it is entered, beyond what was allocated when it was entered. CUDA:
@@ -66,6 +67,12 @@ class SavedTensorMeter:
                 module = getattr(chunk.decoder, name, None)
                 if module is not None:
                     self._handles.append(module.register_forward_pre_hook(self._set("head")))
+            mtp = getattr(chunk, "mtp", None)
+            if mtp is not None:  # multi-token prediction's layers ("mtp"; their embedding "embedding"), then the loss
+                for layer in mtp.layers:
+                    self.labels[id(layer)] = f"{prefix}mtp"
+                    self._handles.append(layer.register_forward_pre_hook(self._set(f"{prefix}mtp")))
+                self._handles.append(mtp.register_forward_hook(self._set("head")))
 
     # ---- counting ----------------------------------------------------------------------------------------------------
 
@@ -130,7 +137,7 @@ class SavedTensorMeter:
         outputs its forward context caches; both are hidden from the outer hooks, so count them here."""
         from torch.utils._pytree import tree_leaves
 
-        from qlm_core.models import gpt
+        from qlm_core.models import gpt, mtp
 
         original, original_discard = gpt.checkpoint, gpt.discard_output
 
@@ -162,11 +169,11 @@ class SavedTensorMeter:
                 self._discard(output)
             return original_discard(output, consumer_output, recompute)
 
-        gpt.checkpoint, gpt.discard_output = counted, discard
+        gpt.checkpoint, gpt.discard_output, mtp.checkpoint = counted, discard, counted
         try:
             yield
         finally:
-            gpt.checkpoint, gpt.discard_output = original, original_discard
+            gpt.checkpoint, gpt.discard_output, mtp.checkpoint = original, original_discard, original
 
     def __enter__(self):
         self._params = self._param_storages()

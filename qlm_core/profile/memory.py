@@ -62,6 +62,7 @@ from qlm_core.profile.activations import (
 )
 from qlm_core.profile.attention_terms import attention_terms, kv_cache_entries
 from qlm_core.profile.case import ProfileCase, case_from_recipe
+from qlm_core.profile.mtp_terms import mtp_head_bytes, mtp_layer_bytes
 from qlm_core.profile.states import model_state_bytes, stage_params
 from qlm_core.train.plan import RunPlan
 from qlm_core.train.weight_sync import BUCKET_BYTES
@@ -172,7 +173,7 @@ def comm_buffer_bytes(case: ProfileCase, layout, stage: int, states) -> float:
         return grad_bytes * states.bucket_numel * min(states.num_buckets, 1 + (2 if p.overlap_grad_reduce else 0))
     if p.zero_stage != 3:
         return 0.0
-    params = stage_params(layout, stage, case.lora_rank, case.lora_targets)
+    params = stage_params(layout, stage, case.lora_rank, case.lora_targets, case.trains_mtp)
     layers = layout.stage_layer_counts[stage]
     matrices, root = _matrix_numels(params, layout.padded_vocab // layout.tp)
     layer_numel = matrices / max(1, layers)
@@ -241,7 +242,8 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
     shards = case.sizes.dp * p.cp
     states = model_state_bytes(layout, stage, dtype=case.torch_dtype, zero_stage=p.zero_stage, shards=shards,
                                bucket_size_mb=p.bucket_size_mb, lora_rank=case.lora_rank,
-                               lora_targets=case.lora_targets, grad_dtype=DTYPES[case.grad_reduce_dtype])
+                               lora_targets=case.lora_targets, grad_dtype=DTYPES[case.grad_reduce_dtype],
+                               mtp_trainable=case.trains_mtp)
     layers = layout.stage_layer_counts[stage]
     chunk_layers = layers // p.vpp
     modes = chunk_layer_modes(case, chunk_layers)
@@ -256,12 +258,15 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
                           for chunk in kinds)
     chunk_bytes += sum(forward_terms(x, embedding=first).values())
     logits_count = m if (p.pp > 1 and p.pp_schedule == "gpipe") else 1
-    head = 0.0
+    head = mtp = 0.0
     if last:  # a deferred weight pass keeps what the output layer's weight gradient reads: without chunks not the
         # softmax; the chunked loss recomputes the logits for it, so all it saved
         terms = head_terms(x)
         kept = sum(terms.values()) if x.chunked_loss else terms["final rmsnorm"] + terms["output layer input"]
         head = sum(terms.values()) * logits_count + kept * deferred_weight_passes(p.pp_schedule, p.pp, p.vpp, m, stage)
+        if case.trains_mtp:  # the last chunk's multi-token prediction layers, per forward of it in flight
+            mtp = mtp_layer_bytes(x, p.recompute) * chunks / p.vpp
+            head += mtp_head_bytes(x) * logits_count
     layer_kinds = {moe for chunk in kinds for moe in chunk}
     workspace = max(logits_transient(x) if last else 0.0,
                     max(layer_workspace(x, mode, moe) for mode in set(modes) for moe in layer_kinds))
@@ -271,13 +276,14 @@ def stage_memory(case: ProfileCase, stage: int, device: str = "cuda",
     if case.grad_reduce_dtype != "fp32" and p.zero_stage < 3:
         copies = 4.0 * (states.owned_numel(shards, case.sizes.edp if case.expert_parallel else None)
                         if p.zero_stage else states.trainable_numel)
-        workspace = max(workspace, copies - (chunk_bytes * chunks + head + pp_buffers))
+        workspace = max(workspace, copies - (chunk_bytes * chunks + mtp + head + pp_buffers))
     weights = float(states.weights)
     if case.reference_copy:  # preference training's frozen reference: this stage's TP shard, compute dtype
         weights += case.dtype_bytes * sum(param.numel for param in stage_params(layout, stage))
     components = {
         "weights": weights, "grads": float(states.grads), "optimizer": float(states.optimizer),
-        "activations": chunk_bytes * chunks, "logits_loss": head, "workspace": workspace, "pp_buffers": pp_buffers,
+        "activations": chunk_bytes * chunks + mtp, "logits_loss": head, "workspace": workspace,
+        "pp_buffers": pp_buffers,
         "comm_buffers": comm_buffer_bytes(case, layout, stage, states),
     }
     training_transient = sum(components[k] for k in ("activations", "logits_loss", "workspace", "pp_buffers",

@@ -92,7 +92,7 @@ def run_rank(case: ProfileCase, steps: int, grid: Grid, on_step: Callable[[int, 
     engine = Engine(case.spec, case.parallel, grid, micro_batch_size=case.micro_batch_size,
                     global_batch_size=case.global_batch_size, seq_length=case.seq_len, dtype=case.torch_dtype,
                     optim=OptimConfig(lr=1e-4), seed=1234, lora=lora, loss_chunk_tokens=case.loss_chunk_tokens,
-                    moe=case.moe,
+                    moe=case.moe, mtp_loss_scaling_factor=case.mtp_loss_scaling_factor,
                     objective=None if preference is None else PreferenceObjective(preference, reference))
     batch = _batch(case, grid)
     result = _first_step(case, grid, engine, batch)

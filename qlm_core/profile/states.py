@@ -75,13 +75,15 @@ class StateBytes:
         return dense / shards + (self.expert_numel / expert_shards if expert_shards else 0.0)
 
 
-def stage_params(layout: ModelLayout, pp_rank: int, lora_rank: int = 0, lora_targets=None) -> list[ParamInfo]:
+def stage_params(layout: ModelLayout, pp_rank: int, lora_rank: int = 0, lora_targets=None,
+                 mtp_trainable: bool = True) -> list[ParamInfo]:
     """This stage's parameters on one TP rank, in the order the engine lists them (chunks in order, each in
-    parameters() order: adapters follow the weights of their linear)."""
+    parameters() order: adapters follow the weights of their linear). `mtp_trainable`: whether the multi-token
+    prediction layers train (next-token prediction with a non-zero weight; else they are frozen)."""
     targets = tuple(sorted(lora_targets or LORA_TARGETS)) if lora_rank > 0 else ()
-    key = (repr(layout), pp_rank, lora_rank, targets)
+    key = (repr(layout), pp_rank, lora_rank, targets, mtp_trainable)
     if key not in _PARAMS:
-        _PARAMS[key] = _stage_params(layout, pp_rank, lora_rank, set(targets))
+        _PARAMS[key] = _stage_params(layout, pp_rank, lora_rank, set(targets), mtp_trainable)
     return _PARAMS[key]
 
 
@@ -108,36 +110,52 @@ def _layer_params(layout: ModelLayout, layer: int) -> list[ParamInfo]:
     return _LAYER_PARAMS[key]
 
 
-def _stage_params(layout: ModelLayout, pp_rank: int, lora_rank: int, targets: set[str]) -> list[ParamInfo]:
+def _stage_params(layout: ModelLayout, pp_rank: int, lora_rank: int, targets: set[str],
+                  mtp_trainable: bool) -> list[ParamInfo]:
     spec = layout.spec
     out: list[ParamInfo] = []
+    # the embedding's copy on the last stage (a tied output layer's, or the one multi-token prediction embeds with)
+    # takes both stages' gradients: its own bucket (the engine marks them shared_embedding)
+    copied = layout.pp > 1 and (spec.tie_word_embeddings or spec.mtp_num_layers > 0)
+    shared_names = ("embedding.word_embeddings.weight", "output_layer.weight" if spec.tie_word_embeddings else "")
     if lora_rank == 0 and spec.moe is not None:  # shard_entries' order, its layers' parameters shared by kind
         for chunk in range(layout.vpp):
             first, last = layout.is_first(pp_rank, chunk), layout.is_last(pp_rank, chunk)
-            shared = spec.tie_word_embeddings and layout.pp > 1
-            if first:
-                out.append(ParamInfo(layout.embedding().shard_shape(layout.tp), True, shared))
+            if first or (last and spec.mtp_num_layers):
+                out.append(ParamInfo(layout.embedding().shard_shape(layout.tp), True, copied))
             for layer in layout.chunk_layers(pp_rank, chunk):
                 out += _layer_params(layout, layer)
             if last:
                 out += [ParamInfo(tensor.shard_shape(layout.tp), True) for _, tensor in layout.final_norms()]
+                out += _mtp_params(layout, mtp_trainable)
                 if not (spec.tie_word_embeddings and first):
-                    out.append(ParamInfo(layout.output_layer().shard_shape(layout.tp), True, shared))
+                    out.append(ParamInfo(layout.output_layer().shard_shape(layout.tp), True,
+                                         copied and spec.tie_word_embeddings))
         return out
     for chunk in range(layout.vpp):
         adapters: dict[str, list] = {}
         if lora_rank > 0:
             for name, tensor in layout.lora_shard_entries(pp_rank, chunk, lora_rank, sorted(targets)):
                 adapters.setdefault(name.rsplit(".lora_", 1)[0], []).append(tensor)
-        shared = spec.tie_word_embeddings and layout.pp > 1
         for name, tensor in layout.shard_entries(pp_rank, chunk, ep_rank=0):
             if tensor is None:
                 linear = name[: -len("._extra_state")]
                 for adapter in adapters.get(linear, []):
                     out.append(ParamInfo(adapter.shard_shape(layout.tp), True))
                 continue
-            is_shared = shared and name in ("embedding.word_embeddings.weight", "output_layer.weight")
-            out.append(_info(layout, tensor, lora_rank == 0, is_shared))
+            trainable = lora_rank == 0 and (mtp_trainable or not name.startswith("mtp."))
+            out.append(_info(layout, tensor, trainable, copied and name in shared_names))
+    return out
+
+
+def _mtp_params(layout: ModelLayout, trainable: bool) -> list[ParamInfo]:
+    """The multi-token prediction layers' parameters on one TP rank, EP rank 0's experts, in state_dict order."""
+    out = []
+    for depth in range(layout.spec.mtp_num_layers):
+        for suffix, tensor in layout.mtp_entries(depth):
+            inner = suffix.removeprefix("transformer_layer.")
+            if tensor is not None and layout.local_expert_suffix(inner, 0) is not None:
+                out.append(_info(layout, tensor, trainable))
     return out
 
 
@@ -229,7 +247,8 @@ def fsdp_state_bytes(params: list[ParamInfo], shards: int, dp_rank: int,
 def model_state_bytes(layout: ModelLayout, pp_rank: int, *, dtype: torch.dtype, zero_stage: int, shards: int,
                       bucket_size_mb: float | None = 40.0, lora_rank: int = 0, lora_targets=None,
                       dp_rank: int | None = None, grad_dtype: torch.dtype = torch.float32,
-                      expert_shards: int | None = None, expert_rank: int | None = None) -> StateBytes:
+                      expert_shards: int | None = None, expert_rank: int | None = None,
+                      mtp_trainable: bool = True) -> StateBytes:
     """Exact model-state bytes of stage `pp_rank` on data x context rank `dp_rank` (default 0, the largest: padding
     sits at the end of every bucket / parameter chunk, so the first rank owns the most real elements).
     `grad_dtype`: ZeRO 0-2's gradient buffers (parallel.grad_reduce_dtype); ZeRO 3 keeps fp32 gradients.
@@ -239,9 +258,9 @@ def model_state_bytes(layout: ModelLayout, pp_rank: int, *, dtype: torch.dtype, 
     if expert_shards is None and expert_parallel(layout):
         expert_shards = shards * layout.tp // (layout.ep * layout.etp)
     key = (repr(layout), pp_rank, dtype, zero_stage, shards, bucket_size_mb, lora_rank, targets, dp_rank or 0,
-           grad_dtype, expert_shards, expert_rank or 0)
+           grad_dtype, expert_shards, expert_rank or 0, mtp_trainable)
     if key not in _CACHE:  # the layout search asks for the same stage many times
-        params = stage_params(layout, pp_rank, lora_rank, targets)
+        params = stage_params(layout, pp_rank, lora_rank, targets, mtp_trainable)
         if zero_stage == 3:
             _CACHE[key] = fsdp_state_bytes(params, shards, dp_rank or 0, expert_shards, expert_rank or 0)
         else:

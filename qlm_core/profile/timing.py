@@ -210,11 +210,18 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
     recomputed = _recomputed_layers(case, layers)
     moe_layers = stage_moe_layers(case, stage)
     dense_layers = layers - moe_layers
+    # multi-token prediction on the last stage: each depth a layer of the decoder's last layer's kind, its eh_proj
+    # and its own pass through the output layer
+    depths = s.mtp_num_layers if stage == p.pp - 1 and case.trains_mtp else 0
+    mtp_moe = depths > 0 and s.is_moe_layer(s.num_layers)
     layer_gemm, layer_elementwise = sum(per_gemm.values()), sum(per_elementwise.values())
+    mtp_gemm, mtp_elementwise = layer_gemm, layer_elementwise
     partial_s, partial_volumes = recompute_per_layer(case, per_gemm, attention / T, per_elementwise)
-    if moe_layers:  # the stage's mean layer; its MoE layers' MLPs (profile/moe_timing.py)
+    if moe_layers or mtp_moe:  # the stage's mean layer; its MoE layers' MLPs (profile/moe_timing.py)
         moe_gemm = moe_layer_gemm_seconds(case, rates, peak, per_gemm, gpu.hbm_gbps * 1e9, T)
         moe_elementwise = moe_elementwise_seconds(case, rates, gpu, per_elementwise)
+        if mtp_moe:
+            mtp_gemm, mtp_elementwise = sum(moe_gemm.values()), sum(moe_elementwise.values())
         layer_gemm = (dense_layers * layer_gemm + moe_layers * sum(moe_gemm.values())) / layers
         layer_elementwise = (dense_layers * layer_elementwise + moe_layers * sum(moe_elementwise.values())) / layers
         moe_partial_s, moe_partial_volumes = recompute_per_layer(case, moe_gemm, attention / T, moe_elementwise,
@@ -227,18 +234,28 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
     extra = recomputed / layers * (gemm + elementwise / 3) + recomputed * attention
     extra += T * layers * partial_s
     if stage == p.pp - 1:
-        logits = T * logits_gemm_seconds(case, rates, peak)
+        logits = T * logits_gemm_seconds(case, rates, peak) * (1 + depths)
         compute += (1 + backward) * logits
         if loss_is_chunked(case.loss_chunk_tokens, T):  # the chunked loss recomputes each chunk's logits,
             # once per backward pass that runs it: twice when zero-bubble splits dx from dW (a trainable output layer)
             passes = 2 if p.pp_schedule == "zero_bubble" and not case.lora_rank else 1
             extra += passes * logits
+    if depths:
+        h = s.hidden_size
+        eh_proj = 2 * 2 * h * (h / p.tp) / (peak * rates.gemm(2 * h, h / p.tp))
+        depth_gemm, depth_elementwise = T * (mtp_gemm + eh_proj), T * mtp_elementwise
+        compute += depths * ((1 + backward) * depth_gemm + attention + attention_backward + depth_elementwise)
+        if p.recompute == "full":  # each depth is one checkpoint
+            extra += depths * (depth_gemm + depth_elementwise / 3 + attention)
     times = {**dict.fromkeys(MICROBATCH_COMPONENTS, 0.0), "compute": compute, "recompute": extra}
     if case.reference_forward:
         times["reference"] = _reference_forward_seconds(case, gpu, rates, stage, T, gemm, elementwise, attention,
                                                         attention_backward)
-    if moe_layers and case.expert_parallel:
-        times["ep_comm"] = _ep_seconds(case, gpu, rates, T, moe_layers, round(moe_layers * recomputed / layers))
+    if (moe_layers or mtp_moe) and case.expert_parallel:
+        mtp_routed = depths if mtp_moe else 0
+        times["ep_comm"] = _ep_seconds(case, gpu, rates, T, moe_layers + mtp_routed,
+                                       round(moe_layers * recomputed / layers)
+                                       + (mtp_routed if p.recompute == "full" else 0))
     sizes = case.sizes
     if p.tp > 1:
         volume = _tp_volume(case, T)
@@ -246,14 +263,15 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
         per_layer = (10 + 4 * (recomputed > 0)) * volume if p.sp else (4 + 2 * (recomputed > 0)) * 2 * volume
         per_layer += partial_volumes * volume + qkv_gather
         tp_bytes = layers * per_layer
-        if moe_layers:
+        if moe_layers or mtp_moe:
             moe_layer = moe_layer_tp_bytes(case, T, recomputed > 0) + moe_partial_volumes * volume + qkv_gather
             tp_bytes = dense_layers * per_layer + moe_layers * moe_layer
+        tp_bytes += depths * ((moe_layer if mtp_moe else per_layer) + 2 * volume)  # and eh_proj's gather
         tp_s = tp_bytes / group_bandwidth(gpu, sizes, ("tp",), rates.comm)
         times["tp_comm"] = rates.overlapped(tp_s, (1 + backward) * gemm) if case.tp_comm_overlap else tp_s
     if p.cp > 1:
         cp_s = _cp_layer_exposed(case, gpu, rates, T, attention, attention_backward)
-        times["cp_comm"] = layers * cp_s
+        times["cp_comm"] = (layers + depths) * cp_s
         if recomputed or (p.recompute == "selective" and "core_attn" in p.recompute_modules):  # redone in backward
             again = recomputed if recomputed else layers
             times["cp_comm"] += again * _cp_layer_exposed(case, gpu, rates, T, attention, attention_backward,
@@ -360,7 +378,7 @@ def dp_times(case: ProfileCase, gpu: GpuSpec, rates: KernelRates, stage: int, fo
     edp = case.sizes.edp if case.expert_parallel else None
     states = model_state_bytes(case.layout(), stage, dtype=case.torch_dtype, zero_stage=p.zero_stage, shards=n,
                                bucket_size_mb=p.bucket_size_mb, lora_rank=case.lora_rank,
-                               lora_targets=case.lora_targets)
+                               lora_targets=case.lora_targets, mtp_trainable=case.trains_mtp)
     owned = states.owned_numel(n, edp) if p.zero_stage else states.trainable_numel
     optimizer = owned * (28 + case.dtype_bytes) / (gpu.hbm_gbps * 1e9)
     # seconds per byte-per-element of traffic: (n-1)/n of each domain's elements over its group's bandwidth

@@ -28,6 +28,7 @@ from qlm_core.models.layout import TensorSource, recipe_layout
 from qlm_core.models.moe import MoELayer, updated_expert_bias
 from qlm_core.models.spec import ModelSpec
 from qlm_core.models.stage import StageModel
+from qlm_core.parallel import shape_inference
 from qlm_core.parallel.comm import all_reduce, group_size
 from qlm_core.parallel.context_parallel import split_for_cp
 from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS
@@ -37,6 +38,7 @@ from qlm_core.parallel.param_meta import mark
 from qlm_core.parallel.state import Grid
 from qlm_core.train.lora import apply_lora
 from qlm_core.train.moe_stats import MoeStepStats
+from qlm_core.train.mtp_targets import mtp_targets
 from qlm_core.train.objective import Objective
 from qlm_core.train.objectives.lm import LanguageModelObjective
 from qlm_core.train.validate import validate_grad_reduce_dtype, validate_layout, validate_moe
@@ -99,6 +101,7 @@ class Engine:
         moe: MoeConfig | None = None,
         compile: bool = False,
         objective: Objective | None = None,
+        mtp_loss_scaling_factor: float = 0.1,
     ):
         self.spec, self.config, self.grid = spec, config, grid
         self.moe = MoeConfig() if moe is None else moe
@@ -113,8 +116,17 @@ class Engine:
         self.layout = recipe_layout(self.spec, c)
         self.num_microbatches = self.global_batch_size // (self.micro_batch_size * g.sizes.dp)
         self.objective: Objective = LanguageModelObjective() if objective is None else objective
+        # multi-token prediction trains beside next-token prediction only (as in Megatron); with another objective
+        # or a zero scale its layers stay as loaded
+        self.mtp_scale = mtp_loss_scaling_factor
+        trains_mtp = mtp_loss_scaling_factor > 0 and isinstance(self.objective, LanguageModelObjective)
+        self.mtp_depths = self.spec.mtp_num_layers if trains_mtp else 0
         weights = self.source or RandomInitSource(self.layout, seed=self.seed)  # not kept: it may cache tensors
         self.chunks = self.build_chunks(weights)
+        for chunk in self.chunks:
+            chunk.carries_mtp_tokens = bool(self.mtp_depths)
+            if chunk.mtp is not None and not self.mtp_depths:
+                chunk.mtp.requires_grad_(False)
         # routing replay: an RL objective's batches carry the rollout's MoE routes, replayed or only compared
         routing_replay = getattr(self.objective, "routing_replay", None)
         self.route_inputs = self.spec.moe is not None and routing_replay is not None
@@ -137,6 +149,7 @@ class Engine:
         self.params = self.optimizer.params  # FSDP2 replaces the parameters: the optimizer's are the live ones
         self.runner = self.make_runner(self.chunks, self.loss_fn)
         self._num_tokens = 1.0
+        self._mtp_tokens, self._mtp_loss_sum = None, None  # multi-token prediction's, per step (_run_microbatches)
         self.objective.bind(self, weights)  # after the policy's schedule: a reference's schedule comes second
 
     # ---- construction ----------------------------------------------------------------------------------------------
@@ -172,11 +185,15 @@ class Engine:
                              model_class=StageModel, moe_options=self.moe)
             for chunk in range(c.vpp)
         ]
-        if self.spec.tie_word_embeddings and c.pp > 1:
+        # the last stage's copy of the embedding (a tied output layer's, or the one multi-token prediction embeds
+        # with) takes the sum of both stages' gradients, as Megatron's embedding group does
+        if (self.spec.tie_word_embeddings or self.spec.mtp_num_layers) and c.pp > 1:
             if g.is_first_stage:
                 mark(chunks[0].embedding.word_embeddings.weight, shared_embedding=True)
             if g.is_last_stage:
-                mark(chunks[-1].output_layer.weight, shared_embedding=True, tied_copy=True)
+                last = chunks[-1]
+                copy = last.output_layer if self.spec.tie_word_embeddings else last.embedding.word_embeddings
+                mark(copy.weight, shared_embedding=True, tied_copy=True)
         return chunks
 
     def _expert_parallel(self) -> ExpertParallel | None:
@@ -189,7 +206,7 @@ class Engine:
         """Under expert parallelism, each MoE layer's routed experts (ZeRO 3 shards them over their own group)."""
         if not self.grid.sizes.expert_parallel:
             return []
-        return [layer.mlp.experts for chunk in self.chunks for layer in chunk.decoder.layers
+        return [layer.mlp.experts for chunk in self.chunks for layer in chunk.transformer_layers()
                 if isinstance(layer.mlp, MoELayer)]
 
     def _build_optimizer(self, trainable: list[torch.nn.Parameter]) -> TrainingOptimizer:
@@ -200,7 +217,8 @@ class Engine:
             from qlm_core.parallel.fsdp import FullyShardedState
 
             return FullyShardedState(
-                self.chunks, [list(chunk.decoder.layers) for chunk in self.chunks], groups,
+                self.chunks, [[*chunk.decoder.layers, *(chunk.mtp.layers if chunk.mtp is not None else ())]
+                              for chunk in self.chunks], groups,
                 dp_cp_group=g.dp_cp_group, tp_group=g.tp_group, pp_group=g.pp_group,
                 embedding_group=g.embedding_group, device=g.device, compute_dtype=self.dtype, lr=o.lr,
                 betas=(o.beta1, o.beta2), eps=o.eps, reduce_dtype=DTYPES[c.grad_reduce_dtype],
@@ -225,11 +243,28 @@ class Engine:
 
     def loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's output (the final norm's) through the loss head, then the objective's loss of the
-        micro-batch."""
+        micro-batch. With multi-token prediction the output and the labels are the main ones followed by each
+        depth's (GPTModel.hidden_states, local_inputs): the depths' loss adds its gradient, not its value (the step
+        reports the language-model loss; StepResult.figures the multi-token prediction loss)."""
+        mtp = None
+        if self.mtp_depths:
+            parts, label_parts = hidden.chunk(1 + self.mtp_depths, dim=0), labels.chunk(1 + self.mtp_depths, dim=1)
+            hidden, labels = parts[0], label_parts[0]
+            mtp = self._mtp_loss(parts[1:], label_parts[1:])
         scale = getattr(self.objective, "logit_scale", 1.0)  # an RL objective's 1 / sampling temperature
         if scale != 1.0:
             hidden = hidden * scale  # logits are linear in the final norm's output: logits / temperature
-        return self.objective.loss(self.chunks[-1].loss(hidden, labels), labels)
+        loss = self.objective.loss(self.chunks[-1].loss(hidden, labels), labels)
+        return loss if mtp is None else loss + (mtp - mtp.detach())
+
+    def _mtp_loss(self, outputs, labels) -> torch.Tensor:
+        """Megatron's multi-token prediction loss: mtp_loss_scaling_factor times the mean over depths of each
+        depth's mean token loss, here over the global batch's labelled tokens of that depth (as the main loss)."""
+        total = sum(self.chunks[-1].loss(hidden, depth_labels).sum() / tokens
+                    for hidden, depth_labels, tokens in zip(outputs, labels, self._mtp_tokens, strict=True))
+        if not shape_inference.active():  # not the pipeline's placeholder forward
+            self._mtp_loss_sum += total.detach()
+        return total * (self.mtp_scale / self.mtp_depths)
 
     def local_tokens(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of a per-token tensor of its rows [rows, seq] (its context-parallel chunks), on its
@@ -257,7 +292,16 @@ class Engine:
                 routes = torch.full((rows, seq, moe.num_moe_layers(self.spec.num_layers), moe.topk), -1,
                                     dtype=torch.int32)
             inputs += (local(routes),)
-        return inputs, local(batch.labels)
+        labels = local(batch.labels)
+        if self.mtp_depths:  # the shifted tokens ride to the last stage; the depths' labels follow the main ones
+            tokens, targets = mtp_targets(batch.input_ids, batch.labels, batch.segment_ids, self.mtp_depths)
+            inputs += (local(tokens),)
+            labels = torch.cat([labels, *local(targets).unbind(-1)], dim=1)
+        return inputs, labels
+
+    def main_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """local_inputs' labels less multi-token prediction's."""
+        return labels[:, : labels.shape[1] // (1 + self.mtp_depths)]
 
     def without_routes(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """local_inputs' inputs less the routes (for a model that routes by its own routers: a frozen reference)."""
@@ -269,10 +313,12 @@ class Engine:
         language-model loss: normalised by the global token count); the sum over ranks is the global mean."""
         g = self.grid
         inputs, labels = self.local_inputs(batch)
-        tokens = torch.tensor(float((labels >= 0).sum()), device=g.device)
-        all_reduce(tokens, g.dp_cp_group)
-        self._num_tokens = max(tokens.item(), 1.0)
-        self.objective.start(batch, inputs, labels, self._num_tokens)
+        counts = torch.stack([(part >= 0).sum() for part in labels.chunk(1 + self.mtp_depths, dim=1)]).float()
+        all_reduce(counts, g.dp_cp_group)
+        self._num_tokens = max(counts[0].item(), 1.0)
+        self._mtp_tokens = counts[1:].clamp(min=1.0)  # multi-token prediction's labelled tokens per depth
+        self._mtp_loss_sum = torch.zeros((), device=g.device)
+        self.objective.start(batch, inputs, self.main_labels(labels), self._num_tokens)
         losses = self.forward_backward_chunks(self.chunks, self.runner, self.loss_fn, inputs, labels, backward)
         loss_sum = torch.zeros((), device=g.device)
         for loss in losses:
@@ -324,7 +370,7 @@ class Engine:
         """Aux-loss-free balancing (Megatron-Core's finalize_model_grads): each router's expert bias moves by
         moe.router_bias_update_rate toward an even load, the step's routed choices summed over every rank of the
         stage (TP's shards, data and context ranks; copies scale every count alike and leave the signs alone)."""
-        routers = [layer.mlp.router for chunk in self.chunks for layer in chunk.decoder.layers
+        routers = [layer.mlp.router for chunk in self.chunks for layer in chunk.transformer_layers()
                    if isinstance(layer.mlp, MoELayer) and layer.mlp.router.expert_bias is not None]
         if not routers:
             return
@@ -359,8 +405,16 @@ class Engine:
     def train_step(self, batch: Batch, lr: float | None = None) -> StepResult:
         loss_sum = self.forward_backward(batch)
         grad_norm, skipped = self.update(lr)
+        figures = self.objective.figures()
+        if self.mtp_depths:
+            figures = {**(figures or {}), "mtp_loss": self.mtp_step_loss()}
         return StepResult(self.global_loss(loss_sum), grad_norm, int(self._num_tokens), skipped,
-                          self.moe_step_figures(), self.objective.figures())
+                          self.moe_step_figures(), figures)
+
+    def mtp_step_loss(self) -> float:
+        """The last forward_backward's multi-token prediction loss: the mean over depths of their mean token loss
+        over the global batch (unscaled); every rank calls it (a collective)."""
+        return self.global_loss(self._mtp_loss_sum) / self.mtp_depths
 
     def moe_step_figures(self) -> dict[str, float] | None:
         """An MoE model's figures of the last forward_backward (StepResult.moe); every rank calls it (collectives).

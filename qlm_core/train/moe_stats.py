@@ -79,5 +79,6 @@ class MoeStepStats:
     def _step_records(self, chunk) -> list:
         """The chunk's records of this step's micro-batches: one per MoE layer and micro-batch, the last ones."""
         records = chunk.moe.tracker.take_records()
-        moe_layers = sum(isinstance(layer.mlp, MoELayer) for layer in chunk.decoder.layers)
+        layers = chunk.transformer_layers(mtp=chunk.carries_mtp_tokens)  # multi-token prediction's when they ran
+        moe_layers = sum(isinstance(layer.mlp, MoELayer) for layer in layers)
         return records[len(records) - moe_layers * self.num_microbatches:] if moe_layers else []

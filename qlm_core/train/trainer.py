@@ -195,6 +195,7 @@ class Trainer:
             dtype=DTYPES[r.model.dtype], optim=r.optim, source=source.weights, seed=r.train.seed,
             lora=r.lora if r.lora.rank > 0 else None, loss_chunk_tokens=r.train.loss_chunk_tokens, moe=r.moe,
             compile=self._compile_decision(), objective=recipe_objective(r),
+            mtp_loss_scaling_factor=r.train.mtp_loss_scaling_factor,
         )
         self.source = source
         self.reference_tables = {}

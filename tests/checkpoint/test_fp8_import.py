@@ -127,9 +127,10 @@ def test_an_fp8_weight_without_its_scales_is_one_line(fp8_model, tmp_path):
         HFCheckpoint(broken)
 
 
-def test_multi_token_prediction_layers_are_refused_not_dropped(fp8_model, tmp_path):
-    """DeepSeek-V3 as released holds its MTP module as model.layers.<N>.*; a conversion would drop it, so it is
-    refused with one line naming num_nextn_predict_layers."""
+def test_multi_token_prediction_layers_config_json_does_not_count_are_refused_not_dropped(fp8_model, tmp_path):
+    """An MTP module held as model.layers.<N>.* (DeepSeek-V3's release) that num_nextn_predict_layers does not
+    count would be dropped by a conversion: one line naming the key; counted but incomplete: the missing tensor."""
+    import json
     import shutil
 
     path, stored = fp8_model
@@ -139,8 +140,12 @@ def test_multi_token_prediction_layers_are_refused_not_dropped(fp8_model, tmp_pa
     tensors["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128, dtype=torch.bfloat16)
     tensors["model.layers.4.enorm.weight"] = torch.ones(64, dtype=torch.bfloat16)
     save_file(tensors, str(mtp / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(QlmError, match=r"holds 1 multi-token prediction layer\(s\) \(model.layers.4.\*, "
-                                       "num_nextn_predict_layers\\), which qlm does not convert yet"):
+    with pytest.raises(QlmError, match=r"tensor model.layers.4.hnorm.weight is missing"):
+        HFCheckpoint(mtp).check_model()  # config.json counts one layer (DeepseekV3Config's default)
+    config = json.loads((mtp / "config.json").read_text())
+    (mtp / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(QlmError, match=r"holds multi-token prediction layer\(s\) from model.layers.4.\* that "
+                                       r"config.json does not count \(it says 0\); converting would drop them"):
         HFCheckpoint(mtp).check_model()
 
 

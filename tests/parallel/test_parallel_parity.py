@@ -37,7 +37,7 @@ def reference(data: str, micro_batch_size: int = GLOBAL_BATCH, steps: int = STEP
     engine = Engine(case_spec(data), ParallelConfig(), Grid.single(), micro_batch_size=micro_batch_size,
                     global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234, moe=case_moe(data))
     batch = Batch(*make_batch(data))
-    losses, norms, grads, moe = [], [], None, []
+    losses, norms, grads, moe, mtp = [], [], None, [], []
     for step in range(steps):
         loss = engine.forward_backward(batch)
         if step == 0:
@@ -46,7 +46,9 @@ def reference(data: str, micro_batch_size: int = GLOBAL_BATCH, steps: int = STEP
         losses.append(engine.global_loss(loss))
         norms.append(norm)
         moe.append(engine.moe_step_figures())
-    return losses, norms, grads, moe
+        if engine.mtp_depths:
+            mtp.append(engine.mtp_step_loss())
+    return losses, norms, grads, moe, mtp
 
 
 def reference_key(case) -> tuple[str, int]:
@@ -103,11 +105,13 @@ def check_case(case: str, layout_case, references, run):
     result_file = out / f"{case}.json"
     assert result_file.exists(), f"worker exit {code}: {errors}"
     result = json.loads(result_file.read_text())
-    ref_losses, ref_norms, ref_grads, ref_moe = references[reference_key(layout_case)]
+    ref_losses, ref_norms, ref_grads, ref_moe, ref_mtp = references[reference_key(layout_case)]
     steps = layout_case.steps
-    ref_losses, ref_norms, ref_moe = ref_losses[:steps], ref_norms[:steps], ref_moe[:steps]
+    ref_losses, ref_norms, ref_moe, ref_mtp = ref_losses[:steps], ref_norms[:steps], ref_moe[:steps], ref_mtp[:steps]
     assert len(result["losses"]) == steps
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-4), case
+    assert result["mtp"] == pytest.approx(ref_mtp, rel=1e-4), case  # multi-token prediction's loss (MLA's cases)
+    assert len(ref_mtp) == (steps if layout_case.spec.mtp_num_layers else 0)
     assert result["grad_norms"] == pytest.approx(ref_norms, rel=1e-4), case
     if layout_case.moe is not None:  # the MoE losses and loads as one process has them, at every step
         for got, want in zip(result["moe"], ref_moe, strict=True):

@@ -85,6 +85,9 @@ def build_model(args, pre, post, sequence_parallel=False):
     ) if experts else {}
     if sequence_parallel:
         moe["sequence_parallel"] = True
+    mtp = getattr(args, "mtp_num_layers", None)
+    if mtp:  # multi-token prediction, weighted 1 (MtpLoss reads back the mean over depths)
+        moe.update(mtp_num_layers=mtp, mtp_loss_scaling_factor=1.0)
     config = transformer_config(args, qk_layernorm=args.qk_layernorm, **moe)
     if experts:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
@@ -97,11 +100,18 @@ def build_model(args, pre, post, sequence_parallel=False):
                 layer.submodules.self_attention.submodules.core_attention = _PlainCoreAttention
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=args.qk_layernorm)
+    mtp_spec = None
+    if mtp:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     return GPTModel(
         config, spec, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre, post_process=post, position_embedding_type="rope", rotary_base=args.rotary_base,
         rotary_percent=getattr(args, "rotary_percent", 1.0),
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, parallel_output=False,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        parallel_output=bool(mtp),  # logits gathered over TP; its loss (which MTP needs) takes them TP-split
+        mtp_block_spec=mtp_spec,
     ).eval()
 
 
@@ -139,13 +149,22 @@ def open_case(case):
         # spec's spelling of an MoE layer's pre_mlp_layernorm, written beside the local spec's for that spec (with
         # multi-latent attention also its fused `layer_norm_weight` spellings of the latents' and dense layers' norms)
         loaded, missing, unexpected = dist_checkpointing.load(
-            {"model": model.sharded_state_dict()}, str(iteration_dir), strict=StrictHandling.RETURN_ALL)
+            {"model": model.sharded_state_dict(metadata=_metadata())}, str(iteration_dir),
+            strict=StrictHandling.RETURN_ALL)
         assert not unexpected, sorted(unexpected)
         other_spec = ("pre_mlp_layernorm.weight",) + (("layer_norm_weight",) if args.multi_latent_attention else ())
         assert all(key.endswith(other_spec) for key in missing), sorted(missing)
         return loaded["model"], None
 
     return args, state
+
+
+def _metadata() -> dict:
+    """sharded_state_dict's metadata: a last stage with multi-token prediction ties its copy of the embedding to the
+    first stage's over the data-parallel group"""
+    from megatron.core import parallel_state as ps
+
+    return {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
 
 
 def report_ranks(path, model, weights, folder, tp_rank, pp_rank, ep_rank):
@@ -173,6 +192,42 @@ def report_experts(path, model):
     torch.save(report, path)
 
 
+class MtpLoss:
+    """megatron-core's multi-token prediction loss of a forward: its GPTModel hands each depth's mean token loss
+    times mtp_loss_scaling_factor / depths to MTPLossAutoScaler.apply (which adds its gradient to the main loss's);
+    with the factor at 1 their sum is the mean over depths of the depths' mean token losses."""
+
+    def __enter__(self):
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+        self.cls, self.original, self.terms = MTPLossAutoScaler, MTPLossAutoScaler.apply, []
+        MTPLossAutoScaler.apply = lambda output, loss: (self.terms.append(loss.sum().item()), output)[1]
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.apply = self.original
+
+
+def forward_with_labels(model, args, ids, labels, pre, post):
+    """A model with multi-token prediction takes the labels (its depths roll them) and the ids on its last stage
+    too (it embeds the shifted tokens): the per-token loss [b, s] and the MTP loss on the last stage's TP rank 0."""
+    from megatron.core import parallel_state as ps
+
+    b, s = ids.shape
+    position_ids = torch.arange(s)[None].expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad(), MtpLoss() as mtp:
+        if not pre:
+            hidden = torch.empty(s, b, args.hidden_size)
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(ids, position_ids, mask, labels=labels if post else None)
+        if not post:
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+    return (out, sum(mtp.terms)) if ps.get_tensor_model_parallel_rank() == 0 else None
+
+
 def run_case(case):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
@@ -193,7 +248,19 @@ def run_case(case):
     model.load_state_dict(weights, strict=True)  # every key, every shape
     if case.get("ranks"):
         report_experts(case["ranks"].format(rank=dist.get_rank()), model)
-    logits = forward(model, args, torch.load(case["ids"], weights_only=True), pre, post)
+    ids = torch.load(case["ids"], weights_only=True)
+    if getattr(args, "mtp_num_layers", None):
+        labels = torch.load(case["labels"], weights_only=True)
+        out = forward_with_labels(model, args, ids, labels, pre, post)
+        if out is not None:
+            expected = torch.load(case["expected"], weights_only=True)  # per-token loss, then the MTP loss
+            Path(case["result"]).write_text(json.dumps({
+                "max_abs_diff": (out[0] - expected["loss"]).abs().max().item(), "shape": list(out[0].shape),
+                "mtp_loss": out[1], "expected_mtp_loss": expected["mtp_loss"]}))
+        dist.barrier()
+        ps.destroy_model_parallel()
+        return
+    logits = forward(model, args, ids, pre, post)
     if logits is not None:
         expected = torch.load(case["expected"], weights_only=True)
         diff = (logits[..., : expected.shape[-1]] - expected).abs().max().item()

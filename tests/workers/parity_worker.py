@@ -67,7 +67,7 @@ def run_case(name: str, outdir: Path):
     mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
     batch = Batch(input_ids[mine], labels[mine], None if position_ids is None else position_ids[mine],
                   None if segment_ids is None else segment_ids[mine])
-    losses, norms, moe_figures = [], [], []
+    losses, norms, moe_figures, mtp_losses = [], [], [], []
     for step in range(case.steps):
         loss_sum = engine.forward_backward(batch)
         if step == 0:
@@ -83,8 +83,10 @@ def run_case(name: str, outdir: Path):
         losses.append(engine.global_loss(loss_sum))
         norms.append(norm)
         moe_figures.append(engine.moe_step_figures())
+        if engine.mtp_depths:
+            mtp_losses.append(engine.mtp_step_loss())
     # proof that the layers ran compiled: the frames torch.compile captured for this case
-    result = {"losses": losses, "grad_norms": norms, "moe": moe_figures,
+    result = {"losses": losses, "grad_norms": norms, "moe": moe_figures, "mtp": mtp_losses,
               "compiled_frames": compiled_frames() - frames_before}
     if grid.rank == 0:
         (outdir / f"{name}.json").write_text(json.dumps(result))

@@ -9,7 +9,7 @@ import zlib
 import torch
 
 from qlm_core.models.layout import ModelLayout, TensorLayout
-from qlm_core.models.norms import norm_kind
+from qlm_core.models.norms import NORM_WEIGHT_SUFFIXES, norm_kind
 
 
 class RandomInitSource:
@@ -28,7 +28,7 @@ class RandomInitSource:
         if self._cached is None or self._cached[0] != name:
             shape = list(tensor.shape)
             shape[tensor.axis] = tensor.real_extent  # padding rows are never read
-            if name.endswith("layernorm.weight"):
+            if name.endswith(NORM_WEIGHT_SUFFIXES):
                 value = torch.full(shape, norm_kind(self.layout.spec).init)
             elif name.endswith((".bias", ".expert_bias")):
                 value = torch.zeros(shape)

@@ -124,6 +124,10 @@ def _check_tiling(file: Path, header: dict, fix: str):
         covered, last = max(covered, stop), (start, stop, name)
 
 
+# a multi-token prediction layer's copies of the shared embedding and output layer (DeepSeek-V3's release holds them)
+_MTP_COPY = re.compile(r"\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")
+
+
 class HFCheckpoint:
     """An HF model directory opened for lazy reads."""
 
@@ -144,6 +148,7 @@ class HFCheckpoint:
         self._fp8: dict[str, str] = {}  # FP8 weights (name -> their scale grid's name), read dequantised
         self.notes: list[str] = []  # what reading does beyond copying (FP8 dequantisation)
         self._scan()
+        self._find_mtp()
         self._alias_fused_experts()
         self._find_fp8()
 
@@ -180,6 +185,15 @@ class HFCheckpoint:
                 self._files[name] = file
                 self._shapes[name] = tuple(tensor.shape)
                 self._dtypes[name] = tensor.dtype
+
+    def _find_mtp(self):
+        """config.json may count multi-token prediction layers the weights do not hold (transformers saves none:
+        its models drop them): the model is then read without them, and says so."""
+        spec = self.spec
+        if spec.mtp_num_layers and f"model.layers.{spec.num_layers}.eh_proj.weight" not in self._shapes:
+            self.notes.append(f"config.json counts {spec.mtp_num_layers} multi-token prediction layer(s) but the "
+                              "weights hold none (as transformers saves the model): read without them")
+            self.spec = spec.replace(mtp_num_layers=0)
 
     def _alias_fused_experts(self):
         """Every per-expert tensor the layout asks for, read from a fused tensor when the files hold that layout.
@@ -261,6 +275,8 @@ class HFCheckpoint:
         dropped silently), before anything is written (a tied model may still hold its lm_head.weight copy)."""
         ignorable = ("lm_head.weight",) if self.spec.tie_word_embeddings else ()
         for name, shape in expected.items():
+            if name not in self._shapes and _MTP_COPY.search(name):
+                continue  # a multi-token prediction layer's copy of the embedding or the output layer: written only
             if name not in self._shapes:
                 raise QlmError(f"tensor {name} is missing from {self.path}", "the weights do not match config.json")
             if self._shapes[name] != tuple(shape):
@@ -274,13 +290,11 @@ class HFCheckpoint:
         if extra:
             layers = sorted({int(m.group(1)) for n in extra if (m := re.search(r"\.layers\.(\d+)\.", n))})
             what = f"layers {', '.join(map(str, layers))} and " if layers else ""
-            mtp = self.config.get("num_nextn_predict_layers") or 0
-            if layers and mtp and min(layers) >= self.spec.num_layers:  # DeepSeek-V3 / GLM-4.5 as released
-                raise QlmError(f"{self.path} holds {mtp} multi-token prediction layer(s) (model.layers."
-                               f"{self.spec.num_layers}.*, num_nextn_predict_layers), which qlm does not convert "
-                               "yet; converting would drop them",
-                               "remove those tensors and num_nextn_predict_layers from a copy to convert the model "
-                               "without them")
+            last = self.spec.num_layers + self.spec.mtp_num_layers
+            if layers and min(layers) >= last and any(n.endswith(".eh_proj.weight") for n in extra):
+                raise QlmError(f"{self.path} holds multi-token prediction layer(s) from model.layers.{last}.* that "
+                               f"config.json does not count (it says {self.spec.mtp_num_layers}); converting "
+                               "would drop them", "set num_nextn_predict_layers to the layers the weights hold")
             raise QlmError(
                 f"{self.path} holds {what}{len(extra)} tensors config.json does not describe "
                 f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})",

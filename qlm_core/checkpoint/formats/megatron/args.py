@@ -64,6 +64,7 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         qlm_pad_token_id=s.pad_token_id,
         **moe_args(s),
         **mla_args(s),
+        mtp_num_layers=s.mtp_num_layers or None,  # Megatron's --mtp-num-layers (None: no MTP)
     )
     set_layout_args(args, layout, dtype)
     for key, value in extra.items():
@@ -276,6 +277,7 @@ def spec_from_args(args) -> ModelSpec:
         rotary_percent=float(getattr(args, "rotary_percent", 1.0) or 1.0),
         moe=moe,
         mla=mla,
+        mtp_num_layers=int(getattr(args, "mtp_num_layers", None) or 0),
         attention="mla" if mla else None,
         norm=norm,
         activation=activation,

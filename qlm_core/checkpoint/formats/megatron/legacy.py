@@ -36,10 +36,14 @@ _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
 def megatron_spec(root: Path, args) -> ModelSpec:
-    """A Megatron checkpoint's architecture: the HF config kept beside it (exact), else its args."""
+    """A Megatron checkpoint's architecture: the HF config kept beside it (exact), else its args. The args say
+    whether the weights hold multi-token prediction layers (a config.json may count some its weights lack, as
+    transformers saves them)."""
     side = root / HF_SIDE_DIR / "config.json"
     if side.exists():
-        return ModelSpec.from_hf_config(read_config(side))
+        spec = ModelSpec.from_hf_config(read_config(side))
+        return spec.replace(mtp_num_layers=int(getattr(args, "mtp_num_layers", None) or 0)) if spec.mtp_num_layers \
+            else spec
     return spec_from_args(args)
 
 

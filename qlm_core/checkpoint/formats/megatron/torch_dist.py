@@ -57,6 +57,8 @@ EXTRA_STATE_LINEARS = LINEARS  # each local-spec linear of a dense layer has an 
 _LOCAL_TO_TE = {local: te for te, local in TE_NORM_NAMES.items()}
 _MLA_LOCAL_TO_TE = {local: te for te, local in MLA_TE_NORM_NAMES.items()}
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+# a multi-token prediction layer's transformer layer: its own keys (no layer axis), named as a decoder layer's below
+_MTP_LAYER = re.compile(r"(mtp\.layers\.\d+\.transformer_layer)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
 
@@ -74,17 +76,21 @@ def dist_key(name: str, stacked: bool = True, te_norms: bool = True,
     model, the layer in the key ((expert,) or () left). `te_norms` False: the norms under their module names
     (`pre_mlp_layernorm.weight`, as Transformer-Engine-spec MoE layers store it) instead of the fused names; `mla`:
     the fused names of a multi-latent attention layer (MLA_TE_NORM_NAMES)."""
-    match = _LAYER.fullmatch(name)
-    if match is None:
+    match, mtp = _LAYER.fullmatch(name), _MTP_LAYER.fullmatch(name)
+    if match is None and mtp is None:
         return name, ()
-    layer, suffix = int(match.group(1)), match.group(2)
-    index: tuple[int, ...] = (layer,) if stacked else ()
+    if mtp is not None:
+        prefix, suffix, index = mtp.group(1), mtp.group(2), ()
+    else:
+        layer, suffix = int(match.group(1)), match.group(2)
+        prefix = "decoder.layers" if stacked else f"decoder.layers.{layer}"
+        index: tuple[int, ...] = (layer,) if stacked else ()
     expert = _EXPERT.fullmatch(suffix)
     if expert is not None:
         suffix, index = f"mlp.experts.experts.{expert.group(2)}", (*index, int(expert.group(1)))
     elif te_norms:
         suffix = (_MLA_LOCAL_TO_TE if mla else _LOCAL_TO_TE).get(suffix, suffix)
-    return f"decoder.layers.{suffix}" if stacked else f"decoder.layers.{layer}.{suffix}", index
+    return f"{prefix}.{suffix}", index
 
 
 def primary_key(name: str, spec: ModelSpec, stacked: bool) -> tuple[str, tuple[int, ...]]:
@@ -99,10 +105,11 @@ def te_spec_norm_key(name: str, spec: ModelSpec, stacked: bool) -> str | None:
     (Megatron-LM's default strictness accepts the key the other spec does not use): an MoE layer's
     pre_mlp_layernorm (its own module under Transformer Engine, not fused into linear_fc1); with multi-latent
     attention, the q and kv latents' norms and a dense layer's pre_mlp_layernorm (fused under Transformer Engine)."""
-    match = _LAYER.fullmatch(name)
-    if match is None:
+    match, mtp = _LAYER.fullmatch(name), _MTP_LAYER.fullmatch(name)
+    if match is None and mtp is None:
         return None
-    suffix, moe_layer = match.group(2), spec.is_moe_layer(int(match.group(1)))
+    suffix = (match or mtp).group(2)
+    moe_layer = spec.is_moe_layer(int(match.group(1)) if match else spec.num_layers)
     if spec.mla is not None:
         if suffix == "pre_mlp_layernorm.weight" and moe_layer:
             return None  # its own module under both specs
@@ -120,10 +127,14 @@ def dist_key_candidates(name: str, mla: bool = False) -> list[tuple[str, tuple[i
     return list(dict.fromkeys(dist_key(name, stacked, te, mla) for te in order for stacked in (True, False)))
 
 
-def extra_state_key(linear: str, layer: int, num_layers: int, num_experts: int = 0, stacked: bool = True) -> str:
+def extra_state_key(linear: str, layer: int | None, num_layers: int, num_experts: int = 0,
+                    stacked: bool = True) -> str:
     """The ShardedObject key of `linear`'s `_extra_state` in `layer` (a local-spec module path, routed experts as
-    `mlp.experts.local_experts.<e>.linear_fc1`): `<key>/shard_<offset>_<shape>` over the stacked axes."""
-    key, index = dist_key(f"decoder.layers.{layer}.{linear}._extra_state", stacked)
+    `mlp.experts.local_experts.<e>.linear_fc1`; `layer` None: `linear` is a global module path, e.g. a
+    multi-token prediction layer's): `<key>/shard_<offset>_<shape>` over the stacked axes."""
+    stacked = stacked and layer is not None
+    name = f"{linear}._extra_state" if layer is None else f"decoder.layers.{layer}.{linear}._extra_state"
+    key, index = dist_key(name, stacked)
     shape = ((num_layers,) if stacked else ()) + ((num_experts,) if len(index) > stacked else ())
     offset, size = ".".join(map(str, index)) or "0", ".".join(map(str, shape)) or "1"
     return f"{key}/shard_{offset}_{size}"
@@ -133,8 +144,11 @@ def extra_state_keys(spec: ModelSpec) -> list[str]:
     """Every `_extra_state` object a model's torch_dist checkpoint holds (megatron-core requires them on load)."""
     layout, stacked = ModelLayout(spec), homogeneous(spec)
     experts = spec.moe.num_experts if spec.moe is not None else 0
+    mtp = [f"mtp.layers.{depth}.{suffix[: -len('._extra_state')]}" for depth in range(spec.mtp_num_layers)
+           for suffix, tensor in layout.mtp_entries(depth) if tensor is None]
     return [extra_state_key(linear, layer, spec.num_layers, experts, stacked)
-            for layer in range(spec.num_layers) for linear in layout.layer_linears(layer)]
+            for layer in range(spec.num_layers) for linear in layout.layer_linears(layer)] + [
+        extra_state_key(linear, None, spec.num_layers, experts) for linear in mtp]
 
 
 # ---- safe metadata ---------------------------------------------------------------------------------------------
@@ -331,7 +345,7 @@ class TorchDistCheckpoint:
             mla = self.layout.spec.mla is not None
             used = {key for tensor in self.layout.global_tensors
                     for key, _ in dist_key_candidates(tensor.stored_name, mla)}
-            weights = [k for k in self.tensors if k.startswith(("embedding.", "decoder.", "output_layer."))]
+            weights = [k for k in self.tensors if k.startswith(("embedding.", "decoder.", "mtp.", "output_layer."))]
             side = self.root / HF_SIDE_DIR / "config.json"
             check_no_leftovers(self.dir, weights, used, self._described_as() or
                                (str(side) if side.exists() else "the args"))
@@ -353,7 +367,7 @@ class TorchDistCheckpoint:
         per-layer one, then experts) and the tensor's shape."""
         key, index = self._key(tensor)
         key = key.removeprefix("" if self.view == "model" else view_prefix(self.view))
-        per_layer = re.match(r"(?:.*/)?decoder\.layers\.\d+\.", key) is not None
+        per_layer = re.match(r"(?:.*/)?(decoder|mtp)\.layers\.\d+\.", key) is not None
         axes = ([] if per_layer else [self.spec.num_layers]) + ([self.spec.moe.num_experts] if self.spec.moe else [])
         return (*axes[: len(index)], *tensor.shape)
 

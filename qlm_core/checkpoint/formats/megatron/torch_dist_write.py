@@ -78,9 +78,10 @@ def plan_chunks(layout: ModelLayout) -> dict[str, tuple[tuple[int, ...], list[Ch
     """torch_dist key -> (global shape, chunks), as Megatron writes them at layout.tp (routed experts: layout.etp)."""
     keys: dict[str, tuple[tuple[int, ...], list[Chunk]]] = {}
     spec, stacked = layout.spec, homogeneous(layout.spec)
-    axes = ((spec.num_layers,) if stacked else ()) + ((spec.moe.num_experts,) if spec.moe is not None else ())
+    experts = (spec.moe.num_experts,) if spec.moe is not None else ()
     for tensor in layout.global_tensors:
         key, index = primary_key(tensor.name, spec, stacked)
+        axes = experts if not stacked or key.startswith("mtp.") else (spec.num_layers, *experts)  # per-layer keys
         shape = (*axes[: len(index)], *tensor.shape)
         alias = te_spec_norm_key(tensor.name, spec, stacked)
         for name in (key, alias) if alias not in (None, key) else (key,):
