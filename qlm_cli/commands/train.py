@@ -48,11 +48,14 @@ def pair_figures(figures: dict[str, float]) -> tuple[float, float] | None:
 
 def objective_figures(figures: dict[str, float] | None) -> str:
     """The step line's figures beside the loss: a preference or reward-model step's accuracy and margin, an RL
-    step's reward, KL, clipped share, completion length and train/rollout log-prob difference."""
+    step's reward, KL, clipped share, completion length and train/rollout log-prob difference, a multi-token
+    prediction model's MTP loss."""
     if not figures:
         return ""
     if pair := pair_figures(figures):
         return f" acc {pair[0]:.2f} margin {pair[1]:.3f}"
+    if "reward" not in figures:
+        return f" mtp {figures['mtp_loss']:.3f}" if "mtp_loss" in figures else ""
     text = f" reward {figures['reward']:.3f}"
     if "kl" in figures:
         text += f" kl {figures['kl']:.4f}"

@@ -40,3 +40,12 @@ def num_parameters(spec: ModelSpec, active: bool = False) -> int:
     embed = spec.vocab_size * spec.hidden_size + head
     final_norm = len(norm_kind(spec).tensors) * spec.hidden_size
     return sum(layer_parameters(spec, i, active) for i in range(spec.num_layers)) + embed + final_norm
+
+
+def mtp_parameters(spec: ModelSpec, active: bool = False) -> int:
+    """The multi-token prediction layers' own parameters (left out of num_parameters, as the model cards count):
+    each depth's enorm, hnorm and final norm, eh_proj [h, 2h] and a layer of the decoder's last layer's kind (the
+    embedding and output layer are shared; DeepSeek-V3's release also stores copies of them)."""
+    h = spec.hidden_size
+    per_depth = 3 * len(norm_kind(spec).tensors) * h + 2 * h * h + layer_parameters(spec, spec.num_layers, active)
+    return spec.mtp_num_layers * per_depth

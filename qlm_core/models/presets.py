@@ -117,15 +117,17 @@ PRESETS: dict[str, ModelSpec] = {
     # DeepSeek-V3 / R1 (671B total, 37B active, without its multi-token prediction module), Kimi-K2 (1.04T total,
     # 32B active) and Moonlight-16B-A3B (16B total, 3B active)
     "deepseek-v3": _deepseek_v3(129280, 7168, 18432, 61, 128, 1536, 256, 8, 2048, 1, 8, 4, 2.5, 3, 163840, 10000.0,
-                                YarnScaling(40.0, 4096, mscale=1.0, mscale_all_dim=1.0), 1e-6, 0, 1),
+                                YarnScaling(40.0, 4096, mscale=1.0, mscale_all_dim=1.0), 1e-6, 0, 1).replace(
+                                    mtp_num_layers=1),
     "kimi-k2": _deepseek_v3(163840, 7168, 18432, 61, 64, 1536, 384, 8, 2048, 1, 1, 1, 2.827, 1, 131072, 50000.0,
                             YarnScaling(32.0, 4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
                             1e-6, 163584, 163585),
     "moonlight-16b-a3b": _deepseek_v3(163840, 2048, 11264, 27, 16, None, 64, 6, 1408, 2, 1, 1, 2.446, 1, 8192,
                                       50000.0, None, 1e-5, 163584, 163585),
-    # GLM-4.5-Air (106B total, 12B active) and GLM-4.5 (355B total, 32B active)
-    "glm-4.5-air": _glm4_moe(4096, 10944, 46, 96, 128, 1408, 1, 1.0, qk_norm=False),
-    "glm-4.5": _glm4_moe(5120, 12288, 92, 96, 160, 1536, 3, 2.5, qk_norm=True),
+    # GLM-4.5-Air (106B total, 12B active) and GLM-4.5 (355B total, 32B active); each, as DeepSeek-V3, with one
+    # multi-token prediction layer (num_nextn_predict_layers), which the published totals leave out
+    "glm-4.5-air": _glm4_moe(4096, 10944, 46, 96, 128, 1408, 1, 1.0, qk_norm=False).replace(mtp_num_layers=1),
+    "glm-4.5": _glm4_moe(5120, 12288, 92, 96, 160, 1536, 3, 2.5, qk_norm=True).replace(mtp_num_layers=1),
     # GLM-4.7-Flash (30B total, 3B active: transformers' Glm4MoeLiteConfig defaults, which are the released model's)
     "glm-4.7-flash": _deepseek_v3(154880, 2048, 10240, 47, 20, 768, 64, 4, 1536, 1, 1, 1, 1.8, 1, 202752, 10000.0,
                                   None, 1e-5, 0, 1, model_type="glm4_moe_lite", nope=192, values=256),
@@ -146,11 +148,12 @@ PRESETS: dict[str, ModelSpec] = {
         moe=MoeSpec(num_experts=8, topk=2, ffn_hidden_size=64),
     ),
     # For CPU demos and tests: DeepSeek-V3's layer at qlm-tiny's size (multi-latent attention with q's low rank,
-    # 8 experts in 4 groups of which 2 are kept, top 2, a shared expert, a dense first layer)
+    # 8 experts in 4 groups of which 2 are kept, top 2, a shared expert, a dense first layer, one multi-token
+    # prediction layer)
     "qlm-tiny-mla": _deepseek_v3(512, 128, 352, 4, 4, 48, 8, 2, 64, 1, 4, 2, 2.5, 1, 4096, 10000.0, None, 1e-6,
                                  None, None).replace(mla=MlaSpec(kv_lora_rank=32, qk_nope_head_dim=32,
                                                                  qk_rope_head_dim=16, v_head_dim=32, q_lora_rank=48),
-                                                     kv_channels=48),
+                                                     kv_channels=48, mtp_num_layers=1),
     "mistral-7b": ModelSpec(
         model_type="mistral", vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
         num_attention_heads=32, num_query_groups=8, kv_channels=128, max_position_embeddings=32768,

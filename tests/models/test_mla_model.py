@@ -190,6 +190,18 @@ def test_presets_carry_the_published_parameter_counts(preset, total, active):
     assert ModelSpec.from_hf_config({**config.to_dict(), "architectures": hf["architectures"]}) == spec
 
 
+def test_deepseek_v3s_release_total_counts_its_mtp_layer_and_the_copies():
+    """DeepSeek-V3's Hugging Face release holds 685B parameters: the 671B model and its 14B MTP module (one MoE
+    layer, eh_proj and norms, with copies of the embedding and the output layer)."""
+    from qlm_core.models.parameters import mtp_parameters, num_parameters
+    from qlm_core.models.presets import PRESETS
+
+    spec = PRESETS["deepseek-v3"]
+    copies = 2 * spec.vocab_size * spec.hidden_size
+    assert spec.mtp_num_layers == 1 and mtp_parameters(spec) + copies == pytest.approx(14e9, rel=0.04)
+    assert num_parameters(spec) + mtp_parameters(spec) + copies == pytest.approx(685e9, rel=0.002)
+
+
 def test_absent_router_keys_take_transformers_defaults(mla_models):
     """A hand-written config.json without n_group, topk_group, routed_scaling_factor, n_shared_experts or
     first_k_dense_replace reads as transformers reads it (DeepSeek-V3's 8, 4, 2.5, 1, 3)."""
