@@ -64,6 +64,11 @@ MLA_KINDS = {
     "deepseek_v3_lite": ("deepseek_v3", dict(_V3, n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=None,
                                              n_group=1, topk_group=1, first_k_dense_replace=2,
                                              routed_scaling_factor=1.0, rope_interleave=False)),
+    # DeepSeek-V2-Lite: no q low rank, yarn, softmax over every expert (no renormalisation, no correction bias),
+    # scaled, a shared expert and a dense first layer
+    "deepseek_v2_lite": ("deepseek_v2", dict(_V3, n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=None,
+                                             first_k_dense_replace=1, routed_scaling_factor=1.5,
+                                             rope_parameters=_YARN)),
     # GLM-4.7-Flash: the same layer, dense and MoE layers listed (here dense, MoE, dense, MoE)
     "glm4_moe_lite": ("glm4_moe_lite", dict(_V3, n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=24,
                                             mlp_layer_types=["dense", "sparse", "dense", "sparse"],

@@ -70,6 +70,10 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("DeepseekV3ForCausalLM", declares_no_bias=True, moe=True,
                           shared_expert_block="shared_experts.", attention="mla",
                           mtp_key="num_nextn_predict_layers"),
+    # DeepSeek-V2-Lite: the same layer (transformers always rotates its rotary rows as interleaved pairs), softmax
+    # routing without renormalisation or a correction bias, scaled
+    "deepseek_v2": Family("DeepseekV2ForCausalLM", declares_no_bias=True, moe=True,
+                          shared_expert_block="shared_experts.", attention="mla"),
     # GLM-4.5 / 4.6 / Air: grouped-query attention with partial RoPE (partial_rotary_factor), q/k/v biases and q/k
     # norms as config.json says, DeepSeek-V3's router, shared experts and dense first layers
     "glm4_moe": Family("Glm4MoeForCausalLM", qkv_bias="attention_bias", qk_norm_key="use_qk_norm", moe=True,

@@ -59,7 +59,8 @@ def mla_from_hf(config: dict[str, Any], model_type: str) -> MlaSpec:
                            f"set {key} as transformers writes it")
         return value
 
-    interleave = config.get("rope_interleave", True)
+    # transformers' DeepseekV2 rotates the rotary rows as complex pairs whatever rope_interleave says
+    interleave = True if model_type == "deepseek_v2" else config.get("rope_interleave", True)
     if not isinstance(interleave, bool):
         raise QlmError(f"config.json ({model_type}): rope_interleave is {interleave!r}, not true or false",
                        "set rope_interleave as transformers writes it")

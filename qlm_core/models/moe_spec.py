@@ -24,7 +24,7 @@ from qlm_core.models.families import FAMILIES
 ScoreFunction = RouterScoreFunction
 MOE_MODEL_TYPES = tuple(model_type for model_type, family in FAMILIES.items() if family.moe)
 # sigmoid group-limited routers with a correction bias
-DEEPSEEK_MOE_TYPES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+DEEPSEEK_MOE_TYPES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")  # DeepSeek-V3's router (deepseek_v2: its own)
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,51 @@ def _deepseek_moe(config: dict[str, Any], model_type: str, num_layers: int) -> M
                    topk_scaling_factor=float(scaling))
 
 
+def _deepseek_v2_moe(config: dict[str, Any], num_layers: int) -> MoeSpec:
+    """DeepSeek-V2's MoE keys as transformers' DeepseekV2 reads them: softmax over every expert, the top k kept
+    without renormalising (norm_topk_prob has no effect there) and scaled by routed_scaling_factor, shared experts,
+    first_k_dense_replace dense layers. Its group_limited_greedy routing (the 236B model) scores a group by its best
+    expert, which Megatron-Core's group-limited router does not do: refused."""
+    model_type = "deepseek_v2"
+    method = config.get("topk_method", "greedy")
+    if method != "greedy":
+        raise QlmError(f"config.json ({model_type}): topk_method {method!r} (a group's score is its best expert, "
+                       "which Megatron-Core's group-limited router does not compute)",
+                       "qlm converts DeepSeek-V2 models with greedy routing (DeepSeek-V2-Lite)")
+    if _typed(config, model_type, "norm_topk_prob", bool, False):
+        raise QlmError(f"config.json ({model_type}): norm_topk_prob is true, which transformers' DeepseekV2 ignores "
+                       "(it never renormalises)", "set norm_topk_prob to false, as DeepSeek-V2's releases have it")
+    experts = _typed(config, model_type, "n_routed_experts", int, None, least=1)
+    topk = _typed(config, model_type, "num_experts_per_tok", int, None, least=1)
+    ffn = _typed(config, model_type, "moe_intermediate_size", int, None, least=1)
+    if experts is None or topk is None or ffn is None:
+        raise QlmError(f"config.json ({model_type}) has no n_routed_experts / num_experts_per_tok / "
+                       "moe_intermediate_size", "use a complete config.json from transformers")
+    scaling = config.get("routed_scaling_factor", 1.0)
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0:
+        raise QlmError(f"config.json ({model_type}): routed_scaling_factor is {scaling!r}, not a positive number",
+                       "set routed_scaling_factor as transformers writes it")
+    dense = _typed(config, model_type, "first_k_dense_replace", int, 0)
+    pattern = tuple(int(i >= dense) for i in range(num_layers))
+    return MoeSpec(num_experts=experts, topk=topk, ffn_hidden_size=ffn, pre_softmax=True,
+                   shared_expert_hidden_size=ffn * _typed(config, model_type, "n_shared_experts", int, 2),
+                   layer_pattern=() if all(pattern) else pattern, topk_scaling_factor=float(scaling))
+
+
+def _deepseek_v2_moe_to_hf(moe: MoeSpec, num_layers: int) -> dict[str, Any]:
+    dense = [i for i in range(num_layers) if not moe.is_moe_layer(i)]
+    if dense != list(range(len(dense))) or moe.expert_bias or moe.score_function != "softmax" \
+            or not moe.pre_softmax or moe.num_groups > 1 or moe.shared_expert_gate \
+            or moe.shared_expert_hidden_size % moe.ffn_hidden_size:
+        raise QlmError("this MoE is not a deepseek_v2 one (dense layers only first, softmax routing over every "
+                       "expert without renormalisation or groups, ungated shared experts of whole expert sizes)",
+                       "keep it in a Megatron format")
+    return {"n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+            "moe_intermediate_size": moe.ffn_hidden_size, "first_k_dense_replace": len(dense),
+            "n_shared_experts": moe.shared_expert_hidden_size // moe.ffn_hidden_size, "topk_method": "greedy",
+            "routed_scaling_factor": moe.topk_scaling_factor, "norm_topk_prob": False}
+
+
 def _deepseek_moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[str, Any]:
     dense = [i for i in range(num_layers) if not moe.is_moe_layer(i)]
     layers = {"mlp_layer_types": ["sparse" if moe.is_moe_layer(i) else "dense" for i in range(num_layers)]} \
@@ -161,6 +206,8 @@ def moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> Moe
     """The MoeSpec of an HF config.json of one of MOE_MODEL_TYPES."""
     if model_type in DEEPSEEK_MOE_TYPES:
         return _deepseek_moe(config, model_type, num_layers)
+    if model_type == "deepseek_v2":
+        return _deepseek_v2_moe(config, num_layers)
     experts = config.get("num_experts", config.get("num_local_experts"))
     topk = config.get("num_experts_per_tok")
     if not isinstance(experts, int) or not isinstance(topk, int) or isinstance(experts, bool) \
@@ -193,6 +240,8 @@ def moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[str, Any]:
     """The config.json keys transformers reads for `moe` (the inverse of moe_from_hf)."""
     if model_type in DEEPSEEK_MOE_TYPES:
         return _deepseek_moe_to_hf(moe, model_type, num_layers)
+    if model_type == "deepseek_v2":
+        return _deepseek_v2_moe_to_hf(moe, num_layers)
     if moe.num_groups > 1 or moe.topk_scaling_factor != 1.0:
         raise QlmError(f"this model's router limits groups or scales its weights, which transformers' {model_type} "
                        "does not", "export it as deepseek_v3, or keep it in a Megatron format")

@@ -124,6 +124,11 @@ PRESETS: dict[str, ModelSpec] = {
                             1e-6, 163584, 163585),
     "moonlight-16b-a3b": _deepseek_v3(163840, 2048, 11264, 27, 16, None, 64, 6, 1408, 2, 1, 1, 2.446, 1, 8192,
                                       50000.0, None, 1e-5, 163584, 163585),
+    # DeepSeek-V2-Lite (15.7B total, 2.4B active): no q low rank, softmax routing over 64 experts without the bias
+    "deepseek-v2-lite": _deepseek_v3(102400, 2048, 10944, 27, 16, None, 64, 6, 1408, 2, 1, 1, 1.0, 1, 163840,
+                                     10000.0, YarnScaling(40.0, 4096, mscale=0.707, mscale_all_dim=0.707), 1e-6,
+                                     100000, 100001, model_type="deepseek_v2").replace(
+        moe=MoeSpec(64, 6, 1408, pre_softmax=True, shared_expert_hidden_size=2 * 1408, layer_pattern=(0,) + (1,) * 26)),
     # GLM-4.5-Air (106B total, 12B active) and GLM-4.5 (355B total, 32B active); each, as DeepSeek-V3, with one
     # multi-token prediction layer (num_nextn_predict_layers), which the published totals leave out
     "glm-4.5-air": _glm4_moe(4096, 10944, 46, 96, 128, 1408, 1, 1.0, qk_norm=False).replace(mtp_num_layers=1),

@@ -38,13 +38,16 @@ def test_hf_tp2_pp2_ep2_hf_is_bit_exact_from_the_args_alone(mla_models, tmp_path
     spec = HFCheckpoint(src).spec  # DeepSeek-V3's config.json counts a multi-token prediction layer, unsaved
     assert spec.mtp_num_layers == 0
     same_architecture(spec_from_args(args), spec)
-    assert args.multi_latent_attention and args.qk_layernorm and args.moe_router_enable_expert_bias
+    assert args.multi_latent_attention and args.qk_layernorm
+    assert args.moe_router_enable_expert_bias != (spec.model_type == "deepseek_v2")  # V2: softmax, no bias
+    assert args.moe_router_pre_softmax == (spec.model_type == "deepseek_v2")
     assert (args.kv_lora_rank, args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim) == (16, 8, 4, 8)
     mcore_to_mcore(tmp_path / "mcore", tmp_path / "tp1", verify=True)
     back = mcore_to_hf(without_hf_side_dir(tmp_path / "tp1"), tmp_path / "hf", verify=True)
     assert back.verify.ok and back.verify.tensors_checked == len(HFCheckpoint(src).names)
     assert_same_hf(src, tmp_path / "hf")  # every tensor, e_score_correction_bias among them
-    assert any(name.endswith("e_score_correction_bias") for name in HFCheckpoint(src).names)
+    assert any(name.endswith("e_score_correction_bias") for name in HFCheckpoint(src).names) \
+        != (spec.model_type == "deepseek_v2")
     same_architecture(ModelSpec.from_hf_dir(tmp_path / "hf"), spec)
 
 
@@ -58,8 +61,8 @@ def test_hf_torch_dist_hf_is_bit_exact_with_both_specs_norm_names(mla_models, tm
     assert f"{layer0}self_attention.linear_kv_up_proj.layer_norm_weight" in md  # the TE spec's, beside
     assert f"{layer0}pre_mlp_layernorm.weight" in md and f"{layer0}mlp.linear_fc1.layer_norm_weight" in md
     assert f"{layer0}self_attention.linear_qkv.layer_norm_weight" not in md
-    assert (f"{layer0}self_attention.q_layernorm.weight" in md) == (kind != "deepseek_v3_lite")
-    assert "decoder.layers.3.mlp.router.expert_bias" in md
+    assert (f"{layer0}self_attention.q_layernorm.weight" in md) == (HFCheckpoint(src).spec.mla.q_lora_rank is not None)
+    assert ("decoder.layers.3.mlp.router.expert_bias" in md) == (kind != "deepseek_v2_lite")
     mcore_to_hf(without_hf_side_dir(tmp_path / "dist"), tmp_path / "hf", verify=True)
     assert_same_hf(src, tmp_path / "hf")
 

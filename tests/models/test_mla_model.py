@@ -40,7 +40,8 @@ def test_logits_loss_and_routes_equal_transformers(mla_models, kind):
     for hook in hooks:
         hook.remove()
     assert len(routes) == 2 * spec.moe.num_moe_layers(spec.num_layers)  # the MoE layers ran (dense first ones not)
-    assert spec.mla.v_head_dim != spec.mla.q_head_dim and spec.moe.expert_bias
+    assert spec.mla.v_head_dim != spec.mla.q_head_dim
+    assert spec.moe.expert_bias != (spec.model_type == "deepseek_v2")  # V2 routes by softmax, without the bias
 
 
 def hf_router(kind_config: dict, weight: torch.Tensor, bias: torch.Tensor):
@@ -104,9 +105,10 @@ def test_config_round_trips_through_transformers(mla_models, kind):
     written = transformers.AutoConfig.for_model(**spec.to_hf_config())
     stored = json.loads((mla_models[kind] / "config.json").read_text())
     layers = "mlp_layer_types" if kind == "glm4_moe_lite" else "first_k_dense_replace"
-    for key in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
-                "topk_group", "routed_scaling_factor", layers, "n_shared_experts", "rope_interleave",
-                "num_experts_per_tok", "n_routed_experts"):
+    router = ("topk_method", "norm_topk_prob") if spec.model_type == "deepseek_v2" else \
+        ("n_group", "topk_group", "rope_interleave")  # DeepSeek-V2: greedy softmax routing, always interleaved
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", *router,
+                "routed_scaling_factor", layers, "n_shared_experts", "num_experts_per_tok", "n_routed_experts"):
         assert getattr(written, key) == stored[key], key
     assert type(written).__name__.lower().startswith(kind.split("_lite")[0].replace("_", ""))
     assert written.rope_parameters == stored["rope_parameters"]
@@ -188,6 +190,32 @@ def test_presets_carry_the_published_parameter_counts(preset, total, active):
     hf = spec.to_hf_config()
     config = transformers.AutoConfig.for_model(**hf)
     assert ModelSpec.from_hf_config({**config.to_dict(), "architectures": hf["architectures"]}) == spec
+
+
+def test_deepseek_v2_lite_preset_carries_its_published_counts():
+    """15.7B total, 2.4B active (DeepSeek counts the active ones without the input embedding)."""
+    from qlm_core.models.parameters import num_parameters
+    from qlm_core.models.presets import PRESETS
+
+    spec = PRESETS["deepseek-v2-lite"]
+    assert num_parameters(spec) == pytest.approx(15.7e9, rel=0.005)
+    assert num_parameters(spec, active=True) - spec.vocab_size * spec.hidden_size == pytest.approx(2.4e9, rel=0.03)
+    hf = spec.to_hf_config()
+    config = transformers.AutoConfig.for_model(**hf)
+    assert type(config).__name__ == "DeepseekV2Config"
+    assert ModelSpec.from_hf_config({**config.to_dict(), "architectures": hf["architectures"]}) == spec
+
+
+def test_deepseek_v2s_group_limited_routing_and_renormalisation_are_refused():
+    """DeepSeek-V2's group_limited_greedy scores a group by its best expert (Megatron-Core's router cannot), and
+    transformers' DeepseekV2 never renormalises whatever norm_topk_prob says: one line each."""
+    from qlm_core.models.presets import PRESETS
+
+    base = PRESETS["deepseek-v2-lite"].to_hf_config()
+    with pytest.raises(QlmError, match="topk_method 'group_limited_greedy'"):
+        ModelSpec.from_hf_config({**base, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3})
+    with pytest.raises(QlmError, match="norm_topk_prob is true, which transformers' DeepseekV2 ignores"):
+        ModelSpec.from_hf_config({**base, "norm_topk_prob": True})
 
 
 def test_deepseek_v3s_release_total_counts_its_mtp_layer_and_the_copies():

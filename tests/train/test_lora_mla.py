@@ -32,7 +32,7 @@ def test_mla_adapters_equal_pefts(kind, mla_models, tmp_path):
     config = LoraConfig(rank=4, alpha=8.0, target_modules=MLA_TARGETS)
     model, layout = qlm_lora_model(mla_models[kind], config)
     adapted = {name.split(".lora_")[0].rsplit(".", 1)[1] for name, _ in model.named_parameters() if ".lora_A" in name}
-    q = ["linear_q_proj"] if kind == "deepseek_v3_lite" else ["linear_q_down_proj", "linear_q_up_proj"]
+    q = ["linear_q_proj"] if layout.spec.mla.q_lora_rank is None else ["linear_q_down_proj", "linear_q_up_proj"]
     assert adapted == {"linear_proj", "linear_kv_down_proj", "linear_kv_up_proj", *q}
     out = export_peft(layout, GlobalTensorSource(lora_state_dict(model)), config, tmp_path / "peft",
                       base_model_name_or_path=str(mla_models[kind]))

@@ -191,8 +191,8 @@ def moe_from_args(args, num_layers: int) -> MoeSpec | None:
 
 def _guess_model_type(args, moe: MoeSpec | None) -> str:
     """The HF family of args Megatron-LM wrote (qlm's own name it in qlm_model_type)."""
-    if getattr(args, "multi_latent_attention", False):
-        return "deepseek_v3"
+    if getattr(args, "multi_latent_attention", False):  # DeepSeek-V2's router: softmax before the top k
+        return "deepseek_v2" if moe is not None and moe.pre_softmax and not moe.expert_bias else "deepseek_v3"
     qk_norm, bias = bool(getattr(args, "qk_layernorm", False)), bool(getattr(args, "add_qkv_bias", False))
     if moe is None:
         return "qwen3" if qk_norm else "qwen2" if bias else "llama"
