@@ -330,6 +330,22 @@ class ModelLayout:
             tensors.append(self.output_layer())
         return tensors
 
+    def _layer_parts(self, layer: int) -> tuple[list, list[list], list]:
+        """layer_entries(layer) split for selecting an EP rank's experts quickly (an expert-parallel conversion
+        walks every layer for each of its shards): the entries before the routed experts, each routed expert's
+        (suffixes below `<EXPERT_PREFIX><e>.`), and the entries after them."""
+        key = ("parts", layer)
+        if key not in self._entries:
+            before, experts, after = [], {}, []
+            for suffix, tensor in self.layer_entries(layer):
+                if suffix.startswith(EXPERT_PREFIX):
+                    expert, rest = suffix[len(EXPERT_PREFIX):].split(".", 1)
+                    experts.setdefault(int(expert), []).append((rest, tensor))
+                else:
+                    (after if experts else before).append((suffix, tensor))
+            self._entries[key] = (before, [experts[e] for e in sorted(experts)], after)
+        return self._entries[key]
+
     def local_expert_suffix(self, suffix: str, ep_rank: int) -> str | None:
         """A layer entry's suffix as EP rank `ep_rank` names it: a routed expert's with its local index, None for
         another rank's expert; other suffixes unchanged."""
@@ -347,10 +363,13 @@ class ModelLayout:
         if first or (last and self.spec.mtp_num_layers):  # multi-token prediction embeds on the last stage too
             entries.append(("embedding.word_embeddings.weight", self.embedding()))
         for local, layer in enumerate(self.chunk_layers(pp_rank, chunk)):
-            for suffix, tensor in self.layer_entries(layer):
-                mine = self.local_expert_suffix(suffix, ep_rank)
-                if mine is not None:
-                    entries.append((f"decoder.layers.{local}.{mine}", tensor))
+            name = f"decoder.layers.{local}."
+            before, experts, after = self._layer_parts(layer)
+            entries += [(name + suffix, tensor) for suffix, tensor in before]
+            first = ep_rank * self.experts_per_rank
+            for index, expert in enumerate(experts[first: first + self.experts_per_rank]):
+                entries += [(f"{name}{EXPERT_PREFIX}{index}.{rest}", tensor) for rest, tensor in expert]
+            entries += [(name + suffix, tensor) for suffix, tensor in after]
         if last:
             entries += self.final_norms()
             for depth in range(self.spec.mtp_num_layers):

@@ -1,25 +1,25 @@
 """torch.save files whose tensor bytes are written afterwards, straight to their place in the file.
 
 `torch.serialization.skip_data` saves a file's zip structure and pickle with every storage's bytes left as a hole
-(a sparse file: the holes read as zeros); a torch.load of it onto the meta device gives each storage's file offset
-(`_checkpoint_offset`). The bytes then go in with pwrite or copy_file_range, in whatever order suits the source, and
-the finished file is byte for byte what torch.save writes (tests/checkpoint/test_legacy_stream.py).
+(a sparse file: the holes read as zeros); the zip records give each storage's file offset (storage_offsets). The
+bytes then go in with pwrite or copy_file_range, in whatever order suits the source, and the finished file is byte
+for byte what torch.save writes (tests/checkpoint/test_legacy_stream.py).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import struct
 import zipfile
 from pathlib import Path
 
 import torch
 
-from qlm_core.checkpoint.io.safe_load import safe_torch_load
-
 # copy_file_range refused (another file system on old kernels, a file system or kernel without it): read and write
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 _COPY_BLOCK = 64 << 20
+_LOCAL_HEADER = 30  # a zip local file header's fixed part, before its name and extra field
 
 
 def tensors_in(obj):
@@ -37,17 +37,33 @@ def tensors_in(obj):
 def storage_offsets(path: Path, saved) -> dict[int, int] | None:
     """File offset of the bytes of every storage of `saved` (by the storage's data_ptr) in `path`, which holds
     torch.save(saved) (as written under skip_data); None when some storage was not found (a tensor held by an object
-    other than a dict, list or tuple), so that the caller writes the file whole instead."""
-    loaded = safe_torch_load(path, map_location="meta")
-    offsets: dict[int, int] = {}
-    storages = set()
-    for mine, meta in zip(tensors_in(saved), tensors_in(loaded), strict=True):
-        storages.add(mine.untyped_storage().data_ptr() or id(mine))
-        if mine.untyped_storage().nbytes():
-            offsets[mine.untyped_storage().data_ptr()] = meta.untyped_storage()._checkpoint_offset
+    other than a dict, list or tuple), so that the caller writes the file whole instead.
+
+    torch.save names the storages `<archive>/data/<n>` in the order its pickler first meets them, which for
+    nested dicts, lists and tuples is tensors_in's order; each record's bytes start after its zip local header.
+    Reading the headers (not unpickling the file again) keeps this cheap for tens of thousands of tensors."""
+    keys: dict[int, str] = {}
+    for tensor in tensors_in(saved):
+        storage = tensor.untyped_storage()
+        keys.setdefault(storage.data_ptr() or id(storage), str(len(keys)))
     with zipfile.ZipFile(path) as archive:
-        records = sum(1 for name in archive.namelist() if name.split("/")[-2:-1] == ["data"])
-    return offsets if records == len(storages) else None
+        records = {info.filename.rsplit("/", 1)[1]: info for info in archive.infolist()
+                   if info.filename.split("/")[-2:-1] == ["data"]}
+    if sorted(records) != sorted(keys.values()):
+        return None
+    offsets: dict[int, int] = {}
+    with open(path, "rb") as fh:
+        for ptr, key in keys.items():
+            info = records[key]
+            if not info.file_size:
+                continue
+            fh.seek(info.header_offset)
+            header = fh.read(_LOCAL_HEADER)
+            if header[:4] != b"PK\x03\x04":
+                return None
+            name_length, extra_length = struct.unpack("<HH", header[26:30])
+            offsets[ptr] = info.header_offset + _LOCAL_HEADER + name_length + extra_length
+    return offsets
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
