@@ -68,3 +68,45 @@ def test_a_release_without_the_embedding_and_head_copies_reads_and_exports_them(
     out = load_safetensors_dir(tmp_path / "hf")
     assert torch.equal(out["model.layers.4.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
     assert torch.equal(out["model.layers.4.shared_head.head.weight"], tensors["lm_head.weight"])
+
+
+def test_a_megatron_bridge_checkpoint_of_a_deepseek_v3_model_reads_from_its_run_config(mtp_models, tmp_path):
+    """Megatron-Bridge stores no Megatron-LM args: its run_config.yaml's model section (MLATransformerConfig's
+    multi-latent attention and yarn fields, the group-limited sigmoid router, mtp_num_layers) describes the
+    model, and HF -> legacy TP2 x PP2 -> (args and hf/ removed) -> HF is bit-exact."""
+    import yaml
+
+    from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
+
+    src = mtp_models["deepseek_v3"]
+    spec = HFCheckpoint(src).spec
+    hf_to_mcore(src, tmp_path / "bridge", tp=2, pp=2, verify=False)
+    shutil.rmtree(tmp_path / "bridge" / HF_SIDE_DIR)
+    for file in (tmp_path / "bridge").rglob("model_optim_rng.pt"):
+        state = safe_torch_load(file)
+        state.pop("args")
+        torch.save(state, file)
+    mla, moe, yarn = spec.mla, spec.moe, spec.rope_scaling
+    model = {
+        "num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "ffn_hidden_size": spec.ffn_hidden_size,
+        "num_attention_heads": spec.num_attention_heads, "num_query_groups": spec.num_attention_heads,
+        "kv_channels": spec.kv_channels, "vocab_size": spec.vocab_size, "position_embedding_type": "rope",
+        "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False, "add_qkv_bias": False,
+        "share_embeddings_and_output_weights": False, "rotary_base": spec.rope_theta,
+        "layernorm_epsilon": spec.norm_epsilon, "qk_layernorm": True,
+        "max_position_embeddings": spec.max_position_embeddings, "tensor_model_parallel_size": 2,
+        "pipeline_model_parallel_size": 2, "multi_latent_attention": True, "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank, "qk_head_dim": mla.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim, "rope_type": "yarn",
+        "rotary_scaling_factor": yarn.factor, "original_max_position_embeddings": yarn.original_max_position_embeddings,
+        "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow, "mscale": yarn.mscale,
+        "mscale_all_dim": yarn.mscale_all_dim, "num_moe_experts": moe.num_experts, "moe_router_topk": moe.topk,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": moe.shared_expert_hidden_size,
+        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        "moe_router_num_groups": moe.num_groups, "moe_router_group_topk": moe.group_topk,
+        "moe_router_topk_scaling_factor": moe.topk_scaling_factor, "moe_layer_freq": list(moe.layer_pattern),
+        "mtp_num_layers": spec.mtp_num_layers, "_target_": "megatron.bridge.models.DeepSeekV3ModelProvider"}
+    (tmp_path / "bridge/release/run_config.yaml").write_text(yaml.safe_dump({"model": model}))
+    assert mcore_to_hf(tmp_path / "bridge", tmp_path / "hf", verify=True).verify.ok
+    assert_same_hf(tmp_path / "hf", src)

@@ -196,6 +196,8 @@ def _guess_model_type(args, moe: MoeSpec | None) -> str:
     qk_norm, bias = bool(getattr(args, "qk_layernorm", False)), bool(getattr(args, "add_qkv_bias", False))
     if moe is None:
         return "qwen3" if qk_norm else "qwen2" if bias else "llama"
+    if moe.expert_bias:  # DeepSeek-V3's sigmoid router with grouped-query attention: GLM-4.5
+        return "glm4_moe"
     if qk_norm and not moe.shared_expert_hidden_size:
         return "qwen3_moe"
     if moe.shared_expert_hidden_size or moe.pre_softmax or moe.layer_pattern or bias:

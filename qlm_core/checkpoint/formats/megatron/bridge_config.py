@@ -7,9 +7,13 @@ gated_linear_unit, activation_func, add_bias_linear, add_qkv_bias) plus the GPT 
 (share_embeddings_and_output_weights, vocab_size, make_vocab_size_divisible_by, seq_length, rotary_base,
 position_embedding_type, rotary_percent, ...), and for MoE models TransformerConfig's num_moe_experts,
 moe_router_topk, moe_ffn_hidden_size, moe_shared_expert_intermediate_size, moe_shared_expert_gate,
-moe_router_pre_softmax, moe_router_score_function, moe_router_enable_expert_bias, moe_layer_freq and
-qk_layernorm. They are turned into the Megatron-LM-style args Namespace the rest of qlm reads
-(megatron_args.spec_from_args); fields left out take TransformerConfig's defaults.
+moe_router_pre_softmax, moe_router_score_function, moe_router_enable_expert_bias, moe_router_num_groups,
+moe_router_group_topk, moe_router_topk_scaling_factor, moe_layer_freq and qk_layernorm; DeepSeek-V3-class
+providers add MLATransformerConfig's multi_latent_attention, q_lora_rank, kv_lora_rank, qk_head_dim,
+qk_pos_emb_head_dim, v_head_dim and its yarn fields (rope_type, rotary_scaling_factor, original_max_position_embeddings,
+beta_fast, beta_slow, mscale, mscale_all_dim), and mtp_num_layers. They are turned into the Megatron-LM-style args
+Namespace the rest of qlm reads (megatron_args.spec_from_args); fields left out take TransformerConfig's (and
+MLATransformerConfig's) defaults.
 """
 
 from __future__ import annotations
@@ -101,8 +105,9 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
     position = str(model.get("position_embedding_type", "learned_absolute"))
     if position != "rope":
         raise QlmError(f"{path}: the model uses {position} position embeddings", "qlm converts RoPE models only")
-    if number("rotary_percent", 1.0) != 1.0 or model.get("seq_len_interpolation_factor") not in (None, 1, 1.0):
-        raise QlmError(f"{path}: the model uses partial or interpolated RoPE", "qlm converts full RoPE models only")
+    if model.get("seq_len_interpolation_factor") not in (None, 1, 1.0):
+        raise QlmError(f"{path}: the model uses interpolated RoPE (seq_len_interpolation_factor)",
+                       "qlm converts RoPE without position interpolation")
     activation = _target_text(model.get("activation_func"))
     gated = flag("gated_linear_unit", False)
     seq_length = integer("seq_length", 1024)
@@ -123,7 +128,22 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
         raise QlmError(f"{path}: model.moe_layer_freq is {freq!r}, not a positive integer or a 0/1 list",
                        "restore the run's run_config.yaml or pass --config")
     scaling_factor = model.get("moe_router_topk_scaling_factor")
+    mla = {}
+    if flag("multi_latent_attention", False):  # MLATransformerConfig's fields and defaults
+        mla = dict(multi_latent_attention=True, q_lora_rank=integer("q_lora_rank", 512),  # null: no low rank
+                   kv_lora_rank=integer("kv_lora_rank", 512), qk_head_dim=integer("qk_head_dim", 128),
+                   qk_pos_emb_head_dim=integer("qk_pos_emb_head_dim", 64), v_head_dim=integer("v_head_dim", 128),
+                   rope_type=str(model.get("rope_type") or "yarn"),
+                   rotary_scaling_factor=number("rotary_scaling_factor", 40.0),
+                   original_max_position_embeddings=integer("original_max_position_embeddings", 4096),
+                   beta_fast=number("beta_fast", 32.0), beta_slow=number("beta_slow", 1.0),
+                   mscale=number("mscale", 1.0), mscale_all_dim=number("mscale_all_dim", 0.0))
     return argparse.Namespace(
+        **mla,
+        mtp_num_layers=integer("mtp_num_layers"),
+        rotary_percent=number("rotary_percent", 1.0),
+        moe_router_num_groups=integer("moe_router_num_groups"),
+        moe_router_group_topk=integer("moe_router_group_topk"),
         qk_layernorm=flag("qk_layernorm", False),
         num_experts=integer("num_moe_experts"),
         moe_router_topk=integer("moe_router_topk", 2),
