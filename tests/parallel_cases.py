@@ -40,17 +40,23 @@ MLA = SPEC.replace(mtp_num_layers=1,
                 shared_expert_hidden_size=32, layer_pattern=(0, 1, 1, 1), num_groups=4, group_topk=2,
                 topk_scaling_factor=2.5))
 # window: packed documents and the windowed model; moe: MOE; mla: MLA (mla_packed: with packed documents)
-DATA_KINDS = ("plain", "packed", "window", "moe", "moe_seq", "moe_global", "mla", "mla_packed")
+# mla_mtp_off: MLA trained with the multi-token prediction weight at 0 (its layers frozen and not run)
+DATA_KINDS = ("plain", "packed", "window", "moe", "moe_seq", "moe_global", "mla", "mla_packed", "mla_mtp_off")
 
 
 def case_spec(data: str) -> ModelSpec:
     return {"window": WINDOWED, "moe": MOE, "moe_seq": MOE, "moe_global": MOE, "mla": MLA,
-            "mla_packed": MLA}.get(data, SPEC)
+            "mla_packed": MLA, "mla_mtp_off": MLA}.get(data, SPEC)
 
 
 def case_moe(data: str) -> MoeConfig | None:
     return {"moe": MOE_TRAINING, "moe_seq": MOE_SEQ_TRAINING, "moe_global": MOE_GLOBAL_TRAINING,
-            "mla": MOE_TRAINING, "mla_packed": MOE_TRAINING}.get(data)
+            "mla": MOE_TRAINING, "mla_packed": MOE_TRAINING, "mla_mtp_off": MOE_TRAINING}.get(data)
+
+
+def case_mtp_scale(data: str) -> float:
+    """train.mtp_loss_scaling_factor of the data kind (Megatron's default, 0.1, but for mla_mtp_off)."""
+    return 0.0 if data == "mla_mtp_off" else 0.1
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,9 @@ CASES = {
     "mla_cp2_allgather_packed": LayoutCase(2, dict(cp=2, cp_comm_type="allgather"), data="mla_packed"),
     "mla_cp2_a2a_packed": LayoutCase(2, dict(cp=2, cp_comm_type="a2a"), data="mla_packed"),
     "mla_tp2_sp_recompute_selective": LayoutCase(2, dict(tp=2, sp=True, recompute="selective"), data="mla"),
+    # the last stage's embedding copy, which no loss reads when MTP does not train, still joins the first stage's
+    # gradient sum under FSDP2
+    "mla_pp2_zero3_mtp_off": LayoutCase(2, dict(pp=2, zero_stage=3), data="mla_mtp_off"),
 }
 
 

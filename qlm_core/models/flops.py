@@ -68,11 +68,11 @@ def mtp_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0)
     return spec.mtp_num_layers * (2 * 2 * h * h + dense + attention + logits_flops_per_token(spec))
 
 
-def flops_per_sequence(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> float:
+def flops_per_sequence(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0, mtp: bool = True) -> float:
     """Forward + backward model FLOPs (3x forward, recomputation not counted) of one sequence: the layers, the
-    logits and the multi-token prediction layers."""
+    logits and (`mtp`: when they train) the multi-token prediction layers."""
     per_token = (model_layer_flops_per_token(spec, seq_length, mean_doc_len) + logits_flops_per_token(spec)
-                 + mtp_flops_per_token(spec, seq_length, mean_doc_len))
+                 + (mtp_flops_per_token(spec, seq_length, mean_doc_len) if mtp else 0.0))
     return 3.0 * per_token * seq_length
 
 

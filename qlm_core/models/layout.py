@@ -366,8 +366,8 @@ class ModelLayout:
             name = f"decoder.layers.{local}."
             before, experts, after = self._layer_parts(layer)
             entries += [(name + suffix, tensor) for suffix, tensor in before]
-            first = ep_rank * self.experts_per_rank
-            for index, expert in enumerate(experts[first: first + self.experts_per_rank]):
+            mine = ep_rank * self.experts_per_rank  # this EP rank's first routed expert
+            for index, expert in enumerate(experts[mine: mine + self.experts_per_rank]):
                 entries += [(f"{name}{EXPERT_PREFIX}{index}.{rest}", tensor) for rest, tensor in expert]
             entries += [(name + suffix, tensor) for suffix, tensor in after]
         if last:
@@ -682,6 +682,16 @@ def hf_fused_experts(spec: ModelSpec) -> dict[str, tuple[str, int | None, int]]:
             out[f"{disk}experts.{e}.{up}.weight"] = (fused + "gate_up_proj", e, ffn)
             out[f"{disk}experts.{e}.{down}.weight"] = (fused + "down_proj", e, 0)
     return out
+
+
+def without_absent_mtp(spec: ModelSpec, holds: Callable[[str], bool]) -> tuple[ModelSpec, str | None]:
+    """`spec` less the multi-token prediction layers its config counts but the weights (`holds(hf_name)`) lack, as
+    transformers saves DeepSeek-V3-class models; with the note that says so (None when nothing changed)."""
+    if not spec.mtp_num_layers or holds(f"model.layers.{spec.num_layers}.eh_proj.weight"):
+        return spec, None
+    return spec.replace(mtp_num_layers=0), (
+        f"config.json counts {spec.mtp_num_layers} multi-token prediction layer(s) but the weights hold none (as "
+        "transformers saves the model): read without them")
 
 
 # convert's uneven-split flags as a recipe names them (qlm profile has only the recipe's keys for them)

@@ -337,7 +337,7 @@ class ModelSpec:
 
     def as_reward_model(self) -> ModelSpec:
         """This decoder with a score head (a reward model started from a language model: the head is new)."""
-        return self.replace(head="score", tie_word_embeddings=False)
+        return self.replace(head="score", tie_word_embeddings=False, mtp_num_layers=0)  # a score needs no MTP
 
 
 # optional config.json numbers: key -> (kind, least); None is always allowed (the key's default)

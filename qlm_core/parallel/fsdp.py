@@ -92,9 +92,13 @@ class FullyShardedState(TrainingOptimizer):
         """FSDP has reduce-scattered over dp x cp; add the TP sum for sequence-parallel replicated params and the
         first/last-stage sum for tied embeddings (local shards correspond: same shapes, same sharding)."""
         for param in self.params:
-            if param.grad is None:
-                continue
             meta = meta_of(param)
+            if param.grad is None:
+                if not meta.shared_embedding:
+                    continue
+                # a stage's embedding copy that no loss read this step (multi-token prediction not trained) still
+                # joins the other stage's all-reduce, and takes its gradient
+                param.grad = torch.zeros_like(param)
             replicas = self.expert_dp_size if meta.expert else self.dp_cp_size
             if replicas > 1:
                 local_part(param.grad).mul_(replicas)

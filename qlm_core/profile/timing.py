@@ -432,5 +432,5 @@ def estimate_time(case: ProfileCase, gpu: GpuSpec, eff: Efficiency = Efficiency(
     components.update(pp_bubble=bubble, dp_comm=dp, optimizer=optimizer, overhead=rates.step_overhead_s)
     components.update(rl_times(case, gpu, rates))
     return TimeEstimate(components, case.global_batch_size, case.seq_len, case.num_gpus,
-                        flops_per_sequence(case.spec, case.seq_len, case.mean_doc_len),
+                        flops_per_sequence(case.spec, case.seq_len, case.mean_doc_len, case.trains_mtp),
                         megatron_flops_per_sequence(case.spec, case.seq_len), gpu.peak_tflops, rates)

@@ -221,7 +221,8 @@ class Trainer:
         self.metrics = (MetricsWriter(self.run_dir, r.logging.tensorboard, resumed_from=self.state.iteration)
                         if self.grid.rank == 0 else None)
         # a sample's work: one sequence, or a preference pair's two (the reference forward is not counted)
-        self.flops = flops_per_sequence(source.spec, r.data.seq_length, r.data.mean_doc_len) * rows_per_sample(r)
+        self.flops = flops_per_sequence(source.spec, r.data.seq_length, r.data.mean_doc_len,
+                                        mtp=self.engine.mtp_depths > 0) * rows_per_sample(r)
         self.sample_tokens = r.data.seq_length * rows_per_sample(r)
         self.peak, self.peak_source = peak_tflops(r)
         self.wandb = (WandbLogger(r.logging, self.run_dir, asdict(r))

@@ -219,3 +219,12 @@ def test_corrupt_deepspeed_checkpoints_fail_cleanly(run_qlm, deepspeed_runs, tin
     code, stdout, stderr = run_qlm("convert", "ds2hf", "--ds", ds, "--out", out, "--config", tiny, "--tag",
                                    "global_step2")
     assert code == 0 and "verified" in stdout, stderr
+
+
+def test_a_deepseek_v3_run_without_mtp_weights_reads_back(mla_models, tmp_path):
+    """DeepSeek-V3's config.json counts a multi-token prediction layer that transformers (and so a DeepSpeed run
+    of it) never holds: the checkpoint is read without it, as the HF directory is."""
+    source = load_safetensors_dir(mla_models["deepseek_v3"])
+    assert hf_to_ds(mla_models["deepseek_v3"], tmp_path / "ds", verify=True).verify.ok
+    assert ds_to_hf(tmp_path / "ds", tmp_path / "hf", verify=True).verify.ok
+    assert_same_hf(tmp_path / "hf", source)

@@ -80,3 +80,24 @@ def test_without_copy_file_range(hf_models, tmp_path, monkeypatch):
 
     monkeypatch.setattr(storage_fill.os, "copy_file_range", refused)
     assert_same_files(*convert_both_ways(monkeypatch, hf_models["qwen2"], tmp_path, tp=2, pp=2))
+
+
+def test_storage_offsets_place_empty_and_shared_storages(tmp_path):
+    """Storages are keyed as torch.save keys them: two empty tensors, a tensor and a view of it, and plain ones
+    still give every non-empty storage its offset (not the fallback that writes the file whole)."""
+    import torch.serialization as serialization
+
+    from qlm_core.checkpoint.io.storage_fill import storage_offsets
+
+    base = torch.arange(12, dtype=torch.float32)
+    state = {"a": torch.empty(0), "b": torch.empty(0, 3), "c": base, "d": base[4:], "e": torch.ones(5)}
+    with serialization.skip_data():
+        torch.save(state, tmp_path / "f.pt")
+    offsets = storage_offsets(tmp_path / "f.pt", state)
+    assert offsets is not None and set(offsets) == {base.data_ptr(), state["e"].data_ptr()}
+    raw = (tmp_path / "f.pt").read_bytes()
+    torch.save(state, tmp_path / "g.pt")
+    full = (tmp_path / "g.pt").read_bytes()
+    for tensor in (base, state["e"]):
+        at = offsets[tensor.data_ptr()]
+        assert full[at: at + tensor.nbytes] == tensor.numpy().tobytes() and len(raw) == len(full)

@@ -8,6 +8,7 @@ import torch
 from conftest import MTP_KINDS
 from helpers import qlm_from_hf
 from mtp_reference import mtp_logits, mtp_token_losses
+from parallel_cases import MLA as MLA_MTP  # one MTP layer
 
 from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
 from qlm_core.config import ParallelConfig
@@ -67,3 +68,30 @@ def test_shifted_tokens_and_labels_stay_within_their_documents():
     assert tokens[0, :, 1].tolist() == [12, 13, 0, 0, 16, 17, 18, 19, 0, 0]
     assert targets[0, :, 0].tolist() == [12, 13, -100, -100, 16, 17, 18, 19, 20, -100]
     assert targets[0, :, 1].tolist() == [13, -100, -100, -100, 17, 18, 19, 20, -100, -100]
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_shard_entries_hold_the_output_layer_exactly_where_the_model_has_one(pp, ep):
+    """A tied model's last stage holds output_layer.weight only when it lacks the embedding, whatever the EP rank
+    (the routed experts are sliced per layer beside it); an MTP model's last stage also holds the embedding."""
+    from parallel_cases import MOE
+
+    from qlm_core.models.layout import ModelLayout
+
+    for spec in (MOE.replace(tie_word_embeddings=True), MOE):
+        layout = ModelLayout(spec, pp=pp, ep=ep)
+        for ep_rank in range(ep):
+            names = [name for name, _ in layout.shard_entries(pp - 1, 0, ep_rank)]
+            assert ("output_layer.weight" in names) == (not spec.tie_word_embeddings or pp > 1)
+            assert ("embedding.word_embeddings.weight" in names) == (pp == 1)
+            experts = {n.split("local_experts.")[1].split(".")[0] for n in names if "local_experts." in n}
+            assert experts == {str(e) for e in range(4 // ep)}
+    names = [name for name, _ in ModelLayout(MLA_MTP, pp=2).shard_entries(1, 0)]
+    assert "embedding.word_embeddings.weight" in names and "mtp.layers.0.eh_proj.weight" in names
+
+
+def test_a_reward_model_from_an_mtp_model_drops_the_mtp_layers():
+    from qlm_core.models.presets import PRESETS
+
+    assert PRESETS["qlm-tiny-mla"].as_reward_model().mtp_num_layers == 0

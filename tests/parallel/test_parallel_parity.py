@@ -18,6 +18,7 @@ from parallel_cases import (
     WINDOWED,
     WORLD,
     case_moe,
+    case_mtp_scale,
     case_spec,
     make_batch,
 )
@@ -35,13 +36,15 @@ def reference(data: str, micro_batch_size: int = GLOBAL_BATCH, steps: int = STEP
     """One process, no parallelism: losses, grad norms and the first step's gradients (global names). An MoE
     model's losses are per micro-batch (as Megatron's), so its reference splits the batch as the layout does."""
     engine = Engine(case_spec(data), ParallelConfig(), Grid.single(), micro_batch_size=micro_batch_size,
-                    global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234, moe=case_moe(data))
+                    global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234, moe=case_moe(data),
+                    mtp_loss_scaling_factor=case_mtp_scale(data))
     batch = Batch(*make_batch(data))
     losses, norms, grads, moe, mtp = [], [], None, [], []
     for step in range(steps):
         loss = engine.forward_backward(batch)
         if step == 0:
-            grads = {n: engine.optimizer.full_grad(p).detach().clone() for n, p in engine.chunks[0].named_parameters()}
+            grads = {n: engine.optimizer.full_grad(p).detach().clone() if p.requires_grad
+                     else torch.zeros(tuple(p.shape)) for n, p in engine.chunks[0].named_parameters()}
         norm, _ = engine.update()
         losses.append(engine.global_loss(loss))
         norms.append(norm)
@@ -111,7 +114,7 @@ def check_case(case: str, layout_case, references, run):
     assert len(result["losses"]) == steps
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-4), case
     assert result["mtp"] == pytest.approx(ref_mtp, rel=1e-4), case  # multi-token prediction's loss (MLA's cases)
-    assert len(ref_mtp) == (steps if layout_case.spec.mtp_num_layers else 0)
+    assert len(ref_mtp) == (steps if layout_case.spec.mtp_num_layers and case_mtp_scale(layout_case.data) else 0)
     assert result["grad_norms"] == pytest.approx(ref_norms, rel=1e-4), case
     if layout_case.moe is not None:  # the MoE losses and loads as one process has them, at every step
         for got, want in zip(result["moe"], ref_moe, strict=True):

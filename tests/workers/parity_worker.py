@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from parallel_cases import CASES, COMPILED_CASES, GLOBAL_BATCH, SEQ, SPEC, make_batch
+from parallel_cases import CASES, COMPILED_CASES, GLOBAL_BATCH, SEQ, SPEC, case_mtp_scale, make_batch
 
 from qlm_core.checkpoint.formats.megatron.args import make_args
 from qlm_core.checkpoint.formats.megatron.legacy import (
@@ -36,7 +36,8 @@ def full_grads(engine: Engine) -> list[dict[str, torch.Tensor]]:
     for chunk in engine.chunks:
         grads = {}
         for name, param in chunk.named_parameters():
-            grads[name] = engine.optimizer.full_grad(param).detach().float().cpu().clone()
+            grads[name] = (engine.optimizer.full_grad(param).detach().float().cpu().clone() if param.requires_grad
+                           else torch.zeros(tuple(param.shape)))  # frozen (MTP not trained): no gradient
         out.append(grads)
     return out
 
@@ -61,7 +62,7 @@ def run_case(name: str, outdir: Path):
         return
     engine = Engine(case.spec, config, grid, micro_batch_size=case.micro_batch_size,
                     global_batch_size=GLOBAL_BATCH, seq_length=SEQ, optim=OPTIM, seed=1234, moe=case.moe,
-                    compile=case.compile)
+                    compile=case.compile, mtp_loss_scaling_factor=case_mtp_scale(case.data))
     input_ids, labels, position_ids, segment_ids = make_batch(case.data)
     rows = GLOBAL_BATCH // sizes.dp
     mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)

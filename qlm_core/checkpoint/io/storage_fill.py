@@ -42,10 +42,12 @@ def storage_offsets(path: Path, saved) -> dict[int, int] | None:
     torch.save names the storages `<archive>/data/<n>` in the order its pickler first meets them, which for
     nested dicts, lists and tuples is tensors_in's order; each record's bytes start after its zip local header.
     Reading the headers (not unpickling the file again) keeps this cheap for tens of thousands of tensors."""
-    keys: dict[int, str] = {}
+    keys: dict[int, str] = {}  # by the storage's C object, as torch.save's persistent_id keys them
+    pointers: dict[int, int] = {}
     for tensor in tensors_in(saved):
         storage = tensor.untyped_storage()
-        keys.setdefault(storage.data_ptr() or id(storage), str(len(keys)))
+        keys.setdefault(storage._cdata, str(len(keys)))
+        pointers[storage._cdata] = storage.data_ptr()
     with zipfile.ZipFile(path) as archive:
         records = {info.filename.rsplit("/", 1)[1]: info for info in archive.infolist()
                    if info.filename.split("/")[-2:-1] == ["data"]}
@@ -53,8 +55,8 @@ def storage_offsets(path: Path, saved) -> dict[int, int] | None:
         return None
     offsets: dict[int, int] = {}
     with open(path, "rb") as fh:
-        for ptr, key in keys.items():
-            info = records[key]
+        for cdata, key in keys.items():
+            info, ptr = records[key], pointers[cdata]
             if not info.file_size:
                 continue
             fh.seek(info.header_offset)

@@ -20,7 +20,7 @@ from qlm_core.checkpoint.sources.format_api import (
     WriteOptions,
 )
 from qlm_core.checkpoint.sources.nearby import tokenizer_near
-from qlm_core.models.layout import HFTensorSource, ModelLayout, TensorSource
+from qlm_core.models.layout import HFTensorSource, ModelLayout, TensorSource, without_absent_mtp
 from qlm_core.models.spec import ModelSpec
 
 
@@ -35,7 +35,8 @@ def open_deepspeed(ds: str | Path, tag: str | None, config: str | Path | None, a
     `allow_bf16_weights`: read a bf16/fp16 ZeRO 1/2 run without its optimizer files from its module weights."""
     src = DeepSpeedCheckpoint(ds, tag, allow_low_precision=allow_bf16_weights)
     config_path = find_hf_config(src, config)
-    return src, ModelSpec.from_hf_config(read_config(config_path)), config_path
+    spec, _ = without_absent_mtp(ModelSpec.from_hf_config(read_config(config_path)), src.has)
+    return src, spec, config_path
 
 
 def open_ds(path: Path, options: ReadOptions) -> OpenedCheckpoint:

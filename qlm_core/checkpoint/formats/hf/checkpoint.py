@@ -18,7 +18,7 @@ from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.checkpoint.io.text import read_json_object
 from qlm_core.dtypes import HF_DTYPE_NAMES, set_hf_config_dtype
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import hf_fused_experts
+from qlm_core.models.layout import hf_fused_experts, without_absent_mtp
 from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -189,11 +189,9 @@ class HFCheckpoint:
     def _find_mtp(self):
         """config.json may count multi-token prediction layers the weights do not hold (transformers saves none:
         its models drop them): the model is then read without them, and says so."""
-        spec = self.spec
-        if spec.mtp_num_layers and f"model.layers.{spec.num_layers}.eh_proj.weight" not in self._shapes:
-            self.notes.append(f"config.json counts {spec.mtp_num_layers} multi-token prediction layer(s) but the "
-                              "weights hold none (as transformers saves the model): read without them")
-            self.spec = spec.replace(mtp_num_layers=0)
+        self.spec, note = without_absent_mtp(self.spec, self._shapes.__contains__)
+        if note:
+            self.notes.append(note)
 
     def _alias_fused_experts(self):
         """Every per-expert tensor the layout asks for, read from a fused tensor when the files hold that layout.

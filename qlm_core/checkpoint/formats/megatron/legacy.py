@@ -24,6 +24,7 @@ from qlm_core.checkpoint.formats.megatron.trainer_state import OPTIMIZER_KEY
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.checkpoint.io.text import read_text_file
 from qlm_core.errors import QlmError
+from qlm_core.models.families import FAMILIES
 from qlm_core.models.layout import ModelLayout, TensorLayout, normalize_megatron_name, read_from_parts
 from qlm_core.models.spec import ModelSpec
 from qlm_core.models.tensor_layout import REPLICATED
@@ -42,8 +43,9 @@ def megatron_spec(root: Path, args) -> ModelSpec:
     side = root / HF_SIDE_DIR / "config.json"
     if side.exists():
         spec = ModelSpec.from_hf_config(read_config(side))
-        return spec.replace(mtp_num_layers=int(getattr(args, "mtp_num_layers", None) or 0)) if spec.mtp_num_layers \
-            else spec
+        if FAMILIES[spec.model_type].mtp_key:
+            spec = spec.replace(mtp_num_layers=int(getattr(args, "mtp_num_layers", None) or 0))
+        return spec
     return spec_from_args(args)
 
 
