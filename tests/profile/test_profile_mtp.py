@@ -94,3 +94,22 @@ def test_mtp_adds_its_layers_and_logits_to_the_last_stages_time_and_to_the_model
         assert times["with"][1][key] > times["without"][1][key], key
     extra = flops_per_sequence(MLA, 4096) - flops_per_sequence(MLA.replace(mtp_num_layers=0), 4096)
     assert extra == pytest.approx(3 * 4096 * mtp_flops_per_token(MLA, 4096), rel=1e-12) and extra > 0
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3-256gpu.toml", "glm-4.5-air-lora-16gpu.toml"])
+def test_the_deepseek_v3_class_recipes_dry_run_and_fit(name, run_qlm):
+    """The search's picks (DeepSeek-V3 on 256 H100s, GLM-4.5-Air with LoRA on 16): each dry-runs and fits 80 GiB,
+    its MTP layer counted (trained in the first, frozen but run under LoRA in the second)."""
+    from pathlib import Path
+
+    from qlm_core.config import load_recipe
+    from qlm_core.profile.case import build_case, validate_case
+    from qlm_core.profile.memory import estimate_memory
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / name
+    code, _, err = run_qlm("train", recipe, "--dry-run")
+    assert code == 0, err
+    case = build_case(load_recipe(recipe))
+    validate_case(case)
+    assert case.spec.mtp_num_layers == 1 and case.trains_mtp
+    assert estimate_memory(case, gpu_spec("h100").memory_gib).fits
