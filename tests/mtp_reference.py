@@ -32,10 +32,11 @@ def mtp_logits(path: Path, ids: torch.Tensor) -> list[torch.Tensor]:
     longer = {"num_hidden_layers": layers + depths}
     if config.get("mlp_layer_types"):  # GLM-4.7-Flash lists each layer's kind: the extra ones are the last's
         longer["mlp_layer_types"] = config["mlp_layer_types"] + config["mlp_layer_types"][-1:] * depths
-    full = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **longer).eval()
     hidden = main.model(ids).last_hidden_state
     out = []
     for k in range(1, depths + 1):
+        # a fresh model each depth: its decoder is cut down to that depth's layer below
+        full = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **longer).eval()
         at = f"model.layers.{layers + k - 1}."
         embedded = weights["model.embed_tokens.weight"][_shifted(ids, k)]
         joined = torch.cat([_rms(embedded, weights[at + "enorm.weight"], eps),
@@ -46,7 +47,6 @@ def mtp_logits(path: Path, ids: torch.Tensor) -> list[torch.Tensor]:
         single.norm.weight.copy_(weights[at + "shared_head.norm.weight"])
         hidden = single(inputs_embeds=joined, use_cache=False).last_hidden_state
         out.append(full.lm_head(hidden))
-        full = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **longer).eval()
     return out
 
 

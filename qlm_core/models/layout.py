@@ -299,17 +299,6 @@ class ModelLayout:
                         None if tensor is None else replace(tensor, name=inner + tensor.name[len(decoder):])))
         return out + _norm_entries(s, name, "final_layernorm", hf + "shared_head.norm")
 
-    def hf_copies(self) -> dict[str, str]:
-        """HF tensors written as copies of others (and not read): each multi-token prediction layer's
-        `embed_tokens` and `shared_head.head`, the shared embedding and output layer, as DeepSeek-V3's release
-        holds them."""
-        s, out = self.spec, {}
-        head = "model.embed_tokens.weight" if s.tie_word_embeddings else "lm_head.weight"
-        for layer in range(s.num_layers, s.num_layers + s.mtp_num_layers):
-            out[f"model.layers.{layer}.embed_tokens.weight"] = "model.embed_tokens.weight"
-            out[f"model.layers.{layer}.shared_head.head.weight"] = head
-        return out
-
     def layer_tensors(self, layer: int) -> list[TensorLayout]:
         return [tensor for _, tensor in self.layer_entries(layer) if tensor is not None]
 
@@ -437,12 +426,24 @@ class ModelLayout:
     def hf_tensors(self) -> dict[str, list[tuple[TensorLayout, Segment]]]:
         """HF name -> the (global tensor, segment) pieces it is made of, in HF order."""
         pieces = hf_pieces(t for t in self.global_tensors if t.hf_primary)
-        for copy, original in self.hf_copies().items():
+        for copy, original in hf_copies(self.spec).items():
             pieces[copy] = pieces[original]
         return pieces
 
     def hf_shape(self, hf_name: str) -> tuple[int, ...]:
         return pieces_shape(self.hf_tensors[hf_name])
+
+
+def hf_copies(spec: ModelSpec) -> dict[str, str]:
+    """HF tensors written as copies of others (and never read; optional in a source): each multi-token prediction
+    layer's `embed_tokens` and `shared_head.head`, the shared embedding and output layer, as DeepSeek-V3's release
+    holds them."""
+    head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    out = {}
+    for layer in range(spec.num_layers, spec.num_layers + spec.mtp_num_layers):
+        out[f"model.layers.{layer}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[f"model.layers.{layer}.shared_head.head.weight"] = head
+    return out
 
 
 def hf_pieces(tensors) -> dict[str, list[tuple[TensorLayout, Segment]]]:

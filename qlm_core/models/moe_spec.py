@@ -105,22 +105,29 @@ _DEEPSEEK_DEFAULTS = {"deepseek_v3": (8, 4, 2.5, 1, 3), "glm4_moe": (1, 1, 1.0, 
                       "glm4_moe_lite": (1, 1, 1.8, 1, 1)}
 
 
-def _deepseek_moe(config: dict[str, Any], model_type: str, num_layers: int) -> MoeSpec:
-    """DeepSeek-V3's MoE keys: sigmoid scores with the correction bias, groups, scaling, shared experts and the
-    first_k_dense_replace dense layers (absent keys take transformers' defaults)."""
-    groups, group_topk, scaling_default, shared, first_dense = _DEEPSEEK_DEFAULTS[model_type]
+def _deepseek_sizes(config: dict[str, Any], model_type: str, scaling_default: float) -> tuple[int, int, int, float]:
+    """(routed experts, top k, expert FFN size, routed_scaling_factor) of the DeepSeek families' config.json."""
     experts = _typed(config, model_type, "n_routed_experts", int, None, least=1)
     topk = _typed(config, model_type, "num_experts_per_tok", int, None, least=1)
-    if experts is None or topk is None:
-        raise QlmError(f"config.json ({model_type}) has no n_routed_experts / num_experts_per_tok",
-                       "use a complete config.json from transformers")
-    if not _typed(config, model_type, "norm_topk_prob", bool, True):
-        raise QlmError(f"config.json ({model_type}): norm_topk_prob is false",
-                       "qlm (and Megatron-Core) normalise sigmoid routing's top-k weights: use norm_topk_prob true")
+    ffn = _typed(config, model_type, "moe_intermediate_size", int, None, least=1)
+    if experts is None or topk is None or ffn is None:
+        raise QlmError(f"config.json ({model_type}) has no n_routed_experts / num_experts_per_tok / "
+                       "moe_intermediate_size", "use a complete config.json from transformers")
     scaling = config.get("routed_scaling_factor", scaling_default)
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0:
         raise QlmError(f"config.json ({model_type}): routed_scaling_factor is {scaling!r}, not a positive number",
                        "set routed_scaling_factor as transformers writes it")
+    return experts, topk, ffn, float(scaling)
+
+
+def _deepseek_moe(config: dict[str, Any], model_type: str, num_layers: int) -> MoeSpec:
+    """DeepSeek-V3's MoE keys: sigmoid scores with the correction bias, groups, scaling, shared experts and the
+    first_k_dense_replace dense layers (absent keys take transformers' defaults)."""
+    groups, group_topk, scaling_default, shared, first_dense = _DEEPSEEK_DEFAULTS[model_type]
+    experts, topk, ffn, scaling = _deepseek_sizes(config, model_type, scaling_default)
+    if not _typed(config, model_type, "norm_topk_prob", bool, True):
+        raise QlmError(f"config.json ({model_type}): norm_topk_prob is false",
+                       "qlm (and Megatron-Core) normalise sigmoid routing's top-k weights: use norm_topk_prob true")
     if model_type == "glm4_moe_lite":  # "dense" / "sparse" per layer (default: the first dense)
         kinds = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
         if not (isinstance(kinds, list) and len(kinds) == num_layers and set(kinds) <= {"dense", "sparse"}):
@@ -130,16 +137,13 @@ def _deepseek_moe(config: dict[str, Any], model_type: str, num_layers: int) -> M
     else:
         dense = _typed(config, model_type, "first_k_dense_replace", int, first_dense)
         pattern = tuple(int(i >= dense) for i in range(num_layers))
-    ffn = _typed(config, model_type, "moe_intermediate_size", int, None, least=1)
-    if ffn is None:
-        raise QlmError(f"config.json ({model_type}) has no moe_intermediate_size", "use a complete config.json")
     return MoeSpec(num_experts=experts, topk=topk, ffn_hidden_size=ffn, score_function="sigmoid",
                    expert_bias=True,
                    shared_expert_hidden_size=ffn * _typed(config, model_type, "n_shared_experts", int, shared),
                    layer_pattern=() if all(pattern) else pattern,
                    num_groups=_typed(config, model_type, "n_group", int, groups, least=1),
                    group_topk=_typed(config, model_type, "topk_group", int, group_topk, least=1),
-                   topk_scaling_factor=float(scaling))
+                   topk_scaling_factor=scaling)
 
 
 def _deepseek_v2_moe(config: dict[str, Any], num_layers: int) -> MoeSpec:
@@ -156,21 +160,12 @@ def _deepseek_v2_moe(config: dict[str, Any], num_layers: int) -> MoeSpec:
     if _typed(config, model_type, "norm_topk_prob", bool, False):
         raise QlmError(f"config.json ({model_type}): norm_topk_prob is true, which transformers' DeepseekV2 ignores "
                        "(it never renormalises)", "set norm_topk_prob to false, as DeepSeek-V2's releases have it")
-    experts = _typed(config, model_type, "n_routed_experts", int, None, least=1)
-    topk = _typed(config, model_type, "num_experts_per_tok", int, None, least=1)
-    ffn = _typed(config, model_type, "moe_intermediate_size", int, None, least=1)
-    if experts is None or topk is None or ffn is None:
-        raise QlmError(f"config.json ({model_type}) has no n_routed_experts / num_experts_per_tok / "
-                       "moe_intermediate_size", "use a complete config.json from transformers")
-    scaling = config.get("routed_scaling_factor", 1.0)
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0:
-        raise QlmError(f"config.json ({model_type}): routed_scaling_factor is {scaling!r}, not a positive number",
-                       "set routed_scaling_factor as transformers writes it")
+    experts, topk, ffn, scaling = _deepseek_sizes(config, model_type, 1.0)
     dense = _typed(config, model_type, "first_k_dense_replace", int, 0)
     pattern = tuple(int(i >= dense) for i in range(num_layers))
     return MoeSpec(num_experts=experts, topk=topk, ffn_hidden_size=ffn, pre_softmax=True,
                    shared_expert_hidden_size=ffn * _typed(config, model_type, "n_shared_experts", int, 2),
-                   layer_pattern=() if all(pattern) else pattern, topk_scaling_factor=float(scaling))
+                   layer_pattern=() if all(pattern) else pattern, topk_scaling_factor=scaling)
 
 
 def _deepseek_v2_moe_to_hf(moe: MoeSpec, num_layers: int) -> dict[str, Any]:

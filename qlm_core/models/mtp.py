@@ -17,7 +17,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qlm_core.parallel import shape_inference
-from qlm_core.parallel.comm import group_size
 from qlm_core.parallel.tensor import ColumnParallelLinear, scatter_to_sp
 
 
@@ -38,7 +37,7 @@ class MultiTokenPredictionLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, positions, inputs) -> torch.Tensor:
         """hidden, embedded: [s, b, h] (this rank's tokens) -> this depth's output [s, b, h]."""
         joined = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1))
-        if self.parallel.sp and group_size(self.parallel.tp_group) > 1:
+        if self.parallel.sp:
             joined = scatter_to_sp(joined, self.parallel.tp_group)
         return self.final_layernorm(self.transformer_layer(joined, positions, inputs))
 

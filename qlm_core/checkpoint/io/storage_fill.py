@@ -42,21 +42,20 @@ def storage_offsets(path: Path, saved) -> dict[int, int] | None:
     torch.save names the storages `<archive>/data/<n>` in the order its pickler first meets them, which for
     nested dicts, lists and tuples is tensors_in's order; each record's bytes start after its zip local header.
     Reading the headers (not unpickling the file again) keeps this cheap for tens of thousands of tensors."""
-    keys: dict[int, str] = {}  # by the storage's C object, as torch.save's persistent_id keys them
-    pointers: dict[int, int] = {}
+    # (record name, data_ptr) by the storage's C object, as torch.save's persistent_id keys storages
+    keys: dict[int, tuple[str, int]] = {}
     for tensor in tensors_in(saved):
         storage = tensor.untyped_storage()
-        keys.setdefault(storage._cdata, str(len(keys)))
-        pointers[storage._cdata] = storage.data_ptr()
+        keys.setdefault(storage._cdata, (str(len(keys)), storage.data_ptr()))
     with zipfile.ZipFile(path) as archive:
         records = {info.filename.rsplit("/", 1)[1]: info for info in archive.infolist()
                    if info.filename.split("/")[-2:-1] == ["data"]}
-    if sorted(records) != sorted(keys.values()):
+    if sorted(records) != sorted(key for key, _ in keys.values()):
         return None
     offsets: dict[int, int] = {}
     with open(path, "rb") as fh:
-        for cdata, key in keys.items():
-            info, ptr = records[key], pointers[cdata]
+        for key, ptr in keys.values():
+            info = records[key]
             if not info.file_size:
                 continue
             fh.seek(info.header_offset)

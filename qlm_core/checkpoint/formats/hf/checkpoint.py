@@ -18,7 +18,7 @@ from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.checkpoint.io.text import read_json_object
 from qlm_core.dtypes import HF_DTYPE_NAMES, set_hf_config_dtype
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import hf_fused_experts, without_absent_mtp
+from qlm_core.models.layout import hf_copies, hf_fused_experts, without_absent_mtp
 from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -122,10 +122,6 @@ def _check_tiling(file: Path, header: dict, fix: str):
             raise QlmError(f"{file}: the header leaves bytes [{covered}, {start}) to no tensor, before tensor {name} "
                            "(an entry's offsets are wrong)", fix)
         covered, last = max(covered, stop), (start, stop, name)
-
-
-# a multi-token prediction layer's copies of the shared embedding and output layer (DeepSeek-V3's release holds them)
-_MTP_COPY = re.compile(r"\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")
 
 
 class HFCheckpoint:
@@ -272,8 +268,9 @@ class HFCheckpoint:
         """Every tensor the config implies must exist with that shape, and no other may be left over (it would be
         dropped silently), before anything is written (a tied model may still hold its lm_head.weight copy)."""
         ignorable = ("lm_head.weight",) if self.spec.tie_word_embeddings else ()
+        copies = hf_copies(self.spec)
         for name, shape in expected.items():
-            if name not in self._shapes and _MTP_COPY.search(name):
+            if name not in self._shapes and name in copies:
                 continue  # a multi-token prediction layer's copy of the embedding or the output layer: written only
             if name not in self._shapes:
                 raise QlmError(f"tensor {name} is missing from {self.path}", "the weights do not match config.json")
