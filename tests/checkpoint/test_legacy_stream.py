@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from qlm_core.checkpoint.convert import hf_megatron
 from qlm_core.checkpoint.formats.megatron import write as megatron_write
 from qlm_core.checkpoint.io import storage_fill
+from qlm_core.errors import QlmError
 
 
 def files_of(root: Path) -> list[Path]:
@@ -101,3 +102,20 @@ def test_storage_offsets_place_empty_and_shared_storages(tmp_path):
     for tensor in (base, state["e"]):
         at = offsets[tensor.data_ptr()]
         assert full[at: at + tensor.nbytes] == tensor.numpy().tobytes() and len(raw) == len(full)
+
+
+def test_a_failed_copy_fails_the_conversion(hf_models, tmp_path, monkeypatch):
+    """The kernel copies run on threads while later files are built: an error of theirs still stops the conversion,
+    leaves no output and no copying thread behind."""
+    import errno
+    import threading
+
+    def failing(self, *args):
+        raise OSError(errno.EIO, "input/output error")
+
+    monkeypatch.setattr(storage_fill.RangeCopier, "copy", failing)
+    out = tmp_path / "out"
+    with pytest.raises(QlmError, match="input/output error"):
+        hf_megatron.hf_to_mcore(hf_models["qwen2"], out, tp=2, pp=2, verify=False)
+    assert not out.exists()
+    assert not [t for t in threading.enumerate() if t.name.startswith("qlm-copy")]

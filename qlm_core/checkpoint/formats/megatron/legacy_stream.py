@@ -2,12 +2,12 @@
 
 `build_shard` runs as it always does, but against a recorder standing in for the HF files: every read it asks for
 is noted, with the view of the shard tensor it was to fill, instead of being done. Each file is saved with its
-tensor bytes left out (io/storage_fill.py) and the views become file offsets. Then every source tensor is read
-once, in source-file order, for all the stage's files together: rows that lie contiguous on both sides are copied
-file to file by the kernel (copy_file_range: no copy through user space; on a few threads, overlapping what the
-main thread does meanwhile); the rest (the column blocks of row-parallel weights, dtype conversions, fused or .bin
-sources) come from one read of the whole source tensor into a reused buffer, so that TP ranks do not each re-read
-it. The files are byte for byte what torch.save writes.
+tensor bytes left out (io/storage_fill.py) and the views become file offsets. Rows that lie contiguous on both sides
+are then copied file to file by the kernel (copy_file_range: no copy through user space), on a few threads, as soon
+as their file is added: the copying overlaps the next files' building and saving on the main thread. The rest (the
+column blocks of row-parallel weights, dtype conversions, fused or .bin sources) waits for fill(), which reads each
+such source tensor once, in source-file order, for all the stage's files together into a reused buffer, so that TP
+ranks do not each re-read it. The files are byte for byte what torch.save writes.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from qlm_core.checkpoint.io.storage_fill import (
 from qlm_core.models.layout import HFTensorSource
 
 COPY_THREADS = max(2, min(8, os.cpu_count() or 1))
+COPY_BATCH_BYTES = 64 << 20  # kernel copies handed to a thread together: few futures, still spread over threads
 STREAMING = hasattr(torch.serialization, "skip_data")  # torch >= 2.5; older torch writes the files whole
 
 
@@ -85,10 +86,13 @@ class StageWriter:
         self.hf = hf
         self._recorder = _Recorder(hf)
         self.source = HFTensorSource(self._recorder)
-        self._files: list[Path] = []
-        self._reads: list[_Read] = []
+        self._fds: list[int] = []  # the added files, open until fill() or close()
+        self._reads: list[_Read] = []  # the reads that go through memory, done by fill()
         self._buffers: dict[str, torch.Tensor] = {}
         self._copiers = threading.local()  # a RangeCopier per copying thread (its fallback buffer is its own)
+        self._pool: ThreadPoolExecutor | None = None
+        self._copies: list = []
+        self._sources: dict[Path, int] = {}
 
     # ---- per file: the reads of its tensors become file offsets --------------------------------------------------
 
@@ -107,18 +111,17 @@ class StageWriter:
         by_storage: dict[int, list[_Read]] = {}
         for read in reads:
             by_storage.setdefault(read.out.untyped_storage().data_ptr(), []).append(read)
-        index = len(self._files)
-        self._files.append(path)
+        index = len(self._fds)
         fd = os.open(path, os.O_WRONLY)
-        try:
-            for ptr, base in tensors.items():
-                self._place(fd, index, offsets[ptr], base, by_storage.get(ptr, []))
-        finally:
-            os.close(fd)
+        self._fds.append(fd)
+        placed: list[_Read] = []
+        for ptr, base in tensors.items():
+            placed.extend(self._place(fd, index, offsets[ptr], base, by_storage.get(ptr, [])))
+        self._start_copies(placed)
 
-    def _place(self, fd: int, index: int, offset: int, base: torch.Tensor, reads: list[_Read]):
-        """Defer the reads into `base` (stored at `offset`); what they do not cover (vocabulary padding, tensors
-        that are not reads) is written now from `base` itself."""
+    def _place(self, fd: int, index: int, offset: int, base: torch.Tensor, reads: list[_Read]) -> list[_Read]:
+        """Turn the reads into `base` (stored at `offset`) into reads into the file, returned; what they do not
+        cover (vocabulary padding, tensors that are not reads) is written now from `base` itself."""
         covered = [_narrowed_range(base, read.out, read.axis) for read in reads]
         axes = {read.axis for read in reads}
         whole = base.storage_offset() == 0 and base.is_contiguous() and (
@@ -126,82 +129,100 @@ class StageWriter:
         if not reads or not whole or None in covered or len(axes) != 1:
             self._read_now(reads)
             pwrite_all(fd, byte_view(_whole_storage(base)), offset)
-            return
+            return []
         axis = axes.pop()
         item = base.element_size()
         for read in reads:
             read.file, read.offset = index, offset + read.out.storage_offset() * item
             read.shape, read.strides, read.dtype = tuple(read.out.shape), read.out.stride(), read.out.dtype
             read.out = None
-            self._reads.append(read)
         done = 0
         for lo, hi in sorted(covered) + [(base.shape[axis], base.shape[axis])]:
             if lo > done:
                 gap = base.narrow(axis, done, lo - done)
                 write_view(fd, offset + gap.storage_offset() * item, gap, gap.stride())
             done = max(done, hi)
+        return reads
 
     def _read_now(self, reads: list[_Read]):
         for read in reads:
             self.hf.read_into(read.name, read.axis, read.start, read.stop, read.out)
             read.out = None
 
-    # ---- per stage: every source tensor read once ----------------------------------------------------------------
+    # ---- kernel copies, started as files are added -----------------------------------------------------------------
+
+    def _start_copies(self, reads: list[_Read]):
+        """Hand the reads that are plain byte ranges on both sides to the copying threads, in batches; keep the
+        others for fill()."""
+        batch, batch_bytes = [], 0
+        for read in reads:
+            span = self.hf.byte_span(read.name, read.start, read.stop)
+            if (span is None or read.axis != 0 or read.dtype != self.hf.dtype(read.name)
+                    or not _is_contiguous(read.shape, read.strides)):
+                self._reads.append(read)
+                continue
+            file, start, nbytes = span
+            if file not in self._sources:
+                self._sources[file] = os.open(file, os.O_RDONLY)
+            batch.append((self._sources[file], start, self._fds[read.file], read.offset, nbytes))
+            batch_bytes += nbytes
+            if batch_bytes >= COPY_BATCH_BYTES:
+                self._submit(batch)
+                batch, batch_bytes = [], 0
+        if batch:
+            self._submit(batch)
+
+    def _submit(self, ranges: list[tuple[int, int, int, int, int]]):
+        if self._pool is None:
+            # copy_file_range leaves the GIL: the threads copy while the main thread builds and saves
+            self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="qlm-copy")
+        self._copies.append(self._pool.submit(self._copy_ranges, ranges))
+
+    def _copy_ranges(self, ranges: list[tuple[int, int, int, int, int]]):
+        copier = getattr(self._copiers, "copier", None)
+        if copier is None:
+            copier = self._copiers.copier = RangeCopier()
+        for src, src_offset, dst, dst_offset, nbytes in ranges:
+            copier.copy(src, src_offset, dst, dst_offset, nbytes)
+
+    # ---- per stage: every source tensor that goes through memory read once -----------------------------------------
 
     def fill(self):
-        """Write the deferred reads of every file added, source tensor by source tensor in file order."""
-        by_name: dict[str, list[_Read]] = {}
-        for read in self._reads:
-            by_name.setdefault(read.name, []).append(read)
-        fds = [os.open(path, os.O_WRONLY) for path in self._files]
-        sources: dict[Path, int] = {}
+        """Write the reads that go through memory, source tensor by source tensor in file order; wait for the
+        copies; close the files."""
         try:
-            # the kernel's file-to-file copies run on COPY_THREADS threads (copy_file_range leaves the GIL), so
-            # that copying overlaps the reads and writes of the tensors that go through memory, done here
-            with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="qlm-copy") as pool:
-                copies = []
-                for name in sorted(by_name, key=self._source_position):
-                    self._fill_tensor(name, by_name[name], fds, sources, pool, copies)
-                for copy in copies:
-                    copy.result()  # a copy's error raised here
+            by_name: dict[str, list[_Read]] = {}
+            for read in self._reads:
+                by_name.setdefault(read.name, []).append(read)
+            for name in sorted(by_name, key=self._source_position):
+                self._fill_tensor(name, by_name[name])
+            for copy in self._copies:
+                copy.result()  # a copy's error raised here
         finally:
-            for fd in [*fds, *sources.values()]:
-                os.close(fd)
-        self._reads, self._files, self._buffers = [], [], {}
+            self.close()
+
+    def close(self):
+        """Wait for the copies started (an error of theirs is fill's to raise) and close every file."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        for fd in [*self._fds, *self._sources.values()]:
+            os.close(fd)
+        self._pool, self._copies, self._fds, self._sources = None, [], [], {}
+        self._reads, self._buffers = [], {}
 
     def _source_position(self, name: str) -> tuple[str, int, str]:
         """Source file and offset (tensors that are no byte range of a file last): reads in file order."""
         span = self.hf.byte_span(name, 0, 0)
         return (str(span[0]), span[1], name) if span is not None else ("\uffff", 0, name)
 
-    def _copy(self, *args):
-        copier = getattr(self._copiers, "copier", None)
-        if copier is None:
-            copier = self._copiers.copier = RangeCopier()
-        copier.copy(*args)
-
-    def _fill_tensor(self, name: str, reads: list[_Read], fds: list[int], sources: dict[Path, int],
-                     pool: ThreadPoolExecutor, copies: list):
-        rest = []
-        for read in reads:
-            span = self.hf.byte_span(name, read.start, read.stop)
-            if (span is None or read.axis != 0 or read.dtype != self.hf.dtype(name)
-                    or not _is_contiguous(read.shape, read.strides)):
-                rest.append(read)
-                continue
-            file, start, nbytes = span
-            if file not in sources:
-                sources[file] = os.open(file, os.O_RDONLY)
-            copies.append(pool.submit(self._copy, sources[file], start, fds[read.file], read.offset, nbytes))
-        if not rest:
-            return
+    def _fill_tensor(self, name: str, reads: list[_Read]):
         whole = self._buffer("source", self.hf.shape(name), self.hf.dtype(name))
         self.hf.read_into(name, 0, 0, whole.shape[0], whole)
-        for read in rest:
+        for read in reads:
             part = whole.narrow(read.axis, read.start, read.stop - read.start)
             values = self._buffer("part", read.shape, read.dtype)
             values.copy_(part)
-            write_view(fds[read.file], read.offset, values, read.strides)
+            write_view(self._fds[read.file], read.offset, values, read.strides)
 
     def _buffer(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` over a buffer reused for every tensor of this role (no fresh pages to fault in)."""

@@ -35,21 +35,25 @@ def write_mcore_torch(root: Path, layout: ModelLayout, source: TensorSource, dty
     streams = STREAMING and isinstance(source, HFTensorSource) and isinstance(source.hf, HFCheckpoint)
     for pp_rank in range(layout.pp):
         stage = StageWriter(source.hf) if streams else None  # the stage's files filled together, at the end
-        for index, (tp_rank, ep_rank) in enumerate(ranks):
-            name = shard_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
-            progress(pp_rank * len(ranks) + index, total, name)
-            etp_rank = tp_rank % layout.etp
-            chunks = [build_shard(layout, tp_rank, pp_rank, c, stage.source if stage else source, dtype, ep_rank,
-                                  etp_rank) for c in range(layout.vpp)]
-            extra = extra_for(tp_rank, pp_rank, ep_rank) if extra_for is not None else None
-            path = iteration_dir / name / SHARD_FILE
-            if stage is None:
-                write_shard_file(path, chunks, args, iteration, extra)
-            else:
-                stage.add_file(path, write_shard_file(path, chunks, args, iteration, extra, tensor_bytes=False))
-            del chunks
-        if stage is not None:
-            stage.fill()
+        try:
+            for index, (tp_rank, ep_rank) in enumerate(ranks):
+                name = shard_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
+                progress(pp_rank * len(ranks) + index, total, name)
+                etp_rank = tp_rank % layout.etp
+                chunks = [build_shard(layout, tp_rank, pp_rank, c, stage.source if stage else source, dtype,
+                                      ep_rank, etp_rank) for c in range(layout.vpp)]
+                extra = extra_for(tp_rank, pp_rank, ep_rank) if extra_for is not None else None
+                path = iteration_dir / name / SHARD_FILE
+                if stage is None:
+                    write_shard_file(path, chunks, args, iteration, extra)
+                else:
+                    stage.add_file(path, write_shard_file(path, chunks, args, iteration, extra, tensor_bytes=False))
+                del chunks
+            if stage is not None:
+                stage.fill()
+        finally:
+            if stage is not None:
+                stage.close()  # the copying threads stopped and the files closed on any error
     progress(total, total, "done")
     write_latest(root, iteration)
 
