@@ -32,6 +32,9 @@ MODEL_KINDS = {
     "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True)),
     "llama3": ("llama", dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)),
     "mistral": ("mistral", dict(sliding_window=8)),
+    # Qwen2 with use_sliding_window: layers 0-1 attend to every key, 2-3 within 8 (max_window_layers 2)
+    "qwen2_swa": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2,
+                                tie_word_embeddings=False)),
 }
 # Qwen3 (q/k norms, head_dim 24 independent of hidden / heads) and the MoE models: 4 experts, top 2; Qwen2-MoE with
 # a gated shared expert, pre-softmax routing and a dense layer among its MoE layers; expert sizes multiples of 8

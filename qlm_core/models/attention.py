@@ -6,7 +6,7 @@ its tensors in Megatron's and HF's names with their shard rules, its FLOPs). Tra
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -26,8 +26,9 @@ LayerEntries = list[tuple[str, TensorLayout | None]]
 class AttentionKind:
     """What one attention kind brings to the model, the layout and the FLOP count.
 
-    module(spec, parallel, dtype, layer_index) -> the layer's `self_attention` module; its forward takes
-        (x [s, b, h], positions — the position scheme's tuple, models/positions.py —, inputs: AttentionInputs) and
+    module(spec, parallel, dtype, layer_index, window) -> the layer's `self_attention` module (`window`: its
+        sliding window, None: full attention); its forward takes (x [s, b, h], positions — the position scheme's
+        tuple, models/positions.py —, inputs: AttentionInputs, whose for_window(window) it reads) and
         returns [s, b, h], after its output projection
         (the row-parallel linear reduces over TP).
     layer_entries(spec, layer) -> its tensors of layer `layer`: suffixes below `decoder.layers.N.`, global
@@ -50,6 +51,13 @@ class AttentionInputs:
     key_mask: torch.Tensor | None = None
     pieces: list[Piece] | None = None  # what one process computes, when not plain causal attention over each row
     cp_plan: tuple[list[Piece], ...] | None = None  # under context parallelism: what this rank computes
+    window: int | None = None  # the sliding window these inputs are for (None: full attention)
+    # the same forward's inputs for the other windows its layers have (Gemma's local and global layers)
+    others: dict[int | None, AttentionInputs] = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> AttentionInputs:
+        """The inputs of a layer with this sliding window."""
+        return self if window == self.window else self.others[window]
 
 
 @dataclass
@@ -106,14 +114,16 @@ class KVCache:
         return k, v
 
 
-def attention_inputs(*, local_tokens: int, batch: int, window: int | None, parallel: ParallelOptions,
+def attention_inputs(*, local_tokens: int, batch: int, windows: tuple[int | None, ...], parallel: ParallelOptions,
                      segment_ids: torch.Tensor | None, cache: KVCache | None,
                      attention_mask: torch.Tensor | None) -> AttentionInputs:
     """Describe the micro-batch's attention once for every layer: its documents (under context parallelism from the
     whole sequence, gathered once) and the pieces this rank computes, for packed rows, a sliding window shorter than
-    the row, decoding with a cache, or context parallelism."""
+    the row, decoding with a cache, or context parallelism; for each of `windows` (the layers' sliding windows,
+    None: full attention), the first's inputs holding the others'."""
     cp_group = parallel.cp_group
     cp = group_size(cp_group)
+    documents = valid = None
     if cache is not None or attention_mask is not None:
         if cp > 1 or segment_ids is not None:
             raise ValueError("decoding with a cache or an attention_mask takes neither context parallelism nor "
@@ -124,23 +134,34 @@ def attention_inputs(*, local_tokens: int, batch: int, window: int | None, paral
                              f"got {tuple(attention_mask.shape)}")
         valid = (torch.ones(batch, past + local_tokens, dtype=torch.bool) if attention_mask is None
                  else attention_mask.bool())
+    elif segment_ids is not None:
+        if cp > 1:
+            segment_ids = gather_sequence(segment_ids, cp_group, dim=1)
+        documents = Documents.from_segment_ids(segment_ids)
+    first, *rest = [_window_inputs(window, local_tokens, parallel, documents, cache, valid) for window in windows]
+    first.others = {inputs.window: inputs for inputs in rest}
+    return first
+
+
+def _window_inputs(window: int | None, local_tokens: int, parallel: ParallelOptions, documents: Documents | None,
+                   cache: KVCache | None, valid: torch.Tensor | None) -> AttentionInputs:
+    """attention_inputs for the layers of one sliding window."""
+    if valid is not None:  # decoding
+        past = 0 if cache is None else cache.length
         if local_tokens == 1 and past > 0:  # the query is the row's newest token: it sees every real key
             keys = valid.to(cache.keys[0].device, copy=True)  # made once, on the device, for every layer
             keys[:, past] = True  # itself, always (a padding query's output is never read, but stays finite)
             if window is not None:
                 keys[:, :max(past + 1 - window, 0)] = False
-            return AttentionInputs(cache=cache, key_mask=keys[:, None, None, :])
-        return AttentionInputs(cache=cache, pieces=decoding_pieces(valid, past, local_tokens, window))
-    documents = None
-    if segment_ids is not None:
-        if cp > 1:
-            segment_ids = gather_sequence(segment_ids, cp_group, dim=1)
-        documents = Documents.from_segment_ids(segment_ids)
+            return AttentionInputs(cache=cache, key_mask=keys[:, None, None, :], window=window)
+        return AttentionInputs(cache=cache, pieces=decoding_pieces(valid, past, local_tokens, window), window=window)
+    cp_group = parallel.cp_group
+    cp = group_size(cp_group)
     if cp > 1:
         plan = cp_attention_plan(documents, local_tokens * cp, cp, group_rank(cp_group), parallel.cp_comm_type,
                                  window)
-        return AttentionInputs(documents=documents, cp_plan=plan)
+        return AttentionInputs(documents=documents, cp_plan=plan, window=window)
     pieces = None
     if documents is not None or (window is not None and local_tokens > window):
         pieces = self_attention_pieces(documents, local_tokens, window)
-    return AttentionInputs(documents=documents, pieces=pieces)
+    return AttentionInputs(documents=documents, pieces=pieces, window=window)

@@ -26,12 +26,15 @@ from qlm_core.parallel.tensor import ColumnParallelLinear, RowParallelLinear, ga
 
 
 class GroupedQueryAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype, layer_index: int = 0):
-        """`layer_index`: the layer's position in its module (numbered from 0), its slot in a KVCache."""
+    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype, layer_index: int = 0,
+                 window: int | None = None):
+        """`layer_index`: the layer's position in its module (numbered from 0), its slot in a KVCache; `window`:
+        its sliding window (None: every earlier key)."""
         super().__init__()
         tp_group, sequence_parallel = parallel.tp_group, parallel.sequence_parallel
         self.parallel = parallel
         self.layer_index = layer_index
+        self.window = window
         tp = group_size(tp_group)
         if spec.num_query_groups % tp and tp % spec.num_query_groups:
             raise ValueError(
@@ -91,7 +94,7 @@ class GroupedQueryAttention(nn.Module):
         if group_size(self.parallel.cp_group) > 1:
             return context_parallel_attention(
                 q, k, v, group=self.parallel.cp_group, comm_type=self.parallel.cp_comm_type, scale=scale,
-                documents=inputs.documents, window=self.spec.sliding_window, plan=inputs.cp_plan,
+                documents=inputs.documents, window=self.window, plan=inputs.cp_plan,
             )
         if inputs.pieces is not None:
             return piecewise_attention(q, k, v, inputs.pieces, scale)
@@ -103,6 +106,7 @@ class GroupedQueryAttention(nn.Module):
         return checkpoint(self._core_attention, q, k, v, inputs, use_reentrant=False)
 
     def forward(self, x: torch.Tensor, positions: tuple[torch.Tensor, ...], inputs: AttentionInputs) -> torch.Tensor:
+        inputs = inputs.for_window(self.window)
         cos, sin = positions  # RoPE's
         q, k, v = self._split_qkv(self.linear_qkv(x))
         if self.q_layernorm is not None:

@@ -49,8 +49,10 @@ def softmax_scale(spec: ModelSpec) -> float:
 
 
 class MultiLatentAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype, layer_index: int = 0):
+    def __init__(self, spec: ModelSpec, parallel: ParallelOptions, dtype, layer_index: int = 0,
+                 window: int | None = None):
         super().__init__()
+        self.window = window
         mla, tp_group, sp = spec.mla, parallel.tp_group, parallel.sequence_parallel
         tp = group_size(tp_group)
         if spec.num_attention_heads % tp:
@@ -115,7 +117,7 @@ class MultiLatentAttention(nn.Module):
         if group_size(self.parallel.cp_group) > 1:
             return context_parallel_attention(
                 q, k, v, group=self.parallel.cp_group, comm_type=self.parallel.cp_comm_type, scale=self.scale,
-                documents=inputs.documents, window=self.spec.sliding_window, plan=inputs.cp_plan,
+                documents=inputs.documents, window=self.window, plan=inputs.cp_plan,
             )
         if inputs.pieces is not None:
             return piecewise_attention(q, k, v, inputs.pieces, self.scale)
@@ -127,6 +129,7 @@ class MultiLatentAttention(nn.Module):
         return checkpoint(self._core_attention, q, k, v, inputs, use_reentrant=False)
 
     def forward(self, x: torch.Tensor, positions: tuple[torch.Tensor, ...], inputs: AttentionInputs) -> torch.Tensor:
+        inputs = inputs.for_window(self.window)
         cos, sin = positions
         q = self._queries(x, cos, sin)
         latent, k_rope = self._latents(x, cos, sin)

@@ -12,9 +12,10 @@ from qlm_core.errors import QlmError
 # qkv_bias: "always" (Qwen2), "never", "config" (Qwen2-MoE's own `qkv_bias` key, default true) or
 # "attention_bias" (GLM-4.5: config.json's attention_bias puts biases on q, k and v, none on o_proj)
 QkvBias = Literal["always", "never", "config", "attention_bias"]
-# sliding_window: "applied" (Mistral: config.json's sliding_window always holds), "gated" (the Qwens: only with
-# use_sliding_window, which qlm refuses), "none" (Llama: no such key)
-SlidingWindow = Literal["applied", "gated", "none"]
+# sliding_window: "applied" (Mistral: config.json's sliding_window holds for every layer), "gated" (Qwen3-MoE: for
+# every layer, only with use_sliding_window), "gated_layers" (Qwen2, Qwen3, Qwen2-MoE: only with use_sliding_window,
+# for the layers config.json's layer_types marks "sliding_attention"), "none" (Llama: no such key)
+SlidingWindow = Literal["applied", "gated", "gated_layers", "none"]
 
 # The per-family choices of the decoder, each built in one place: the attention kind of every layer
 # (models/attention_kinds.py), the norm (models/norms.py), the MLP activation (models/activations.py) and the position
@@ -56,11 +57,11 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "qwen2": Family("Qwen2ForCausalLM", qkv_bias="always", sliding_window="gated"),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias="always", sliding_window="gated_layers"),
     "llama": Family("LlamaForCausalLM", declares_no_bias=True),
     "mistral": Family("MistralForCausalLM", sliding_window="applied"),
-    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, sliding_window="gated", declares_no_bias=True),
-    "qwen2_moe": Family("Qwen2MoeForCausalLM", qkv_bias="config", sliding_window="gated", moe=True),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, sliding_window="gated_layers", declares_no_bias=True),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", qkv_bias="config", sliding_window="gated_layers", moe=True),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, sliding_window="gated", declares_no_bias=True,
                         moe=True),
     "mixtral": Family("MixtralForCausalLM", sliding_window="applied", moe=True, moe_block="block_sparse_moe.",

@@ -20,12 +20,24 @@ def attended_keys_per_token(seq_length: int, mean_doc_len: int = 0, window: int 
 
 
 def layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0,
-                          keys: float | None = None) -> tuple[float, float]:
-    """Forward FLOPs per token of one dense layer: (dense matmuls, causal attention over the keys each token
-    reads; `keys`: that many instead, as a decoding step's token reads every cached key)."""
-    keys = attended_keys_per_token(seq_length, mean_doc_len, spec.sliding_window) if keys is None else keys
+                          keys: float | None = None, layer: int = 0) -> tuple[float, float]:
+    """Forward FLOPs per token of dense layer `layer`: (dense matmuls, causal attention over the keys each token
+    reads within the layer's window; `keys`: that many instead, as a decoding step's token reads every cached key
+    its window reaches)."""
+    window = spec.layer_window(layer)
+    if keys is None:
+        keys = attended_keys_per_token(seq_length, mean_doc_len, window)
+    elif window is not None:
+        keys = min(keys, window)
     projections, attention = attention_kind(spec).flops_per_token(spec, keys)
     return projections + dense_mlp_flops_per_token(spec), attention
+
+
+def mean_attention_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0) -> float:
+    """The attention part of layer_flops_per_token, averaged over the layers (their windows differ)."""
+    windows = spec.windows
+    return sum(layer_flops_per_token(spec, seq_length, mean_doc_len, layer=layer)[1]
+               for layer in range(len(windows))) / len(windows)
 
 
 def dense_mlp_flops_per_token(spec: ModelSpec) -> float:
@@ -44,12 +56,12 @@ def moe_mlp_flops_per_token(spec: ModelSpec) -> float:
 def model_layer_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0,
                                 keys: float | None = None) -> float:
     """Forward FLOPs per token of all layers (matmuls and attention), each MoE layer at its active parameters."""
-    dense, attention = layer_flops_per_token(spec, seq_length, mean_doc_len, keys)
-    if spec.moe is None:
-        return spec.num_layers * (dense + attention)
-    moe_layers = spec.moe.num_moe_layers(spec.num_layers)
-    moe = dense - dense_mlp_flops_per_token(spec) + moe_mlp_flops_per_token(spec)
-    return (spec.num_layers - moe_layers) * (dense + attention) + moe_layers * (moe + attention)
+    moe_mlp = moe_mlp_flops_per_token(spec) - dense_mlp_flops_per_token(spec) if spec.moe is not None else 0.0
+    total = 0.0
+    for layer in range(spec.num_layers):
+        dense, attention = layer_flops_per_token(spec, seq_length, mean_doc_len, keys, layer)
+        total += dense + attention + (moe_mlp if spec.is_moe_layer(layer) else 0.0)
+    return total
 
 
 def logits_flops_per_token(spec: ModelSpec) -> float:
@@ -61,7 +73,7 @@ def mtp_flops_per_token(spec: ModelSpec, seq_length: int, mean_doc_len: int = 0)
     decoder's last layer's kind and its own logits."""
     if not spec.mtp_num_layers:
         return 0.0
-    dense, attention = layer_flops_per_token(spec, seq_length, mean_doc_len)
+    dense, attention = layer_flops_per_token(spec, seq_length, mean_doc_len, layer=spec.num_layers)
     if spec.is_moe_layer(spec.num_layers):
         dense += moe_mlp_flops_per_token(spec) - dense_mlp_flops_per_token(spec)
     h = spec.hidden_size

@@ -94,7 +94,8 @@ class TransformerLayer(nn.Module):
         """`layer_index`: its slot in this module's KVCache; `global_layer`: its index in the whole model."""
         super().__init__()
         self.input_layernorm = replicated_norm(spec, parallel, dtype)
-        self.self_attention = attention_kind(spec).module(spec, parallel, dtype, layer_index)
+        self.window = spec.layer_window(global_layer)
+        self.self_attention = attention_kind(spec).module(spec, parallel, dtype, layer_index, self.window)
         self.pre_mlp_layernorm = replicated_norm(spec, parallel, dtype)
         if spec.is_moe_layer(global_layer):
             moe = moe or MoeContext(MoeConfig(), MoeTracker())
@@ -244,6 +245,8 @@ class GPTModel(nn.Module):
                 spec.hidden_size, lambda: replicated_norm(spec, parallel, dtype),
                 TransformerLayer(spec, parallel, dtype, num_layers + depth, spec.num_layers + depth, self.moe),
                 parallel, dtype) for depth in range(mtp)], parallel)
+        # the sliding windows of this module's layers (None: full attention), each layer's attention inputs
+        self.windows = tuple(dict.fromkeys(layer.window for layer in self.transformer_layers())) or (None,)
         if post_process:
             # With tied embeddings the output layer borrows the embedding weight when both live in this stage;
             # a last stage without the embedding keeps its own copy (synchronised by the pipeline code).
@@ -349,7 +352,7 @@ class GPTModel(nn.Module):
             index = token_index if token_index is not None else torch.arange(local_tokens, device=x.device)
             position_ids = index[None, :].expand(x.shape[1], local_tokens)
         positions = self.positions.layer_inputs(position_ids, x.dtype)
-        inputs = attention_inputs(local_tokens=local_tokens, batch=x.shape[1], window=self.spec.sliding_window,
+        inputs = attention_inputs(local_tokens=local_tokens, batch=x.shape[1], windows=self.windows,
                                   parallel=self.parallel, segment_ids=segment_ids, cache=cache,
                                   attention_mask=attention_mask)
         hidden = self.decoder(x, positions, inputs, routes)

@@ -105,6 +105,9 @@ class ModelSpec:
     tie_word_embeddings: bool
     rope_scaling: RopeScaling | YarnScaling | None = None
     sliding_window: int | None = None
+    # which layers attend within sliding_window (True) and which to every earlier key (Megatron's
+    # window_attn_skip_freq list, HF's layer_types); None: every layer when sliding_window is set
+    window_layers: tuple[bool, ...] | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     qk_layernorm: bool = False  # Qwen3: q_layernorm / k_layernorm [head_dim] on each head before RoPE
@@ -160,12 +163,42 @@ class ModelSpec:
                            f"they go with the language models of {with_mtp}")
         if self.head == "score" and self.tie_word_embeddings:
             raise QlmError("a score head is never tied to the embedding", "set tie_word_embeddings = false")
+        self._settle_windows()
         if self.num_attention_heads % self.num_query_groups:
             raise QlmError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_query_groups}",
                 "fix the config",
             )
+
+    def _settle_windows(self):
+        """window_layers checked and kept only where it says something: all windowed -> None; none -> no window."""
+        if self.window_layers is None:
+            return
+        layers = tuple(self.window_layers)
+        if len(layers) != self.num_layers or any(not isinstance(x, bool) for x in layers):
+            raise QlmError(f"window_layers {list(layers)!r} is not one true/false per layer of a "
+                           f"{self.num_layers}-layer model", "give one true (windowed) or false (full) per layer")
+        if self.sliding_window is None:
+            raise QlmError("window_layers without a sliding_window", "set sliding_window or drop window_layers")
+        if all(layers):
+            layers = None
+        elif not any(layers):
+            layers = None
+            object.__setattr__(self, "sliding_window", None)
+        object.__setattr__(self, "window_layers", layers)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (0-based; a multi-token prediction layer takes the last layer's);
+        None: the layer attends to every earlier key."""
+        if self.sliding_window is None or self.window_layers is None:
+            return self.sliding_window
+        return self.sliding_window if self.window_layers[min(layer, self.num_layers - 1)] else None
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Every layer's window, layer by layer."""
+        return tuple(self.layer_window(layer) for layer in range(self.num_layers))
 
     @property
     def head_outputs(self) -> int:
@@ -225,11 +258,7 @@ class ModelSpec:
         _check_optional_numbers(config, model_type)
         heads = config["num_attention_heads"]
         theta, scaling = _read_rope(config)
-        sliding = None
-        if family.sliding_window == "applied":
-            sliding = config.get("sliding_window")
-        elif config.get("use_sliding_window"):
-            raise QlmError(f"{model_type} use_sliding_window=true is not supported", "set use_sliding_window to false")
+        sliding, window_layers = _read_windows(config, model_type)
         qkv_bias = family.qkv_bias == "always" or (family.qkv_bias == "config" and bool(config.get("qkv_bias", True))) \
             or (family.qkv_bias == "attention_bias" and bool(config.get("attention_bias", False)))
         rotary_percent = _rotary_percent(config, model_type)
@@ -261,6 +290,7 @@ class ModelSpec:
             tie_word_embeddings=head == "lm" and bool(config.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
             sliding_window=sliding,
+            window_layers=window_layers,
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
             qk_layernorm=family.qk_norm or bool(family.qk_norm_key and config.get(family.qk_norm_key)),
@@ -311,10 +341,7 @@ class ModelSpec:
         if self.mla is not None:
             config.update(mla_to_hf(self.mla), head_dim=self.mla.qk_rope_head_dim,
                           num_key_value_heads=self.num_attention_heads)
-        if family.sliding_window == "applied":
-            config["sliding_window"] = self.sliding_window
-        else:
-            config["use_sliding_window"] = False
+        config.update(_windows_to_hf(self))
         if family.declares_no_bias:
             config.update(attention_bias=False, mlp_bias=False)
         if family.qkv_bias == "config":
@@ -371,6 +398,60 @@ def _read_head(config: dict[str, Any], model_type: str) -> str:
         raise QlmError(f"config.json ({model_type}): a sequence classifier with {labels} labels",
                        "qlm reads one-label classifiers (reward models, num_labels = 1)")
     return "score"
+
+
+_LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
+
+
+def _read_windows(config: dict[str, Any], model_type: str) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(sliding_window, window_layers) as transformers reads config.json: Mistral's window holds for every layer;
+    the Qwens' only with use_sliding_window, and then for the layers their config class's layer_types marks (each
+    family has its own default rule, so transformers' config class works it out)."""
+    family = FAMILIES[model_type]
+    if family.sliding_window == "applied":
+        return config.get("sliding_window"), None
+    if family.sliding_window == "none" or not config.get("use_sliding_window"):
+        return None, None
+    window = config.get("sliding_window")
+    if window is None or window == 0:
+        return None, None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise QlmError(f"config.json ({model_type}): sliding_window is {window!r}, not a positive integer",
+                       "set it to a positive token count, or use_sliding_window to false")
+    if family.sliding_window == "gated":
+        return window, None
+    from transformers import AutoConfig  # only here: each family's own rule for the layers it windows
+
+    layer_types = getattr(AutoConfig.for_model(**config), "layer_types", None) or []
+    unknown = sorted({t for t in layer_types if t not in _LAYER_TYPES})
+    if unknown or len(layer_types) != config["num_hidden_layers"]:
+        raise QlmError(f"config.json ({model_type}): layer_types {layer_types!r} is not one of "
+                       f"{', '.join(_LAYER_TYPES)} per layer", "set it as transformers writes it, or drop it")
+    return window, tuple(_LAYER_TYPES[t] for t in layer_types)
+
+
+def _windows_to_hf(spec: ModelSpec) -> dict[str, Any]:
+    """config.json's keys for the spec's windows, as _read_windows reads them back."""
+    family = FAMILIES[spec.model_type]
+    if spec.sliding_window is None:
+        return {"sliding_window": None} if family.sliding_window == "applied" else (
+            {} if family.sliding_window == "none" else {"use_sliding_window": False})
+    if family.sliding_window == "none" or (spec.window_layers is not None and family.sliding_window != "gated_layers"):
+        per_layer = ", ".join(t for t, f in FAMILIES.items() if f.sliding_window == "gated_layers")
+        raise QlmError(f"a {spec.model_type} model with a sliding window on "
+                       f"{'some of its layers' if spec.window_layers else 'its layers'} has no Hugging Face config",
+                       f"windows on some layers go with {per_layer}" if spec.window_layers else
+                       "export a model without a window")
+    if family.sliding_window == "applied":
+        return {"sliding_window": spec.sliding_window}
+    hf = {"use_sliding_window": True, "sliding_window": spec.sliding_window}
+    if family.sliding_window == "gated_layers":
+        windowed = [spec.layer_window(layer) is not None for layer in range(spec.num_layers)]
+        first = windowed.index(True)
+        hf["layer_types"] = [next(t for t, w in _LAYER_TYPES.items() if w == x) for x in windowed]
+        # transformers 4.x reads max_window_layers instead (Qwen2: layers from it on are windowed)
+        hf["max_window_layers"] = first if all(windowed[first:]) else spec.num_layers
+    return hf
 
 
 def _check_optional_numbers(config: dict[str, Any], model_type: str):

@@ -112,7 +112,7 @@ def scale_down(case: ProfileCase, max_ranks: int = 16, target_seq: int = 128) ->
     m = case.num_microbatches
     m = min(m, 2) if p.pp == 1 else (p.pp * (2 if p.vpp > 1 else 1) if m >= p.pp else m)
     spec = s.replace(hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers, kv_channels=d, vocab_size=vocab,
-                     max_position_embeddings=max(seq, 256), sliding_window=None,
+                     max_position_embeddings=max(seq, 256), sliding_window=None, window_layers=None,
                      moe=_scaled_moe(s, hidden, layers, math.lcm(p.tp, case.sizes.etp)))
     parallel = replace(p, dp=None, num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
                        recompute_num_layers=None if p.recompute_num_layers is None else min(p.recompute_num_layers, 2))

@@ -83,8 +83,8 @@ def generate_seconds(case: ProfileCase, gpu: GpuSpec, rates: KernelRates) -> flo
         for index in range(samples):
             context = prompt + 0.5 + (index + 0.5) * steps / samples  # step t attends to prompt + t tokens
             read = weights + rows * context * kv_per_token
-            keys = min(context, spec.sliding_window or context)  # a new token reads every cached key
-            flops = rows * (model_layer_flops_per_token(spec, round(context), keys=keys)
+            # a new token reads every cached key its layer's window reaches
+            flops = rows * (model_layer_flops_per_token(spec, round(context), keys=context)
                             + logits_flops_per_token(spec))
             seconds += steps / samples * max(read / hbm, flops / gemm_rate)
     return seconds

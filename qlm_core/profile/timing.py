@@ -49,7 +49,7 @@ from qlm_core.hardware import GpuSpec
 from qlm_core.models.activations import activation_kind
 from qlm_core.models.flops import (
     flops_per_sequence,
-    layer_flops_per_token,
+    mean_attention_flops_per_token,
     megatron_flops_per_sequence,
 )
 from qlm_core.parallel.cross_entropy import loss_is_chunked
@@ -202,7 +202,7 @@ def microbatch_times(case: ProfileCase, gpu: GpuSpec, eff: Efficiency | KernelRa
     tokens = case.micro_batch_size * case.seq_len  # of one micro-batch, before the CP split
     T = tokens / p.cp
     peak = gpu.peak_tflops * 1e12
-    _, attention_flops = layer_flops_per_token(s, case.seq_len, case.mean_doc_len)
+    attention_flops = mean_attention_flops_per_token(s, case.seq_len, case.mean_doc_len)
     per_gemm = gemm_seconds(case, rates, peak)
     per_elementwise = elementwise_seconds(case, rates, gpu)
     attention = T * attention_flops / p.tp / (peak * rates.attn_fwd)  # forward, one layer

@@ -19,6 +19,9 @@ CASES = {
     "qwen2_tied_tp2_pp2": ("qwen2_tied", dict(tp=2, pp=2)),
     "llama3_tp4_two_groups": ("llama31", dict(tp=4)),
     "qwen2_tp2_uneven_pp2": ("qwen2", dict(tp=2, pp=2, first_stage_layers=1)),
+    # sliding windows of 8 on layers 2-3 only (window_size and window_attn_skip_freq), over 16 tokens
+    "qwen2_swa_tp2_pp2": ("qwen2_swa", dict(tp=2, pp=2)),
+    "mistral_tp2": ("mistral", dict(tp=2)),
 }
 
 

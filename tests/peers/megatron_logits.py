@@ -16,6 +16,20 @@ torch.cuda.current_device = lambda: "cpu"
 torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings with PP>1 call .cuda() during setup
 
 
+def _cpu_sliding_window_mask(sq, skv, window_size):
+    """megatron.core.transformer.utils.get_sliding_window_causal_mask (its rule, unchanged) made on the CPU: the
+    original asks for device="cuda"."""
+    ones = torch.ones(sq, skv, dtype=torch.bool)
+    return ~torch.tril(torch.triu(ones, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+
+def _patch_sliding_window_mask():
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.utils as utils
+
+    utils.get_sliding_window_causal_mask = fused_softmax.get_sliding_window_causal_mask = _cpu_sliding_window_mask
+
+
 def transformer_config(args, **extra):
     """megatron-core's TransformerConfig of a checkpoint's Megatron-LM args, for CPU (no fusions, no dropout);
     `extra` adds fields (the MoE ones). Multi-latent attention's args give its MLATransformerConfig."""
@@ -42,7 +56,8 @@ def transformer_config(args, **extra):
         num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, **extra,
+        gradient_accumulation_fusion=False, window_size=getattr(args, "window_size", None),
+        window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None), **extra,
     )
 
 
@@ -69,6 +84,7 @@ def forward(model, args, ids, pre, post):
 def run_cases(run_case):
     """A worker's main: every case of the JSON file argv[1], in one gloo process group."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    _patch_sliding_window_mask()
     for case in json.loads(open(sys.argv[1]).read()):
         run_case(case)
     dist.barrier()

@@ -49,7 +49,10 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         apply_query_key_layer_scaling=False,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        window_size=(s.sliding_window, 0) if s.sliding_window else None,
+        # Megatron's window (left, 0) lets a query see `left` earlier keys and itself: HF's sliding_window - 1
+        window_size=(s.sliding_window - 1, 0) if s.sliding_window else None,
+        window_attn_skip_freq=None if s.window_layers is None else [int(w) for w in s.window_layers],
+        qlm_sliding_window=s.sliding_window,
         sequence_parallel=False,
         transformer_impl="local",
         ckpt_format=ckpt_format,
@@ -189,6 +192,30 @@ def moe_from_args(args, num_layers: int) -> MoeSpec | None:
     )
 
 
+def _windows_from_args(args: argparse.Namespace, num_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(sliding_window, window_layers) from Megatron's window_size (left, right) and window_attn_skip_freq (N: every
+    N-th layer full; a list: 1 = windowed), as megatron.core.transformer.utils.is_layer_window_attention reads them."""
+    window = getattr(args, "window_size", None)
+    if not window or window[0] is None or window[0] < 0:
+        return None, None
+    if window[1] not in (0, None):
+        raise QlmError(f"window_size {tuple(window)} lets a query see {window[1]} later keys",
+                       "qlm's windows are causal: (left, 0)")
+    if hasattr(args, "qlm_sliding_window"):
+        size = args.qlm_sliding_window
+    else:  # qlm before it kept the HF size wrote the size itself as `left`
+        size = window[0] if hasattr(args, "qlm_model_type") else window[0] + 1
+    skip = getattr(args, "window_attn_skip_freq", None)
+    if skip is None:
+        return size, None
+    if isinstance(skip, int) and not isinstance(skip, bool) and skip >= 1:
+        return size, tuple((layer + 1) % skip != 0 for layer in range(num_layers))
+    if isinstance(skip, (list, tuple)) and len(skip) == num_layers and all(v in (0, 1) for v in skip):
+        return size, tuple(bool(v) for v in skip)
+    raise QlmError(f"window_attn_skip_freq {skip!r} is neither a positive count nor one 0/1 per layer of "
+                   f"{num_layers}", "fix the checkpoint's args")
+
+
 def _guess_model_type(args, moe: MoeSpec | None) -> str:
     """The HF family of args Megatron-LM wrote (qlm's own name it in qlm_model_type)."""
     if getattr(args, "multi_latent_attention", False):  # DeepSeek-V2's router: softmax before the top k
@@ -258,7 +285,7 @@ def spec_from_args(args) -> ModelSpec:
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     scaling = _rope_scaling_from_args(args)
     mla = mla_from_args(args)
-    window = getattr(args, "window_size", None)
+    sliding_window, window_layers = _windows_from_args(args, need("num_layers"))
     return ModelSpec(
         model_type=model_type,
         vocab_size=getattr(args, "vocab_size", None) or need("padded_vocab_size"),
@@ -274,7 +301,8 @@ def spec_from_args(args) -> ModelSpec:
         qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
         tie_word_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
         rope_scaling=scaling,
-        sliding_window=window[0] if window and window[0] and window[0] > 0 else None,
+        sliding_window=sliding_window,
+        window_layers=window_layers,
         qk_layernorm=bool(getattr(args, "qk_layernorm", False)) and mla is None,
         rotary_percent=float(getattr(args, "rotary_percent", 1.0) or 1.0),
         moe=moe,
