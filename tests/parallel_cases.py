@@ -17,8 +17,9 @@ SPEC = ModelSpec(
 )
 SEQ, GLOBAL_BATCH, STEPS, WORLD = 32, 8, 3, 8  # 3 AdamW steps: the second and third see updated weights
 EP_STEPS = 10  # expert-parallel cases run 10 steps (the issue's bar for EP exactness)
-# Mistral's sliding window, shorter than the packed documents can be: the windowed cases' model.
-WINDOWED = SPEC.replace(model_type="mistral", sliding_window=6)
+# A sliding window shorter than the packed documents can be, on layers 0 and 2 only (local and global layers, as
+# Qwen2's layer_types or Megatron's window_attn_skip_freq say): the windowed cases' model
+WINDOWED = SPEC.replace(sliding_window=6, window_layers=(True, False, True, False))
 # A Qwen3-MoE (q/k norms, top-k then softmax) with a gated shared expert and a dense third layer, trained with
 # Megatron's load-balancing and z-losses: the MoE cases' model
 MOE = SPEC.replace(model_type="qwen3_moe", qkv_bias=False, qk_layernorm=True, moe=MoeSpec(
