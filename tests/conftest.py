@@ -35,6 +35,12 @@ MODEL_KINDS = {
     # Qwen2 with use_sliding_window: layers 0-1 attend to every key, 2-3 within 8 (max_window_layers 2)
     "qwen2_swa": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2,
                                 tie_word_embeddings=False)),
+    # GLM-4-9B and GLM-4-0414: q/k/v biases, half of each head rotated in interleaved pairs, gate_up_proj; glm4's
+    # norms after attention and MLP
+    "glm": ("glm", dict(head_dim=16, attention_bias=True, partial_rotary_factor=0.5, tie_word_embeddings=False,
+                        pad_token_id=0, eos_token_id=1)),
+    "glm4": ("glm4", dict(head_dim=16, attention_bias=True, partial_rotary_factor=0.5, tie_word_embeddings=False,
+                          pad_token_id=0, eos_token_id=1)),
 }
 # Qwen3 (q/k norms, head_dim 24 independent of hidden / heads) and the MoE models: 4 experts, top 2; Qwen2-MoE with
 # a gated shared expert, pre-softmax routing and a dense layer among its MoE layers; expert sizes multiples of 8

@@ -40,14 +40,18 @@ MLA = SPEC.replace(mtp_num_layers=1,
     moe=MoeSpec(num_experts=8, topk=2, ffn_hidden_size=32, score_function="sigmoid", expert_bias=True,
                 shared_expert_hidden_size=32, layer_pattern=(0, 1, 1, 1), num_groups=4, group_topk=2,
                 topk_scaling_factor=2.5))
+# GLM-4-0414's layer: a norm after the attention and one after the MLP (replicated, their gradients summed over TP
+# under SP), half of each head rotated in interleaved pairs
+GLM4 = SPEC.replace(model_type="glm4", rotary_percent=0.5, rotary_interleaved=True, post_norms=True)
 # window: packed documents and the windowed model; moe: MOE; mla: MLA (mla_packed: with packed documents)
-# mla_mtp_off: MLA trained with the multi-token prediction weight at 0 (its layers frozen and not run)
-DATA_KINDS = ("plain", "packed", "window", "moe", "moe_seq", "moe_global", "mla", "mla_packed", "mla_mtp_off")
+# mla_mtp_off: MLA trained with the multi-token prediction weight at 0 (its layers frozen and not run); glm4: GLM4
+DATA_KINDS = ("plain", "packed", "window", "moe", "moe_seq", "moe_global", "mla", "mla_packed", "mla_mtp_off",
+              "glm4")
 
 
 def case_spec(data: str) -> ModelSpec:
     return {"window": WINDOWED, "moe": MOE, "moe_seq": MOE, "moe_global": MOE, "mla": MLA,
-            "mla_packed": MLA, "mla_mtp_off": MLA}.get(data, SPEC)
+            "mla_packed": MLA, "mla_mtp_off": MLA, "glm4": GLM4}.get(data, SPEC)
 
 
 def case_moe(data: str) -> MoeConfig | None:
@@ -119,6 +123,10 @@ CASES = {
     "window_cp2_p2p": LayoutCase(2, dict(cp=2, cp_comm_type="p2p"), data="window"),
     "window_cp2_allgather": LayoutCase(2, dict(cp=2, cp_comm_type="allgather"), data="window"),
     "window_cp2_a2a": LayoutCase(2, dict(cp=2, cp_comm_type="a2a"), data="window"),
+    "glm4_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="glm4"),
+    "glm4_pp2": LayoutCase(2, dict(pp=2), data="glm4"),
+    "glm4_cp2_a2a": LayoutCase(2, dict(cp=2, cp_comm_type="a2a"), data="glm4"),
+    "glm4_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), data="glm4"),
     "moe_tp2": LayoutCase(2, dict(tp=2), data="moe"),
     "moe_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="moe"),
     "moe_pp2": LayoutCase(2, dict(pp=2), data="moe"),

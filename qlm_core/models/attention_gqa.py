@@ -111,7 +111,8 @@ class GroupedQueryAttention(nn.Module):
         q, k, v = self._split_qkv(self.linear_qkv(x))
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        interleaved = self.spec.rotary_interleaved  # q and k alike: their dot products are GLM's
+        q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if inputs.cache is not None:

@@ -50,6 +50,14 @@ class Family:
     shared_expert_block: str = "shared_expert."  # the shared expert's module under the MoE block
     # config.json's count of multi-token prediction layers (DeepSeek-V3's num_nextn_predict_layers); None: none
     mtp_key: str | None = None
+    # RoPE rotates the pairs (x0, x1), (x2, x3), ... of each head's rotated part (GLM's layout; Megatron's
+    # rotary_interleaved), not its two halves
+    rotary_interleaved: bool = False
+    fused_gate_up: bool = False  # a dense MLP's gate and up projections are one HF tensor, mlp.gate_up_proj [2f, h]
+    pre_mlp_norm: str = "post_attention_layernorm"  # the HF name of the norm before the MLP
+    # the HF names of the norms after the attention and after the MLP, before each residual add (GLM-4's sandwich
+    # norms; Megatron: post_self_attn_layernorm, post_mlp_layernorm); None: the layer has none
+    post_norms: tuple[str, str] | None = None
     attention: AttentionName = "gqa"
     norm: NormName = "rmsnorm"
     activation: ActivationName = "swiglu"
@@ -79,6 +87,12 @@ FAMILIES: dict[str, Family] = {
     # norms as config.json says, DeepSeek-V3's router, shared experts and dense first layers
     "glm4_moe": Family("Glm4MoeForCausalLM", qkv_bias="attention_bias", qk_norm_key="use_qk_norm", moe=True,
                        shared_expert_block="shared_experts.", rotary_percent=0.5, mtp_key="num_nextn_predict_layers"),
+    # GLM-4-9B (glm) and GLM-4-0414 (glm4): q/k/v biases, half of each head rotated in interleaved pairs, the MLP's
+    # gate and up in one tensor; glm4 adds a norm after the attention and one after the MLP
+    "glm": Family("GlmForCausalLM", qkv_bias="attention_bias", rotary_percent=0.5, rotary_interleaved=True,
+                  fused_gate_up=True),
+    "glm4": Family("Glm4ForCausalLM", qkv_bias="attention_bias", rotary_percent=0.5, rotary_interleaved=True,
+                   fused_gate_up=True, post_norms=("post_self_attn_layernorm", "post_mlp_layernorm")),
     # GLM-4.7-Flash: DeepSeek-V3's layer, its dense and MoE layers listed in mlp_layer_types
     "glm4_moe_lite": Family("Glm4MoeLiteForCausalLM", declares_no_bias=True, moe=True,
                             shared_expert_block="shared_experts.", attention="mla",

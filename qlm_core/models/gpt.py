@@ -96,6 +96,8 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = replicated_norm(spec, parallel, dtype)
         self.window = spec.layer_window(global_layer)
         self.self_attention = attention_kind(spec).module(spec, parallel, dtype, layer_index, self.window)
+        # GLM-4's sandwich norms: after each block, before its residual add (registered in Megatron's order)
+        self.post_self_attn_layernorm = replicated_norm(spec, parallel, dtype) if spec.post_norms else None
         self.pre_mlp_layernorm = replicated_norm(spec, parallel, dtype)
         if spec.is_moe_layer(global_layer):
             moe = moe or MoeContext(MoeConfig(), MoeTracker())
@@ -105,6 +107,7 @@ class TransformerLayer(nn.Module):
             self.route_slot = spec.moe.num_moe_layers(global_layer)
         else:
             self.mlp = MLP(spec.hidden_size, spec.ffn_hidden_size, parallel, dtype, activation_kind(spec))
+        self.post_mlp_layernorm = replicated_norm(spec, parallel, dtype) if spec.post_norms else None
         self.parallel = parallel
         self._compiled = None
 
@@ -152,8 +155,14 @@ class TransformerLayer(nn.Module):
         return self._forward(x, positions, inputs, routes)
 
     def _forward(self, x, positions, inputs: AttentionInputs, routes: torch.Tensor | None = None):
-        x = x + self._norm_then(self.input_layernorm, self.self_attention, x, positions, inputs)
-        return x + self._norm_then(self.pre_mlp_layernorm, self._mlp, x, routes)
+        attended = self._norm_then(self.input_layernorm, self.self_attention, x, positions, inputs)
+        if self.post_self_attn_layernorm is not None:
+            attended = self.post_self_attn_layernorm(attended)
+        x = x + attended
+        mixed = self._norm_then(self.pre_mlp_layernorm, self._mlp, x, routes)
+        if self.post_mlp_layernorm is not None:
+            mixed = self.post_mlp_layernorm(mixed)
+        return x + mixed
 
 
 class TransformerBlock(nn.Module):

@@ -246,14 +246,18 @@ class ModelLayout:
         hf = f"model.layers.{layer}."
         name = f"decoder.layers.{layer}."
         gated = activation_kind(s).gated
+        family = FAMILIES[s.model_type]
+        post_attention, post_mlp = family.post_norms or ("post_self_attn_layernorm", "post_mlp_layernorm")
         out: list[tuple[str, TensorLayout | None]] = [
             *_norm_entries(s, name, "input_layernorm", hf + "input_layernorm"),
             *attention_kind(s).layer_entries(s, layer),
-            *_norm_entries(s, name, "pre_mlp_layernorm", hf + "post_attention_layernorm"),
+            *(_norm_entries(s, name, "post_self_attn_layernorm", hf + post_attention) if s.post_norms else []),
+            *_norm_entries(s, name, "pre_mlp_layernorm", hf + family.pre_mlp_norm),
         ]
+        after = _norm_entries(s, name, "post_mlp_layernorm", hf + post_mlp) if s.post_norms else []
         if not s.is_moe_layer(layer):
-            return out + _mlp_entries(name, "mlp.", s.ffn_hidden_size, h, hf + "mlp.", _GATE_UP_DOWN, gated)
-        family = FAMILIES[s.model_type]
+            return out + _mlp_entries(name, "mlp.", s.ffn_hidden_size, h, hf + "mlp.", _GATE_UP_DOWN, gated,
+                                      fused=family.fused_gate_up) + after
         moe, moe_hf = s.moe, hf + family.moe_block
         experts = s.moe.num_experts
         out.append(("mlp.router.weight", TensorLayout(name + "mlp.router.weight", (experts, h), REPLICATED,
@@ -273,7 +277,7 @@ class ModelLayout:
             out.append(("mlp.shared_experts.gate_weight", TensorLayout(
                 name + "mlp.shared_experts.gate_weight", (1, h), REPLICATED,
                 (Segment(0, 1, moe_hf + "shared_expert_gate.weight"),))))
-        return out
+        return out + after
 
     def mtp_entries(self, depth: int) -> list[tuple[str, TensorLayout | None]]:
         """(suffix below `mtp.layers.<depth>.`, global tensor) of multi-token prediction layer `depth`, in
@@ -477,13 +481,14 @@ def _norm_entries(spec: ModelSpec, name: str, module: str, hf_module: str) -> li
 
 
 def _mlp_entries(name: str, module: str, ffn: int, h: int, hf: str, projections: tuple[str, str, str],
-                 gated: bool, expert: bool = False):
+                 gated: bool, expert: bool = False, fused: bool = False):
     """An MLP's entries (module `module` of layer `name`): a gated one's linear_fc1 = [gate; up] (FC1), a plain
-    one's = up (split by rows); linear_fc2 = down."""
+    one's = up (split by rows); linear_fc2 = down. `fused`: HF holds [gate; up] as one `gate_up_proj` (GLM)."""
     gate, up, down = (f"{hf}{proj}.weight" for proj in projections)
     fc1, fc2 = f"{module}linear_fc1", f"{module}linear_fc2"
-    fc1_tensor = (TensorLayout(name + fc1 + ".weight", (2 * ffn, h), FC1,
-                               (Segment(0, ffn, gate), Segment(ffn, 2 * ffn, up)), expert=expert) if gated
+    gate_up = (Segment(0, ffn, f"{hf}gate_up_proj.weight"), Segment(ffn, 2 * ffn, f"{hf}gate_up_proj.weight", ffn)) \
+        if fused else (Segment(0, ffn, gate), Segment(ffn, 2 * ffn, up))
+    fc1_tensor = (TensorLayout(name + fc1 + ".weight", (2 * ffn, h), FC1, gate_up, expert=expert) if gated
                   else TensorLayout(name + fc1 + ".weight", (ffn, h), ROWS, (Segment(0, ffn, up),), expert=expert))
     return [
         (fc1 + ".weight", fc1_tensor),

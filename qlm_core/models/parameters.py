@@ -22,7 +22,7 @@ def layer_parameters(spec: ModelSpec, layer: int, active: bool = False) -> int:
     """One decoder layer's parameters; `active`: an MoE layer's routed experts counted top-k times."""
     h = spec.hidden_size
     matrices = activation_kind(spec).matrices
-    norms = 2 * len(norm_kind(spec).tensors) * h
+    norms = (4 if spec.post_norms else 2) * len(norm_kind(spec).tensors) * h  # GLM-4: a norm after each block too
     attention = attention_parameters(spec, layer)
     if not spec.is_moe_layer(layer):
         return attention + matrices * h * spec.ffn_hidden_size + norms

@@ -89,6 +89,16 @@ def _glm4_moe(hidden, ffn, layers, heads, experts, expert_ffn, dense, scaling_fa
 
 _LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
+def _glm(context: int, eps: float, post_norms: bool) -> ModelSpec:
+    """GLM-4-9B's sizes: 40 layers of hidden 4096, 32 heads in 2 query groups with q/k/v biases, half of each
+    128-wide head rotated in interleaved pairs, an MLP of 13696."""
+    return ModelSpec(model_type="glm4" if post_norms else "glm", vocab_size=151552, hidden_size=4096,
+                     ffn_hidden_size=13696, num_layers=40, num_attention_heads=32, num_query_groups=2, kv_channels=128,
+                     max_position_embeddings=context, rope_theta=10000.0, norm_epsilon=eps, qkv_bias=True,
+                     tie_word_embeddings=False, rotary_percent=0.5, rotary_interleaved=True, post_norms=post_norms,
+                     eos_token_id=[151329, 151336, 151338])
+
+
 PRESETS: dict[str, ModelSpec] = {
     "qwen2-0.5b": _qwen2(896, 4864, 24, 14, 2, 151936, tied=True),
     "qwen2-1.5b": _qwen2(1536, 8960, 28, 12, 2, 151936, tied=True),
@@ -159,6 +169,9 @@ PRESETS: dict[str, ModelSpec] = {
                                  None, None).replace(mla=MlaSpec(kv_lora_rank=32, qk_nope_head_dim=32,
                                                                  qk_rope_head_dim=16, v_head_dim=32, q_lora_rank=48),
                                                      kv_channels=48, mtp_num_layers=1),
+    # GLM-4-9B (the -hf release, 9.40B) and GLM-4-9B-0414 (its norms after attention and MLP, 9.40B)
+    "glm-4-9b": _glm(131072, 1.5625e-07, post_norms=False),
+    "glm-4-9b-0414": _glm(32768, 1e-5, post_norms=True),
     "mistral-7b": ModelSpec(
         model_type="mistral", vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
         num_attention_heads=32, num_query_groups=8, kv_channels=128, max_position_embeddings=32768,

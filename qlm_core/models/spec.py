@@ -112,6 +112,8 @@ class ModelSpec:
     eos_token_id: int | list[int] | None = None
     qk_layernorm: bool = False  # Qwen3: q_layernorm / k_layernorm [head_dim] on each head before RoPE
     rotary_percent: float = 1.0  # the share of each head RoPE rotates, its first dims (GLM's partial_rotary_factor)
+    rotary_interleaved: bool = False  # RoPE's pairs are (x0, x1), (x2, x3), ... (GLM's; Megatron's same-named flag)
+    post_norms: bool = False  # a norm after the attention and one after the MLP, before each residual add (GLM-4)
     moe: MoeSpec | None = None  # Mixture of Experts (None: every layer a dense MLP of ffn_hidden_size)
     mla: MlaSpec | None = None  # multi-latent attention's sizes (attention "mla"); kv_channels is then its q/k head
     # multi-token prediction layers after the decoder (DeepSeek-V3's num_nextn_predict_layers; Megatron's
@@ -295,6 +297,8 @@ class ModelSpec:
             eos_token_id=config.get("eos_token_id"),
             qk_layernorm=family.qk_norm or bool(family.qk_norm_key and config.get(family.qk_norm_key)),
             rotary_percent=rotary_percent,
+            rotary_interleaved=family.rotary_interleaved,
+            post_norms=family.post_norms is not None,
             moe=moe,
             mla=mla,
             mtp_num_layers=mtp,
@@ -311,6 +315,13 @@ class ModelSpec:
         family = FAMILIES[self.model_type]
         switched = {"qk_layernorm": family.qk_norm_key is not None,  # config.json says either way
                     "qkv_bias": family.qkv_bias in ("config", "attention_bias")}
+        for flag, held in (("rotary_interleaved", family.rotary_interleaved),
+                           ("post_norms", family.post_norms is not None)):
+            if getattr(self, flag) != held:  # HF's class of the family fixes it
+                with_it = ", ".join(t for t, f in FAMILIES.items()
+                                    if (f.rotary_interleaved if flag == "rotary_interleaved" else f.post_norms))
+                raise QlmError(f"a {self.model_type} model {'with' if getattr(self, flag) else 'without'} {flag} "
+                               "has no Hugging Face config", f"{flag} goes with model types {with_it}")
         for flag, types in (("qk_layernorm", QK_NORM_MODEL_TYPES), ("qkv_bias", QKV_BIAS_MODEL_TYPES)):
             if not switched[flag] and getattr(self, flag) != (self.model_type in types):  # HF would lack them
                 raise QlmError(f"a {self.model_type} model {'with' if getattr(self, flag) else 'without'} {flag} "

@@ -193,6 +193,8 @@ def layer_terms(x: ActivationInputs, recompute: str = "none", moe_layer: bool | 
     else:
         norm = norm_kind(x.spec).saved_bytes(e, h) * Tsp
         terms = {"rmsnorm x2": 2 * norm, "linear_fc1 input": e * h * Tsp if x.keeps_input("linear_fc1") else 0.0}
+    if x.spec.post_norms:  # GLM-4's norms after attention and MLP: outside every checkpoint but "full"'s
+        terms["rmsnorm after attention and MLP x2"] = 2 * norm_kind(x.spec).saved_bytes(e, h) * Tsp
     terms.update(attention_terms(x).saved(x, recompute, norms_discarded))
     mlp = x.recomputes(recompute, "mlp")  # the checkpoint keeps only its input, the pre-MLP norm's output
     if moe:  # its input is "linear_fc1 input" (the router keeps it); LoRA on its shared expert is not modelled

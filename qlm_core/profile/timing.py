@@ -162,7 +162,9 @@ def elementwise_seconds(case: ProfileCase, rates: KernelRates, gpu: GpuSpec) -> 
     p, s = case.parallel, case.spec
     hidden = s.hidden_size / (p.tp if p.sp and p.tp > 1 else 1)
     rate = rates.elementwise * case.dtype_bytes / (gpu.hbm_gbps * 1e9)
-    return {"norms": rate * hidden, "mlp": rate * s.ffn_hidden_size / p.tp}
+    # GLM-4's norms after attention and MLP: two passes more beside the two norms and two residual adds
+    norms = 1.5 if s.post_norms else 1.0
+    return {"norms": rate * hidden * norms, "mlp": rate * s.ffn_hidden_size / p.tp}
 
 
 def layer_elementwise_seconds(case: ProfileCase, rates: KernelRates, gpu: GpuSpec) -> float:

@@ -22,6 +22,8 @@ CASES = {
     # sliding windows of 8 on layers 2-3 only (window_size and window_attn_skip_freq), over 16 tokens
     "qwen2_swa_tp2_pp2": ("qwen2_swa", dict(tp=2, pp=2)),
     "mistral_tp2": ("mistral", dict(tp=2)),
+    # GLM-4-9B's attention: q/k/v biases, half of each head rotated in interleaved pairs (rotary_interleaved)
+    "glm_tp2_pp2": ("glm", dict(tp=2, pp=2)),
 }
 
 

@@ -87,6 +87,12 @@ def test_qlm_backend_equals_lm_eval_hf_backend(hf_model, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["glm4", "qwen2_swa"])  # GLM-4-0414; a Qwen2 windowed on its last two layers
+def test_qlm_backend_equals_lm_eval_hf_backend_on_another_family(hf_models, kind, tmp_path):
+    assert_same(evaluate(hf_models[kind], "qlm", tmp_path), evaluate(hf_models[kind], "hf", tmp_path))
+
+
+@pytest.mark.slow
 def test_qlm_backend_equals_lm_eval_hf_backend_on_an_moe_model(tmp_path):
     """A Qwen3-MoE (qlm-tiny-moe's shape: q/k norms, 8 experts, top 2) in transformers, both backends."""
     moe_model = random_hf_model(tmp_path / "moe", "qlm-tiny-moe")

@@ -57,7 +57,8 @@ def transformer_config(args, **extra):
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, window_size=getattr(args, "window_size", None),
-        window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None), **extra,
+        window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
+        rotary_interleaved=getattr(args, "rotary_interleaved", False), **extra,
     )
 
 
@@ -100,7 +101,7 @@ def build_model(args, pre, post):
         config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre, post_process=post,
         position_embedding_type="rope", rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
-        rope_scaling_factor=args.rope_scaling_factor,
+        rope_scaling_factor=args.rope_scaling_factor, rotary_percent=getattr(args, "rotary_percent", 1.0),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, parallel_output=False,
     ).eval()
 

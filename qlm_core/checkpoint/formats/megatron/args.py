@@ -35,7 +35,10 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         **dict(position_kind(s).megatron_args),
         rotary_base=theta,
         rotary_percent=s.rotary_percent,
-        rotary_interleaved=False,
+        rotary_interleaved=s.rotary_interleaved,
+        # GLM-4's sandwich norms (not in upstream Megatron-LM: the field names of the Megatron forks that build them)
+        post_self_attn_layernorm=s.post_norms,
+        post_mlp_layernorm=s.post_norms,
         rotary_seq_len_interpolation_factor=None,
         use_rope_scaling=isinstance(s.rope_scaling, RopeScaling),
         rope_scaling_factor=s.rope_scaling.factor if s.rope_scaling else 8.0,
@@ -192,6 +195,14 @@ def moe_from_args(args, num_layers: int) -> MoeSpec | None:
     )
 
 
+def _post_norms_from_args(args: argparse.Namespace) -> bool:
+    after_attention = bool(getattr(args, "post_self_attn_layernorm", False))
+    if after_attention != bool(getattr(args, "post_mlp_layernorm", False)):
+        raise QlmError("the checkpoint's args put a norm after only one of attention and MLP "
+                       "(post_self_attn_layernorm / post_mlp_layernorm)", "qlm builds both (GLM-4) or neither")
+    return after_attention
+
+
 def _windows_from_args(args: argparse.Namespace, num_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
     """(sliding_window, window_layers) from Megatron's window_size (left, right) and window_attn_skip_freq (N: every
     N-th layer full; a list: 1 = windowed), as megatron.core.transformer.utils.is_layer_window_attention reads them."""
@@ -222,6 +233,8 @@ def _guess_model_type(args, moe: MoeSpec | None) -> str:
         return "deepseek_v2" if moe is not None and moe.pre_softmax and not moe.expert_bias else "deepseek_v3"
     qk_norm, bias = bool(getattr(args, "qk_layernorm", False)), bool(getattr(args, "add_qkv_bias", False))
     if moe is None:
+        if getattr(args, "rotary_interleaved", False):  # GLM's pair layout; its sandwich norms make it GLM-4
+            return "glm4" if getattr(args, "post_self_attn_layernorm", False) else "glm"
         return "qwen3" if qk_norm else "qwen2" if bias else "llama"
     if moe.expert_bias:  # DeepSeek-V3's sigmoid router with grouped-query attention: GLM-4.5
         return "glm4_moe"
@@ -305,6 +318,9 @@ def spec_from_args(args) -> ModelSpec:
         window_layers=window_layers,
         qk_layernorm=bool(getattr(args, "qk_layernorm", False)) and mla is None,
         rotary_percent=float(getattr(args, "rotary_percent", 1.0) or 1.0),
+        # multi-latent attention reads its rotary rows as DeepSeek lays them out (mla_spec.rope_interleave)
+        rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)) and mla is None,
+        post_norms=_post_norms_from_args(args),
         moe=moe,
         mla=mla,
         mtp_num_layers=int(getattr(args, "mtp_num_layers", None) or 0),

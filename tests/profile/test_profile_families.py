@@ -1,0 +1,56 @@
+"""qlm profile counts the terms the new families bring: GLM-4's norms after attention and MLP (their saved inputs
+equal the saved-tensor measurement under every recompute mode), their weights, and an in-process --probe of a tiny
+GLM-4 within 5% per memory component; per-layer sliding windows change the attention FLOPs the time counts."""
+
+import pytest
+import torch
+from parallel_cases import GLM4, SPEC
+
+from qlm_core.config import ParallelConfig
+from qlm_core.hardware import gpu_spec
+from qlm_core.models.gpt import GPTModel
+from qlm_core.models.runtime import ParallelOptions
+from qlm_core.profile.activations import ActivationInputs, layer_bytes
+from qlm_core.profile.case import ProfileCase
+from qlm_core.profile.efficiency import Efficiency
+from qlm_core.profile.measure import SavedTensorMeter
+from qlm_core.profile.probe import probe
+from qlm_core.profile.timing import microbatch_times
+
+SEQ, BATCH = 64, 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_glm4_layer_bytes_equal_saved_tensors(recompute, dtype):
+    model = GPTModel(GLM4, parallel=ParallelOptions(recompute=recompute), num_layers=3, dtype=dtype)
+    ids = torch.randint(0, GLM4.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with SavedTensorMeter(model) as meter:
+        model(ids, labels=ids.roll(-1, 1)).sum()
+    x = ActivationInputs(GLM4, SEQ, BATCH, dtype_bytes=dtype.itemsize, padded_vocab=model.padded_vocab, device="cpu")
+    plain = ActivationInputs(GLM4.replace(post_norms=False), SEQ, BATCH, dtype_bytes=dtype.itemsize,
+                             padded_vocab=model.padded_vocab, device="cpu")
+    assert layer_bytes(x, recompute) == pytest.approx(meter.layer_bytes()["layer1"], rel=1e-9)
+    assert (layer_bytes(x, recompute) > layer_bytes(plain, recompute)) == (recompute != "full")
+
+
+def test_probe_of_a_glm4_model_measures_what_is_predicted():
+    case = ProfileCase(spec=GLM4, model_name="tiny-glm4", parallel=ParallelConfig(zero_stage=1), seq_len=128,
+                       global_batch_size=2, num_gpus=1)
+    result = probe(case, gpu_spec("a100-80g"), steps=1)
+    for key in ("weights", "grads", "optimizer"):
+        assert result.predicted[key] == result.measured[key], key
+    for key in ("activations", "logits_loss"):
+        assert result.predicted[key] == pytest.approx(result.measured[key], rel=0.05), key
+
+
+def test_windowed_layers_take_less_attention_time():
+    def seconds(spec):
+        case = ProfileCase(spec=spec, model_name="tiny", parallel=ParallelConfig(), seq_len=8192,
+                           global_batch_size=1, num_gpus=1)
+        return microbatch_times(case, gpu_spec("h100"), Efficiency(), 0)["compute"]
+
+    full = seconds(SPEC)
+    half = seconds(SPEC.replace(sliding_window=512, window_layers=(True, False, True, False)))
+    every = seconds(SPEC.replace(sliding_window=512))
+    assert every < half < full
