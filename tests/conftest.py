@@ -41,6 +41,8 @@ MODEL_KINDS = {
                         pad_token_id=0, eos_token_id=1)),
     "glm4": ("glm4", dict(head_dim=16, attention_bias=True, partial_rotary_factor=0.5, tie_word_embeddings=False,
                           pad_token_id=0, eos_token_id=1)),
+    # ERNIE 4.5 (0.3B's layout): the whole head rotated in interleaved pairs, tied embeddings
+    "ernie4_5": ("ernie4_5", dict(head_dim=16, tie_word_embeddings=True)),
 }
 # Qwen3 (q/k norms, head_dim 24 independent of hidden / heads) and the MoE models: 4 experts, top 2; Qwen2-MoE with
 # a gated shared expert, pre-softmax routing and a dense layer among its MoE layers; expert sizes multiples of 8

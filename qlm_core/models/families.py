@@ -93,6 +93,9 @@ FAMILIES: dict[str, Family] = {
                   fused_gate_up=True),
     "glm4": Family("Glm4ForCausalLM", qkv_bias="attention_bias", rotary_percent=0.5, rotary_interleaved=True,
                    fused_gate_up=True, post_norms=("post_self_attn_layernorm", "post_mlp_layernorm")),
+    # ERNIE 4.5 (dense): Llama's layer with RoPE over the whole head in interleaved pairs (GLM's layout), tied
+    # embeddings by default; config.json's use_bias would put biases on every linear
+    "ernie4_5": Family("Ernie4_5ForCausalLM", rotary_interleaved=True),
     # GLM-4.7-Flash: DeepSeek-V3's layer, its dense and MoE layers listed in mlp_layer_types
     "glm4_moe_lite": Family("Glm4MoeLiteForCausalLM", declares_no_bias=True, moe=True,
                             shared_expert_block="shared_experts.", attention="mla",

@@ -172,6 +172,13 @@ PRESETS: dict[str, ModelSpec] = {
     # GLM-4-9B (the -hf release, 9.40B) and GLM-4-9B-0414 (its norms after attention and MLP, 9.40B)
     "glm-4-9b": _glm(131072, 1.5625e-07, post_norms=False),
     "glm-4-9b-0414": _glm(32768, 1e-5, post_norms=True),
+    # ERNIE-4.5-0.3B (0.36B): tied embeddings, the whole 128-wide head rotated in interleaved pairs
+    "ernie-4.5-0.3b": ModelSpec(
+        model_type="ernie4_5", vocab_size=103424, hidden_size=1024, ffn_hidden_size=3072, num_layers=18,
+        num_attention_heads=16, num_query_groups=2, kv_channels=128, max_position_embeddings=131072,
+        rope_theta=500000.0, norm_epsilon=1e-5, qkv_bias=False, tie_word_embeddings=True, rotary_interleaved=True,
+        bos_token_id=1, eos_token_id=2,
+    ),
     "mistral-7b": ModelSpec(
         model_type="mistral", vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
         num_attention_heads=32, num_query_groups=8, kv_channels=128, max_position_embeddings=32768,

@@ -244,7 +244,7 @@ class ModelSpec:
             raise QlmError(f"hidden_act {act!r} is not supported for {model_type}",
                            f"{model_type}'s MLP is {family.activation} (hidden_act "
                            f"{HF_ACTIVATIONS[family.activation]!r})")
-        for flag in ("attention_bias", "mlp_bias"):
+        for flag in ("attention_bias", "mlp_bias", "use_bias"):  # use_bias: ERNIE 4.5's, on every linear
             if (family.qkv_bias == "never" or (flag == "mlp_bias" and family.qkv_bias == "attention_bias")) \
                     and config.get(flag):
                 raise QlmError(f"{flag}=true is not supported for {model_type}", "use a checkpoint without biases")

@@ -24,6 +24,8 @@ CASES = {
     "mistral_tp2": ("mistral", dict(tp=2)),
     # GLM-4-9B's attention: q/k/v biases, half of each head rotated in interleaved pairs (rotary_interleaved)
     "glm_tp2_pp2": ("glm", dict(tp=2, pp=2)),
+    # ERNIE 4.5: the whole head in interleaved pairs, tied embeddings across the pipeline
+    "ernie4_5_tp2_pp2": ("ernie4_5", dict(tp=2, pp=2)),
 }
 
 

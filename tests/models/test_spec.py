@@ -16,7 +16,8 @@ PUBLISHED = {
     "qwen2-0.5b": 494_032_768, "qwen2-1.5b": 1_543_714_304, "qwen2-7b": 7_615_616_512,
     "qwen2-72b": 72_706_203_648, "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248,
     "llama3-70b": 70_553_706_496, "mistral-7b": 7_241_732_096,
-    "glm-4-9b": 9_399_951_360, "glm-4-9b-0414": 9_400_279_040,  # transformers' count of the released configs
+    # transformers' count of the released configs
+    "glm-4-9b": 9_399_951_360, "glm-4-9b-0414": 9_400_279_040, "ernie-4.5-0.3b": 360_748_032,
 }
 
 

@@ -233,8 +233,8 @@ def _guess_model_type(args, moe: MoeSpec | None) -> str:
         return "deepseek_v2" if moe is not None and moe.pre_softmax and not moe.expert_bias else "deepseek_v3"
     qk_norm, bias = bool(getattr(args, "qk_layernorm", False)), bool(getattr(args, "add_qkv_bias", False))
     if moe is None:
-        if getattr(args, "rotary_interleaved", False):  # GLM's pair layout; its sandwich norms make it GLM-4
-            return "glm4" if getattr(args, "post_self_attn_layernorm", False) else "glm"
+        if getattr(args, "rotary_interleaved", False):  # GLM's pair layout (its sandwich norms: GLM-4), or ERNIE's
+            return "glm4" if getattr(args, "post_self_attn_layernorm", False) else "glm" if bias else "ernie4_5"
         return "qwen3" if qk_norm else "qwen2" if bias else "llama"
     if moe.expert_bias:  # DeepSeek-V3's sigmoid router with grouped-query attention: GLM-4.5
         return "glm4_moe"
