@@ -90,7 +90,8 @@ def test_adapter_layouts_follow_their_base_weights():
     assert entries[0][1].name == "decoder.layers.2.self_attention.linear_qkv.lora_A.weight"
 
 
-@pytest.mark.parametrize("kind, targets", [("qwen2", ALL_TARGETS), ("qwen2_tied", ["linear_qkv", "linear_fc2"])])
+@pytest.mark.parametrize("kind, targets", [("qwen2", ALL_TARGETS), ("qwen2_tied", ["linear_qkv", "linear_fc2"]),
+                                           ("glm4", ALL_TARGETS)])  # GLM-4: one gate_up_proj adapter
 def test_peft_export_gives_qlm_logits(kind, targets, hf_models, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -102,7 +103,8 @@ def test_peft_export_gives_qlm_logits(kind, targets, hf_models, tmp_path):
     saved = json.loads((out / "adapter_config.json").read_text())
     assert saved["peft_type"] == "LORA" and saved["r"] == 4 and saved["lora_alpha"] == 8.0
     expected_modules = {"linear_qkv": ["q_proj", "k_proj", "v_proj"], "linear_proj": ["o_proj"],
-                        "linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]}
+                        "linear_fc1": ["gate_up_proj"] if kind == "glm4" else ["gate_proj", "up_proj"],
+                        "linear_fc2": ["down_proj"]}
     assert sorted(saved["target_modules"]) == sorted(m for t in targets for m in expected_modules[t])
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_models[kind]), out).eval()
     ids = token_ids(layout.spec.vocab_size)
