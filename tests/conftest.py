@@ -43,6 +43,13 @@ MODEL_KINDS = {
                           pad_token_id=0, eos_token_id=1)),
     # ERNIE 4.5 (0.3B's layout): the whole head rotated in interleaved pairs, tied embeddings
     "ernie4_5": ("ernie4_5", dict(head_dim=16, tie_word_embeddings=True)),
+    # Gemma 3 (text): windowed layers 0-2 (window 8, RoPE base 10000), a global layer 3 (base 1e6, linear x8), a
+    # query_pre_attn_scalar other than head_dim, GeGLU, (1 + w) norms, four a layer, tied embeddings
+    "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0,
+                                   layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                   eos_token_id=1, bos_token_id=2, rope_parameters={
+                                       "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 # Qwen3 (q/k norms, head_dim 24 independent of hidden / heads) and the MoE models: 4 experts, top 2; Qwen2-MoE with
 # a gated shared expert, pre-softmax routing and a dense layer among its MoE layers; expert sizes multiples of 8

@@ -7,7 +7,7 @@ import torch
 from qlm_core.config import MoeConfig
 from qlm_core.models.mla_spec import MlaSpec
 from qlm_core.models.moe_spec import MoeSpec
-from qlm_core.models.spec import ModelSpec, YarnScaling
+from qlm_core.models.spec import LinearRopeScaling, ModelSpec, YarnScaling
 
 # Tiny Qwen2: GQA (4 heads, 2 query groups) and qkv bias; vocabulary 300 exercises Megatron's padding.
 SPEC = ModelSpec(
@@ -43,15 +43,22 @@ MLA = SPEC.replace(mtp_num_layers=1,
 # GLM-4-0414's layer: a norm after the attention and one after the MLP (replicated, their gradients summed over TP
 # under SP), half of each head rotated in interleaved pairs
 GLM4 = SPEC.replace(model_type="glm4", rotary_percent=0.5, rotary_interleaved=True, post_norms=True)
+# A Gemma 3: (1 + w) RMSNorms (four a layer and on q/k), GeGLU, embeddings scaled by sqrt(h), tied, a softmax scale of
+# query_pre_attn_scalar 24, three local layers (window 6, base 10k) and a global one (base 1M, linear x8), packed
+GEMMA3 = SPEC.replace(model_type="gemma3_text", qkv_bias=False, tie_word_embeddings=True, qk_layernorm=True,
+                      post_norms=True, scaled_embedding=True, softmax_scale=24 ** -0.5, rope_theta=1e6,
+                      rope_scaling=LinearRopeScaling(8.0), local_rope_theta=10000.0, sliding_window=6,
+                      window_layers=(True, True, True, False), norm="gemma_rmsnorm", activation="geglu")
 # window: packed documents and the windowed model; moe: MOE; mla: MLA (mla_packed: with packed documents)
-# mla_mtp_off: MLA trained with the multi-token prediction weight at 0 (its layers frozen and not run); glm4: GLM4
+# mla_mtp_off: MLA trained with the multi-token prediction weight at 0 (its layers frozen and not run); glm4: GLM4;
+# gemma3: GEMMA3 on packed documents
 DATA_KINDS = ("plain", "packed", "window", "moe", "moe_seq", "moe_global", "mla", "mla_packed", "mla_mtp_off",
-              "glm4")
+              "glm4", "gemma3")
 
 
 def case_spec(data: str) -> ModelSpec:
     return {"window": WINDOWED, "moe": MOE, "moe_seq": MOE, "moe_global": MOE, "mla": MLA,
-            "mla_packed": MLA, "mla_mtp_off": MLA, "glm4": GLM4}.get(data, SPEC)
+            "mla_packed": MLA, "mla_mtp_off": MLA, "glm4": GLM4, "gemma3": GEMMA3}.get(data, SPEC)
 
 
 def case_moe(data: str) -> MoeConfig | None:
@@ -127,6 +134,10 @@ CASES = {
     "glm4_pp2": LayoutCase(2, dict(pp=2), data="glm4"),
     "glm4_cp2_a2a": LayoutCase(2, dict(cp=2, cp_comm_type="a2a"), data="glm4"),
     "glm4_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), data="glm4"),
+    "gemma3_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="gemma3"),
+    "gemma3_pp2": LayoutCase(2, dict(pp=2), data="gemma3"),
+    "gemma3_cp2_p2p": LayoutCase(2, dict(cp=2, cp_comm_type="p2p"), data="gemma3"),
+    "gemma3_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), data="gemma3"),
     "moe_tp2": LayoutCase(2, dict(tp=2), data="moe"),
     "moe_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="moe"),
     "moe_pp2": LayoutCase(2, dict(pp=2), data="moe"),
@@ -181,8 +192,8 @@ COMPILED_CASES = {
 
 def make_batch(packed: bool | str):
     """Global batch: input_ids, labels (-100 across document boundaries), position_ids and segment_ids (packed, or
-    data kind "packed" / "window")."""
-    packed = packed in (True, "packed", "window", "mla_packed")
+    data kind "packed" / "window" / "mla_packed" / "gemma3")."""
+    packed = packed in (True, "packed", "window", "mla_packed", "gemma3")
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, SPEC.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=generator)
     input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()

@@ -62,3 +62,51 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+def zero_centered_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: the weight is an offset from 1 and multiplies in fp32, before the cast (Megatron's
+    zero-centred gamma)."""
+    x32 = x.to(torch.float32)
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.to(torch.float32))).to(x.dtype)
+
+
+class ZeroCenteredRMSNormFunction(torch.autograd.Function):
+    """zero_centered_rms_norm_reference keeping only the input and the fp32 1/rms, as RMSNormFunction does."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (x32 * rstd * (1.0 + weight.to(torch.float32))).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        x32, grad32 = x.to(torch.float32), grad.to(torch.float32)
+        normed = x32 * rstd
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad32 * normed).sum_to_size(weight.shape).to(weight.dtype)
+        if not ctx.needs_input_grad[0]:
+            return None, grad_weight, None
+        grad_normed = grad32 * (1.0 + weight.to(torch.float32))
+        grad_rstd = (grad_normed * x32).sum(-1, keepdim=True)
+        grad_mean = (-0.5 * grad_rstd) * rstd.pow(3)
+        grad_x32 = grad_normed * rstd + grad_mean.expand_as(x32) / x32.shape[-1] * (2.0 * x32)
+        return grad_x32.to(x.dtype), grad_weight, None
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """Gemma's RMSNorm, `(1 + w)` times the normalised input; its weight starts at 0."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return ZeroCenteredRMSNormFunction.apply(x, self.weight, self.eps)
+        return zero_centered_rms_norm_reference(x, self.weight, self.eps)

@@ -14,6 +14,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if getattr(scaling, "kind", None) == "linear":  # position interpolation: every frequency divided by the factor
+        return inv_freq / scaling.factor
     if hasattr(scaling, "beta_fast"):
         return _yarn_inv_freq(head_dim, theta, scaling)
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from qlm_core.kernels.geglu import geglu, looped_gated_mlp
 from qlm_core.kernels.grouped_mlp import grouped_swiglu_mlp
 from qlm_core.kernels.swiglu import swiglu
 from qlm_core.models.families import chosen_kind
@@ -39,7 +40,11 @@ class ActivationKind:
 
 ACTIVATION_KINDS: dict[str, ActivationKind] = {
     "swiglu": ActivationKind(swiglu, gated=True, grouped_mlp=grouped_swiglu_mlp,
-                             megatron_args=(("swiglu", True), ("squared_relu", False))),
+                             megatron_args=(("swiglu", True), ("squared_relu", False), ("qlm_geglu", False))),
+    # Gemma's gelu(gate, tanh) * up: Megatron-LM has no switch for it (Megatron-Bridge builds it as a gated linear
+    # unit with fast_gelu), so qlm's args say qlm_geglu
+    "geglu": ActivationKind(geglu, gated=True, grouped_mlp=looped_gated_mlp(geglu),
+                            megatron_args=(("swiglu", False), ("squared_relu", False), ("qlm_geglu", True))),
 }
 
 

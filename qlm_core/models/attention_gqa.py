@@ -90,7 +90,7 @@ class GroupedQueryAttention(nn.Module):
         return q, k, v
 
     def _core_attention(self, q, k, v, inputs: AttentionInputs) -> torch.Tensor:
-        scale = 1.0 / math.sqrt(self.spec.kv_channels)
+        scale = self.spec.softmax_scale or 1.0 / math.sqrt(self.spec.kv_channels)  # Gemma: query_pre_attn_scalar
         if group_size(self.parallel.cp_group) > 1:
             return context_parallel_attention(
                 q, k, v, group=self.parallel.cp_group, comm_type=self.parallel.cp_comm_type, scale=scale,

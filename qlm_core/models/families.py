@@ -14,22 +14,23 @@ from qlm_core.errors import QlmError
 QkvBias = Literal["always", "never", "config", "attention_bias"]
 # sliding_window: "applied" (Mistral: config.json's sliding_window holds for every layer), "gated" (Qwen3-MoE: for
 # every layer, only with use_sliding_window), "gated_layers" (Qwen2, Qwen3, Qwen2-MoE: only with use_sliding_window,
-# for the layers config.json's layer_types marks "sliding_attention"), "none" (Llama: no such key)
-SlidingWindow = Literal["applied", "gated", "gated_layers", "none"]
+# for the layers config.json's layer_types marks "sliding_attention"), "layers" (Gemma 3: always, for the layers
+# layer_types marks), "none" (Llama: no such key)
+SlidingWindow = Literal["applied", "gated", "gated_layers", "layers", "none"]
 
 # The per-family choices of the decoder, each built in one place: the attention kind of every layer
 # (models/attention_kinds.py), the norm (models/norms.py), the MLP activation (models/activations.py) and the position
 # scheme (models/positions.py). A new choice is a value here and one row in its module; ModelSpec holds them.
 # "mla": multi-latent attention (DeepSeek-V2/V3), models/attention_mla.py
 AttentionName = Literal["gqa", "mla"]
-NormName = Literal["rmsnorm"]
-ActivationName = Literal["swiglu"]
+NormName = Literal["rmsnorm", "gemma_rmsnorm"]
+ActivationName = Literal["swiglu", "geglu"]
 PositionName = Literal["rope"]
 # the last stage's head: "lm" the vocabulary projection (HF *ForCausalLM), "score" one scalar per token, read at a
 # sequence's last token (a Bradley-Terry reward model; HF *ForSequenceClassification with num_labels 1)
 HeadName = Literal["lm", "score"]
 # config.json's hidden_act of each MLP activation (a gated one names its gate's function)
-HF_ACTIVATIONS: dict[str, str] = {"swiglu": "silu"}
+HF_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}
 
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral's experts: w1 the gate, w3 the up and w2 the down projection
@@ -58,6 +59,11 @@ class Family:
     # the HF names of the norms after the attention and after the MLP, before each residual add (GLM-4's sandwich
     # norms; Megatron: post_self_attn_layernorm, post_mlp_layernorm); None: the layer has none
     post_norms: tuple[str, str] | None = None
+    activation_key: str = "hidden_act"  # config.json's key naming the MLP's activation (Gemma: hidden_activation)
+    scaled_embedding: bool = False  # the embedding's output is multiplied by sqrt(hidden_size) (Gemma)
+    # the softmax scale is query_pre_attn_scalar^-0.5, not head_dim^-0.5, and windowed layers have their own RoPE
+    # base (Gemma 3's rope_parameters per layer type)
+    gemma_attention: bool = False
     attention: AttentionName = "gqa"
     norm: NormName = "rmsnorm"
     activation: ActivationName = "swiglu"
@@ -93,6 +99,13 @@ FAMILIES: dict[str, Family] = {
                   fused_gate_up=True),
     "glm4": Family("Glm4ForCausalLM", qkv_bias="attention_bias", rotary_percent=0.5, rotary_interleaved=True,
                    fused_gate_up=True, post_norms=("post_self_attn_layernorm", "post_mlp_layernorm")),
+    # Gemma 3 (text): (1 + w) RMSNorm, four norms a layer, GeGLU, q/k norms, embeddings scaled by sqrt(h), local
+    # (windowed) and global layers with their own RoPE bases, query_pre_attn_scalar, tied embeddings
+    "gemma3_text": Family("Gemma3ForCausalLM", qk_norm=True, sliding_window="layers",
+                          pre_mlp_norm="pre_feedforward_layernorm",
+                          post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+                          activation_key="hidden_activation", scaled_embedding=True, gemma_attention=True,
+                          norm="gemma_rmsnorm", activation="geglu"),
     # ERNIE 4.5 (dense): Llama's layer with RoPE over the whole head in interleaved pairs (GLM's layout), tied
     # embeddings by default; config.json's use_bias would put biases on every linear
     "ernie4_5": Family("Ernie4_5ForCausalLM", rotary_interleaved=True),

@@ -155,6 +155,8 @@ class TransformerLayer(nn.Module):
         return self._forward(x, positions, inputs, routes)
 
     def _forward(self, x, positions, inputs: AttentionInputs, routes: torch.Tensor | None = None):
+        if isinstance(positions, dict):  # RoPE by window (Gemma 3's local and global bases)
+            positions = positions[self.window]
         attended = self._norm_then(self.input_layernorm, self.self_attention, x, positions, inputs)
         if self.post_self_attn_layernorm is not None:
             attended = self.post_self_attn_layernorm(attended)
@@ -195,8 +197,14 @@ class LanguageModelEmbedding(nn.Module):
             dtype=dtype,
         )
 
+        # Gemma: the embedding's output times sqrt(hidden_size), that factor rounded to the weights' dtype first
+        self.scale = spec.hidden_size ** 0.5 if spec.scaled_embedding else None
+
     def forward(self, input_ids):
-        return self.word_embeddings(input_ids)
+        embedded = self.word_embeddings(input_ids)
+        if self.scale is None:
+            return embedded
+        return embedded * torch.tensor(self.scale, dtype=embedded.dtype, device=embedded.device)
 
 
 class GPTModel(nn.Module):

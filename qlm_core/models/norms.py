@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qlm_core.kernels.norm import RMSNorm
+from qlm_core.kernels.norm import RMSNorm, ZeroCenteredRMSNorm
 from qlm_core.models.families import chosen_kind
 from qlm_core.models.spec import ModelSpec
 
@@ -26,6 +26,7 @@ class NormKind:
     megatron_name: str
     init: float
     saved_bytes: Callable[[int, int], float]
+    zero_centered: bool = False  # the weight is an offset from 1 (Megatron's apply_layernorm_1p / zero-centred gamma)
 
 
 def _rms_norm_saved(dtype_bytes: int, size: int) -> float:
@@ -33,7 +34,11 @@ def _rms_norm_saved(dtype_bytes: int, size: int) -> float:
     return dtype_bytes * size + 4
 
 
-NORM_KINDS: dict[str, NormKind] = {"rmsnorm": NormKind(RMSNorm, ("weight",), "RMSNorm", 1.0, _rms_norm_saved)}
+NORM_KINDS: dict[str, NormKind] = {
+    "rmsnorm": NormKind(RMSNorm, ("weight",), "RMSNorm", 1.0, _rms_norm_saved),
+    # Gemma's (1 + w) RMSNorm: it keeps what RMSNorm keeps (its input and the fp32 1/rms)
+    "gemma_rmsnorm": NormKind(ZeroCenteredRMSNorm, ("weight",), "RMSNorm", 0.0, _rms_norm_saved, zero_centered=True),
+}
 
 
 # the names of norm weights (initialised to the norm kind's `init`): Megatron's *layernorm, multi-token prediction's

@@ -17,15 +17,25 @@ from qlm_core.models.spec import ModelSpec
 
 class RotaryPositions:
     """RoPE with the spec's base and scaling: each layer gets (cos, sin) [s, b, 1, rotated dims] in the compute
-    dtype (YaRN: times its attention factor)."""
+    dtype (YaRN: times its attention factor). With a local base (Gemma 3) the windowed layers rotate by their own
+    unscaled base: layer_inputs then gives {window: (cos, sin)}, which each layer reads by its window."""
 
     def __init__(self, spec: ModelSpec):
         self.inv_freq = rope_inv_freq(spec.rope_dim, spec.rope_theta, spec.rope_scaling)
         self.factor = rope_attention_factor(spec.rope_scaling)
+        self.local_inv_freq = None
+        self.windows = tuple(dict.fromkeys(spec.windows))
+        if spec.local_rope_theta is not None:
+            self.local_inv_freq = rope_inv_freq(spec.rope_dim, spec.local_rope_theta)
 
-    def layer_inputs(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def layer_inputs(self, position_ids: torch.Tensor, dtype: torch.dtype):
         self.inv_freq = self.inv_freq.to(position_ids.device)
-        return rope_cos_sin(position_ids, self.inv_freq, dtype, self.factor)
+        full = rope_cos_sin(position_ids, self.inv_freq, dtype, self.factor)
+        if self.local_inv_freq is None:
+            return full
+        self.local_inv_freq = self.local_inv_freq.to(position_ids.device)
+        local = rope_cos_sin(position_ids, self.local_inv_freq, dtype)
+        return {window: full if window is None else local for window in self.windows}
 
 
 @dataclass(frozen=True)

@@ -179,6 +179,16 @@ PRESETS: dict[str, ModelSpec] = {
         rope_theta=500000.0, norm_epsilon=1e-5, qkv_bias=False, tie_word_embeddings=True, rotary_interleaved=True,
         bos_token_id=1, eos_token_id=2,
     ),
+    # Gemma-3-1B (text, 999,885,952): 26 layers, every 6th global (RoPE base 1e6), the rest windowed to 512 tokens
+    # (base 10000); one 256-wide key/value head for 4 query heads; tied embeddings scaled by sqrt(1152)
+    "gemma-3-1b": ModelSpec(
+        model_type="gemma3_text", vocab_size=262144, hidden_size=1152, ffn_hidden_size=6912, num_layers=26,
+        num_attention_heads=4, num_query_groups=1, kv_channels=256, max_position_embeddings=32768,
+        rope_theta=1000000.0, norm_epsilon=1e-6, qkv_bias=False, tie_word_embeddings=True, qk_layernorm=True,
+        sliding_window=512, window_layers=tuple((layer + 1) % 6 != 0 for layer in range(26)), post_norms=True,
+        scaled_embedding=True, softmax_scale=256 ** -0.5, local_rope_theta=10000.0, bos_token_id=2,
+        eos_token_id=1,
+    ),
     "mistral-7b": ModelSpec(
         model_type="mistral", vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
         num_attention_heads=32, num_query_groups=8, kv_channels=128, max_position_embeddings=32768,

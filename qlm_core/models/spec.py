@@ -36,6 +36,15 @@ SLIDING_WINDOW_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.sliding_w
 
 
 @dataclass(frozen=True)
+class LinearRopeScaling:
+    """Linear frequency scaling (`rope_type: linear`, Gemma 3's global layers): every frequency divided by `factor`,
+    Megatron's rotary_seq_len_interpolation_factor."""
+
+    factor: float
+    kind: str = "linear"
+
+
+@dataclass(frozen=True)
 class RopeScaling:
     """Llama 3.1-style frequency scaling (`rope_type: llama3`), the one scaling Megatron-Core also implements."""
 
@@ -103,7 +112,7 @@ class ModelSpec:
     norm_epsilon: float
     qkv_bias: bool
     tie_word_embeddings: bool
-    rope_scaling: RopeScaling | YarnScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | LinearRopeScaling | None = None
     sliding_window: int | None = None
     # which layers attend within sliding_window (True) and which to every earlier key (Megatron's
     # window_attn_skip_freq list, HF's layer_types); None: every layer when sliding_window is set
@@ -114,6 +123,9 @@ class ModelSpec:
     rotary_percent: float = 1.0  # the share of each head RoPE rotates, its first dims (GLM's partial_rotary_factor)
     rotary_interleaved: bool = False  # RoPE's pairs are (x0, x1), (x2, x3), ... (GLM's; Megatron's same-named flag)
     post_norms: bool = False  # a norm after the attention and one after the MLP, before each residual add (GLM-4)
+    scaled_embedding: bool = False  # the embedding's output times sqrt(hidden_size) (Gemma)
+    softmax_scale: float | None = None  # softmax scale (None: kv_channels^-0.5); Gemma: query_pre_attn_scalar^-0.5
+    local_rope_theta: float | None = None  # the RoPE base of the windowed layers, unscaled (Gemma 3); None: rope_theta
     moe: MoeSpec | None = None  # Mixture of Experts (None: every layer a dense MLP of ffn_hidden_size)
     mla: MlaSpec | None = None  # multi-latent attention's sizes (attention "mla"); kv_channels is then its q/k head
     # multi-token prediction layers after the decoder (DeepSeek-V3's num_nextn_predict_layers; Megatron's
@@ -239,7 +251,7 @@ class ModelSpec:
                 f"qlm supports {', '.join(SUPPORTED_MODEL_TYPES)}",
             )
         family = FAMILIES[model_type]
-        act = config.get("hidden_act", "silu")
+        act = config.get(family.activation_key, HF_ACTIVATIONS[family.activation])
         if act != HF_ACTIVATIONS[family.activation]:
             raise QlmError(f"hidden_act {act!r} is not supported for {model_type}",
                            f"{model_type}'s MLP is {family.activation} (hidden_act "
@@ -260,6 +272,9 @@ class ModelSpec:
         _check_optional_numbers(config, model_type)
         heads = config["num_attention_heads"]
         theta, scaling = _read_rope(config)
+        gemma = _read_gemma(config, model_type) if family.gemma_attention else {}
+        if gemma:
+            theta, scaling = gemma.pop("rope")
         sliding, window_layers = _read_windows(config, model_type)
         qkv_bias = family.qkv_bias == "always" or (family.qkv_bias == "config" and bool(config.get("qkv_bias", True))) \
             or (family.qkv_bias == "attention_bias" and bool(config.get("attention_bias", False)))
@@ -299,6 +314,8 @@ class ModelSpec:
             rotary_percent=rotary_percent,
             rotary_interleaved=family.rotary_interleaved,
             post_norms=family.post_norms is not None,
+            scaled_embedding=family.scaled_embedding,
+            **gemma,
             moe=moe,
             mla=mla,
             mtp_num_layers=mtp,
@@ -339,7 +356,7 @@ class ModelSpec:
             "max_position_embeddings": self.max_position_embeddings,
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.norm_epsilon,
-            "hidden_act": HF_ACTIVATIONS[self.activation],
+            family.activation_key: HF_ACTIVATIONS[self.activation],
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": torch_dtype,
             "bos_token_id": self.bos_token_id,
@@ -367,6 +384,10 @@ class ModelSpec:
             config.update(moe_to_hf(self.moe, self.model_type, self.num_layers))
         if family.mtp_key:
             config[family.mtp_key] = self.mtp_num_layers
+        if family.gemma_attention:  # its RoPE per layer type replaces rope_theta / rope_scaling
+            config.pop("rope_theta", None)
+            config.pop("rope_scaling", None)
+            config.update(_gemma_to_hf(self))
         if self.pad_token_id is not None:
             config["pad_token_id"] = self.pad_token_id
         if self.head == "score":  # num_labels 1, as transformers writes it
@@ -421,7 +442,7 @@ def _read_windows(config: dict[str, Any], model_type: str) -> tuple[int | None, 
     family = FAMILIES[model_type]
     if family.sliding_window == "applied":
         return config.get("sliding_window"), None
-    if family.sliding_window == "none" or not config.get("use_sliding_window"):
+    if family.sliding_window == "none" or (family.sliding_window != "layers" and not config.get("use_sliding_window")):
         return None, None
     window = config.get("sliding_window")
     if window is None or window == 0:
@@ -447,14 +468,20 @@ def _windows_to_hf(spec: ModelSpec) -> dict[str, Any]:
     if spec.sliding_window is None:
         return {"sliding_window": None} if family.sliding_window == "applied" else (
             {} if family.sliding_window == "none" else {"use_sliding_window": False})
-    if family.sliding_window == "none" or (spec.window_layers is not None and family.sliding_window != "gated_layers"):
-        per_layer = ", ".join(t for t, f in FAMILIES.items() if f.sliding_window == "gated_layers")
+    per_layer_families = ("gated_layers", "layers")
+    if family.sliding_window == "none" or (spec.window_layers is not None
+                                           and family.sliding_window not in per_layer_families):
+        per_layer = ", ".join(t for t, f in FAMILIES.items() if f.sliding_window in per_layer_families)
         raise QlmError(f"a {spec.model_type} model with a sliding window on "
                        f"{'some of its layers' if spec.window_layers else 'its layers'} has no Hugging Face config",
                        f"windows on some layers go with {per_layer}" if spec.window_layers else
                        "export a model without a window")
     if family.sliding_window == "applied":
         return {"sliding_window": spec.sliding_window}
+    if family.sliding_window == "layers":
+        return {"sliding_window": spec.sliding_window, "layer_types": [
+            next(t for t, w in _LAYER_TYPES.items() if w == (spec.layer_window(layer) is not None))
+            for layer in range(spec.num_layers)]}
     hf = {"use_sliding_window": True, "sliding_window": spec.sliding_window}
     if family.sliding_window == "gated_layers":
         windowed = [spec.layer_window(layer) is not None for layer in range(spec.num_layers)]
@@ -463,6 +490,50 @@ def _windows_to_hf(spec: ModelSpec) -> dict[str, Any]:
         # transformers 4.x reads max_window_layers instead (Qwen2: layers from it on are windowed)
         hf["max_window_layers"] = first if all(windowed[first:]) else spec.num_layers
     return hf
+
+
+def _read_gemma(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Gemma 3's attention: query_pre_attn_scalar's softmax scale, and its RoPE per layer type (transformers 5's
+    rope_parameters {"full_attention": ..., "sliding_attention": ...}; 4.x's rope_theta, rope_scaling and
+    rope_local_base_freq), read through transformers' own config class. Softcapping is refused."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key) is not None:
+            raise QlmError(f"config.json ({model_type}): {key} = {config[key]!r} (Gemma 2's soft-capping)",
+                           "qlm builds Gemma 3, whose configs set it to null")
+    if config.get("use_bidirectional_attention"):
+        raise QlmError(f"config.json ({model_type}): use_bidirectional_attention = true (an encoder)",
+                       "qlm builds causal decoders")
+    from transformers import AutoConfig  # only here: transformers fills each layer type's RoPE defaults
+
+    params = AutoConfig.for_model(**config).rope_parameters
+    full, local = params["full_attention"], params["sliding_attention"]
+    if local.get("rope_type", "default") != "default":
+        raise QlmError(f"config.json ({model_type}): the sliding layers' RoPE is {local['rope_type']!r}",
+                       "Gemma 3's sliding layers use plain RoPE")
+    kind = full.get("rope_type", "default")
+    if kind not in ("default", "linear"):
+        raise QlmError(f"config.json ({model_type}): rope_type {kind!r} on the global layers",
+                       "qlm reads Gemma 3's default and linear RoPE")
+    scaling = LinearRopeScaling(float(full["factor"])) if kind == "linear" else None
+    scalar = config.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise QlmError(f"config.json ({model_type}): query_pre_attn_scalar is {scalar!r}", "set a positive number")
+    return {"rope": (_positive_theta(full["rope_theta"]), scaling), "softmax_scale": scalar ** -0.5,
+            "local_rope_theta": _positive_theta(local["rope_theta"])}
+
+
+def _gemma_to_hf(spec: ModelSpec) -> dict[str, Any]:
+    scalar = (spec.softmax_scale or spec.kv_channels ** -0.5) ** -2
+    full = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    if isinstance(spec.rope_scaling, LinearRopeScaling):
+        full.update(rope_type="linear", factor=spec.rope_scaling.factor)
+    elif spec.rope_scaling is not None:
+        raise QlmError(f"a {spec.model_type} model with {type(spec.rope_scaling).__name__} has no Hugging Face config",
+                       "Gemma 3's global layers take default or linear RoPE")
+    local = {"rope_type": "default", "rope_theta": spec.local_rope_theta or spec.rope_theta}
+    return {"query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+            "rope_parameters": {"full_attention": full, "sliding_attention": local},
+            "attn_logit_softcapping": None, "final_logit_softcapping": None}
 
 
 def _check_optional_numbers(config: dict[str, Any], model_type: str):

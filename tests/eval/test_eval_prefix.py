@@ -89,7 +89,7 @@ def test_rolling_and_unshared_requests_take_the_plain_path(hf_models):
 
 
 # mistral: its 8-token window slides during decoding; qwen2_swa: on its last two layers only; glm4: GLM's RoPE pairs
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen2_swa", "glm4"])
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen2_swa", "glm4", "gemma3"])
 def test_batched_decoding_with_a_kv_cache_equals_greedy_without_one(hf_models, kind):
     """generate_rows: left-padded rows of different lengths, the cache written in place (KVCache.reserve), each
     step's one query against its row's keys (AttentionInputs.key_mask) and finished rows dropped from the batch

@@ -18,6 +18,7 @@ PUBLISHED = {
     "llama3-70b": 70_553_706_496, "mistral-7b": 7_241_732_096,
     # transformers' count of the released configs
     "glm-4-9b": 9_399_951_360, "glm-4-9b-0414": 9_400_279_040, "ernie-4.5-0.3b": 360_748_032,
+    "gemma-3-1b": 999_885_952,
 }
 
 

@@ -1,10 +1,11 @@
-"""qlm profile counts the terms the new families bring: GLM-4's norms after attention and MLP (their saved inputs
-equal the saved-tensor measurement under every recompute mode), their weights, and an in-process --probe of a tiny
-GLM-4 within 5% per memory component; per-layer sliding windows change the attention FLOPs the time counts."""
+"""qlm profile counts the terms the new families bring: GLM-4's norms after attention and MLP and Gemma 3's (1 + w)
+norms, q/k norms and GeGLU (their saved inputs equal the saved-tensor measurement under every recompute mode), their
+weights, and an in-process --probe of a tiny GLM-4 and Gemma 3 within 5% per memory component; per-layer sliding
+windows change the attention FLOPs the time counts."""
 
 import pytest
 import torch
-from parallel_cases import GLM4, SPEC
+from parallel_cases import GEMMA3, GLM4, SPEC
 
 from qlm_core.config import ParallelConfig
 from qlm_core.hardware import gpu_spec
@@ -20,23 +21,29 @@ from qlm_core.profile.timing import microbatch_times
 SEQ, BATCH = 64, 2
 
 
+FAMILIES = {"glm4": GLM4, "gemma3": GEMMA3}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_glm4_layer_bytes_equal_saved_tensors(recompute, dtype):
-    model = GPTModel(GLM4, parallel=ParallelOptions(recompute=recompute), num_layers=3, dtype=dtype)
-    ids = torch.randint(0, GLM4.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+def test_layer_bytes_equal_saved_tensors(recompute, dtype, family):
+    spec = FAMILIES[family]
+    model = GPTModel(spec, parallel=ParallelOptions(recompute=recompute), num_layers=3, dtype=dtype)
+    ids = torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     with SavedTensorMeter(model) as meter:
         model(ids, labels=ids.roll(-1, 1)).sum()
-    x = ActivationInputs(GLM4, SEQ, BATCH, dtype_bytes=dtype.itemsize, padded_vocab=model.padded_vocab, device="cpu")
-    plain = ActivationInputs(GLM4.replace(post_norms=False), SEQ, BATCH, dtype_bytes=dtype.itemsize,
+    x = ActivationInputs(spec, SEQ, BATCH, dtype_bytes=dtype.itemsize, padded_vocab=model.padded_vocab, device="cpu")
+    plain = ActivationInputs(spec.replace(post_norms=False), SEQ, BATCH, dtype_bytes=dtype.itemsize,
                              padded_vocab=model.padded_vocab, device="cpu")
     assert layer_bytes(x, recompute) == pytest.approx(meter.layer_bytes()["layer1"], rel=1e-9)
     assert (layer_bytes(x, recompute) > layer_bytes(plain, recompute)) == (recompute != "full")
 
 
-def test_probe_of_a_glm4_model_measures_what_is_predicted():
-    case = ProfileCase(spec=GLM4, model_name="tiny-glm4", parallel=ParallelConfig(zero_stage=1), seq_len=128,
-                       global_batch_size=2, num_gpus=1)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_probe_of_a_family_measures_what_is_predicted(family):
+    case = ProfileCase(spec=FAMILIES[family], model_name=f"tiny-{family}", parallel=ParallelConfig(zero_stage=1),
+                       seq_len=128, global_batch_size=2, num_gpus=1)
     result = probe(case, gpu_spec("a100-80g"), steps=1)
     for key in ("weights", "grads", "optimizer"):
         assert result.predicted[key] == result.measured[key], key

@@ -16,7 +16,7 @@ from qlm_core.models.mla_spec import MlaSpec
 from qlm_core.models.moe_spec import MoeSpec
 from qlm_core.models.norms import NORM_KINDS, norm_kind
 from qlm_core.models.positions import position_kind
-from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec, RopeScaling, YarnScaling
+from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, LinearRopeScaling, ModelSpec, RopeScaling, YarnScaling
 
 
 def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch", **extra) -> argparse.Namespace:
@@ -39,14 +39,13 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         # GLM-4's sandwich norms (not in upstream Megatron-LM: the field names of the Megatron forks that build them)
         post_self_attn_layernorm=s.post_norms,
         post_mlp_layernorm=s.post_norms,
-        rotary_seq_len_interpolation_factor=None,
         use_rope_scaling=isinstance(s.rope_scaling, RopeScaling),
         rope_scaling_factor=s.rope_scaling.factor if s.rope_scaling else 8.0,
         add_bias_linear=False,
         add_qkv_bias=s.qkv_bias,
         **dict(activation_kind(s).megatron_args),
         untie_embeddings_and_output_weights=not s.tie_word_embeddings,
-        apply_layernorm_1p=False,
+        apply_layernorm_1p=norm_kind(s).zero_centered,  # Megatron's zero-centred gamma: Gemma's (1 + w)
         normalization=norm_kind(s).megatron_name,
         norm_epsilon=s.norm_epsilon,
         apply_query_key_layer_scaling=False,
@@ -56,6 +55,13 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         window_size=(s.sliding_window - 1, 0) if s.sliding_window else None,
         window_attn_skip_freq=None if s.window_layers is None else [int(w) for w in s.window_layers],
         qlm_sliding_window=s.sliding_window,
+        softmax_scale=s.softmax_scale,
+        # Gemma 3's global layers: linear RoPE scaling (Megatron's position interpolation); its windowed layers' own
+        # base and its embedding scale have no Megatron-LM argument (Megatron-Bridge's rotary_base_local)
+        rotary_seq_len_interpolation_factor=s.rope_scaling.factor if isinstance(s.rope_scaling, LinearRopeScaling)
+        else None,
+        qlm_local_rope_theta=s.local_rope_theta,
+        qlm_scaled_embedding=s.scaled_embedding,
         sequence_parallel=False,
         transformer_impl="local",
         ckpt_format=ckpt_format,
@@ -133,7 +139,7 @@ def mla_from_args(args) -> MlaSpec | None:
                    v_head_dim=getattr(args, "v_head_dim", 128), q_lora_rank=getattr(args, "q_lora_rank", None))
 
 
-def _rope_scaling_from_args(args) -> RopeScaling | YarnScaling | None:
+def _rope_scaling_from_args(args) -> RopeScaling | YarnScaling | LinearRopeScaling | None:
     stored = getattr(args, "qlm_rope_scaling", None)
     # Megatron-LM's multi-latent attention uses yarn unless told otherwise (MLATransformerConfig.rope_type)
     rope_type = getattr(args, "rope_type", None) or ("yarn" if getattr(args, "multi_latent_attention", False)
@@ -151,6 +157,9 @@ def _rope_scaling_from_args(args) -> RopeScaling | YarnScaling | None:
     if getattr(args, "use_rope_scaling", False):
         factor = float(getattr(args, "rope_scaling_factor", 8.0))
         return RopeScaling(**stored) if stored else RopeScaling(factor=factor)
+    interpolation = getattr(args, "rotary_seq_len_interpolation_factor", None)
+    if interpolation:
+        return LinearRopeScaling(float(interpolation))
     return None
 
 
@@ -284,7 +293,9 @@ def spec_from_args(args) -> ModelSpec:
         raise QlmError(f"{model} uses an MLP activation qlm does not build",
                        f"qlm builds {', '.join(ACTIVATION_KINDS)} (Megatron's --swiglu)")
     normalization = getattr(args, "normalization", "LayerNorm")
-    norm = next((name for name, kind in NORM_KINDS.items() if kind.megatron_name == normalization), None)
+    zero_centered = bool(getattr(args, "apply_layernorm_1p", False))
+    norm = next((name for name, kind in NORM_KINDS.items()
+                 if kind.megatron_name == normalization and kind.zero_centered == zero_centered), None)
     if norm is None:
         raise QlmError(f"{model} uses {normalization}",
                        f"qlm builds {', '.join(kind.megatron_name for kind in NORM_KINDS.values())}")
@@ -321,6 +332,9 @@ def spec_from_args(args) -> ModelSpec:
         # multi-latent attention reads its rotary rows as DeepSeek lays them out (mla_spec.rope_interleave)
         rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)) and mla is None,
         post_norms=_post_norms_from_args(args),
+        scaled_embedding=bool(getattr(args, "qlm_scaled_embedding", False)),
+        softmax_scale=getattr(args, "softmax_scale", None),
+        local_rope_theta=getattr(args, "qlm_local_rope_theta", None),
         moe=moe,
         mla=mla,
         mtp_num_layers=int(getattr(args, "mtp_num_layers", None) or 0),
