@@ -295,7 +295,8 @@ class MoeConfig:
     # the router of a model trained from scratch (absent: the model's own; a loaded model keeps its router):
     # Megatron's --moe-router-score-function and --moe-router-enable-expert-bias. The expert bias is aux-loss-free
     # balancing (DeepSeek-V3): a per-expert bias added to the scores only to choose the top k, moved after every step
-    # by router_bias_update_rate toward an even load over the global batch; sigmoid routing only, as in Megatron
+    # by router_bias_update_rate toward an even load over the global batch; with sigmoid routing, as in Megatron
+    # (ERNIE 4.5 MoE models bring their own softmax router with the bias)
     router_score_function: RouterScoreFunction | None = None
     router_expert_bias: bool | None = None
     router_bias_update_rate: float = bounded(1e-3, least=0, meaning="Megatron's --moe-router-bias-update-rate")

@@ -60,6 +60,10 @@ QWEN3_MOE_KINDS = {
     "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     norm_topk_prob=True, head_dim=24)),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+    # ERNIE 4.5 MoE: softmax routing whose correction bias (randomised here) chooses, a shared expert, a dense
+    # first layer, RoPE in interleaved pairs, tied embeddings
+    "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
+                                          moe_num_shared_experts=1, moe_layer_start_index=1, head_dim=16)),
 }
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
          "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0}

@@ -26,6 +26,11 @@ MOE = SPEC.replace(model_type="qwen3_moe", qkv_bias=False, qk_layernorm=True, mo
     num_experts=4, topk=2, ffn_hidden_size=32, shared_expert_hidden_size=48, shared_expert_gate=True,
     layer_pattern=(1, 1, 0, 1)))
 MOE_TRAINING = MoeConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001)
+# ERNIE 4.5 MoE: softmax scores whose correction bias (moved after every step) chooses the top k, renormalised; an
+# ungated shared expert, a dense first layer, RoPE in interleaved pairs
+ERNIE_MOE = SPEC.replace(model_type="ernie4_5_moe", qkv_bias=False, rotary_interleaved=True, moe=MoeSpec(
+    num_experts=4, topk=2, ffn_hidden_size=32, expert_bias=True, shared_expert_hidden_size=32,
+    layer_pattern=(0, 1, 1, 1)))
 # moe_seq: MOE with the sequence-wise load-balancing loss (per row of a micro-batch)
 MOE_SEQ_TRAINING = MoeConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001, aux_loss_type="sequence")
 # moe_global: the global-batch loss (the same as one process unless data-parallel ranks share it)
@@ -51,19 +56,21 @@ GEMMA3 = SPEC.replace(model_type="gemma3_text", qkv_bias=False, tie_word_embeddi
                       window_layers=(True, True, True, False), norm="gemma_rmsnorm", activation="geglu")
 # window: packed documents and the windowed model; moe: MOE; mla: MLA (mla_packed: with packed documents)
 # mla_mtp_off: MLA trained with the multi-token prediction weight at 0 (its layers frozen and not run); glm4: GLM4;
-# gemma3: GEMMA3 on packed documents
+# gemma3: GEMMA3 on packed documents; ernie_moe: ERNIE_MOE
 DATA_KINDS = ("plain", "packed", "window", "moe", "moe_seq", "moe_global", "mla", "mla_packed", "mla_mtp_off",
-              "glm4", "gemma3")
+              "glm4", "gemma3", "ernie_moe")
 
 
 def case_spec(data: str) -> ModelSpec:
     return {"window": WINDOWED, "moe": MOE, "moe_seq": MOE, "moe_global": MOE, "mla": MLA,
-            "mla_packed": MLA, "mla_mtp_off": MLA, "glm4": GLM4, "gemma3": GEMMA3}.get(data, SPEC)
+            "mla_packed": MLA, "mla_mtp_off": MLA, "glm4": GLM4, "gemma3": GEMMA3,
+            "ernie_moe": ERNIE_MOE}.get(data, SPEC)
 
 
 def case_moe(data: str) -> MoeConfig | None:
     return {"moe": MOE_TRAINING, "moe_seq": MOE_SEQ_TRAINING, "moe_global": MOE_GLOBAL_TRAINING,
-            "mla": MOE_TRAINING, "mla_packed": MOE_TRAINING, "mla_mtp_off": MOE_TRAINING}.get(data)
+            "mla": MOE_TRAINING, "mla_packed": MOE_TRAINING, "mla_mtp_off": MOE_TRAINING,
+            "ernie_moe": MOE_TRAINING}.get(data)
 
 
 def case_mtp_scale(data: str) -> float:
@@ -138,6 +145,7 @@ CASES = {
     "gemma3_pp2": LayoutCase(2, dict(pp=2), data="gemma3"),
     "gemma3_cp2_p2p": LayoutCase(2, dict(cp=2, cp_comm_type="p2p"), data="gemma3"),
     "gemma3_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), data="gemma3"),
+    "ernie_moe_ep2": LayoutCase(2, dict(ep=2), micro_batch_size=1, data="ernie_moe"),
     "moe_tp2": LayoutCase(2, dict(tp=2), data="moe"),
     "moe_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="moe"),
     "moe_pp2": LayoutCase(2, dict(pp=2), data="moe"),

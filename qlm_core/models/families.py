@@ -49,6 +49,9 @@ class Family:
     moe_block: str = "mlp."  # where an MoE layer's router and experts live under model.layers.N.
     expert_projections: tuple[str, str, str] = GATE_UP_DOWN  # an expert's gate, up and down projections
     shared_expert_block: str = "shared_expert."  # the shared expert's module under the MoE block
+    # the router's correction bias under the MoE block, and its HF shape's leading axes (ERNIE's is [1, E])
+    expert_bias_name: str = "gate.e_score_correction_bias"
+    expert_bias_leading: tuple[int, ...] = ()
     # config.json's count of multi-token prediction layers (DeepSeek-V3's num_nextn_predict_layers); None: none
     mtp_key: str | None = None
     # RoPE rotates the pairs (x0, x1), (x2, x3), ... of each head's rotated part (GLM's layout; Megatron's
@@ -109,6 +112,11 @@ FAMILIES: dict[str, Family] = {
     # ERNIE 4.5 (dense): Llama's layer with RoPE over the whole head in interleaved pairs (GLM's layout), tied
     # embeddings by default; config.json's use_bias would put biases on every linear
     "ernie4_5": Family("Ernie4_5ForCausalLM", rotary_interleaved=True),
+    # ERNIE 4.5 MoE (21B-A3B, 300B-A47B): the same layer with softmax routing whose correction bias chooses the top
+    # k (renormalised), ungated shared experts, MoE layers from moe_layer_start_index every moe_layer_interval-th
+    "ernie4_5_moe": Family("Ernie4_5_MoeForCausalLM", rotary_interleaved=True, moe=True,
+                           shared_expert_block="shared_experts.",
+                           expert_bias_name="moe_statics.e_score_correction_bias", expert_bias_leading=(1,)),
     # GLM-4.7-Flash: DeepSeek-V3's layer, its dense and MoE layers listed in mlp_layer_types
     "glm4_moe_lite": Family("Glm4MoeLiteForCausalLM", declares_no_bias=True, moe=True,
                             shared_expert_block="shared_experts.", attention="mla",

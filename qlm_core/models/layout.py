@@ -262,10 +262,11 @@ class ModelLayout:
         experts = s.moe.num_experts
         out.append(("mlp.router.weight", TensorLayout(name + "mlp.router.weight", (experts, h), REPLICATED,
                                                       (Segment(0, experts, moe_hf + "gate.weight"),))))
-        if moe.expert_bias:  # a buffer (no _extra_state); HF: DeepSeek-V3's name for it
+        if moe.expert_bias:  # a buffer (no _extra_state); HF: DeepSeek-V3's name for it (ERNIE's: [1, E])
             out.append(("mlp.router.expert_bias", TensorLayout(
                 name + "mlp.router.expert_bias", (experts,), REPLICATED,
-                (Segment(0, experts, moe_hf + "gate.e_score_correction_bias"),), dtype=torch.float32, buffer=True)))
+                (Segment(0, experts, moe_hf + family.expert_bias_name),), dtype=torch.float32, buffer=True,
+                hf_leading=family.expert_bias_leading)))
         projections = family.expert_projections
         for e in range(experts):
             out += _mlp_entries(name, f"{EXPERT_PREFIX}{e}.", moe.ffn_hidden_size, h, f"{moe_hf}experts.{e}.",
@@ -466,7 +467,7 @@ def pieces_shape(parts: list[tuple[TensorLayout, Segment]]) -> tuple[int, ...]:
     tensor = parts[0][0]
     shape = list(tensor.shape)
     shape[tensor.axis] = sum(seg.stop - seg.start for _, seg in parts)
-    return tuple(shape)
+    return (*tensor.hf_leading, *shape)
 
 
 _GATE_UP_DOWN = GATE_UP_DOWN
@@ -616,9 +617,10 @@ def assemble_pieces(parts: list[tuple[TensorLayout, Segment]], source: TensorSou
                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """The HF tensor made of `parts` (one entry of hf_pieces), read from `source`."""
     out = torch.empty(pieces_shape(parts), dtype=held_dtype(parts[0][0], source, dtype))
+    held = out.view(out.shape[len(parts[0][0].hf_leading):])  # without HF's leading axes of 1
     offset = 0
     for tensor, seg in parts:
-        source.read_into(tensor, seg.start, seg.stop, out.narrow(tensor.axis, offset, seg.stop - seg.start))
+        source.read_into(tensor, seg.start, seg.stop, held.narrow(tensor.axis, offset, seg.stop - seg.start))
         offset += seg.stop - seg.start
     return out
 
@@ -640,8 +642,13 @@ class HFTensorSource:
                 if seg.hf_name is None:
                     raise AssertionError("vocabulary padding is never read")
                 shift = seg.hf_start - seg.start
-                self.hf.read_into(seg.hf_name, tensor.axis, lo + shift, hi + shift,
-                                  out.narrow(tensor.axis, lo - start, hi - lo))
+                into = out.narrow(tensor.axis, lo - start, hi - lo)
+                if tensor.hf_leading:  # HF's tensor has leading axes of 1 (ERNIE's [1, E] router bias)
+                    if (lo, hi) != (0, tensor.shape[tensor.axis]):
+                        raise AssertionError("a tensor with leading HF axes is read whole")
+                    self.hf.read_into(seg.hf_name, 0, 0, 1, into.view(*tensor.hf_leading, *into.shape))
+                    continue
+                self.hf.read_into(seg.hf_name, tensor.axis, lo + shift, hi + shift, into)
 
 
 # TEGroupedMLP keeps expert e's weights as `mlp.experts.linear_fc1.weight<e>` (SequentialMLP: local_experts.<e>.)

@@ -31,7 +31,7 @@ from torch.autograd import Function
 from qlm_core.config import MoeConfig
 from qlm_core.models.activations import ACTIVATION_KINDS, ActivationKind
 from qlm_core.models.mlp import MLP
-from qlm_core.models.moe_spec import MoeSpec
+from qlm_core.models.moe_spec import ERNIE_NORM_MIN, MoeSpec
 from qlm_core.parallel import shape_inference
 from qlm_core.parallel.comm import all_gather_dim0, all_reduce, group_rank, group_size
 from qlm_core.parallel.expert_dispatch import ExpertParallel, all_to_all, inverse_permutation, plan_dispatch
@@ -133,8 +133,8 @@ class _AttachLoss(Function):
 
 def route(logits: torch.Tensor, moe: MoeSpec,
           expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (probabilities [T, k] in the logits' dtype, expert indices [T, k]). `expert_bias`
-    (sigmoid routing): added to the scores to choose the experts, not to weigh them."""
+    """Router logits [T, E] -> (probabilities [T, k] in the logits' dtype, expert indices [T, k]). `expert_bias`:
+    added to the scores (sigmoid, or ERNIE's softmax over all experts) to choose the experts, not to weigh them."""
     if moe.score_function == "sigmoid":
         scores = torch.sigmoid(logits.float())
         choice = scores if expert_bias is None else scores + expert_bias
@@ -147,6 +147,11 @@ def route(logits: torch.Tensor, moe: MoeSpec,
         probs = (top / (top.sum(-1, keepdim=True) + 1e-20) if moe.topk > 1 else top) * moe.topk_scaling_factor
     elif moe.pre_softmax:
         probs, indices = torch.topk(torch.softmax(logits.float(), dim=-1), moe.topk, dim=-1)
+    elif expert_bias is not None:  # ERNIE 4.5: the biased softmax chooses, the chosen probabilities renormalised
+        scores = torch.softmax(logits.float(), dim=-1)
+        indices = torch.topk(scores + expert_bias, moe.topk, dim=-1).indices
+        top = scores.gather(-1, indices)
+        probs = top / top.sum(-1, keepdim=True).clamp(min=ERNIE_NORM_MIN)
     else:  # topk's values, not a gather of the logits: a gather would keep the [T, E] logits for backward
         top, indices = torch.topk(logits, moe.topk, dim=-1)
         probs = torch.softmax(top.float(), dim=-1)
@@ -168,12 +173,16 @@ def group_limited(choice: torch.Tensor, moe: MoeSpec) -> torch.Tensor:
 def expert_weights(logits: torch.Tensor, moe: MoeSpec, indices: torch.Tensor) -> torch.Tensor:
     """The probabilities [T, k] (logits' dtype) that weigh the experts `indices` [T, k] (replayed ones) — as route()
     weighs its own choice: the scores of the chosen, renormalised (sigmoid, k > 1), the full softmax's (pre_softmax),
-    or the softmax over the chosen logits (whose gather keeps the logits for backward)."""
+    the full softmax's renormalised (an expert bias: ERNIE's), or the softmax over the chosen logits (whose gather
+    keeps the logits for backward)."""
     if moe.score_function == "sigmoid":
         top = torch.sigmoid(logits.float()).gather(-1, indices)
         probs = (top / (top.sum(-1, keepdim=True) + 1e-20) if moe.topk > 1 else top) * moe.topk_scaling_factor
     elif moe.pre_softmax:
         probs = torch.softmax(logits.float(), dim=-1).gather(-1, indices)
+    elif moe.expert_bias:
+        top = torch.softmax(logits.float(), dim=-1).gather(-1, indices)
+        probs = top / top.sum(-1, keepdim=True).clamp(min=ERNIE_NORM_MIN)
     else:
         probs = torch.softmax(logits.gather(-1, indices).float(), dim=-1)
     if moe.score_function != "sigmoid" and moe.topk_scaling_factor != 1.0:

@@ -9,7 +9,10 @@ scores each expert independently and normalises the top k to sum to one (DeepSee
 choose the top k, and the chosen experts' unbiased scores weigh them (aux-loss-free balancing). Group-limited
 routing (DeepSeek-V3's `n_group` / `topk_group`, Megatron's `moe_router_num_groups` / `moe_router_group_topk`)
 first keeps the `group_topk` groups of experts whose two best choice scores sum highest, as transformers computes it;
-`topk_scaling_factor` (`routed_scaling_factor`) multiplies the chosen experts' weights.
+`topk_scaling_factor` (`routed_scaling_factor`) multiplies the chosen experts' weights. ERNIE 4.5's router is
+softmax scores with `expert_bias`: the bias is added to the softmax over all experts to choose the top k, whose
+probabilities are then renormalised (the softmax over their logits); Megatron-Core refuses an expert bias with
+softmax scores, so that router is qlm's own.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ ScoreFunction = RouterScoreFunction
 MOE_MODEL_TYPES = tuple(model_type for model_type, family in FAMILIES.items() if family.moe)
 # sigmoid group-limited routers with a correction bias
 DEEPSEEK_MOE_TYPES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")  # DeepSeek-V3's router (deepseek_v2: its own)
+ERNIE_NORM_MIN = 1e-12  # ERNIE 4.5's moe_norm_min: the floor of the chosen probabilities' sum (transformers' default)
 
 
 @dataclass(frozen=True)
@@ -51,11 +55,11 @@ class MoeSpec:
             raise QlmError(f"MoE expert size {self.ffn_hidden_size}", "moe_intermediate_size must be positive")
         if self.score_function not in ("softmax", "sigmoid"):
             raise QlmError(f"router score function {self.score_function!r}", "use 'softmax' or 'sigmoid'")
-        if self.expert_bias and self.score_function != "sigmoid":
-            raise QlmError("a router expert bias with softmax scores (Megatron allows it with sigmoid routing only)",
-                           "use sigmoid scores (a recipe's moe.router_score_function, Megatron's "
-                           "moe_router_score_function) or drop the bias (moe.router_expert_bias, "
-                           "moe_router_enable_expert_bias)")
+        if self.expert_bias and self.pre_softmax:
+            raise QlmError("a router expert bias with pre-softmax routing (the bias chooses the experts, whose "
+                           "weights are then renormalised, which pre-softmax routing does not do)",
+                           "drop moe.router_pre_softmax (Megatron's moe_router_pre_softmax) or the bias "
+                           "(moe.router_expert_bias, moe_router_enable_expert_bias)")
         if self.num_groups < 1 or self.num_experts % self.num_groups or not 1 <= self.group_topk <= self.num_groups:
             raise QlmError(f"group-limited routing of {self.num_experts} experts in {self.num_groups} groups, "
                            f"{self.group_topk} of them chosen",
@@ -197,12 +201,61 @@ def _deepseek_moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[
             "topk_group": moe.group_topk, "routed_scaling_factor": moe.topk_scaling_factor, "norm_topk_prob": True}
 
 
+def _ernie_moe(config: dict[str, Any], num_layers: int) -> MoeSpec:
+    """ERNIE 4.5's MoE keys: softmax scores with the correction bias choosing the top k (renormalised), ungated
+    shared experts of moe_num_shared_experts expert sizes, and MoE layers every moe_layer_interval-th from
+    moe_layer_start_index to moe_layer_end_index (-1: the last)."""
+    model_type = "ernie4_5_moe"
+    experts = _typed(config, model_type, "moe_num_experts", int, 64, least=1)
+    topk = _typed(config, model_type, "moe_k", int, 6, least=1)
+    ffn = _typed(config, model_type, "moe_intermediate_size", int, 1536, least=1)
+    start = _typed(config, model_type, "moe_layer_start_index", int, 1)
+    interval = _typed(config, model_type, "moe_layer_interval", int, 1, least=1)
+    end = config.get("moe_layer_end_index", -1)
+    end = num_layers - 1 if end in (-1, None) else _typed(config, model_type, "moe_layer_end_index", int, -1)
+    norm_min = config.get("moe_norm_min", ERNIE_NORM_MIN)
+    if norm_min != ERNIE_NORM_MIN:
+        raise QlmError(f"config.json ({model_type}): moe_norm_min is {norm_min!r}; qlm renormalises the chosen "
+                       f"experts' probabilities with transformers' floor {ERNIE_NORM_MIN}",
+                       f"set moe_norm_min to {ERNIE_NORM_MIN}")
+    pattern = tuple(int((i + 1) % interval == 0 and start <= i <= end) for i in range(num_layers))
+    if not any(pattern):
+        raise QlmError(f"config.json ({model_type}): no layer between moe_layer_start_index {start} and "
+                       f"moe_layer_end_index {end} is an MoE layer", "use a config.json with MoE layers")
+    if topk > experts:
+        raise QlmError(f"config.json ({model_type}): moe_k {topk} is more than its {experts} experts",
+                       "set moe_k between 1 and moe_num_experts")
+    return MoeSpec(num_experts=experts, topk=topk, ffn_hidden_size=ffn, expert_bias=True,
+                   shared_expert_hidden_size=ffn * _typed(config, model_type, "moe_num_shared_experts", int, 2),
+                   layer_pattern=() if all(pattern) else pattern)
+
+
+def _ernie_moe_to_hf(moe: MoeSpec, num_layers: int) -> dict[str, Any]:
+    routed = [i for i in range(num_layers) if moe.is_moe_layer(i)]
+    start, end = routed[0], routed[-1]
+    steps = {b - a for a, b in zip(routed, routed[1:], strict=False)}
+    interval = steps.pop() if len(steps) == 1 else 1
+    if len(steps) or (start + 1) % interval or routed != list(range(start, end + 1, interval)) \
+            or moe.score_function != "softmax" or moe.pre_softmax or not moe.expert_bias or moe.num_groups > 1 \
+            or moe.topk_scaling_factor != 1.0 or moe.shared_expert_gate \
+            or moe.shared_expert_hidden_size % moe.ffn_hidden_size:
+        raise QlmError("this MoE is not an ernie4_5_moe one (MoE layers every n-th from one layer to another, "
+                       "softmax routing with a correction bias, ungated shared experts of whole expert sizes)",
+                       "keep it in a Megatron format")
+    return {"moe_num_experts": moe.num_experts, "moe_k": moe.topk, "moe_intermediate_size": moe.ffn_hidden_size,
+            "moe_num_shared_experts": moe.shared_expert_hidden_size // moe.ffn_hidden_size,
+            "moe_layer_start_index": start, "moe_layer_end_index": end, "moe_layer_interval": interval,
+            "moe_norm_min": ERNIE_NORM_MIN}
+
+
 def moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> MoeSpec:
     """The MoeSpec of an HF config.json of one of MOE_MODEL_TYPES."""
     if model_type in DEEPSEEK_MOE_TYPES:
         return _deepseek_moe(config, model_type, num_layers)
     if model_type == "deepseek_v2":
         return _deepseek_v2_moe(config, num_layers)
+    if model_type == "ernie4_5_moe":
+        return _ernie_moe(config, num_layers)
     experts = config.get("num_experts", config.get("num_local_experts"))
     topk = config.get("num_experts_per_tok")
     if not isinstance(experts, int) or not isinstance(topk, int) or isinstance(experts, bool) \
@@ -237,6 +290,8 @@ def moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[str, Any]:
         return _deepseek_moe_to_hf(moe, model_type, num_layers)
     if model_type == "deepseek_v2":
         return _deepseek_v2_moe_to_hf(moe, num_layers)
+    if model_type == "ernie4_5_moe":
+        return _ernie_moe_to_hf(moe, num_layers)
     if moe.num_groups > 1 or moe.topk_scaling_factor != 1.0:
         raise QlmError(f"this model's router limits groups or scales its weights, which transformers' {model_type} "
                        "does not", "export it as deepseek_v3, or keep it in a Megatron format")
@@ -244,6 +299,9 @@ def moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[str, Any]:
         raise QlmError(f"this model routes with sigmoid scores, which transformers' {model_type} does not have, so "
                        "it has no Hugging Face form", "keep it in a Megatron format (qlm eval, generate and train read "
                        "it as it is), or train a softmax-routed model to export")
+    if moe.expert_bias:
+        raise QlmError(f"this model's router chooses experts with a correction bias, which transformers' "
+                       f"{model_type} does not", "keep it in a Megatron format")
     if model_type == "mixtral":
         if moe.pre_softmax or moe.shared_expert_hidden_size or moe.layer_pattern:
             raise QlmError("this MoE is not a Mixtral (pre-softmax routing, a shared expert or dense layers)",

@@ -179,6 +179,14 @@ PRESETS: dict[str, ModelSpec] = {
         rope_theta=500000.0, norm_epsilon=1e-5, qkv_bias=False, tie_word_embeddings=True, rotary_interleaved=True,
         bos_token_id=1, eos_token_id=2,
     ),
+    # ERNIE-4.5-21B-A3B (21.83B total, 3.35B active): 64 experts of 1536, top 6, two shared ones, a dense first layer
+    "ernie-4.5-21b-a3b": ModelSpec(
+        model_type="ernie4_5_moe", vocab_size=103424, hidden_size=2560, ffn_hidden_size=12288, num_layers=28,
+        num_attention_heads=20, num_query_groups=4, kv_channels=128, max_position_embeddings=131072,
+        rope_theta=500000.0, norm_epsilon=1e-5, qkv_bias=False, tie_word_embeddings=True, rotary_interleaved=True,
+        bos_token_id=1, eos_token_id=2, moe=MoeSpec(64, 6, 1536, expert_bias=True, shared_expert_hidden_size=3072,
+                                                    layer_pattern=(0,) + (1,) * 27),
+    ),
     # Gemma-3-1B (text, 999,885,952): 26 layers, every 6th global (RoPE base 1e6), the rest windowed to 512 tokens
     # (base 10000); one 256-wide key/value head for 4 query heads; tied embeddings scaled by sqrt(1152)
     "gemma-3-1b": ModelSpec(

@@ -34,6 +34,9 @@ class TensorLayout:
     expert: bool = False  # a routed expert's linear: divided over EP ranks, split over the expert-TP size
     dtype: torch.dtype | None = None  # held in this dtype whatever the model's (the routers' expert bias: fp32)
     buffer: bool = False  # a module buffer (the routers' expert bias): saved with the weights, no optimizer state
+    # the HF tensor's extra leading axes of size 1 (ERNIE's router bias: HF [1, E], Megatron [E]); read and written
+    # whole, as a view
+    hf_leading: tuple[int, ...] = ()
 
     @property
     def stored_name(self) -> str:

@@ -88,6 +88,8 @@ def router_terms(x) -> dict[str, float]:
         scores = 4 * E * Tr + (4 * (k + 1) * Tr if k > 1 else 0.0)
     elif moe.pre_softmax:
         scores = 4 * E * Tr
+    elif moe.expert_bias:  # ERNIE's: the softmax over all, the chosen probabilities and their clamped sum (twice)
+        scores = 4 * E * Tr + 4 * (k + 2) * Tr
     else:
         scores = 4 * k * Tr
     terms = {"router scores (fp32)": scores, "router choices (int64)": 8 * k * Tr}

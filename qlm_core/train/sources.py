@@ -62,7 +62,12 @@ def with_recipe_router(spec: ModelSpec, moe: MoeConfig, loaded: bool) -> ModelSp
         key, value = next(iter(changes.items()))
         raise QlmError(f"moe.router_{key} = {value} but model.load's router has {key} = {getattr(spec.moe, key)}",
                        f"drop moe.router_{key} (a loaded model keeps its router)")
-    return replace(spec, moe=replace(spec.moe, **changes))
+    routed = replace(spec.moe, **changes)
+    if routed.expert_bias and routed.score_function != "sigmoid":  # ERNIE's router is ERNIE's models' own
+        raise QlmError("moe.router_expert_bias with softmax scores (Megatron allows the bias with sigmoid routing "
+                       "only; ERNIE 4.5's softmax router with a bias comes with its models)",
+                       "set moe.router_score_function = \"sigmoid\" or drop moe.router_expert_bias")
+    return replace(spec, moe=routed)
 
 
 def resolve_model(config: ModelConfig, moe: MoeConfig | None = None, iteration: int | None = None,

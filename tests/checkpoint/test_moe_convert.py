@@ -257,6 +257,19 @@ def test_expert_parallel_hf_mcore_mcore_hf_is_bit_exact(moe_models, tmp_path, na
     assert_same_hf(src, tmp_path / "hf")
 
 
+def test_ernie_moe_through_tp2_pp2_ep2_is_bit_exact(moe_models, tmp_path):
+    """ERNIE 4.5 MoE: its router bias ([1, E] in HF, Megatron's expert_bias [E]) and experts through TP2·PP2·EP2 in
+    both formats and back to the same HF files."""
+    src = moe_models["ernie4_5_moe"]
+    assert hf_to_mcore(src, tmp_path / "ep", tp=2, pp=2, ep=2, verify=True).verify.ok
+    model = safe_torch_load(tmp_path / "ep/release/mp_rank_00_000_000/model_optim_rng.pt")["model"]
+    bias = HFCheckpoint(src).read("model.layers.1.mlp.moe_statics.e_score_correction_bias", 0, 0, 1)
+    assert bias.shape == (1, 4) and torch.equal(model["decoder.layers.1.mlp.router.expert_bias"], bias[0])
+    assert mcore_to_mcore(tmp_path / "ep", tmp_path / "dist", tp=2, ep=2, format="torch_dist", verify=True).verify.ok
+    mcore_to_hf(without_hf_side_dir(tmp_path / "dist"), tmp_path / "hf", verify=True)
+    assert_same_hf(src, tmp_path / "hf")
+
+
 def test_expert_parallel_file_holds_its_ep_ranks_experts_split_by_etp(moe_models, tmp_path):
     """tp2 ep2 etp1: mp_rank_01_001 holds TP shard 1 of the dense tensors and EP rank 1's experts whole (global
     experts 2 and 3, numbered 0 and 1), exactly the state_dict of the model built for that rank."""

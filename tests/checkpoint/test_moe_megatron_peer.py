@@ -21,7 +21,10 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 pytestmark = [pytest.mark.peer, pytest.mark.distributed,
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
-CASES = {f"{kind}_{fmt}": (kind, fmt) for kind in QWEN3_MOE_KINDS for fmt in ("torch", "torch_dist")}
+# ERNIE 4.5 MoE's router (softmax scores chosen with a correction bias) is not one megatron-core builds: its softmax
+# router refuses an expert bias
+CASES = {f"{kind}_{fmt}": (kind, fmt) for kind in QWEN3_MOE_KINDS if kind != "ernie4_5_moe"
+         for fmt in ("torch", "torch_dist")}
 # legacy EP at TP2 on the 4 ranks: expert-TP 1 (expert-data-parallel 2: qlm writes 2 folders, each read by 2 ranks)
 # and expert-TP 2 (one folder per rank); the shared expert and the attention stay TP-split
 EP_CASES = {"qwen2_moe_torch_ep2_etp1": ("qwen2_moe", dict(tp=2, ep=2, etp=1)),

@@ -94,6 +94,13 @@ def test_qlm_backend_equals_lm_eval_hf_backend_on_another_family(hf_models, kind
 
 
 @pytest.mark.slow
+def test_qlm_backend_equals_lm_eval_hf_backend_on_ernie_moe(moe_models, tmp_path):
+    """ERNIE 4.5 MoE: softmax routing chosen with its correction bias, a shared expert, a dense first layer."""
+    model = moe_models["ernie4_5_moe"]
+    assert_same(evaluate(model, "qlm", tmp_path), evaluate(model, "hf", tmp_path))
+
+
+@pytest.mark.slow
 def test_qlm_backend_equals_lm_eval_hf_backend_on_an_moe_model(tmp_path):
     """A Qwen3-MoE (qlm-tiny-moe's shape: q/k norms, 8 experts, top 2) in transformers, both backends."""
     moe_model = random_hf_model(tmp_path / "moe", "qlm-tiny-moe")

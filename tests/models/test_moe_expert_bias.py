@@ -117,6 +117,8 @@ def test_the_aux_loss_counts_the_unbiased_choices():
 def test_a_bias_needs_sigmoid_routing():
     with pytest.raises(QlmError, match="sigmoid routing only"):
         with_recipe_router(MOE, MoeConfig(router_expert_bias=True), loaded=False)
+    ernie = MOE.replace(model_type="ernie4_5_moe", moe=dataclasses.replace(MOE.moe, expert_bias=True))
+    assert with_recipe_router(ernie, MoeConfig(router_expert_bias=True), loaded=False) == ernie  # its own router
     spec = with_recipe_router(MOE, MoeConfig(router_score_function="sigmoid", router_expert_bias=True), loaded=False)
     assert (spec.moe.score_function, spec.moe.expert_bias) == ("sigmoid", True)
     assert with_recipe_router(MOE.replace(moe=None, model_type="qwen3"), MoeConfig(router_expert_bias=True),

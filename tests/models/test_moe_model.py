@@ -79,6 +79,10 @@ def test_the_config_reads_each_models_routing(moe_models):
     assert specs["qwen2_moe"].moe.layer_pattern == (1, 1, 0, 1)  # mlp_only_layers = [2]
     assert not specs["qwen3_moe"].moe.pre_softmax and not specs["qwen3_moe"].moe.shared_expert_hidden_size
     assert not specs["mixtral"].moe.pre_softmax and specs["mixtral"].moe.ffn_hidden_size == 32
+    ernie = specs["ernie4_5_moe"]
+    assert ernie.moe.expert_bias and not ernie.moe.pre_softmax and ernie.moe.score_function == "softmax"
+    assert ernie.moe.layer_pattern == (0, 1, 1, 1) and ernie.moe.shared_expert_hidden_size == 32  # start index 1
+    assert ernie.rotary_interleaved and not ernie.moe.shared_expert_gate
     for kind, spec in specs.items():  # config.json written back reads the same
         assert ModelSpec.from_hf_config(json.loads(json.dumps(spec.to_hf_config()))) == spec, kind
         transformers.AutoConfig.for_model(**spec.to_hf_config())  # and transformers takes it
@@ -92,12 +96,15 @@ def test_megatron_aux_loss_is_e_sum_f_p_per_layer(moe_models, kind):
     records = model.moe.tracker.take_records()
     E, k, T = spec.moe.num_experts, spec.moe.topk, IDS.numel()
     assert len(records) == len(logits)
-    for record, layer_logits in zip(records, logits, strict=True):
+    biases = [layer.mlp.router.expert_bias for layer in model.decoder.layers if isinstance(layer.mlp, MoELayer)]
+    for record, layer_logits, bias in zip(records, logits, biases, strict=True):
         counts = torch.bincount(layer_logits.topk(k).indices.flatten(), minlength=E).float()
         probs = torch.softmax(layer_logits, dim=-1).mean(0)
         expected = E * ((counts / (T * k)) * probs).sum()
-        assert torch.allclose(record.aux_loss, expected, rtol=1e-6)
-        assert torch.equal(record.tokens_per_expert, counts)
+        assert torch.allclose(record.aux_loss, expected, rtol=1e-6)  # fᵢ: the unbiased choices (Megatron's)
+        # the load: the experts chosen, ERNIE's with its correction bias added to the softmax's probabilities
+        choice = layer_logits if bias is None else torch.softmax(layer_logits, -1) + bias
+        assert torch.equal(record.tokens_per_expert, torch.bincount(choice.topk(k).indices.flatten(), minlength=E))
         assert torch.allclose(record.z_loss, torch.logsumexp(layer_logits, -1).square().mean(), rtol=1e-6)
 
 
@@ -222,3 +229,15 @@ def test_unsupported_moe_configs_say_what_to_change(moe_models):
             spec.moe, shared_expert_hidden_size=32, shared_expert_gate=True)).to_hf_config()
     with pytest.raises(QlmError, match="qkv_bias goes with model types qwen2, qwen2_moe"):
         spec.replace(qkv_bias=True).to_hf_config()
+
+
+def test_ernie_moe_preset_counts_what_transformers_builds_from_its_config():
+    """ERNIE-4.5-21B-A3B: transformers' model of the preset's config.json holds 21,825,437,888 parameters, qlm's count
+    the same less the 27 routers' correction biases (buffers in Megatron); 3.35B active (the card's "3B")."""
+    spec = PRESETS["ernie-4.5-21b-a3b"]
+    config = transformers.AutoConfig.for_model(**spec.to_hf_config())
+    with torch.device("meta"):
+        reference_count = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    assert reference_count == 21_825_437_888
+    assert num_parameters(spec) == reference_count - 27 * 64
+    assert num_parameters(spec, active=True) == 3_352_148_480

@@ -34,7 +34,10 @@ QWEN3_MOE = ModelSpec(model_type="qwen3_moe", qkv_bias=False, qk_layernorm=True,
 QWEN2_MOE = ModelSpec(model_type="qwen2_moe", qkv_bias=True, **BASE, moe=MoeSpec(
     8, 2, 32, pre_softmax=True, shared_expert_hidden_size=48, shared_expert_gate=True))
 QWEN3 = ModelSpec(model_type="qwen3", qkv_bias=False, qk_layernorm=True, **BASE)
-SPECS = {"qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE}
+# ERNIE 4.5 MoE: softmax scores chosen with a correction bias, renormalised; an ungated shared expert
+ERNIE_MOE = ModelSpec(model_type="ernie4_5_moe", qkv_bias=False, rotary_interleaved=True, **BASE, moe=MoeSpec(
+    8, 2, 32, expert_bias=True, shared_expert_hidden_size=32))
+SPECS = {"qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE, "ernie4_5_moe": ERNIE_MOE}
 SEQ, BATCH = 64, 2
 
 

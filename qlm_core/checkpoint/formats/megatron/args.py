@@ -245,8 +245,8 @@ def _guess_model_type(args, moe: MoeSpec | None) -> str:
         if getattr(args, "rotary_interleaved", False):  # GLM's pair layout (its sandwich norms: GLM-4), or ERNIE's
             return "glm4" if getattr(args, "post_self_attn_layernorm", False) else "glm" if bias else "ernie4_5"
         return "qwen3" if qk_norm else "qwen2" if bias else "llama"
-    if moe.expert_bias:  # DeepSeek-V3's sigmoid router with grouped-query attention: GLM-4.5
-        return "glm4_moe"
+    if moe.expert_bias:  # DeepSeek-V3's sigmoid router with grouped-query attention: GLM-4.5; softmax: ERNIE 4.5
+        return "ernie4_5_moe" if moe.score_function == "softmax" else "glm4_moe"
     if qk_norm and not moe.shared_expert_hidden_size:
         return "qwen3_moe"
     if moe.shared_expert_hidden_size or moe.pre_softmax or moe.layer_pattern or bias:
