@@ -43,6 +43,11 @@ MODEL_KINDS = {
                           pad_token_id=0, eos_token_id=1)),
     # ERNIE 4.5 (0.3B's layout): the whole head rotated in interleaved pairs, tied embeddings
     "ernie4_5": ("ernie4_5", dict(head_dim=16, tie_word_embeddings=True)),
+    # OPT / Galactica: LayerNorms with biases, biases on every linear, a ReLU MLP, learned positions offset by 2
+    "opt": ("opt", dict(ffn_dim=96, word_embed_proj_dim=64, pad_token_id=1, bos_token_id=2, eos_token_id=2)),
+    # ... with a GELU MLP and no biases on its linears (enable_bias false; its LayerNorms keep theirs)
+    "opt_gelu": ("opt", dict(ffn_dim=96, word_embed_proj_dim=64, activation_function="gelu", enable_bias=False,
+                             pad_token_id=1, bos_token_id=2, eos_token_id=2)),
     # Gemma 3 (text): windowed layers 0-2 (window 8, RoPE base 10000), a global layer 3 (base 1e6, linear x8), a
     # query_pre_attn_scalar other than head_dim, GeGLU, (1 + w) norms, four a layer, tied embeddings
     "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0,

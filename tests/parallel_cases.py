@@ -48,6 +48,13 @@ MLA = SPEC.replace(mtp_num_layers=1,
 # GLM-4-0414's layer: a norm after the attention and one after the MLP (replicated, their gradients summed over TP
 # under SP), half of each head rotated in interleaved pairs
 GLM4 = SPEC.replace(model_type="glm4", rotary_percent=0.5, rotary_interleaved=True, post_norms=True)
+# An OPT: LayerNorms with biases, biases on every linear, ReLU, learned positions offset by 2, multi-head, tied
+OPT = SPEC.replace(model_type="opt", num_query_groups=4, linear_bias=True, tie_word_embeddings=True,
+                   norm_epsilon=1e-5, norm="layernorm", activation="relu", position="learned_absolute")
+# ... with a GELU MLP (activation_function "gelu"): the layouts that split a token's arithmetic (TP's sharded matmuls,
+# CP's blockwise softmax) round differently, and ReLU's kink turns that into gradient differences of 1e-4 by the
+# second step, the parity tolerance (measured: ReLU 2e-4 at step 3 under tp2·SP and cp2, GELU 1e-6)
+OPT_GELU = OPT.replace(activation="gelu")
 # A Gemma 3: (1 + w) RMSNorms (four a layer and on q/k), GeGLU, embeddings scaled by sqrt(h), tied, a softmax scale of
 # query_pre_attn_scalar 24, three local layers (window 6, base 10k) and a global one (base 1M, linear x8), packed
 GEMMA3 = SPEC.replace(model_type="gemma3_text", qkv_bias=False, tie_word_embeddings=True, qk_layernorm=True,
@@ -56,15 +63,16 @@ GEMMA3 = SPEC.replace(model_type="gemma3_text", qkv_bias=False, tie_word_embeddi
                       window_layers=(True, True, True, False), norm="gemma_rmsnorm", activation="geglu")
 # window: packed documents and the windowed model; moe: MOE; mla: MLA (mla_packed: with packed documents)
 # mla_mtp_off: MLA trained with the multi-token prediction weight at 0 (its layers frozen and not run); glm4: GLM4;
-# gemma3: GEMMA3 on packed documents; ernie_moe: ERNIE_MOE
+# gemma3: GEMMA3 on packed documents; ernie_moe: ERNIE_MOE; opt / opt_gelu: OPT / OPT_GELU on packed documents
+# (their learned positions restart with each document)
 DATA_KINDS = ("plain", "packed", "window", "moe", "moe_seq", "moe_global", "mla", "mla_packed", "mla_mtp_off",
-              "glm4", "gemma3", "ernie_moe")
+              "glm4", "gemma3", "ernie_moe", "opt", "opt_gelu")
 
 
 def case_spec(data: str) -> ModelSpec:
     return {"window": WINDOWED, "moe": MOE, "moe_seq": MOE, "moe_global": MOE, "mla": MLA,
             "mla_packed": MLA, "mla_mtp_off": MLA, "glm4": GLM4, "gemma3": GEMMA3,
-            "ernie_moe": ERNIE_MOE}.get(data, SPEC)
+            "ernie_moe": ERNIE_MOE, "opt": OPT, "opt_gelu": OPT_GELU}.get(data, SPEC)
 
 
 def case_moe(data: str) -> MoeConfig | None:
@@ -145,6 +153,10 @@ CASES = {
     "gemma3_pp2": LayoutCase(2, dict(pp=2), data="gemma3"),
     "gemma3_cp2_p2p": LayoutCase(2, dict(cp=2, cp_comm_type="p2p"), data="gemma3"),
     "gemma3_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), data="gemma3"),
+    "opt_gelu_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="opt_gelu"),
+    "opt_pp2": LayoutCase(2, dict(pp=2), data="opt"),
+    "opt_gelu_cp2_allgather": LayoutCase(2, dict(cp=2, cp_comm_type="allgather"), data="opt_gelu"),
+    "opt_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), data="opt"),
     "ernie_moe_ep2": LayoutCase(2, dict(ep=2), micro_batch_size=1, data="ernie_moe"),
     "moe_tp2": LayoutCase(2, dict(tp=2), data="moe"),
     "moe_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="moe"),
@@ -200,8 +212,8 @@ COMPILED_CASES = {
 
 def make_batch(packed: bool | str):
     """Global batch: input_ids, labels (-100 across document boundaries), position_ids and segment_ids (packed, or
-    data kind "packed" / "window" / "mla_packed" / "gemma3")."""
-    packed = packed in (True, "packed", "window", "mla_packed", "gemma3")
+    data kind "packed" / "window" / "mla_packed" / "gemma3" / "opt" / "opt_gelu")."""
+    packed = packed in (True, "packed", "window", "mla_packed", "gemma3", "opt", "opt_gelu")
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, SPEC.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=generator)
     input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()

@@ -46,15 +46,16 @@ class GroupedQueryAttention(nn.Module):
         self.tp_group = tp_group
         # Registration order matches Megatron-Core's SelfAttention (linear_proj before linear_qkv).
         self.linear_proj = RowParallelLinear(
-            spec.num_attention_heads * spec.kv_channels, spec.hidden_size,
+            spec.num_attention_heads * spec.kv_channels, spec.hidden_size, bias=spec.linear_bias,
             tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
         )
         self.linear_qkv = ColumnParallelLinear(
             spec.hidden_size, spec.qkv_rows, bias=spec.qkv_bias,
             tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
         )
-        if spec.position != "rope":  # q and k are rotated by the (cos, sin) it hands each layer
-            raise QlmError(f"grouped-query attention takes RoPE positions, not {spec.position!r}",
+        # RoPE: q and k rotated by the (cos, sin) it hands each layer; learned positions: added to the embedding
+        if spec.position not in ("rope", "learned_absolute"):
+            raise QlmError(f"grouped-query attention takes RoPE or learned positions, not {spec.position!r}",
                            "pair another position scheme with an attention kind that takes it")
         self.q_layernorm = self.k_layernorm = None
         if spec.qk_layernorm:  # on each head; every TP rank holds other heads, so their gradients are summed
@@ -107,12 +108,13 @@ class GroupedQueryAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: tuple[torch.Tensor, ...], inputs: AttentionInputs) -> torch.Tensor:
         inputs = inputs.for_window(self.window)
-        cos, sin = positions  # RoPE's
         q, k, v = self._split_qkv(self.linear_qkv(x))
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        interleaved = self.spec.rotary_interleaved  # q and k alike: their dot products are GLM's
-        q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
+        if positions is not None:  # RoPE's (cos, sin); None: learned positions, already in x
+            cos, sin = positions
+            interleaved = self.spec.rotary_interleaved  # q and k alike: their dot products are GLM's
+            q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if inputs.cache is not None:
@@ -138,6 +140,9 @@ def gqa_layer_entries(s: ModelSpec, layer: int) -> LayerEntries:
         ("self_attention.linear_proj.weight", TensorLayout(
             name + "self_attention.linear_proj.weight", (h, qd), COLS,
             (Segment(0, qd, hf + "self_attn.o_proj.weight"),))),
+        *([("self_attention.linear_proj.bias", TensorLayout(
+            name + "self_attention.linear_proj.bias", (h,), REPLICATED,
+            (Segment(0, h, hf + "self_attn.o_proj.bias"),)))] if s.linear_bias else []),
         ("self_attention.linear_proj._extra_state", None),
     ]
     for kind in ("weight", "bias") if s.qkv_bias else ("weight",):

@@ -4,14 +4,16 @@ a new family is a row here, its numbers in ModelSpec.from_hf_config and a test a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from qlm_core.errors import QlmError
 
 # qkv_bias: "always" (Qwen2), "never", "config" (Qwen2-MoE's own `qkv_bias` key, default true) or
 # "attention_bias" (GLM-4.5: config.json's attention_bias puts biases on q, k and v, none on o_proj)
-QkvBias = Literal["always", "never", "config", "attention_bias"]
+# "enable_bias" (OPT: config.json's enable_bias, default true, puts biases on every linear)
+QkvBias = Literal["always", "never", "config", "attention_bias", "enable_bias"]
 # sliding_window: "applied" (Mistral: config.json's sliding_window holds for every layer), "gated" (Qwen3-MoE: for
 # every layer, only with use_sliding_window), "gated_layers" (Qwen2, Qwen3, Qwen2-MoE: only with use_sliding_window,
 # for the layers config.json's layer_types marks "sliding_attention"), "layers" (Gemma 3: always, for the layers
@@ -23,17 +25,27 @@ SlidingWindow = Literal["applied", "gated", "gated_layers", "layers", "none"]
 # scheme (models/positions.py). A new choice is a value here and one row in its module; ModelSpec holds them.
 # "mla": multi-latent attention (DeepSeek-V2/V3), models/attention_mla.py
 AttentionName = Literal["gqa", "mla"]
-NormName = Literal["rmsnorm", "gemma_rmsnorm"]
-ActivationName = Literal["swiglu", "geglu"]
-PositionName = Literal["rope"]
+NormName = Literal["rmsnorm", "gemma_rmsnorm", "layernorm"]
+ActivationName = Literal["swiglu", "geglu", "relu", "gelu"]
+# "learned_absolute": a learned embedding per position added to the token embedding (OPT's, Megatron's)
+PositionName = Literal["rope", "learned_absolute"]
 # the last stage's head: "lm" the vocabulary projection (HF *ForCausalLM), "score" one scalar per token, read at a
 # sequence's last token (a Bradley-Terry reward model; HF *ForSequenceClassification with num_labels 1)
 HeadName = Literal["lm", "score"]
 # config.json's hidden_act of each MLP activation (a gated one names its gate's function)
-HF_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}
+HF_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh", "relu": "relu", "gelu": "gelu"}
 
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral's experts: w1 the gate, w3 the up and w2 the down projection
+# OPT's HF names, from the Llama-style names the layout states (applied in order, each once)
+OPT_HF_NAMES = (
+    (r"^model\.(layers|embed_tokens|embed_positions)\.", r"model.decoder.\1."),
+    (r"^model\.norm\.", "model.decoder.final_layer_norm."),
+    (r"\.self_attn\.o_proj\.", ".self_attn.out_proj."),
+    (r"\.input_layernorm\.", ".self_attn_layer_norm."),
+    (r"\.mlp\.up_proj\.", ".fc1."),
+    (r"\.mlp\.down_proj\.", ".fc2."),
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,15 @@ class Family:
     # norms; Megatron: post_self_attn_layernorm, post_mlp_layernorm); None: the layer has none
     post_norms: tuple[str, str] | None = None
     activation_key: str = "hidden_act"  # config.json's key naming the MLP's activation (Gemma: hidden_activation)
+    # (pattern, replacement) rules from the Llama-style HF names the layout states to the family's own (OPT's)
+    hf_names: tuple[tuple[str, str], ...] = ()
+    # config.json's key for ModelSpec's size keys where the family names them otherwise (OPT's ffn_dim)
+    config_aliases: tuple[tuple[str, str], ...] = ()
+    norm_epsilon: float | None = None  # a fixed norm epsilon config.json does not state (OPT's nn.LayerNorm 1e-5)
+    other_activations: tuple[str, ...] = ()  # activations config.json may name besides `activation` (OPT: gelu)
+    # learned positions: the embedding's rows before position 0 (OPT's offset of 2; HF keeps and stores them)
+    position_offset: int = 0
+    fixed_config: tuple[tuple[str, Any], ...] = ()  # config.json keys the family's one supported layout fixes
     scaled_embedding: bool = False  # the embedding's output is multiplied by sqrt(hidden_size) (Gemma)
     # the softmax scale is query_pre_attn_scalar^-0.5, not head_dim^-0.5, and windowed layers have their own RoPE
     # base (Gemma 3's rope_parameters per layer type)
@@ -117,6 +138,14 @@ FAMILIES: dict[str, Family] = {
     "ernie4_5_moe": Family("Ernie4_5_MoeForCausalLM", rotary_interleaved=True, moe=True,
                            shared_expert_block="shared_experts.",
                            expert_bias_name="moe_statics.e_score_correction_bias", expert_bias_leading=(1,)),
+    # OPT / Galactica: LayerNorm with biases, biases on every linear (enable_bias), a ReLU (or GELU) MLP (fc1, fc2),
+    # learned absolute positions offset by 2, multi-head attention, tied embeddings; the pre-norm layout only
+    "opt": Family("OPTForCausalLM", qkv_bias="enable_bias", pre_mlp_norm="final_layer_norm",
+                  activation_key="activation_function", hf_names=OPT_HF_NAMES,
+                  config_aliases=(("intermediate_size", "ffn_dim"),), norm_epsilon=1e-5, position_offset=2,
+                  norm="layernorm", activation="relu", other_activations=("gelu",), position="learned_absolute",
+                  fixed_config=(("do_layer_norm_before", True), ("layer_norm_elementwise_affine", True),
+                                ("_remove_final_layer_norm", False))),
     # GLM-4.7-Flash: DeepSeek-V3's layer, its dense and MoE layers listed in mlp_layer_types
     "glm4_moe_lite": Family("Glm4MoeLiteForCausalLM", declares_no_bias=True, moe=True,
                             shared_expert_block="shared_experts.", attention="mla",
@@ -125,6 +154,13 @@ FAMILIES: dict[str, Family] = {
 
 
 SCORE_ARCHITECTURE = ("ForCausalLM", "ForSequenceClassification")
+
+
+def hf_name(model_type: str, name: str) -> str:
+    """The family's HF name of a tensor the layout states in Llama's names (OPT: model.decoder..., fc1, ...)."""
+    for pattern, replacement in FAMILIES[model_type].hf_names:
+        name = re.sub(pattern, replacement, name, count=1)
+    return name
 
 
 def hf_architecture(model_type: str, head: str) -> str:

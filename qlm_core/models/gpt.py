@@ -20,6 +20,7 @@ from qlm_core.config import MoeConfig, RecomputeMode, choices
 from qlm_core.models.activations import activation_kind
 from qlm_core.models.attention import AttentionInputs, KVCache, attention_inputs
 from qlm_core.models.attention_kinds import attention_kind
+from qlm_core.models.families import FAMILIES
 from qlm_core.models.mlp import MLP
 from qlm_core.models.moe import MoELayer, MoeTracker
 from qlm_core.models.mtp import MultiTokenPredictionBlock, MultiTokenPredictionLayer
@@ -106,7 +107,8 @@ class TransformerLayer(nn.Module):
             # its index among the model's MoE layers: its slot in a batch's recorded routes
             self.route_slot = spec.moe.num_moe_layers(global_layer)
         else:
-            self.mlp = MLP(spec.hidden_size, spec.ffn_hidden_size, parallel, dtype, activation_kind(spec))
+            self.mlp = MLP(spec.hidden_size, spec.ffn_hidden_size, parallel, dtype, activation_kind(spec),
+                           bias=spec.linear_bias)
         self.post_mlp_layernorm = replicated_norm(spec, parallel, dtype) if spec.post_norms else None
         self.parallel = parallel
         self._compiled = None
@@ -199,9 +201,26 @@ class LanguageModelEmbedding(nn.Module):
 
         # Gemma: the embedding's output times sqrt(hidden_size), that factor rounded to the weights' dtype first
         self.scale = spec.hidden_size ** 0.5 if spec.scaled_embedding else None
+        # learned absolute positions (Megatron's position_embeddings; OPT's rows start `offset` before position 0):
+        # whole on every TP rank; under SP each rank adds its own tokens' rows, so their gradients are summed
+        self.position_offset = FAMILIES[spec.model_type].position_offset
+        self.position_embeddings = None
+        if spec.position == "learned_absolute":
+            self.position_embeddings = nn.Embedding(spec.max_position_embeddings + self.position_offset,
+                                                    spec.hidden_size, dtype=dtype)
+            mark(self.position_embeddings.weight, sequence_parallel=parallel.sp)
+        self.tp_group, self.sequence_parallel = parallel.tp_group, parallel.sequence_parallel
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, position_ids: torch.Tensor | None = None):
+        """Token ids [b, s] (and with learned positions their position_ids [b, s]) -> [s, b, h], this rank's
+        sequence shard under SP."""
         embedded = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            positions = self.position_embeddings(position_ids + self.position_offset).transpose(0, 1)
+            if self.sequence_parallel and group_size(self.tp_group) > 1:
+                shard = embedded.shape[0]
+                positions = positions.narrow(0, group_rank(self.tp_group) * shard, shard)
+            embedded = embedded + positions
         if self.scale is None:
             return embedded
         return embedded * torch.tensor(self.scale, dtype=embedded.dtype, device=embedded.device)
@@ -357,9 +376,11 @@ class GPTModel(nn.Module):
         are the tokens each depth embeds (models/mtp.py); the result is then the final norm's output followed by
         each depth's output along the sequence, [(1 + depths) s, b, h], as Megatron-Core hands them to its loss.
         """
-        if self.pre_process:
-            x = self.embedding(x)
-        local_tokens = x.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
+        if self.pre_process:  # token ids [b, s]
+            local_tokens = x.shape[1]
+        else:  # the previous stage's [s, b, h] (its sequence shard under SP)
+            local_tokens = x.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
+        batch = x.shape[0] if self.pre_process else x.shape[1]
         cp_group = self.parallel.cp_group
         token_index = None
         if group_size(cp_group) > 1:
@@ -367,7 +388,9 @@ class GPTModel(nn.Module):
             token_index = cp_token_indices(local_tokens * cp, cp, group_rank(cp_group), device=x.device)
         if position_ids is None:
             index = token_index if token_index is not None else torch.arange(local_tokens, device=x.device)
-            position_ids = index[None, :].expand(x.shape[1], local_tokens)
+            position_ids = index[None, :].expand(batch, local_tokens)
+        if self.pre_process:
+            x = self.embedding(x, position_ids)
         positions = self.positions.layer_inputs(position_ids, x.dtype)
         inputs = attention_inputs(local_tokens=local_tokens, batch=x.shape[1], windows=self.windows,
                                   parallel=self.parallel, segment_ids=segment_ids, cache=cache,

@@ -26,7 +26,7 @@ import torch
 from qlm_core.errors import QlmError
 from qlm_core.models.activations import activation_kind
 from qlm_core.models.attention_kinds import attention_kind
-from qlm_core.models.families import FAMILIES, GATE_UP_DOWN
+from qlm_core.models.families import FAMILIES, GATE_UP_DOWN, hf_name
 from qlm_core.models.norms import norm_kind
 from qlm_core.models.spec import ModelSpec, padded_vocab_size
 from qlm_core.models.tensor_layout import COLS, FC1, REPLICATED, ROWS, Segment, TensorLayout, TensorSource
@@ -34,6 +34,7 @@ from qlm_core.models.tensor_layout import COLS, FC1, REPLICATED, ROWS, Segment, 
 _FIRST_FLAG, _LAST_FLAG = "--num-layers-in-first-pipeline-stage", "--num-layers-in-last-pipeline-stage"
 
 EMBEDDING = "embedding.word_embeddings.weight"
+POSITION_EMBEDDING = "embedding.position_embeddings.weight"  # learned absolute positions (first stage)
 OUTPUT_LAYER = "output_layer.weight"  # the vocabulary projection, or a reward model's score head
 LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 # multi-latent attention's linears besides linear_proj (Megatron-Bridge's MLA LoRA targets)
@@ -50,7 +51,9 @@ EXPERT_PREFIX = "mlp.experts.local_experts."  # SequentialMLP: `mlp.experts.loca
 # Transformer-Engine spec fuses the norms into the following linear; torch_dist always uses these names.
 TE_NORM_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",  # LayerNorm's (OPT)
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
 # ... and in multi-latent attention the q and kv latents' norms into the up projections (its input_layernorm stays
 # a module of its own under both specs)
@@ -211,20 +214,38 @@ class ModelLayout:
     # ---- tensors ---------------------------------------------------------------------------------------------------
 
     def embedding(self) -> TensorLayout:
-        return self._vocab_tensor(EMBEDDING, "model.embed_tokens.weight", True)
+        return self._family_names(self._vocab_tensor(EMBEDDING, "model.embed_tokens.weight", True))
+
+    def position_embedding(self) -> TensorLayout | None:
+        """Learned absolute positions [max_position_embeddings + the family's offset, h], whole on every TP rank
+        (OPT's HF tensor keeps its two rows before position 0); None for other position schemes."""
+        if self.spec.position != "learned_absolute":
+            return None
+        rows = self.spec.max_position_embeddings + FAMILIES[self.spec.model_type].position_offset
+        return self._family_names(TensorLayout(POSITION_EMBEDDING, (rows, self.spec.hidden_size), REPLICATED,
+                                               (Segment(0, rows, "model.embed_positions.weight"),)))
+
+    def _family_names(self, tensor: TensorLayout | None) -> TensorLayout | None:
+        """`tensor` with its segments' HF names in the family's own spelling (families.hf_name)."""
+        if tensor is None or not FAMILIES[self.spec.model_type].hf_names:
+            return tensor
+        return replace(tensor, segments=tuple(
+            seg if seg.hf_name is None else replace(seg, hf_name=hf_name(self.spec.model_type, seg.hf_name))
+            for seg in tensor.segments))
 
     def output_layer(self) -> TensorLayout:
         if self.spec.head == "score":  # one row, whole on every TP rank (qlm's extension of Megatron's names)
             h = self.spec.hidden_size
             return TensorLayout(OUTPUT_LAYER, (1, h), REPLICATED, (Segment(0, 1, "score.weight"),))
         if self.spec.tie_word_embeddings:  # a copy of the embedding (a last stage without it keeps its own)
-            return self._vocab_tensor(OUTPUT_LAYER, "model.embed_tokens.weight", False, stored_as=EMBEDDING)
+            return self._family_names(
+                self._vocab_tensor(OUTPUT_LAYER, "model.embed_tokens.weight", False, stored_as=EMBEDDING))
         return self._vocab_tensor(OUTPUT_LAYER, "lm_head.weight", True)
 
     def final_norms(self) -> list[tuple[str, TensorLayout]]:
         """(name, tensor) of the final norm's tensors (`decoder.final_layernorm.<tensor>`)."""
-        return [(tensor.name, tensor) for _, tensor in _norm_entries(self.spec, "decoder.", "final_layernorm",
-                                                                     "model.norm")]
+        return [(tensor.name, self._family_names(tensor))
+                for _, tensor in _norm_entries(self.spec, "decoder.", "final_layernorm", "model.norm")]
 
     def _vocab_tensor(self, name, hf_name, primary, stored_as=None) -> TensorLayout:
         v, p, h = self.spec.vocab_size, self.padded_vocab, self.spec.hidden_size
@@ -235,7 +256,8 @@ class ModelLayout:
         """(local-spec suffix, global tensor) of one layer in Megatron-Core's state_dict order; a None tensor is
         the `_extra_state` that follows each linear's parameters (suffix `<linear>._extra_state`)."""
         if layer not in self._entries:
-            self._entries[layer] = tuple(self._layer_entries(layer))
+            self._entries[layer] = tuple((suffix, self._family_names(tensor))
+                                         for suffix, tensor in self._layer_entries(layer))
         return list(self._entries[layer])
 
     def _layer_entries(self, layer: int) -> list[tuple[str, TensorLayout | None]]:
@@ -257,7 +279,7 @@ class ModelLayout:
         after = _norm_entries(s, name, "post_mlp_layernorm", hf + post_mlp) if s.post_norms else []
         if not s.is_moe_layer(layer):
             return out + _mlp_entries(name, "mlp.", s.ffn_hidden_size, h, hf + "mlp.", _GATE_UP_DOWN, gated,
-                                      fused=family.fused_gate_up) + after
+                                      fused=family.fused_gate_up, bias=s.linear_bias) + after
         moe, moe_hf = s.moe, hf + family.moe_block
         experts = s.moe.num_experts
         out.append(("mlp.router.weight", TensorLayout(name + "mlp.router.weight", (experts, h), REPLICATED,
@@ -314,7 +336,7 @@ class ModelLayout:
     @cached_property
     def global_tensors(self) -> list[TensorLayout]:
         """Every distinct global tensor once (the output layer only when it is not tied)."""
-        tensors = [self.embedding()]
+        tensors = [self.embedding(), *filter(None, [self.position_embedding()])]
         for layer in range(self.spec.num_layers):
             tensors += self.layer_tensors(layer)
         tensors += [tensor for _, tensor in self.final_norms()]
@@ -356,6 +378,8 @@ class ModelLayout:
         first, last = self.is_first(pp_rank, chunk), self.is_last(pp_rank, chunk)
         if first or (last and self.spec.mtp_num_layers):  # multi-token prediction embeds on the last stage too
             entries.append(("embedding.word_embeddings.weight", self.embedding()))
+        if first and self.position_embedding() is not None:
+            entries.append((POSITION_EMBEDDING, self.position_embedding()))
         for local, layer in enumerate(self.chunk_layers(pp_rank, chunk)):
             name = f"decoder.layers.{local}."
             before, experts, after = self._layer_parts(layer)
@@ -482,20 +506,29 @@ def _norm_entries(spec: ModelSpec, name: str, module: str, hf_module: str) -> li
 
 
 def _mlp_entries(name: str, module: str, ffn: int, h: int, hf: str, projections: tuple[str, str, str],
-                 gated: bool, expert: bool = False, fused: bool = False):
+                 gated: bool, expert: bool = False, fused: bool = False, bias: bool = False):
     """An MLP's entries (module `module` of layer `name`): a gated one's linear_fc1 = [gate; up] (FC1), a plain
-    one's = up (split by rows); linear_fc2 = down. `fused`: HF holds [gate; up] as one `gate_up_proj` (GLM)."""
+    one's = up (split by rows); linear_fc2 = down. `fused`: HF holds [gate; up] as one `gate_up_proj` (GLM).
+    `bias` (a plain MLP's, OPT's): fc1's bias split like its rows, fc2's whole on every rank."""
     gate, up, down = (f"{hf}{proj}.weight" for proj in projections)
     fc1, fc2 = f"{module}linear_fc1", f"{module}linear_fc2"
     gate_up = (Segment(0, ffn, f"{hf}gate_up_proj.weight"), Segment(ffn, 2 * ffn, f"{hf}gate_up_proj.weight", ffn)) \
         if fused else (Segment(0, ffn, gate), Segment(ffn, 2 * ffn, up))
     fc1_tensor = (TensorLayout(name + fc1 + ".weight", (2 * ffn, h), FC1, gate_up, expert=expert) if gated
                   else TensorLayout(name + fc1 + ".weight", (ffn, h), ROWS, (Segment(0, ffn, up),), expert=expert))
+    if bias and gated:
+        raise QlmError("biases on a gated MLP's linears", "qlm's gated MLPs have no biases")
+    fc1_bias = [(fc1 + ".bias", TensorLayout(name + fc1 + ".bias", (ffn,), ROWS,
+                                              (Segment(0, ffn, up[: -len("weight")] + "bias"),)))] if bias else []
+    fc2_bias = [(fc2 + ".bias", TensorLayout(name + fc2 + ".bias", (h,), REPLICATED,
+                                              (Segment(0, h, down[: -len("weight")] + "bias"),)))] if bias else []
     return [
         (fc1 + ".weight", fc1_tensor),
+        *fc1_bias,
         (fc1 + "._extra_state", None),
         (fc2 + ".weight", TensorLayout(name + fc2 + ".weight", (h, ffn), COLS, (Segment(0, ffn, down),),
                                         expert=expert)),
+        *fc2_bias,
         (fc2 + "._extra_state", None),
     ]
 
@@ -668,8 +701,6 @@ def normalize_megatron_name(local_name: str) -> str | None:
     for te, local in {**TE_NORM_NAMES, **MLA_TE_NORM_NAMES}.items():
         if local_name.endswith(te):
             return local_name[: -len(te)] + local
-    if local_name.endswith(("layer_norm_bias", "layernorm.bias")):
-        raise QlmError(f"checkpoint tensor {local_name} is a LayerNorm bias", "qlm supports RMSNorm models only")
     return local_name
 
 

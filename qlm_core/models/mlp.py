@@ -12,16 +12,16 @@ from qlm_core.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, ffn_hidden_size: int, parallel, dtype,
-                 activation: ActivationKind = ACTIVATION_KINDS["swiglu"]):
+                 activation: ActivationKind = ACTIVATION_KINDS["swiglu"], bias: bool = False):
         super().__init__()
         self.activation = activation
         tp_group, sequence_parallel = parallel.tp_group, parallel.sequence_parallel
         self.linear_fc1 = ColumnParallelLinear(
-            hidden, activation.fc1_rows(ffn_hidden_size), tp_group=tp_group, sequence_parallel=sequence_parallel,
-            dtype=dtype,
+            hidden, activation.fc1_rows(ffn_hidden_size), bias=bias, tp_group=tp_group,
+            sequence_parallel=sequence_parallel, dtype=dtype,
         )
         self.linear_fc2 = RowParallelLinear(
-            ffn_hidden_size, hidden, tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
+            ffn_hidden_size, hidden, bias=bias, tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

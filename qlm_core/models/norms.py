@@ -18,26 +18,38 @@ from qlm_core.models.spec import ModelSpec
 class NormKind:
     """module(size, eps, dtype) -> the norm; `tensors`: its parameters in Megatron's (and HF's) state_dict order,
     each named `<norm>.<tensor>` on both sides; `megatron_name`: Megatron-LM's `--normalization` value; `init`: its
-    weight's value in a fresh model (Gemma's (1 + w) RMSNorm: 0); saved_bytes(dtype_bytes, size): what it keeps
-    for backward per token (the profile)."""
+    weight's value in a fresh model (Gemma's (1 + w) RMSNorm: 0); saved_bytes(dtype_bytes, size, device): what it
+    keeps for backward per token (the profile)."""
 
     module: Callable[[int, float, torch.dtype], nn.Module]
     tensors: tuple[str, ...]
     megatron_name: str
     init: float
-    saved_bytes: Callable[[int, int], float]
+    saved_bytes: Callable[[int, int, str], float]
     zero_centered: bool = False  # the weight is an offset from 1 (Megatron's apply_layernorm_1p / zero-centred gamma)
 
 
-def _rms_norm_saved(dtype_bytes: int, size: int) -> float:
+def _rms_norm_saved(dtype_bytes: int, size: int, device: str) -> float:
     """kernels/norm.RMSNormFunction keeps its input and the fp32 1/rms."""
     return dtype_bytes * size + 4
+
+
+def _layer_norm(size: int, eps: float, dtype: torch.dtype) -> nn.Module:
+    return nn.LayerNorm(size, eps=eps, dtype=dtype)
+
+
+def _layer_norm_saved(dtype_bytes: int, size: int, device: str) -> float:
+    """torch's native_layer_norm keeps its input, its mean and its 1/std: those two fp32 on CUDA, in the input's
+    dtype on the CPU."""
+    return dtype_bytes * size + 2 * (dtype_bytes if device == "cpu" else 4)
 
 
 NORM_KINDS: dict[str, NormKind] = {
     "rmsnorm": NormKind(RMSNorm, ("weight",), "RMSNorm", 1.0, _rms_norm_saved),
     # Gemma's (1 + w) RMSNorm: it keeps what RMSNorm keeps (its input and the fp32 1/rms)
     "gemma_rmsnorm": NormKind(ZeroCenteredRMSNorm, ("weight",), "RMSNorm", 0.0, _rms_norm_saved, zero_centered=True),
+    # LayerNorm with its bias (OPT): torch's own kernel
+    "layernorm": NormKind(_layer_norm, ("weight", "bias"), "LayerNorm", 1.0, _layer_norm_saved),
 }
 
 

@@ -8,6 +8,7 @@ import math
 
 from qlm_core.models.activations import activation_kind
 from qlm_core.models.attention_kinds import attention_kind
+from qlm_core.models.families import FAMILIES
 from qlm_core.models.norms import norm_kind
 from qlm_core.models.spec import ModelSpec
 
@@ -25,7 +26,8 @@ def layer_parameters(spec: ModelSpec, layer: int, active: bool = False) -> int:
     norms = (4 if spec.post_norms else 2) * len(norm_kind(spec).tensors) * h  # GLM-4: a norm after each block too
     attention = attention_parameters(spec, layer)
     if not spec.is_moe_layer(layer):
-        return attention + matrices * h * spec.ffn_hidden_size + norms
+        biases = spec.ffn_hidden_size + h if spec.linear_bias else 0  # OPT: fc1's and fc2's
+        return attention + matrices * h * spec.ffn_hidden_size + biases + norms
     moe = spec.moe
     experts = moe.topk if active else moe.num_experts
     mlp = moe.num_experts * h + experts * matrices * h * moe.ffn_hidden_size  # router + experts
@@ -33,11 +35,18 @@ def layer_parameters(spec: ModelSpec, layer: int, active: bool = False) -> int:
     return attention + mlp + norms
 
 
+def position_parameters(spec: ModelSpec) -> int:
+    """Learned absolute positions' table (OPT's with its rows before position 0); RoPE has none."""
+    if spec.position != "learned_absolute":
+        return 0
+    return (spec.max_position_embeddings + FAMILIES[spec.model_type].position_offset) * spec.hidden_size
+
+
 def num_parameters(spec: ModelSpec, active: bool = False) -> int:
     """Every parameter (HF's count: the embedding once when tied); `active`: those one token computes with, the
     routed experts counted top-k times instead of num_experts."""
     head = 0 if spec.tie_word_embeddings else spec.head_outputs * spec.hidden_size  # a score head: one row
-    embed = spec.vocab_size * spec.hidden_size + head
+    embed = spec.vocab_size * spec.hidden_size + head + position_parameters(spec)
     final_norm = len(norm_kind(spec).tensors) * spec.hidden_size
     return sum(layer_parameters(spec, i, active) for i in range(spec.num_layers)) + embed + final_norm
 

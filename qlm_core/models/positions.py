@@ -38,6 +38,17 @@ class RotaryPositions:
         return {window: full if window is None else local for window in self.windows}
 
 
+class LearnedPositions:
+    """Learned absolute positions (OPT's, Megatron's learned_absolute): the embedding adds them to the tokens'
+    (models/gpt.py LanguageModelEmbedding, which holds the table), so the layers get nothing."""
+
+    def __init__(self, spec: ModelSpec):
+        pass
+
+    def layer_inputs(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        return None
+
+
 @dataclass(frozen=True)
 class PositionKind:
     """scheme(spec) -> an object whose layer_inputs(position_ids [b, s], dtype) is every layer's `positions`;
@@ -47,9 +58,14 @@ class PositionKind:
     megatron_args: tuple[tuple[str, Any], ...]
 
 
-POSITION_KINDS: dict[str, PositionKind] = {"rope": PositionKind(RotaryPositions, (
-    ("position_embedding_type", "rope"), ("add_position_embedding", False), ("use_rotary_position_embeddings", True),
-))}
+POSITION_KINDS: dict[str, PositionKind] = {
+    "rope": PositionKind(RotaryPositions, (
+        ("position_embedding_type", "rope"), ("add_position_embedding", False),
+        ("use_rotary_position_embeddings", True))),
+    "learned_absolute": PositionKind(LearnedPositions, (
+        ("position_embedding_type", "learned_absolute"), ("add_position_embedding", True),
+        ("use_rotary_position_embeddings", False))),
+}
 
 
 def position_kind(spec: ModelSpec) -> PositionKind:

@@ -187,6 +187,13 @@ PRESETS: dict[str, ModelSpec] = {
         bos_token_id=1, eos_token_id=2, moe=MoeSpec(64, 6, 1536, expert_bias=True, shared_expert_hidden_size=3072,
                                                     layer_pattern=(0,) + (1,) * 27),
     ),
+    # OPT-1.3B (1,315,758,080): LayerNorms and biases, ReLU, 2048 learned positions (+ OPT's 2), tied embeddings
+    "opt-1.3b": ModelSpec(
+        model_type="opt", vocab_size=50272, hidden_size=2048, ffn_hidden_size=8192, num_layers=24,
+        num_attention_heads=32, num_query_groups=32, kv_channels=64, max_position_embeddings=2048,
+        rope_theta=10000.0, norm_epsilon=1e-5, qkv_bias=True, tie_word_embeddings=True, linear_bias=True,
+        bos_token_id=2, eos_token_id=2,
+    ),
     # Gemma-3-1B (text, 999,885,952): 26 layers, every 6th global (RoPE base 1e6), the rest windowed to 512 tokens
     # (base 10000); one 256-wide key/value head for 4 query heads; tied embeddings scaled by sqrt(1152)
     "gemma-3-1b": ModelSpec(

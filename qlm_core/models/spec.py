@@ -124,6 +124,7 @@ class ModelSpec:
     rotary_interleaved: bool = False  # RoPE's pairs are (x0, x1), (x2, x3), ... (GLM's; Megatron's same-named flag)
     post_norms: bool = False  # a norm after the attention and one after the MLP, before each residual add (GLM-4)
     scaled_embedding: bool = False  # the embedding's output times sqrt(hidden_size) (Gemma)
+    linear_bias: bool = False  # biases on linear_proj, linear_fc1 and linear_fc2 too (OPT; Megatron's add_bias_linear)
     softmax_scale: float | None = None  # softmax scale (None: kv_channels^-0.5); Gemma: query_pre_attn_scalar^-0.5
     local_rope_theta: float | None = None  # the RoPE base of the windowed layers, unscaled (Gemma 3); None: rope_theta
     moe: MoeSpec | None = None  # Mixture of Experts (None: every layer a dense MLP of ffn_hidden_size)
@@ -251,11 +252,12 @@ class ModelSpec:
                 f"qlm supports {', '.join(SUPPORTED_MODEL_TYPES)}",
             )
         family = FAMILIES[model_type]
+        config = _family_config(config, model_type)
         act = config.get(family.activation_key, HF_ACTIVATIONS[family.activation])
-        if act != HF_ACTIVATIONS[family.activation]:
-            raise QlmError(f"hidden_act {act!r} is not supported for {model_type}",
-                           f"{model_type}'s MLP is {family.activation} (hidden_act "
-                           f"{HF_ACTIVATIONS[family.activation]!r})")
+        named = {HF_ACTIVATIONS[kind]: kind for kind in (family.activation, *family.other_activations)}
+        if act not in named:
+            raise QlmError(f"{family.activation_key} {act!r} is not supported for {model_type}",
+                           f"{model_type}'s MLP is {' or '.join(map(repr, named))}")
         for flag in ("attention_bias", "mlp_bias", "use_bias"):  # use_bias: ERNIE 4.5's, on every linear
             if (family.qkv_bias == "never" or (flag == "mlp_bias" and family.qkv_bias == "attention_bias")) \
                     and config.get(flag):
@@ -276,8 +278,9 @@ class ModelSpec:
         if gemma:
             theta, scaling = gemma.pop("rope")
         sliding, window_layers = _read_windows(config, model_type)
+        linear_bias = family.qkv_bias == "enable_bias" and bool(config.get("enable_bias", True))
         qkv_bias = family.qkv_bias == "always" or (family.qkv_bias == "config" and bool(config.get("qkv_bias", True))) \
-            or (family.qkv_bias == "attention_bias" and bool(config.get("attention_bias", False)))
+            or (family.qkv_bias == "attention_bias" and bool(config.get("attention_bias", False))) or linear_bias
         rotary_percent = _rotary_percent(config, model_type)
         moe = moe_from_hf(config, model_type, config["num_hidden_layers"]) if family.moe else None
         mla = mla_from_hf(config, model_type) if family.attention == "mla" else None
@@ -302,7 +305,7 @@ class ModelSpec:
             kv_channels=mla.q_head_dim if mla else config.get("head_dim") or config["hidden_size"] // heads,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             rope_theta=theta,
-            norm_epsilon=config.get("rms_norm_eps", 1e-6),
+            norm_epsilon=family.norm_epsilon or config.get("rms_norm_eps", 1e-6),
             qkv_bias=qkv_bias,
             tie_word_embeddings=head == "lm" and bool(config.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
@@ -315,6 +318,8 @@ class ModelSpec:
             rotary_interleaved=family.rotary_interleaved,
             post_norms=family.post_norms is not None,
             scaled_embedding=family.scaled_embedding,
+            linear_bias=linear_bias,
+            activation=named[act],
             **gemma,
             moe=moe,
             mla=mla,
@@ -331,7 +336,12 @@ class ModelSpec:
         """A config.json transformers loads (4.x `rope_theta`/`rope_scaling` keys, which 5.x also reads)."""
         family = FAMILIES[self.model_type]
         switched = {"qk_layernorm": family.qk_norm_key is not None,  # config.json says either way
-                    "qkv_bias": family.qkv_bias in ("config", "attention_bias")}
+                    "qkv_bias": family.qkv_bias in ("config", "attention_bias", "enable_bias")}
+        if self.linear_bias != (family.qkv_bias == "enable_bias" and self.qkv_bias) \
+                or (family.qkv_bias == "enable_bias" and self.qkv_bias != self.linear_bias):
+            raise QlmError(f"a {self.model_type} model with{'' if self.linear_bias else 'out'} biases on its other "
+                           f"linears{'' if self.qkv_bias else ', not on q/k/v'} has no Hugging Face config",
+                           "biases on every linear go with OPT (enable_bias), and on q, k and v alike")
         for flag, held in (("rotary_interleaved", family.rotary_interleaved),
                            ("post_norms", family.post_norms is not None)):
             if getattr(self, flag) != held:  # HF's class of the family fixes it
@@ -374,6 +384,8 @@ class ModelSpec:
             config.update(attention_bias=False, mlp_bias=False)
         if family.qkv_bias == "config":
             config["qkv_bias"] = self.qkv_bias
+        if family.qkv_bias == "enable_bias":
+            config["enable_bias"] = self.linear_bias
         if family.qkv_bias == "attention_bias":
             config["attention_bias"] = self.qkv_bias
         if family.qk_norm_key:
@@ -388,6 +400,17 @@ class ModelSpec:
             config.pop("rope_theta", None)
             config.pop("rope_scaling", None)
             config.update(_gemma_to_hf(self))
+        config.update(family.fixed_config)
+        for ours, theirs in family.config_aliases:
+            config[theirs] = config.pop(ours)
+        if self.model_type == "opt" and (self.num_query_groups != self.num_attention_heads
+                                         or self.kv_channels * self.num_attention_heads != self.hidden_size):
+            raise QlmError("an opt model with grouped queries or heads not hidden_size / heads wide has no Hugging "
+                           "Face config", "keep it in a Megatron format")
+        if self.model_type == "opt":  # no rotary base, norm epsilon or key/value heads of its own
+            config.update(word_embed_proj_dim=self.hidden_size)
+            for key in ("rope_theta", "rms_norm_eps", "num_key_value_heads", "head_dim"):
+                config.pop(key, None)
         if self.pad_token_id is not None:
             config["pad_token_id"] = self.pad_token_id
         if self.head == "score":  # num_labels 1, as transformers writes it
@@ -534,6 +557,31 @@ def _gemma_to_hf(spec: ModelSpec) -> dict[str, Any]:
     return {"query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
             "rope_parameters": {"full_attention": full, "sliding_attention": local},
             "attn_logit_softcapping": None, "final_logit_softcapping": None}
+
+
+def _family_config(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """config.json with the family's own size keys under ModelSpec's names (OPT's ffn_dim as intermediate_size),
+    after checking the switches its one supported layout fixes (OPT: pre-norm, biases, affine norms)."""
+    family = FAMILIES[model_type]
+    for key, value in family.fixed_config:
+        if key in config and config[key] != value:
+            raise QlmError(f"config.json ({model_type}): {key} is {config[key]!r}; qlm builds {model_type} with "
+                           f"{key} = {value!r}", f"use a {model_type} model with {key} = {value!r}")
+    if model_type == "opt" and config.get("word_embed_proj_dim", config.get("hidden_size")) != config.get(
+            "hidden_size"):  # OPT-350M projects its 512-wide embedding in and out
+        raise QlmError(f"config.json (opt): word_embed_proj_dim {config['word_embed_proj_dim']} differs from "
+                       f"hidden_size {config.get('hidden_size')} (projected embeddings)",
+                       "use an OPT whose embedding is hidden_size wide (every OPT but 350M)")
+    aliased = {ours: config[theirs] for ours, theirs in family.config_aliases if theirs in config}
+    config = {**config, **aliased}
+    if model_type == "opt":  # multi-head attention of hidden_size / heads, whatever other keys a config.json holds
+        config = {key: value for key, value in config.items() if key not in _NOT_OPT}
+    return config
+
+
+# keys OPT's config class never reads (a config.json built with them keeps them as plain attributes)
+_NOT_OPT = ("num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps",
+            "sliding_window", "use_sliding_window", "layer_types", "partial_rotary_factor")
 
 
 def _check_optional_numbers(config: dict[str, Any], model_type: str):

@@ -97,6 +97,10 @@ class ActivationInputs:
     etp: int = 0  # their expert-TP size; 0: tp
     moe_load: float = 1.0  # under EP: the rows the busiest EP rank receives over the mean (case.load_factor)
 
+    def __post_init__(self):
+        if self.spec.position != "rope":  # learned positions (OPT): nothing rotates q and k
+            object.__setattr__(self, "rotary", False)
+
     @property
     def expert_tp(self) -> int:
         return self.etp or self.tp
@@ -191,18 +195,21 @@ def layer_terms(x: ActivationInputs, recompute: str = "none", moe_layer: bool | 
     if norms_discarded:  # each norm keeps its input; the linear inputs are discarded
         terms = {"rmsnorm inputs x2 (checkpoint)": 2 * e * h * Tsp, "linear_fc1 input": 0.0}
     else:
-        norm = norm_kind(x.spec).saved_bytes(e, h) * Tsp
+        norm = norm_kind(x.spec).saved_bytes(e, h, x.device) * Tsp
         terms = {"rmsnorm x2": 2 * norm, "linear_fc1 input": e * h * Tsp if x.keeps_input("linear_fc1") else 0.0}
     if x.spec.post_norms:  # GLM-4's norms after attention and MLP: outside every checkpoint but "full"'s
-        terms["rmsnorm after attention and MLP x2"] = 2 * norm_kind(x.spec).saved_bytes(e, h) * Tsp
+        terms["rmsnorm after attention and MLP x2"] = 2 * norm_kind(x.spec).saved_bytes(e, h, x.device) * Tsp
     terms.update(attention_terms(x).saved(x, recompute, norms_discarded))
     mlp = x.recomputes(recompute, "mlp")  # the checkpoint keeps only its input, the pre-MLP norm's output
     if moe:  # its input is "linear_fc1 input" (the router keeps it); LoRA on its shared expert is not modelled
         terms.update(moe_mlp_terms(x, recompute))
     else:
-        fc1_rows = activation_kind(x.spec).fc1_rows(x.spec.ffn_hidden_size) / x.tp
-        terms["swiglu (fc1 output)"] = 0.0 if mlp else e * fc1_rows * T
-        terms["linear_fc2 input"] = e * f * T if x.keeps_input("linear_fc2") and not mlp else 0.0
+        activation = activation_kind(x.spec)
+        if activation.saves_output:  # ReLU keeps its output, which is linear_fc2's input itself
+            terms["relu output (linear_fc2 input)"] = 0.0 if mlp else e * f * T
+        else:
+            terms["swiglu (fc1 output)"] = 0.0 if mlp else e * activation.fc1_rows(x.spec.ffn_hidden_size) / x.tp * T
+            terms["linear_fc2 input"] = e * f * T if x.keeps_input("linear_fc2") and not mlp else 0.0
     if x.lora_rank:
         for linear in x.lora_targets:
             if (mlp or moe) and linear in ("linear_fc1", "linear_fc2"):
@@ -243,7 +250,7 @@ def loss_keeps_input(x: ActivationInputs) -> bool:
 def head_terms(x: ActivationInputs) -> dict[str, float]:
     """The last stage's final norm, output layer and loss, for one micro-batch."""
     e, T, Tsp, h = x.dtype_bytes, x.tokens, x.sp_tokens, x.spec.hidden_size
-    terms = {"final rmsnorm": norm_kind(x.spec).saved_bytes(e, h) * Tsp}
+    terms = {"final rmsnorm": norm_kind(x.spec).saved_bytes(e, h, x.device) * Tsp}
     if x.chunked_loss:
         terms.update({"loss input": e * h * Tsp, "log-sum-exp (fp32)": 4 * T, "targets": 8 * T})
         return terms

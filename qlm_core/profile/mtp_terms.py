@@ -27,7 +27,7 @@ def mtp_layer_bytes(x: ActivationInputs, recompute: str) -> float:
     if recompute == "full":
         per_depth = 2 * e * h * Tsp
     else:
-        norms = 3 * norm_kind(spec).saved_bytes(e, h) * Tsp
+        norms = 3 * norm_kind(spec).saved_bytes(e, h, x.device) * Tsp
         mode = "none" if recompute == "op" else recompute
         per_depth = norms + e * 2 * h * Tsp + layer_bytes(x, mode, spec.is_moe_layer(spec.num_layers))
     return spec.mtp_num_layers * (embedding + per_depth)

@@ -26,6 +26,8 @@ CASES = {
     "glm_tp2_pp2": ("glm", dict(tp=2, pp=2)),
     # ERNIE 4.5: the whole head in interleaved pairs, tied embeddings across the pipeline
     "ernie4_5_tp2_pp2": ("ernie4_5", dict(tp=2, pp=2)),
+    # OPT: LayerNorm, biases on every linear (add_bias_linear), ReLU, learned positions offset by 2, tied
+    "opt_tp2_pp2": ("opt", dict(tp=2, pp=2)),
 }
 
 

@@ -18,7 +18,7 @@ PUBLISHED = {
     "llama3-70b": 70_553_706_496, "mistral-7b": 7_241_732_096,
     # transformers' count of the released configs
     "glm-4-9b": 9_399_951_360, "glm-4-9b-0414": 9_400_279_040, "ernie-4.5-0.3b": 360_748_032,
-    "gemma-3-1b": 999_885_952,
+    "gemma-3-1b": 999_885_952, "opt-1.3b": 1_315_758_080,
 }
 
 
@@ -30,7 +30,8 @@ def test_spec_from_transformers_config_counts_parameters(kind):
     spec = ModelSpec.from_hf_config(config.to_dict())
     assert num_parameters(spec) == sum(p.numel() for p in model.parameters())
     assert spec.qkv_bias == any(name.endswith("q_proj.bias") for name, _ in model.named_parameters())
-    assert spec.num_query_groups == 2 and spec.kv_channels == 16
+    mha = model_type == "opt"  # OPT: multi-head attention whatever num_key_value_heads says
+    assert spec.num_query_groups == (4 if mha else 2) and spec.kv_channels == 16
 
 
 def test_rope_theta_read_from_4x_and_5x_configs():

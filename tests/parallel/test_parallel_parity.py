@@ -129,7 +129,9 @@ def check_case(case: str, layout_case, references, run):
         ours = assemble_hf_tensor(reloaded.layout, hf_name, reloaded)
         theirs = torch.cat([ref_grads[t.name].narrow(t.axis, s.start, s.stop - s.start) for t, s in parts],
                            dim=parts[0][0].axis)
-        error = (ours - theirs).norm() / theirs.norm().clamp(min=1e-30)
+        # a gradient that is zero in exact arithmetic is rounding noise (OPT's k_proj bias: without RoPE it adds the
+        # same q·b to every score of a query, which the softmax cancels): compared absolutely, to 1e-8
+        error = (ours - theirs).norm() / theirs.norm().clamp(min=1e-3)
         assert error <= 1e-5, (case, hf_name, error.item())
 
 

@@ -30,6 +30,18 @@ def _patch_sliding_window_mask():
     utils.get_sliding_window_causal_mask = fused_softmax.get_sliding_window_causal_mask = _cpu_sliding_window_mask
 
 
+def _activation(args):
+    """megatron-core's activation_func of the args: SwiGLU's silu, qlm's ReLU (OPT), else Megatron's GELU."""
+    if getattr(args, "swiglu", True):
+        return torch.nn.functional.silu
+    return torch.nn.functional.relu if getattr(args, "qlm_relu", False) else torch.nn.functional.gelu
+
+
+def position_offset(args) -> int:
+    """Learned positions' rows before position 0 (OPT's 2: qlm_position_offset)."""
+    return getattr(args, "qlm_position_offset", 0) or 0
+
+
 def transformer_config(args, **extra):
     """megatron-core's TransformerConfig of a checkpoint's Megatron-LM args, for CPU (no fusions, no dropout);
     `extra` adds fields (the MoE ones). Multi-latent attention's args give its MLATransformerConfig."""
@@ -48,8 +60,9 @@ def transformer_config(args, **extra):
     return config_class(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels, add_bias_linear=False, add_qkv_bias=args.add_qkv_bias,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
+        kv_channels=args.kv_channels, add_bias_linear=getattr(args, "add_bias_linear", False),
+        add_qkv_bias=args.add_qkv_bias, gated_linear_unit=bool(getattr(args, "swiglu", True)),
+        activation_func=_activation(args), normalization=getattr(args, "normalization", "RMSNorm"),
         layernorm_epsilon=args.norm_epsilon, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=torch.float32,
         num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
@@ -68,7 +81,7 @@ def forward(model, args, ids, pre, post):
     from megatron.core import parallel_state as ps
 
     b, s = ids.shape
-    position_ids = torch.arange(s)[None].expand(b, s)
+    position_ids = torch.arange(s)[None].expand(b, s) + position_offset(args)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
     with torch.no_grad():
         if not pre:
@@ -97,10 +110,12 @@ def build_model(args, pre, post):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(args)
+    normalization = getattr(args, "normalization", "RMSNorm")
     return GPTModel(
-        config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=pre, post_process=post,
-        position_embedding_type="rope", rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
+        config, get_gpt_layer_local_spec(normalization=normalization), vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings + position_offset(args), pre_process=pre, post_process=post,
+        position_embedding_type=getattr(args, "position_embedding_type", "rope"), rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor, rotary_percent=getattr(args, "rotary_percent", 1.0),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, parallel_output=False,
     ).eval()

@@ -18,6 +18,7 @@ from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.checkpoint.io.text import read_json_object
 from qlm_core.dtypes import HF_DTYPE_NAMES, set_hf_config_dtype
 from qlm_core.errors import QlmError
+from qlm_core.models.families import FAMILIES
 from qlm_core.models.layout import hf_copies, hf_fused_experts, without_absent_mtp
 from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
@@ -57,7 +58,8 @@ def read_config(path: str | Path) -> dict:
         raise QlmError(f"no config.json in {path}", "point at a Hugging Face model directory")
     config = read_json_object(file, CONFIG_FIX)
     if config.get("model_type") in SUPPORTED_MODEL_TYPES:  # (others: ModelSpec names the supported ones)
-        for key in _SIZES:
+        aliases = dict(FAMILIES[config["model_type"]].config_aliases)  # OPT's ffn_dim
+        for key in (aliases.get(size, size) for size in _SIZES):
             value = config.get(key)
             fix = f"set {key} to the model's size (as transformers saves it)"
             if value is None and key in _REQUIRED:

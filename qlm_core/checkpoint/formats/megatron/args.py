@@ -11,6 +11,7 @@ import torch
 
 from qlm_core.errors import QlmError
 from qlm_core.models.activations import ACTIVATION_KINDS, activation_kind
+from qlm_core.models.families import FAMILIES
 from qlm_core.models.layout import ModelLayout
 from qlm_core.models.mla_spec import MlaSpec
 from qlm_core.models.moe_spec import MoeSpec
@@ -33,6 +34,9 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         max_position_embeddings=s.max_position_embeddings,
         seq_length=min(s.max_position_embeddings, 4096),
         **dict(position_kind(s).megatron_args),
+        # learned positions' rows before position 0 (OPT's 2; HF keeps them): qlm's own arg, as the table holds
+        # max_position_embeddings + this many rows
+        qlm_position_offset=FAMILIES[s.model_type].position_offset,
         rotary_base=theta,
         rotary_percent=s.rotary_percent,
         rotary_interleaved=s.rotary_interleaved,
@@ -41,7 +45,7 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         post_mlp_layernorm=s.post_norms,
         use_rope_scaling=isinstance(s.rope_scaling, RopeScaling),
         rope_scaling_factor=s.rope_scaling.factor if s.rope_scaling else 8.0,
-        add_bias_linear=False,
+        add_bias_linear=s.linear_bias,  # every linear's bias (OPT); add_qkv_bias: linear_qkv's alone
         add_qkv_bias=s.qkv_bias,
         **dict(activation_kind(s).megatron_args),
         untie_embeddings_and_output_weights=not s.tie_word_embeddings,
@@ -299,8 +303,6 @@ def spec_from_args(args) -> ModelSpec:
     if norm is None:
         raise QlmError(f"{model} uses {normalization}",
                        f"qlm builds {', '.join(kind.megatron_name for kind in NORM_KINDS.values())}")
-    if getattr(args, "add_bias_linear", False):
-        raise QlmError(f"{model} has biases on its linear layers", "qlm supports bias on linear_qkv only")
     moe = moe_from_args(args, need("num_layers"))
     model_type = getattr(args, "qlm_model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -322,7 +324,8 @@ def spec_from_args(args) -> ModelSpec:
         max_position_embeddings=getattr(args, "max_position_embeddings", None) or getattr(args, "seq_length", 4096),
         rope_theta=float(getattr(args, "rotary_base", 10000)),
         norm_epsilon=float(getattr(args, "norm_epsilon", 1e-5)),
-        qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
+        qkv_bias=bool(getattr(args, "add_qkv_bias", False)) or bool(getattr(args, "add_bias_linear", False)),
+        linear_bias=bool(getattr(args, "add_bias_linear", False)),
         tie_word_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
         rope_scaling=scaling,
         sliding_window=sliding_window,
