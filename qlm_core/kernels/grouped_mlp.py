@@ -114,3 +114,18 @@ def grouped_swiglu_mlp(x: torch.Tensor, counts: Sequence[int], fc1: Sequence[tor
     if grouped is None:
         grouped = grouped_mm_fits(x.dtype, x.shape[1], fc2[0].shape[1])
     return _GroupedSwiGLU.apply(x.contiguous(), tuple(int(c) for c in counts), grouped, *fc1, *fc2)
+
+
+def looped_mlp(activation):
+    """An MoE layer's routed experts over rows sorted by expert, one expert at a time: fc2[e] @ activation(fc1[e] @
+    x) (the activations without a grouped kernel of their own; this module's is SwiGLU's)."""
+
+    def mlp(x: torch.Tensor, counts, fc1, fc2, grouped: bool | None = None) -> torch.Tensor:
+        outputs, start = [], 0
+        for count, w1, w2 in zip(counts, fc1, fc2, strict=True):
+            rows = x[start:start + int(count)]
+            outputs.append(activation(rows @ w1.t()) @ w2.t())
+            start += int(count)
+        return torch.cat(outputs) if outputs else x.new_zeros(0, fc2[0].shape[0])
+
+    return mlp

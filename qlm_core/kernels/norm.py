@@ -21,6 +21,15 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * x32.to(dtype)
 
 
+def _rms_input_grad(grad_normed: torch.Tensor, x32: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """The fp32 gradient of x32 * rstd, rstd = (mean(x32^2) + eps)^-1/2, given that of the product: autograd's
+    terms, in its order."""
+    grad_rstd = (grad_normed * x32).sum(-1, keepdim=True)
+    grad_mean = (-0.5 * grad_rstd) * rstd.pow(3)
+    grad_square = grad_mean.expand_as(x32) / x32.shape[-1]
+    return grad_normed * rstd + grad_square * (2.0 * x32)
+
+
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,12 +49,7 @@ class RMSNormFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, grad_weight, None
         grad_normed = (grad * weight).to(normed.dtype).to(torch.float32)
-        # y = x32 * rstd, rstd = (mean(x32^2) + eps)^-1/2: autograd's terms, in its order
-        grad_rstd = (grad_normed * x32).sum(-1, keepdim=True)
-        grad_mean = (-0.5 * grad_rstd) * rstd.pow(3)
-        grad_square = grad_mean.expand_as(x32) / x32.shape[-1]
-        grad_x32 = grad_normed * rstd + grad_square * (2.0 * x32)
-        return grad_x32.to(x.dtype), grad_weight, None
+        return _rms_input_grad(grad_normed, x32, rstd).to(x.dtype), grad_weight, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,10 +96,7 @@ class ZeroCenteredRMSNormFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, grad_weight, None
         grad_normed = grad32 * (1.0 + weight.to(torch.float32))
-        grad_rstd = (grad_normed * x32).sum(-1, keepdim=True)
-        grad_mean = (-0.5 * grad_rstd) * rstd.pow(3)
-        grad_x32 = grad_normed * rstd + grad_mean.expand_as(x32) / x32.shape[-1] * (2.0 * x32)
-        return grad_x32.to(x.dtype), grad_weight, None
+        return _rms_input_grad(grad_normed, x32, rstd).to(x.dtype), grad_weight, None
 
 
 class ZeroCenteredRMSNorm(nn.Module):

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from qlm_core.kernels.geglu import geglu, looped_gated_mlp
-from qlm_core.kernels.grouped_mlp import grouped_swiglu_mlp
+from qlm_core.kernels.geglu import geglu
+from qlm_core.kernels.grouped_mlp import grouped_swiglu_mlp, looped_mlp
 from qlm_core.kernels.swiglu import swiglu
 from qlm_core.models.families import chosen_kind
 from qlm_core.models.spec import ModelSpec
@@ -46,14 +46,14 @@ ACTIVATION_KINDS: dict[str, ActivationKind] = {
         ("swiglu", True), ("squared_relu", False), ("qlm_geglu", False), ("qlm_relu", False))),
     # Gemma's gelu(gate, tanh) * up: Megatron-LM has no switch for it (Megatron-Bridge builds it as a gated linear
     # unit with fast_gelu), so qlm's args say qlm_geglu
-    "geglu": ActivationKind(geglu, gated=True, grouped_mlp=looped_gated_mlp(geglu), megatron_args=(
+    "geglu": ActivationKind(geglu, gated=True, grouped_mlp=looped_mlp(geglu), megatron_args=(
         ("swiglu", False), ("squared_relu", False), ("qlm_geglu", True), ("qlm_relu", False))),
     # OPT's plain ReLU MLP: Megatron-LM's args have no switch for it (megatron-core takes activation_func=relu), so
     # qlm's say qlm_relu
-    "relu": ActivationKind(F.relu, gated=False, grouped_mlp=looped_gated_mlp(F.relu), megatron_args=(
+    "relu": ActivationKind(F.relu, gated=False, grouped_mlp=looped_mlp(F.relu), megatron_args=(
         ("swiglu", False), ("squared_relu", False), ("qlm_geglu", False), ("qlm_relu", True)), saves_output=True),
     # the exact (erf) GELU of OPT-style models with activation_function "gelu": Megatron-LM's default activation
-    "gelu": ActivationKind(F.gelu, gated=False, grouped_mlp=looped_gated_mlp(F.gelu), megatron_args=(
+    "gelu": ActivationKind(F.gelu, gated=False, grouped_mlp=looped_mlp(F.gelu), megatron_args=(
         ("swiglu", False), ("squared_relu", False), ("qlm_geglu", False), ("qlm_relu", False))),
 }
 
