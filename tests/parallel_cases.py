@@ -27,8 +27,9 @@ MOE = SPEC.replace(model_type="qwen3_moe", qkv_bias=False, qk_layernorm=True, mo
     layer_pattern=(1, 1, 0, 1)))
 MOE_TRAINING = MoeConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001)
 # ERNIE 4.5 MoE: softmax scores whose correction bias (moved after every step) chooses the top k, renormalised; an
-# ungated shared expert, a dense first layer, RoPE in interleaved pairs
-ERNIE_MOE = SPEC.replace(model_type="ernie4_5_moe", qkv_bias=False, rotary_interleaved=True, moe=MoeSpec(
+# ungated shared expert, a dense first layer, RoPE in interleaved pairs, tied embeddings
+ERNIE_MOE = SPEC.replace(model_type="ernie4_5_moe", qkv_bias=False, rotary_interleaved=True, tie_word_embeddings=True,
+                         moe=MoeSpec(
     num_experts=4, topk=2, ffn_hidden_size=32, expert_bias=True, shared_expert_hidden_size=32,
     layer_pattern=(0, 1, 1, 1)))
 # moe_seq: MOE with the sequence-wise load-balancing loss (per row of a micro-batch)

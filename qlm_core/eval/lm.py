@@ -41,6 +41,7 @@ class QlmBackend(TemplateLM):
                                                                   iteration)
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self._max_length = max_length or self.model.spec.max_position_embeddings
+        self.model.spec.check_positions(self._max_length, "max_length")
         self.max_gen_toks = max_gen_toks
         self.add_bos_token = add_bos_token
 

@@ -84,6 +84,7 @@ class Family:
     # learned positions: the embedding's rows before position 0 (OPT's offset of 2; HF keeps and stores them)
     position_offset: int = 0
     fixed_config: tuple[tuple[str, Any], ...] = ()  # config.json keys the family's one supported layout fixes
+    tied_default: bool = False  # transformers' tie_word_embeddings when config.json leaves it out
     scaled_embedding: bool = False  # the embedding's output is multiplied by sqrt(hidden_size) (Gemma)
     # the softmax scale is query_pre_attn_scalar^-0.5, not head_dim^-0.5, and windowed layers have their own RoPE
     # base (Gemma 3's rope_parameters per layer type)
@@ -129,15 +130,16 @@ FAMILIES: dict[str, Family] = {
                           pre_mlp_norm="pre_feedforward_layernorm",
                           post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
                           activation_key="hidden_activation", scaled_embedding=True, gemma_attention=True,
-                          norm="gemma_rmsnorm", activation="geglu"),
+                          norm="gemma_rmsnorm", activation="geglu", tied_default=True),
     # ERNIE 4.5 (dense): Llama's layer with RoPE over the whole head in interleaved pairs (GLM's layout), tied
     # embeddings by default; config.json's use_bias would put biases on every linear
-    "ernie4_5": Family("Ernie4_5ForCausalLM", rotary_interleaved=True),
+    "ernie4_5": Family("Ernie4_5ForCausalLM", rotary_interleaved=True, tied_default=True),
     # ERNIE 4.5 MoE (21B-A3B, 300B-A47B): the same layer with softmax routing whose correction bias chooses the top
     # k (renormalised), ungated shared experts, MoE layers from moe_layer_start_index every moe_layer_interval-th
     "ernie4_5_moe": Family("Ernie4_5_MoeForCausalLM", rotary_interleaved=True, moe=True,
                            shared_expert_block="shared_experts.",
-                           expert_bias_name="moe_statics.e_score_correction_bias", expert_bias_leading=(1,)),
+                           expert_bias_name="moe_statics.e_score_correction_bias", expert_bias_leading=(1,),
+                           tied_default=True),
     # OPT / Galactica: LayerNorm with biases, biases on every linear (enable_bias), a ReLU (or GELU) MLP (fc1, fc2),
     # learned absolute positions offset by 2, multi-head attention, tied embeddings; the pre-norm layout only
     "opt": Family("OPTForCausalLM", qkv_bias="enable_bias", pre_mlp_norm="final_layer_norm",
@@ -145,7 +147,7 @@ FAMILIES: dict[str, Family] = {
                   config_aliases=(("intermediate_size", "ffn_dim"),), norm_epsilon=1e-5, position_offset=2,
                   norm="layernorm", activation="relu", other_activations=("gelu",), position="learned_absolute",
                   fixed_config=(("do_layer_norm_before", True), ("layer_norm_elementwise_affine", True),
-                                ("_remove_final_layer_norm", False))),
+                                ("_remove_final_layer_norm", False)), tied_default=True),
     # GLM-4.7-Flash: DeepSeek-V3's layer, its dense and MoE layers listed in mlp_layer_types
     "glm4_moe_lite": Family("Glm4MoeLiteForCausalLM", declares_no_bias=True, moe=True,
                             shared_expert_block="shared_experts.", attention="mla",

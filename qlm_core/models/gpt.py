@@ -216,11 +216,12 @@ class LanguageModelEmbedding(nn.Module):
         sequence shard under SP."""
         embedded = self.word_embeddings(input_ids)
         if self.position_embeddings is not None:
-            positions = self.position_embeddings(position_ids + self.position_offset).transpose(0, 1)
-            if self.sequence_parallel and group_size(self.tp_group) > 1:
+            if position_ids is None:
+                raise ValueError("learned positions need the tokens' position_ids")
+            if self.sequence_parallel and group_size(self.tp_group) > 1:  # this rank's tokens only
                 shard = embedded.shape[0]
-                positions = positions.narrow(0, group_rank(self.tp_group) * shard, shard)
-            embedded = embedded + positions
+                position_ids = position_ids.narrow(1, group_rank(self.tp_group) * shard, shard)
+            embedded = embedded + self.position_embeddings(position_ids + self.position_offset).transpose(0, 1)
         if self.scale is None:
             return embedded
         return embedded * torch.tensor(self.scale, dtype=embedded.dtype, device=embedded.device)

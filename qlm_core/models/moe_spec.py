@@ -55,11 +55,11 @@ class MoeSpec:
             raise QlmError(f"MoE expert size {self.ffn_hidden_size}", "moe_intermediate_size must be positive")
         if self.score_function not in ("softmax", "sigmoid"):
             raise QlmError(f"router score function {self.score_function!r}", "use 'softmax' or 'sigmoid'")
-        if self.expert_bias and self.pre_softmax:
+        if self.expert_bias and self.pre_softmax and self.score_function == "softmax":
             raise QlmError("a router expert bias with pre-softmax routing (the bias chooses the experts, whose "
                            "weights are then renormalised, which pre-softmax routing does not do)",
-                           "drop moe.router_pre_softmax (Megatron's moe_router_pre_softmax) or the bias "
-                           "(moe.router_expert_bias, moe_router_enable_expert_bias)")
+                           "drop Megatron's moe_router_pre_softmax or the bias (moe.router_expert_bias, "
+                           "moe_router_enable_expert_bias)")
         if self.num_groups < 1 or self.num_experts % self.num_groups or not 1 <= self.group_topk <= self.num_groups:
             raise QlmError(f"group-limited routing of {self.num_experts} experts in {self.num_groups} groups, "
                            f"{self.group_topk} of them chosen",
@@ -206,8 +206,11 @@ def _ernie_moe(config: dict[str, Any], num_layers: int) -> MoeSpec:
     shared experts of moe_num_shared_experts expert sizes, and MoE layers every moe_layer_interval-th from
     moe_layer_start_index to moe_layer_end_index (-1: the last)."""
     model_type = "ernie4_5_moe"
-    experts = _typed(config, model_type, "moe_num_experts", int, 64, least=1)
-    topk = _typed(config, model_type, "moe_k", int, 6, least=1)
+    # transformers' attribute_map names them num_experts / num_experts_per_tok too
+    experts = _typed(config, model_type, "moe_num_experts", int,
+                     _typed(config, model_type, "num_experts", int, 64, least=1), least=1)
+    topk = _typed(config, model_type, "moe_k", int, _typed(config, model_type, "num_experts_per_tok", int, 6, least=1),
+                  least=1)
     ffn = _typed(config, model_type, "moe_intermediate_size", int, 1536, least=1)
     start = _typed(config, model_type, "moe_layer_start_index", int, 1)
     interval = _typed(config, model_type, "moe_layer_interval", int, 1, least=1)

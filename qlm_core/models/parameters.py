@@ -26,7 +26,7 @@ def layer_parameters(spec: ModelSpec, layer: int, active: bool = False) -> int:
     norms = (4 if spec.post_norms else 2) * len(norm_kind(spec).tensors) * h  # GLM-4: a norm after each block too
     attention = attention_parameters(spec, layer)
     if not spec.is_moe_layer(layer):
-        biases = spec.ffn_hidden_size + h if spec.linear_bias else 0  # OPT: fc1's and fc2's
+        biases = activation_kind(spec).fc1_rows(spec.ffn_hidden_size) + h if spec.linear_bias else 0  # fc1, fc2
         return attention + matrices * h * spec.ffn_hidden_size + biases + norms
     moe = spec.moe
     experts = moe.topk if active else moe.num_experts

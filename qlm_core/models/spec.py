@@ -307,7 +307,7 @@ class ModelSpec:
             rope_theta=theta,
             norm_epsilon=family.norm_epsilon or config.get("rms_norm_eps", 1e-6),
             qkv_bias=qkv_bias,
-            tie_word_embeddings=head == "lm" and bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=head == "lm" and bool(config.get("tie_word_embeddings", family.tied_default)),
             rope_scaling=scaling,
             sliding_window=sliding,
             window_layers=window_layers,
@@ -335,6 +335,7 @@ class ModelSpec:
     def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A config.json transformers loads (4.x `rope_theta`/`rope_scaling` keys, which 5.x also reads)."""
         family = FAMILIES[self.model_type]
+        self._check_hf_choices(family)
         switched = {"qk_layernorm": family.qk_norm_key is not None,  # config.json says either way
                     "qkv_bias": family.qkv_bias in ("config", "attention_bias", "enable_bias")}
         if self.linear_bias != (family.qkv_bias == "enable_bias" and self.qkv_bias) \
@@ -416,6 +417,33 @@ class ModelSpec:
         if self.head == "score":  # num_labels 1, as transformers writes it
             config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
         return config
+
+    def _check_hf_choices(self, family) -> None:
+        """The choices transformers' class of the family fixes: another one (a Megatron checkpoint's LayerNorm on a
+        Llama, say) has no Hugging Face config, and writing one would change the model."""
+        allowed = {"attention": (family.attention,), "norm": (family.norm,), "position": (family.position,),
+                   "activation": (family.activation, *family.other_activations)}
+        for choice, values in allowed.items():
+            if getattr(self, choice) not in values:
+                raise QlmError(f"a {self.model_type} model with {choice} {getattr(self, choice)!r} has no Hugging "
+                               f"Face config ({self.model_type}'s is {' or '.join(map(repr, values))})",
+                               "keep it in a Megatron format")
+        fixed = {"scaled_embedding": self.scaled_embedding != family.scaled_embedding,
+                      "softmax_scale": self.softmax_scale is not None and not family.gemma_attention,
+                      "local_rope_theta": self.local_rope_theta is not None and not family.gemma_attention,
+                      "linear rope scaling": isinstance(self.rope_scaling, LinearRopeScaling)
+                      and not family.gemma_attention,
+                      "norm_epsilon": family.norm_epsilon is not None and self.norm_epsilon != family.norm_epsilon}
+        for what, differs in fixed.items():
+            if differs:
+                raise QlmError(f"a {self.model_type} model with this {what} has no Hugging Face config",
+                               "keep it in a Megatron format")
+
+    def check_positions(self, seq_length: int, what: str = "data.seq_length") -> None:
+        """Learned positions (OPT) have no row past max_position_embeddings: a longer sequence cannot run."""
+        if self.position == "learned_absolute" and seq_length > self.max_position_embeddings:
+            raise QlmError(f"{what} = {seq_length} is longer than the model's {self.max_position_embeddings} "
+                           "learned positions", f"lower {what} to {self.max_position_embeddings} or less")
 
     def as_reward_model(self) -> ModelSpec:
         """This decoder with a score head (a reward model started from a language model: the head is new)."""

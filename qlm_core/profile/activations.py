@@ -231,6 +231,8 @@ def forward_terms(x: ActivationInputs, embedding: bool) -> dict[str, float]:
         terms["cp token index"] = 8 * x.seq_len / x.cp
     if embedding and not x.frozen:
         terms["embedding ids"] = 8 * T + (T if x.tp > 1 else 0)
+        if x.spec.position == "learned_absolute":  # the offset positions the table looks up (SP: the rank's)
+            terms["position ids"] = 8 * x.sp_tokens
     return terms
 
 

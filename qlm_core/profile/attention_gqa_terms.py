@@ -103,5 +103,7 @@ def cp_buffers(x) -> float:
 
 
 def position_terms(x) -> dict[str, float]:
-    """Saved once per forward of a stage chunk: RoPE's cos and sin [T, rotated dims]."""
-    return {"rope cos/sin": 2 * x.dtype_bytes * x.spec.rope_dim * x.tokens} if x.rotary else {}
+    """Saved once per forward of a stage chunk: RoPE's cos and sin [T, rotated dims], one pair per RoPE base its
+    layers use (Gemma 3: the windowed layers' own and the global layers')."""
+    bases = 2 if x.spec.local_rope_theta is not None and len(set(x.spec.windows)) > 1 else 1
+    return {"rope cos/sin": bases * 2 * x.dtype_bytes * x.spec.rope_dim * x.tokens} if x.rotary else {}

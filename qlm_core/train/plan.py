@@ -173,6 +173,7 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
     layout = recipe_layout(source.spec, p)
     validate_layout(source.spec, p, sizes, recipe.data.seq_length, t.micro_batch_size, t.global_batch_size)
     validate_moe(source.spec, recipe.moe, p, recipe.lora.rank)  # as every rank's Engine will, before they start
+    source.spec.check_positions(recipe.data.seq_length)
     steps = total_steps(recipe)
     if compiles(recipe.train, steps):
         validate_compile_cache()

@@ -228,3 +228,14 @@ def test_a_deepseek_v3_run_without_mtp_weights_reads_back(mla_models, tmp_path):
     assert hf_to_ds(mla_models["deepseek_v3"], tmp_path / "ds", verify=True).verify.ok
     assert ds_to_hf(tmp_path / "ds", tmp_path / "hf", verify=True).verify.ok
     assert_same_hf(tmp_path / "hf", source)
+
+
+def test_tied_opt_round_trips_through_deepspeed(hf_models, tmp_path):
+    """OPT's names (model.decoder.*): the tied output layer shares the embedding under its own name."""
+    src = hf_models["opt"]
+    hf_to_ds(src, tmp_path / "ds", verify=True)
+    state = safe_torch_load(tmp_path / "ds/global_step0/mp_rank_00_model_states.pt")
+    assert state["shared_params"] == {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+    assert list(state["module"])[0] == "model.decoder.embed_tokens.weight"
+    ds_to_hf(tmp_path / "ds", tmp_path / "hf")
+    assert_same_hf(tmp_path / "hf", load_safetensors_dir(src))

@@ -72,3 +72,22 @@ def test_stage_state_dict_is_the_megatron_shard(hf_models, kind, pp, vpp, first,
                 assert (state[name] is None) == (tensor is None)
                 if tensor is not None:
                     assert tuple(state[name].shape) == tensor.shard_shape(1)
+
+
+def test_opt_release_keys_without_the_model_prefix(hf_models, tmp_path):
+    """OPT's releases were saved from OPTModel (keys `decoder.*`, no lm_head): read as transformers reads them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = hf_models["opt"]
+    shutil.copytree(src, tmp_path / "opt")
+    tensors = load_file(src / "model.safetensors")
+    save_file({name.removeprefix("model."): t for name, t in tensors.items() if name != "lm_head.weight"},
+              tmp_path / "opt" / "model.safetensors", metadata={"format": "pt"})
+    model, spec = qlm_from_hf(tmp_path / "opt")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = torch.randint(0, spec.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(ids) - reference(ids).logits).abs().max().item() <= 1e-5
+    assert "model.decoder.embed_positions.weight" in HFCheckpoint(tmp_path / "opt").names

@@ -81,3 +81,11 @@ def test_an_incomplete_hf_config_is_named_not_a_key_error(change, message):
     config = {k: v for k, v in config.items() if v is not None}
     with pytest.raises(QlmError, match=message):
         ModelSpec.from_hf_config(config)
+
+
+def test_learned_positions_refuse_longer_sequences():
+    """OPT's table has no row past max_position_embeddings: a longer sequence is refused in one line."""
+    PRESETS["opt-1.3b"].check_positions(2048)
+    with pytest.raises(QlmError, match="longer than the model's 2048 learned positions"):
+        PRESETS["opt-1.3b"].check_positions(4096)
+    PRESETS["llama3-8b"].check_positions(100_000)  # RoPE extrapolates (a warning elsewhere), no error

@@ -123,15 +123,17 @@ def check_case(case: str, layout_case, references, run):
     spec = layout_case.spec
     reloaded = MegatronTorchCheckpoint(out / case, spec=spec)
     layout = ModelLayout(spec)
+    # a gradient that is zero in exact arithmetic is rounding noise (OPT's k_proj bias: without RoPE it adds the
+    # same q·b to every score of a query, which the softmax cancels): below 1e-4 of the whole gradient's norm, a
+    # tensor's error is taken relative to that floor
+    floor = 1e-4 * torch.stack([g.norm() for g in ref_grads.values()]).norm()
     for hf_name, parts in layout.hf_tensors.items():
         if parts[0][0].buffer:  # the routers' expert bias: no gradient
             continue
         ours = assemble_hf_tensor(reloaded.layout, hf_name, reloaded)
         theirs = torch.cat([ref_grads[t.name].narrow(t.axis, s.start, s.stop - s.start) for t, s in parts],
                            dim=parts[0][0].axis)
-        # a gradient that is zero in exact arithmetic is rounding noise (OPT's k_proj bias: without RoPE it adds the
-        # same q·b to every score of a query, which the softmax cancels): compared absolutely, to 1e-8
-        error = (ours - theirs).norm() / theirs.norm().clamp(min=1e-3)
+        error = (ours - theirs).norm() / theirs.norm().clamp(min=floor)
         assert error <= 1e-5, (case, hf_name, error.item())
 
 

@@ -11,7 +11,7 @@ from qlm_core.config import ParallelConfig
 from qlm_core.hardware import gpu_spec
 from qlm_core.models.gpt import GPTModel
 from qlm_core.models.runtime import ParallelOptions
-from qlm_core.profile.activations import ActivationInputs, layer_bytes
+from qlm_core.profile.activations import ActivationInputs, forward_terms, layer_bytes
 from qlm_core.profile.case import ProfileCase
 from qlm_core.profile.efficiency import Efficiency
 from qlm_core.profile.measure import SavedTensorMeter
@@ -63,3 +63,16 @@ def test_windowed_layers_take_less_attention_time():
     half = seconds(SPEC.replace(sliding_window=512, window_layers=(True, False, True, False)))
     every = seconds(SPEC.replace(sliding_window=512))
     assert every < half < full
+
+
+def test_gemma3_saves_one_rope_pair_per_base():
+    """Gemma 3's windowed and global layers rotate by their own bases: the first layer of each kind keeps its own
+    cos and sin, which the per-forward terms count."""
+    model = GPTModel(GEMMA3, dtype=torch.bfloat16)  # layers 0-2 windowed, layer 3 global
+    ids = torch.randint(0, GEMMA3.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with SavedTensorMeter(model) as meter:
+        model(ids, labels=ids.roll(-1, 1)).sum()
+    x = ActivationInputs(GEMMA3, SEQ, BATCH, dtype_bytes=2, padded_vocab=model.padded_vocab, device="cpu")
+    held = meter.layer_bytes()
+    assert sum(held.values()) == 4 * layer_bytes(x, "none") + forward_terms(x, False)["rope cos/sin"]
+    assert held["layer0"] == held["layer3"] > held["layer1"]

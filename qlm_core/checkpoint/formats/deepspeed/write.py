@@ -29,14 +29,14 @@ _LAYER_ORDER = (
 
 
 def _module_order(name: str):
-    """Registration order of a transformers decoder (what DeepSpeed's param_shapes lists)."""
-    if name == EMBEDDING:
+    """Registration order of a transformers decoder (what DeepSpeed's param_shapes lists; OPT's under decoder.)."""
+    if name in (EMBEDDING, "model.decoder.embed_tokens.weight"):
         return (0, 0, 0)
-    match = re.match(r"model\.layers\.(\d+)\.(.+)", name)
+    match = re.match(r"model\.(?:decoder\.)?layers\.(\d+)\.(.+)", name)
     if match:
         suffix = match.group(2)
         return (1, int(match.group(1)), _LAYER_ORDER.index(suffix) if suffix in _LAYER_ORDER else len(_LAYER_ORDER))
-    return (2, 0 if name == "model.norm.weight" else 1, 0)
+    return (2, 0 if name in ("model.norm.weight", "model.decoder.final_layer_norm.weight") else 1, 0)
 
 
 def module_names(layout: ModelLayout) -> list[str]:
@@ -65,6 +65,7 @@ def write_deepspeed(root: Path, layout: ModelLayout, source: TensorSource, dtype
     state_dict), then the fp32 masters split into `partitions` equal ZeRO-2 slices, one file at a time."""
     names = module_names(layout)
     tied = layout.spec.tie_word_embeddings
+    embedding = layout.embedding().segments[0].hf_name  # the family's name (OPT: model.decoder.embed_tokens)
     steps = len(names) + (partitions if fp32_master else 0)
     tag_dir = root / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +74,7 @@ def write_deepspeed(root: Path, layout: ModelLayout, source: TensorSource, dtype
         progress(i, steps, name)
         module[name] = assemble_hf_tensor(layout, name, source, dtype)
     if tied:
-        module[TIED_OUTPUT] = module[EMBEDDING]
+        module[TIED_OUTPUT] = module[embedding]
     stage = 2 if fp32_master else 0
     state = {
         "module": module,
@@ -81,7 +82,7 @@ def write_deepspeed(root: Path, layout: ModelLayout, source: TensorSource, dtype
         "optimizer": None,
         "param_shapes": [OrderedDict((name, module[name].shape) for name in names)],
         "frozen_param_shapes": OrderedDict() if fp32_master else None,
-        "shared_params": {TIED_OUTPUT: EMBEDDING} if tied else {},
+        "shared_params": {TIED_OUTPUT: embedding} if tied else {},
         "frozen_param_fragments": OrderedDict() if fp32_master else None,
         "lr_scheduler": None, "data_sampler": None, "random_ltd": None,
         "skipped_steps": 0, "global_steps": global_steps, "global_samples": 0,

@@ -139,6 +139,7 @@ class HFCheckpoint:
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._dtypes: dict[str, torch.dtype] = {}
         self._data_offsets: dict[str, int] = {}  # absolute file offset of each safetensors tensor's bytes
+        self._stored: dict[str, str] = {}  # qlm's name -> the files' key, where they differ (OPT's decoder.*)
         self._bin_cache: dict[Path, dict] = {}
         # per-expert name -> (fused tensor, expert, first row): transformers-5's fused MoE layout, read as the
         # per-expert tensors the layout asks for
@@ -169,7 +170,8 @@ class HFCheckpoint:
         if files:
             for file in files:
                 header, data_start = _safetensors_header(file)
-                for name, info in header.items():
+                for key, info in header.items():
+                    name = self._name_of(key)
                     self._files[name] = file
                     self._shapes[name] = tuple(info["shape"])
                     self._dtypes[name] = _ST_DTYPES.get(info["dtype"], torch.float32)
@@ -179,10 +181,19 @@ class HFCheckpoint:
         if not files:
             raise QlmError(f"no *.safetensors or pytorch_model*.bin weights in {self.path}", "add the weight files")
         for file in files:
-            for name, tensor in self._load_bin(file).items():
+            for key, tensor in self._load_bin(file).items():
+                name = self._name_of(key)
                 self._files[name] = file
                 self._shapes[name] = tuple(tensor.shape)
                 self._dtypes[name] = tensor.dtype
+
+    def _name_of(self, key: str) -> str:
+        """A stored key as the layout names it: OPT's releases were saved from OPTModel, whose keys lack the
+        `model.` of OPTForCausalLM's (transformers adds it on load, as base_model_prefix)."""
+        if FAMILIES[self.spec.model_type].hf_names and key.startswith("decoder."):
+            self._stored["model." + key] = key
+            return "model." + key
+        return key
 
     def _find_mtp(self):
         """config.json may count multi-token prediction layers the weights do not hold (transformers saves none:
@@ -318,11 +329,12 @@ class HFCheckpoint:
         file = self._files.get(name)
         if file is None:
             raise QlmError(f"tensor {name} is missing from {self.path}", "the weights do not match config.json")
+        key = self._stored.get(name, name)
         if file.suffix != ".safetensors":
-            return self._load_bin(file)[name][index].clone()
+            return self._load_bin(file)[key][index].clone()
         try:
             with safe_open(file, framework="pt") as fh:
-                view = fh.get_slice(name)[index]
+                view = fh.get_slice(key)[index]
                 # The slice is a view into the memory-mapped file: copy out just its elements, so that nothing
                 # keeps the mapping alive and torch.save does not write the whole underlying tensor.
                 return torch.empty(view.shape, dtype=view.dtype).copy_(view)

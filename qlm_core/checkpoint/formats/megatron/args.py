@@ -16,7 +16,7 @@ from qlm_core.models.layout import ModelLayout
 from qlm_core.models.mla_spec import MlaSpec
 from qlm_core.models.moe_spec import MoeSpec
 from qlm_core.models.norms import NORM_KINDS, norm_kind
-from qlm_core.models.positions import position_kind
+from qlm_core.models.positions import POSITION_KINDS, position_kind
 from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, LinearRopeScaling, ModelSpec, RopeScaling, YarnScaling
 
 
@@ -240,6 +240,20 @@ def _windows_from_args(args: argparse.Namespace, num_layers: int) -> tuple[int |
                    f"{num_layers}", "fix the checkpoint's args")
 
 
+def _position_from_args(args, model: str, model_type: str) -> str:
+    """The position scheme of the args' position_embedding_type (absent: RoPE, as every qlm file says), which must
+    be the family's: learned positions need the family's table offset (OPT's 2), so only qlm's own args name it."""
+    kind = getattr(args, "position_embedding_type", None) or "rope"
+    position = next((name for name, row in POSITION_KINDS.items()
+                     if dict(row.megatron_args)["position_embedding_type"] == kind), None)
+    if position is None:
+        raise QlmError(f"{model} uses {kind} positions", f"qlm builds {', '.join(POSITION_KINDS)} positions")
+    if position != FAMILIES[model_type].position:
+        raise QlmError(f"{model} uses {kind} positions but its model type {model_type} has "
+                       f"{FAMILIES[model_type].position}", "pass --config with the model's HF directory")
+    return position
+
+
 def _guess_model_type(args, moe: MoeSpec | None) -> str:
     """The HF family of args Megatron-LM wrote (qlm's own name it in qlm_model_type)."""
     if getattr(args, "multi_latent_attention", False):  # DeepSeek-V2's router: softmax before the top k
@@ -307,6 +321,7 @@ def spec_from_args(args) -> ModelSpec:
     model_type = getattr(args, "qlm_model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         model_type = _guess_model_type(args, moe)
+    position = _position_from_args(args, model, model_type)
     heads = need("num_attention_heads")
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     scaling = _rope_scaling_from_args(args)
@@ -344,6 +359,7 @@ def spec_from_args(args) -> ModelSpec:
         attention="mla" if mla else None,
         norm=norm,
         activation=activation,
+        position=position,
         head=getattr(args, "qlm_head", None) or "lm",
         pad_token_id=getattr(args, "qlm_pad_token_id", None),
     )

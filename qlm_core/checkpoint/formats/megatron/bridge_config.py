@@ -169,7 +169,7 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
         use_rope_scaling=rope_scaling is not None,
         rope_scaling_factor=rope_scaling["factor"] if rope_scaling else 8.0,
         qlm_rope_scaling=rope_scaling,
-        swiglu=gated and (not activation or "silu" in activation.lower()),
+        **_activation_flags(gated, activation, path),
         normalization=str(model.get("normalization", "LayerNorm")),
         norm_epsilon=number("layernorm_epsilon", 1e-5),
         add_bias_linear=flag("add_bias_linear", True),
@@ -188,3 +188,22 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
         qlm_model_type="mistral" if "mistral" in target else "mixtral" if "mixtral" in target else None,
         qlm_args_from=str(path),
     )
+
+
+def _activation_flags(gated: bool, activation: str | None, path) -> dict:
+    """Megatron-LM's activation flags (and qlm's) of the provider's gated_linear_unit and activation_func: SwiGLU
+    (gated silu, the default when gated), GeGLU (gated tanh GELU), ReLU, or Megatron's default GELU; others refused."""
+    name = (activation or ("silu" if gated else "gelu")).lower()
+    flags = {"swiglu": False, "squared_relu": False, "qlm_geglu": False, "qlm_relu": False}
+    if gated and "silu" in name:
+        flags["swiglu"] = True
+    elif gated and "gelu" in name and ("tanh" in name or "fast" in name or "openai" in name):
+        flags["qlm_geglu"] = True
+    elif not gated and "squared_relu" in name:
+        flags["squared_relu"] = True
+    elif not gated and name.rsplit(".", 1)[-1] == "relu":
+        flags["qlm_relu"] = True
+    elif gated or "gelu" not in name or "tanh" in name or "fast" in name or "openai" in name:
+        raise QlmError(f"{path}: activation_func {activation or '(none)'} with gated_linear_unit {gated} is not an "
+                       "MLP qlm builds", "qlm builds SwiGLU, GeGLU (tanh GELU), ReLU and GELU MLPs")
+    return flags
