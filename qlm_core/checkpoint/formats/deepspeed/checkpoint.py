@@ -39,7 +39,7 @@ from qlm_core.models.layout import ModelLayout
 
 LATEST = "latest"
 MODEL_FILE = "mp_rank_00_model_states.pt"
-TIED_OUTPUT, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+TIED_OUTPUT = "lm_head.weight"
 MASTER, MODULE = "master", "module"  # views: fp32 master weights where the checkpoint has them, or module as saved
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from qlm_core.checkpoint.formats.deepspeed.checkpoint import EMBEDDING, LATEST, MODEL_FILE, TIED_OUTPUT
+from qlm_core.checkpoint.formats.deepspeed.checkpoint import LATEST, MODEL_FILE, TIED_OUTPUT
 from qlm_core.checkpoint.formats.megatron.legacy import fast_torch_save
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout, TensorSource, assemble_hf_tensor
@@ -28,19 +28,28 @@ _LAYER_ORDER = (
 )
 
 
-def _module_order(name: str):
-    """Registration order of a transformers decoder (what DeepSpeed's param_shapes lists; OPT's under decoder.)."""
-    if name in (EMBEDDING, "model.decoder.embed_tokens.weight"):
-        return (0, 0, 0)
-    match = re.match(r"model\.(?:decoder\.)?layers\.(\d+)\.(.+)", name)
-    if match:
-        suffix = match.group(2)
-        return (1, int(match.group(1)), _LAYER_ORDER.index(suffix) if suffix in _LAYER_ORDER else len(_LAYER_ORDER))
-    return (2, 0 if name in ("model.norm.weight", "model.decoder.final_layer_norm.weight") else 1, 0)
-
-
 def module_names(layout: ModelLayout) -> list[str]:
-    return sorted(layout.hf_tensors, key=_module_order)
+    """The HF tensors in a transformers decoder's registration order (what DeepSpeed's param_shapes lists): the
+    embedding, each layer's tensors, the final norm, the rest; the family's names from the layout (OPT's under
+    model.decoder.)."""
+    embedding = embedding_name(layout)
+    final_norm = {seg.hf_name for _, tensor in layout.final_norms() for seg in tensor.segments}
+
+    def order(name: str):
+        if name == embedding:
+            return (0, 0, 0)
+        match = re.match(r"model\.(?:decoder\.)?layers\.(\d+)\.(.+)", name)
+        if match:
+            suffix = match.group(2)
+            return (1, int(match.group(1)),
+                    _LAYER_ORDER.index(suffix) if suffix in _LAYER_ORDER else len(_LAYER_ORDER))
+        return (2, 0 if name in final_norm else 1, 0)
+
+    return sorted(layout.hf_tensors, key=order)
+
+
+def embedding_name(layout: ModelLayout) -> str:
+    return layout.embedding().segments[0].hf_name
 
 
 def check_tag(tag: str) -> str:
@@ -65,7 +74,7 @@ def write_deepspeed(root: Path, layout: ModelLayout, source: TensorSource, dtype
     state_dict), then the fp32 masters split into `partitions` equal ZeRO-2 slices, one file at a time."""
     names = module_names(layout)
     tied = layout.spec.tie_word_embeddings
-    embedding = layout.embedding().segments[0].hf_name  # the family's name (OPT: model.decoder.embed_tokens)
+    embedding = embedding_name(layout)  # the family's name (OPT: model.decoder.embed_tokens)
     steps = len(names) + (partitions if fp32_master else 0)
     tag_dir = root / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
