@@ -53,13 +53,16 @@ def random_routes(spec, g: torch.Generator) -> torch.Tensor:
 
 
 def rollout_batch(spec=SPEC) -> RolloutBatch:
-    """Prompts and completions of different lengths (labels -100 on prompt and padding); the rollout's log-probs
-    near a random-init model's (-log V), so the ratios fall on both sides of the clip; a reference nearby."""
+    """Prompts and completions of different lengths (labels -100 on prompt and padding), each prompt answered twice
+    (adjacent rows: a group, whose prompt the one-process layouts run once); the rollout's log-probs near a
+    random-init model's (-log V), so the ratios fall on both sides of the clip; a reference nearby."""
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, SPEC.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    for row in range(1, GLOBAL_BATCH, 2):
+        tokens[row, :4 + row] = tokens[row - 1, :4 + row]  # its group's prompt
     input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
     for row in range(GLOBAL_BATCH):
-        labels[row, :3 + row] = -100
+        labels[row, :3 + row - row % 2] = -100
         labels[row, SEQ - 2 * row:] = -100
     mask = labels >= 0
     base = -math.log(SPEC.vocab_size)  # per token and per row apart: GSPO's sequence ratios reach the clip too

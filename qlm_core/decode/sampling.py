@@ -95,27 +95,35 @@ def generate_rows(
     row_limits: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     record_routes: bool = False,
+    copies: int = 1,
 ) -> list[Generation]:
     """input_ids / attention_mask [b, L], left-padded (mask 0 on padding). Each row's new tokens, ending at an
     eos id (`eos_token_id`: one or several; excluded) or when `stop(new_tokens)` says so (the tokens so far kept;
     callers trim stop strings). `on_token(row, token)` sees every kept token as it is chosen. `row_limits`: each
     row's own most tokens (its room in the context window), at most max_new_tokens. `generator`: the random stream
     to sample from (default a new one seeded with sampling.seed), for callers that decode in several batches.
-    `record_routes`: each Generation keeps the MoE routes of the tokens fed (Generation.routes)."""
+    `record_routes`: each Generation keeps the MoE routes of the tokens fed (Generation.routes). `copies`: each
+    input row is answered that many times (out row r * copies + c; `row_limits` per output row), its prompt read
+    once and its keys and values shared by the copies (a rollout's group)."""
     sampling = sampling or Sampling()
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     generator = generator or torch.Generator().manual_seed(sampling.seed)
     model.eval()
-    rows = input_ids.shape[0]
+    rows = input_ids.shape[0] * copies
     mask = attention_mask.long()
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     cache = KVCache.empty(len(model.decoder.layers))
     recorder = RouteRecorder(model, rows, input_ids.shape[1], max_new_tokens, record_routes)
     hidden, routes = recorder.run(model.hidden_states, input_ids, positions, cache=cache,
                                   attention_mask=mask)  # [L, b, h]
+    logits = model.logits(hidden[-1:])[:, -1]  # the last position's only: never [b, L, vocab]
+    if copies > 1:  # every copy starts from its prompt's cache, logits and routes
+        shared = torch.arange(input_ids.shape[0], device=mask.device).repeat_interleave(copies)
+        cache.select(shared)
+        mask, positions, logits = mask[shared], positions[shared], logits[shared]
+        routes = None if routes is None else routes.repeat_interleave(copies, dim=1)
     if routes is not None:
         recorder.keep_prompts(routes, mask.sum(dim=1).tolist())
-    logits = model.logits(hidden[-1:])[:, -1]  # the last position's only: never [b, L, vocab]
     if max_new_tokens > 1:
         cache.reserve(max_new_tokens - 1)  # each step writes its token's keys and values in place
     out = [Generation() for _ in range(rows)]

@@ -140,6 +140,9 @@ class Documents:
 
     rows: tuple[tuple[tuple[int, int], ...], ...]
     seq_len: int
+    # per row, per document: the [start, end) of an earlier document it continues (None: none), whose every key it
+    # sees besides its own (a shared prompt's completions, packed once: train/shared_prefix.py); no windows then
+    prefixes: tuple[tuple[tuple[int, int] | None, ...], ...] | None = None
 
     @classmethod
     def from_segment_ids(cls, segment_ids) -> Documents:
@@ -153,12 +156,17 @@ def self_attention_pieces(docs: Documents | None, seq_len: int, window: int | No
     if docs is None:
         whole = Span(0, seq_len, 0)
         return band_pieces(whole, whole, window)
-    pieces = []
+    if docs.prefixes is not None and window is not None:
+        raise ValueError("documents that continue a shared prefix take no sliding window")
+    pieces, seen = [], []
     for row, documents in enumerate(docs.rows):
-        for start, end in documents:
+        for index, (start, end) in enumerate(documents):
             span = Span(start, end, start)
+            prefix = None if docs.prefixes is None else docs.prefixes[row][index]
+            if prefix is not None:  # every key of the prefix (merged with its own by log-sum-exp)
+                seen.append(Piece(row, span.slice(), slice(*prefix), FULL))
             pieces += band_pieces(span, span, window, row)
-    return pieces
+    return coalesce(seen) + pieces  # the documents after one prefix see it in one piece
 
 
 def decoding_pieces(key_valid, past: int, new: int, window: int | None) -> list[Piece]:

@@ -116,24 +116,27 @@ class KVCache:
 
 def attention_inputs(*, local_tokens: int, batch: int, windows: tuple[int | None, ...], parallel: ParallelOptions,
                      segment_ids: torch.Tensor | None, cache: KVCache | None,
-                     attention_mask: torch.Tensor | None) -> AttentionInputs:
+                     attention_mask: torch.Tensor | None, documents: Documents | None = None) -> AttentionInputs:
     """Describe the micro-batch's attention once for every layer: its documents (under context parallelism from the
-    whole sequence, gathered once) and the pieces this rank computes, for packed rows, a sliding window shorter than
-    the row, decoding with a cache, or context parallelism; for each of `windows` (the layers' sliding windows,
-    None: full attention), the first's inputs holding the others'."""
+    whole sequence, gathered once; or `documents` as the caller describes them) and the pieces this rank computes,
+    for packed rows, a sliding window shorter than the row, decoding with a cache, or context parallelism; for each
+    of `windows` (the layers' sliding windows, None: full attention), the first's inputs holding the others'."""
     cp_group = parallel.cp_group
     cp = group_size(cp_group)
-    documents = valid = None
+    valid = None
     if cache is not None or attention_mask is not None:
-        if cp > 1 or segment_ids is not None:
+        if cp > 1 or segment_ids is not None or documents is not None:
             raise ValueError("decoding with a cache or an attention_mask takes neither context parallelism nor "
-                             "segment_ids")
+                             "segment_ids nor documents")
         past = 0 if cache is None else cache.length
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, past + local_tokens):
             raise ValueError(f"attention_mask must be [batch, cached + new] = [{batch}, {past + local_tokens}], "
                              f"got {tuple(attention_mask.shape)}")
         valid = (torch.ones(batch, past + local_tokens, dtype=torch.bool) if attention_mask is None
                  else attention_mask.bool())
+    elif documents is not None:  # described by the caller (documents that continue a shared prefix)
+        if cp > 1 or segment_ids is not None:
+            raise ValueError("documents described by the caller take neither context parallelism nor segment_ids")
     elif segment_ids is not None:
         if cp > 1:
             segment_ids = gather_sequence(segment_ids, cp_group, dim=1)

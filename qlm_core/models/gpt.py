@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qlm_core.config import MoeConfig, RecomputeMode, choices
+from qlm_core.kernels.pieces import Documents
 from qlm_core.models.activations import activation_kind
 from qlm_core.models.attention import AttentionInputs, KVCache, attention_inputs
 from qlm_core.models.attention_kinds import attention_kind
@@ -357,6 +358,7 @@ class GPTModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         routes: torch.Tensor | None = None,
         mtp_tokens: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         """One pass over this module's layers: `x` the token ids [b, s] on the first stage, else the previous
         stage's hidden states [s, b, h]. Returns the hidden states [s, b, h] (the last stage: the final norm's).
@@ -364,7 +366,8 @@ class GPTModel(nn.Module):
         Inputs are this rank's tokens: with context parallelism, its two load-balanced chunks of each sequence
         (qlm_core.parallel.context_parallel.split_for_cp). `position_ids` [b, s] are the positions (default: the
         tokens' global indices; packed sequences restart them per document) and `segment_ids` [b, s] the document
-        of each token in a packed sequence (attention stays within a document).
+        of each token in a packed sequence (attention stays within a document); or `documents` already described
+        (kernels/pieces.Documents: documents that continue a shared prefix; one process along the sequence).
 
         Incremental decoding: pass a `cache` (KVCache.empty(num_layers)) that this call extends, the new tokens'
         position_ids, and for padded batches `attention_mask` [b, cached + new] (True = a real token).
@@ -395,7 +398,7 @@ class GPTModel(nn.Module):
         positions = self.positions.layer_inputs(position_ids, x.dtype)
         inputs = attention_inputs(local_tokens=local_tokens, batch=x.shape[1], windows=self.windows,
                                   parallel=self.parallel, segment_ids=segment_ids, cache=cache,
-                                  attention_mask=attention_mask)
+                                  attention_mask=attention_mask, documents=documents)
         hidden = self.decoder(x, positions, inputs, routes)
         if mtp_tokens is None or self.mtp is None:
             return hidden

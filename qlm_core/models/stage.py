@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from qlm_core.kernels.pieces import Documents
 from qlm_core.models.gpt import GPTModel
 
 
@@ -26,12 +27,15 @@ class StageModel(GPTModel):
     # last stage runs (its output is then GPTModel.hidden_states' [(1 + depths) s, b, h])
     carries_mtp_tokens = False
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *extras: torch.Tensor):
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *extras: torch.Tensor,
+                documents: Documents | None = None):
+        """`documents`: described by the caller instead of segment_ids (a whole model only: shared prefixes)."""
         rest = list(extras)
         mtp_tokens = rest.pop() if self.carries_mtp_tokens else None
         routes = rest.pop() if self.replays_routes else None
         segment_ids = rest[0] if rest else None
-        out = self.hidden_states(x, position_ids, segment_ids=segment_ids, routes=routes, mtp_tokens=mtp_tokens)
+        out = self.hidden_states(x, position_ids, segment_ids=segment_ids, routes=routes, mtp_tokens=mtp_tokens,
+                                 documents=documents)
         if self.post_process:
             return out
         return (out, position_ids, *extras)

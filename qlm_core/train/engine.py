@@ -36,11 +36,13 @@ from qlm_core.parallel.expert_dispatch import ExpertParallel
 from qlm_core.parallel.optimizer_api import TrainingOptimizer
 from qlm_core.parallel.param_meta import mark
 from qlm_core.parallel.state import Grid
+from qlm_core.parallel.tensor import gather_from_sp_whole_grad, scatter_to_sp
 from qlm_core.train.lora import apply_lora
 from qlm_core.train.moe_stats import MoeStepStats
 from qlm_core.train.mtp_targets import mtp_targets
 from qlm_core.train.objective import Objective
 from qlm_core.train.objectives.lm import LanguageModelObjective
+from qlm_core.train.shared_prefix import pack_shared_prefixes
 from qlm_core.train.validate import validate_grad_reduce_dtype, validate_layout, validate_moe
 
 
@@ -148,6 +150,12 @@ class Engine:
         self.optimizer = self._build_optimizer(trainable)
         self.params = self.optimizer.params  # FSDP2 replaces the parameters: the optimizer's are the live ones
         self.runner = self.make_runner(self.chunks, self.loss_fn)
+        # an objective whose rows share prefixes (a rollout group's prompt) runs each prefix once where the layout
+        # keeps the sequence in one process (train/shared_prefix.py)
+        self.shares_prefixes = (getattr(self.objective, "shares_prefixes", False) and c.pp == 1 and c.cp == 1
+                                and not self.mtp_depths and self.spec.moe is None and not compile
+                                and all(window is None for window in self.chunks[0].windows))
+        self.saved_tokens = 0  # the last step's positions shared-prefix packing did not run
         self._num_tokens = 1.0
         self._mtp_tokens, self._mtp_loss_sum = None, None  # multi-token prediction's, per step (_run_microbatches)
         self.objective.bind(self, weights)  # after the policy's schedule: a reference's schedule comes second
@@ -335,11 +343,29 @@ class Engine:
         model, mbs, losses = chunks[0], self.micro_batch_size, []
         for i in range(self.num_microbatches):
             rows_i = slice(i * mbs, (i + 1) * mbs)
-            loss = loss_fn(model(*(t[rows_i] for t in inputs)), labels[rows_i])
+            microbatch = tuple(t[rows_i] for t in inputs)
+            hidden = self._shared_prefix_forward(model, microbatch, labels[rows_i]) if self.shares_prefixes else None
+            loss = loss_fn(model(*microbatch) if hidden is None else hidden, labels[rows_i])
             if backward:
                 (loss + self._transformers_aux_loss()).backward()
             losses.append(loss)
         return losses
+
+    def _shared_prefix_forward(self, model: StageModel, inputs: tuple[torch.Tensor, ...],
+                               labels: torch.Tensor) -> torch.Tensor | None:
+        """The final norm's output [s(/tp), b, h] of a micro-batch whose rows share prefixes, each prefix run once
+        (train/shared_prefix.py); None when the rows share none (or come packed with segment_ids)."""
+        if len(inputs) != 2:
+            return None
+        tp_group, sp = self.grid.tp_group, self.config.sp
+        packed = pack_shared_prefixes(inputs[0], inputs[1], labels, multiple=group_size(tp_group) if sp else 1)
+        if packed is None:
+            return None
+        self.saved_tokens += packed.saved_tokens
+        hidden = model(packed.input_ids, packed.position_ids, documents=packed.documents)  # FSDP2's hooks too
+        if sp:  # every TP rank unpacks the whole row, then keeps its sequence shard of the rows
+            return scatter_to_sp(packed.unpack(gather_from_sp_whole_grad(hidden, tp_group)), tp_group)
+        return packed.unpack(hidden)
 
     def _transformers_aux_loss(self) -> torch.Tensor | float:
         """moe.aux_loss_type = transformers: the micro-batch's one load-balancing loss over every layer (pp = 1, so
@@ -359,6 +385,7 @@ class Engine:
         if rows != self.micro_batch_size * self.num_microbatches:
             raise ValueError(f"expected {self.micro_batch_size * self.num_microbatches} rows, got {rows}")
         self.optimizer.zero_grad()
+        self.saved_tokens = 0
         self._moe_stats.start(self.chunks)
         loss_sum = self._run_microbatches(batch, backward=True)
         self.optimizer.finish_grad_sync()

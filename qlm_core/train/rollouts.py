@@ -91,17 +91,20 @@ def generate_groups(model: GPTModel, prompts: Sequence[Sequence[int]], config: R
                     eos_token_id: int | Sequence[int] | None, pad_id: int,
                     record_routes: bool = True) -> list[Generation]:
     """`num_generations` completions of each prompt, a prompt's adjacent, decoded `batch_rows` at a time (default
-    all in one batch); an MoE model's routes recorded for the trainer (`record_routes`)."""
-    repeated = [list(p) for p in prompts for _ in range(config.num_generations)]
+    all in one batch; when that is whole groups, each prompt is read once and its cache shared by its group); an
+    MoE model's routes recorded for the trainer (`record_routes`)."""
+    n = config.num_generations
+    size = config.batch_rows or len(prompts) * n
+    copies = n if size % n == 0 else 1  # whole groups in every decode batch: each prompt read once for its group
+    rows = [list(p) for p in prompts for _ in range(n // copies)]
     device = next(model.parameters()).device
-    size = config.batch_rows or len(repeated)
     generator = torch.Generator().manual_seed(config.sampling.seed)  # one stream through every decode batch
     out = []
-    for first in range(0, len(repeated), size):
-        input_ids, mask = left_pad(repeated[first:first + size], pad_id)
+    for first in range(0, len(rows), size // copies):
+        input_ids, mask = left_pad(rows[first:first + size // copies], pad_id)
         out += generate_rows(model, input_ids.to(device), mask.to(device), max_new_tokens=config.max_completion_length,
                              eos_token_id=eos_token_id, sampling=config.sampling, generator=generator,
-                             record_routes=record_routes)
+                             record_routes=record_routes, copies=copies)
     return out
 
 

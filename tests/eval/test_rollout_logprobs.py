@@ -57,3 +57,27 @@ def test_top_k_and_top_p_renormalise_the_logprobs():
     assert all(a >= b - 1e-6 for a, b in zip(top.logprobs, recomputed.tolist(), strict=True))
     assert any(a > b + 1e-3 for a, b in zip(top.logprobs, recomputed.tolist(), strict=True))
     assert torch.allclose(torch.tensor(full.logprobs), _recomputed(model, [5, 9, 11], full.tokens, 0.9), atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_copies_share_the_prompt_and_answer_as_repeated_rows(temperature):
+    """copies=n (a rollout's group: the prompt read once, its cache shared) answers as the prompts repeated n times
+    do: the same draws from the same stream, the same tokens, log-probs within fp32 rounding, each the training
+    forward's."""
+    torch.manual_seed(0)
+    model = GPTModel(SPEC, padded_vocab=SPEC.vocab_size).eval()
+    prompts = [[5, 9, 11, 3], [7], [2, 4, 6, 8, 10, 12, 14]]
+    sampling = Sampling(temperature=temperature, seed=5)
+    ids, mask = left_pad(prompts, pad_id=0)
+    shared = generate_rows(model, ids, mask, max_new_tokens=10, eos_token_id=None, sampling=sampling, copies=3)
+    ids, mask = left_pad([p for p in prompts for _ in range(3)], pad_id=0)
+    repeated = generate_rows(model, ids, mask, max_new_tokens=10, eos_token_id=None, sampling=sampling)
+    assert len(shared) == 9
+    assert [r.tokens for r in shared] == [r.tokens for r in repeated]
+    if temperature > 0:
+        assert len({tuple(r.tokens) for r in shared[:3]}) > 1  # the copies sample apart
+    for row, (a, b) in enumerate(zip(shared, repeated, strict=True)):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6, rtol=0)
+        expected = _recomputed(model, prompts[row // 3], a.tokens, temperature or 1.0)
+        if temperature > 0:
+            assert torch.allclose(torch.tensor(a.logprobs), expected, atol=1e-5, rtol=0)

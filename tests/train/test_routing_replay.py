@@ -59,6 +59,11 @@ def test_decoding_records_the_routes_of_every_token_it_fed():
         fed = prompt + generation.tokens[:len(generation.tokens) - (generation.eos_token is None)]
         assert generation.routes.shape == (len(fed), MOE_LAYERS, MOE.moe.topk)
         assert torch.equal(generation.routes.long(), _forward_routes(model, fed))
+    shared = generate_rows(model, ids, mask, max_new_tokens=8, eos_token_id=set(range(0, MOE.vocab_size, 6)),
+                           sampling=Sampling(temperature=1.0, seed=6), record_routes=True, copies=2)
+    for row, generation in enumerate(shared):  # a group's copies share the prompt's routes
+        fed = prompts[row // 2] + generation.tokens[:len(generation.tokens) - (generation.eos_token is None)]
+        assert torch.equal(generation.routes.long(), _forward_routes(model, fed))
     plain = generate_rows(_model(SPEC), ids, mask, max_new_tokens=3, eos_token_id=None, record_routes=True)
     assert all(g.routes is None for g in plain)  # a dense model records nothing
 

@@ -48,15 +48,17 @@ class RolloutBatch(Batch):
 
 class GrpoObjective:
     def __init__(self, loss: GrpoLoss, temperature: float = 1.0, reference: ReferenceSource = "batch",
-                 routing_replay: bool | None = None):
+                 routing_replay: bool | None = None, shared_prefix: bool = True):
         """`temperature`: the rollout's sampling temperature; the policy's and the reference's log-probs are
         log_softmax(logits / T), the distribution the rollout drew from (as TRL computes them). `reference` (a KL
         term, beta > 0): "batch" — the RolloutBatch brings ref_logps —, or "frozen" — a frozen copy of the starting
         weights, run forward on each step's rows (routed by its own routers). `routing_replay` (an MoE policy): the
         batches bring the rollout's routes, which the policy's MoE layers replay (True, R3) or only compare with
-        their own choices (False); None: the batches bring none."""
+        their own choices (False); None: the batches bring none. `shared_prefix`: a group's rows run their prompt
+        once where the layout allows (Engine.shares_prefixes, train/shared_prefix.py)."""
         self.config = loss
         self.routing_replay = routing_replay
+        self.shares_prefixes = shared_prefix
         self.logit_scale = 1.0 / temperature if temperature > 0 else 1.0
         self.reference = reference
         self.reference_chunks = self.reference_runner = None

@@ -16,7 +16,7 @@ def recipe_objective(recipe: Recipe) -> Objective:
     """The objective a recipe's data kind trains."""
     if recipe.data.kind == "rl":  # the reference (beta > 0): a frozen copy of the starting weights
         return GrpoObjective(GrpoLoss.from_recipe(recipe.rl), recipe.rl.temperature, reference="frozen",
-                             routing_replay=recipe.rl.routing_replay)
+                             routing_replay=recipe.rl.routing_replay, shared_prefix=recipe.rl.shared_prefix)
     if recipe.data.kind == "reward":
         return RewardObjective(recipe.reward.center_rewards_coefficient)
     if recipe.data.kind == "preference":
