@@ -139,7 +139,7 @@ def sync_ratio(model: Path, repeats: int = 5) -> tuple[float, float]:
     from qlm_core.parallel.state import Grid
     from qlm_core.train.engine import Engine
     from qlm_core.train.sources import resolve_model
-    from qlm_core.train.weight_sync import WeightSync, fill_rollout_model
+    from qlm_core.train.weight_sync import WeightSync, sync_rollout_model
 
     source = resolve_model(ModelConfig(spec=str(model), load=str(model), dtype="fp32"))
     engine = Engine(source.spec, ParallelConfig(), Grid.single(), micro_batch_size=1, global_batch_size=1,
@@ -147,10 +147,10 @@ def sync_ratio(model: Path, repeats: int = 5) -> tuple[float, float]:
     tensors = {k: v.detach() for k, v in engine.chunks[0].state_dict().items() if isinstance(v, torch.Tensor)}
     synced, copied = [], []
     sync = WeightSync(engine)  # kept by the run, as train/rollout_batches.py does: who sends what is planned once
-    model = fill_rollout_model(engine, sync.gather())  # the first step builds it; the others refill it
+    model = sync_rollout_model(sync, None, builds=True)  # the first step builds it; the others refill it
     for _ in range(repeats):
         started = time.perf_counter()
-        fill_rollout_model(engine, sync.gather(), model)
+        sync_rollout_model(sync, model, builds=True)
         synced.append(time.perf_counter() - started)
         started = time.perf_counter()
         copy = {k: torch.empty_like(v) for k, v in tensors.items()}

@@ -43,12 +43,13 @@ class Part:
 class TrainerStates:
     """Each chunk's weights as the sync sends them: where they live (no copy), in the compute dtype (buffers keep
     theirs, the routers' fp32 expert bias). A ZeRO 3 parameter is gathered whole only when value() asks for it, a
-    collective over its FSDP group, so that a rank never holds more than one bucket of them whole."""
+    collective over its FSDP group, so that a rank never holds more than one bucket of them whole. The parameters
+    themselves are kept (keep_vars), so one TrainerStates serves every sync of a run."""
 
     def __init__(self, engine: Engine):
         self.dtype = engine.dtype
-        self.raw = [{name: value for name, value in chunk.state_dict().items() if isinstance(value, torch.Tensor)}
-                    for chunk in engine.chunks]
+        self.raw = [{name: value for name, value in chunk.state_dict(keep_vars=True).items()
+                     if isinstance(value, torch.Tensor)} for chunk in engine.chunks]
         self.buffers = [{name for name, _ in chunk.named_buffers()} for chunk in engine.chunks]
 
     def sharded(self, chunk: int, local: str) -> bool:
@@ -95,6 +96,8 @@ class WeightSync:
             raise ValueError("weight sync of a LoRA run: merge the adapters first")
         self.engine, self.bucket_bytes = engine, bucket_bytes
         self.plan: dict[str, list[Part]] | None = None  # each global tensor's parts, by part index
+        self.states: TrainerStates | None = None  # made at the first gather, kept
+        self.refill: Refill | None = None  # the rollout model sync_rollout_model refills, and its plan
 
     def _my_parts(self, states: TrainerStates, senders_only: bool = True) -> list[tuple[str, Part]]:
         """(global tensor name, part) of the shards this rank sends (`senders_only` False: of every shard it holds,
@@ -151,7 +154,9 @@ class WeightSync:
         engine, g = self.engine, self.engine.grid
         engine.optimizer.wait_param_gather()  # ZeRO 1/2 with overlap_param_gather: the step's gathers land first
         g.build_replica_groups()
-        states = TrainerStates(engine)
+        if self.states is None:
+            self.states = TrainerStates(engine)
+        states = self.states
         if self.plan is None:
             self.plan = self._make_plan(states)
         multi = dist.is_initialized() and g.sizes.world > 1
@@ -221,31 +226,45 @@ def fill_rollout_model(engine: Engine, weights: SyncedWeights, model: GPTModel |
     if model is None:
         return build_rank_model(layout, RankCoords(), weights, dtype=dtype or engine.dtype,
                                 device=device or engine.grid.device, moe_options=engine.moe).eval()
-    refill(layout, weights, model.state_dict(keep_vars=True))
+    Refill(layout, model)(weights)
     return model
 
 
-@torch.no_grad()
-def refill(layout: ModelLayout, weights: SyncedWeights, state: dict[str, torch.Tensor]) -> None:
-    """fill_shard at the rollout layout of the tensors `weights` holds (all, or a bucket's), with every one that arrived
-    whole (one part of the rollout's shape and
-    dtype, no vocabulary padding: its values are the global tensor's as they are) copied in one foreach call; the
-    rest (TP parts to put together, padding to zero) through the layout module."""
-    whole_out, whole_in, rest = [], [], {}
-    for name, tensor in layout.shard_entries(0, 0, 0):
-        if tensor is None or tensor.name not in weights.parts:  # a bucket brings some of the tensors
-            continue
-        parts, out = weights.parts[tensor.name], state[name]
-        if (len(parts) == 1 and parts[0].shape == out.shape == torch.Size(tensor.shape)
-                and parts[0].dtype == out.dtype and tensor.real_extent == tensor.shape[tensor.axis]):
-            whole_out.append(out)
-            whole_in.append(parts[0])
-        else:
-            rest[name] = tensor
-    if whole_out:
-        torch._foreach_copy_(whole_out, whole_in)
-    for name, tensor in rest.items():
-        read_shard_into(tensor, 1, 0, weights, state[name])
+class Refill:
+    """fill_shard of one rollout model at the rollout layout, bucket by bucket: every tensor that arrives whole (one
+    part of the rollout's shape and dtype, no vocabulary padding: its values are the global tensor's as they are) is
+    copied in one foreach call; the rest (TP parts to put together, padding to zero) goes through the layout module.
+    Which is which depends on the bucket's names, shapes and dtypes only: worked out at a bucket's first fill, kept."""
+
+    def __init__(self, layout: ModelLayout, model: GPTModel):
+        self.layout, self.model = layout, model
+        self.state = model.state_dict(keep_vars=True)
+        self.plans: dict[tuple[str, ...], tuple[list[torch.Tensor], list[str], dict[str, TensorLayout]]] = {}
+
+    def _plan(self, weights: SyncedWeights):
+        whole_out, whole_names, rest = [], [], {}
+        for name, tensor in self.layout.shard_entries(0, 0, 0):
+            if tensor is None or tensor.name not in weights.parts:  # a bucket brings some of the tensors
+                continue
+            parts, out = weights.parts[tensor.name], self.state[name]
+            if (len(parts) == 1 and parts[0].shape == out.shape == torch.Size(tensor.shape)
+                    and parts[0].dtype == out.dtype and tensor.real_extent == tensor.shape[tensor.axis]):
+                whole_out.append(out)
+                whole_names.append(tensor.name)
+            else:
+                rest[name] = tensor
+        return whole_out, whole_names, rest
+
+    @torch.no_grad()
+    def __call__(self, weights: SyncedWeights) -> None:
+        key = tuple(weights.parts)
+        if key not in self.plans:
+            self.plans[key] = self._plan(weights)
+        whole_out, whole_names, rest = self.plans[key]
+        if whole_out:
+            torch._foreach_copy_(whole_out, [weights.parts[name][0] for name in whole_names])
+        for name, tensor in rest.items():
+            read_shard_into(tensor, 1, 0, weights, self.state[name])
 
 
 def rollout_shell(engine: Engine, dtype: torch.dtype | None = None,
@@ -266,8 +285,9 @@ def sync_rollout_model(sync: WeightSync, model: GPTModel | None, builds: bool) -
         sync.gather(fill=lambda bucket: None)
         return None
     model = model if model is not None else rollout_shell(sync.engine)
-    layout, state = rollout_layout(sync.engine), model.state_dict(keep_vars=True)
-    sync.gather(fill=lambda bucket: refill(layout, bucket, state))
+    if sync.refill is None or sync.refill.model is not model:
+        sync.refill = Refill(rollout_layout(sync.engine), model)
+    sync.gather(fill=sync.refill)
     return model
 
 

@@ -54,24 +54,34 @@ def test_a_refilled_rollout_model_equals_a_fresh_one():
     from qlm_core.config import OptimConfig, ParallelConfig
     from qlm_core.parallel.state import Grid
     from qlm_core.train.engine import Batch, Engine
-    from qlm_core.train.weight_sync import fill_rollout_model, gather_weights, rollout_model
+    from qlm_core.train.weight_sync import (
+        WeightSync,
+        fill_rollout_model,
+        gather_weights,
+        rollout_model,
+        sync_rollout_model,
+    )
 
     engine = Engine(SPEC, ParallelConfig(), Grid.single(), micro_batch_size=2, global_batch_size=2, seq_length=8,
                     optim=OptimConfig(lr=1e-2), seed=3)
     model = rollout_model(engine)
+    sync = WeightSync(engine, bucket_bytes=4096)  # the run's: its trainer states and refill plans kept
+    kept = sync_rollout_model(sync, None, builds=True)
     before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     tokens = torch.randint(0, SPEC.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    engine.train_step(Batch(tokens[:, :-1], tokens[:, 1:]), lr=1e-2)
-    fill_rollout_model(engine, gather_weights(engine), model)
-    fresh = rollout_model(engine).state_dict()
-    refilled = model.state_dict()
-    assert sorted(fresh) == sorted(refilled)
-    changed = 0
-    for name, tensor in fresh.items():
-        if isinstance(tensor, torch.Tensor):
-            assert torch.equal(refilled[name], tensor), name
-            changed += not torch.equal(before[name], tensor)
-    assert changed > 0  # the update reached the rollout model
+    for step in range(2):
+        engine.train_step(Batch(tokens[:, :-1], tokens[:, 1:]), lr=1e-2)
+        fill_rollout_model(engine, gather_weights(engine), model)
+        assert sync_rollout_model(sync, kept, builds=True) is kept
+        fresh = rollout_model(engine).state_dict()
+        for refilled in (model.state_dict(), kept.state_dict()):
+            assert sorted(fresh) == sorted(refilled)
+            changed = 0
+            for name, tensor in fresh.items():
+                if isinstance(tensor, torch.Tensor):
+                    assert torch.equal(refilled[name], tensor), (step, name)
+                    changed += not torch.equal(before[name], tensor)
+            assert changed > 0  # the update reached the rollout model
 
 
 @pytest.mark.parametrize("spec_name", ["SPEC", "MOE"])
