@@ -51,8 +51,9 @@ def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
         chosen = logits.argmax(dim=-1)
         return chosen, logits.float().log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
     scaled = logits.float() / sampling.temperature
-    if not torch.isfinite(scaled).all():  # a temperature so small that logits overflow (or 0 in fp32): relative to
-        # each row's largest logit, the others go to -inf (greedy, in effect) and softmax sees no inf - inf
+    # a temperature so small that logits overflow (or 0 in fp32; above 1e-2 no logit a model gives can): relative to
+    # each row's largest logit, the others go to -inf (greedy, in effect) and softmax sees no inf - inf
+    if sampling.temperature < 1e-2 and not torch.isfinite(scaled).all():
         logits = logits.float()
         scaled = (logits - logits.amax(dim=-1, keepdim=True)) / max(sampling.temperature, 1e-30)
     logits = scaled
@@ -64,7 +65,12 @@ def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cumulative - sorted_logits.softmax(dim=-1) > sampling.top_p  # keep the first token always
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    chosen = torch.multinomial(logits.softmax(dim=-1).cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    # inverse transform sampling: one uniform draw a row, found in the row's cumulative probabilities (fp64), draws
+    # token i with probability p_i as torch.multinomial does, without its random number for every vocabulary entry
+    cumulative = logits.softmax(dim=-1).double().cumsum(dim=-1)
+    uniform = torch.rand(cumulative.shape[0], 1, dtype=torch.float64, generator=generator).to(cumulative.device)
+    chosen = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True).squeeze(-1)
+    chosen = chosen.clamp(max=logits.shape[-1] - 1)
     return chosen, logits.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
 
 

@@ -12,7 +12,7 @@ import itertools
 import torch
 from torch.autograd import Function
 
-from qlm_core.kernels import varlen
+from qlm_core.kernels import stacked, varlen
 from qlm_core.kernels.attention import accumulation_dtype, attention_backward, attention_forward_with_lse
 from qlm_core.kernels.pieces import FULL, UPPER, Piece
 
@@ -54,10 +54,21 @@ def _piece_forward(q, k, v, piece: Piece, scale):
 
 
 def _forward_all(q, k, v, pieces: list[Piece], scale):
-    """(piece, out, lse) for every piece: one varlen call per kind where flash-attn can, else one call a piece."""
+    """(piece, out, lse) for every piece: one varlen call per kind where flash-attn can, else one call a piece (the
+    pieces that kernels/stacked.py groups come from _forward_groups)."""
     batched = varlen.forward(q, k, v, pieces, scale) if varlen.available(q) else {}
     for index, piece in enumerate(pieces):
         yield (piece, *(batched[index] if index in batched else _piece_forward(q, k, v, piece, scale)))
+
+
+def _stacked_groups(q, pieces: list[Piece]) -> list[stacked.Group]:
+    """The groups of pieces that share a shape, run by one kernel call each (not where flash-attn's varlen runs)."""
+    return [] if varlen.available(q) else stacked.groups(pieces, q.device)
+
+
+def _rest(pieces: list[Piece], groups: list[stacked.Group]) -> list[Piece]:
+    grouped = {index for group in groups for index in group.indices}
+    return [piece for index, piece in enumerate(pieces) if index not in grouped]
 
 
 def _piece_backward(grad_out, q, k, v, out, lse, piece: Piece, scale):
@@ -84,16 +95,45 @@ def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
 
 
+def _merge_group(out: torch.Tensor, lse: torch.Tensor, pieces: list[Piece], group: stacked.Group,
+                 blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    """merge() of a stacked group's results: gathered, merged and put back at once when no query is in two of its
+    pieces, else piece by piece (in order)."""
+    rows, positions = group.q_rows, group.q_positions
+    if group.disjoint_queries:
+        current_out, current_lse = (stacked.gather(t, rows, positions, group.count) for t in (out, lse))
+        merge(current_out, current_lse, blk_out, blk_lse)
+        stacked.put(out, rows, positions, current_out)
+        stacked.put(lse, rows, positions, current_lse)
+        return
+    for slot, index in enumerate(group.indices):
+        piece = pieces[index]
+        one_out, one_lse = blk_out[slot : slot + 1], blk_lse[slot : slot + 1]
+        if piece.kind == UPPER:
+            one_out, one_lse = one_out.flip(2), one_lse.flip(2)
+        merge(_put(out, piece.row, piece.q), _put(lse, piece.row, piece.q), one_out, one_lse)
+
+
 def attend_pieces(q, k, v, pieces: list[Piece], scale: float, out: torch.Tensor, lse: torch.Tensor):
     """Merge every piece's attention into the accumulators (out, lse) from empty_result."""
-    for piece, blk_out, blk_lse in _forward_all(q, k, v, pieces, scale):
+    groups = _stacked_groups(q, pieces)
+    for group in groups:
+        _merge_group(out, lse, pieces, group, *stacked.forward(q, k, v, group, scale))
+    for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups), scale):
         merge(_put(out, piece.row, piece.q), _put(lse, piece.row, piece.q), blk_out, blk_lse)
 
 
 def attend_pieces_backward(grad_out, q, k, v, out, lse, pieces: list[Piece], scale: float, dq, dk, dv):
     """Add each piece's gradients (against the final out and lse) into dq, dk, dv."""
-    batched = varlen.backward(grad_out, q, k, v, out, lse, pieces, scale) if varlen.available(q) else {}
-    for index, piece in enumerate(pieces):
+    groups = _stacked_groups(q, pieces)
+    for group in groups:
+        bq, bk, bv = stacked.backward(grad_out, q, k, v, out, lse, group, scale)
+        stacked.put(dq, group.q_rows, group.q_positions, bq, accumulate=True)
+        stacked.put(dk, group.k_rows, group.k_positions, bk, accumulate=True)
+        stacked.put(dv, group.k_rows, group.k_positions, bv, accumulate=True)
+    rest = _rest(pieces, groups)
+    batched = varlen.backward(grad_out, q, k, v, out, lse, rest, scale) if varlen.available(q) else {}
+    for index, piece in enumerate(rest):
         bq, bk, bv = (batched[index] if index in batched
                       else _piece_backward(grad_out, q, k, v, out, lse, piece, scale))
         _put(dq, piece.row, piece.q).add_(bq)
@@ -115,7 +155,12 @@ class _PiecewiseAttention(Function):
         if alone:  # every query in exactly one piece: write the kernels' results straight into place
             out = like_q(q).zero_()
             lse = torch.full(q.shape[:3], float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
-            for piece, blk_out, blk_lse in _forward_all(q, k, v, pieces, scale):
+            groups = _stacked_groups(q, pieces)
+            for group in groups:
+                blk_out, blk_lse = stacked.forward(q, k, v, group, scale)
+                stacked.put(out, group.q_rows, group.q_positions, blk_out)
+                stacked.put(lse, group.q_rows, group.q_positions, blk_lse)
+            for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups), scale):
                 _put(out, piece.row, piece.q).copy_(blk_out)
                 _put(lse, piece.row, piece.q).copy_(blk_lse)
         else:

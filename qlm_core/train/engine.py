@@ -361,7 +361,8 @@ class Engine:
         packed = pack_shared_prefixes(inputs[0], inputs[1], labels, multiple=group_size(tp_group) if sp else 1)
         if packed is None:
             return None
-        self.saved_tokens += packed.saved_tokens
+        if model is self.chunks[0]:  # the policy's (a frozen reference runs the same packing)
+            self.saved_tokens += packed.saved_tokens
         hidden = model(packed.input_ids, packed.position_ids, documents=packed.documents)  # FSDP2's hooks too
         if sp:  # every TP rank unpacks the whole row, then keeps its sequence shard of the rows
             return scatter_to_sp(packed.unpack(gather_from_sp_whole_grad(hidden, tp_group)), tp_group)

@@ -81,3 +81,21 @@ def test_copies_share_the_prompt_and_answer_as_repeated_rows(temperature):
         expected = _recomputed(model, prompts[row // 3], a.tokens, temperature or 1.0)
         if temperature > 0:
             assert torch.allclose(torch.tensor(a.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_sampling_draws_each_token_with_its_probability():
+    """40,000 draws of one distribution (temperature 0.8, top-k 6 of 10): each kept token's share is its
+    renormalised probability (within 4 standard errors), a token top-k dropped is never drawn, and the log-prob
+    returned is the drawn token's under that distribution."""
+    from qlm_core.decode.sampling import _choose
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0, -0.5, 1.5, -2.0, 0.2])
+    sampling = Sampling(temperature=0.8, top_k=6, seed=9)
+    chosen, logprobs = _choose(logits.expand(40_000, 10), sampling, torch.Generator().manual_seed(9))
+    kept = (logits / 0.8).topk(6).indices
+    probs = torch.full((10,), 0.0)
+    probs[kept] = (logits[kept] / 0.8).softmax(-1)
+    counts = torch.bincount(chosen, minlength=10).double() / 40_000
+    error = (probs.double() * (1 - probs.double()) / 40_000).sqrt()
+    assert ((counts - probs.double()).abs() <= 4 * error + 1e-12).all(), (counts, probs)
+    assert torch.allclose(logprobs, probs.log()[chosen], atol=1e-6)

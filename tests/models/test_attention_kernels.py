@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from qlm_core.kernels import attention as attn
+from qlm_core.kernels import stacked
 from qlm_core.kernels.attention import attention_backward, attention_forward_with_lse
-from qlm_core.kernels.pieces import Documents, self_attention_pieces
+from qlm_core.kernels.pieces import FULL, Documents, Piece, self_attention_pieces
 from qlm_core.kernels.piecewise import disjoint, piecewise_attention
 
 TOL = 1e-5
@@ -107,6 +108,9 @@ PIECEWISE = {
     "documents_window": (torch.tensor([[0] * 3 + [1] * 9 + [2] * 12, [0] * 24]), 4),
     "window_one": (torch.tensor([[0] * 24, [0] * 10 + [1] * 14]), 1),
     "window": (None, 5),
+    # documents of one length: their pieces run stacked, one kernel call per shape (kernels/stacked.py)
+    "equal_documents": (torch.tensor([[0] * 6 + [1] * 6 + [2] * 6 + [3] * 6, [0] * 12 + [1] * 12]), None),
+    "equal_documents_window": (torch.tensor([[0] * 6 + [1] * 6 + [2] * 6 + [3] * 6, [0] * 12 + [1] * 12]), 4),
 }
 
 
@@ -121,6 +125,8 @@ def test_piecewise_attention_matches_masked_attention(name, backend, monkeypatch
     docs = None if segment_ids is None else Documents.from_segment_ids(segment_ids)
     pieces = self_attention_pieces(docs, 24, window)
     assert disjoint(pieces) == (window in (None, 1))  # a wider window merges two pieces per query block
+    if name.startswith("equal"):
+        assert any(len(group.indices) > 2 for group in stacked.groups(pieces, q.device))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = piecewise_attention(*leaves, pieces, 0.5)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
@@ -214,3 +220,28 @@ def test_varlen_packing_matches_masked_attention(name, padded_lse, monkeypatch):
     monkeypatch.setattr(varlen, "_Group", lambda *a: kinds.append(a[3][a[4][0]].kind) or real_group(*a))
     test_piecewise_attention_matches_masked_attention(name, "default", monkeypatch)
     assert set(kinds) == ({"causal"} if name == "documents" else {"causal", "full", "upper"})  # all went through
+
+
+def test_stacked_pieces_that_share_queries_merge_one_by_one():
+    """Two pieces of one shape over the same queries (keys 0-5 and 10-15 of row 0) and one over other queries: one
+    kernel call, merged piece by piece where the queries repeat; equal to the masked reference."""
+    q, k, v = make(2, 4, 2, 24, 24, 8)
+    pieces = [Piece(0, slice(16, 22), slice(0, 6), FULL), Piece(0, slice(16, 22), slice(10, 16), FULL),
+              Piece(1, slice(3, 9), slice(12, 18), FULL)]
+    (group,) = stacked.groups(pieces, q.device)
+    assert group.indices == (0, 1, 2) and not group.disjoint_queries
+    mask = torch.zeros(2, 1, 24, 24, dtype=torch.bool)
+    for piece in pieces:
+        mask[piece.row, 0, piece.q, piece.k] = True
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = piecewise_attention(*leaves, pieces, 0.5)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    out.backward(grad)
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference(*ref, 0.5, False, mask)
+    seen = mask.any(-1)[:, :, :, None].expand(ref_out.shape[0], ref_out.shape[1], 24, 1)
+    ref_out = torch.where(seen, ref_out, torch.zeros(()))  # a query in no piece gets 0
+    (ref_out * grad.double()).sum().backward()
+    assert (out.double() - ref_out).abs().max() <= TOL
+    for a, b in zip(leaves, ref, strict=True):
+        assert (a.grad.double() - b.grad.nan_to_num()).abs().max() <= TOL

@@ -25,7 +25,7 @@ seq_length = 32
 cache_dir = "{cache}"
 [rl]
 num_generations = 4
-max_completion_length = 8
+max_completion_length = 12
 eval_prompts = 8
 num_completions_to_print = 3
 reward_funcs = ["rl_test_rewards:odd_length"]
@@ -255,7 +255,8 @@ def test_the_profile_counts_an_rl_leaders_rollout_model_and_kv_cache(recipe_file
 
     def memory(*sets, world=1):
         recipe = load_recipe(recipe_file, ["model.spec=qwen3-8b", "data.seq_length=4096", "model.dtype=bf16",
-                                           "train.global_batch_size=64", "train.micro_batch_size=1", *sets])
+                                           "train.global_batch_size=64", "train.micro_batch_size=1",
+                                           "rl.max_completion_length=8", *sets])
         return estimate_memory(case_from_recipe(recipe, world), capacity_gib=1e4).stages[0].components
 
     model_bytes = 2 * num_parameters(PRESETS["qwen3-8b"])

@@ -1,0 +1,100 @@
+"""Pieces of one shape in one kernel call (any device without flash-attn's variable-length kernels).
+
+Pieces of one row each (kernels/pieces.py) that share their kind and their query and key lengths — the documents of a
+packed row cut to one length, a rollout group's answers after their shared prompt — are gathered along the batch
+dimension by index (an UPPER piece's positions read back to front) and run as one call of the fused kernel, forward
+and backward, instead of one call each; their results go back through the same indices. Each batch row of the kernel
+is computed alone, so the numbers are those of the per-piece calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qlm_core.kernels.attention import attention_backward, attention_forward_with_lse
+from qlm_core.kernels.pieces import FULL, UPPER, Piece
+
+
+@dataclass(frozen=True)
+class Group:
+    """Pieces of one kind and shape: `count` of them, `n` queries and `m` keys each; the (row, position) of every
+    query and key they read, [count * n] and [count * m], in the kernel's order."""
+
+    indices: tuple[int, ...]
+    kind: str
+    n: int
+    m: int
+    q_rows: torch.Tensor
+    q_positions: torch.Tensor
+    k_rows: torch.Tensor
+    k_positions: torch.Tensor
+    disjoint_queries: bool  # no query in two of the pieces (then a merge can gather, merge and put back at once)
+
+    @property
+    def count(self) -> int:
+        return len(self.indices)
+
+
+def _positions(index: slice, kind: str) -> range:
+    return range(index.stop - 1, index.start - 1, -1) if kind == UPPER else range(index.start, index.stop)
+
+
+def groups(pieces: list[Piece], device) -> list[Group]:
+    """The pieces of one row each, by (kind, query length, key length), where two or more share one."""
+    by_shape: dict[tuple, list[int]] = {}
+    for index, piece in enumerate(pieces):
+        if piece.row is not None:
+            key = (piece.kind, piece.q.stop - piece.q.start, piece.k.stop - piece.k.start)
+            by_shape.setdefault(key, []).append(index)
+    out = []
+    for (kind, n, m), indices in by_shape.items():
+        if len(indices) < 2:
+            continue
+        chosen = [pieces[i] for i in indices]
+        q_rows = [p.row for p in chosen for _ in range(n)]
+        q_positions = [j for p in chosen for j in _positions(p.q, kind)]
+        k_rows = [p.row for p in chosen for _ in range(m)]
+        k_positions = [j for p in chosen for j in _positions(p.k, kind)]
+        disjoint = len(set(zip(q_rows, q_positions, strict=True))) == len(q_rows)
+        out.append(Group(tuple(indices), kind, n, m, *(torch.tensor(t, dtype=torch.long, device=device) for t in
+                                                       (q_rows, q_positions, k_rows, k_positions)), disjoint))
+    return out
+
+
+def gather(t: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, count: int) -> torch.Tensor:
+    """[b, h, s(, d)] at (rows, positions) -> [count, h, len, (d)], a copy."""
+    if t.dim() == 3:
+        picked = t.permute(0, 2, 1)[rows, positions]  # [N, h]
+        return picked.view(count, -1, t.shape[1]).permute(0, 2, 1)
+    picked = t.permute(0, 2, 1, 3)[rows, positions]  # [N, h, d]
+    return picked.view(count, -1, t.shape[1], t.shape[3]).permute(0, 2, 1, 3)
+
+
+def put(t: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
+        accumulate: bool = False) -> None:
+    """In place: t at (rows, positions) <- (or += with `accumulate`) values [count, h, len(, d)]."""
+    if t.dim() == 3:
+        t.permute(0, 2, 1).index_put_((rows, positions), values.permute(0, 2, 1).reshape(-1, t.shape[1]).to(t.dtype),
+                                      accumulate=accumulate)
+        return
+    flat = values.permute(0, 2, 1, 3).reshape(-1, t.shape[1], t.shape[3]).to(t.dtype)
+    t.permute(0, 2, 1, 3).index_put_((rows, positions), flat, accumulate=accumulate)
+
+
+def forward(q, k, v, group: Group, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [count, h, n, d], lse [count, h, n]) of the group, positions in the group's order."""
+    qs = (group.q_rows, group.q_positions, group.count)
+    ks = (group.k_rows, group.k_positions, group.count)
+    return attention_forward_with_lse(gather(q, *qs), gather(k, *ks), gather(v, *ks), scale=scale,
+                                      causal=group.kind != FULL)
+
+
+def backward(grad_out, q, k, v, out, lse, group: Group,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of the group against the final out and lse, positions in the group's order."""
+    qs = (group.q_rows, group.q_positions, group.count)
+    ks = (group.k_rows, group.k_positions, group.count)
+    return attention_backward(gather(grad_out, *qs), gather(q, *qs), gather(k, *ks), gather(v, *ks),
+                              gather(out, *qs), gather(lse, *qs), scale=scale, causal=group.kind != FULL)
