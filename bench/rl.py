@@ -9,7 +9,8 @@ exact-answer reward), at temperature 1, DAPO's loss, beta 0, fp32, one optimizer
 CPU with the same threads. qlm runs `qlm train`'s Trainer; TRL runs GRPOTrainer (transformers' generate). The first
 step of each is a warm-up and not counted. Prints, per side: rollout tokens/s (completion tokens sampled per second
 of generation), whole-step samples/s (completions per second of the step: sync + rollout + training), where the
-step's time goes, and the ratios (target >= 2 for both); then the weight sync's seconds against torch's copy of the
+step's time goes, and the ratios of each side's best round (target >= 2 for both; the sides alternate which runs
+first, as this machine's speed wanders between runs); then the weight sync's seconds against torch's copy of the
 same tensors (target <= 1.5x).
 """
 
@@ -64,7 +65,7 @@ plot = false
 """
 
 
-def run_qlm(root: Path, model: Path, prompts: Path, args) -> dict:
+def run_qlm(root: Path, model: Path, prompts: Path, args, name: str = "qlm-run") -> dict:
     from qlm_core.config import load_recipe
     from qlm_core.train.trainer import Trainer
 
@@ -73,8 +74,8 @@ def run_qlm(root: Path, model: Path, prompts: Path, args) -> dict:
                                          generations=args.generations, new_tokens=args.new_tokens,
                                          batch=args.prompts * args.generations, steps=args.steps,
                                          seq_length=20 + args.new_tokens))  # the demo's prompts: under 20 tokens
-    Trainer(load_recipe(recipe_path), root / "qlm-run").run()
-    rows = [json.loads(line) for line in (root / "qlm-run" / "metrics.jsonl").read_text().splitlines()][1:]
+    Trainer(load_recipe(recipe_path), root / name).run()
+    rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()][1:]
     step = sum(r["step_time_s"] for r in rows)
     sync = sum(r["time/weight_sync_s"] for r in rows)
     rollout = sum(r["time/rollout_s"] for r in rows)
@@ -87,7 +88,7 @@ def exact_answer(prompts, completions, answer, **kwargs):
     return [1.0 if c[0]["content"].strip() == a.strip() else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
-def run_trl(root: Path, model: Path, prompts: Path, args) -> dict:
+def run_trl(root: Path, model: Path, prompts: Path, args, name: str = "trl-run") -> dict:
     import datasets
     import transformers
     from trl import GRPOConfig, GRPOTrainer
@@ -96,7 +97,7 @@ def run_trl(root: Path, model: Path, prompts: Path, args) -> dict:
     dataset = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
                                            "answer": r["answer"]} for r in records])
     batch = args.prompts * args.generations
-    config = GRPOConfig(output_dir=str(root / "trl-run"), per_device_train_batch_size=batch,
+    config = GRPOConfig(output_dir=str(root / name), per_device_train_batch_size=batch,
                         gradient_accumulation_steps=1, num_generations=args.generations,
                         max_completion_length=args.new_tokens, temperature=1.0, loss_type="dapo", beta=0.0,
                         learning_rate=1e-5, weight_decay=0.0, lr_scheduler_type="constant", max_steps=args.steps,
@@ -168,6 +169,7 @@ def main():
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--steps", type=int, default=4, help="steps of each (the first is a warm-up)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating which goes first")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     with tempfile.TemporaryDirectory() as tmp:
@@ -176,20 +178,29 @@ def main():
         from qlm_core.data.demo import build_demo
 
         prompts = build_demo(root / "demo", num_train=200, num_eval=5, corpus_paragraphs=20).rl
-        qlm = run_qlm(root, model, prompts, args)
-        trl = run_trl(root, model, prompts, args)
+        runs = {"qlm": [], "trl": []}
+        for round_ in range(args.rounds):  # alternating which side goes first: a busy spell hits both alike
+            order = ("qlm", "trl") if round_ % 2 == 0 else ("trl", "qlm")
+            for side in order:
+                run = run_qlm if side == "qlm" else run_trl
+                runs[side].append(run(root, model, prompts, args, f"{side}-run-{round_}"))
         sync_s, copy_s = sync_ratio(model)
     batch = args.prompts * args.generations
     print(f"model hidden {args.hidden}, {args.layers} layers; {args.prompts} prompts x {args.generations} "
-          f"completions a step, <= {args.new_tokens} new tokens; {qlm['steps']} timed steps each; "
-          f"{torch.get_num_threads()} threads")
-    print(f"{'':6} {'rollout tok/s':>14} {'samples/s':>10} {'sync s':>8} {'rollout s':>10} {'train s':>8}")
-    for name, r in (("qlm", qlm), ("trl", trl)):
-        print(f"{name:6} {r['tokens'] / r['rollout_s']:14.1f} {batch * r['steps'] / r['step_s']:10.2f} "
-              f"{r['sync_s'] / r['steps']:8.3f} {r['rollout_s'] / r['steps']:10.3f} {r['train_s'] / r['steps']:8.3f}")
-    rollout_ratio = (qlm["tokens"] / qlm["rollout_s"]) / (trl["tokens"] / trl["rollout_s"])
-    step_ratio = (qlm["steps"] / qlm["step_s"]) / (trl["steps"] / trl["step_s"])
-    print(f"qlm / trl: rollout tokens/s {rollout_ratio:.2f}x, whole-step samples/s {step_ratio:.2f}x (target >= 2)")
+          f"completions a step, <= {args.new_tokens} new tokens; {runs['qlm'][0]['steps']} timed steps each, "
+          f"{args.rounds} rounds; {torch.get_num_threads()} threads")
+    print(f"{'':10} {'rollout tok/s':>14} {'samples/s':>10} {'sync s':>8} {'rollout s':>10} {'train s':>8}")
+    for round_ in range(args.rounds):
+        for side in ("qlm", "trl"):
+            r = runs[side][round_]
+            print(f"{side} {round_ + 1:<6} {r['tokens'] / r['rollout_s']:14.1f} "
+                  f"{batch * r['steps'] / r['step_s']:10.2f} {r['sync_s'] / r['steps']:8.3f} "
+                  f"{r['rollout_s'] / r['steps']:10.3f} {r['train_s'] / r['steps']:8.3f}")
+    # each side's best round (this machine's speed wanders by ~20% between runs)
+    rollout = {side: max(r["tokens"] / r["rollout_s"] for r in rs) for side, rs in runs.items()}
+    step = {side: max(r["steps"] / r["step_s"] for r in rs) for side, rs in runs.items()}
+    print(f"qlm / trl, each side's best round: rollout tokens/s {rollout['qlm'] / rollout['trl']:.2f}x, "
+          f"whole-step samples/s {step['qlm'] / step['trl']:.2f}x (target >= 2)")
     print(f"weight sync {sync_s * 1e3:.1f} ms vs an in-memory copy of the same tensors {copy_s * 1e3:.1f} ms: "
           f"{sync_s / copy_s:.2f}x (target <= 1.5)")
 
