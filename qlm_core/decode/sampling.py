@@ -68,7 +68,10 @@ def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
     # inverse transform sampling: one uniform draw a row, found in the row's cumulative probabilities (fp64), draws
     # token i with probability p_i as torch.multinomial does, without its random number for every vocabulary entry
     cumulative = logits.softmax(dim=-1).double().cumsum(dim=-1)
-    uniform = torch.rand(cumulative.shape[0], 1, dtype=torch.float64, generator=generator).to(cumulative.device)
+    if not torch.isfinite(cumulative[:, -1]).all():  # NaN / inf logits (a diverged model): no distribution to draw
+        raise ValueError("the model's logits hold NaN or inf: nothing to sample from")
+    uniform = torch.rand(cumulative.shape[0], 1, dtype=torch.float64, generator=generator,
+                         device=generator.device).to(cumulative.device)
     chosen = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True).squeeze(-1)
     chosen = chosen.clamp(max=logits.shape[-1] - 1)
     return chosen, logits.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)

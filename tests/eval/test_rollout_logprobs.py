@@ -99,3 +99,14 @@ def test_sampling_draws_each_token_with_its_probability():
     error = (probs.double() * (1 - probs.double()) / 40_000).sqrt()
     assert ((counts - probs.double()).abs() <= 4 * error + 1e-12).all(), (counts, probs)
     assert torch.allclose(logprobs, probs.log()[chosen], atol=1e-6)
+
+
+def test_nan_or_inf_logits_are_an_error_not_a_token():
+    """A diverged model's logits give no distribution: sampling says so instead of drawing the last token."""
+    from qlm_core.decode.sampling import _choose
+
+    for bad in (float("nan"), float("inf")):
+        logits = torch.randn(3, 10)
+        logits[1, 2] = bad
+        with pytest.raises(ValueError, match="NaN or inf"):
+            _choose(logits, Sampling(temperature=1.0), torch.Generator().manual_seed(0))
