@@ -364,8 +364,8 @@ class RlConfig:
     # an MoE policy: the trainer routes each token to the experts the rollout chose (R3); false: its own routers
     # choose, and metrics.jsonl still counts where they differ from the rollout's (moe_route_mismatch)
     routing_replay: bool = True
-    # the training forward runs a group's prompt once for its completions (a dense model at pp = cp = 1; the same
-    # loss and gradients, to rounding); false: every row whole
+    # the training forward runs a group's prompt once for its completions (a dense model at pp = cp = 1 without
+    # sliding windows, MTP or compile; the same loss and gradients, to rounding); false: every row whole
     shared_prefix: bool = True
     correction_clip_min: float | None = bounded(None, least=0)
     correction_clip_max: float | None = bounded(3.0, least=0)

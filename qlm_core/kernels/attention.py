@@ -34,19 +34,21 @@ def core_attention(
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """Decoding: q [b, hq, 1, d] against every key key_mask [b, 1, 1, sk] allows, one fused kernel call (the mask is
-    one row per sequence, never s x s). With one query a row, a group's query heads are laid along the query
-    dimension against their shared kv head ([b, groups, hq/groups, d]): no GQA, which CUDA's masked kernels lack
-    (they would repeat K/V per head)."""
+    """Decoding: q [b, hq, 1, d] against every key key_mask [b, 1, 1, sk] allows (the mask is one row per sequence,
+    never s x s). With one query a row, a group's query heads are laid along the query dimension against their
+    shared kv head ([b, groups, hq/groups, d]): no GQA, which CUDA's masked kernels lack (they would repeat K/V per
+    head). CUDA: one fused kernel call; CPU: the scores are only [b, hq, sk], and two batched matmuls with the scores
+    and softmax in fp32 (as the fused kernels keep them) beat the CPU's masked SDPA ~3x."""
     b, hq, _, d = q.shape
     groups = k.shape[1]
     grouped = q.reshape(b, groups, hq // groups, d)
     if q.is_cuda:
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=key_mask, scale=scale)
-    else:  # the scores are [b, hq, sk] for one query a row: two batched matmuls beat the CPU's masked SDPA (~3x)
-        scores = torch.matmul(grouped, k.transpose(-1, -2)).mul_(scale).masked_fill_(~key_mask, float("-inf"))
-        out = torch.matmul(scores.softmax(dim=-1), v)
-    return out.reshape(b, hq, 1, d)
+    else:
+        scores = torch.matmul(grouped.float(), k.float().transpose(-1, -2)).mul_(scale)
+        probs = scores.masked_fill_(~key_mask, float("-inf")).softmax(dim=-1)
+        out = torch.matmul(probs.to(v.dtype), v)
+    return out.reshape(b, hq, 1, v.shape[-1])
 
 
 # ---- attention with log-sum-exp --------------------------------------------------------------------------------------

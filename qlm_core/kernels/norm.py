@@ -53,7 +53,8 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def _rms_norm_inference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm_reference's operations without autograd, in place on their own temporaries (decoding's norms)."""
+    """rms_norm_reference's operations without autograd, in place on their own temporaries (any forward without
+    gradients: decoding, a frozen reference, evaluation)."""
     dtype = x.dtype
     x32 = x.to(torch.float32)
     rstd = x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()

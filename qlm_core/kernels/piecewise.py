@@ -55,7 +55,7 @@ def _piece_forward(q, k, v, piece: Piece, scale):
 
 def _forward_all(q, k, v, pieces: list[Piece], scale):
     """(piece, out, lse) for every piece: one varlen call per kind where flash-attn can, else one call a piece (the
-    pieces that kernels/stacked.py groups come from _forward_groups)."""
+    callers run the groups of kernels/stacked.py first and hand this the rest)."""
     batched = varlen.forward(q, k, v, pieces, scale) if varlen.available(q) else {}
     for index, piece in enumerate(pieces):
         yield (piece, *(batched[index] if index in batched else _piece_forward(q, k, v, piece, scale)))

@@ -4,7 +4,8 @@ Pieces of one row each (kernels/pieces.py) that share their kind and their query
 packed row cut to one length, a rollout group's answers after their shared prompt — are gathered along the batch
 dimension by index (an UPPER piece's positions read back to front) and run as one call of the fused kernel, forward
 and backward, instead of one call each; their results go back through the same indices. Each batch row of the kernel
-is computed alone, so the numbers are those of the per-piece calls.
+is computed alone, so each piece's partial result is the per-piece call's; the merge of a query's pieces may run in
+another order (stacked groups first), which changes the last bits of the merged result.
 """
 
 from __future__ import annotations

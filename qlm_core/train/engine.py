@@ -155,7 +155,7 @@ class Engine:
         self.shares_prefixes = (getattr(self.objective, "shares_prefixes", False) and c.pp == 1 and c.cp == 1
                                 and not self.mtp_depths and self.spec.moe is None and not compile
                                 and all(window is None for window in self.chunks[0].windows))
-        self.saved_tokens = 0  # the last step's positions shared-prefix packing did not run
+        self.saved_tokens = 0  # this rank's positions shared-prefix packing did not run in the last forward_backward
         self._num_tokens = 1.0
         self._mtp_tokens, self._mtp_loss_sum = None, None  # multi-token prediction's, per step (_run_microbatches)
         self.objective.bind(self, weights)  # after the policy's schedule: a reference's schedule comes second

@@ -7,11 +7,14 @@ causally: kernels/pieces.Documents.prefixes), at the positions the row gives the
 hidden states those of its unpacked forward, so the final norm's output is gathered back into [s, b, h] rows for the
 loss head and the objective, unchanged: the gradient of a prefix token sums over the rows that share it, as it would
 over its copies. A row's tokens after its last label reach no labelled token and are not run (zeros there); a prefix
-ends at the group's first label (the rows' labels there differ).
+ends where the rows' inputs first differ, at most at the position of the group's first label (the prompt's last
+token, whose hidden state the rows share while their labels differ), so that a group's rows agree on where it ends.
 
 One process along the sequence (no pipeline or context parallelism, no packed segment_ids or sliding windows, no
-MoE: its routers would see the prefix once, which changes their load-balancing statistics); under sequence
-parallelism the packed row is padded to a multiple of the TP size and gathered whole before it is unpacked."""
+MoE: its routers would see the prefix once, which changes their load-balancing statistics; no torch.compile: the
+packed length changes every step); under sequence parallelism the packed row is padded to a multiple of the TP size
+and gathered whole before it is unpacked, so each TP rank holds the micro-batch's final hidden states whole for a
+moment (about 3 b s h values, against b s h / tp for SP's own shard)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from qlm_core.kernels.pieces import Documents
 
 @dataclass(frozen=True)
 class SharedPrefixes:
-    """A micro-batch packed into one row: input_ids, position_ids, labels [1, T] and their documents, and `source`
+    """A micro-batch packed into one row: input_ids and position_ids [1, T] and their documents, and `source`
     [b * s]: for each position of the rows, the packed index it is read from (T: a zero vector)."""
 
     input_ids: torch.Tensor
@@ -59,9 +62,10 @@ def _common(a: torch.Tensor, b: torch.Tensor) -> int:
 
 def pack_shared_prefixes(input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
                          multiple: int = 1, pad_id: int = 0) -> SharedPrefixes | None:
-    """The packing of these rows [b, s] (None when no two adjacent rows share a token before their labels). A row
-    joins the group of the rows before it when it shares at least the group's prefix with the group's first row
-    (tokens and positions) before either's first label; `multiple`: the packed length is padded to it."""
+    """The packing of these rows [b, s] (None when it would run no fewer positions than the rows: no two adjacent
+    rows share their first token). A row joins the group of the rows before it when it shares at least the group's
+    prefix with the group's first row (tokens and positions, up to either's first label position); `multiple`: the
+    packed length is padded to it."""
     rows, seq = input_ids.shape
     first, end = _labelled_bounds(labels.cpu())
     ids_cpu, pos_cpu = input_ids.cpu(), position_ids.cpu()
@@ -73,7 +77,7 @@ def pack_shared_prefixes(input_ids: torch.Tensor, position_ids: torch.Tensor, la
             members, shared = groups[-1]
             lead = members[0]
             common = min(_common(ids_cpu[lead], ids_cpu[row]), _common(pos_cpu[lead], pos_cpu[row]),
-                         first[lead], first[row])
+                         first[lead] + 1, first[row] + 1)
             if common > 0 and (len(members) > 1 and common >= shared or len(members) == 1):
                 groups[-1] = (members + [row], common if len(members) == 1 else shared)
                 continue
@@ -109,6 +113,8 @@ def pack_shared_prefixes(input_ids: torch.Tensor, position_ids: torch.Tensor, la
         spans.append((length, length + padding))
         prefixes.append(None)
     total = length + padding
+    if total >= rows * seq:  # nothing saved (padding to the TP size can eat a small saving)
+        return None
     source[source < 0] = total  # the zero vector appended by unpack
     device = input_ids.device
     return SharedPrefixes(

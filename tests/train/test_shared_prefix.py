@@ -29,18 +29,19 @@ def _rows():
     return ids, torch.arange(10)[None].expand(6, 10), labels
 
 
-def test_groups_share_their_prompt_up_to_the_first_label():
+def test_groups_share_their_prompt_through_the_first_label_position():
     ids, positions, labels = _rows()
     packed = pack_shared_prefixes(ids, positions, labels, multiple=4)
-    # group 1: prefix 3 (the first label is at 3), then 7, 4, 2 own tokens; group 2: prefix 3, then 6, 5; padding
-    assert packed.documents.rows == (((0, 3), (3, 10), (10, 14), (14, 16), (16, 19), (19, 25), (25, 30),
-                                      (30, 32)),)
-    assert packed.documents.prefixes == ((None, (0, 3), (0, 3), (0, 3), None, (16, 19), (16, 19), None),)
-    assert packed.saved_tokens == 6 * 10 - 32
+    # group 1: prefix 4 (the prompt: inputs through the first label's position, 3), then 6, 3, 1 own tokens;
+    # group 2: prefix 4, then 5, 4; padding to 28
+    assert packed.documents.rows == (((0, 4), (4, 10), (10, 13), (13, 14), (14, 18), (18, 23), (23, 27),
+                                      (27, 28)),)
+    assert packed.documents.prefixes == ((None, (0, 4), (0, 4), (0, 4), None, (14, 18), (14, 18), None),)
+    assert packed.saved_tokens == 6 * 10 - 28
     assert torch.equal(packed.input_ids[0, :10], ids[0, :10])
-    assert torch.equal(packed.position_ids[0, 10:14], torch.arange(3, 7))
-    pieces = self_attention_pieces(packed.documents, 32, None)
-    assert Piece(0, slice(3, 16), slice(0, 3), FULL) in pieces  # one piece for the prefix's documents
+    assert torch.equal(packed.position_ids[0, 10:13], torch.arange(4, 7))
+    pieces = self_attention_pieces(packed.documents, 28, None)
+    assert Piece(0, slice(4, 14), slice(0, 4), FULL) in pieces  # one piece for the prefix's documents
 
 
 def test_rows_that_share_nothing_are_not_packed():
@@ -84,7 +85,7 @@ def test_a_step_with_shared_prompts_has_the_loss_and_gradients_of_whole_rows():
         loss = e.global_loss(e.forward_backward(batch))
         grads = torch.cat([e.optimizer.full_grad(p).flatten() for p in e.chunks[0].parameters()])
         results[shared] = (loss, grads, e.saved_tokens)
-    assert results[True][2] == 30 and results[False][2] == 0
+    assert results[True][2] == 33 and results[False][2] == 0
     assert abs(results[True][0] - results[False][0]) < 1e-6
     assert torch.allclose(results[True][1], results[False][1], rtol=1e-4, atol=1e-7)
 
