@@ -200,15 +200,21 @@ class DataConfig:
 COMPILE_AUTO_STEPS = 500  # train.compile left out: compiled from this many steps (bench/train.py: break-even ~70)
 
 
-def compiles(train: TrainConfig, steps: int) -> bool:
-    """Whether a run of `steps` steps compiles its decoder layers (train.compile, or its default)."""
-    return train.compile if train.compile is not None else steps >= COMPILE_AUTO_STEPS
+def compiles(train: TrainConfig, steps: int, rl: bool = False) -> bool:
+    """Whether a run of `steps` steps compiles its decoder layers (train.compile, or its default). An RL run
+    (`rl`) stays eager unless asked: its rollouts decode eagerly, and inductor's fused kernels in the training
+    forward would part the trainer's log-probs from the sampler's by more than rounding."""
+    if train.compile is not None:
+        return train.compile
+    return not rl and steps >= COMPILE_AUTO_STEPS
 
 
-def compile_text(train: TrainConfig, steps: int) -> str:
+def compile_text(train: TrainConfig, steps: int, rl: bool = False) -> str:
     """The decision in words, for the dry run and the run header."""
     if train.compile is not None:
         return f"{'on' if train.compile else 'off'} (train.compile)"
+    if rl:
+        return "off (train.compile left out: an RL run's training forward stays the eager one its rollouts decode with)"
     return (f"{'on' if compiles(train, steps) else 'off'} (train.compile left out: on for runs of >= "
             f"{COMPILE_AUTO_STEPS} steps, this one has {steps})")
 

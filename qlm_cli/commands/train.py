@@ -238,7 +238,7 @@ def _print_dry_run(resolved, plan):
         "model": plan.resume or plan.model_description,
         "parameters": parameters_text(num_parameters(plan.spec), num_parameters(plan.spec, active=True)),
         "stage layers": list(plan.layout.stage_layer_counts), "padded vocabulary": plan.layout.padded_vocab,
-        "steps": plan.steps, "compile": compile_text(resolved.train, plan.steps),
+        "steps": plan.steps, "compile": compile_text(resolved.train, plan.steps, resolved.data.kind == "rl"),
     }))
     memory, device = planned_memory(resolved, plan)
     console.print(memory_table(memory, f"memory per rank, heaviest stage, on {device}"))

@@ -175,7 +175,7 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
     validate_moe(source.spec, recipe.moe, p, recipe.lora.rank)  # as every rank's Engine will, before they start
     source.spec.check_positions(recipe.data.seq_length)
     steps = total_steps(recipe)
-    if compiles(recipe.train, steps):
+    if compiles(recipe.train, steps, recipe.data.kind == "rl"):
         validate_compile_cache()
     check_cache_dir(recipe.data.cache_dir, Path(t.output))
     resume = None

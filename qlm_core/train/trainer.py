@@ -247,8 +247,9 @@ class Trainer:
         """train.compile, or its default by the run's length; on a CPU inductor needs a C++ compiler: without one
         the default is off (said in the run header) and an explicit true is a one-line error."""
         r = self.recipe
-        decided = compiles(r.train, self.steps)
-        self.compile_text = compile_text(r.train, self.steps)
+        rl = r.data.kind == "rl"
+        decided = compiles(r.train, self.steps, rl)
+        self.compile_text = compile_text(r.train, self.steps, rl)
         if decided:
             validate_compile_cache()
         if decided and self.grid.device.type == "cpu" and cpp_compiler() is None:

@@ -248,6 +248,8 @@ def test_compile_defaults_on_for_long_runs_only():
 
     assert not compiles(TrainConfig(), COMPILE_AUTO_STEPS - 1) and compiles(TrainConfig(), COMPILE_AUTO_STEPS)
     assert compiles(TrainConfig(compile=True), 10) and not compiles(TrainConfig(compile=False), 10**6)
+    # an RL run stays eager unless asked: its rollouts decode with the eager forward
+    assert not compiles(TrainConfig(), 10**6, rl=True) and compiles(TrainConfig(compile=True), 10, rl=True)
     assert load_recipe(None, ["train.compile=false"]).train.compile is False and Recipe().train.compile is None
     assert "compile" not in recipe_to_toml(Recipe())  # left out: the default, decided by the run's length
 
