@@ -52,19 +52,10 @@ class RMSNormFunction(torch.autograd.Function):
         return _rms_input_grad(grad_normed, x32, rstd).to(x.dtype), grad_weight, None
 
 
-def _rms_norm_inference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm_reference's operations without autograd, in place on their own temporaries (any forward without
-    gradients: decoding, a frozen reference, evaluation)."""
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    rstd = x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
-    return weight * (x32 * rstd).to(dtype)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return RMSNormFunction.apply(x, weight, eps)
-    return _rms_norm_inference(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
 
 
 class RMSNorm(nn.Module):

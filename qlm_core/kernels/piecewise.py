@@ -61,12 +61,12 @@ def _forward_all(q, k, v, pieces: list[Piece], scale):
         yield (piece, *(batched[index] if index in batched else _piece_forward(q, k, v, piece, scale)))
 
 
-def _stacked_groups(q, pieces: list[Piece]) -> list[stacked.Group]:
+def _stacked_groups(q, pieces: list[Piece]) -> tuple[stacked.Group, ...]:
     """The groups of pieces that share a shape, run by one kernel call each (not where flash-attn's varlen runs)."""
-    return [] if varlen.available(q) else stacked.groups(pieces, q.device)
+    return () if varlen.available(q) else stacked.groups(pieces, q.device)
 
 
-def _rest(pieces: list[Piece], groups: list[stacked.Group]) -> list[Piece]:
+def _rest(pieces: list[Piece], groups: tuple[stacked.Group, ...]) -> list[Piece]:
     grouped = {index for group in groups for index in group.indices}
     return [piece for index, piece in enumerate(pieces) if index not in grouped]
 

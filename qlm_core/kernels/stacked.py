@@ -10,6 +10,7 @@ another order (stacked groups first), which changes the last bits of the merged 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,26 +43,33 @@ def _positions(index: slice, kind: str) -> range:
     return range(index.stop - 1, index.start - 1, -1) if kind == UPPER else range(index.start, index.stop)
 
 
-def groups(pieces: list[Piece], device) -> list[Group]:
-    """The pieces of one row each, by (kind, query length, key length), where two or more share one."""
+def groups(pieces: list[Piece], device) -> tuple[Group, ...]:
+    """The pieces of one row each, by (kind, query length, key length), where two or more share one. Every layer of
+    a forward and its backward hand the same pieces: their groups (Python lists as long as the tokens, and index
+    tensors on the device) are worked out once and kept in a small cache."""
+    key = tuple((p.row, p.q.start, p.q.stop, p.k.start, p.k.stop, p.kind) for p in pieces)
+    return _groups(key, torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _groups(key: tuple, device: torch.device) -> tuple[Group, ...]:
     by_shape: dict[tuple, list[int]] = {}
-    for index, piece in enumerate(pieces):
-        if piece.row is not None:
-            key = (piece.kind, piece.q.stop - piece.q.start, piece.k.stop - piece.k.start)
-            by_shape.setdefault(key, []).append(index)
+    for index, (row, q_start, q_stop, k_start, k_stop, kind) in enumerate(key):
+        if row is not None:
+            by_shape.setdefault((kind, q_stop - q_start, k_stop - k_start), []).append(index)
     out = []
     for (kind, n, m), indices in by_shape.items():
         if len(indices) < 2:
             continue
-        chosen = [pieces[i] for i in indices]
-        q_rows = [p.row for p in chosen for _ in range(n)]
-        q_positions = [j for p in chosen for j in _positions(p.q, kind)]
-        k_rows = [p.row for p in chosen for _ in range(m)]
-        k_positions = [j for p in chosen for j in _positions(p.k, kind)]
+        chosen = [key[i] for i in indices]
+        q_rows = [row for row, *_ in chosen for _ in range(n)]
+        q_positions = [j for _, q_start, q_stop, *_ in chosen for j in _positions(slice(q_start, q_stop), kind)]
+        k_rows = [row for row, *_ in chosen for _ in range(m)]
+        k_positions = [j for *_, k_start, k_stop, _ in chosen for j in _positions(slice(k_start, k_stop), kind)]
         disjoint = len(set(zip(q_rows, q_positions, strict=True))) == len(q_rows)
         out.append(Group(tuple(indices), kind, n, m, *(torch.tensor(t, dtype=torch.long, device=device) for t in
                                                        (q_rows, q_positions, k_rows, k_positions)), disjoint))
-    return out
+    return tuple(out)
 
 
 def gather(t: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, count: int) -> torch.Tensor:
