@@ -14,6 +14,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from qlm_core.kernels.sinks import sink_probabilities
+
 try:  # optional CUDA kernel; never required
     from flash_attn import flash_attn_func as _flash_attn_func
 except Exception:  # noqa: BLE001 - any import failure means "not available"
@@ -33,20 +35,23 @@ def core_attention(
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decoding: q [b, hq, 1, d] against every key key_mask [b, 1, 1, sk] allows (the mask is one row per sequence,
     never s x s). With one query a row, a group's query heads are laid along the query dimension against their
     shared kv head ([b, groups, hq/groups, d]): no GQA, which CUDA's masked kernels lack (they would repeat K/V per
     head). CUDA: one fused kernel call; CPU: the scores are only [b, hq, sk], and two batched matmuls with the scores
-    and softmax in fp32 (as the fused kernels keep them) beat the CPU's masked SDPA ~3x."""
+    and softmax in fp32 (as the fused kernels keep them) beat the CPU's masked SDPA ~3x. `sinks` [hq]: a learned
+    logit per head in each softmax (kernels/sinks.py; the matmul path on CUDA too, which SDPA lacks)."""
     b, hq, _, d = q.shape
     groups = k.shape[1]
     grouped = q.reshape(b, groups, hq // groups, d)
-    if q.is_cuda:
+    if q.is_cuda and sinks is None:
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=key_mask, scale=scale)
     else:
         scores = torch.matmul(grouped.float(), k.float().transpose(-1, -2)).mul_(scale)
-        probs = scores.masked_fill_(~key_mask, float("-inf")).softmax(dim=-1)
+        scores = scores.masked_fill_(~key_mask, float("-inf"))
+        probs = (scores.softmax(dim=-1) if sinks is None
+                 else sink_probabilities(scores, sinks.view(1, groups, hq // groups, 1)))
         out = torch.matmul(probs.to(v.dtype), v)
     return out.reshape(b, hq, 1, v.shape[-1])
 

@@ -15,6 +15,7 @@ from torch.autograd import Function
 from qlm_core.kernels import stacked, varlen
 from qlm_core.kernels.attention import accumulation_dtype, attention_backward, attention_forward_with_lse
 from qlm_core.kernels.pieces import FULL, UPPER, Piece
+from qlm_core.kernels.sinks import add_sinks, sinks_grad
 
 
 def _take(t: torch.Tensor, row, index: slice, kind: str) -> torch.Tensor:
@@ -150,7 +151,7 @@ def like_q(q: torch.Tensor, dtype=None) -> torch.Tensor:
 
 class _PiecewiseAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, pieces, scale):
+    def forward(ctx, q, k, v, pieces, scale, sinks):
         alone = disjoint(pieces)
         if alone:  # every query in exactly one piece: write the kernels' results straight into place
             out = like_q(q).zero_()
@@ -168,20 +169,24 @@ class _PiecewiseAttention(Function):
             attend_pieces(q, k, v, pieces, scale, acc, lse)
             out = like_q(q).copy_(acc)
             del acc
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:
+            add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.pieces, ctx.scale, ctx.alone = pieces, scale, alone
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dtype = q.dtype if ctx.alone else accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
         attend_pieces_backward(grad_out, q, k, v, out, lse, ctx.pieces, ctx.scale, dq, dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dsinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, dsinks
 
 
-def piecewise_attention(q, k, v, pieces: list[Piece], scale: float) -> torch.Tensor:
+def piecewise_attention(q, k, v, pieces: list[Piece], scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable attention of q [b, hq, sq, d] against k, v [b, hk, sk, d] over `pieces` (local indices);
-    a query in no piece gets 0."""
-    return _PiecewiseAttention.apply(q, k, v, pieces, scale)
+    a query in no piece gets 0 (and, with `sinks` [hq], a learned logit per head in every softmax:
+    kernels/sinks.py)."""
+    return _PiecewiseAttention.apply(q, k, v, pieces, scale, sinks)

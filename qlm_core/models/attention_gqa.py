@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from qlm_core.errors import QlmError
 from qlm_core.kernels.attention import core_attention, masked_attention
+from qlm_core.kernels.pieces import self_attention_pieces
 from qlm_core.kernels.piecewise import piecewise_attention
 from qlm_core.kernels.rope import apply_rope
 from qlm_core.models.attention import AttentionInputs, AttentionKind, LayerEntries
@@ -44,7 +45,9 @@ class GroupedQueryAttention(nn.Module):
             raise ValueError(f"tensor-parallel size {tp} must divide num_attention_heads {spec.num_attention_heads}")
         self.spec = spec
         self.tp_group = tp_group
-        # Registration order matches Megatron-Core's SelfAttention (linear_proj before linear_qkv).
+        # Registration order matches Megatron-Core's SelfAttention (core_attention, linear_proj, then linear_qkv).
+        self.core_attention = CoreAttentionSinks(spec.num_attention_heads // tp, dtype) if spec.attention_sinks \
+            else None
         self.linear_proj = RowParallelLinear(
             spec.num_attention_heads * spec.kv_channels, spec.hidden_size, bias=spec.linear_bias,
             tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
@@ -92,15 +95,18 @@ class GroupedQueryAttention(nn.Module):
 
     def _core_attention(self, q, k, v, inputs: AttentionInputs) -> torch.Tensor:
         scale = self.spec.softmax_scale or 1.0 / math.sqrt(self.spec.kv_channels)  # Gemma: query_pre_attn_scalar
+        sinks = None if self.core_attention is None else self.core_attention.softmax_offset
         if group_size(self.parallel.cp_group) > 1:
             return context_parallel_attention(
                 q, k, v, group=self.parallel.cp_group, comm_type=self.parallel.cp_comm_type, scale=scale,
-                documents=inputs.documents, window=self.window, plan=inputs.cp_plan,
+                documents=inputs.documents, window=self.window, plan=inputs.cp_plan, sinks=sinks,
             )
         if inputs.pieces is not None:
-            return piecewise_attention(q, k, v, inputs.pieces, scale)
+            return piecewise_attention(q, k, v, inputs.pieces, scale, sinks)
         if inputs.key_mask is not None:
-            return masked_attention(q, k, v, inputs.key_mask, scale)
+            return masked_attention(q, k, v, inputs.key_mask, scale, sinks)
+        if sinks is not None:  # the fused kernels keep no log-sum-exp to add the sinks to: one causal piece a row
+            return piecewise_attention(q, k, v, self_attention_pieces(None, q.shape[2], None), scale, sinks)
         return core_attention(q, k, v, causal=True, softmax_scale=scale)
 
     def _recomputed_attention(self, q, k, v, inputs: AttentionInputs) -> torch.Tensor:
@@ -119,7 +125,8 @@ class GroupedQueryAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if inputs.cache is not None:
             k, v = inputs.cache.extend(self.layer_index, k, v)
-        plain = inputs.pieces is None and inputs.cp_plan is None and group_size(self.parallel.cp_group) == 1
+        plain = inputs.pieces is None and inputs.cp_plan is None and group_size(self.parallel.cp_group) == 1 \
+            and self.core_attention is None
         if self.parallel.recomputes("core_attn"):
             out = outside_compile(self._recomputed_attention, q, k, v, inputs)
         elif plain:
@@ -130,6 +137,15 @@ class GroupedQueryAttention(nn.Module):
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
+class CoreAttentionSinks(nn.Module):
+    """Megatron-Core's core_attention with softmax_type "learnable": the sink logit of each of this rank's heads
+    (`softmax_offset`, split over TP with the heads; HF's self_attn.sinks)."""
+
+    def __init__(self, local_heads: int, dtype):
+        super().__init__()
+        self.softmax_offset = mark(nn.Parameter(torch.zeros(local_heads, dtype=dtype)), tp_split=True)
+
+
 def gqa_layer_entries(s: ModelSpec, layer: int) -> LayerEntries:
     """linear_proj, the grouped linear_qkv ([q of the group's heads; k; v] per group, from HF's q/k/v_proj) and
     Qwen3's q/k norms, in Megatron-Core's state_dict order."""
@@ -137,6 +153,9 @@ def gqa_layer_entries(s: ModelSpec, layer: int) -> LayerEntries:
     hf, name = f"model.layers.{layer}.", f"decoder.layers.{layer}."
     qd = s.num_attention_heads * d
     out: LayerEntries = [
+        *([("self_attention.core_attention.softmax_offset", TensorLayout(
+            name + "self_attention.core_attention.softmax_offset", (s.num_attention_heads,), ROWS,
+            (Segment(0, s.num_attention_heads, hf + "self_attn.sinks"),)))] if s.attention_sinks else []),
         ("self_attention.linear_proj.weight", TensorLayout(
             name + "self_attention.linear_proj.weight", (h, qd), COLS,
             (Segment(0, qd, hf + "self_attn.o_proj.weight"),))),

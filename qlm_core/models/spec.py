@@ -126,6 +126,8 @@ class ModelSpec:
     scaled_embedding: bool = False  # the embedding's output times sqrt(hidden_size) (Gemma)
     linear_bias: bool = False  # biases on linear_proj, linear_fc1 and linear_fc2 too (OPT; Megatron's add_bias_linear)
     softmax_scale: float | None = None  # softmax scale (None: kv_channels^-0.5); Gemma: query_pre_attn_scalar^-0.5
+    # a learned logit per head in every softmax, with no value (gpt-oss's sinks; Megatron's softmax_type "learnable")
+    attention_sinks: bool = False
     local_rope_theta: float | None = None  # the RoPE base of the windowed layers, unscaled (Gemma 3); None: rope_theta
     moe: MoeSpec | None = None  # Mixture of Experts (None: every layer a dense MLP of ffn_hidden_size)
     mla: MlaSpec | None = None  # multi-latent attention's sizes (attention "mla"); kv_channels is then its q/k head

@@ -35,6 +35,7 @@ from qlm_core.kernels.piecewise import (
     like_q,
     piecewise_attention,
 )
+from qlm_core.kernels.sinks import add_sinks, sinks_grad
 from qlm_core.parallel.comm import all_gather_dim0, all_to_all_dim0, group_rank, group_size, reduce_scatter_dim0
 
 CP_COMM_TYPES = choices(CpCommType)
@@ -209,7 +210,7 @@ class _Ring:
 
 class _RingAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan):
+    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan, sinks):
         cp = group_size(group)
         ring = _Ring(group)
         block_k, block_v = k, v
@@ -220,14 +221,16 @@ class _RingAttention(Function):
             attend_pieces(q, block_k, block_v, plan[step], scale, out, lse)
             if step + 1 < cp:
                 block_k, block_v = ring.finish(pending)
+        if sinks is not None:
+            add_sinks(out, lse, sinks)
         out = like_q(q).copy_(out)  # laid out like q: linear_proj reads it as a view
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.scale, ctx.plan = group, scale, plan
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group = ctx.group
         cp = group_size(group)
         ring = _Ring(group)
@@ -251,7 +254,8 @@ class _RingAttention(Function):
                 block_k, block_v = ring.finish(pending)
         # After cp hops every block's gradient has visited all ranks and come back to its owner.
         dk, dv = ring.finish(grad_pending)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dsinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks
 
 
 # ---- allgather -------------------------------------------------------------------------------------------------------
@@ -265,18 +269,20 @@ def _gather_kv(k, v, group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Te
 
 class _AllGatherAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan):
+    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan, sinks):
         full_k, full_v = _gather_kv(k, v, group)
         out, lse = empty_result(q)
         attend_pieces(q, full_k, full_v, plan[0], scale, out, lse)
+        if sinks is not None:
+            add_sinks(out, lse, sinks)
         out = like_q(q).copy_(out)  # laid out like q: linear_proj reads it as a view
-        ctx.save_for_backward(q, k, v, out, lse)  # not the gathered K/V: backward gathers them again
+        ctx.save_for_backward(q, k, v, out, lse, sinks)  # not the gathered K/V: backward gathers them again
         ctx.group, ctx.scale, ctx.plan = group, scale, plan
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group = ctx.group
         cp = group_size(group)
         full_k, full_v = _gather_kv(k, v, group)
@@ -288,8 +294,9 @@ class _AllGatherAttention(Function):
         # Every rank holds partial gradients for all keys: sum them onto the owners (dK and dV in one collective).
         joined = _reorder_chunks(torch.cat((dk, dv), dim=3), cp, 2, to_global=False)
         joined = reduce_scatter_dim0(joined.movedim(2, 0), group).movedim(0, 2)
+        dsinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks)
         return dq.to(q.dtype), joined[..., :k.shape[3]].to(k.dtype), joined[..., k.shape[3]:].to(v.dtype), None, \
-            None, None
+            None, None, dsinks
 
 
 # ---- a2a: Ulysses ----------------------------------------------------------------------------------------------------
@@ -321,7 +328,7 @@ def _heads_to_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return _AllToAll.apply(parts, group).movedim(0, 1).flatten(1, 2)
 
 
-def _ulysses_attention(q, k, v, group: ProcessGroup | None, scale, plan):
+def _ulysses_attention(q, k, v, group: ProcessGroup | None, scale, plan, sinks):
     cp, hq, hk = group_size(group), q.shape[1], k.shape[1]
     if hq % cp:
         raise ValueError(f"a2a context parallelism needs the query heads per rank ({hq}) divisible by cp ({cp})")
@@ -332,8 +339,11 @@ def _ulysses_attention(q, k, v, group: ProcessGroup | None, scale, plan):
         # Fewer kv heads than ranks: give each rank a copy of the one kv head its query heads use.
         k, v = k.repeat_interleave(cp // hk, dim=1), v.repeat_interleave(cp // hk, dim=1)
     q, k, v = (_seq_to_heads(t, group) for t in (q, k, v))
+    if sinks is not None:  # this rank's head group's (the others' gradients stay 0 here: the cp reduce sums them)
+        heads = hq // cp
+        sinks = sinks[group_rank(group) * heads:(group_rank(group) + 1) * heads]
     # The sequence is in global order now: plain one-process attention over the documents.
-    return _heads_to_seq(piecewise_attention(q, k, v, plan[0], scale), group)
+    return _heads_to_seq(piecewise_attention(q, k, v, plan[0], scale, sinks), group)
 
 
 # ---- entry point -----------------------------------------------------------------------------------------------------
@@ -350,6 +360,7 @@ def context_parallel_attention(
     documents: Documents | None = None,
     window: int | None = None,
     plan: tuple[list[Piece], ...] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries against the whole sequence spread over the CP `group`.
 
@@ -357,7 +368,8 @@ def context_parallel_attention(
     rank's two chunks in the layout
     above; `documents` None or the micro-batch's documents in global positions (attention stays within a document);
     `window` Mistral's sliding window (None: unbounded); `plan` cp_attention_plan of these, when the caller has
-    it already (the model computes it once per forward). Returns [b, hq, s_local, d].
+    it already (the model computes it once per forward); `sinks` [hq] gpt-oss's learned sink logit per head
+    (kernels/sinks.py). Returns [b, hq, s_local, d].
     """
     assert comm_type in CP_COMM_TYPES, f"comm_type {comm_type!r}"  # the recipe's schema checked it (config.py)
     if k.shape[:3] != v.shape[:3] or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1] or q.shape[3] != k.shape[3]:
@@ -367,13 +379,13 @@ def context_parallel_attention(
         raise ValueError(f"documents describe {len(documents.rows)} rows of {documents.seq_len} tokens, not "
                          f"{q.shape[0]} of {q.shape[2] * cp}")
     if cp == 1:
-        return piecewise_attention(q, k, v, self_attention_pieces(documents, q.shape[2], window), scale)
+        return piecewise_attention(q, k, v, self_attention_pieces(documents, q.shape[2], window), scale, sinks)
     if q.shape[2] % 2:
         raise ValueError(f"each CP rank holds two equal chunks; its local length {q.shape[2]} is odd")
     if plan is None:
         plan = cp_attention_plan(documents, q.shape[2] * cp, cp, group_rank(group), comm_type, window)
     if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, group, scale, plan)
+        return _RingAttention.apply(q, k, v, group, scale, plan, sinks)
     if comm_type == "allgather":
-        return _AllGatherAttention.apply(q, k, v, group, scale, plan)
-    return _ulysses_attention(q, k, v, group, scale, plan)
+        return _AllGatherAttention.apply(q, k, v, group, scale, plan, sinks)
+    return _ulysses_attention(q, k, v, group, scale, plan, sinks)

@@ -67,8 +67,9 @@ def test_no_group_is_plain_attention():
         assert (got - want).abs().max() <= TOL
 
 
-def full_attention(q, k, v, segments, window):
-    """Causal (+ same-document, + sliding-window) attention over the whole sequence, GQA by repeating k and v."""
+def full_attention(q, k, v, segments, window, sinks=None):
+    """Causal (+ same-document, + sliding-window) attention over the whole sequence, GQA by repeating k and v;
+    with `sinks`, gpt-oss's eager formula (each head's sink logit joins the softmax and is dropped after it)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     back = torch.arange(S)[:, None] - torch.arange(S)[None, :]
@@ -76,16 +77,21 @@ def full_attention(q, k, v, segments, window):
     if segments is not None:
         allowed = allowed & (segments[:, :, None] == segments[:, None, :])[:, None]
     scores = (q @ k.transpose(-1, -2) * SCALE).masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores, -1) @ v
+    if sinks is None:
+        return torch.softmax(scores, -1) @ v
+    sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    return torch.cat((scores, sink), -1).softmax(-1)[..., :-1] @ v
 
 
 def full_reference(check: CpCheck) -> dict[str, torch.Tensor]:
-    """out, dq, dk, dv of full attention in float64 with autograd, on the worker's inputs."""
-    q, k, v, grad, segments = check_inputs(check)
+    """out, dq, dk, dv (and dsinks) of full attention in float64 with autograd, on the worker's inputs."""
+    q, k, v, grad, segments, sinks = check_inputs(check)
     full = [t.double().requires_grad_() for t in (q, k, v)]
-    out = full_attention(*full, segments, check.window)
+    sinks = None if sinks is None else sinks.double().requires_grad_()
+    out = full_attention(*full, segments, check.window, sinks)
     out.backward(grad.double())
-    return {"out": out.detach(), **{n: t.grad for n, t in zip(("dq", "dk", "dv"), full, strict=True)}}
+    grads = {n: t.grad for n, t in zip(("dq", "dk", "dv"), full, strict=True)}
+    return {"out": out.detach(), **grads, **({} if sinks is None else {"dsinks": sinks.grad})}
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +111,17 @@ def cp_results(tmp_path_factory):
 def test_context_parallel_attention_matches_full(cp_results, name):
     check = CHECKS[name]
     expected = full_reference(check)
+    dsinks = expected.pop("dsinks", None)
     for rank, (checks, _) in enumerate(cp_results):
         got = checks[name]
         diffs = {key: (got[key].double() - split_for_cp(expected[key], check.cp, got["cp_rank"], 2)).abs().max().item()
                  for key in expected}
         assert max(diffs.values()) <= TOL, (name, rank, diffs)
+    if dsinks is not None:  # each group of cp ranks' shares sum to the whole gradient
+        ranks = [checks[name] for checks, _ in cp_results]
+        for members in ([0, 2], [1, 3]) if check.cp == 2 else ([0, 1, 2, 3],):
+            total = sum(ranks[r]["dsinks"].double() for r in members)
+            assert (total - dsinks).abs().max() <= TOL, (name, members)
 
 
 @pytest.mark.distributed

@@ -37,6 +37,7 @@ class CpCheck:
     hq: int
     hk: int
     kind: str
+    sinks: bool = False  # gpt-oss's learned sink logit per head (kernels/sinks.py)
 
     @property
     def packed(self) -> bool:
@@ -49,6 +50,8 @@ class CpCheck:
 
 CHECKS = {f"cp{cp}-{comm}-hq{hq}-hk{hk}-{kind}": CpCheck(cp, comm, hq, hk, kind)
           for cp, comm, (hq, hk), kind in itertools.product(CP_SIZES, COMM_TYPES, HEADS, KINDS)}
+CHECKS.update({f"cp{cp}-{comm}-hq4-hk2-packed-window-sinks": CpCheck(cp, comm, 4, 2, "packed-window", sinks=True)
+               for cp, comm in itertools.product(CP_SIZES, COMM_TYPES)})
 
 
 def segment_ids() -> torch.Tensor:
@@ -60,20 +63,25 @@ def check_inputs(check: CpCheck):
     gen = torch.Generator().manual_seed(100 * check.hq + 10 * check.hk + list(KINDS).index(check.kind))
     q, k, v = (torch.randn(B, h, S, D, generator=gen) for h in (check.hq, check.hk, check.hk))
     grad = torch.randn(B, check.hq, S, D, generator=gen)
-    return q, k, v, grad, segment_ids() if check.packed else None
+    sinks = torch.randn(check.hq, generator=gen) if check.sinks else None
+    return q, k, v, grad, segment_ids() if check.packed else None, sinks
 
 
 def run_check(check: CpCheck, group) -> dict:
     """This rank's slices of the output and of dq, dk, dv, and its rank in the cp group."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    q, k, v, grad, segments = check_inputs(check)
+    q, k, v, grad, segments, sinks = check_inputs(check)
     local = [split_for_cp(t, cp, rank, 2).requires_grad_() for t in (q, k, v)]
+    sinks = None if sinks is None else sinks.requires_grad_()
     out = context_parallel_attention(
         *local, group=group, comm_type=check.comm, scale=SCALE, window=check.window,
-        documents=None if segments is None else Documents.from_segment_ids(segments),
+        documents=None if segments is None else Documents.from_segment_ids(segments), sinks=sinks,
     )
     out.backward(split_for_cp(grad, cp, rank, 2))
-    return {"cp_rank": rank, "out": out.detach(), **{n: t.grad for n, t in zip(("dq", "dk", "dv"), local, strict=True)}}
+    grads = {n: t.grad for n, t in zip(("dq", "dk", "dv"), local, strict=True)}
+    if sinks is not None:  # this rank's share: its queries' (its heads' under a2a); the ranks' shares sum to the whole
+        grads["dsinks"] = sinks.grad
+    return {"cp_rank": rank, "out": out.detach(), **grads}
 
 
 def check_gather(group):

@@ -60,6 +60,7 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         window_attn_skip_freq=None if s.window_layers is None else [int(w) for w in s.window_layers],
         qlm_sliding_window=s.sliding_window,
         softmax_scale=s.softmax_scale,
+        softmax_type="learnable" if s.attention_sinks else "vanilla",  # gpt-oss's sinks: core_attention.softmax_offset
         # Gemma 3's global layers: linear RoPE scaling (Megatron's position interpolation); its windowed layers' own
         # base and its embedding scale have no Megatron-LM argument (Megatron-Bridge's rotary_base_local)
         rotary_seq_len_interpolation_factor=s.rope_scaling.factor if isinstance(s.rope_scaling, LinearRopeScaling)
@@ -352,6 +353,7 @@ def spec_from_args(args) -> ModelSpec:
         post_norms=_post_norms_from_args(args),
         scaled_embedding=bool(getattr(args, "qlm_scaled_embedding", False)),
         softmax_scale=getattr(args, "softmax_scale", None),
+        attention_sinks=_sinks_from_args(args),
         local_rope_theta=getattr(args, "qlm_local_rope_theta", None),
         moe=moe,
         mla=mla,
@@ -363,6 +365,14 @@ def spec_from_args(args) -> ModelSpec:
         head=getattr(args, "qlm_head", None) or "lm",
         pad_token_id=getattr(args, "qlm_pad_token_id", None),
     )
+
+
+def _sinks_from_args(args) -> bool:
+    """Megatron's softmax_type: "learnable" is a sink logit per head; "off-by-one" (a fixed sink of 0) qlm lacks."""
+    kind = getattr(args, "softmax_type", None) or "vanilla"
+    if kind not in ("vanilla", "learnable"):
+        raise QlmError(f"softmax_type {kind!r} is not one qlm builds", "qlm reads softmax_type vanilla or learnable")
+    return kind == "learnable"
 
 
 def dtype_from_args(args) -> torch.dtype:
