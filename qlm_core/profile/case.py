@@ -89,9 +89,17 @@ class ProfileCase:
     rl: bool = False
     rl_reference: bool = False
     rl_batch_rows: int = 0  # completions decoded at once (rl.rollout_batch_size; 0: the leader's whole share)
+    rl_generations: int = 1  # completions of one prompt (rl.num_generations): a group's prompt is prefilled once
     rl_completion_tokens: int = RlConfig.max_completion_length  # rl.max_completion_length
     rl_reward_model_params: int = 0  # the reward models rl.reward_funcs names, whole on each leader
     mtp_loss_scaling_factor: float = TrainConfig.mtp_loss_scaling_factor  # train.mtp_loss_scaling_factor
+
+    def rl_prefill_rows(self, rows: int, share: int) -> int:
+        """Prompts prefilled for a decode batch of `rows` completions out of a leader's `share`: one a group when
+        every decode batch holds whole groups (train/rollouts.generate_groups), else one a row."""
+        batch = self.rl_batch_rows or share
+        n = self.rl_generations
+        return rows // n if batch % n == 0 and rows % n == 0 else rows
 
     @property
     def reference_copy(self) -> bool:
@@ -264,7 +272,7 @@ def case_from_recipe(recipe: Recipe, num_gpus: int | None = None, spec: ModelSpe
         micro_batch_size=recipe.train.micro_batch_size * rows, global_batch_size=recipe.train.global_batch_size * rows,
         preference_reference=reference, rl=recipe.data.kind == "rl",
         rl_reference=recipe.data.kind == "rl" and recipe.rl.beta > 0, rl_batch_rows=recipe.rl.rollout_batch_size,
-        rl_completion_tokens=recipe.rl.max_completion_length,
+        rl_completion_tokens=recipe.rl.max_completion_length, rl_generations=recipe.rl.num_generations,
         rl_reward_model_params=reward_model_parameters(recipe),
         num_gpus=num_gpus, dtype=recipe.model.dtype, lora_rank=recipe.lora.rank,
         lora_targets=tuple(recipe.lora.target_modules), loss_chunk_tokens=recipe.train.loss_chunk_tokens,

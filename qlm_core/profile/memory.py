@@ -27,7 +27,8 @@
                 (global batch / dp, or rl.rollout_batch_size, rows of seq_len tokens), one bucket of the synced
                 weights before it is copied in (under ZeRO 3 twice: its parameters are gathered whole to be sent),
                 the last position's fp32 logits, and the prefill's working set (one layer's forward over the
-                prompts of those rows, seq_len - max_completion_length tokens each: the residual stream, the norm's
+                prompts of those rows — one a group when the decode batches hold whole groups, whose cache the
+                group's rows then copy —, seq_len - max_completion_length tokens each: the residual stream, the norm's
                 output and the hidden state handed on, the MLP's fc1 output with its activation's outputs, the new
                 K and V with their RoPE copies; an MoE layer's k routed copies of each token through an expert)
                 — beyond the training step's transient memory (activations, loss, workspace, pipeline and
@@ -298,12 +299,12 @@ def rollout_bytes(case: ProfileCase, x: ActivationInputs, training_transient: fl
     spec, width = case.spec, case.dtype_bytes
     model = width * num_parameters(spec)
     reward_models = width * case.rl_reward_model_params
-    rows = case.global_batch_size // case.sizes.dp
-    rows = min(rows, case.rl_batch_rows) if case.rl_batch_rows else rows
+    share = case.global_batch_size // case.sizes.dp
+    rows = min(share, case.rl_batch_rows) if case.rl_batch_rows else share
     kv_cache = rows * case.seq_len * spec.num_layers * attention_terms(x).kv_cache(spec) * width
     logits = 4.0 * rows * spec.vocab_size
     prompt = case.seq_len - min(case.rl_completion_tokens, case.seq_len - 1)
-    prefill = rows * prompt * width * prefill_values_per_token(spec)
+    prefill = case.rl_prefill_rows(rows, share) * prompt * width * prefill_values_per_token(spec)
     bucket = min(float(BUCKET_BYTES), model)  # the sync fills the rollout model a bucket at a time
     synced = bucket * (2 if case.parallel.zero_stage == 3 else 1)  # ZeRO 3: the bucket's shards gathered whole too
     return model + reward_models + max(0.0, kv_cache + synced + logits + prefill - training_transient)

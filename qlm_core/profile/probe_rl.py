@@ -1,8 +1,10 @@
 """One rank of `qlm profile --probe` for an RL case (data.kind = "rl"): the trainer's Engine with the GRPO objective
 (DAPO's loss; a frozen reference when the case has one) and the rollout as train/rollout_batches.py runs it —
 weight sync to each replica's leader, the leader's KV-cache decoding of its share of the completions
-(rl.rollout_batch_size at a time; random prompts of seq_len - max_completion_length tokens, every completion taken to
-its length limit as the profile assumes, no eos), the rows handed to the replica — then the training step on them.
+(rl.rollout_batch_size at a time; rl.num_generations completions of each random prompt of seq_len -
+max_completion_length tokens, every completion taken to its length limit as the profile assumes, no eos), the rows
+handed to the replica — then the training step on them, each row whole (the profile prices no shared prompts in
+training: an upper bound of what rl.shared_prefix saves).
 Reward functions are not run (random advantages); reward models are not loaded.
 
 Beside probe_worker.py's measurements, a leader reports:
@@ -41,7 +43,8 @@ def rl_engine(case: ProfileCase, grid: Grid) -> Engine:
                   global_batch_size=case.global_batch_size, seq_length=case.seq_len, dtype=case.torch_dtype,
                   seed=1234, loss_chunk_tokens=case.loss_chunk_tokens, moe=case.moe,
                   objective=GrpoObjective(loss, reference="frozen" if case.rl_reference else "batch",
-                                          routing_replay=True if case.spec.moe is not None else None))
+                                          routing_replay=True if case.spec.moe is not None else None,
+                                          shared_prefix=False))
 
 
 class ProbeRollout:
@@ -55,7 +58,8 @@ class ProbeRollout:
         self.model: GPTModel | None = None
         self.rows = case.global_batch_size // self.grid.sizes.dp
         self.completion = case.rl_completion_tokens
-        self.config = RolloutConfig(num_generations=1, max_completion_length=self.completion,
+        self.generations = case.rl_generations if self.rows % case.rl_generations == 0 else 1
+        self.config = RolloutConfig(num_generations=self.generations, max_completion_length=self.completion,
                                     sampling=Sampling(temperature=1.0, seed=7 + self.grid.dp_rank),
                                     batch_rows=case.rl_batch_rows)
 
@@ -67,9 +71,11 @@ class ProbeRollout:
             return None
         g = torch.Generator().manual_seed(100 + self.grid.dp_rank)
         prompt = self.case.seq_len - self.completion
-        prompts = torch.randint(1, self.case.spec.vocab_size, (self.rows, prompt), generator=g).tolist()
+        groups = self.rows // self.generations
+        prompts = torch.randint(1, self.case.spec.vocab_size, (groups, prompt), generator=g).tolist()
         generations = generate_groups(self.model, prompts, self.config, eos_token_id=None, pad_id=0)
-        batch = pack_rollouts(prompts, generations, self.case.seq_len, pad_id=0)
+        rows = [p for p in prompts for _ in range(self.generations)]  # each completion's prompt
+        batch = pack_rollouts(rows, generations, self.case.seq_len, pad_id=0)
         batch.advantages = torch.randn(self.rows, generator=g)
         return batch
 

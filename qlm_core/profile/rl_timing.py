@@ -9,7 +9,8 @@ them.
                the copy into the rollout model (read and written at HBM speed).
   rl_generate  KV-cache decoding of the leader's completions (global batch / dp of them, rl.rollout_batch_size at a
                time) by the whole model at TP 1: the prefill of the prompts (the longest a prompt may be, seq_len -
-               max_completion_length) at the GEMM rate, then max_completion_length steps, each the larger of reading
+               max_completion_length; once a group when the decode batches hold whole groups) at the GEMM rate,
+               then max_completion_length steps, each the larger of reading
                the weights (an MoE layer's experts that the batch's tokens can reach) and the batch's KV cache at HBM
                speed, and its FLOPs. Every completion is taken to run to the length limit, an upper bound (an eos ends
                one sooner); the host's per-step launch work is not counted (qlm decodes eagerly: `--probe` measures it).
@@ -75,7 +76,8 @@ def generate_seconds(case: ProfileCase, gpu: GpuSpec, rates: KernelRates) -> flo
     seconds = 0.0
     for first in range(0, share, batch):
         rows = min(batch, share - first)
-        prefill = rows * prompt * model_layer_flops_per_token(spec, prompt) + rows * logits_flops_per_token(spec)
+        prompts = case.rl_prefill_rows(rows, share)  # a group's prompt prefilled once, its cache copied
+        prefill = prompts * (prompt * model_layer_flops_per_token(spec, prompt) + logits_flops_per_token(spec))
         seconds += prefill / gemm_rate
         weights = _weights_read(case, rows)
         steps = completion - 1  # the first token came from the prefill's logits

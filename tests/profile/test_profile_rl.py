@@ -58,6 +58,26 @@ def test_more_leaders_share_the_decoding_and_a_batch_bound_adds_passes():
     assert bounded == pytest.approx(8 * eight, rel=1e-9)  # 8 passes of batch 8, each a dp-8 leader's one pass
 
 
+def test_a_group_prompt_is_prefilled_once_when_the_decode_batches_hold_whole_groups():
+    """generate_groups prefills a group's prompt once and copies its cache to the group's rows: with one new token
+    (no decoding steps, only the prefill) 8 completions a prompt cost an eighth of 8 prompts; a decode batch bound
+    that splits groups (12 rows of groups of 8) prefills every row, as the decoder then does. The rollout's
+    prefill working set shrinks alike."""
+    from qlm_core.profile.memory import estimate_memory
+
+    def prefill(**fields):
+        return estimate_time(rl_case(rl_completion_tokens=1, **fields), GPU).components["rl_generate"]
+
+    assert prefill(rl_generations=8) == pytest.approx(prefill() / 8, rel=1e-12)
+    assert prefill(rl_generations=8, rl_batch_rows=12) == pytest.approx(prefill(rl_batch_rows=12), rel=1e-12)
+    assert prefill(rl_generations=8, rl_batch_rows=16) == pytest.approx(prefill(rl_batch_rows=16) / 8, rel=1e-12)
+
+    def rollout(**fields):
+        return estimate_memory(rl_case(num_gpus=1, **fields), 80).stages[0].components["rollout"]
+
+    assert rollout(rl_generations=8) < rollout()
+
+
 def test_the_weight_sync_moves_the_model_and_the_reward_models_run_forward():
     """Sync: the model's bytes read and written once on the leader, over the replica (tp 2) and to the other leaders
     (dp 4); a reward model of N parameters costs 2 N FLOPs per token of every completion of the leader."""
