@@ -84,6 +84,14 @@ class Family:
     # learned positions: the embedding's rows before position 0 (OPT's offset of 2; HF keeps and stores them)
     position_offset: int = 0
     fixed_config: tuple[tuple[str, Any], ...] = ()  # config.json keys the family's one supported layout fixes
+    # config.json keys the family's config class never reads (ignored on read, left out on write: OPT's have no
+    # rotary base, norm epsilon or key/value heads of their own)
+    unread_config: tuple[str, ...] = ()
+    # multi-head attention of hidden_size / heads wide only (OPT's config has no key for other heads)
+    plain_heads: bool = False
+    # a config.json key that must equal hidden_size (OPT's word_embed_proj_dim: OPT-350M projects its narrower
+    # embedding in and out, which qlm does not build); written as hidden_size
+    embedding_width_key: str | None = None
     tied_default: bool = False  # transformers' tie_word_embeddings when config.json leaves it out
     scaled_embedding: bool = False  # the embedding's output is multiplied by sqrt(hidden_size) (Gemma)
     # the softmax scale is query_pre_attn_scalar^-0.5, not head_dim^-0.5, and windowed layers have their own RoPE
@@ -147,7 +155,11 @@ FAMILIES: dict[str, Family] = {
                   config_aliases=(("intermediate_size", "ffn_dim"),), norm_epsilon=1e-5, position_offset=2,
                   norm="layernorm", activation="relu", other_activations=("gelu",), position="learned_absolute",
                   fixed_config=(("do_layer_norm_before", True), ("layer_norm_elementwise_affine", True),
-                                ("_remove_final_layer_norm", False)), tied_default=True),
+                                ("_remove_final_layer_norm", False)), tied_default=True,
+                  unread_config=("num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters",
+                                 "rms_norm_eps", "sliding_window", "use_sliding_window", "layer_types",
+                                 "partial_rotary_factor"),
+                  plain_heads=True, embedding_width_key="word_embed_proj_dim"),
     # GLM-4.7-Flash: DeepSeek-V3's layer, its dense and MoE layers listed in mlp_layer_types
     "glm4_moe_lite": Family("Glm4MoeLiteForCausalLM", declares_no_bias=True, moe=True,
                             shared_expert_block="shared_experts.", attention="mla",

@@ -406,14 +406,14 @@ class ModelSpec:
         config.update(family.fixed_config)
         for ours, theirs in family.config_aliases:
             config[theirs] = config.pop(ours)
-        if self.model_type == "opt" and (self.num_query_groups != self.num_attention_heads
-                                         or self.kv_channels * self.num_attention_heads != self.hidden_size):
-            raise QlmError("an opt model with grouped queries or heads not hidden_size / heads wide has no Hugging "
-                           "Face config", "keep it in a Megatron format")
-        if self.model_type == "opt":  # no rotary base, norm epsilon or key/value heads of its own
-            config.update(word_embed_proj_dim=self.hidden_size)
-            for key in ("rope_theta", "rms_norm_eps", "num_key_value_heads", "head_dim"):
-                config.pop(key, None)
+        if family.plain_heads and (self.num_query_groups != self.num_attention_heads
+                                   or self.kv_channels * self.num_attention_heads != self.hidden_size):
+            raise QlmError(f"an {self.model_type} model with grouped queries or heads not hidden_size / heads wide "
+                           "has no Hugging Face config", "keep it in a Megatron format")
+        if family.embedding_width_key:
+            config[family.embedding_width_key] = self.hidden_size
+        for key in family.unread_config:
+            config.pop(key, None)
         if self.pad_token_id is not None:
             config["pad_token_id"] = self.pad_token_id
         if self.head == "score":  # num_labels 1, as transformers writes it
@@ -597,21 +597,16 @@ def _family_config(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         if key in config and config[key] != value:
             raise QlmError(f"config.json ({model_type}): {key} is {config[key]!r}; qlm builds {model_type} with "
                            f"{key} = {value!r}", f"use a {model_type} model with {key} = {value!r}")
-    if model_type == "opt" and config.get("word_embed_proj_dim", config.get("hidden_size")) != config.get(
-            "hidden_size"):  # OPT-350M projects its 512-wide embedding in and out
-        raise QlmError(f"config.json (opt): word_embed_proj_dim {config['word_embed_proj_dim']} differs from "
-                       f"hidden_size {config.get('hidden_size')} (projected embeddings)",
-                       "use an OPT whose embedding is hidden_size wide (every OPT but 350M)")
+    width = family.embedding_width_key
+    if width and config.get(width, config.get("hidden_size")) != config.get("hidden_size"):
+        raise QlmError(f"config.json ({model_type}): {width} {config[width]} differs from hidden_size "
+                       f"{config.get('hidden_size')} (projected embeddings)",
+                       f"use a {model_type} model whose embedding is hidden_size wide (every OPT but 350M)")
     aliased = {ours: config[theirs] for ours, theirs in family.config_aliases if theirs in config}
     config = {**config, **aliased}
-    if model_type == "opt":  # multi-head attention of hidden_size / heads, whatever other keys a config.json holds
-        config = {key: value for key, value in config.items() if key not in _NOT_OPT}
-    return config
-
-
-# keys OPT's config class never reads (a config.json built with them keeps them as plain attributes)
-_NOT_OPT = ("num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps",
-            "sliding_window", "use_sliding_window", "layer_types", "partial_rotary_factor")
+    # keys the family's config class never reads (a config.json built with them keeps them as plain attributes):
+    # OPT is multi-head attention of hidden_size / heads, whatever other keys its config.json holds
+    return {key: value for key, value in config.items() if key not in family.unread_config}
 
 
 def _check_optional_numbers(config: dict[str, Any], model_type: str):
