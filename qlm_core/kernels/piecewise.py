@@ -152,7 +152,7 @@ def like_q(q: torch.Tensor, dtype=None) -> torch.Tensor:
 class _PiecewiseAttention(Function):
     @staticmethod
     def forward(ctx, q, k, v, pieces, scale, sinks):
-        alone = disjoint(pieces)
+        alone = sinks is None and disjoint(pieces)  # sinks rescale the fp32 accumulator before its one rounding
         if alone:  # every query in exactly one piece: write the kernels' results straight into place
             out = like_q(q).zero_()
             lse = torch.full(q.shape[:3], float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
@@ -167,10 +167,10 @@ class _PiecewiseAttention(Function):
         else:
             acc, lse = empty_result(q)
             attend_pieces(q, k, v, pieces, scale, acc, lse)
+            if sinks is not None:
+                add_sinks(acc, lse, sinks)
             out = like_q(q).copy_(acc)
             del acc
-        if sinks is not None:
-            add_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.pieces, ctx.scale, ctx.alone = pieces, scale, alone
         return out

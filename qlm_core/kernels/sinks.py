@@ -15,11 +15,12 @@ import torch
 
 
 def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
-    """In place: out [b, h, s, d] and lse [b, h, s] of plain attention become those with one sink logit per head
-    (sinks [h]). A query that saw no key keeps out 0 and gets lse = its sink."""
+    """In place: out [b, h, s, d] and lse [b, h, s] of plain attention (both in the accumulation dtype, before
+    the output's one rounding) become those with one sink logit per head (sinks [h]). A query that saw no key keeps
+    out 0 and gets lse = its sink."""
     sink = sinks.detach().to(lse.dtype)[None, :, None]
     new = torch.logaddexp(lse, sink)
-    out.mul_(torch.exp(lse - new).to(out.dtype)[..., None])
+    out.mul_(torch.exp(lse - new)[..., None])
     lse.copy_(new)
 
 

@@ -157,6 +157,9 @@ class ModelSpec:
         if (self.moe is not None) != (self.model_type in MOE_MODEL_TYPES):
             raise QlmError(f"model_type {self.model_type!r} {'needs' if self.moe is None else 'takes no'} MoE numbers",
                            f"MoE model types are {', '.join(MOE_MODEL_TYPES)}")
+        if self.attention_sinks and self.attention != "gqa":
+            raise QlmError(f"attention sinks with {self.attention!r} attention",
+                           "sinks go with grouped-query attention")
         if not 0 < self.rotary_percent <= 1 or int(self.kv_channels * self.rotary_percent) % 2:
             raise QlmError(f"rotary_percent {self.rotary_percent} of a {self.kv_channels}-wide head",
                            "rotate a share in (0, 1] giving an even number of dims")
@@ -435,7 +438,9 @@ class ModelSpec:
                       "local_rope_theta": self.local_rope_theta is not None and not family.gemma_attention,
                       "linear rope scaling": isinstance(self.rope_scaling, LinearRopeScaling)
                       and not family.gemma_attention,
-                      "norm_epsilon": family.norm_epsilon is not None and self.norm_epsilon != family.norm_epsilon}
+                      "norm_epsilon": family.norm_epsilon is not None and self.norm_epsilon != family.norm_epsilon,
+                      # no family's config.json says so yet: transformers would load the sinks as unused weights
+                      "attention_sinks": self.attention_sinks}
         for what, differs in fixed.items():
             if differs:
                 raise QlmError(f"a {self.model_type} model with this {what} has no Hugging Face config",

@@ -104,3 +104,43 @@ def test_a_model_with_sinks_decodes_as_it_runs_whole():
                               strict=False)
         assert (model(ids) - plain(ids)).abs().max() <= TOL
         assert (whole - plain(ids)).abs().max() > 1e-3
+
+
+def test_sinks_round_trip_megatron_args_and_are_refused_where_nothing_reads_them():
+    """softmax_type "learnable" in a Megatron checkpoint's args means sinks and back; "off-by-one" (a fixed sink
+    qlm does not build) is refused in one line, and so are an HF config.json that would drop the sinks (no family
+    here reads them from config.json yet) and sinks on multi-latent attention (which has no softmax_offset)."""
+    import argparse
+
+    from qlm_core.checkpoint.formats.megatron.args import make_args, spec_from_args
+    from qlm_core.errors import QlmError
+    from qlm_core.models import load_model_spec
+    from qlm_core.models.layout import ModelLayout
+
+    spec = load_model_spec("qlm-tiny").replace(attention_sinks=True)
+    args = make_args(ModelLayout(spec), torch.float32)
+    assert args.softmax_type == "learnable" and spec_from_args(args).attention_sinks
+    assert make_args(ModelLayout(spec.replace(attention_sinks=False)), torch.float32).softmax_type == "vanilla"
+    with pytest.raises(QlmError, match="softmax_type 'off-by-one'"):
+        spec_from_args(argparse.Namespace(**{**vars(args), "softmax_type": "off-by-one"}))
+    with pytest.raises(QlmError, match="attention_sinks has no Hugging Face config"):
+        spec.to_hf_config()
+    with pytest.raises(QlmError, match="attention sinks with 'mla'"):
+        load_model_spec("qlm-tiny-mla").replace(attention_sinks=True)
+
+
+def test_sinks_in_bf16_round_once():
+    """The sinks rescale the fp32 accumulator before the output's one bf16 rounding: as close to the fp64 result
+    as the sink-free bf16 attention is to its own (rescaling the rounded output rounded twice: ~1.2x further)."""
+    q, k, v = make(2, 8, 8, 256, 256, 64, seed=3)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(4))
+    pieces = self_attention_pieces(None, 256, None)
+
+    def error(with_sinks):
+        s = sinks if with_sinks else None
+        exact = piecewise_attention(q.double(), k.double(), v.double(), pieces, 0.125,
+                                    None if s is None else s.double())
+        ours = piecewise_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), pieces, 0.125, s)
+        return ((ours.double() - exact).abs() / exact.abs().clamp(min=1e-3)).median()
+
+    assert error(True) <= 1.1 * error(False)

@@ -183,6 +183,7 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
         expert_tensor_parallel_size=integer("expert_tensor_parallel_size"),
         window_size=tuple(window) if isinstance(window, (list, tuple)) and len(window) == 2 else None,
         window_attn_skip_freq=model.get("window_attn_skip_freq"),
+        softmax_type=str(model.get("softmax_type") or "vanilla"),  # "learnable": attention sinks
         bf16=flag("bf16", False),
         fp16=flag("fp16", False),
         qlm_model_type="mistral" if "mistral" in target else "mixtral" if "mixtral" in target else None,

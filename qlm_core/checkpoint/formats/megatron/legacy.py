@@ -429,6 +429,8 @@ def _leftover_setting(local: str) -> str:
         return "moe_shared_expert_intermediate_size / moe_shared_expert_gate"
     if "expert_bias" in local:
         return "moe_router_enable_expert_bias"
+    if local.endswith("core_attention.softmax_offset"):
+        return "softmax_type (learnable: attention sinks)"
     if ".mlp.experts." in local or ".mlp.router." in local:
         return "num_moe_experts / moe_layer_freq"
     if local.endswith(".bias"):
