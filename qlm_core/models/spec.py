@@ -606,7 +606,7 @@ def _family_config(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     if width and config.get(width, config.get("hidden_size")) != config.get("hidden_size"):
         raise QlmError(f"config.json ({model_type}): {width} {config[width]} differs from hidden_size "
                        f"{config.get('hidden_size')} (projected embeddings)",
-                       f"use a {model_type} model whose embedding is hidden_size wide (every OPT but 350M)")
+                       "use a model whose embedding is hidden_size wide (every OPT but 350M)")
     aliased = {ours: config[theirs] for ours, theirs in family.config_aliases if theirs in config}
     config = {**config, **aliased}
     # keys the family's config class never reads (a config.json built with them keeps them as plain attributes):

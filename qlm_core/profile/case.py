@@ -99,7 +99,7 @@ class ProfileCase:
         every decode batch holds whole groups (train/rollouts.generate_groups), else one a row."""
         batch = self.rl_batch_rows or share
         n = self.rl_generations
-        return rows // n if batch % n == 0 and rows % n == 0 else rows
+        return rows // n if share % n == 0 and batch % n == 0 and rows % n == 0 else rows
 
     @property
     def reference_copy(self) -> bool:
@@ -234,6 +234,11 @@ def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
                        f"sequences is not a multiple of micro-batch x dp = {rows}",
                        f"pass the run's device count as --num-gpus ({SEED_GPUS} when left out), or --dp (a "
                        "recipe's parallel.dp), or change the batch sizes")
+    if case.rl and (case.global_batch_size // case.rl_generations) % sizes.dp:  # validate.validate_rl's rule
+        prompts = case.global_batch_size // case.rl_generations
+        raise QlmError(f"the step's {prompts} prompts (train.global_batch_size / rl.num_generations) do not divide "
+                       f"among {sizes.dp} data-parallel ranks", f"make train.global_batch_size a multiple of "
+                       f"{case.rl_generations * sizes.dp}, or use another device count")
     validate_layout(case.spec, p, sizes, case.seq_len, case.micro_batch_size, case.global_batch_size,
                     rows_per_sample=2 if case.preference_reference else 1)
     validate_experts(case.spec, p)

@@ -71,6 +71,8 @@ def test_a_group_prompt_is_prefilled_once_when_the_decode_batches_hold_whole_gro
     assert prefill(rl_generations=8) == pytest.approx(prefill() / 8, rel=1e-12)
     assert prefill(rl_generations=8, rl_batch_rows=12) == pytest.approx(prefill(rl_batch_rows=12), rel=1e-12)
     assert prefill(rl_generations=8, rl_batch_rows=16) == pytest.approx(prefill(rl_batch_rows=16) / 8, rel=1e-12)
+    # a share of 6 in groups of 4 (a scaled-down probe's): the decoder answers each row on its own
+    assert rl_case(rl_generations=4, rl_batch_rows=4).rl_prefill_rows(4, 6) == 4
 
     def rollout(**fields):
         return estimate_memory(rl_case(num_gpus=1, **fields), 80).stages[0].components["rollout"]
@@ -168,3 +170,15 @@ def test_the_moe_grpo_recipe_fits_with_its_routes_replayed():
     assert memory.fits
     assert memory.stages[0].components["rollout"] == 2 * num_parameters(case.spec)  # bf16: the model only
     assert memory.total_gib + 2 * num_parameters(case.spec) / 2**30 > GPU.memory_gib
+
+
+def test_a_layout_whose_leaders_cannot_take_whole_prompts_is_refused():
+    """The trainer refuses a step whose prompts do not divide among the data-parallel ranks (validate.validate_rl);
+    so does the profile, and the search never ranks such a layout (32 prompts of 8 over dp 64)."""
+    from qlm_core.errors import QlmError
+    from qlm_core.profile.case import validate_case
+
+    case = rl_case(global_batch_size=256, rl_generations=8, num_gpus=64)
+    with pytest.raises(QlmError, match="32 prompts .* do not divide among 64 data-parallel ranks"):
+        validate_case(case)
+    validate_case(rl_case(global_batch_size=256, rl_generations=8, num_gpus=32))
