@@ -246,8 +246,9 @@ def test_an_rl_run_on_two_data_parallel_ranks_shares_the_prompts_and_gathers_the
 def test_the_profile_counts_an_rl_leaders_rollout_model_and_kv_cache(recipe_file):
     """The memory estimate of an RL recipe: stage 0 holds the whole rollout model and, beyond the training step's
     transient memory, the KV cache and the prefill's working set of the completions decoded at once
-    (rl.rollout_batch_size bounds both); a frozen
-    reference (rl.beta > 0) adds the policy's weights again; a language-model run has no rollout term."""
+    (rl.rollout_batch_size bounds both; here one completion a prompt, so each row prefills its own — a group's
+    prompt prefilled once is tests/profile/test_profile_rl.py's); a frozen reference (rl.beta > 0) adds the
+    policy's weights again; a language-model run has no rollout term."""
     from qlm_core.models.parameters import num_parameters
     from qlm_core.models.presets import PRESETS
     from qlm_core.profile.case import case_from_recipe
@@ -256,7 +257,7 @@ def test_the_profile_counts_an_rl_leaders_rollout_model_and_kv_cache(recipe_file
     def memory(*sets, world=1):
         recipe = load_recipe(recipe_file, ["model.spec=qwen3-8b", "data.seq_length=4096", "model.dtype=bf16",
                                            "train.global_batch_size=64", "train.micro_batch_size=1",
-                                           "rl.max_completion_length=8", *sets])
+                                           "rl.max_completion_length=8", "rl.num_generations=1", *sets])
         return estimate_memory(case_from_recipe(recipe, world), capacity_gib=1e4).stages[0].components
 
     model_bytes = 2 * num_parameters(PRESETS["qwen3-8b"])
