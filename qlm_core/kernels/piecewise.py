@@ -167,8 +167,7 @@ class _PiecewiseAttention(Function):
         else:
             acc, lse = empty_result(q)
             attend_pieces(q, k, v, pieces, scale, acc, lse)
-            if sinks is not None:
-                add_sinks(acc, lse, sinks)
+            add_sinks(acc, lse, sinks)
             out = like_q(q).copy_(acc)
             del acc
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -181,7 +180,7 @@ class _PiecewiseAttention(Function):
         dtype = q.dtype if ctx.alone else accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
         attend_pieces_backward(grad_out, q, k, v, out, lse, ctx.pieces, ctx.scale, dq, dk, dv)
-        dsinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks)
+        dsinks = sinks_grad(grad_out, out, lse, sinks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, dsinks
 
 

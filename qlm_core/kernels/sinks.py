@@ -14,18 +14,23 @@ from __future__ import annotations
 import torch
 
 
-def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> None:
     """In place: out [b, h, s, d] and lse [b, h, s] of plain attention (both in the accumulation dtype, before
-    the output's one rounding) become those with one sink logit per head (sinks [h]). A query that saw no key keeps
-    out 0 and gets lse = its sink."""
+    the output's one rounding) become those with one sink logit per head (sinks [h]; None: no sinks, nothing to
+    do). A query that saw no key keeps out 0 and gets lse = its sink."""
+    if sinks is None:
+        return
     sink = sinks.detach().to(lse.dtype)[None, :, None]
     new = torch.logaddexp(lse, sink)
     out.mul_(torch.exp(lse - new)[..., None])
     lse.copy_(new)
 
 
-def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """dL/dsinks [h] given the sinked out and lse (add_sinks) and dL/dout."""
+def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """dL/dsinks [h] given the sinked out and lse (add_sinks) and dL/dout (None without sinks)."""
+    if sinks is None:
+        return None
     rowsum = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(dim=-1)  # D of every query [b, h, s]
     p_sink = torch.exp(sinks.detach().to(lse.dtype)[None, :, None] - lse)
     return -(p_sink * rowsum).sum(dim=(0, 2)).to(sinks.dtype)

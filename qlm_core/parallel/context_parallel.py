@@ -221,8 +221,7 @@ class _RingAttention(Function):
             attend_pieces(q, block_k, block_v, plan[step], scale, out, lse)
             if step + 1 < cp:
                 block_k, block_v = ring.finish(pending)
-        if sinks is not None:
-            add_sinks(out, lse, sinks)
+        add_sinks(out, lse, sinks)
         out = like_q(q).copy_(out)  # laid out like q: linear_proj reads it as a view
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.scale, ctx.plan = group, scale, plan
@@ -254,7 +253,7 @@ class _RingAttention(Function):
                 block_k, block_v = ring.finish(pending)
         # After cp hops every block's gradient has visited all ranks and come back to its owner.
         dk, dv = ring.finish(grad_pending)
-        dsinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks)
+        dsinks = sinks_grad(grad_out, out, lse, sinks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks
 
 
@@ -273,8 +272,7 @@ class _AllGatherAttention(Function):
         full_k, full_v = _gather_kv(k, v, group)
         out, lse = empty_result(q)
         attend_pieces(q, full_k, full_v, plan[0], scale, out, lse)
-        if sinks is not None:
-            add_sinks(out, lse, sinks)
+        add_sinks(out, lse, sinks)
         out = like_q(q).copy_(out)  # laid out like q: linear_proj reads it as a view
         ctx.save_for_backward(q, k, v, out, lse, sinks)  # not the gathered K/V: backward gathers them again
         ctx.group, ctx.scale, ctx.plan = group, scale, plan
@@ -294,7 +292,7 @@ class _AllGatherAttention(Function):
         # Every rank holds partial gradients for all keys: sum them onto the owners (dK and dV in one collective).
         joined = _reorder_chunks(torch.cat((dk, dv), dim=3), cp, 2, to_global=False)
         joined = reduce_scatter_dim0(joined.movedim(2, 0), group).movedim(0, 2)
-        dsinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks)
+        dsinks = sinks_grad(grad_out, out, lse, sinks)
         return dq.to(q.dtype), joined[..., :k.shape[3]].to(k.dtype), joined[..., k.shape[3]:].to(v.dtype), None, \
             None, None, dsinks
 

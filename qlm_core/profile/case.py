@@ -44,6 +44,7 @@ from qlm_core.train.validate import (
     validate_layout,
     validate_moe,
     validate_preference_model,
+    validate_rl_prompts,
 )
 
 SEED_PARALLEL = dict(tp=4, cp=4, sp=True, zero_stage=1, overlap_grad_reduce=True, overlap_param_gather=True,
@@ -234,11 +235,8 @@ def validate_case(case: ProfileCase) -> tuple[ParallelSizes, ModelLayout]:
                        f"sequences is not a multiple of micro-batch x dp = {rows}",
                        f"pass the run's device count as --num-gpus ({SEED_GPUS} when left out), or --dp (a "
                        "recipe's parallel.dp), or change the batch sizes")
-    if case.rl and (case.global_batch_size // case.rl_generations) % sizes.dp:  # validate.validate_rl's rule
-        prompts = case.global_batch_size // case.rl_generations
-        raise QlmError(f"the step's {prompts} prompts (train.global_batch_size / rl.num_generations) do not divide "
-                       f"among {sizes.dp} data-parallel ranks", f"make train.global_batch_size a multiple of "
-                       f"{case.rl_generations * sizes.dp}, or use another device count")
+    if case.rl:
+        validate_rl_prompts(case.global_batch_size, case.rl_generations, sizes.dp, ", or use another device count")
     validate_layout(case.spec, p, sizes, case.seq_len, case.micro_batch_size, case.global_batch_size,
                     rows_per_sample=2 if case.preference_reference else 1)
     validate_experts(case.spec, p)

@@ -121,6 +121,15 @@ def validate_reward_model(spec: ModelSpec):
                        "train a dense model as the reward model")
 
 
+def validate_rl_prompts(global_batch_size: int, num_generations: int, dp: int, fix: str = ""):
+    """Each data-parallel rank's leader samples whole prompts: the step's prompts divide among the dp ranks."""
+    prompts = global_batch_size // num_generations
+    if prompts % dp:
+        raise QlmError(f"the step's {prompts} prompts (train.global_batch_size / rl.num_generations) do not divide "
+                       f"among {dp} data-parallel ranks",
+                       f"make train.global_batch_size a multiple of {num_generations * dp}{fix}")
+
+
 def validate_rl(recipe: Recipe, dp: int | None = None):
     """data.kind = "rl" with [rl]: the loss's settings, the batch in whole groups over the data-parallel ranks
     (`dp`, once the world is known), and the rewards' weights."""
@@ -129,11 +138,8 @@ def validate_rl(recipe: Recipe, dp: int | None = None):
     if t.global_batch_size % rl.num_generations:
         raise QlmError(f"train.global_batch_size {t.global_batch_size} (completions per step) is not a multiple of "
                        f"rl.num_generations {rl.num_generations}", "make the batch whole groups of completions")
-    prompts = t.global_batch_size // rl.num_generations
-    if dp is not None and prompts % dp:
-        raise QlmError(f"the step's {prompts} prompts (train.global_batch_size / rl.num_generations) do not divide "
-                       f"among {dp} data-parallel ranks", f"make train.global_batch_size a multiple of "
-                       f"{rl.num_generations * dp}")
+    if dp is not None:
+        validate_rl_prompts(t.global_batch_size, rl.num_generations, dp)
     if rl.reward_weights and len(rl.reward_weights) != len(rl.reward_funcs):
         raise QlmError(f"rl.reward_weights has {len(rl.reward_weights)} entries for {len(rl.reward_funcs)} "
                        "rl.reward_funcs", "give one weight per reward function, or none (1 each)")

@@ -16,14 +16,17 @@ TOL = 1e-5
 
 
 def sink_reference(q, k, v, sinks, scale, mask):
-    """fp64: softmax over [q k^T * scale masked, sink] without the sink's column, times v."""
+    """transformers' own gpt-oss attention (modeling_gpt_oss.eager_attention_forward) in fp64: the sink appended to
+    each row's scores, softmax, the sink's column dropped; `mask` [b, 1, sq, sk] bool, True where a key is seen."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
     q, k, v, sinks = (t.double() for t in (q, k, v, sinks))
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
-    sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-    probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
-    return probs @ v
+    module = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], sinks=sinks, training=False)
+    additive = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, torch.finfo(torch.float64).min)
+    out, _ = eager_attention_forward(module, q, k, v, additive, scaling=scale)
+    return out.transpose(1, 2)  # [b, sq, h, d] -> [b, h, sq, d]
 
 
 CASES = {
