@@ -56,6 +56,8 @@ MODEL_KINDS = {
                                        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0}
 # Qwen3 (q/k norms, head_dim 24 independent of hidden / heads) and the MoE models: 4 experts, top 2; Qwen2-MoE with
 # a gated shared expert, pre-softmax routing and a dense layer among its MoE layers; expert sizes multiples of 8
 QWEN3_MOE_KINDS = {
@@ -69,6 +71,11 @@ QWEN3_MOE_KINDS = {
     # first layer, RoPE in interleaved pairs, tied embeddings
     "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
                                           moe_num_shared_experts=1, moe_layer_start_index=1, head_dim=16)),
+    # gpt-oss: q/k/v/o biases, sinks, windowed (8) and full layers alternating, yarn RoPE without truncation, a
+    # router and experts with biases, the clamped SwiGLU (make_hf_model scales the experts' gate_up_proj so that its
+    # clamps bind)
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+                                sliding_window=8, tie_word_embeddings=False, rope_parameters=GPT_OSS_YARN)),
 }
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
          "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0}
@@ -130,8 +137,12 @@ def make_hf_model(path: Path, kind: str, dtype=torch.float32, seed: int = 0, **o
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
-            if name.endswith("mlp.gate.weight"):  # MoE routers: distinct logits, so no top-k ties
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # MoE routers: distinct logits, no ties
                 param.copy_(torch.randn_like(param))
+            if name.endswith("self_attn.sinks"):  # gpt-oss's sinks: a share of each softmax worth seeing
+                param.copy_(torch.randn_like(param))
+            if model_type == "gpt_oss" and name.endswith("experts.gate_up_proj"):  # past the SwiGLU's clamp of 7
+                param.mul_(100)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek's routers: a bias that changes the choice
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
@@ -187,15 +198,16 @@ def add_mtp_layers(path: Path, depths: int = 1, seed: int = 1) -> None:
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def make_chat_hf_model(path: Path, demo_dir: Path, chat_template: str | None = None) -> Path:
-    """A tiny random Qwen2 with qlm's demo tokenizer (vocabulary 512, chatml; eos <|im_end|>, pad <|endoftext|>),
-    optionally another chat template; returns the demo's paths (its data sets go with the tokenizer)."""
+def make_chat_hf_model(path: Path, demo_dir: Path, chat_template: str | None = None, kind: str = "qwen2") -> Path:
+    """A tiny random model of `kind` (a Qwen2) with qlm's demo tokenizer (vocabulary 512, chatml; eos <|im_end|>,
+    pad <|endoftext|>), optionally another chat template; returns the demo's paths (its data sets go with the
+    tokenizer)."""
     from transformers import AutoTokenizer
 
     from qlm_core.data.demo import build_demo
 
     demo = build_demo(demo_dir, seed=0, num_train=30, num_eval=3, corpus_paragraphs=5, preference_pairs=64)
-    make_hf_model(path, "qwen2", vocab_size=512)
+    make_hf_model(path, kind, vocab_size=512)
     tokenizer = AutoTokenizer.from_pretrained(demo.tokenizer)  # replaces make_hf_model's tiny one
     tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
     if chat_template is not None:

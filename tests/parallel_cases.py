@@ -62,24 +62,30 @@ GEMMA3 = SPEC.replace(model_type="gemma3_text", qkv_bias=False, tie_word_embeddi
                       post_norms=True, scaled_embedding=True, softmax_scale=24 ** -0.5, rope_theta=1e6,
                       rope_scaling=LinearRopeScaling(8.0), local_rope_theta=10000.0, sliding_window=6,
                       window_layers=(True, True, True, False), norm="gemma_rmsnorm", activation="geglu")
+# A gpt-oss: q/k/v/o biases, a sink logit per head, windowed (6) and full layers alternating, yarn without truncation,
+# an MoE whose router and experts have biases and whose experts run the clamped SwiGLU, on packed documents
+GPT_OSS = SPEC.replace(model_type="gpt_oss", linear_bias=True, attention_sinks=True, sliding_window=6,
+                       window_layers=(True, False, True, False), activation="clamped_swiglu",
+                       rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16, truncate=False),
+                       moe=MoeSpec(num_experts=4, topk=2, ffn_hidden_size=32))
 # window: packed documents and the windowed model; moe: MOE; mla: MLA (mla_packed: with packed documents)
 # mla_mtp_off: MLA trained with the multi-token prediction weight at 0 (its layers frozen and not run); glm4: GLM4;
 # gemma3: GEMMA3 on packed documents; ernie_moe: ERNIE_MOE; opt / opt_gelu: OPT / OPT_GELU on packed documents
-# (their learned positions restart with each document)
+# (their learned positions restart with each document); gpt_oss: GPT_OSS on packed documents
 DATA_KINDS = ("plain", "packed", "window", "moe", "moe_seq", "moe_global", "mla", "mla_packed", "mla_mtp_off",
-              "glm4", "gemma3", "ernie_moe", "opt", "opt_gelu")
+              "glm4", "gemma3", "ernie_moe", "opt", "opt_gelu", "gpt_oss")
 
 
 def case_spec(data: str) -> ModelSpec:
     return {"window": WINDOWED, "moe": MOE, "moe_seq": MOE, "moe_global": MOE, "mla": MLA,
             "mla_packed": MLA, "mla_mtp_off": MLA, "glm4": GLM4, "gemma3": GEMMA3,
-            "ernie_moe": ERNIE_MOE, "opt": OPT, "opt_gelu": OPT_GELU}.get(data, SPEC)
+            "ernie_moe": ERNIE_MOE, "opt": OPT, "opt_gelu": OPT_GELU, "gpt_oss": GPT_OSS}.get(data, SPEC)
 
 
 def case_moe(data: str) -> MoeConfig | None:
     return {"moe": MOE_TRAINING, "moe_seq": MOE_SEQ_TRAINING, "moe_global": MOE_GLOBAL_TRAINING,
             "mla": MOE_TRAINING, "mla_packed": MOE_TRAINING, "mla_mtp_off": MOE_TRAINING,
-            "ernie_moe": MOE_TRAINING}.get(data)
+            "ernie_moe": MOE_TRAINING, "gpt_oss": MOE_TRAINING}.get(data)
 
 
 def case_mtp_scale(data: str) -> float:
@@ -159,6 +165,13 @@ CASES = {
     "opt_gelu_cp2_allgather": LayoutCase(2, dict(cp=2, cp_comm_type="allgather"), data="opt_gelu"),
     "opt_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), data="opt"),
     "ernie_moe_ep2": LayoutCase(2, dict(ep=2), micro_batch_size=1, data="ernie_moe"),
+    # expert biases go with expert-TP 1: under tp2 the experts are whole on each TP rank (expert-data-parallel)
+    "gpt_oss_tp2_sp_etp1": LayoutCase(2, dict(tp=2, sp=True, etp=1), data="gpt_oss"),
+    "gpt_oss_pp2": LayoutCase(2, dict(pp=2), data="gpt_oss"),
+    "gpt_oss_cp2_a2a": LayoutCase(2, dict(cp=2, cp_comm_type="a2a"), data="gpt_oss"),
+    "gpt_oss_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), micro_batch_size=1,
+                                    data="gpt_oss"),
+    "gpt_oss_ep2": LayoutCase(2, dict(ep=2), micro_batch_size=1, data="gpt_oss"),
     "moe_tp2": LayoutCase(2, dict(tp=2), data="moe"),
     "moe_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="moe"),
     "moe_pp2": LayoutCase(2, dict(pp=2), data="moe"),
@@ -214,7 +227,7 @@ COMPILED_CASES = {
 def make_batch(packed: bool | str):
     """Global batch: input_ids, labels (-100 across document boundaries), position_ids and segment_ids (packed, or
     data kind "packed" / "window" / "mla_packed" / "gemma3" / "opt" / "opt_gelu")."""
-    packed = packed in (True, "packed", "window", "mla_packed", "gemma3", "opt", "opt_gelu")
+    packed = packed in (True, "packed", "window", "mla_packed", "gemma3", "opt", "opt_gelu", "gpt_oss")
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, SPEC.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=generator)
     input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()

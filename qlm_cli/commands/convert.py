@@ -263,6 +263,8 @@ def ds2mcore(
     tp: TP = 1,
     pp: PP = 1,
     vpp: VPP = 1,
+    ep: EP = 1,
+    etp: ETP = None,
     first: FIRST = None,
     last: LAST = None,
     dtype: DS_DTYPE = None,
@@ -271,13 +273,14 @@ def ds2mcore(
     verify: VERIFY = None,
     allow_bf16_weights: ALLOW_BF16 = False,
 ):
-    """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy `torch` checkpoint at any TP/PP/VPP, streamed one rank file at
-    a time. The HF config and tokenizer files go to OUT/hf/."""
+    """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy `torch` checkpoint at any TP/PP/VPP (and EP for MoE models),
+    streamed one rank file at a time. The HF config and tokenizer files go to OUT/hf/."""
     from qlm_core.checkpoint.convert.deepspeed import ds_to_mcore
 
     with progress_bar("ds2mcore") as progress:
         result = ds_to_mcore(
-            ds, out, tag=tag, config=config, tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last,
+            ds, out, tag=tag, config=config, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, first_stage_layers=first,
+            last_stage_layers=last,
             dtype=value_of(dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by, force=force,
             verify=verify, progress=progress, allow_bf16_weights=allow_bf16_weights,
         )

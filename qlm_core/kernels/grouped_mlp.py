@@ -118,13 +118,17 @@ def grouped_swiglu_mlp(x: torch.Tensor, counts: Sequence[int], fc1: Sequence[tor
 
 def looped_mlp(activation):
     """An MoE layer's routed experts over rows sorted by expert, one expert at a time: fc2[e] @ activation(fc1[e] @
-    x) (the activations without a grouped kernel of their own; this module's is SwiGLU's)."""
+    x + fc1_bias[e]) + fc2_bias[e] (the activations without a grouped kernel of their own, and experts with biases:
+    gpt-oss's; a None list, or a None entry, adds no bias)."""
 
-    def mlp(x: torch.Tensor, counts, fc1, fc2, grouped: bool | None = None) -> torch.Tensor:
+    def mlp(x: torch.Tensor, counts, fc1, fc2, grouped: bool | None = None, fc1_bias=None,
+            fc2_bias=None) -> torch.Tensor:
         outputs, start = [], 0
-        for count, w1, w2 in zip(counts, fc1, fc2, strict=True):
+        fc1_bias = fc1_bias or [None] * len(fc1)
+        fc2_bias = fc2_bias or [None] * len(fc2)
+        for count, w1, w2, b1, b2 in zip(counts, fc1, fc2, fc1_bias, fc2_bias, strict=True):
             rows = x[start:start + int(count)]
-            outputs.append(activation(rows @ w1.t()) @ w2.t())
+            outputs.append(F.linear(activation(F.linear(rows, w1, b1)), w2, b2))
             start += int(count)
         return torch.cat(outputs) if outputs else x.new_zeros(0, fc2[0].shape[0])
 

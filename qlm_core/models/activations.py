@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from qlm_core.kernels.clamped_swiglu import ALPHA, LIMIT, clamped_swiglu
 from qlm_core.kernels.geglu import geglu
 from qlm_core.kernels.grouped_mlp import grouped_swiglu_mlp, looped_mlp
 from qlm_core.kernels.swiglu import swiglu
@@ -23,7 +24,8 @@ class ActivationKind:
     """function: linear_fc1's local output -> linear_fc2's input. gated: linear_fc1 holds [gate; up] (2f rows, each
     TP rank its own [gate_r; up_r]: tensor_layout.FC1), else f rows split by rows. grouped_mlp(rows, counts, fc1s,
     fc2s): the routed experts' whole MLP over rows sorted by expert (kernels/grouped_mlp.py). megatron_args: what
-    Megatron-LM's args say of it. saves_output: backward reads its output (ReLU), which is linear_fc2's input too,
+    Megatron-LM's switches say of it (each true or false); megatron_values: its other Megatron-LM args (numbers),
+    written and checked on read. saves_output: backward reads its output (ReLU), which is linear_fc2's input too,
     rather than its input (the profile's saved bytes)."""
 
     function: Callable[[torch.Tensor], torch.Tensor]
@@ -31,9 +33,22 @@ class ActivationKind:
     grouped_mlp: Callable[..., torch.Tensor]
     megatron_args: tuple[tuple[str, Any], ...]
     saves_output: bool = False
+    megatron_values: tuple[tuple[str, Any], ...] = ()
 
     def fc1_rows(self, ffn_hidden_size: int) -> int:
         return 2 * ffn_hidden_size if self.gated else ffn_hidden_size
+
+    def routed_mlp(self, rows: torch.Tensor, counts, fc1, fc2, fc1_bias=None, fc2_bias=None) -> torch.Tensor:
+        """The routed experts' MLP over rows sorted by expert: grouped_mlp, or with biases (gpt-oss's) the
+        per-expert loop that adds them."""
+        if fc1_bias is None and fc2_bias is None:
+            return self.grouped_mlp(rows, counts, fc1, fc2, grouped=None if rows.shape[0] else False)
+        return looped_mlp(self.function)(rows, counts, fc1, fc2, fc1_bias=fc1_bias, fc2_bias=fc2_bias)
+
+    def routed_grouped(self, bias: bool) -> bool:
+        """Whether routed_mlp runs a grouped kernel, which keeps linear_fc1's input and output for backward (the
+        per-expert loop also keeps linear_fc2's input, and pads no rows)."""
+        return not bias and self.grouped_mlp is grouped_swiglu_mlp
 
     @property
     def matrices(self) -> int:
@@ -41,20 +56,31 @@ class ActivationKind:
         return 3 if self.gated else 2
 
 
+_SWITCHES = ("swiglu", "squared_relu", "qlm_geglu", "qlm_relu", "quick_geglu")
+
+
+def _switches(on: str | None) -> tuple[tuple[str, bool], ...]:
+    """Megatron-LM's activation switches with `on` alone set (None: its default GELU)."""
+    return tuple((switch, switch == on) for switch in _SWITCHES)
+
+
 ACTIVATION_KINDS: dict[str, ActivationKind] = {
-    "swiglu": ActivationKind(swiglu, gated=True, grouped_mlp=grouped_swiglu_mlp, megatron_args=(
-        ("swiglu", True), ("squared_relu", False), ("qlm_geglu", False), ("qlm_relu", False))),
+    "swiglu": ActivationKind(swiglu, gated=True, grouped_mlp=grouped_swiglu_mlp, megatron_args=_switches("swiglu")),
     # Gemma's gelu(gate, tanh) * up: Megatron-LM has no switch for it (Megatron-Bridge builds it as a gated linear
     # unit with fast_gelu), so qlm's args say qlm_geglu
-    "geglu": ActivationKind(geglu, gated=True, grouped_mlp=looped_mlp(geglu), megatron_args=(
-        ("swiglu", False), ("squared_relu", False), ("qlm_geglu", True), ("qlm_relu", False))),
+    "geglu": ActivationKind(geglu, gated=True, grouped_mlp=looped_mlp(geglu), megatron_args=_switches("qlm_geglu")),
     # OPT's plain ReLU MLP: Megatron-LM's args have no switch for it (megatron-core takes activation_func=relu), so
     # qlm's say qlm_relu
-    "relu": ActivationKind(F.relu, gated=False, grouped_mlp=looped_mlp(F.relu), megatron_args=(
-        ("swiglu", False), ("squared_relu", False), ("qlm_geglu", False), ("qlm_relu", True)), saves_output=True),
+    "relu": ActivationKind(F.relu, gated=False, grouped_mlp=looped_mlp(F.relu), megatron_args=_switches("qlm_relu"),
+                           saves_output=True),
     # the exact (erf) GELU of OPT-style models with activation_function "gelu": Megatron-LM's default activation
-    "gelu": ActivationKind(F.gelu, gated=False, grouped_mlp=looped_mlp(F.gelu), megatron_args=(
-        ("swiglu", False), ("squared_relu", False), ("qlm_geglu", False), ("qlm_relu", False))),
+    "gelu": ActivationKind(F.gelu, gated=False, grouped_mlp=looped_mlp(F.gelu), megatron_args=_switches(None)),
+    # gpt-oss's clamped SwiGLU (kernels/clamped_swiglu.py): Megatron-LM's --quick-geglu with its clamp and the up
+    # half's offset of 1
+    "clamped_swiglu": ActivationKind(
+        clamped_swiglu, gated=True, grouped_mlp=looped_mlp(clamped_swiglu), megatron_args=_switches("quick_geglu"),
+        megatron_values=(("activation_func_clamp_value", LIMIT), ("glu_linear_offset", 1.0),
+                         ("qlm_quick_geglu_alpha", ALPHA))),
 }
 
 

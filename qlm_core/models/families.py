@@ -26,14 +26,20 @@ SlidingWindow = Literal["applied", "gated", "gated_layers", "layers", "none"]
 # "mla": multi-latent attention (DeepSeek-V2/V3), models/attention_mla.py
 AttentionName = Literal["gqa", "mla"]
 NormName = Literal["rmsnorm", "gemma_rmsnorm", "layernorm"]
-ActivationName = Literal["swiglu", "geglu", "relu", "gelu"]
+ActivationName = Literal["swiglu", "geglu", "relu", "gelu", "clamped_swiglu"]
 # "learned_absolute": a learned embedding per position added to the token embedding (OPT's, Megatron's)
 PositionName = Literal["rope", "learned_absolute"]
+# how an MoE layer's routed experts lie in the HF files: "separate" (a tensor per expert and projection; transformers
+# 5's fused [E, 2F, H] gate_up_proj and [E, H, F] down_proj are read too, layout.hf_fused_experts), "gpt_oss" (the
+# only form gpt-oss's files have: experts.gate_up_proj [E, H, 2F] with gate and up in alternate columns,
+# experts.down_proj [E, F, H], their biases gate_up_proj_bias [E, 2F] and down_proj_bias [E, H]; models/hf_experts.py)
+ExpertFiles = Literal["separate", "gpt_oss"]
 # the last stage's head: "lm" the vocabulary projection (HF *ForCausalLM), "score" one scalar per token, read at a
 # sequence's last token (a Bradley-Terry reward model; HF *ForSequenceClassification with num_labels 1)
 HeadName = Literal["lm", "score"]
 # config.json's hidden_act of each MLP activation (a gated one names its gate's function)
-HF_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh", "relu": "relu", "gelu": "gelu"}
+HF_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh", "relu": "relu", "gelu": "gelu",
+                                  "clamped_swiglu": "silu"}  # gpt-oss says silu; its swiglu_alpha / limit the rest
 
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral's experts: w1 the gate, w3 the up and w2 the down projection
@@ -97,6 +103,12 @@ class Family:
     # the softmax scale is query_pre_attn_scalar^-0.5, not head_dim^-0.5, and windowed layers have their own RoPE
     # base (Gemma 3's rope_parameters per layer type)
     gemma_attention: bool = False
+    # biases on the attention's output projection, the router and the routed experts' linears whatever config.json
+    # says (gpt-oss; Megatron's add_bias_linear)
+    linear_bias: bool = False
+    sinks: bool = False  # a learned sink logit per attention head (gpt-oss's self_attn.sinks)
+    router_name: str = "gate."  # the router's module under the MoE block (gpt-oss: router.)
+    expert_files: ExpertFiles = "separate"
     attention: AttentionName = "gqa"
     norm: NormName = "rmsnorm"
     activation: ActivationName = "swiglu"
@@ -164,6 +176,12 @@ FAMILIES: dict[str, Family] = {
     "glm4_moe_lite": Family("Glm4MoeLiteForCausalLM", declares_no_bias=True, moe=True,
                             shared_expert_block="shared_experts.", attention="mla",
                             mtp_key="num_nextn_predict_layers"),
+    # gpt-oss: q/k/v/o biases, a sink logit per head, alternating windowed and full layers, yarn RoPE, an MoE whose
+    # router and experts have biases and whose experts run the clamped SwiGLU (kernels/clamped_swiglu.py's ALPHA and
+    # LIMIT, written here as numbers: the CLI reads this table without importing torch)
+    "gpt_oss": Family("GptOssForCausalLM", qkv_bias="always", sliding_window="layers", moe=True, linear_bias=True,
+                      sinks=True, router_name="router.", expert_files="gpt_oss", activation="clamped_swiglu",
+                      fixed_config=(("attention_bias", True), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0))),
 }
 
 

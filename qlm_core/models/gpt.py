@@ -104,7 +104,7 @@ class TransformerLayer(nn.Module):
         if spec.is_moe_layer(global_layer):
             moe = moe or MoeContext(MoeConfig(), MoeTracker())
             self.mlp = MoELayer(spec.hidden_size, spec.moe, parallel, moe.options, moe.tracker, global_layer, dtype,
-                                activation_kind(spec))
+                                activation_kind(spec), bias=spec.linear_bias)
             # its index among the model's MoE layers: its slot in a batch's recorded routes
             self.route_slot = spec.moe.num_moe_layers(global_layer)
         else:

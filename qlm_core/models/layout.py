@@ -125,6 +125,9 @@ class ModelLayout:
             if s.moe.num_experts % self.ep:
                 raise QlmError(f"--ep {self.ep} does not divide num_experts {s.moe.num_experts}",
                                f"use an EP size that divides {s.moe.num_experts}")
+            if s.linear_bias and self.etp > 1:
+                raise QlmError(f"expert biases (gpt-oss's) split over {expert_split[0]} {self.etp}: Megatron-Core adds "
+                               "an MoE layer's biases at expert-TP 1 only", "pass --etp 1")
         elif (self.ep, self.etp) != (1, tp):
             raise QlmError(f"--ep {self.ep} / --etp {self.etp} needs a Mixture-of-Experts model", "drop --ep / --etp")
         if self.padded_vocab < s.vocab_size or self.padded_vocab % tp:
@@ -282,8 +285,12 @@ class ModelLayout:
                                       fused=family.fused_gate_up, bias=s.linear_bias) + after
         moe, moe_hf = s.moe, hf + family.moe_block
         experts = s.moe.num_experts
+        router = moe_hf + family.router_name
         out.append(("mlp.router.weight", TensorLayout(name + "mlp.router.weight", (experts, h), REPLICATED,
-                                                      (Segment(0, experts, moe_hf + "gate.weight"),))))
+                                                      (Segment(0, experts, router + "weight"),))))
+        if s.linear_bias:  # Megatron's router bias under add_bias_linear (gpt-oss's)
+            out.append(("mlp.router.bias", TensorLayout(name + "mlp.router.bias", (experts,), REPLICATED,
+                                                        (Segment(0, experts, router + "bias"),))))
         if moe.expert_bias:  # a buffer (no _extra_state); HF: DeepSeek-V3's name for it (ERNIE's: [1, E])
             out.append(("mlp.router.expert_bias", TensorLayout(
                 name + "mlp.router.expert_bias", (experts,), REPLICATED,
@@ -292,7 +299,7 @@ class ModelLayout:
         projections = family.expert_projections
         for e in range(experts):
             out += _mlp_entries(name, f"{EXPERT_PREFIX}{e}.", moe.ffn_hidden_size, h, f"{moe_hf}experts.{e}.",
-                                projections, gated, expert=True)
+                                projections, gated, expert=True, bias=s.linear_bias)
         if moe.shared_expert_hidden_size:
             out += _mlp_entries(name, "mlp.shared_experts.", moe.shared_expert_hidden_size, h,
                                 moe_hf + family.shared_expert_block, _GATE_UP_DOWN, gated)
@@ -462,6 +469,22 @@ class ModelLayout:
     def hf_shape(self, hf_name: str) -> tuple[int, ...]:
         return pieces_shape(self.hf_tensors[hf_name])
 
+    @cached_property
+    def written_packed_experts(self) -> tuple[dict[str, PackedView], dict[str, tuple[int, ...]]]:
+        """hf_packed_experts of a family whose HF files hold its experts only packed (gpt-oss): what the writers
+        pack; empty for the others (written per expert)."""
+        if FAMILIES[self.spec.model_type].expert_files == "separate":
+            return {}, {}
+        return hf_packed_experts(self.spec)
+
+    @cached_property
+    def packed_expert_views(self) -> dict[str, list[tuple[str, PackedView]]]:
+        """Each packed tensor of written_packed_experts -> its per-expert views (name, view)."""
+        groups: dict[str, list[tuple[str, PackedView]]] = {}
+        for name, view in self.written_packed_experts[0].items():
+            groups.setdefault(view.packed, []).append((name, view))
+        return groups
+
 
 def hf_copies(spec: ModelSpec) -> dict[str, str]:
     """HF tensors written as copies of others (and never read; optional in a source): each multi-token prediction
@@ -509,19 +532,21 @@ def _mlp_entries(name: str, module: str, ffn: int, h: int, hf: str, projections:
                  gated: bool, expert: bool = False, fused: bool = False, bias: bool = False):
     """An MLP's entries (module `module` of layer `name`): a gated one's linear_fc1 = [gate; up] (FC1), a plain
     one's = up (split by rows); linear_fc2 = down. `fused`: HF holds [gate; up] as one `gate_up_proj` (GLM).
-    `bias` (a plain MLP's, OPT's): fc1's bias split like its rows, fc2's whole on every rank."""
+    `bias` (OPT's MLP, gpt-oss's experts): fc1's bias split like its rows, fc2's whole on every rank."""
     gate, up, down = (f"{hf}{proj}.weight" for proj in projections)
     fc1, fc2 = f"{module}linear_fc1", f"{module}linear_fc2"
     gate_up = (Segment(0, ffn, f"{hf}gate_up_proj.weight"), Segment(ffn, 2 * ffn, f"{hf}gate_up_proj.weight", ffn)) \
         if fused else (Segment(0, ffn, gate), Segment(ffn, 2 * ffn, up))
     fc1_tensor = (TensorLayout(name + fc1 + ".weight", (2 * ffn, h), FC1, gate_up, expert=expert) if gated
                   else TensorLayout(name + fc1 + ".weight", (ffn, h), ROWS, (Segment(0, ffn, up),), expert=expert))
-    if bias and gated:
-        raise QlmError("biases on a gated MLP's linears", "qlm's gated MLPs have no biases")
-    fc1_bias = [(fc1 + ".bias", TensorLayout(name + fc1 + ".bias", (ffn,), ROWS,
-                                              (Segment(0, ffn, up[: -len("weight")] + "bias"),)))] if bias else []
-    fc2_bias = [(fc2 + ".bias", TensorLayout(name + fc2 + ".bias", (h,), REPLICATED,
-                                              (Segment(0, h, down[: -len("weight")] + "bias"),)))] if bias else []
+    if bias and fused:
+        raise QlmError("biases on a fused gate_up_proj", "qlm's fused dense MLPs (GLM's) have no biases")
+    gate_bias, up_bias, down_bias = (weight[: -len("weight")] + "bias" for weight in (gate, up, down))
+    fc1_bias = [(fc1 + ".bias", TensorLayout(name + fc1 + ".bias", (2 * ffn,), FC1, (
+        Segment(0, ffn, gate_bias), Segment(ffn, 2 * ffn, up_bias)), expert=expert) if gated else TensorLayout(
+        name + fc1 + ".bias", (ffn,), ROWS, (Segment(0, ffn, up_bias),), expert=expert))] if bias else []
+    fc2_bias = [(fc2 + ".bias", TensorLayout(name + fc2 + ".bias", (h,), REPLICATED, (Segment(0, h, down_bias),),
+                                              expert=expert))] if bias else []
     return [
         (fc1 + ".weight", fc1_tensor),
         *fc1_bias,
@@ -704,27 +729,98 @@ def normalize_megatron_name(local_name: str) -> str | None:
     return local_name
 
 
-def hf_fused_experts(spec: ModelSpec) -> dict[str, tuple[str, int | None, int]]:
-    """transformers >= 5 holds an MoE layer's experts fused (`model.layers.N.mlp.experts.gate_up_proj` [E, 2F, H],
-    rows gate then up, and `...down_proj` [E, H, F]) and Mixtral's router under `mlp.gate.weight`; some saved
-    checkpoints hold that layout. Per-expert HF name (as the layout names it) -> (fused name, expert, first row of
-    this tensor in that expert's matrix); expert None: the whole fused tensor under another name."""
+@dataclass(frozen=True)
+class PackedView:
+    """A per-expert HF tensor the layout names (`...experts.<e>.gate_proj.weight`, [rows, columns] or [rows]) held
+    inside a packed HF tensor: `packed[expert]` (the whole packed tensor when expert is None), transposed when
+    `transposed`, then its rows first, first + step, ... (as many as `shape` has)."""
+
+    packed: str
+    expert: int | None
+    shape: tuple[int, ...]
+    first: int = 0
+    step: int = 1
+    transposed: bool = False
+
+
+def hf_packed_experts(spec: ModelSpec) -> tuple[dict[str, PackedView], dict[str, tuple[int, ...]]]:
+    """The per-expert HF tensors of an MoE model that its files may hold packed, and each packed tensor's shape.
+
+    "separate" families: transformers >= 5 holds an MoE layer's experts fused (`model.layers.N.mlp.experts.
+    gate_up_proj` [E, 2F, H], rows gate then up, and `...down_proj` [E, H, F]) and Mixtral's router under
+    `mlp.gate.weight`; some saved checkpoints hold that layout (read only: qlm writes the per-expert tensors, which
+    transformers reads too). gpt-oss: its files hold only `experts.gate_up_proj` [E, H, 2F] (gate and up in
+    alternate columns), `down_proj` [E, F, H] and their biases [E, 2F] and [E, H]; read and written packed."""
     if spec.moe is None:
-        return {}
+        return {}, {}
     family = FAMILIES[spec.model_type]
     gate, up, down = family.expert_projections
-    ffn, out = spec.moe.ffn_hidden_size, {}
+    h, ffn, experts = spec.hidden_size, spec.moe.ffn_hidden_size, spec.moe.num_experts
+    views: dict[str, PackedView] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for layer in range(spec.num_layers + spec.mtp_num_layers):
         if not spec.is_moe_layer(layer):
             continue
         hf = f"model.layers.{layer}."
         disk, fused = hf + family.moe_block, hf + "mlp.experts."
+        if family.expert_files == "gpt_oss":
+            shapes.update({fused + "gate_up_proj": (experts, h, 2 * ffn), fused + "down_proj": (experts, ffn, h),
+                           fused + "gate_up_proj_bias": (experts, 2 * ffn), fused + "down_proj_bias": (experts, h)})
+            for e in range(experts):
+                for kind, packed, shape, transposed in (("weight", "gate_up_proj", (ffn, h), True),
+                                                        ("bias", "gate_up_proj_bias", (ffn,), False)):
+                    views[f"{disk}experts.{e}.{gate}.{kind}"] = PackedView(fused + packed, e, shape, 0, 2, transposed)
+                    views[f"{disk}experts.{e}.{up}.{kind}"] = PackedView(fused + packed, e, shape, 1, 2, transposed)
+                views[f"{disk}experts.{e}.{down}.weight"] = PackedView(fused + "down_proj", e, (h, ffn),
+                                                                       transposed=True)
+                views[f"{disk}experts.{e}.{down}.bias"] = PackedView(fused + "down_proj_bias", e, (h,))
+            continue
+        shapes.update({fused + "gate_up_proj": (experts, 2 * ffn, h), fused + "down_proj": (experts, h, ffn)})
         if family.moe_block != "mlp.":  # the router too moved: transformers >= 5 holds it under mlp.gate
-            out[disk + "gate.weight"] = (hf + "mlp.gate.weight", None, 0)
-        for e in range(spec.moe.num_experts):
-            out[f"{disk}experts.{e}.{gate}.weight"] = (fused + "gate_up_proj", e, 0)
-            out[f"{disk}experts.{e}.{up}.weight"] = (fused + "gate_up_proj", e, ffn)
-            out[f"{disk}experts.{e}.{down}.weight"] = (fused + "down_proj", e, 0)
+            views[disk + "gate.weight"] = PackedView(hf + "mlp.gate.weight", None, (experts, h))
+            shapes[hf + "mlp.gate.weight"] = (experts, h)
+        for e in range(experts):
+            views[f"{disk}experts.{e}.{gate}.weight"] = PackedView(fused + "gate_up_proj", e, (ffn, h), 0)
+            views[f"{disk}experts.{e}.{up}.weight"] = PackedView(fused + "gate_up_proj", e, (ffn, h), ffn)
+            views[f"{disk}experts.{e}.{down}.weight"] = PackedView(fused + "down_proj", e, (h, ffn))
+    return views, shapes
+
+
+def packed_expert_slab(slab: torch.Tensor, view: PackedView) -> torch.Tensor:
+    """`view`'s tensor out of its expert's slab of the packed tensor (`packed[expert]`); a view, not a copy."""
+    slab = slab.t() if view.transposed else slab
+    return slab[view.first: view.first + view.step * view.shape[0]: view.step]
+
+
+def hf_file_tensors(layout: ModelLayout) -> dict[str, tuple[int, ...]]:
+    """The tensors an HF model's files hold and their shapes, in HF order: the layout's, with a family whose
+    experts only exist packed (gpt-oss) holding each packed tensor in place of its per-expert views."""
+    views, shapes = layout.written_packed_experts
+    out: dict[str, tuple[int, ...]] = {}
+    for name in layout.hf_tensors:
+        view = views.get(name)
+        if view is None:
+            out[name] = layout.hf_shape(name)
+        elif view.packed not in out:
+            out[view.packed] = shapes[view.packed]
+    return out
+
+
+def assemble_hf_file_tensor(layout: ModelLayout, name: str, source: TensorSource,
+                            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One tensor of hf_file_tensors(layout) read from `source`: a layout tensor, or a packed one put together
+    from its per-expert views."""
+    if name in layout.hf_tensors:
+        return assemble_hf_tensor(layout, name, source, dtype)
+    shapes = layout.written_packed_experts[1]
+    out = None
+    for view_name, view in layout.packed_expert_views.get(name, ()):
+        part = assemble_hf_tensor(layout, view_name, source, dtype)
+        if out is None:
+            out = torch.empty(shapes[name], dtype=part.dtype)
+        packed_expert_slab(out[view.expert], view).copy_(part)
+    if out is None:
+        raise AssertionError(f"{name} is neither a layout tensor nor a packed one")
     return out
 
 

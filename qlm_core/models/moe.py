@@ -218,16 +218,19 @@ def aux_loss_scores(logits: torch.Tensor, moe: MoeSpec) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """Megatron's TopKRouter weight [E, h], replicated over TP (under SP each rank's gradient is partial), and with
-    MoeSpec.expert_bias its `expert_bias` [E] (saved) and `local_tokens_per_expert` [E] (this rank's routed choices
-    since the last bias update; not saved), both fp32 whatever the model's dtype, as Megatron keeps them."""
+    """Megatron's TopKRouter weight [E, h] and, with `bias` (add_bias_linear: gpt-oss's), its logits' bias [E], both
+    replicated over TP (under SP each rank's gradient is partial), and with MoeSpec.expert_bias its `expert_bias`
+    [E] (saved) and `local_tokens_per_expert` [E] (this rank's routed choices since the last bias update; not
+    saved), both fp32 whatever the model's dtype, as Megatron keeps them."""
 
     _FP32_BUFFERS = ("expert_bias", "local_tokens_per_expert")
 
-    def __init__(self, hidden: int, moe: MoeSpec, sequence_parallel: bool, dtype):
+    def __init__(self, hidden: int, moe: MoeSpec, sequence_parallel: bool, dtype, bias: bool = False):
         super().__init__()
         self.weight = mark(nn.Parameter(torch.empty(moe.num_experts, hidden, dtype=dtype)),
                            sequence_parallel=sequence_parallel)
+        self.bias = mark(nn.Parameter(torch.empty(moe.num_experts, dtype=dtype)),
+                         sequence_parallel=sequence_parallel) if bias else None
         zeros = torch.zeros(moe.num_experts, dtype=torch.float32) if moe.expert_bias else None
         self.register_buffer("expert_bias", zeros)
         self.register_buffer("local_tokens_per_expert", None if zeros is None else zeros.clone(), persistent=False)
@@ -242,24 +245,33 @@ class Router(nn.Module):
         return self
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.linear(tokens, self.weight)
+        return F.linear(tokens, self.weight, self.bias)
 
 
 class ExpertLinear(MegatronLinearState, nn.Module):
     """One expert's (expert-)TP shard of a linear (no collectives of its own: the MoE layer moves the tokens).
-    `expert_parallel`: its gradient is reduced over the expert-data-parallel group (ParamMeta.expert)."""
+    `expert_parallel`: its gradient is reduced over the expert-data-parallel group (ParamMeta.expert). `bias`:
+    "split" (linear_fc1's, with its rows) or "whole" (linear_fc2's); the layouts allow biases at expert-TP 1 only,
+    as Megatron-Core does, so each is an expert's whole bias."""
 
-    def __init__(self, out_features: int, in_features: int, dtype, expert_parallel: bool = False):
+    def __init__(self, out_features: int, in_features: int, dtype, expert_parallel: bool = False,
+                 bias: str | None = None):
         super().__init__()
         self.weight = mark(nn.Parameter(torch.empty(out_features, in_features, dtype=dtype)), tp_split=True,
                            expert=expert_parallel)
+        self.bias = None
+        if bias is not None:
+            self.bias = mark(nn.Parameter(torch.empty(out_features, dtype=dtype)), tp_split=bias == "split",
+                             expert=expert_parallel)
 
 
 class ExpertMLP(nn.Module):
-    def __init__(self, hidden: int, local_ffn: int, dtype, expert_parallel: bool, activation: ActivationKind):
+    def __init__(self, hidden: int, local_ffn: int, dtype, expert_parallel: bool, activation: ActivationKind,
+                 bias: bool = False):
         super().__init__()
-        self.linear_fc1 = ExpertLinear(activation.fc1_rows(local_ffn), hidden, dtype, expert_parallel)
-        self.linear_fc2 = ExpertLinear(hidden, local_ffn, dtype, expert_parallel)
+        self.linear_fc1 = ExpertLinear(activation.fc1_rows(local_ffn), hidden, dtype, expert_parallel,
+                                       "split" if bias else None)
+        self.linear_fc2 = ExpertLinear(hidden, local_ffn, dtype, expert_parallel, "whole" if bias else None)
 
 
 def capacity_keep(indices: torch.Tensor, probs: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
@@ -299,17 +311,17 @@ class SequentialExperts(nn.Module):
     over etp."""
 
     def __init__(self, hidden: int, moe: MoeSpec, tp: int, dtype, parallel: ExpertParallel | None = None,
-                 activation: ActivationKind = ACTIVATION_KINDS["swiglu"]):
+                 activation: ActivationKind = ACTIVATION_KINDS["swiglu"], bias: bool = False):
         super().__init__()
-        self.moe, self.parallel, self.activation = moe, parallel, activation
+        self.moe, self.parallel, self.activation, self.bias = moe, parallel, activation, bias
         count, split = (moe.num_experts, tp) if parallel is None else (moe.num_experts // parallel.ep, parallel.etp)
         self.local_experts = nn.ModuleList(ExpertMLP(hidden, moe.ffn_hidden_size // split, dtype, parallel is not None,
-                                                     activation) for _ in range(count))
+                                                     activation, bias) for _ in range(count))
 
     def _mlp(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return self.activation.grouped_mlp(rows, counts, [e.linear_fc1.weight for e in self.local_experts],
-                                           [e.linear_fc2.weight for e in self.local_experts],
-                                           grouped=None if rows.shape[0] else False)
+        fc1, fc2 = ([getattr(e, linear).weight for e in self.local_experts] for linear in ("linear_fc1", "linear_fc2"))
+        biases = ([getattr(e, linear).bias for e in self.local_experts] for linear in ("linear_fc1", "linear_fc2"))
+        return self.activation.routed_mlp(rows, counts, fc1, fc2, *(biases if self.bias else (None, None)))
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor,
                 capacity_factor: float | None) -> torch.Tensor:
@@ -357,14 +369,16 @@ class MoELayer(nn.Module):
     sequence shard under SP)."""
 
     def __init__(self, hidden: int, moe: MoeSpec, parallel, options: MoeConfig, tracker: MoeTracker, layer: int,
-                 dtype, activation: ActivationKind = ACTIVATION_KINDS["swiglu"]):
+                 dtype, activation: ActivationKind = ACTIVATION_KINDS["swiglu"], bias: bool = False):
+        """`bias`: the router's and the routed experts' (Megatron's add_bias_linear; gpt-oss's)."""
         super().__init__()
         self.moe, self.options, self.tracker, self.layer = moe, options, tracker, layer
         self.tp_group, self.cp_group, self.sp = parallel.tp_group, parallel.cp_group, parallel.sp
         self.dp_cp_group = parallel.dp_cp_group
         self.expert_parallel = parallel.experts
-        self.router = Router(hidden, moe, self.sp, dtype)
-        self.experts = SequentialExperts(hidden, moe, group_size(self.tp_group), dtype, parallel.experts, activation)
+        self.router = Router(hidden, moe, self.sp, dtype, bias)
+        self.experts = SequentialExperts(hidden, moe, group_size(self.tp_group), dtype, parallel.experts, activation,
+                                         bias)
         self.shared_experts = (SharedExpertMLP(hidden, moe, parallel, dtype, activation)
                                if moe.shared_expert_hidden_size else None)
 

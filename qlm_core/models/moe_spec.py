@@ -268,7 +268,7 @@ def moe_from_hf(config: dict[str, Any], model_type: str, num_layers: int) -> Moe
     if topk > experts:
         raise QlmError(f"config.json ({model_type}): num_experts_per_tok {topk} is more than its {experts} experts",
                        "set num_experts_per_tok between 1 and the number of experts")
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):  # every layer MoE, intermediate_size the expert's
         if config.get("router_jitter_noise"):
             raise QlmError(f"router_jitter_noise {config['router_jitter_noise']} is not supported",
                            "set router_jitter_noise to 0 (Megatron has no router noise)")
@@ -305,12 +305,13 @@ def moe_to_hf(moe: MoeSpec, model_type: str, num_layers: int) -> dict[str, Any]:
     if moe.expert_bias:
         raise QlmError(f"this model's router chooses experts with a correction bias, which transformers' "
                        f"{model_type} does not", "keep it in a Megatron format")
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):
         if moe.pre_softmax or moe.shared_expert_hidden_size or moe.layer_pattern:
-            raise QlmError("this MoE is not a Mixtral (pre-softmax routing, a shared expert or dense layers)",
-                           "export it as qwen2_moe")
-        return {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
-                "intermediate_size": moe.ffn_hidden_size, "router_jitter_noise": 0.0}
+            raise QlmError(f"this MoE is not a {model_type} one (pre-softmax routing, a shared expert or dense "
+                           "layers)", "export it as qwen2_moe")
+        keys = {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+                "intermediate_size": moe.ffn_hidden_size}
+        return {**keys, "router_jitter_noise": 0.0} if model_type == "mixtral" else keys
     if model_type == "qwen3_moe" and moe.shared_expert_hidden_size:
         raise QlmError("Qwen3-MoE has no shared expert", "export it as qwen2_moe")
     dense = [i for i in range(num_layers) if not moe.is_moe_layer(i)]

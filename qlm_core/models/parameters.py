@@ -32,6 +32,8 @@ def layer_parameters(spec: ModelSpec, layer: int, active: bool = False) -> int:
     experts = moe.topk if active else moe.num_experts
     mlp = moe.num_experts * h + experts * matrices * h * moe.ffn_hidden_size  # router + experts
     mlp += matrices * h * moe.shared_expert_hidden_size + (h if moe.shared_expert_gate else 0)
+    if spec.linear_bias:  # the router's bias and each routed expert's fc1 and fc2 biases (gpt-oss)
+        mlp += moe.num_experts + experts * (activation_kind(spec).fc1_rows(moe.ffn_hidden_size) + h)
     return attention + mlp + norms
 
 

@@ -99,6 +99,17 @@ def _glm(context: int, eps: float, post_norms: bool) -> ModelSpec:
                      eos_token_id=[151329, 151336, 151338])
 
 
+def _gpt_oss(layers: int, experts: int) -> ModelSpec:
+    return ModelSpec(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, ffn_hidden_size=2880, num_layers=layers,
+        num_attention_heads=64, num_query_groups=8, kv_channels=64, max_position_embeddings=131072,
+        rope_theta=150000.0, norm_epsilon=1e-5, qkv_bias=True, tie_word_embeddings=False, linear_bias=True,
+        attention_sinks=True, sliding_window=128, window_layers=tuple(layer % 2 == 0 for layer in range(layers)),
+        rope_scaling=YarnScaling(factor=32.0, original_max_position_embeddings=4096, truncate=False),
+        activation="clamped_swiglu", moe=MoeSpec(experts, 4, 2880), bos_token_id=199998, eos_token_id=200002,
+    )
+
+
 PRESETS: dict[str, ModelSpec] = {
     "qwen2-0.5b": _qwen2(896, 4864, 24, 14, 2, 151936, tied=True),
     "qwen2-1.5b": _qwen2(1536, 8960, 28, 12, 2, 151936, tied=True),
@@ -204,6 +215,10 @@ PRESETS: dict[str, ModelSpec] = {
         scaled_embedding=True, softmax_scale=256 ** -0.5, local_rope_theta=10000.0, bos_token_id=2,
         eos_token_id=1,
     ),
+    # gpt-oss-20b (20.91B, 3.61B active) and gpt-oss-120b (116.83B, 5.13B active), the model card's counts: 32 / 128
+    # experts of 2880, top 4, layers windowed to 128 tokens and full in turn, yarn x32 from 4096, sinks, biases
+    "gpt-oss-20b": _gpt_oss(24, 32),
+    "gpt-oss-120b": _gpt_oss(36, 128),
     "mistral-7b": ModelSpec(
         model_type="mistral", vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
         num_attention_heads=32, num_query_groups=8, kv_channels=128, max_position_embeddings=32768,

@@ -157,16 +157,15 @@ class ModelSpec:
         if (self.moe is not None) != (self.model_type in MOE_MODEL_TYPES):
             raise QlmError(f"model_type {self.model_type!r} {'needs' if self.moe is None else 'takes no'} MoE numbers",
                            f"MoE model types are {', '.join(MOE_MODEL_TYPES)}")
+        if self.linear_bias and self.moe is not None and self.moe.shared_expert_hidden_size:
+            raise QlmError("biases on the linears of an MoE model with shared experts (qlm's shared experts have "
+                           "none)", "drop the biases (add_bias_linear) or the shared experts")
         if self.attention_sinks and self.attention != "gqa":
             raise QlmError(f"attention sinks with {self.attention!r} attention",
                            "sinks go with grouped-query attention")
         if not 0 < self.rotary_percent <= 1 or int(self.kv_channels * self.rotary_percent) % 2:
             raise QlmError(f"rotary_percent {self.rotary_percent} of a {self.kv_channels}-wide head",
                            "rotate a share in (0, 1] giving an even number of dims")
-        if isinstance(self.rope_scaling, YarnScaling) and self.attention != "mla":
-            raise QlmError(f"yarn rope scaling with {self.attention} attention (qlm checks yarn against "
-                           "transformers and Megatron-Core for multi-latent attention only)",
-                           "drop rope_scaling / the yarn rope_parameters, or use a DeepSeek-V3-class model")
         if (self.mla is not None) != (self.attention == "mla"):
             raise QlmError(f"attention {self.attention!r} {'takes no' if self.mla is not None else 'needs'} "
                            "multi-latent attention sizes", "give kv_lora_rank and the head sizes with attention 'mla'")
@@ -283,7 +282,7 @@ class ModelSpec:
         if gemma:
             theta, scaling = gemma.pop("rope")
         sliding, window_layers = _read_windows(config, model_type)
-        linear_bias = family.qkv_bias == "enable_bias" and bool(config.get("enable_bias", True))
+        linear_bias = family.linear_bias or (family.qkv_bias == "enable_bias" and bool(config.get("enable_bias", True)))
         qkv_bias = family.qkv_bias == "always" or (family.qkv_bias == "config" and bool(config.get("qkv_bias", True))) \
             or (family.qkv_bias == "attention_bias" and bool(config.get("attention_bias", False))) or linear_bias
         rotary_percent = _rotary_percent(config, model_type)
@@ -324,6 +323,7 @@ class ModelSpec:
             post_norms=family.post_norms is not None,
             scaled_embedding=family.scaled_embedding,
             linear_bias=linear_bias,
+            attention_sinks=family.sinks,
             activation=named[act],
             **gemma,
             moe=moe,
@@ -343,11 +343,11 @@ class ModelSpec:
         self._check_hf_choices(family)
         switched = {"qk_layernorm": family.qk_norm_key is not None,  # config.json says either way
                     "qkv_bias": family.qkv_bias in ("config", "attention_bias", "enable_bias")}
-        if self.linear_bias != (family.qkv_bias == "enable_bias" and self.qkv_bias) \
+        if self.linear_bias != (family.linear_bias or (family.qkv_bias == "enable_bias" and self.qkv_bias)) \
                 or (family.qkv_bias == "enable_bias" and self.qkv_bias != self.linear_bias):
             raise QlmError(f"a {self.model_type} model with{'' if self.linear_bias else 'out'} biases on its other "
                            f"linears{'' if self.qkv_bias else ', not on q/k/v'} has no Hugging Face config",
-                           "biases on every linear go with OPT (enable_bias), and on q, k and v alike")
+                           "biases on every linear go with OPT (enable_bias) and gpt-oss, and on q, k and v alike")
         for flag, held in (("rotary_interleaved", family.rotary_interleaved),
                            ("post_norms", family.post_norms is not None)):
             if getattr(self, flag) != held:  # HF's class of the family fixes it
@@ -439,8 +439,8 @@ class ModelSpec:
                       "linear rope scaling": isinstance(self.rope_scaling, LinearRopeScaling)
                       and not family.gemma_attention,
                       "norm_epsilon": family.norm_epsilon is not None and self.norm_epsilon != family.norm_epsilon,
-                      # no family's config.json says so yet: transformers would load the sinks as unused weights
-                      "attention_sinks": self.attention_sinks}
+                      # transformers' class of the family has them or not (gpt-oss's self_attn.sinks)
+                      "attention_sinks": self.attention_sinks != family.sinks}
         for what, differs in fixed.items():
             if differs:
                 raise QlmError(f"a {self.model_type} model with this {what} has no Hugging Face config",

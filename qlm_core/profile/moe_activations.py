@@ -17,7 +17,8 @@ R = T·k routed rows (with a capacity factor at most E·capacity), F' = expert F
   experts             kernels/grouped_mlp.py keeps the sorted tokens e·h·R and linear_fc1's output e·2F'·R'; its
                       output e·h·R' is kept by the weighted unpermute (models/moe.py _Unpermute), with the
                       sorted probabilities e·R and their order (int64) 8·R. R' is R rounded up to 8 rows where the
-                      grouped GEMM runs (its padding rows share the storage)
+                      grouped GEMM runs (its padding rows share the storage). Experts with biases (gpt-oss's) run
+                      the per-expert loop instead: it pads nothing and also keeps linear_fc2's input e·F'·R
   shared expert       a dense SwiGLU MLP: linear_fc1's output e·2S'·T, linear_fc2's input e·S'·T; gated, its output
                       e·h·T_r and the sigmoid gate e·T_r (both kept by the multiply)
 Selective recompute of `mlp` keeps only the MLP input; full keeps the layer input (activations.py).
@@ -74,11 +75,22 @@ def expert_ffn(x) -> float:
     return x.spec.moe.ffn_hidden_size / (x.expert_tp if x.dispatches else x.tp)
 
 
+def grouped(x) -> bool:
+    """Whether the routed experts run the grouped kernel (else the per-expert loop: experts with biases, gpt-oss's,
+    or an activation without a grouped kernel)."""
+    return activation_kind(x.spec).routed_grouped(x.spec.linear_bias)
+
+
 def padded_rows(x, rows: int) -> int:
     """Rows of the grouped kernel's fc1 output and output storage (it pads to ROW_PAD where it runs)."""
     h, ffn = x.spec.hidden_size, int(expert_ffn(x))
     dtype = DTYPE_OF_BYTES.get(x.dtype_bytes, torch.bfloat16)
-    return -(-rows // ROW_PAD) * ROW_PAD if grouped_mm_fits(dtype, h, ffn) else rows
+    return -(-rows // ROW_PAD) * ROW_PAD if grouped(x) and grouped_mm_fits(dtype, h, ffn) else rows
+
+
+def looped_terms(x, rows: int) -> dict[str, float]:
+    """The per-expert loop's linear_fc2 input (the activation's output), which the grouped kernel recomputes."""
+    return {} if grouped(x) else {"expert fc2 input (per-expert loop)": x.dtype_bytes * expert_ffn(x) * rows}
 
 
 def router_terms(x) -> dict[str, float]:
@@ -110,6 +122,7 @@ def dispatch_terms(x) -> dict[str, float]:
         "received rows (expert fc1 input)": e * h * V,
         "expert fc1 output": e * activation_kind(x.spec).fc1_rows(expert_ffn(x)) * padded_rows(x, V),
         "returned rows and probabilities (weighted unpermute)": e * h * S + e * S,
+        **looped_terms(x, V),
     }
 
 
@@ -126,6 +139,7 @@ def expert_terms(x) -> dict[str, float]:
         "expert fc1 output": e * activation_kind(x.spec).fc1_rows(ffn) * padded,
         "expert output (weighted unpermute)": e * h * padded,
         "sorted probabilities and order": e * R + 8 * R,
+        **looped_terms(x, R),
     }
 
 

@@ -101,6 +101,13 @@ def test_qlm_backend_equals_lm_eval_hf_backend_on_ernie_moe(moe_models, tmp_path
 
 
 @pytest.mark.slow
+def test_qlm_backend_equals_lm_eval_hf_backend_on_gpt_oss(moe_models, tmp_path):
+    """gpt-oss: sinks, windowed and full layers, yarn, biased router and experts with the clamped SwiGLU."""
+    model = moe_models["gpt_oss"]
+    assert_same(evaluate(model, "qlm", tmp_path), evaluate(model, "hf", tmp_path))
+
+
+@pytest.mark.slow
 def test_qlm_backend_equals_lm_eval_hf_backend_on_an_moe_model(tmp_path):
     """A Qwen3-MoE (qlm-tiny-moe's shape: q/k norms, 8 experts, top 2) in transformers, both backends."""
     moe_model = random_hf_model(tmp_path / "moe", "qlm-tiny-moe")

@@ -81,9 +81,17 @@ def test_partial_rotary_takes_glms_default_and_a_full_rotation_is_written(glm):
     assert ModelSpec.from_hf_config(written) == full
 
 
-def test_yarn_on_grouped_query_attention_is_one_line(glm):
-    config = json.loads((glm / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                 "rope_theta": 10000.0}
-    with pytest.raises(QlmError, match="yarn rope scaling with gqa attention"):
-        ModelSpec.from_hf_config(config)
+def test_yarn_on_partially_rotated_grouped_query_attention_gives_transformers_logits(tmp_path):
+    """YaRN (rope_parameters yarn, truncated and not) on grouped-query attention rotating half of each head:
+    transformers' logits past the original context, and the config round-trips."""
+    for truncate in (True, False):
+        path = tmp_path / f"truncate_{truncate}"
+        make_hf_model(path, "glm4_moe", rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5, "truncate": truncate})
+        model, spec = qlm_from_hf(path)
+        assert spec.rope_scaling.truncate is truncate
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert (model.eval()(IDS)[..., :300] - ref(IDS).logits).abs().max().item() <= 1e-5
+        assert ModelSpec.from_hf_config(spec.to_hf_config()) == spec

@@ -5,6 +5,7 @@ Each case: {"ckpt": dir, "ids": file, "expected": file, "result": file}. Megatro
 monkeypatches docs/ARCHITECTURE.md §7 lists.
 """
 
+import argparse
 import json
 import sys
 from datetime import timedelta
@@ -31,7 +32,12 @@ def _patch_sliding_window_mask():
 
 
 def _activation(args):
-    """megatron-core's activation_func of the args: SwiGLU's silu, qlm's ReLU (OPT), else Megatron's GELU."""
+    """megatron-core's activation_func of the args: SwiGLU's silu, gpt-oss's quick GELU (--quick-geglu), qlm's ReLU
+    (OPT), else Megatron's GELU."""
+    if getattr(args, "quick_geglu", False):
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        return quick_gelu
     if getattr(args, "swiglu", True):
         return torch.nn.functional.silu
     return torch.nn.functional.relu if getattr(args, "qlm_relu", False) else torch.nn.functional.gelu
@@ -57,11 +63,25 @@ def transformer_config(args, **extra):
             extra.update({key: getattr(args, key) for key in (
                 "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
                 "mscale_all_dim")})
+    if getattr(args, "position_embedding_type", None) == "yarn":  # grouped-query attention's YaRN (gpt-oss)
+        yarn = {"yarn_rotary_scaling_factor": args.rotary_scaling_factor,
+                "yarn_original_max_position_embeddings": args.yarn_original_max_position_embeddings,
+                "yarn_beta_fast": args.yarn_beta_fast, "yarn_beta_slow": args.yarn_beta_slow,
+                "yarn_mscale": args.mscale, "yarn_mscale_all_dim": args.mscale_all_dim,
+                "yarn_correction_range_round_to_int": args.yarn_correction_range_round_to_int}
+        config = transformer_config(argparse.Namespace(**{**vars(args), "position_embedding_type": "rope"}), **extra)
+        for key, value in yarn.items():  # fields GPTModel and the attention read with getattr
+            setattr(config, key, value)
+        return config
     return config_class(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, add_bias_linear=getattr(args, "add_bias_linear", False),
-        add_qkv_bias=args.add_qkv_bias, gated_linear_unit=bool(getattr(args, "swiglu", True)),
+        add_qkv_bias=args.add_qkv_bias,
+        gated_linear_unit=bool(getattr(args, "swiglu", True) or getattr(args, "quick_geglu", False)),
+        glu_linear_offset=getattr(args, "glu_linear_offset", 0.0),
+        activation_func_clamp_value=getattr(args, "activation_func_clamp_value", None),
+        softmax_type=getattr(args, "softmax_type", "vanilla"),
         activation_func=_activation(args), normalization=getattr(args, "normalization", "RMSNorm"),
         layernorm_epsilon=args.norm_epsilon, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=torch.float32,

@@ -107,7 +107,8 @@ def build_model(args, pre, post, sequence_parallel=False):
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     return GPTModel(
         config, spec, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-        pre_process=pre, post_process=post, position_embedding_type="rope", rotary_base=args.rotary_base,
+        pre_process=pre, post_process=post,
+        position_embedding_type=getattr(args, "position_embedding_type", None) or "rope", rotary_base=args.rotary_base,
         rotary_percent=getattr(args, "rotary_percent", 1.0),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         parallel_output=bool(mtp),  # logits gathered over TP; its loss (which MTP needs) takes them TP-split
@@ -141,7 +142,8 @@ def open_case(case):
     multiple = (args.make_vocab_size_divisible_by or 128) * case["tp"]
     args.padded_vocab_size = math.ceil(args.vocab_size / multiple) * multiple
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = case["tp"], case["pp"]
-    args.expert_model_parallel_size, args.expert_tensor_parallel_size = 1, None  # the load's, not the writer's
+    # the load's, not the writer's (a case's "etp": expert biases load at expert-TP 1 only)
+    args.expert_model_parallel_size, args.expert_tensor_parallel_size = 1, case.get("etp")
 
     def state(model, tp_rank, pp_rank, ep_rank=0):
         # megatron-core's words: "unexpected" = asked for but not in the checkpoint, "missing" = in the checkpoint

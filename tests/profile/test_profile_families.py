@@ -5,7 +5,7 @@ windows change the attention FLOPs the time counts."""
 
 import pytest
 import torch
-from parallel_cases import GEMMA3, GLM4, OPT, SPEC
+from parallel_cases import GEMMA3, GLM4, GPT_OSS, OPT, SPEC
 
 from qlm_core.config import ParallelConfig
 from qlm_core.hardware import gpu_spec
@@ -22,7 +22,7 @@ SEQ, BATCH = 64, 2
 
 
 FAMILIES = {"glm4": GLM4, "gemma3": GEMMA3, "opt": OPT, "opt_gelu": OPT.replace(
-    activation="gelu", linear_bias=False, qkv_bias=False)}
+    activation="gelu", linear_bias=False, qkv_bias=False), "gpt_oss": GPT_OSS}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

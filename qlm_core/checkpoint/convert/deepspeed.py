@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
+from qlm_core.checkpoint.convert.hf_megatron import check_output_layout, expert_layout
 from qlm_core.checkpoint.convert.skeleton import ConvertResult, convert_opened, open_source, parse_dtype
 from qlm_core.checkpoint.formats.megatron.args import make_args
+from qlm_core.checkpoint.formats.megatron.format import TORCH
 from qlm_core.checkpoint.io.progress import Progress, no_progress
 from qlm_core.checkpoint.sources.deepspeed_format import DEEPSPEED_FORMAT
 from qlm_core.checkpoint.sources.format_api import ReadOptions, WriteOptions
@@ -36,15 +38,19 @@ def ds_to_hf(
 
 def ds_to_mcore(
     ds: str | Path, out: str | Path, *, tag: str | None = None, config: str | Path | None = None, tp: int = 1,
-    pp: int = 1, vpp: int = 1, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+    pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None, first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
     dtype: str | torch.dtype | None = None, make_vocab_size_divisible_by: int = 128, force: bool = False,
     verify: bool | None = None, progress: Progress = no_progress, allow_bf16_weights: bool = False,
 ) -> ConvertResult:
-    """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy torch (release/), streamed one rank file at a time."""
+    """DeepSpeed (ZeRO 0-3) -> Megatron-Core legacy torch (release/), streamed one rank file at a time; `ep`, `etp`:
+    expert parallel and expert tensor parallel sizes (MoE models; etp None: tp)."""
     started = time.perf_counter()
     read = ReadOptions(tag=tag, config=config, allow_bf16_weights=allow_bf16_weights)
     src, out = open_source(DEEPSPEED_FORMAT, ds, out, force, read)
-    layout = ModelLayout(src.spec, tp, pp, vpp, first_stage_layers, last_stage_layers, make_vocab_size_divisible_by)
+    layout = ModelLayout(src.spec, tp, pp, vpp, first_stage_layers, last_stage_layers, make_vocab_size_divisible_by,
+                         **expert_layout(src.spec, ep, etp))
+    check_output_layout(layout, TORCH)
     dtype = parse_dtype(dtype) or src.dtype
     options = WriteOptions(args=make_args(layout, dtype))
     return convert_opened(src, out, MEGATRON_FORMAT, layout, dtype, options, started=started, force=force,

@@ -9,7 +9,7 @@ import torch
 
 from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import GPTModel
-from qlm_core.models.layout import ModelLayout, TensorSource, assemble_hf_tensor
+from qlm_core.models.layout import ModelLayout, TensorSource, assemble_hf_file_tensor, hf_file_tensors
 
 AUTO_VERIFY_MAX_PARAMS = 2_000_000_000  # two fp32 copies of the model must fit in host memory
 
@@ -47,11 +47,12 @@ class VerifyReport:
 
 def compare_tensors(report: VerifyReport, source: tuple[ModelLayout, TensorSource],
                     written: tuple[ModelLayout, TensorSource], dtype: torch.dtype):
-    """Every HF tensor rebuilt from the written checkpoint must equal the source's, cast to the written dtype."""
+    """Every HF tensor (as the HF files hold it: gpt-oss's experts packed) rebuilt from the written checkpoint must
+    equal the source's, cast to the written dtype."""
     (src_layout, src), (out_layout, out) = source, written
-    for name in src_layout.hf_tensors:
-        expected = assemble_hf_tensor(src_layout, name, src, dtype)
-        actual = assemble_hf_tensor(out_layout, name, out)
+    for name in hf_file_tensors(src_layout):
+        expected = assemble_hf_file_tensor(src_layout, name, src, dtype)
+        actual = assemble_hf_file_tensor(out_layout, name, out)
         report.tensors_checked += 1
         if expected.is_floating_point():
             nans = int(expected.isnan().sum())
@@ -65,8 +66,8 @@ def scan_nan(report: VerifyReport, source: tuple[ModelLayout, TensorSource]):
     """The source's NaN counts per HF tensor into `report` (its warnings name them), without a written side to
     compare: what a conversion that is not verified still looks for."""
     layout, src = source
-    for name in layout.hf_tensors:
-        tensor = assemble_hf_tensor(layout, name, src)
+    for name in hf_file_tensors(layout):
+        tensor = assemble_hf_file_tensor(layout, name, src)
         if tensor.is_floating_point() and (nans := int(tensor.isnan().sum())):
             report.nan_counts.setdefault(name, nans)
 

@@ -11,6 +11,7 @@ from qlm_core.checkpoint.formats.deepspeed.checkpoint import MODULE, DeepSpeedCh
 from qlm_core.checkpoint.formats.deepspeed.config import copy_hf_side_files, find_hf_config
 from qlm_core.checkpoint.formats.deepspeed.write import check_tag, write_deepspeed
 from qlm_core.checkpoint.formats.hf.checkpoint import read_config
+from qlm_core.checkpoint.formats.packed_experts import PackedExperts
 from qlm_core.checkpoint.io.progress import Progress
 from qlm_core.checkpoint.sources.format_api import (
     CheckpointFormat,
@@ -49,7 +50,8 @@ def open_ds(path: Path, options: ReadOptions) -> OpenedCheckpoint:
     def side_files(folder: Path, dtype: torch.dtype, target: str):
         copy_hf_side_files(config_path, folder, dtype if target == "hf" else None)
 
-    return OpenedCheckpoint(spec, HFTensorSource(ckpt), tokenizer_near(config_dir) or tokenizer_near(path),
+    source = HFTensorSource(PackedExperts(ckpt, spec))  # gpt-oss's experts: views of its packed tensors
+    return OpenedCheckpoint(spec, source, tokenizer_near(config_dir) or tokenizer_near(path),
                             f"DeepSpeed checkpoint {path} (ZeRO {ckpt.zero_stage}, {weights})", weights_dir=path,
                             format="deepspeed", root=ckpt.root, layout=layout, dtype=torch.float32,
                             side_files=side_files, reader=ckpt, notes=list(ckpt.notes), warnings=list(ckpt.warnings))
@@ -63,9 +65,11 @@ def write(out: Path, layout: ModelLayout, weights: TensorSource, dtype: torch.dt
 
 def reopen(out: Path, layout: ModelLayout, dtype: torch.dtype, options: WriteOptions) -> list[Reopened]:
     """The module at `dtype` (its logits are compared) and, when written, the fp32 masters."""
-    views = [Reopened(layout, HFTensorSource(DeepSpeedCheckpoint(out, options.tag, view=MODULE)), dtype)]
+    module = PackedExperts(DeepSpeedCheckpoint(out, options.tag, view=MODULE), layout.spec)
+    views = [Reopened(layout, HFTensorSource(module), dtype)]
     if options.fp32_master:
-        views.append(Reopened(layout, HFTensorSource(DeepSpeedCheckpoint(out, options.tag)), torch.float32))
+        masters = PackedExperts(DeepSpeedCheckpoint(out, options.tag), layout.spec)
+        views.append(Reopened(layout, HFTensorSource(masters), torch.float32))
     return views
 
 

@@ -35,7 +35,7 @@ from qlm_core.checkpoint.io.prefault import prefault
 from qlm_core.checkpoint.io.safe_load import ForeignObject, safe_torch_load
 from qlm_core.checkpoint.io.text import read_text_file
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import ModelLayout
+from qlm_core.models.layout import ModelLayout, hf_file_tensors
 
 LATEST = "latest"
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -441,7 +441,7 @@ class DeepSpeedCheckpoint:
 
     def check_layout(self, layout: ModelLayout):
         """Every tensor the config implies must be here with its shape, and no parameter may be left over."""
-        expected = {name: layout.hf_shape(name) for name in layout.hf_tensors}
+        expected = hf_file_tensors(layout)  # gpt-oss's experts packed, as transformers' state_dict holds them
         for name, shape in expected.items():
             if not self.has(name):
                 raise QlmError(f"tensor {name} is missing from {self.dir}",

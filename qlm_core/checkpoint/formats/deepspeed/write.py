@@ -18,7 +18,7 @@ import torch
 from qlm_core.checkpoint.formats.deepspeed.checkpoint import LATEST, MODEL_FILE, TIED_OUTPUT
 from qlm_core.checkpoint.formats.megatron.legacy import fast_torch_save
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import ModelLayout, TensorSource, assemble_hf_tensor
+from qlm_core.models.layout import ModelLayout, TensorSource, assemble_hf_file_tensor, hf_file_tensors
 
 DS_FORMAT_VERSION = "0.19.8"  # the DeepSpeed release whose layout this writes; its engines require a non-empty value
 _LAYER_ORDER = (
@@ -45,7 +45,7 @@ def module_names(layout: ModelLayout) -> list[str]:
                     _LAYER_ORDER.index(suffix) if suffix in _LAYER_ORDER else len(_LAYER_ORDER))
         return (2, 0 if name in final_norm else 1, 0)
 
-    return sorted(layout.hf_tensors, key=order)
+    return sorted(hf_file_tensors(layout), key=order)
 
 
 def embedding_name(layout: ModelLayout) -> str:
@@ -81,7 +81,7 @@ def write_deepspeed(root: Path, layout: ModelLayout, source: TensorSource, dtype
     module: dict[str, torch.Tensor] = OrderedDict()
     for i, name in enumerate(names):
         progress(i, steps, name)
-        module[name] = assemble_hf_tensor(layout, name, source, dtype)
+        module[name] = assemble_hf_file_tensor(layout, name, source, dtype)
     if tied:
         module[TIED_OUTPUT] = module[embedding]
     stage = 2 if fp32_master else 0
@@ -124,7 +124,7 @@ def _write_fp32_partitions(tag_dir: Path, layout: ModelLayout, source: TensorSou
         for (name, _), (start, stop) in zip(shapes, itertools.pairwise(starts), strict=True):
             a, b = max(lo, start), min(hi, stop)
             if a < b:
-                tensor = assemble_hf_tensor(layout, name, source, torch.float32).reshape(-1)
+                tensor = assemble_hf_file_tensor(layout, name, source, torch.float32).reshape(-1)
                 flat[a - lo:b - lo] = tensor[a - start:b - start]
         optimizer = {
             "zero_stage": 2, "partition_count": [partitions], "single_partition_of_fp32_groups": [flat],

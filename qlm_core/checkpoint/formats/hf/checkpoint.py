@@ -13,13 +13,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qlm_core.checkpoint.formats.hf import fp8
+from qlm_core.checkpoint.formats.hf import fp8, mxfp4
 from qlm_core.checkpoint.io.safe_load import safe_torch_load
 from qlm_core.checkpoint.io.text import read_json_object
 from qlm_core.dtypes import HF_DTYPE_NAMES, set_hf_config_dtype
 from qlm_core.errors import QlmError
 from qlm_core.models.families import FAMILIES
-from qlm_core.models.layout import hf_copies, hf_fused_experts, without_absent_mtp
+from qlm_core.models.layout import PackedView, hf_copies, hf_packed_experts, packed_expert_slab, without_absent_mtp
 from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -141,13 +141,15 @@ class HFCheckpoint:
         self._data_offsets: dict[str, int] = {}  # absolute file offset of each safetensors tensor's bytes
         self._stored: dict[str, str] = {}  # qlm's name -> the files' key, where they differ (OPT's decoder.*)
         self._bin_cache: dict[Path, dict] = {}
-        # per-expert name -> (fused tensor, expert, first row): transformers-5's fused MoE layout, read as the
-        # per-expert tensors the layout asks for
-        self._fused: dict[str, tuple[str, int | None, int]] = {}
+        # per-expert name -> where it lies in a packed tensor (transformers-5's fused MoE layout, gpt-oss's), read as
+        # the per-expert tensors the layout asks for
+        self._fused: dict[str, PackedView] = {}
+        self._mxfp4: dict[str, tuple[str, str]] = {}  # gpt-oss's MXFP4 experts: packed name -> (blocks, scales)
         self._fp8: dict[str, str] = {}  # FP8 weights (name -> their scale grid's name), read dequantised
         self.notes: list[str] = []  # what reading does beyond copying (FP8 dequantisation)
         self._scan()
         self._find_mtp()
+        self._find_mxfp4()
         self._alias_fused_experts()
         self._find_fp8()
 
@@ -203,28 +205,40 @@ class HFCheckpoint:
             self.notes.append(note)
 
     def _alias_fused_experts(self):
-        """Every per-expert tensor the layout asks for, read from a fused tensor when the files hold that layout.
-        A fused tensor must have exactly the config's shape (a row or an expert more would be left unread), and no
+        """Every per-expert tensor the layout asks for, read from a packed tensor when the files hold that layout.
+        A packed tensor must have exactly the config's shape (a row or an expert more would be left unread), and no
         tensor may be stored both ways (which copy counts would be a guess)."""
-        moe = self.spec.moe
-        for name, (fused, expert, row) in hf_fused_experts(self.spec).items():
-            if fused not in self._shapes:
+        views, packed_shapes = hf_packed_experts(self.spec)
+        for name, view in views.items():
+            if view.packed not in self._shapes:
                 continue
             if name in self._shapes:
-                raise QlmError(f"{self.path} holds {name} twice: on its own and inside {fused}",
+                raise QlmError(f"{self.path} holds {name} twice: on its own and inside {view.packed}",
                                "keep one layout of the experts (transformers' fused tensors or the per-expert ones)")
-            shape = self._shapes[fused]
-            if expert is None:
-                self._shapes[name] = shape
-            else:
-                h, f = self.spec.hidden_size, moe.ffn_hidden_size
-                wanted = (moe.num_experts, 2 * f, h) if fused.endswith("gate_up_proj") else (moe.num_experts, h, f)
-                if shape != wanted:
-                    raise QlmError(f"{fused} in {self.path} is {list(shape)} but config.json implies "
-                                   f"{list(wanted)} ([experts, rows, columns])", "the weights do not match config.json")
-                self._shapes[name] = wanted[1:] if not fused.endswith("gate_up_proj") else (f, h)
-            self._fused[name] = (fused, expert, row)
-            self._dtypes[name] = self._dtypes[fused]
+            shape, wanted = self._shapes[view.packed], packed_shapes[view.packed]
+            if shape != wanted:
+                raise QlmError(f"{view.packed} in {self.path} is {list(shape)} but config.json implies {list(wanted)}",
+                               "the weights do not match config.json")
+            self._shapes[name] = view.shape
+            self._fused[name] = view
+            self._dtypes[name] = self._dtypes[view.packed]
+
+    def _find_mxfp4(self):
+        """gpt-oss as released: each packed expert weight as MXFP4 `<name>_blocks` [E, rows, columns / 32, 16]
+        (two 4-bit values a byte) and `<name>_scales` [E, rows, columns / 32] (a power of two per 32 values), rows
+        the output features; read dequantised, as the [E, columns, rows] tensor transformers holds."""
+        for blocks in [n for n in self._shapes if n.endswith(mxfp4.BLOCKS)]:
+            name = blocks[: -len(mxfp4.BLOCKS)]
+            scales = name + mxfp4.SCALES
+            if scales not in self._shapes:
+                raise QlmError(f"{self.path}: the MXFP4 tensor {blocks} has no {scales} beside it",
+                               "restore the checkpoint's scale tensors")
+            shape = mxfp4.dequantised_shape(blocks, self._shapes[blocks], self._shapes[scales])
+            self._mxfp4[name] = (blocks, scales)
+            self._shapes[name], self._dtypes[name] = shape, mxfp4.DEQUANTISED_DTYPE
+        if self._mxfp4:
+            self.notes.append(f"{len(self._mxfp4)} MXFP4 expert weights dequantised to "
+                              f"{str(mxfp4.DEQUANTISED_DTYPE).removeprefix('torch.')}")
 
     def _find_fp8(self):
         """The weights stored as FP8 with block scales: each reads as DEQUANTISED_DTYPE (or the dtype asked for),
@@ -292,7 +306,8 @@ class HFCheckpoint:
                     f"tensor {name} has shape {list(self._shapes[name])} but config.json implies {list(shape)}",
                     "the weights do not match config.json",
                 )
-        fused = {source for source, _, _ in self._fused.values()} | set(self._fp8.values())
+        fused = {view.packed for view in self._fused.values()} | set(self._fp8.values()) \
+            | {part for parts in self._mxfp4.values() for part in parts}
         extra = [n for n in self._shapes
                  if n not in expected and n not in ignorable and n not in fused and not n.endswith(_BUFFERS)]
         if extra:
@@ -342,18 +357,28 @@ class HFCheckpoint:
             raise QlmError(f"cannot read {name} from {file} ({exc})", "re-download or re-export it") from None
 
     def _read_fused(self, name: str, axis: int, start: int | None, stop: int | None) -> torch.Tensor:
-        """A per-expert tensor out of its fused tensor: rows `row`.. of expert `expert` (the whole tensor when
-        expert is None), entries [start, stop) of that along `axis`."""
-        fused, expert, row = self._fused[name]
-        if expert is None:
-            return self.read(fused, axis, start, stop)
-        rows, cols = self._shapes[name]
+        """A per-expert tensor out of its packed tensor (the whole packed tensor when the view's expert is None),
+        entries [start, stop) of it along `axis`."""
+        view = self._fused[name]
+        if view.expert is None:
+            return self.read(view.packed, axis, start, stop)
         if start is None:
-            start, stop = 0, (rows, cols)[axis]
-        experts = slice(expert, expert + 1)
-        if axis == 0:
-            return self._read_index(fused, (experts, slice(row + start, row + stop)))[0]
-        return self._read_index(fused, (experts, slice(row, row + rows), slice(start, stop)))[0]
+            start, stop = 0, view.shape[axis]
+        experts = slice(view.expert, view.expert + 1)
+        if view.packed not in self._mxfp4 and not view.transposed and view.step == 1:  # only the bytes asked for
+            first = view.first
+            if axis == 0:
+                return self._read_index(view.packed, (experts, slice(first + start, first + stop)))[0]
+            return self._read_index(view.packed, (experts, slice(first, first + view.shape[0]), slice(start, stop)))[0]
+        slab = self._expert_slab(view.packed, view.expert)
+        return packed_expert_slab(slab, view).narrow(axis, start, stop - start).contiguous()
+
+    def _expert_slab(self, packed: str, expert: int) -> torch.Tensor:
+        """packed[expert], dequantised when the files hold it as MXFP4."""
+        if packed not in self._mxfp4:
+            return self._read_index(packed, (slice(expert, expert + 1),))[0]
+        blocks, scales = (self._read_index(part, (slice(expert, expert + 1),))[0] for part in self._mxfp4[packed])
+        return mxfp4.dequantise(blocks, scales, self._dtypes[packed]).t()
 
     def _read_dequantised(self, name: str, axis: int, start: int | None, stop: int | None,
                           dtype: torch.dtype) -> torch.Tensor:
@@ -412,7 +437,7 @@ def write_hf_config(out: Path, side_dir: Path | None, spec: ModelSpec, dtype: to
     if side_dir is not None and (side_dir / "config.json").exists():
         copy(side_dir, out)
         config = set_hf_config_dtype(json.loads((out / "config.json").read_text()), dtype)
-        if fp8.block_size(config) is not None:  # the source's FP8 layout: what is written is dequantised
+        if fp8.block_size(config) is not None or mxfp4.is_mxfp4(config):  # what is written is dequantised
             del config["quantization_config"]
     else:
         config = spec.to_hf_config(HF_DTYPE_NAMES[dtype])

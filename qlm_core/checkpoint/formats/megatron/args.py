@@ -48,6 +48,7 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         add_bias_linear=s.linear_bias,  # every linear's bias (OPT); add_qkv_bias: linear_qkv's alone
         add_qkv_bias=s.qkv_bias,
         **dict(activation_kind(s).megatron_args),
+        **dict(activation_kind(s).megatron_values),
         untie_embeddings_and_output_weights=not s.tie_word_embeddings,
         apply_layernorm_1p=norm_kind(s).zero_centered,  # Megatron's zero-centred gamma: Gemma's (1 + w)
         normalization=norm_kind(s).megatron_name,
@@ -83,6 +84,8 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         **mla_args(s),
         mtp_num_layers=s.mtp_num_layers or None,  # Megatron's --mtp-num-layers (None: no MTP)
     )
+    for key, value in yarn_gqa_args(s).items():
+        setattr(args, key, value)
     set_layout_args(args, layout, dtype)
     for key, value in extra.items():
         setattr(args, key, value)
@@ -133,6 +136,19 @@ def mla_args(spec: ModelSpec) -> dict:
     return args
 
 
+def yarn_gqa_args(spec: ModelSpec) -> dict:
+    """YaRN on grouped-query attention (gpt-oss's), as Megatron-LM's args say it: --position-embedding-type yarn,
+    --rotary-scaling-factor, --yarn-original-max-position-embeddings, --yarn-beta-fast / -slow, --mscale,
+    --mscale-all-dim and --[no-]yarn-correction-range-round-to-int (transformers' truncate)."""
+    yarn = spec.rope_scaling
+    if spec.mla is not None or not isinstance(yarn, YarnScaling):
+        return {}
+    return {"position_embedding_type": "yarn", "rotary_scaling_factor": yarn.factor,
+            "yarn_original_max_position_embeddings": yarn.original_max_position_embeddings,
+            "yarn_beta_fast": yarn.beta_fast, "yarn_beta_slow": yarn.beta_slow, "mscale": yarn.mscale or 1.0,
+            "mscale_all_dim": yarn.mscale_all_dim or 0.0, "yarn_correction_range_round_to_int": yarn.truncate}
+
+
 def mla_from_args(args) -> MlaSpec | None:
     if not getattr(args, "multi_latent_attention", False):
         return None
@@ -149,6 +165,17 @@ def _rope_scaling_from_args(args) -> RopeScaling | YarnScaling | LinearRopeScali
     # Megatron-LM's multi-latent attention uses yarn unless told otherwise (MLATransformerConfig.rope_type)
     rope_type = getattr(args, "rope_type", None) or ("yarn" if getattr(args, "multi_latent_attention", False)
                                                      else "rope")
+    if getattr(args, "position_embedding_type", None) == "yarn":  # grouped-query attention's YaRN (yarn_gqa_args)
+        if stored:
+            return YarnScaling(**stored)
+        mscale_all_dim = float(getattr(args, "mscale_all_dim", 0.0) or 0.0)
+        original = int(need_arg(args, "yarn_original_max_position_embeddings"))
+        return YarnScaling(factor=float(need_arg(args, "rotary_scaling_factor")),
+                           original_max_position_embeddings=original,
+                           beta_fast=float(getattr(args, "yarn_beta_fast", 32.0)),
+                           beta_slow=float(getattr(args, "yarn_beta_slow", 1.0)),
+                           mscale=float(getattr(args, "mscale", 1.0) or 1.0), mscale_all_dim=mscale_all_dim or None,
+                           truncate=bool(getattr(args, "yarn_correction_range_round_to_int", True)))
     if rope_type == "yarn":
         if stored:
             return YarnScaling(**stored)
@@ -241,10 +268,19 @@ def _windows_from_args(args: argparse.Namespace, num_layers: int) -> tuple[int |
                    f"{num_layers}", "fix the checkpoint's args")
 
 
+def need_arg(args, name: str):
+    value = getattr(args, name, None)
+    if value is None:
+        raise QlmError(f"the checkpoint's args lack {name}",
+                       "pass --config with the model's HF directory or a preset name")
+    return value
+
+
 def _position_from_args(args, model: str, model_type: str) -> str:
     """The position scheme of the args' position_embedding_type (absent: RoPE, as every qlm file says), which must
     be the family's: learned positions need the family's table offset (OPT's 2), so only qlm's own args name it."""
     kind = getattr(args, "position_embedding_type", None) or "rope"
+    kind = "rope" if kind == "yarn" else kind  # RoPE with YaRN's frequencies (_rope_scaling_from_args)
     position = next((name for name, row in POSITION_KINDS.items()
                      if dict(row.megatron_args)["position_embedding_type"] == kind), None)
     if position is None:
@@ -264,6 +300,8 @@ def _guess_model_type(args, moe: MoeSpec | None) -> str:
         if getattr(args, "rotary_interleaved", False):  # GLM's pair layout (its sandwich norms: GLM-4), or ERNIE's
             return "glm4" if getattr(args, "post_self_attn_layernorm", False) else "glm" if bias else "ernie4_5"
         return "qwen3" if qk_norm else "qwen2" if bias else "llama"
+    if getattr(args, "quick_geglu", False) or getattr(args, "softmax_type", None) == "learnable":
+        return "gpt_oss"  # its clamped SwiGLU experts, its attention sinks
     if moe.expert_bias:  # DeepSeek-V3's sigmoid router with grouped-query attention: GLM-4.5; softmax: ERNIE 4.5
         return "ernie4_5_moe" if moe.score_function == "softmax" else "glm4_moe"
     if qk_norm and not moe.shared_expert_hidden_size:
@@ -311,6 +349,11 @@ def spec_from_args(args) -> ModelSpec:
     if activation is None:
         raise QlmError(f"{model} uses an MLP activation qlm does not build",
                        f"qlm builds {', '.join(ACTIVATION_KINDS)} (Megatron's --swiglu)")
+    for key, value in ACTIVATION_KINDS[activation].megatron_values:  # a qlm_ key Megatron-LM does not write
+        held = getattr(args, key, value if key.startswith("qlm_") else None)
+        if held != value:
+            raise QlmError(f"{model}'s {activation} MLP has {key} {held!r}; qlm builds it with {value!r} "
+                           "(gpt-oss's)", f"convert a model with {key} {value!r}")
     normalization = getattr(args, "normalization", "LayerNorm")
     zero_centered = bool(getattr(args, "apply_layernorm_1p", False))
     norm = next((name for name, kind in NORM_KINDS.items()

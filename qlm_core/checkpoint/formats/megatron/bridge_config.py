@@ -11,9 +11,10 @@ moe_router_pre_softmax, moe_router_score_function, moe_router_enable_expert_bias
 moe_router_group_topk, moe_router_topk_scaling_factor, moe_layer_freq and qk_layernorm; DeepSeek-V3-class
 providers add MLATransformerConfig's multi_latent_attention, q_lora_rank, kv_lora_rank, qk_head_dim,
 qk_pos_emb_head_dim, v_head_dim and its yarn fields (rope_type, rotary_scaling_factor, original_max_position_embeddings,
-beta_fast, beta_slow, mscale, mscale_all_dim), and mtp_num_layers. They are turned into the Megatron-LM-style args
-Namespace the rest of qlm reads (megatron_args.spec_from_args); fields left out take TransformerConfig's (and
-MLATransformerConfig's) defaults.
+beta_fast, beta_slow, mscale, mscale_all_dim), and mtp_num_layers; gpt-oss's provider position_embedding_type
+"yarn" with its yarn_* fields, quick_gelu with glu_linear_offset and activation_func_clamp_value, softmax_type.
+They are turned into the Megatron-LM-style args Namespace the rest of qlm reads (megatron_args.spec_from_args);
+fields left out take TransformerConfig's (and MLATransformerConfig's) defaults.
 """
 
 from __future__ import annotations
@@ -103,8 +104,15 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
     heads, hidden = model["num_attention_heads"], model["hidden_size"]
     groups = integer("num_query_groups") or heads
     position = str(model.get("position_embedding_type", "learned_absolute"))
-    if position != "rope":
+    if position not in ("rope", "yarn"):
         raise QlmError(f"{path}: the model uses {position} position embeddings", "qlm converts RoPE models only")
+    yarn = {}
+    if position == "yarn":  # YaRN on grouped-query attention (gpt-oss's provider), as Megatron-LM's args name it
+        yarn = dict(rotary_scaling_factor=number("yarn_rotary_scaling_factor", 32.0),
+                    yarn_original_max_position_embeddings=integer("yarn_original_max_position_embeddings", 4096),
+                    yarn_beta_fast=number("yarn_beta_fast", 32.0), yarn_beta_slow=number("yarn_beta_slow", 1.0),
+                    mscale=number("yarn_mscale", 1.0), mscale_all_dim=number("yarn_mscale_all_dim", 0.0),
+                    yarn_correction_range_round_to_int=flag("yarn_correction_range_round_to_int", True))
     if model.get("seq_len_interpolation_factor") not in (None, 1, 1.0):
         raise QlmError(f"{path}: the model uses interpolated RoPE (seq_len_interpolation_factor)",
                        "qlm converts RoPE without position interpolation")
@@ -140,6 +148,7 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
                    mscale=number("mscale", 1.0), mscale_all_dim=number("mscale_all_dim", 0.0))
     return argparse.Namespace(
         **mla,
+        **yarn,
         mtp_num_layers=integer("mtp_num_layers"),
         rotary_percent=number("rotary_percent", 1.0),
         moe_router_num_groups=integer("moe_router_num_groups"),
@@ -164,12 +173,14 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
         kv_channels=integer("kv_channels") or hidden // heads,
         seq_length=seq_length,
         max_position_embeddings=integer("max_position_embeddings") or seq_length,
-        position_embedding_type="rope",
+        position_embedding_type=position,
         rotary_base=number("rotary_base", 10000.0),
         use_rope_scaling=rope_scaling is not None,
         rope_scaling_factor=rope_scaling["factor"] if rope_scaling else 8.0,
         qlm_rope_scaling=rope_scaling,
         **_activation_flags(gated, activation, path),
+        glu_linear_offset=number("glu_linear_offset", 0.0),
+        activation_func_clamp_value=model.get("activation_func_clamp_value"),
         normalization=str(model.get("normalization", "LayerNorm")),
         norm_epsilon=number("layernorm_epsilon", 1e-5),
         add_bias_linear=flag("add_bias_linear", True),
@@ -193,10 +204,13 @@ def bridge_args(path: str | Path) -> argparse.Namespace:
 
 def _activation_flags(gated: bool, activation: str | None, path) -> dict:
     """Megatron-LM's activation flags (and qlm's) of the provider's gated_linear_unit and activation_func: SwiGLU
-    (gated silu, the default when gated), GeGLU (gated tanh GELU), ReLU, or Megatron's default GELU; others refused."""
+    (gated silu, the default when gated), gpt-oss's gated quick GELU, GeGLU (gated tanh GELU), ReLU, or Megatron's
+    default GELU; others refused."""
     name = (activation or ("silu" if gated else "gelu")).lower()
-    flags = {"swiglu": False, "squared_relu": False, "qlm_geglu": False, "qlm_relu": False}
-    if gated and "silu" in name:
+    flags = {"swiglu": False, "squared_relu": False, "qlm_geglu": False, "qlm_relu": False, "quick_geglu": False}
+    if gated and "quick_gelu" in name:  # gpt-oss's, with glu_linear_offset and activation_func_clamp_value
+        flags["quick_geglu"] = True
+    elif gated and "silu" in name:
         flags["swiglu"] = True
     elif gated and "gelu" in name and ("tanh" in name or "fast" in name or "openai" in name):
         flags["qlm_geglu"] = True
