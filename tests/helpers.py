@@ -65,3 +65,29 @@ def metrics(run: Path) -> list[dict]:
 
 def losses(run: Path) -> list[float]:
     return [line["loss"] for line in metrics(run)]
+
+
+def assert_greedy_generate_equals_transformers(path, model, max_new_tokens: int = 10):
+    """`qlm generate` of the HF model at `path` (a left-padded batch of two chatml prompts) gives the tokens
+    transformers' greedy `generate` of `model` (that model, loaded) gives, over more than two distinct tokens."""
+    import transformers
+    from conftest import call_qlm
+
+    from qlm_core.data.tokenizer import CHATML
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    prompts = ["the quick brown fox", "the lazy dog jumps over the quick brown fox, how?"]
+    code, out, err = call_qlm("generate", path, "-p", prompts[0], "-p", prompts[1], "--chat-template", "chatml",
+                              "--max-new-tokens", str(max_new_tokens), "--jsonl")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    eos = tokenizer.eos_token_id
+    for prompt, row in zip(prompts, rows, strict=True):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], chat_template=CHATML,
+                                             tokenize=False, add_generation_prompt=True)
+        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                  pad_token_id=eos)[0, ids.shape[1]:].tolist()
+        expected = expected[: next((i for i, t in enumerate(expected) if t == eos), len(expected))]
+        assert len(set(expected)) > 2 and row["token_ids"] == expected

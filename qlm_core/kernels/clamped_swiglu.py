@@ -36,8 +36,8 @@ class ClampedSwiGLUFunction(torch.autograd.Function):
         glu = gate * sig
         grad_glu = grad * (up + 1)
         grad_gate = grad_glu * sig + torch.ops.aten.sigmoid_backward(grad_glu * gate, sig) * ALPHA
-        grad_gate = grad_gate.masked_fill(raw_gate > LIMIT, 0)
-        grad_up = (grad * glu).masked_fill((raw_up < -LIMIT) | (raw_up > LIMIT), 0)
+        grad_gate = grad_gate.masked_fill(~(raw_gate <= LIMIT), 0)  # NaN too, as torch's clamp
+        grad_up = (grad * glu).masked_fill(~((raw_up >= -LIMIT) & (raw_up <= LIMIT)), 0)
         return torch.cat([grad_gate, grad_up], dim=-1)
 
 

@@ -18,6 +18,11 @@ from qlm_core.kernels.swiglu import swiglu
 from qlm_core.models.families import chosen_kind
 from qlm_core.models.spec import ModelSpec
 
+# Megatron-LM's values of the gated unit's clamp and up-half offset when its args leave them out (every activation but
+# gpt-oss's has these)
+MEGATRON_DEFAULT_VALUES: tuple[tuple[str, Any], ...] = (("activation_func_clamp_value", None),
+                                                         ("glu_linear_offset", 0.0))
+
 
 @dataclass(frozen=True)
 class ActivationKind:
@@ -33,22 +38,23 @@ class ActivationKind:
     grouped_mlp: Callable[..., torch.Tensor]
     megatron_args: tuple[tuple[str, Any], ...]
     saves_output: bool = False
-    megatron_values: tuple[tuple[str, Any], ...] = ()
+    megatron_values: tuple[tuple[str, Any], ...] = MEGATRON_DEFAULT_VALUES
 
     def fc1_rows(self, ffn_hidden_size: int) -> int:
         return 2 * ffn_hidden_size if self.gated else ffn_hidden_size
 
     def routed_mlp(self, rows: torch.Tensor, counts, fc1, fc2, fc1_bias=None, fc2_bias=None) -> torch.Tensor:
-        """The routed experts' MLP over rows sorted by expert: grouped_mlp, or with biases (gpt-oss's) the
-        per-expert loop that adds them."""
+        """The routed experts' MLP over rows sorted by expert: grouped_mlp, or with biases (gpt-oss's; lists, one
+        per expert) the per-expert loop that adds them (2·E small GEMMs a layer: no grouped kernel takes biases
+        yet)."""
         if fc1_bias is None and fc2_bias is None:
             return self.grouped_mlp(rows, counts, fc1, fc2, grouped=None if rows.shape[0] else False)
         return looped_mlp(self.function)(rows, counts, fc1, fc2, fc1_bias=fc1_bias, fc2_bias=fc2_bias)
 
-    def routed_grouped(self, bias: bool) -> bool:
-        """Whether routed_mlp runs a grouped kernel, which keeps linear_fc1's input and output for backward (the
-        per-expert loop also keeps linear_fc2's input, and pads no rows)."""
-        return not bias and self.grouped_mlp is grouped_swiglu_mlp
+    def runs_grouped_kernel(self, biases: bool) -> bool:
+        """Whether routed_mlp (with or without `biases`) runs a grouped kernel, which keeps linear_fc1's input and
+        output for backward; the per-expert loop also keeps linear_fc2's input, and pads no rows."""
+        return not biases and self.grouped_mlp is grouped_swiglu_mlp
 
     @property
     def matrices(self) -> int:

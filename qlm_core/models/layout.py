@@ -469,22 +469,6 @@ class ModelLayout:
     def hf_shape(self, hf_name: str) -> tuple[int, ...]:
         return pieces_shape(self.hf_tensors[hf_name])
 
-    @cached_property
-    def written_packed_experts(self) -> tuple[dict[str, PackedView], dict[str, tuple[int, ...]]]:
-        """hf_packed_experts of a family whose HF files hold its experts only packed (gpt-oss): what the writers
-        pack; empty for the others (written per expert)."""
-        if FAMILIES[self.spec.model_type].expert_files == "separate":
-            return {}, {}
-        return hf_packed_experts(self.spec)
-
-    @cached_property
-    def packed_expert_views(self) -> dict[str, list[tuple[str, PackedView]]]:
-        """Each packed tensor of written_packed_experts -> its per-expert views (name, view)."""
-        groups: dict[str, list[tuple[str, PackedView]]] = {}
-        for name, view in self.written_packed_experts[0].items():
-            groups.setdefault(view.packed, []).append((name, view))
-        return groups
-
 
 def hf_copies(spec: ModelSpec) -> dict[str, str]:
     """HF tensors written as copies of others (and never read; optional in a source): each multi-token prediction
@@ -709,8 +693,9 @@ class HFTensorSource:
                 self.hf.read_into(seg.hf_name, tensor.axis, lo + shift, hi + shift, into)
 
 
-# TEGroupedMLP keeps expert e's weights as `mlp.experts.linear_fc1.weight<e>` (SequentialMLP: local_experts.<e>.)
-_TE_GROUPED_EXPERT = re.compile(r"(.*\bmlp\.experts\.)(linear_fc[12])\.weight(\d+)")
+# TEGroupedMLP keeps expert e's weights (and, with add_bias_linear, biases) as `mlp.experts.linear_fc1.weight<e>`
+# (SequentialMLP: local_experts.<e>.)
+_TE_GROUPED_EXPERT = re.compile(r"(.*\bmlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)")
 
 
 def normalize_megatron_name(local_name: str) -> str | None:
@@ -719,7 +704,7 @@ def normalize_megatron_name(local_name: str) -> str | None:
         return None
     grouped = _TE_GROUPED_EXPERT.fullmatch(local_name)
     if grouped is not None:
-        return f"{grouped.group(1)}local_experts.{grouped.group(3)}.{grouped.group(2)}.weight"
+        return f"{grouped.group(1)}local_experts.{grouped.group(4)}.{grouped.group(2)}.{grouped.group(3)}"
     if re.search(r"\bmlp\.experts\.weight[12]$", local_name):
         raise QlmError(f"checkpoint tensor {local_name} is a legacy GroupedMLP weight (--moe-grouped-gemm with the "
                        "grouped_gemm package)", "re-save the model with SequentialMLP or TEGroupedMLP experts")
@@ -727,101 +712,6 @@ def normalize_megatron_name(local_name: str) -> str | None:
         if local_name.endswith(te):
             return local_name[: -len(te)] + local
     return local_name
-
-
-@dataclass(frozen=True)
-class PackedView:
-    """A per-expert HF tensor the layout names (`...experts.<e>.gate_proj.weight`, [rows, columns] or [rows]) held
-    inside a packed HF tensor: `packed[expert]` (the whole packed tensor when expert is None), transposed when
-    `transposed`, then its rows first, first + step, ... (as many as `shape` has)."""
-
-    packed: str
-    expert: int | None
-    shape: tuple[int, ...]
-    first: int = 0
-    step: int = 1
-    transposed: bool = False
-
-
-def hf_packed_experts(spec: ModelSpec) -> tuple[dict[str, PackedView], dict[str, tuple[int, ...]]]:
-    """The per-expert HF tensors of an MoE model that its files may hold packed, and each packed tensor's shape.
-
-    "separate" families: transformers >= 5 holds an MoE layer's experts fused (`model.layers.N.mlp.experts.
-    gate_up_proj` [E, 2F, H], rows gate then up, and `...down_proj` [E, H, F]) and Mixtral's router under
-    `mlp.gate.weight`; some saved checkpoints hold that layout (read only: qlm writes the per-expert tensors, which
-    transformers reads too). gpt-oss: its files hold only `experts.gate_up_proj` [E, H, 2F] (gate and up in
-    alternate columns), `down_proj` [E, F, H] and their biases [E, 2F] and [E, H]; read and written packed."""
-    if spec.moe is None:
-        return {}, {}
-    family = FAMILIES[spec.model_type]
-    gate, up, down = family.expert_projections
-    h, ffn, experts = spec.hidden_size, spec.moe.ffn_hidden_size, spec.moe.num_experts
-    views: dict[str, PackedView] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for layer in range(spec.num_layers + spec.mtp_num_layers):
-        if not spec.is_moe_layer(layer):
-            continue
-        hf = f"model.layers.{layer}."
-        disk, fused = hf + family.moe_block, hf + "mlp.experts."
-        if family.expert_files == "gpt_oss":
-            shapes.update({fused + "gate_up_proj": (experts, h, 2 * ffn), fused + "down_proj": (experts, ffn, h),
-                           fused + "gate_up_proj_bias": (experts, 2 * ffn), fused + "down_proj_bias": (experts, h)})
-            for e in range(experts):
-                for kind, packed, shape, transposed in (("weight", "gate_up_proj", (ffn, h), True),
-                                                        ("bias", "gate_up_proj_bias", (ffn,), False)):
-                    views[f"{disk}experts.{e}.{gate}.{kind}"] = PackedView(fused + packed, e, shape, 0, 2, transposed)
-                    views[f"{disk}experts.{e}.{up}.{kind}"] = PackedView(fused + packed, e, shape, 1, 2, transposed)
-                views[f"{disk}experts.{e}.{down}.weight"] = PackedView(fused + "down_proj", e, (h, ffn),
-                                                                       transposed=True)
-                views[f"{disk}experts.{e}.{down}.bias"] = PackedView(fused + "down_proj_bias", e, (h,))
-            continue
-        shapes.update({fused + "gate_up_proj": (experts, 2 * ffn, h), fused + "down_proj": (experts, h, ffn)})
-        if family.moe_block != "mlp.":  # the router too moved: transformers >= 5 holds it under mlp.gate
-            views[disk + "gate.weight"] = PackedView(hf + "mlp.gate.weight", None, (experts, h))
-            shapes[hf + "mlp.gate.weight"] = (experts, h)
-        for e in range(experts):
-            views[f"{disk}experts.{e}.{gate}.weight"] = PackedView(fused + "gate_up_proj", e, (ffn, h), 0)
-            views[f"{disk}experts.{e}.{up}.weight"] = PackedView(fused + "gate_up_proj", e, (ffn, h), ffn)
-            views[f"{disk}experts.{e}.{down}.weight"] = PackedView(fused + "down_proj", e, (h, ffn))
-    return views, shapes
-
-
-def packed_expert_slab(slab: torch.Tensor, view: PackedView) -> torch.Tensor:
-    """`view`'s tensor out of its expert's slab of the packed tensor (`packed[expert]`); a view, not a copy."""
-    slab = slab.t() if view.transposed else slab
-    return slab[view.first: view.first + view.step * view.shape[0]: view.step]
-
-
-def hf_file_tensors(layout: ModelLayout) -> dict[str, tuple[int, ...]]:
-    """The tensors an HF model's files hold and their shapes, in HF order: the layout's, with a family whose
-    experts only exist packed (gpt-oss) holding each packed tensor in place of its per-expert views."""
-    views, shapes = layout.written_packed_experts
-    out: dict[str, tuple[int, ...]] = {}
-    for name in layout.hf_tensors:
-        view = views.get(name)
-        if view is None:
-            out[name] = layout.hf_shape(name)
-        elif view.packed not in out:
-            out[view.packed] = shapes[view.packed]
-    return out
-
-
-def assemble_hf_file_tensor(layout: ModelLayout, name: str, source: TensorSource,
-                            dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One tensor of hf_file_tensors(layout) read from `source`: a layout tensor, or a packed one put together
-    from its per-expert views."""
-    if name in layout.hf_tensors:
-        return assemble_hf_tensor(layout, name, source, dtype)
-    shapes = layout.written_packed_experts[1]
-    out = None
-    for view_name, view in layout.packed_expert_views.get(name, ()):
-        part = assemble_hf_tensor(layout, view_name, source, dtype)
-        if out is None:
-            out = torch.empty(shapes[name], dtype=part.dtype)
-        packed_expert_slab(out[view.expert], view).copy_(part)
-    if out is None:
-        raise AssertionError(f"{name} is neither a layout tensor nor a packed one")
-    return out
 
 
 def without_absent_mtp(spec: ModelSpec, holds: Callable[[str], bool]) -> tuple[ModelSpec, str | None]:

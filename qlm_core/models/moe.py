@@ -250,28 +250,25 @@ class Router(nn.Module):
 
 class ExpertLinear(MegatronLinearState, nn.Module):
     """One expert's (expert-)TP shard of a linear (no collectives of its own: the MoE layer moves the tokens).
-    `expert_parallel`: its gradient is reduced over the expert-data-parallel group (ParamMeta.expert). `bias`:
-    "split" (linear_fc1's, with its rows) or "whole" (linear_fc2's); the layouts allow biases at expert-TP 1 only,
-    as Megatron-Core does, so each is an expert's whole bias."""
+    `expert_parallel`: its gradient is reduced over the expert-data-parallel group (ParamMeta.expert). `bias`
+    (gpt-oss's): the layouts allow expert biases at expert-TP 1 only, as Megatron-Core does, so it is the expert's
+    whole bias, marked as its weight is."""
 
     def __init__(self, out_features: int, in_features: int, dtype, expert_parallel: bool = False,
-                 bias: str | None = None):
+                 bias: bool = False):
         super().__init__()
         self.weight = mark(nn.Parameter(torch.empty(out_features, in_features, dtype=dtype)), tp_split=True,
                            expert=expert_parallel)
-        self.bias = None
-        if bias is not None:
-            self.bias = mark(nn.Parameter(torch.empty(out_features, dtype=dtype)), tp_split=bias == "split",
-                             expert=expert_parallel)
+        self.bias = mark(nn.Parameter(torch.empty(out_features, dtype=dtype)), tp_split=True,
+                         expert=expert_parallel) if bias else None
 
 
 class ExpertMLP(nn.Module):
     def __init__(self, hidden: int, local_ffn: int, dtype, expert_parallel: bool, activation: ActivationKind,
                  bias: bool = False):
         super().__init__()
-        self.linear_fc1 = ExpertLinear(activation.fc1_rows(local_ffn), hidden, dtype, expert_parallel,
-                                       "split" if bias else None)
-        self.linear_fc2 = ExpertLinear(hidden, local_ffn, dtype, expert_parallel, "whole" if bias else None)
+        self.linear_fc1 = ExpertLinear(activation.fc1_rows(local_ffn), hidden, dtype, expert_parallel, bias)
+        self.linear_fc2 = ExpertLinear(hidden, local_ffn, dtype, expert_parallel, bias)
 
 
 def capacity_keep(indices: torch.Tensor, probs: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
@@ -306,22 +303,23 @@ class _Unpermute(Function):
 
 
 class SequentialExperts(nn.Module):
-    """SequentialMLP's names (`local_experts.<e>`); computes its experts at once with the grouped MLP kernel.
-    Holds every expert split over TP, or under expert parallelism (`parallel`) the E/ep of its EP rank split
-    over etp."""
+    """SequentialMLP's names (`local_experts.<e>`); computes its experts through the activation's routed_mlp (the
+    grouped MLP kernel, or the per-expert loop of experts with biases). Holds every expert split over TP, or under
+    expert parallelism (`parallel`) the E/ep of its EP rank split over etp."""
 
     def __init__(self, hidden: int, moe: MoeSpec, tp: int, dtype, parallel: ExpertParallel | None = None,
                  activation: ActivationKind = ACTIVATION_KINDS["swiglu"], bias: bool = False):
         super().__init__()
-        self.moe, self.parallel, self.activation, self.bias = moe, parallel, activation, bias
+        self.moe, self.parallel, self.activation = moe, parallel, activation
         count, split = (moe.num_experts, tp) if parallel is None else (moe.num_experts // parallel.ep, parallel.etp)
         self.local_experts = nn.ModuleList(ExpertMLP(hidden, moe.ffn_hidden_size // split, dtype, parallel is not None,
                                                      activation, bias) for _ in range(count))
 
     def _mlp(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        fc1, fc2 = ([getattr(e, linear).weight for e in self.local_experts] for linear in ("linear_fc1", "linear_fc2"))
-        biases = ([getattr(e, linear).bias for e in self.local_experts] for linear in ("linear_fc1", "linear_fc2"))
-        return self.activation.routed_mlp(rows, counts, fc1, fc2, *(biases if self.bias else (None, None)))
+        fc1 = [expert.linear_fc1 for expert in self.local_experts]
+        fc2 = [expert.linear_fc2 for expert in self.local_experts]
+        biases = ([f.bias for f in fc1], [f.bias for f in fc2]) if fc1[0].bias is not None else (None, None)
+        return self.activation.routed_mlp(rows, counts, [f.weight for f in fc1], [f.weight for f in fc2], *biases)
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor,
                 capacity_factor: float | None) -> torch.Tensor:

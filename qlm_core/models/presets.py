@@ -215,8 +215,9 @@ PRESETS: dict[str, ModelSpec] = {
         scaled_embedding=True, softmax_scale=256 ** -0.5, local_rope_theta=10000.0, bos_token_id=2,
         eos_token_id=1,
     ),
-    # gpt-oss-20b (20.91B, 3.61B active) and gpt-oss-120b (116.83B, 5.13B active), the model card's counts: 32 / 128
-    # experts of 2880, top 4, layers windowed to 128 tokens and full in turn, yarn x32 from 4096, sinks, biases
+    # gpt-oss-20b (20.91B; 3.61B active without the input embedding) and gpt-oss-120b (116.83B; 5.13B), the model
+    # card's counts: 32 / 128 experts of 2880, top 4, layers windowed to 128 tokens and full in turn, yarn x32 from
+    # 4096, sinks, biases
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
     "mistral-7b": ModelSpec(

@@ -75,22 +75,24 @@ def expert_ffn(x) -> float:
     return x.spec.moe.ffn_hidden_size / (x.expert_tp if x.dispatches else x.tp)
 
 
-def grouped(x) -> bool:
+def runs_grouped_kernel(x) -> bool:
     """Whether the routed experts run the grouped kernel (else the per-expert loop: experts with biases, gpt-oss's,
     or an activation without a grouped kernel)."""
-    return activation_kind(x.spec).routed_grouped(x.spec.linear_bias)
+    return activation_kind(x.spec).runs_grouped_kernel(x.spec.linear_bias)
 
 
 def padded_rows(x, rows: int) -> int:
     """Rows of the grouped kernel's fc1 output and output storage (it pads to ROW_PAD where it runs)."""
     h, ffn = x.spec.hidden_size, int(expert_ffn(x))
     dtype = DTYPE_OF_BYTES.get(x.dtype_bytes, torch.bfloat16)
-    return -(-rows // ROW_PAD) * ROW_PAD if grouped(x) and grouped_mm_fits(dtype, h, ffn) else rows
+    return -(-rows // ROW_PAD) * ROW_PAD if runs_grouped_kernel(x) and grouped_mm_fits(dtype, h, ffn) else rows
 
 
 def looped_terms(x, rows: int) -> dict[str, float]:
     """The per-expert loop's linear_fc2 input (the activation's output), which the grouped kernel recomputes."""
-    return {} if grouped(x) else {"expert fc2 input (per-expert loop)": x.dtype_bytes * expert_ffn(x) * rows}
+    if runs_grouped_kernel(x) or activation_kind(x.spec).saves_output:  # ReLU's output is fc2's input, counted
+        return {}
+    return {"expert fc2 input (per-expert loop)": x.dtype_bytes * expert_ffn(x) * rows}
 
 
 def router_terms(x) -> dict[str, float]:
@@ -168,7 +170,9 @@ def moe_backward_transient(x) -> float:
     kernel stacks every expert's weights (torch.stack copies them, e·3F'·h·E) and returns their gradients in the
     compute dtype (as many again) beside the rows' gradients: fc1 output's e·2F'·R', SwiGLU's e·F'·R' and the
     input's e·h·R'. Under expert parallelism the rank's E/ep experts of F_e over its V received rows, and the
-    gradients of the S returned rows and of the V rows sent back by the reverse all-to-all, e·h·(S + V)."""
+    gradients of the S returned rows and of the V rows sent back by the reverse all-to-all, e·h·(S + V). The
+    per-expert loop (experts with biases) stacks nothing: one expert's weight gradients at a time, e·3F'·h, and the
+    rows' gradients unpadded."""
     moe, e, h = x.spec.moe, x.dtype_bytes, x.spec.hidden_size
     ffn = expert_ffn(x)
     if x.dispatches:
@@ -177,5 +181,6 @@ def moe_backward_transient(x) -> float:
     else:
         rows, experts, exchanged = routed_rows(x), moe.num_experts, 0.0
     activation = activation_kind(x.spec)
-    weights = e * activation.matrices * ffn * h * experts
-    return 2 * weights + e * (activation.fc1_rows(ffn) + ffn + h) * padded_rows(x, rows) + exchanged
+    one_expert = e * activation.matrices * ffn * h
+    weights = 2 * one_expert * experts if runs_grouped_kernel(x) else one_expert  # stacked + grads, or one's grads
+    return weights + e * (activation.fc1_rows(ffn) + ffn + h) * padded_rows(x, rows) + exchanged

@@ -239,3 +239,39 @@ def test_tied_opt_round_trips_through_deepspeed(hf_models, tmp_path):
     assert list(state["module"])[0] == "model.decoder.embed_tokens.weight"
     ds_to_hf(tmp_path / "ds", tmp_path / "hf")
     assert_same_hf(tmp_path / "hf", load_safetensors_dir(src))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "opt", "gemma3", "qwen3_moe", "mixtral", "gpt_oss"])
+def test_the_module_is_transformers_state_dict_in_its_order_and_converts_back(hf_models, moe_models, kind, tmp_path):
+    """DeepSpeed saves the engine's module: transformers' state_dict, whose order its flat fp32 partitions follow.
+    qlm writes exactly those names in that order (MoE experts fused as transformers >= 5 holds them, Mixtral's
+    router under mlp.gate), reads them back, and also still reads the per-expert module an earlier qlm wrote."""
+    src = {**hf_models, **moe_models}[kind]
+    assert hf_to_ds(src, tmp_path / "ds", verify=True).verify.ok
+    state = safe_torch_load(tmp_path / "ds/global_step0/mp_rank_00_model_states.pt")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(src))
+    expected = [name for name, _ in model.named_parameters()]
+    assert list(state["param_shapes"][0]) == expected
+    assert sorted(state["module"]) == sorted(model.state_dict())
+    assert ds_to_hf(tmp_path / "ds", tmp_path / "hf", verify=True).verify.ok
+    assert_same_hf(tmp_path / "hf", src)
+
+
+def test_a_per_expert_module_of_an_earlier_qlm_still_reads(moe_models, tmp_path):
+    src = moe_models["qwen3_moe"]
+    hf_to_ds(src, tmp_path / "ds", fp32_master=False)
+    file = tmp_path / "ds/global_step0/mp_rank_00_model_states.pt"
+    state = safe_torch_load(file)
+    module = state["module"]
+    for name in [n for n in module if n.endswith("experts.gate_up_proj")]:
+        prefix, fused = name[: -len("gate_up_proj")], module.pop(name)
+        down, ffn = module.pop(prefix + "down_proj"), fused.shape[1] // 2
+        for e in range(fused.shape[0]):
+            module[f"{prefix}{e}.gate_proj.weight"] = fused[e, :ffn].clone()
+            module[f"{prefix}{e}.up_proj.weight"] = fused[e, ffn:].clone()
+            module[f"{prefix}{e}.down_proj.weight"] = down[e].clone()
+    state["param_shapes"] = [{name: tensor.shape for name, tensor in module.items()}]
+    torch.save(state, file)
+    assert ds_to_hf(tmp_path / "ds", tmp_path / "hf", verify=True).verify.ok
+    assert_same_hf(tmp_path / "hf", src)

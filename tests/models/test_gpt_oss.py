@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from conftest import call_qlm, make_hf_model
-from helpers import assert_same_hf, qlm_from_hf
+from helpers import assert_greedy_generate_equals_transformers, assert_same_hf, qlm_from_hf
 from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -27,9 +27,6 @@ from qlm_core.models.gpt import KVCache
 from qlm_core.models.layout import ModelLayout
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
@@ -46,6 +43,9 @@ def test_clamped_swiglu_equals_transformers_gate_bit_for_bit(dtype):
     theirs_fn = GptOssExperts(config)._apply_gate
     torch.manual_seed(0)
     gate, up = ((torch.randn(6, 64) * 6).to(dtype) for _ in range(2))
+    above = torch.nextafter(torch.tensor(LIMIT, dtype=dtype), torch.tensor(100.0, dtype=dtype))
+    edges = torch.tensor([LIMIT, -LIMIT, above, -above], dtype=dtype)  # at the limits: the clamps pass the gradient
+    gate[0, :4], up[0, :4] = edges, edges
     assert (gate > LIMIT).any() and (up.abs() > LIMIT).any()
     grad = torch.randn(6, 64).to(dtype)
     interleaved = torch.stack([gate, up], dim=-1).reshape(6, 128).requires_grad_()
@@ -96,21 +96,7 @@ def test_greedy_generate_equals_transformers(tmp_path):
     """`qlm generate` (a left-padded batch of two prompts, a KV cache past the window) as transformers' generate."""
     path = tmp_path / "model"
     model = make_hf_model(path, "gpt_oss", initializer_range=0.2)  # not one token repeated
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    prompts = ["the quick brown fox", "the lazy dog jumps over the quick brown fox, how?"]
-    code, out, err = call_qlm("generate", path, "-p", prompts[0], "-p", prompts[1], "--chat-template", "chatml",
-                              "--max-new-tokens", "12", "--jsonl")
-    assert code == 0, err
-    rows = [json.loads(line) for line in out.splitlines()]
-    eos = tokenizer.eos_token_id
-    for prompt, row in zip(prompts, rows, strict=True):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], chat_template=CHATML,
-                                             tokenize=False, add_generation_prompt=True)
-        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
-                                  eos_token_id=eos, pad_token_id=eos)[0, ids.shape[1]:].tolist()
-        expected = expected[: next((i for i, t in enumerate(expected) if t == eos), len(expected))]
-        assert len(set(expected)) > 2 and row["token_ids"] == expected
+    assert_greedy_generate_equals_transformers(path, model, max_new_tokens=12)
 
 
 def mxfp4_quantised(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,3 +283,58 @@ plot = false
     ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (model(ids) - reference(ids).logits).abs().max().item() <= 1e-5
+
+
+def test_checkpoint_edge_cases_are_named_and_packed_tensors_read_once(gpt_oss, tmp_path):
+    """TEGroupedMLP's expert biases map to SequentialMLP's names; a missing packed tensor is named as the files name
+    it; a packed tensor held both plainly and as MXFP4 is refused; a swiglu Megatron model with gpt-oss's offset is
+    not read as plain swiglu; the DeepSpeed reader reads each packed tensor once for all its experts."""
+    import argparse
+
+    from qlm_core.checkpoint.formats.megatron.args import make_args, spec_from_args
+    from qlm_core.checkpoint.formats.packed_experts import PackedExperts
+    from qlm_core.models.layout import normalize_megatron_name
+
+    assert normalize_megatron_name("decoder.layers.0.mlp.experts.linear_fc1.bias3") == \
+        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.bias"
+    broken = tmp_path / "broken"
+    shutil.copytree(gpt_oss, broken)
+    tensors = load_file(broken / "model.safetensors")
+    bias = tensors.pop("model.layers.1.mlp.experts.down_proj_bias")
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(QlmError, match="tensor model.layers.1.mlp.experts.down_proj_bias is missing"):
+        HFCheckpoint(broken)
+    tensors["model.layers.1.mlp.experts.down_proj_bias"] = bias
+    blocks, scales = mxfp4_quantised(tensors["model.layers.0.mlp.experts.down_proj"])
+    tensors["model.layers.0.mlp.experts.down_proj_blocks"] = blocks
+    tensors["model.layers.0.mlp.experts.down_proj_scales"] = scales
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(QlmError, match="holds model.layers.0.mlp.experts.down_proj twice"):
+        HFCheckpoint(broken)
+    qwen = HFCheckpoint(gpt_oss).spec.replace(model_type="qwen3_moe", activation="swiglu", linear_bias=False,
+                                              attention_sinks=False, qkv_bias=False, rope_scaling=None)
+    args = make_args(ModelLayout(qwen), torch.float32)
+    assert spec_from_args(args).activation == "swiglu"
+    with pytest.raises(QlmError, match="glu_linear_offset 1.0, which qlm's swiglu does not build"):
+        spec_from_args(argparse.Namespace(**{**vars(args), "glu_linear_offset": 1.0}))
+
+    checkpoint = HFCheckpoint(gpt_oss)
+    reads = []
+
+    class Module:  # a DeepSpeed module's whole-tensor reads
+        def has(self, name):
+            return name in checkpoint.names
+
+        def dtype(self, name):
+            return checkpoint.dtype(name)
+
+        def read(self, name):
+            reads.append(name)
+            return checkpoint.read(name)
+
+    source = PackedExperts(Module(), checkpoint.spec)
+    for name, shape in ((n, checkpoint.shape(n)) for n in source.views):
+        out = torch.empty(shape)
+        source.read_into(name, 0, 0, shape[0], out)
+        assert torch.equal(out, checkpoint.read(name)), name
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == 4 * checkpoint.spec.num_layers

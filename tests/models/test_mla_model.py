@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import MLA_KINDS, call_qlm, make_hf_model
-from helpers import qlm_from_hf
+from conftest import MLA_KINDS, make_hf_model
+from helpers import assert_greedy_generate_equals_transformers, qlm_from_hf
 
-from qlm_core.data.tokenizer import CHATML
 from qlm_core.errors import QlmError
 from qlm_core.kernels.rope import rope_attention_factor, rope_inv_freq
 from qlm_core.models.attention import KVCache
@@ -130,21 +129,7 @@ def test_greedy_generate_equals_transformers(tmp_path, kind):
     does from its own."""
     path = tmp_path / kind
     model = make_hf_model(path, kind, initializer_range=0.2)  # not one token repeated
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    prompts = ["the quick brown fox", "the lazy dog jumps over the quick brown fox, how?"]
-    code, out, err = call_qlm("generate", path, "-p", prompts[0], "-p", prompts[1], "--chat-template", "chatml",
-                              "--max-new-tokens", "10", "--jsonl")
-    assert code == 0, err
-    rows = [json.loads(line) for line in out.splitlines()]
-    eos = tokenizer.eos_token_id
-    for prompt, row in zip(prompts, rows, strict=True):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], chat_template=CHATML,
-                                             tokenize=False, add_generation_prompt=True)
-        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
-                                  eos_token_id=eos, pad_token_id=eos)[0, ids.shape[1]:].tolist()
-        expected = expected[: next((i for i, t in enumerate(expected) if t == eos), len(expected))]
-        assert len(set(expected)) > 2 and row["token_ids"] == expected
+    assert_greedy_generate_equals_transformers(path, model)
 
 
 @pytest.mark.parametrize("change, message", [

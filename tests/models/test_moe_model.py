@@ -67,8 +67,9 @@ def test_logits_loss_and_router_choices_equal_transformers(moe_models, kind):
             return
         ours = router_logits(model, IDS)
     assert len(ours) == len(out.router_logits) == spec.moe.num_moe_layers(spec.num_layers)
-    for mine, theirs in zip(ours, out.router_logits, strict=True):  # gpt-oss's hidden states reach tens
-        assert (mine - theirs).abs().max().item() <= 1e-5 * max(1.0, theirs.abs().max().item())
+    for mine, theirs in zip(ours, out.router_logits, strict=True):  # gpt-oss's router logits reach tens
+        scale = theirs.abs().max().item() if kind == "gpt_oss" else 1.0
+        assert (mine - theirs).abs().max().item() <= 1e-5 * scale
         k = spec.moe.topk
         assert torch.equal(mine.topk(k).indices.sort().values, theirs.topk(k).indices.sort().values)
 

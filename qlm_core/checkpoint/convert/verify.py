@@ -9,7 +9,8 @@ import torch
 
 from qlm_core.models.build import RankCoords, build_rank_model
 from qlm_core.models.gpt import GPTModel
-from qlm_core.models.layout import ModelLayout, TensorSource, assemble_hf_file_tensor, hf_file_tensors
+from qlm_core.models.hf_experts import HFFiles
+from qlm_core.models.layout import ModelLayout, TensorSource
 
 AUTO_VERIFY_MAX_PARAMS = 2_000_000_000  # two fp32 copies of the model must fit in host memory
 
@@ -50,9 +51,10 @@ def compare_tensors(report: VerifyReport, source: tuple[ModelLayout, TensorSourc
     """Every HF tensor (as the HF files hold it: gpt-oss's experts packed) rebuilt from the written checkpoint must
     equal the source's, cast to the written dtype."""
     (src_layout, src), (out_layout, out) = source, written
-    for name in hf_file_tensors(src_layout):
-        expected = assemble_hf_file_tensor(src_layout, name, src, dtype)
-        actual = assemble_hf_file_tensor(out_layout, name, out)
+    src_files, out_files = HFFiles(src_layout), HFFiles(out_layout)
+    for name in src_files.shapes:
+        expected = src_files.assemble(name, src, dtype)
+        actual = out_files.assemble(name, out)
         report.tensors_checked += 1
         if expected.is_floating_point():
             nans = int(expected.isnan().sum())
@@ -66,8 +68,9 @@ def scan_nan(report: VerifyReport, source: tuple[ModelLayout, TensorSource]):
     """The source's NaN counts per HF tensor into `report` (its warnings name them), without a written side to
     compare: what a conversion that is not verified still looks for."""
     layout, src = source
-    for name in hf_file_tensors(layout):
-        tensor = assemble_hf_file_tensor(layout, name, src)
+    files = HFFiles(layout)
+    for name in files.shapes:
+        tensor = files.assemble(name, src)
         if tensor.is_floating_point() and (nans := int(tensor.isnan().sum())):
             report.nan_counts.setdefault(name, nans)
 

@@ -35,7 +35,8 @@ from qlm_core.checkpoint.io.prefault import prefault
 from qlm_core.checkpoint.io.safe_load import ForeignObject, safe_torch_load
 from qlm_core.checkpoint.io.text import read_text_file
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import ModelLayout, hf_file_tensors
+from qlm_core.models.hf_experts import HFFiles
+from qlm_core.models.layout import ModelLayout
 
 LATEST = "latest"
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -441,7 +442,9 @@ class DeepSpeedCheckpoint:
 
     def check_layout(self, layout: ModelLayout):
         """Every tensor the config implies must be here with its shape, and no parameter may be left over."""
-        expected = hf_file_tensors(layout)  # gpt-oss's experts packed, as transformers' state_dict holds them
+        # a transformers state_dict (MoE experts packed), or the per-expert tensors an older qlm wrote
+        packed = HFFiles(layout, state_dict=True).shapes
+        expected = packed if all(self.has(name) for name in packed) else HFFiles(layout).shapes
         for name, shape in expected.items():
             if not self.has(name):
                 raise QlmError(f"tensor {name} is missing from {self.dir}",

@@ -18,34 +18,28 @@ import torch
 from qlm_core.checkpoint.formats.deepspeed.checkpoint import LATEST, MODEL_FILE, TIED_OUTPUT
 from qlm_core.checkpoint.formats.megatron.legacy import fast_torch_save
 from qlm_core.errors import QlmError
-from qlm_core.models.layout import ModelLayout, TensorSource, assemble_hf_file_tensor, hf_file_tensors
+from qlm_core.models.hf_experts import HFFiles
+from qlm_core.models.layout import ModelLayout, TensorSource
 
 DS_FORMAT_VERSION = "0.19.8"  # the DeepSpeed release whose layout this writes; its engines require a non-empty value
-_LAYER_ORDER = (
-    "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
-    "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
-    "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
-)
 
 
-def module_names(layout: ModelLayout) -> list[str]:
-    """The HF tensors in a transformers decoder's registration order (what DeepSpeed's param_shapes lists): the
-    embedding, each layer's tensors, the final norm, the rest; the family's names from the layout (OPT's under
-    model.decoder.)."""
-    embedding = embedding_name(layout)
-    final_norm = {seg.hf_name for _, tensor in layout.final_norms() for seg in tensor.segments}
+def module_names(layout: ModelLayout, files: HFFiles) -> list[str]:
+    """`files`' tensors (the layout's, as a transformers state_dict holds them) in the registration order of
+    transformers' model of the spec (what DeepSpeed's param_shapes lists, and the order its flat fp32 partitions
+    follow), built on the meta device; a spec transformers has no config for keeps the layout's order."""
+    try:
+        config = layout.spec.to_hf_config()
+    except QlmError:
+        return list(files.shapes)
+    import transformers
 
-    def order(name: str):
-        if name == embedding:
-            return (0, 0, 0)
-        match = re.match(r"model\.(?:decoder\.)?layers\.(\d+)\.(.+)", name)
-        if match:
-            suffix = match.group(2)
-            return (1, int(match.group(1)),
-                    _LAYER_ORDER.index(suffix) if suffix in _LAYER_ORDER else len(_LAYER_ORDER))
-        return (2, 0 if name in final_norm else 1, 0)
-
-    return sorted(hf_file_tensors(layout), key=order)
+    hf_config = transformers.AutoConfig.for_model(**config)
+    auto = transformers.AutoModelForSequenceClassification if layout.spec.head == "score" \
+        else transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        order = {name: i for i, (name, _) in enumerate(auto.from_config(hf_config).named_parameters())}
+    return sorted(files.shapes, key=lambda name: order.get(name, len(order)))
 
 
 def embedding_name(layout: ModelLayout) -> str:
@@ -72,7 +66,8 @@ def write_deepspeed(root: Path, layout: ModelLayout, source: TensorSource, dtype
                     progress: Callable[[int, int, str], None] = lambda *_: None):
     """The module in `dtype` (HF names, the tied output layer sharing the embedding's storage as in a transformers
     state_dict), then the fp32 masters split into `partitions` equal ZeRO-2 slices, one file at a time."""
-    names = module_names(layout)
+    files = HFFiles(layout, state_dict=True)  # transformers' state_dict: MoE experts packed
+    names = module_names(layout, files)
     tied = layout.spec.tie_word_embeddings
     embedding = embedding_name(layout)  # the family's name (OPT: model.decoder.embed_tokens)
     steps = len(names) + (partitions if fp32_master else 0)
@@ -81,7 +76,7 @@ def write_deepspeed(root: Path, layout: ModelLayout, source: TensorSource, dtype
     module: dict[str, torch.Tensor] = OrderedDict()
     for i, name in enumerate(names):
         progress(i, steps, name)
-        module[name] = assemble_hf_file_tensor(layout, name, source, dtype)
+        module[name] = files.assemble(name, source, dtype)
     if tied:
         module[TIED_OUTPUT] = module[embedding]
     stage = 2 if fp32_master else 0
@@ -102,13 +97,13 @@ def write_deepspeed(root: Path, layout: ModelLayout, source: TensorSource, dtype
     shapes = [(name, module[name].shape) for name in names]
     del module, state
     if fp32_master:
-        _write_fp32_partitions(tag_dir, layout, source, shapes, dtype, partitions,
+        _write_fp32_partitions(tag_dir, files, source, shapes, dtype, partitions,
                                lambda r: progress(len(names) + r, steps, optimizer_file_name(r, dtype)))
     progress(steps, steps, "done")
     (root / LATEST).write_text(tag)
 
 
-def _write_fp32_partitions(tag_dir: Path, layout: ModelLayout, source: TensorSource, shapes, dtype: torch.dtype,
+def _write_fp32_partitions(tag_dir: Path, files: HFFiles, source: TensorSource, shapes, dtype: torch.dtype,
                            partitions: int, progress: Callable[[int], None]):
     """Rank r's file holds entries [r*size, (r+1)*size) of the params flattened one after another (zero padding at
     the end). Each file is filled from the params it overlaps; a param spanning two files is read twice."""
@@ -124,7 +119,7 @@ def _write_fp32_partitions(tag_dir: Path, layout: ModelLayout, source: TensorSou
         for (name, _), (start, stop) in zip(shapes, itertools.pairwise(starts), strict=True):
             a, b = max(lo, start), min(hi, stop)
             if a < b:
-                tensor = assemble_hf_file_tensor(layout, name, source, torch.float32).reshape(-1)
+                tensor = files.assemble(name, source, torch.float32).reshape(-1)
                 flat[a - lo:b - lo] = tensor[a - start:b - start]
         optimizer = {
             "zero_stage": 2, "partition_count": [partitions], "single_partition_of_fp32_groups": [flat],

@@ -19,7 +19,8 @@ from qlm_core.checkpoint.io.text import read_json_object
 from qlm_core.dtypes import HF_DTYPE_NAMES, set_hf_config_dtype
 from qlm_core.errors import QlmError
 from qlm_core.models.families import FAMILIES
-from qlm_core.models.layout import PackedView, hf_copies, hf_packed_experts, packed_expert_slab, without_absent_mtp
+from qlm_core.models.hf_experts import PackedView, hf_packed_experts, packed_expert_slab, packed_in_files
+from qlm_core.models.layout import hf_copies, without_absent_mtp
 from qlm_core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -145,6 +146,7 @@ class HFCheckpoint:
         # the per-expert tensors the layout asks for
         self._fused: dict[str, PackedView] = {}
         self._mxfp4: dict[str, tuple[str, str]] = {}  # gpt-oss's MXFP4 experts: packed name -> (blocks, scales)
+        self._slab: tuple[tuple[str, int], torch.Tensor] | None = None  # the last expert slab read (gate, then up)
         self._fp8: dict[str, str] = {}  # FP8 weights (name -> their scale grid's name), read dequantised
         self.notes: list[str] = []  # what reading does beyond copying (FP8 dequantisation)
         self._scan()
@@ -209,6 +211,11 @@ class HFCheckpoint:
         A packed tensor must have exactly the config's shape (a row or an expert more would be left unread), and no
         tensor may be stored both ways (which copy counts would be a guess)."""
         views, packed_shapes = hf_packed_experts(self.spec)
+        if packed_in_files(self.spec):  # the only form of these files: name what is missing as the files would
+            missing = [name for name in packed_shapes if name not in self._shapes]
+            if missing:
+                raise QlmError(f"tensor {missing[0]} is missing from {self.path}",
+                               "the weights do not match config.json")
         for name, view in views.items():
             if view.packed not in self._shapes:
                 continue
@@ -217,8 +224,8 @@ class HFCheckpoint:
                                "keep one layout of the experts (transformers' fused tensors or the per-expert ones)")
             shape, wanted = self._shapes[view.packed], packed_shapes[view.packed]
             if shape != wanted:
-                raise QlmError(f"{view.packed} in {self.path} is {list(shape)} but config.json implies {list(wanted)}",
-                               "the weights do not match config.json")
+                raise QlmError(f"{view.packed} in {self.path} is {list(shape)} but config.json implies {list(wanted)} "
+                               "([experts, rows, columns])", "the weights do not match config.json")
             self._shapes[name] = view.shape
             self._fused[name] = view
             self._dtypes[name] = self._dtypes[view.packed]
@@ -230,6 +237,9 @@ class HFCheckpoint:
         for blocks in [n for n in self._shapes if n.endswith(mxfp4.BLOCKS)]:
             name = blocks[: -len(mxfp4.BLOCKS)]
             scales = name + mxfp4.SCALES
+            if name in self._shapes:
+                raise QlmError(f"{self.path} holds {name} twice: as it is and as MXFP4 {blocks}",
+                               "keep one copy of the expert weights")
             if scales not in self._shapes:
                 raise QlmError(f"{self.path}: the MXFP4 tensor {blocks} has no {scales} beside it",
                                "restore the checkpoint's scale tensors")
@@ -374,11 +384,17 @@ class HFCheckpoint:
         return packed_expert_slab(slab, view).narrow(axis, start, stop - start).contiguous()
 
     def _expert_slab(self, packed: str, expert: int) -> torch.Tensor:
-        """packed[expert], dequantised when the files hold it as MXFP4."""
+        """packed[expert], dequantised when the files hold it as MXFP4; the last one is kept (gpt-oss's gate and up
+        are two views of one slab, read one after the other)."""
+        if self._slab is not None and self._slab[0] == (packed, expert):
+            return self._slab[1]
         if packed not in self._mxfp4:
-            return self._read_index(packed, (slice(expert, expert + 1),))[0]
-        blocks, scales = (self._read_index(part, (slice(expert, expert + 1),))[0] for part in self._mxfp4[packed])
-        return mxfp4.dequantise(blocks, scales, self._dtypes[packed]).t()
+            slab = self._read_index(packed, (slice(expert, expert + 1),))[0]
+        else:
+            blocks, scales = (self._read_index(part, (slice(expert, expert + 1),))[0] for part in self._mxfp4[packed])
+            slab = mxfp4.dequantise(blocks, scales, self._dtypes[packed]).t()
+        self._slab = ((packed, expert), slab)
+        return slab
 
     def _read_dequantised(self, name: str, axis: int, start: int | None, stop: int | None,
                           dtype: torch.dtype) -> torch.Tensor:

@@ -10,7 +10,7 @@ import argparse
 import torch
 
 from qlm_core.errors import QlmError
-from qlm_core.models.activations import ACTIVATION_KINDS, activation_kind
+from qlm_core.models.activations import ACTIVATION_KINDS, MEGATRON_DEFAULT_VALUES, activation_kind
 from qlm_core.models.families import FAMILIES
 from qlm_core.models.layout import ModelLayout
 from qlm_core.models.mla_spec import MlaSpec
@@ -269,6 +269,7 @@ def _windows_from_args(args: argparse.Namespace, num_layers: int) -> tuple[int |
 
 
 def need_arg(args, name: str):
+    """args.<name>, which must be there (not None)."""
     value = getattr(args, name, None)
     if value is None:
         raise QlmError(f"the checkpoint's args lack {name}",
@@ -335,12 +336,9 @@ def set_layout_args(args: argparse.Namespace, layout: ModelLayout, dtype: torch.
 def spec_from_args(args) -> ModelSpec:
     """Rebuild the architecture from a Megatron `args` (written by qlm or by Megatron-LM itself)."""
 
+
     def need(name):
-        value = getattr(args, name, None)
-        if value is None:
-            raise QlmError(f"the checkpoint's args lack {name}",
-                           "pass --config with the model's HF directory or a preset name")
-        return value
+        return need_arg(args, name)
 
     where = getattr(args, "qlm_args_from", None)  # a Megatron-Bridge run_config.yaml (bridge_config.py)
     model = f"the model of {where}" if where else "the checkpoint's model"
@@ -349,11 +347,11 @@ def spec_from_args(args) -> ModelSpec:
     if activation is None:
         raise QlmError(f"{model} uses an MLP activation qlm does not build",
                        f"qlm builds {', '.join(ACTIVATION_KINDS)} (Megatron's --swiglu)")
-    for key, value in ACTIVATION_KINDS[activation].megatron_values:  # a qlm_ key Megatron-LM does not write
-        held = getattr(args, key, value if key.startswith("qlm_") else None)
+    for key, value in ACTIVATION_KINDS[activation].megatron_values:  # absent: Megatron-LM's default (qlm_: ours)
+        held = getattr(args, key, dict(MEGATRON_DEFAULT_VALUES).get(key, value))
         if held != value:
-            raise QlmError(f"{model}'s {activation} MLP has {key} {held!r}; qlm builds it with {value!r} "
-                           "(gpt-oss's)", f"convert a model with {key} {value!r}")
+            raise QlmError(f"{model}'s {activation} MLP has {key} {held!r}, which qlm's {activation} does not "
+                           f"build (it has {value!r})", f"convert a model with {key} {value!r}")
     normalization = getattr(args, "normalization", "LayerNorm")
     zero_centered = bool(getattr(args, "apply_layernorm_1p", False))
     norm = next((name for name, kind in NORM_KINDS.items()
