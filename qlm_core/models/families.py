@@ -32,7 +32,7 @@ PositionName = Literal["rope", "learned_absolute"]
 # how an MoE layer's routed experts lie in the HF files: "separate" (a tensor per expert and projection; transformers
 # 5's fused [E, 2F, H] gate_up_proj and [E, H, F] down_proj are read too), "gpt_oss" (the only form gpt-oss's
 # files have: experts.gate_up_proj [E, H, 2F] with gate and up in alternate columns, experts.down_proj [E, F, H],
-# their biases gate_up_proj_bias [E, 2F] and down_proj_bias [E, H]); both: layout.hf_packed_experts
+# their biases gate_up_proj_bias [E, 2F] and down_proj_bias [E, H]); both: models/hf_experts.py
 ExpertFiles = Literal["separate", "gpt_oss"]
 # the last stage's head: "lm" the vocabulary projection (HF *ForCausalLM), "score" one scalar per token, read at a
 # sequence's last token (a Bradley-Terry reward model; HF *ForSequenceClassification with num_labels 1)

@@ -1,10 +1,11 @@
 """HF tensors that hold an MoE layer's routed experts packed, as views of the per-expert tensors the layout names.
 
 "separate" families (models/families.py ExpertFiles): transformers >= 5 holds an MoE layer's experts fused
-(`model.layers.N.mlp.experts.gate_up_proj` [E, 2F, H], rows gate then up, and `...down_proj` [E, H, F]) and Mixtral's
-router under `mlp.gate.weight`; some saved checkpoints hold that layout (read only: qlm writes the per-expert
-tensors, which transformers reads too). gpt-oss: its files hold only `experts.gate_up_proj` [E, H, 2F] (gate and up
-in alternate columns), `down_proj` [E, F, H] and their biases [E, 2F] and [E, H]: read, and written packed (HFFiles).
+(`model.layers.N.mlp.experts.gate_up_proj` [E, 2F, H], rows gate then up, and `...down_proj` [E, H, F]), Mixtral's
+router under `mlp.gate.weight` and ERNIE 4.5 MoE's correction bias under `mlp.gate.moe_statics`. Its saved files
+hold the per-expert tensors again (qlm writes those too); some checkpoints, and a DeepSpeed module (transformers'
+state_dict), hold the fused form. gpt-oss: its files hold only `experts.gate_up_proj` [E, H, 2F] (gate and up in
+alternate columns), `down_proj` [E, F, H] and their biases [E, 2F] and [E, H]: read, and written packed (HFFiles).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class PackedView:
     transposed: bool = False
 
 
-class PackedExperts(NamedTuple):
+class ExpertPacking(NamedTuple):
     views: dict[str, PackedView]  # per-expert HF name -> where it lies
     shapes: dict[str, tuple[int, ...]]  # packed HF name -> its shape
 
@@ -43,10 +44,10 @@ def packed_in_files(spec: ModelSpec) -> bool:
     return spec.moe is not None and FAMILIES[spec.model_type].expert_files != "separate"
 
 
-def hf_packed_experts(spec: ModelSpec) -> PackedExperts:
+def hf_packed_experts(spec: ModelSpec) -> ExpertPacking:
     """The per-expert HF tensors of an MoE model that its files may hold packed, and each packed tensor's shape."""
     if spec.moe is None:
-        return PackedExperts({}, {})
+        return ExpertPacking({}, {})
     family = FAMILIES[spec.model_type]
     gate, up, down = family.expert_projections
     h, ffn, experts = spec.hidden_size, spec.moe.ffn_hidden_size, spec.moe.num_experts
@@ -73,11 +74,15 @@ def hf_packed_experts(spec: ModelSpec) -> PackedExperts:
         if family.moe_block != "mlp.":  # the router too moved: transformers >= 5 holds it under mlp.gate
             views[disk + "gate.weight"] = PackedView(hf + "mlp.gate.weight", None, (experts, h))
             shapes[hf + "mlp.gate.weight"] = (experts, h)
+        if spec.moe.expert_bias and family.expert_bias_name.startswith("moe_statics."):  # ERNIE's, under the gate
+            held = hf + "mlp.gate." + family.expert_bias_name
+            views[disk + family.expert_bias_name] = PackedView(held, None, (*family.expert_bias_leading, experts))
+            shapes[held] = (*family.expert_bias_leading, experts)
         for e in range(experts):
             views[f"{disk}experts.{e}.{gate}.weight"] = PackedView(fused + "gate_up_proj", e, (ffn, h), 0)
             views[f"{disk}experts.{e}.{up}.weight"] = PackedView(fused + "gate_up_proj", e, (ffn, h), ffn)
             views[f"{disk}experts.{e}.{down}.weight"] = PackedView(fused + "down_proj", e, (h, ffn))
-    return PackedExperts(views, shapes)
+    return ExpertPacking(views, shapes)
 
 
 def packed_expert_slab(slab: torch.Tensor, view: PackedView) -> torch.Tensor:
@@ -96,7 +101,7 @@ class HFFiles:
     def __init__(self, layout: ModelLayout, state_dict: bool = False):
         self.layout = layout
         pack = packed_in_files(layout.spec) or (state_dict and layout.spec.moe is not None)
-        packed = hf_packed_experts(layout.spec) if pack else PackedExperts({}, {})
+        packed = hf_packed_experts(layout.spec) if pack else ExpertPacking({}, {})
         self.views: dict[str, list[tuple[str, PackedView]]] = {}  # packed name -> its views
         for name, view in packed.views.items():
             self.views.setdefault(view.packed, []).append((name, view))

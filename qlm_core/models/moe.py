@@ -252,7 +252,7 @@ class ExpertLinear(MegatronLinearState, nn.Module):
     """One expert's (expert-)TP shard of a linear (no collectives of its own: the MoE layer moves the tokens).
     `expert_parallel`: its gradient is reduced over the expert-data-parallel group (ParamMeta.expert). `bias`
     (gpt-oss's): the layouts allow expert biases at expert-TP 1 only, as Megatron-Core does, so it is the expert's
-    whole bias, marked as its weight is."""
+    whole bias (linear_fc2's too), marked as its weight is (that mark only decides the gradient norm's count)."""
 
     def __init__(self, out_features: int, in_features: int, dtype, expert_parallel: bool = False,
                  bias: bool = False):

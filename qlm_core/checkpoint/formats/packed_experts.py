@@ -5,6 +5,8 @@ expert's bytes."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from qlm_core.models.hf_experts import hf_packed_experts, packed_expert_slab
@@ -32,8 +34,8 @@ class PackedExperts:
             self.reader.read_into(name, axis, start, stop, out)
             return
         if view.packed not in self._held:
-            layer = view.packed.rsplit(".experts.", 1)[0]
-            self._held = {held: t for held, t in self._held.items() if held.startswith(layer + ".")}
+            layer = re.match(r"model\.layers\.\d+\.", view.packed)
+            self._held = {held: t for held, t in self._held.items() if layer and held.startswith(layer.group())}
             self._held[view.packed] = self.reader.read(view.packed)
         held = self._held[view.packed]
         slab = held if view.expert is None else held[view.expert]

@@ -50,7 +50,7 @@ def open_ds(path: Path, options: ReadOptions) -> OpenedCheckpoint:
     def side_files(folder: Path, dtype: torch.dtype, target: str):
         copy_hf_side_files(config_path, folder, dtype if target == "hf" else None)
 
-    source = HFTensorSource(PackedExperts(ckpt, spec))  # gpt-oss's experts: views of its packed tensors
+    source = HFTensorSource(PackedExperts(ckpt, spec))  # fused / packed experts read as per-expert views
     return OpenedCheckpoint(spec, source, tokenizer_near(config_dir) or tokenizer_near(path),
                             f"DeepSpeed checkpoint {path} (ZeRO {ckpt.zero_stage}, {weights})", weights_dir=path,
                             format="deepspeed", root=ckpt.root, layout=layout, dtype=torch.float32,

@@ -35,7 +35,7 @@ from qlm_core.checkpoint.io.prefault import prefault
 from qlm_core.checkpoint.io.safe_load import ForeignObject, safe_torch_load
 from qlm_core.checkpoint.io.text import read_text_file
 from qlm_core.errors import QlmError
-from qlm_core.models.hf_experts import HFFiles
+from qlm_core.models.hf_experts import HFFiles, hf_packed_experts
 from qlm_core.models.layout import ModelLayout
 
 LATEST = "latest"
@@ -442,9 +442,9 @@ class DeepSpeedCheckpoint:
 
     def check_layout(self, layout: ModelLayout):
         """Every tensor the config implies must be here with its shape, and no parameter may be left over."""
-        # a transformers state_dict (MoE experts packed), or the per-expert tensors an older qlm wrote
-        packed = HFFiles(layout, state_dict=True).shapes
-        expected = packed if all(self.has(name) for name in packed) else HFFiles(layout).shapes
+        # transformers' state_dict (MoE experts fused where its model fuses them), or per-expert as an older qlm wrote
+        fused = any(self.has(name) for name in hf_packed_experts(layout.spec).shapes)
+        expected = HFFiles(layout, state_dict=fused).shapes
         for name, shape in expected.items():
             if not self.has(name):
                 raise QlmError(f"tensor {name} is missing from {self.dir}",

@@ -12,34 +12,67 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from qlm_core.checkpoint.formats.deepspeed.checkpoint import LATEST, MODEL_FILE, TIED_OUTPUT
 from qlm_core.checkpoint.formats.megatron.legacy import fast_torch_save
 from qlm_core.errors import QlmError
-from qlm_core.models.hf_experts import HFFiles
+from qlm_core.models.hf_experts import HFFiles, hf_packed_experts
 from qlm_core.models.layout import ModelLayout, TensorSource
+from qlm_core.models.spec import ModelSpec
 
 DS_FORMAT_VERSION = "0.19.8"  # the DeepSpeed release whose layout this writes; its engines require a non-empty value
 
 
-def module_names(layout: ModelLayout, files: HFFiles) -> list[str]:
-    """`files`' tensors (the layout's, as a transformers state_dict holds them) in the registration order of
-    transformers' model of the spec (what DeepSpeed's param_shapes lists, and the order its flat fp32 partitions
-    follow), built on the meta device; a spec transformers has no config for keeps the layout's order."""
+class ModuleNames(NamedTuple):
+    """What DeepSpeed's model states list of a transformers module: its parameters in registration order (the
+    order of param_shapes and of the flat fp32 partitions) and its persistent buffers."""
+
+    files: HFFiles  # the layout's tensors as the module holds them
+    params: list[str]
+    buffers: list[str]
+
+
+def module_names(layout: ModelLayout) -> ModuleNames:
+    """transformers' model of the spec, built on the meta device, names the module: fused experts where it fuses
+    them (transformers >= 5), its parameter order, which of the layout's tensors are buffers (DeepSeek's correction
+    bias). Tensors transformers' model lacks (multi-token prediction layers) follow its parameters; a spec
+    transformers has no model for (no HF config, or a family this transformers lacks) keeps the layout's names and
+    order."""
+    model = _meta_model(layout.spec)
+    if model is None:
+        files = HFFiles(layout)
+        return ModuleNames(files, list(files.shapes), [])
+    order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    buffers = {name for name, _ in model.named_buffers()}
+    files = HFFiles(layout, state_dict=any(name in order for name in hf_packed_experts(layout.spec).shapes))
+    ours = set(files.shapes) | ({TIED_OUTPUT} if layout.spec.tie_word_embeddings else set())
+    lacking = [name for name in order if name not in ours]
+    if lacking:
+        raise QlmError(f"transformers' {layout.spec.model_type} model holds {', '.join(lacking[:3])}, which this "
+                       "checkpoint lacks", "write a Hugging Face or Megatron checkpoint instead")
+    params = sorted((n for n in files.shapes if n not in buffers), key=lambda name: order.get(name, len(order)))
+    return ModuleNames(files, params, [n for n in files.shapes if n in buffers])
+
+
+def _meta_model(spec: ModelSpec):
+    """transformers' model of `spec` on the meta device, or None where it has none."""
     try:
-        config = layout.spec.to_hf_config()
+        config = spec.to_hf_config()
     except QlmError:
-        return list(files.shapes)
+        return None
     import transformers
 
-    hf_config = transformers.AutoConfig.for_model(**config)
-    auto = transformers.AutoModelForSequenceClassification if layout.spec.head == "score" \
+    try:  # the spec's own pad token (GLM's config class otherwise pads with an id past a small vocabulary)
+        hf_config = transformers.AutoConfig.for_model(**{**config, "pad_token_id": config.get("pad_token_id")})
+    except (KeyError, ValueError):  # a model type this transformers does not know
+        return None
+    auto = transformers.AutoModelForSequenceClassification if spec.head == "score" \
         else transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        order = {name: i for i, (name, _) in enumerate(auto.from_config(hf_config).named_parameters())}
-    return sorted(files.shapes, key=lambda name: order.get(name, len(order)))
+        return auto.from_config(hf_config)
 
 
 def embedding_name(layout: ModelLayout) -> str:
@@ -66,15 +99,14 @@ def write_deepspeed(root: Path, layout: ModelLayout, source: TensorSource, dtype
                     progress: Callable[[int, int, str], None] = lambda *_: None):
     """The module in `dtype` (HF names, the tied output layer sharing the embedding's storage as in a transformers
     state_dict), then the fp32 masters split into `partitions` equal ZeRO-2 slices, one file at a time."""
-    files = HFFiles(layout, state_dict=True)  # transformers' state_dict: MoE experts packed
-    names = module_names(layout, files)
+    files, names, buffers = module_names(layout)
     tied = layout.spec.tie_word_embeddings
     embedding = embedding_name(layout)  # the family's name (OPT: model.decoder.embed_tokens)
-    steps = len(names) + (partitions if fp32_master else 0)
+    steps = len(names) + len(buffers) + (partitions if fp32_master else 0)
     tag_dir = root / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
     module: dict[str, torch.Tensor] = OrderedDict()
-    for i, name in enumerate(names):
+    for i, name in enumerate(names + buffers):
         progress(i, steps, name)
         module[name] = files.assemble(name, source, dtype)
     if tied:
@@ -82,7 +114,7 @@ def write_deepspeed(root: Path, layout: ModelLayout, source: TensorSource, dtype
     stage = 2 if fp32_master else 0
     state = {
         "module": module,
-        "buffer_names": [],
+        "buffer_names": buffers,
         "optimizer": None,
         "param_shapes": [OrderedDict((name, module[name].shape) for name in names)],
         "frozen_param_shapes": OrderedDict() if fp32_master else None,
@@ -98,7 +130,8 @@ def write_deepspeed(root: Path, layout: ModelLayout, source: TensorSource, dtype
     del module, state
     if fp32_master:
         _write_fp32_partitions(tag_dir, files, source, shapes, dtype, partitions,
-                               lambda r: progress(len(names) + r, steps, optimizer_file_name(r, dtype)))
+                               lambda r: progress(len(names) + len(buffers) + r, steps,
+                                                  optimizer_file_name(r, dtype)))
     progress(steps, steps, "done")
     (root / LATEST).write_text(tag)
 

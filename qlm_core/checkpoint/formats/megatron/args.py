@@ -335,11 +335,6 @@ def set_layout_args(args: argparse.Namespace, layout: ModelLayout, dtype: torch.
 
 def spec_from_args(args) -> ModelSpec:
     """Rebuild the architecture from a Megatron `args` (written by qlm or by Megatron-LM itself)."""
-
-
-    def need(name):
-        return need_arg(args, name)
-
     where = getattr(args, "qlm_args_from", None)  # a Megatron-Bridge run_config.yaml (bridge_config.py)
     model = f"the model of {where}" if where else "the checkpoint's model"
     activation = next((name for name, kind in ACTIVATION_KINDS.items()
@@ -359,22 +354,22 @@ def spec_from_args(args) -> ModelSpec:
     if norm is None:
         raise QlmError(f"{model} uses {normalization}",
                        f"qlm builds {', '.join(kind.megatron_name for kind in NORM_KINDS.values())}")
-    moe = moe_from_args(args, need("num_layers"))
+    moe = moe_from_args(args, need_arg(args, "num_layers"))
     model_type = getattr(args, "qlm_model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         model_type = _guess_model_type(args, moe)
     position = _position_from_args(args, model, model_type)
-    heads = need("num_attention_heads")
+    heads = need_arg(args, "num_attention_heads")
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     scaling = _rope_scaling_from_args(args)
     mla = mla_from_args(args)
-    sliding_window, window_layers = _windows_from_args(args, need("num_layers"))
+    sliding_window, window_layers = _windows_from_args(args, need_arg(args, "num_layers"))
     return ModelSpec(
         model_type=model_type,
-        vocab_size=getattr(args, "vocab_size", None) or need("padded_vocab_size"),
-        hidden_size=need("hidden_size"),
-        ffn_hidden_size=need("ffn_hidden_size"),
-        num_layers=need("num_layers"),
+        vocab_size=getattr(args, "vocab_size", None) or need_arg(args, "padded_vocab_size"),
+        hidden_size=need_arg(args, "hidden_size"),
+        ffn_hidden_size=need_arg(args, "ffn_hidden_size"),
+        num_layers=need_arg(args, "num_layers"),
         num_attention_heads=heads,
         num_query_groups=heads if mla else groups or heads,
         kv_channels=mla.q_head_dim if mla else getattr(args, "kv_channels", None) or args.hidden_size // heads,
