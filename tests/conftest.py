@@ -48,6 +48,11 @@ MODEL_KINDS = {
     # ... with a GELU MLP and no biases on its linears (enable_bias false; its LayerNorms keep theirs)
     "opt_gelu": ("opt", dict(ffn_dim=96, word_embed_proj_dim=64, activation_function="gelu", enable_bias=False,
                              pad_token_id=1, bos_token_id=2, eos_token_id=2)),
+    # BLOOM: ALiBi over 12 heads (slopes of a head count that is not a power of two), LayerNorms with biases (one
+    # after the embedding), biases on every linear, q/k/v fused head by head, a tanh-GELU MLP of 4 h, tied
+    "bloom": ("bloom", dict(hidden_size=96, num_attention_heads=12)),
+    # MPT: ALiBi over 4 heads, LayerNorms without biases, no linear biases, Wqkv as [q; k; v], an exact-GELU MLP of 4 h
+    "mpt": ("mpt", dict(d_model=64, n_heads=4, n_layers=4, max_seq_len=256)),
     # Gemma 3 (text): windowed layers 0-2 (window 8, RoPE base 10000), a global layer 3 (base 1e6, linear x8), a
     # query_pre_attn_scalar other than head_dim, GeGLU, (1 + w) norms, four a layer, tied embeddings
     "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0,

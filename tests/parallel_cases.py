@@ -68,18 +68,29 @@ GPT_OSS = SPEC.replace(model_type="gpt_oss", linear_bias=True, attention_sinks=T
                        window_layers=(True, False, True, False), activation="clamped_swiglu",
                        rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16, truncate=False),
                        moe=MoeSpec(num_experts=4, topk=2, ffn_hidden_size=32))
+# A BLOOM: ALiBi, LayerNorms with biases (one after the embedding), biases on every linear, tanh GELU of 4 h,
+# multi-head, tied, on packed documents (ALiBi needs no position ids: a document's tokens are as far apart packed as
+# alone)
+BLOOM = SPEC.replace(model_type="bloom", num_query_groups=4, ffn_hidden_size=256, linear_bias=True,
+                     tie_word_embeddings=True, norm_epsilon=1e-5, norm="layernorm", activation="gelu_tanh",
+                     position="alibi", embedding_norm=True)
+# An MPT: ALiBi, LayerNorms without biases, no linear biases, exact GELU of 4 h, multi-head, tied, on packed documents
+MPT = BLOOM.replace(model_type="mpt", linear_bias=False, qkv_bias=False, norm="layernorm_no_bias", activation="gelu",
+                    embedding_norm=False)
 # window: packed documents and the windowed model; moe: MOE; mla: MLA (mla_packed: with packed documents)
 # mla_mtp_off: MLA trained with the multi-token prediction weight at 0 (its layers frozen and not run); glm4: GLM4;
 # gemma3: GEMMA3 on packed documents; ernie_moe: ERNIE_MOE; opt / opt_gelu: OPT / OPT_GELU on packed documents
-# (their learned positions restart with each document); gpt_oss: GPT_OSS on packed documents
+# (their learned positions restart with each document); gpt_oss: GPT_OSS on packed documents; bloom / mpt: BLOOM /
+# MPT on packed documents
 DATA_KINDS = ("plain", "packed", "window", "moe", "moe_seq", "moe_global", "mla", "mla_packed", "mla_mtp_off",
-              "glm4", "gemma3", "ernie_moe", "opt", "opt_gelu", "gpt_oss")
+              "glm4", "gemma3", "ernie_moe", "opt", "opt_gelu", "gpt_oss", "bloom", "mpt")
 
 
 def case_spec(data: str) -> ModelSpec:
     return {"window": WINDOWED, "moe": MOE, "moe_seq": MOE, "moe_global": MOE, "mla": MLA,
             "mla_packed": MLA, "mla_mtp_off": MLA, "glm4": GLM4, "gemma3": GEMMA3,
-            "ernie_moe": ERNIE_MOE, "opt": OPT, "opt_gelu": OPT_GELU, "gpt_oss": GPT_OSS}.get(data, SPEC)
+            "ernie_moe": ERNIE_MOE, "opt": OPT, "opt_gelu": OPT_GELU, "gpt_oss": GPT_OSS,
+            "bloom": BLOOM, "mpt": MPT}.get(data, SPEC)
 
 
 def case_moe(data: str) -> MoeConfig | None:
@@ -172,6 +183,13 @@ CASES = {
     "gpt_oss_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), micro_batch_size=1,
                                     data="gpt_oss"),
     "gpt_oss_ep2": LayoutCase(2, dict(ep=2), micro_batch_size=1, data="gpt_oss"),
+    "bloom_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="bloom"),
+    "bloom_pp2": LayoutCase(2, dict(pp=2), data="bloom"),
+    "bloom_cp2_p2p": LayoutCase(2, dict(cp=2, cp_comm_type="p2p"), data="bloom"),
+    "bloom_cp2_a2a": LayoutCase(2, dict(cp=2, cp_comm_type="a2a"), data="bloom"),
+    "bloom_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), data="bloom"),
+    "mpt_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="mpt"),
+    "mpt_cp2_allgather": LayoutCase(2, dict(cp=2, cp_comm_type="allgather"), data="mpt"),
     "moe_tp2": LayoutCase(2, dict(tp=2), data="moe"),
     "moe_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="moe"),
     "moe_pp2": LayoutCase(2, dict(pp=2), data="moe"),
@@ -226,8 +244,9 @@ COMPILED_CASES = {
 
 def make_batch(packed: bool | str):
     """Global batch: input_ids, labels (-100 across document boundaries), position_ids and segment_ids (packed, or
-    data kind "packed" / "window" / "mla_packed" / "gemma3" / "opt" / "opt_gelu")."""
-    packed = packed in (True, "packed", "window", "mla_packed", "gemma3", "opt", "opt_gelu", "gpt_oss")
+    data kind "packed" / "window" / "mla_packed" / "gemma3" / "opt" / "opt_gelu" / "gpt_oss" / "bloom" / "mpt")."""
+    packed = packed in (True, "packed", "window", "mla_packed", "gemma3", "opt", "opt_gelu", "gpt_oss", "bloom",
+                        "mpt")
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, SPEC.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=generator)
     input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()

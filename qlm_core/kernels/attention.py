@@ -22,33 +22,47 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
     _flash_attn_func = None
 
 
+def flash_attn_runs(q: torch.Tensor) -> bool:
+    """Whether core_attention runs flash-attn on these queries (CUDA, fp16/bf16, flash-attn installed)."""
+    return _flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
 def core_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, softmax_scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain (unpacked, unwindowed) attention over whole rows: one fused kernel call, no log-sum-exp kept by qlm."""
-    if _flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    """Plain (unpacked, unwindowed) attention over whole rows: one fused kernel call, no log-sum-exp kept by qlm.
+    `alibi_slopes` [hq] (fp32): ALiBi's, through flash-attn's own (callers check flash_attn_runs first)."""
+    if flash_attn_runs(q):
+        extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes.float()}
         out = _flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                               softmax_scale=softmax_scale, causal=causal)
+                               softmax_scale=softmax_scale, causal=causal, **extra)
         return out.transpose(1, 2)
+    assert alibi_slopes is None, "ALiBi without flash-attn runs piecewise (kernels/alibi.py)"
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
-                     scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, sinks: torch.Tensor | None = None,
+                     slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Decoding: q [b, hq, 1, d] against every key key_mask [b, 1, 1, sk] allows (the mask is one row per sequence,
     never s x s). With one query a row, a group's query heads are laid along the query dimension against their
     shared kv head ([b, groups, hq/groups, d]): no GQA, which CUDA's masked kernels lack (they would repeat K/V per
     head). CUDA: one fused kernel call; CPU: the scores are only [b, hq, sk], and two batched matmuls with the scores
     and softmax in fp32 (as the fused kernels keep them) beat the CPU's masked SDPA ~3x. `sinks` [hq]: a learned
-    logit per head in each softmax (kernels/sinks.py; the matmul path on CUDA too, which SDPA lacks)."""
+    logit per head in each softmax (kernels/sinks.py; the matmul path on CUDA too, which SDPA lacks). `slopes` [hq]:
+    ALiBi's bias slope * (j - i), the query being the last key (the matmul path too)."""
     b, hq, _, d = q.shape
     groups = k.shape[1]
     grouped = q.reshape(b, groups, hq // groups, d)
-    if q.is_cuda and sinks is None:
+    if q.is_cuda and sinks is None and slopes is None:
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=key_mask, scale=scale)
     else:
         scores = torch.matmul(grouped.float(), k.float().transpose(-1, -2)).mul_(scale)
+        if slopes is not None:
+            distance = torch.arange(1 - k.shape[2], 1, device=q.device, dtype=torch.float32)
+            scores += slopes.float().view(1, groups, hq // groups, 1) * distance
         scores = scores.masked_fill_(~key_mask, float("-inf"))
         probs = (scores.softmax(dim=-1) if sinks is None
                  else sink_probabilities(scores, sinks.view(1, groups, hq // groups, 1)))
@@ -69,35 +83,37 @@ _CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_fo
 
 
 def attention_forward_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool, bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`bias`: [1 or b, hq, sq, sk] fp32 added to the scaled scores (a small tile's ALiBi: kernels/alibi.py)."""
     _check_shapes(q, k, causal)
     if q.shape[2] == 0 or k.shape[2] == 0:  # the CPU op dies with SIGFPE on an empty sequence
-        return _math_forward(q, k, v, scale, causal)
+        return _math_forward(q, k, v, scale, causal, bias)
     if q.is_cuda:
-        return _cuda_forward(q, k, v, scale, causal)
+        return _cuda_forward(q, k, v, scale, causal, bias)
     if q.device.type == "cpu" and _CPU_FLASH is not None:
-        return _cpu_forward(q, k, v, scale, causal)
-    return _math_forward(q, k, v, scale, causal)
+        return _cpu_forward(q, k, v, scale, causal, bias)
+    return _math_forward(q, k, v, scale, causal, bias)
 
 
 def attention_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    *, scale: float, causal: bool,
+    *, scale: float, causal: bool, bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention given the final `out` and `lse` of these query rows; those may come from a merge over
-    more keys than k/v hold, which makes this the per-piece backward of blockwise (ring, document) attention."""
+    more keys than k/v hold, which makes this the per-piece backward of blockwise (ring, document) attention.
+    `bias`: forward's (it has no gradient)."""
     _check_shapes(q, k, causal)
     grad_out, out = grad_out.to(q.dtype), out.to(q.dtype)
     # Rows with lse = -inf attend nothing; any finite lse gives them p = exp(-inf - lse) = 0 (-inf would give NaN).
     lse = lse.masked_fill(torch.isneginf(lse), 0.0)
     if q.shape[2] == 0 or k.shape[2] == 0:
-        return _math_backward(grad_out, q, k, v, out, lse, scale, causal)
+        return _math_backward(grad_out, q, k, v, out, lse, scale, causal, bias)
     if q.is_cuda:
-        return _cuda_backward(grad_out, q, k, v, out, lse, scale, causal)
+        return _cuda_backward(grad_out, q, k, v, out, lse, scale, causal, bias)
     if q.device.type == "cpu" and _CPU_FLASH_BWD is not None:
-        return _cpu_backward(grad_out, q, k, v, out, lse, scale, causal)
-    return _math_backward(grad_out, q, k, v, out, lse, scale, causal)
+        return _cpu_backward(grad_out, q, k, v, out, lse, scale, causal, bias)
+    return _math_backward(grad_out, q, k, v, out, lse, scale, causal, bias)
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------------
@@ -131,39 +147,45 @@ def accumulation_dtype(dtype):
 # ---- CPU: torch's flash kernel (grouped-query heads natively) -------------------------------------------------------
 
 
-def _cpu_forward(q, k, v, scale, causal):
-    out, lse = _CPU_FLASH(q, k, v, 0.0, causal, scale=scale)[:2]
+# The op takes an fp32 additive mask whatever the inputs' dtype, broadcast over the batch, with or without causal.
+
+
+def _cpu_forward(q, k, v, scale, causal, bias=None):
+    out, lse = _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)[:2]
     return out, lse.to(accumulation_dtype(q.dtype))
 
 
-def _cpu_backward(grad_out, q, k, v, out, lse, scale, causal):
-    return _CPU_FLASH_BWD(grad_out, q, k, v, out, lse.to(accumulation_dtype(q.dtype)), 0.0, causal, scale=scale)
+def _cpu_backward(grad_out, q, k, v, out, lse, scale, causal, bias=None):
+    return _CPU_FLASH_BWD(grad_out, q, k, v, out, lse.to(accumulation_dtype(q.dtype)), 0.0, causal, attn_mask=bias,
+                          scale=scale)
 
 
 # ---- any device: plain math (float32 or wider) -----------------------------------------------------------------------
 
 
-def _math_scores(q, k, scale, causal):
+def _math_scores(q, k, scale, causal, bias=None):
     """Scores of a whole (small) piece: only for devices without a fused kernel, and empty pieces."""
     dtype = accumulation_dtype(q.dtype)
     kx = _expand_kv(k, q.shape[1] // k.shape[1])
     s = torch.matmul(q.to(dtype), kx.to(dtype).transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.to(dtype)
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return s
 
 
-def _math_forward(q, k, v, scale, causal):
-    s = _math_scores(q, k, scale, causal)
+def _math_forward(q, k, v, scale, causal, bias=None):
+    s = _math_scores(q, k, scale, causal, bias)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
     out = torch.matmul(p, _expand_kv(v, q.shape[1] // k.shape[1]).to(p.dtype))
     return out.to(q.dtype), lse
 
 
-def _math_backward(grad_out, q, k, v, out, lse, scale, causal):
+def _math_backward(grad_out, q, k, v, out, lse, scale, causal, bias=None):
     groups = q.shape[1] // k.shape[1]
-    p = torch.exp(_math_scores(q, k, scale, causal) - lse.to(accumulation_dtype(q.dtype))[..., None])
+    p = torch.exp(_math_scores(q, k, scale, causal, bias) - lse.to(accumulation_dtype(q.dtype))[..., None])
     g = grad_out.to(p.dtype)
     dv = torch.matmul(p.transpose(-1, -2), g)
     dp = torch.matmul(g, _expand_kv(v, groups).to(p.dtype).transpose(-1, -2))
@@ -199,8 +221,20 @@ def _uses_flash_attn(q) -> bool:
     return _flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def _cuda_forward(q, k, v, scale, causal):
-    if _uses_flash_attn(q):
+def _padded_bias(bias, q, heads: int):
+    """The memory-efficient kernel's bias: q's dtype, every query head, rows 16-element aligned (a padded buffer's
+    view, as SDPA hands it)."""
+    if bias is None:
+        return None
+    b, _, n, m = bias.shape
+    padded = torch.empty(b, heads, n, -(-m // 16) * 16, dtype=q.dtype, device=q.device)
+    view = padded[..., :m]
+    view.copy_(bias.expand(b, heads, n, m))
+    return view.expand(q.shape[0], heads, n, m)
+
+
+def _cuda_forward(q, k, v, scale, causal, bias=None):
+    if _uses_flash_attn(q) and bias is None:
         out, lse, _ = _flash_attn_func(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=causal,
             return_attn_probs=True,
@@ -209,14 +243,15 @@ def _cuda_forward(q, k, v, scale, causal):
     # The memory-efficient kernel wants equal head counts: K/V of this piece are repeated per query head.
     groups = q.shape[1] // k.shape[1]
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, _expand_kv(k, groups), _expand_kv(v, groups), None, True, 0.0, causal, scale=scale
+        q, _expand_kv(k, groups), _expand_kv(v, groups), _padded_bias(bias, q, q.shape[1]), True, 0.0, causal,
+        scale=scale,
     )[:2]
     return out, lse[..., : q.shape[2]]
 
 
-def _cuda_backward(grad_out, q, k, v, out, lse, scale, causal):
+def _cuda_backward(grad_out, q, k, v, out, lse, scale, causal, bias=None):
     flash_bwd = flash_attn_internal("_flash_attn_backward")
-    if flash_bwd is not None and _uses_flash_attn(q):
+    if flash_bwd is not None and _uses_flash_attn(q) and bias is None:
         return _flash_attn_backward(flash_bwd, grad_out, q, k, v, out, lse, scale, causal)
     groups = q.shape[1] // k.shape[1]
     b, h, sq = lse.shape
@@ -226,8 +261,8 @@ def _cuda_backward(grad_out, q, k, v, out, lse, scale, causal):
     lse_padded[..., :sq] = lse
     unused = torch.empty((), dtype=torch.long)  # philox seed/offset: read only with dropout
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad_out.contiguous(), q, _expand_kv(k, groups), _expand_kv(v, groups), None, out,
-        lse_padded, unused, unused, 0.0, [True, True, True, False], causal, scale=scale,
+        grad_out.contiguous(), q, _expand_kv(k, groups), _expand_kv(v, groups), _padded_bias(bias, q, q.shape[1]),
+        out, lse_padded, unused, unused, 0.0, [True, True, True, False], causal, scale=scale,
     )
     return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
 

@@ -10,7 +10,8 @@ Instead of a mask of q x k elements, the rule is cut into rectangles that a mask
 
 Pieces that cover disjoint keys of the same queries are merged by log-sum-exp, as in ring attention. Positions here
 are global token indices (under context parallelism, a rank's tokens are in ascending global order, so any global
-interval meets them in one contiguous local range); `Piece` holds local index ranges, ready to slice.
+interval meets them in one contiguous local range); `Piece` holds local index ranges, ready to slice, and the
+distance between its first key's and first query's positions.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class Piece(NamedTuple):
     q: slice  # local query indices
     k: slice  # local key indices
     kind: str  # FULL | CAUSAL | UPPER
+    # the position of its first key minus its first query's, queries and keys each at consecutive positions: what a
+    # bias by distance (ALiBi, kernels/alibi.py) needs; None where coalesce joined pieces that are not
+    shift: int | None = 0
 
 
 class Span(NamedTuple):
@@ -57,7 +61,7 @@ def _causal_pieces(q: Span, k: Span, row, reverse: bool, window_shift: int) -> l
         if reverse:
             qs, ks = _unmirror(qs, 0), _unmirror(ks, window_shift)
             kind = UPPER if kind == CAUSAL else kind
-        pieces.append(Piece(row, qs.slice(), ks.slice(), kind))
+        pieces.append(Piece(row, qs.slice(), ks.slice(), kind, ks.start - qs.start))
 
     before = k.clip(k.start, q.start)  # keys before the first query: seen by every query
     if before is not None:
@@ -117,16 +121,19 @@ def row_runs(values) -> list[list[tuple[int, int, int]]]:
 
 def coalesce(pieces: list[Piece]) -> list[Piece]:
     """Join FULL pieces of one row that share keys and have adjacent queries, or share queries and have adjacent
-    keys: fewer, larger kernel calls for the same result."""
+    keys: fewer, larger kernel calls for the same result. A joined piece whose positions do not run on (a
+    context-parallel rank's two chunks, the answers after one shared prompt) has no shift."""
     for attr, other in (("q", "k"), ("k", "q")):
         joined: list[Piece] = []
         for piece in pieces:
             last = joined[-1] if joined else None
+            extent = None if last is None else getattr(last, attr).stop - getattr(last, attr).start
             if (last is not None and piece.kind == FULL and last.kind == FULL and last.row == piece.row
                     and getattr(last, other) == getattr(piece, other)
                     and getattr(last, attr).stop == getattr(piece, attr).start):
                 span = slice(getattr(last, attr).start, getattr(piece, attr).stop)
-                joined[-1] = last._replace(**{attr: span})
+                runs_on = last.shift is not None and piece.shift == last.shift + (extent if attr == "k" else -extent)
+                joined[-1] = last._replace(**{attr: span, "shift": last.shift if runs_on else None})
             else:
                 joined.append(piece)
         pieces = joined
@@ -151,8 +158,10 @@ class Documents:
         return cls(tuple(tuple((start, end) for start, end, _ in row) for row in rows), segment_ids.shape[1])
 
 
-def self_attention_pieces(docs: Documents | None, seq_len: int, window: int | None) -> list[Piece]:
-    """Queries and keys are the same whole rows (one process, or Ulysses after its all-to-all)."""
+def self_attention_pieces(docs: Documents | None, seq_len: int, window: int | None,
+                          positional: bool = False) -> list[Piece]:
+    """Queries and keys are the same whole rows (one process, or Ulysses after its all-to-all). `positional`: every
+    piece keeps its shift (nothing is joined), for a bias by distance."""
     if docs is None:
         whole = Span(0, seq_len, 0)
         return band_pieces(whole, whole, window)
@@ -163,16 +172,18 @@ def self_attention_pieces(docs: Documents | None, seq_len: int, window: int | No
         for index, (start, end) in enumerate(documents):
             span = Span(start, end, start)
             prefix = None if docs.prefixes is None else docs.prefixes[row][index]
-            if prefix is not None:  # every key of the prefix (merged with its own by log-sum-exp)
-                seen.append(Piece(row, span.slice(), slice(*prefix), FULL))
+            if prefix is not None:  # every key of the prefix (merged with its own by log-sum-exp), which it follows
+                seen.append(Piece(row, span.slice(), slice(*prefix), FULL, prefix[0] - prefix[1]))
             pieces += band_pieces(span, span, window, row)
-    return coalesce(seen) + pieces  # the documents after one prefix see it in one piece
+    return (seen if positional else coalesce(seen)) + pieces  # the documents after one prefix see it in one piece
 
 
-def decoding_pieces(key_valid, past: int, new: int, window: int | None) -> list[Piece]:
+def decoding_pieces(key_valid, past: int, new: int, window: int | None, positional: bool = False) -> list[Piece]:
     """Incremental decoding: `key_valid` [b, past + new] (True = a real token); queries are the `new` tokens after
     `past` cached ones, keys all past + new (cache indices). A real token sees every real key before it (within the
-    window), a padding token only the padding run it is in (its output is never read)."""
+    window), a padding token only the padding run it is in (its output is never read). `positional`: as in
+    self_attention_pieces; distances are then those of cache indices, padding included (left padding: the real
+    tokens' own)."""
     rows = row_runs(key_valid)
     if all(spans == rows[0] for spans in rows):  # no padding (or the same everywhere): one set for every row
         rows = {None: rows[0]}
@@ -186,4 +197,4 @@ def decoding_pieces(key_valid, past: int, new: int, window: int | None) -> list[
             keys = real if valid else [Span(start, end, start)]
             for key_span in keys:
                 pieces += band_pieces(queries, key_span, window, row)
-    return coalesce(pieces)
+    return pieces if positional else coalesce(pieces)

@@ -13,6 +13,7 @@ import torch
 from torch.autograd import Function
 
 from qlm_core.kernels import stacked, varlen
+from qlm_core.kernels.alibi import tile_bias
 from qlm_core.kernels.attention import accumulation_dtype, attention_backward, attention_forward_with_lse
 from qlm_core.kernels.pieces import FULL, UPPER, Piece
 from qlm_core.kernels.sinks import add_sinks, sinks_grad
@@ -44,27 +45,44 @@ def disjoint(pieces: list[Piece]) -> bool:
     return True
 
 
-def _piece_forward(q, k, v, piece: Piece, scale):
+def _bias(piece: Piece, slopes: torch.Tensor | None) -> torch.Tensor | None:
+    """The piece's ALiBi bias as its kernel reads it (None without slopes)."""
+    if slopes is None:
+        return None
+    assert piece.shift is not None, "ALiBi needs pieces built positional"
+    return tile_bias(slopes, piece.q.stop - piece.q.start, piece.k.stop - piece.k.start, piece.shift, piece.kind)
+
+
+def _piece_forward(q, k, v, piece: Piece, scale, slopes=None):
     out, lse = attention_forward_with_lse(
         _take(q, piece.row, piece.q, piece.kind), _take(k, piece.row, piece.k, piece.kind),
-        _take(v, piece.row, piece.k, piece.kind), scale=scale, causal=piece.kind != FULL,
+        _take(v, piece.row, piece.k, piece.kind), scale=scale, causal=piece.kind != FULL, bias=_bias(piece, slopes),
     )
     if piece.kind == UPPER:
         out, lse = out.flip(2), lse.flip(2)
     return out, lse
 
 
-def _forward_all(q, k, v, pieces: list[Piece], scale):
+def _varlen(q, slopes) -> bool:
+    return slopes is None and varlen.available(q)
+
+
+def _forward_all(q, k, v, pieces: list[Piece], scale, slopes=None):
     """(piece, out, lse) for every piece: one varlen call per kind where flash-attn can, else one call a piece (the
     callers run the groups of kernels/stacked.py first and hand this the rest)."""
-    batched = varlen.forward(q, k, v, pieces, scale) if varlen.available(q) else {}
+    batched = varlen.forward(q, k, v, pieces, scale) if _varlen(q, slopes) else {}
     for index, piece in enumerate(pieces):
-        yield (piece, *(batched[index] if index in batched else _piece_forward(q, k, v, piece, scale)))
+        yield (piece, *(batched[index] if index in batched else _piece_forward(q, k, v, piece, scale, slopes)))
 
 
-def _stacked_groups(q, pieces: list[Piece]) -> tuple[stacked.Group, ...]:
-    """The groups of pieces that share a shape, run by one kernel call each (not where flash-attn's varlen runs)."""
-    return () if varlen.available(q) else stacked.groups(pieces, q.device)
+def _stacked_groups(q, pieces: list[Piece], slopes=None) -> tuple[stacked.Group, ...]:
+    """The groups of pieces that share a shape (and with ALiBi a shift), run by one kernel call each (not where
+    flash-attn's varlen runs)."""
+    return () if _varlen(q, slopes) else stacked.groups(pieces, q.device, by_shift=slopes is not None)
+
+
+def _group_bias(group: stacked.Group, pieces: list[Piece], slopes) -> torch.Tensor | None:
+    return None if slopes is None else _bias(pieces[group.indices[0]], slopes)
 
 
 def _rest(pieces: list[Piece], groups: tuple[stacked.Group, ...]) -> list[Piece]:
@@ -72,12 +90,12 @@ def _rest(pieces: list[Piece], groups: tuple[stacked.Group, ...]) -> list[Piece]
     return [piece for index, piece in enumerate(pieces) if index not in grouped]
 
 
-def _piece_backward(grad_out, q, k, v, out, lse, piece: Piece, scale):
+def _piece_backward(grad_out, q, k, v, out, lse, piece: Piece, scale, slopes=None):
     row, kind = piece.row, piece.kind
     grads = attention_backward(
         _take(grad_out, row, piece.q, kind), _take(q, row, piece.q, kind), _take(k, row, piece.k, kind),
         _take(v, row, piece.k, kind), _take(out, row, piece.q, kind), _take(lse, row, piece.q, kind),
-        scale=scale, causal=kind != FULL,
+        scale=scale, causal=kind != FULL, bias=_bias(piece, slopes),
     )
     return tuple(g.flip(2) for g in grads) if kind == UPPER else grads
 
@@ -115,28 +133,30 @@ def _merge_group(out: torch.Tensor, lse: torch.Tensor, pieces: list[Piece], grou
         merge(_put(out, piece.row, piece.q), _put(lse, piece.row, piece.q), one_out, one_lse)
 
 
-def attend_pieces(q, k, v, pieces: list[Piece], scale: float, out: torch.Tensor, lse: torch.Tensor):
-    """Merge every piece's attention into the accumulators (out, lse) from empty_result."""
-    groups = _stacked_groups(q, pieces)
+def attend_pieces(q, k, v, pieces: list[Piece], scale: float, out: torch.Tensor, lse: torch.Tensor, slopes=None):
+    """Merge every piece's attention into the accumulators (out, lse) from empty_result (`slopes` [hq]: ALiBi's,
+    over pieces built positional)."""
+    groups = _stacked_groups(q, pieces, slopes)
     for group in groups:
-        _merge_group(out, lse, pieces, group, *stacked.forward(q, k, v, group, scale))
-    for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups), scale):
+        _merge_group(out, lse, pieces, group,
+                     *stacked.forward(q, k, v, group, scale, _group_bias(group, pieces, slopes)))
+    for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups), scale, slopes):
         merge(_put(out, piece.row, piece.q), _put(lse, piece.row, piece.q), blk_out, blk_lse)
 
 
-def attend_pieces_backward(grad_out, q, k, v, out, lse, pieces: list[Piece], scale: float, dq, dk, dv):
+def attend_pieces_backward(grad_out, q, k, v, out, lse, pieces: list[Piece], scale: float, dq, dk, dv, slopes=None):
     """Add each piece's gradients (against the final out and lse) into dq, dk, dv."""
-    groups = _stacked_groups(q, pieces)
+    groups = _stacked_groups(q, pieces, slopes)
     for group in groups:
-        bq, bk, bv = stacked.backward(grad_out, q, k, v, out, lse, group, scale)
+        bq, bk, bv = stacked.backward(grad_out, q, k, v, out, lse, group, scale, _group_bias(group, pieces, slopes))
         stacked.put(dq, group.q_rows, group.q_positions, bq, accumulate=True)
         stacked.put(dk, group.k_rows, group.k_positions, bk, accumulate=True)
         stacked.put(dv, group.k_rows, group.k_positions, bv, accumulate=True)
     rest = _rest(pieces, groups)
-    batched = varlen.backward(grad_out, q, k, v, out, lse, rest, scale) if varlen.available(q) else {}
+    batched = varlen.backward(grad_out, q, k, v, out, lse, rest, scale) if _varlen(q, slopes) else {}
     for index, piece in enumerate(rest):
         bq, bk, bv = (batched[index] if index in batched
-                      else _piece_backward(grad_out, q, k, v, out, lse, piece, scale))
+                      else _piece_backward(grad_out, q, k, v, out, lse, piece, scale, slopes))
         _put(dq, piece.row, piece.q).add_(bq)
         _put(dk, piece.row, piece.k).add_(bk)
         _put(dv, piece.row, piece.k).add_(bv)
@@ -151,27 +171,27 @@ def like_q(q: torch.Tensor, dtype=None) -> torch.Tensor:
 
 class _PiecewiseAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, pieces, scale, sinks):
+    def forward(ctx, q, k, v, pieces, scale, sinks, slopes):
         alone = sinks is None and disjoint(pieces)  # sinks rescale the fp32 accumulator before its one rounding
         if alone:  # every query in exactly one piece: write the kernels' results straight into place
             out = like_q(q).zero_()
             lse = torch.full(q.shape[:3], float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
-            groups = _stacked_groups(q, pieces)
+            groups = _stacked_groups(q, pieces, slopes)
             for group in groups:
-                blk_out, blk_lse = stacked.forward(q, k, v, group, scale)
+                blk_out, blk_lse = stacked.forward(q, k, v, group, scale, _group_bias(group, pieces, slopes))
                 stacked.put(out, group.q_rows, group.q_positions, blk_out)
                 stacked.put(lse, group.q_rows, group.q_positions, blk_lse)
-            for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups), scale):
+            for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups), scale, slopes):
                 _put(out, piece.row, piece.q).copy_(blk_out)
                 _put(lse, piece.row, piece.q).copy_(blk_lse)
         else:
             acc, lse = empty_result(q)
-            attend_pieces(q, k, v, pieces, scale, acc, lse)
+            attend_pieces(q, k, v, pieces, scale, acc, lse, slopes)
             add_sinks(acc, lse, sinks)
             out = like_q(q).copy_(acc)
             del acc
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.pieces, ctx.scale, ctx.alone = pieces, scale, alone
+        ctx.pieces, ctx.scale, ctx.alone, ctx.slopes = pieces, scale, alone, slopes
         return out
 
     @staticmethod
@@ -179,13 +199,15 @@ class _PiecewiseAttention(Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         dtype = q.dtype if ctx.alone else accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
-        attend_pieces_backward(grad_out, q, k, v, out, lse, ctx.pieces, ctx.scale, dq, dk, dv)
+        attend_pieces_backward(grad_out, q, k, v, out, lse, ctx.pieces, ctx.scale, dq, dk, dv, ctx.slopes)
         dsinks = sinks_grad(grad_out, out, lse, sinks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, dsinks
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, dsinks, None
 
 
-def piecewise_attention(q, k, v, pieces: list[Piece], scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def piecewise_attention(q, k, v, pieces: list[Piece], scale: float, sinks: torch.Tensor | None = None,
+                        slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable attention of q [b, hq, sq, d] against k, v [b, hk, sk, d] over `pieces` (local indices);
     a query in no piece gets 0 (and, with `sinks` [hq], a learned logit per head in every softmax:
-    kernels/sinks.py)."""
-    return _PiecewiseAttention.apply(q, k, v, pieces, scale, sinks)
+    kernels/sinks.py; with `slopes` [hq], ALiBi's bias by distance over pieces built positional and cut into
+    tiles: kernels/alibi.py)."""
+    return _PiecewiseAttention.apply(q, k, v, pieces, scale, sinks, slopes)

@@ -43,29 +43,31 @@ def _positions(index: slice, kind: str) -> range:
     return range(index.stop - 1, index.start - 1, -1) if kind == UPPER else range(index.start, index.stop)
 
 
-def groups(pieces: list[Piece], device) -> tuple[Group, ...]:
-    """The pieces of one row each, by (kind, query length, key length), where two or more share one. Every layer of
-    a forward and its backward hand the same pieces: their groups (Python lists as long as the tokens, and index
-    tensors on the device) are worked out once and kept in a small cache."""
-    key = tuple((p.row, p.q.start, p.q.stop, p.k.start, p.k.stop, p.kind) for p in pieces)
+def groups(pieces: list[Piece], device, by_shift: bool = False) -> tuple[Group, ...]:
+    """The pieces of one row each, by (kind, query length, key length) and with `by_shift` their shift (one ALiBi
+    bias for the group), where two or more share one. Every layer of a forward and its backward hand the same
+    pieces: their groups (Python lists as long as the tokens, and index tensors on the device) are worked out once
+    and kept in a small cache."""
+    key = tuple((p.row, p.q.start, p.q.stop, p.k.start, p.k.stop, p.kind, p.shift if by_shift else 0)
+                for p in pieces)
     return _groups(key, torch.device(device))
 
 
 @functools.lru_cache(maxsize=16)
 def _groups(key: tuple, device: torch.device) -> tuple[Group, ...]:
     by_shape: dict[tuple, list[int]] = {}
-    for index, (row, q_start, q_stop, k_start, k_stop, kind) in enumerate(key):
+    for index, (row, q_start, q_stop, k_start, k_stop, kind, shift) in enumerate(key):
         if row is not None:
-            by_shape.setdefault((kind, q_stop - q_start, k_stop - k_start), []).append(index)
+            by_shape.setdefault((kind, q_stop - q_start, k_stop - k_start, shift), []).append(index)
     out = []
-    for (kind, n, m), indices in by_shape.items():
+    for (kind, n, m, _), indices in by_shape.items():
         if len(indices) < 2:
             continue
         chosen = [key[i] for i in indices]
         q_rows = [row for row, *_ in chosen for _ in range(n)]
         q_positions = [j for _, q_start, q_stop, *_ in chosen for j in _positions(slice(q_start, q_stop), kind)]
         k_rows = [row for row, *_ in chosen for _ in range(m)]
-        k_positions = [j for *_, k_start, k_stop, _ in chosen for j in _positions(slice(k_start, k_stop), kind)]
+        k_positions = [j for *_, k_start, k_stop, _, _ in chosen for j in _positions(slice(k_start, k_stop), kind)]
         disjoint = len(set(zip(q_rows, q_positions, strict=True))) == len(q_rows)
         out.append(Group(tuple(indices), kind, n, m, *(torch.tensor(t, dtype=torch.long, device=device) for t in
                                                        (q_rows, q_positions, k_rows, k_positions)), disjoint))
@@ -92,18 +94,19 @@ def put(t: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, values: to
     t.permute(0, 2, 1, 3).index_put_((rows, positions), flat, accumulate=accumulate)
 
 
-def forward(q, k, v, group: Group, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [count, h, n, d], lse [count, h, n]) of the group, positions in the group's order."""
+def forward(q, k, v, group: Group, scale: float, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [count, h, n, d], lse [count, h, n]) of the group, positions in the group's order (`bias`: the one
+    [1, h, n, m] of every piece, kernels/alibi.py)."""
     qs = (group.q_rows, group.q_positions, group.count)
     ks = (group.k_rows, group.k_positions, group.count)
     return attention_forward_with_lse(gather(q, *qs), gather(k, *ks), gather(v, *ks), scale=scale,
-                                      causal=group.kind != FULL)
+                                      causal=group.kind != FULL, bias=bias)
 
 
-def backward(grad_out, q, k, v, out, lse, group: Group,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward(grad_out, q, k, v, out, lse, group: Group, scale: float,
+             bias=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the group against the final out and lse, positions in the group's order."""
     qs = (group.q_rows, group.q_positions, group.count)
     ks = (group.k_rows, group.k_positions, group.count)
     return attention_backward(gather(grad_out, *qs), gather(q, *qs), gather(k, *ks), gather(v, *ks),
-                              gather(out, *qs), gather(lse, *qs), scale=scale, causal=group.kind != FULL)
+                              gather(out, *qs), gather(lse, *qs), scale=scale, causal=group.kind != FULL, bias=bias)

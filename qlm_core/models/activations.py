@@ -4,6 +4,7 @@ counts (a new activation, e.g. GeGLU, GELU or ReLU: its kernel and one row of AC
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,13 +63,15 @@ class ActivationKind:
         return 3 if self.gated else 2
 
 
-_SWITCHES = ("swiglu", "squared_relu", "qlm_geglu", "qlm_relu", "quick_geglu")
+_SWITCHES = ("swiglu", "squared_relu", "qlm_geglu", "qlm_relu", "quick_geglu", "openai_gelu")
 
 
 def _switches(on: str | None) -> tuple[tuple[str, bool], ...]:
     """Megatron-LM's activation switches with `on` alone set (None: its default GELU)."""
     return tuple((switch, switch == on) for switch in _SWITCHES)
 
+
+_GELU_TANH = functools.partial(F.gelu, approximate="tanh")
 
 ACTIVATION_KINDS: dict[str, ActivationKind] = {
     "swiglu": ActivationKind(swiglu, gated=True, grouped_mlp=grouped_swiglu_mlp, megatron_args=_switches("swiglu")),
@@ -81,6 +84,9 @@ ACTIVATION_KINDS: dict[str, ActivationKind] = {
                            saves_output=True),
     # the exact (erf) GELU of OPT-style models with activation_function "gelu": Megatron-LM's default activation
     "gelu": ActivationKind(F.gelu, gated=False, grouped_mlp=looped_mlp(F.gelu), megatron_args=_switches(None)),
+    # BLOOM's bloom_gelu: GELU's tanh approximation, Megatron-LM's --openai-gelu
+    "gelu_tanh": ActivationKind(_GELU_TANH, gated=False, grouped_mlp=looped_mlp(_GELU_TANH),
+                                megatron_args=_switches("openai_gelu")),
     # gpt-oss's clamped SwiGLU (kernels/clamped_swiglu.py): Megatron-LM's --quick-geglu with its clamp and the up
     # half's offset of 1
     "clamped_swiglu": ActivationKind(

@@ -1,9 +1,10 @@
 """Grouped-query attention (multi-head when groups = heads): Megatron-Core's SelfAttention with a fused, grouped
-linear_qkv, optional per-head q/k RMSNorm (Qwen3), RoPE, and every kernel path qlm has (fused, piecewise for packed
-documents and windows, context parallel, a decoding step's key mask)."""
+linear_qkv, optional per-head q/k RMSNorm (Qwen3), RoPE, learned positions or ALiBi, and every kernel path qlm has
+(fused, piecewise for packed documents and windows, context parallel, a decoding step's key mask)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -11,11 +12,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qlm_core.errors import QlmError
-from qlm_core.kernels.attention import core_attention, masked_attention
-from qlm_core.kernels.pieces import self_attention_pieces
+from qlm_core.kernels.alibi import alibi_slopes, tiles
+from qlm_core.kernels.attention import core_attention, flash_attn_runs, masked_attention
+from qlm_core.kernels.pieces import Piece, self_attention_pieces
 from qlm_core.kernels.piecewise import piecewise_attention
 from qlm_core.kernels.rope import apply_rope
 from qlm_core.models.attention import AttentionInputs, AttentionKind, LayerEntries
+from qlm_core.models.families import FAMILIES
 from qlm_core.models.norms import build_norm, norm_kind
 from qlm_core.models.runtime import ParallelOptions, outside_compile
 from qlm_core.models.spec import ModelSpec
@@ -56,10 +59,15 @@ class GroupedQueryAttention(nn.Module):
             spec.hidden_size, spec.qkv_rows, bias=spec.qkv_bias,
             tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
         )
-        # RoPE: q and k rotated by the (cos, sin) it hands each layer; learned positions: added to the embedding
-        if spec.position not in ("rope", "learned_absolute"):
-            raise QlmError(f"grouped-query attention takes RoPE or learned positions, not {spec.position!r}",
+        # RoPE: q and k rotated by the (cos, sin) it hands each layer; learned positions: added to the embedding;
+        # ALiBi: this rank's heads' slopes, added by the kernels
+        if spec.position not in ("rope", "learned_absolute", "alibi"):
+            raise QlmError(f"grouped-query attention takes RoPE, learned or ALiBi positions, not {spec.position!r}",
                            "pair another position scheme with an attention kind that takes it")
+        self.slopes = None
+        if spec.position == "alibi":
+            heads = spec.num_attention_heads // tp
+            self.slopes = alibi_slopes(spec.num_attention_heads)[group_rank(tp_group) * heads:][:heads]
         self.q_layernorm = self.k_layernorm = None
         if spec.qk_layernorm:  # on each head; every TP rank holds other heads, so their gradients are summed
             self.q_layernorm = build_norm(spec, spec.kv_channels, dtype)
@@ -96,17 +104,22 @@ class GroupedQueryAttention(nn.Module):
     def _core_attention(self, q, k, v, inputs: AttentionInputs) -> torch.Tensor:
         scale = self.spec.softmax_scale or 1.0 / math.sqrt(self.spec.kv_channels)  # Gemma: query_pre_attn_scalar
         sinks = None if self.core_attention is None else self.core_attention.softmax_offset
+        slopes = None if self.slopes is None else self.slopes.to(q.device)
         if group_size(self.parallel.cp_group) > 1:
             return context_parallel_attention(
                 q, k, v, group=self.parallel.cp_group, comm_type=self.parallel.cp_comm_type, scale=scale,
-                documents=inputs.documents, window=self.window, plan=inputs.cp_plan, sinks=sinks,
+                documents=inputs.documents, window=self.window, plan=inputs.cp_plan, sinks=sinks, slopes=slopes,
             )
         if inputs.pieces is not None:
-            return piecewise_attention(q, k, v, inputs.pieces, scale, sinks)
+            return piecewise_attention(q, k, v, inputs.pieces, scale, sinks, slopes)
         if inputs.key_mask is not None:
-            return masked_attention(q, k, v, inputs.key_mask, scale, sinks)
-        if sinks is not None:  # the fused kernels keep no log-sum-exp to add the sinks to: one causal piece a row
-            return piecewise_attention(q, k, v, self_attention_pieces(None, q.shape[2], None), scale, sinks)
+            return masked_attention(q, k, v, inputs.key_mask, scale, sinks, slopes)
+        if slopes is not None and sinks is None and flash_attn_runs(q):
+            return core_attention(q, k, v, causal=True, softmax_scale=scale, alibi_slopes=slopes)
+        if sinks is not None or slopes is not None:
+            # the fused kernels keep no log-sum-exp to add the sinks to, and take no ALiBi: one causal piece a row
+            # (ALiBi's cut into tiles)
+            return piecewise_attention(q, k, v, _causal_pieces(q.shape[2], slopes is not None), scale, sinks, slopes)
         return core_attention(q, k, v, causal=True, softmax_scale=scale)
 
     def _recomputed_attention(self, q, k, v, inputs: AttentionInputs) -> torch.Tensor:
@@ -126,7 +139,7 @@ class GroupedQueryAttention(nn.Module):
         if inputs.cache is not None:
             k, v = inputs.cache.extend(self.layer_index, k, v)
         plain = inputs.pieces is None and inputs.cp_plan is None and group_size(self.parallel.cp_group) == 1 \
-            and self.core_attention is None
+            and self.core_attention is None and self.slopes is None
         if self.parallel.recomputes("core_attn"):
             out = outside_compile(self._recomputed_attention, q, k, v, inputs)
         elif plain:
@@ -135,6 +148,13 @@ class GroupedQueryAttention(nn.Module):
             out = outside_compile(self._core_attention, q, k, v, inputs)
         s, b = out.shape[2], out.shape[0]
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_pieces(seq_len: int, positional: bool) -> list[Piece]:
+    """One causal piece over each whole row (`positional`: cut into ALiBi's tiles)."""
+    pieces = self_attention_pieces(None, seq_len, None, positional)
+    return tiles(pieces) if positional else pieces
 
 
 class CoreAttentionSinks(nn.Module):
@@ -164,13 +184,19 @@ def gqa_layer_entries(s: ModelSpec, layer: int) -> LayerEntries:
             (Segment(0, h, hf + "self_attn.o_proj.bias"),)))] if s.linear_bias else []),
         ("self_attention.linear_proj._extra_state", None),
     ]
+    files = FAMILIES[s.model_type].qkv_files
+    # where q, k and v start in one stacked tensor (MPT's Wqkv: every q, every k, every v)
+    stacked = {"q": 0, "k": qd, "v": qd + g * d} if files == "stacked" else {"q": 0, "k": 0, "v": 0}
     for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
         segs, row = [], 0
-        for group in range(g):
+        if files == "per_head":  # BLOOM's query_key_value: [q; k; v] head by head, Megatron's rows as they are
+            segs.append(Segment(0, s.qkv_rows, f"{hf}self_attn.qkv_proj.{kind}"))
+        for group in range(0 if files == "per_head" else g):
             for proj, rows, hf_start in (
                 ("q", per_group * d, group * per_group * d), ("k", d, group * d), ("v", d, group * d),
             ):
-                segs.append(Segment(row, row + rows, f"{hf}self_attn.{proj}_proj.{kind}", hf_start))
+                tensor = f"{hf}self_attn.{'qkv' if files == 'stacked' else proj}_proj.{kind}"
+                segs.append(Segment(row, row + rows, tensor, stacked[proj] + hf_start))
                 row += rows
         shape = (s.qkv_rows, h) if kind == "weight" else (s.qkv_rows,)
         suffix = f"self_attention.linear_qkv.{kind}"

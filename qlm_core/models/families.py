@@ -25,10 +25,12 @@ SlidingWindow = Literal["applied", "gated", "gated_layers", "layers", "none"]
 # scheme (models/positions.py). A new choice is a value here and one row in its module; ModelSpec holds them.
 # "mla": multi-latent attention (DeepSeek-V2/V3), models/attention_mla.py
 AttentionName = Literal["gqa", "mla"]
-NormName = Literal["rmsnorm", "gemma_rmsnorm", "layernorm"]
-ActivationName = Literal["swiglu", "geglu", "relu", "gelu", "clamped_swiglu"]
+NormName = Literal["rmsnorm", "gemma_rmsnorm", "layernorm", "layernorm_no_bias"]
+# "gelu_tanh": GELU's tanh approximation (BLOOM's bloom_gelu; Megatron-LM's --openai-gelu)
+ActivationName = Literal["swiglu", "geglu", "relu", "gelu", "clamped_swiglu", "gelu_tanh"]
 # "learned_absolute": a learned embedding per position added to the token embedding (OPT's, Megatron's)
-PositionName = Literal["rope", "learned_absolute"]
+# "alibi": a bias by distance in each head's scores (BLOOM's, MPT's; kernels/alibi.py)
+PositionName = Literal["rope", "learned_absolute", "alibi"]
 # how an MoE layer's routed experts lie in the HF files: "separate" (a tensor per expert and projection; transformers
 # 5's fused [E, 2F, H] gate_up_proj and [E, H, F] down_proj are read too), "gpt_oss" (the only form gpt-oss's
 # files have: experts.gate_up_proj [E, H, 2F] with gate and up in alternate columns, experts.down_proj [E, F, H],
@@ -39,7 +41,8 @@ ExpertFiles = Literal["separate", "gpt_oss"]
 HeadName = Literal["lm", "score"]
 # config.json's hidden_act of each MLP activation (a gated one names its gate's function)
 HF_ACTIVATIONS: dict[str, str] = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh", "relu": "relu", "gelu": "gelu",
-                                  "clamped_swiglu": "silu"}  # gpt-oss says silu; its swiglu_alpha / limit the rest
+                                  "clamped_swiglu": "silu",  # gpt-oss says silu; its swiglu_alpha / limit the rest
+                                  "gelu_tanh": "gelu_pytorch_tanh"}  # BLOOM's config.json names none
 
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral's experts: w1 the gate, w3 the up and w2 the down projection
@@ -52,6 +55,36 @@ OPT_HF_NAMES = (
     (r"\.mlp\.up_proj\.", ".fc1."),
     (r"\.mlp\.down_proj\.", ".fc2."),
 )
+
+# BLOOM's HF names, from the Llama-style names the layout states (its fused q/k/v: models/attention_gqa.py)
+BLOOM_HF_NAMES = (
+    (r"^model\.embed_tokens\.", "transformer.word_embeddings."),
+    (r"^model\.embed_norm\.", "transformer.word_embeddings_layernorm."),
+    (r"^model\.layers\.", "transformer.h."),
+    (r"^model\.norm\.", "transformer.ln_f."),
+    (r"\.self_attn\.qkv_proj\.", ".self_attention.query_key_value."),
+    (r"\.self_attn\.o_proj\.", ".self_attention.dense."),
+    (r"\.mlp\.up_proj\.", ".mlp.dense_h_to_4h."),
+    (r"\.mlp\.down_proj\.", ".mlp.dense_4h_to_h."),
+)
+# MPT's HF names, from the Llama-style names the layout states
+MPT_HF_NAMES = (
+    (r"^model\.embed_tokens\.", "transformer.wte."),
+    (r"^model\.layers\.", "transformer.blocks."),
+    (r"^model\.norm\.", "transformer.norm_f."),
+    (r"\.input_layernorm\.", ".norm_1."),
+    (r"\.post_attention_layernorm\.", ".norm_2."),
+    (r"\.self_attn\.qkv_proj\.", ".attn.Wqkv."),
+    (r"\.self_attn\.o_proj\.", ".attn.out_proj."),
+    (r"\.mlp\.", ".ffn."),
+)
+# how q, k and v lie in the HF files: "separate" (q_proj, k_proj, v_proj), "per_head" (one qkv_proj, [q; k; v] head by
+# head: BLOOM's query_key_value, Megatron's own linear_qkv rows for multi-head attention) or "stacked" (one qkv_proj,
+# [every q; every k; every v]: MPT's Wqkv)
+QkvFiles = Literal["separate", "per_head", "stacked"]
+# config.json keys of the RoPE-era families that OPT's, BLOOM's and MPT's config classes never read
+NO_ROPE_CONFIG = ("num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters", "sliding_window",
+                  "use_sliding_window", "layer_types", "partial_rotary_factor")
 
 
 @dataclass(frozen=True)
@@ -99,6 +132,12 @@ class Family:
     # embedding in and out, which qlm does not build); written as hidden_size
     embedding_width_key: str | None = None
     tied_default: bool = False  # transformers' tie_word_embeddings when config.json leaves it out
+    # config.json has no intermediate_size: the MLP is this many times hidden_size wide (BLOOM's 4)
+    ffn_ratio: int | None = None
+    embedding_norm: bool = False  # a norm after the word embedding (BLOOM's word_embeddings_layernorm)
+    qkv_files: QkvFiles = "separate"
+    # (section, key, value) of a nested config.json object the family's one supported layout fixes (MPT's attn_config)
+    fixed_nested: tuple[tuple[str, str, Any], ...] = ()
     scaled_embedding: bool = False  # the embedding's output is multiplied by sqrt(hidden_size) (Gemma)
     # the softmax scale is query_pre_attn_scalar^-0.5, not head_dim^-0.5, and windowed layers have their own RoPE
     # base (Gemma 3's rope_parameters per layer type)
@@ -168,10 +207,28 @@ FAMILIES: dict[str, Family] = {
                   norm="layernorm", activation="relu", other_activations=("gelu",), position="learned_absolute",
                   fixed_config=(("do_layer_norm_before", True), ("layer_norm_elementwise_affine", True),
                                 ("_remove_final_layer_norm", False)), tied_default=True,
-                  unread_config=("num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters",
-                                 "rms_norm_eps", "sliding_window", "use_sliding_window", "layer_types",
-                                 "partial_rotary_factor"),
+                  unread_config=(*NO_ROPE_CONFIG, "rms_norm_eps"),
                   plain_heads=True, embedding_width_key="word_embed_proj_dim"),
+    # BLOOM: ALiBi, LayerNorms with biases (one after the embedding), biases on every linear, q/k/v fused head by
+    # head, a tanh-GELU MLP four times hidden_size wide, multi-head attention, tied embeddings
+    "bloom": Family("BloomForCausalLM", qkv_bias="always", linear_bias=True, hf_names=BLOOM_HF_NAMES,
+                    config_aliases=(("num_hidden_layers", "n_layer"), ("num_attention_heads", "n_head"),
+                                    ("rms_norm_eps", "layer_norm_epsilon")),
+                    norm="layernorm", activation="gelu_tanh", position="alibi", tied_default=True, ffn_ratio=4,
+                    embedding_norm=True, qkv_files="per_head", plain_heads=True,
+                    fixed_config=(("apply_residual_connection_post_layernorm", False),),
+                    unread_config=(*NO_ROPE_CONFIG, "max_position_embeddings", "hidden_act", "intermediate_size")),
+    # MPT: ALiBi, LayerNorms without biases, no biases on any linear, q/k/v in one tensor ([q; k; v]), an exact-GELU MLP
+    # four times d_model wide, multi-head attention, tied embeddings (transformers' MptForCausalLM)
+    "mpt": Family("MptForCausalLM", hf_names=MPT_HF_NAMES,
+                  config_aliases=(("hidden_size", "d_model"), ("num_attention_heads", "n_heads"),
+                                  ("num_hidden_layers", "n_layers"), ("max_position_embeddings", "max_seq_len"),
+                                  ("rms_norm_eps", "layer_norm_epsilon")),
+                  norm="layernorm_no_bias", activation="gelu", position="alibi", tied_default=True, ffn_ratio=4,
+                  qkv_files="stacked", plain_heads=True, fixed_config=(("expansion_ratio", 4), ("no_bias", True)),
+                  fixed_nested=(("attn_config", "alibi", True), ("attn_config", "clip_qkv", None),
+                                ("attn_config", "softmax_scale", None)),
+                  unread_config=(*NO_ROPE_CONFIG, "hidden_act", "intermediate_size")),
     # GLM-4.7-Flash: DeepSeek-V3's layer, its dense and MoE layers listed in mlp_layer_types
     "glm4_moe_lite": Family("Glm4MoeLiteForCausalLM", declares_no_bias=True, moe=True,
                             shared_expert_block="shared_experts.", attention="mla",

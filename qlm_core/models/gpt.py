@@ -200,6 +200,11 @@ class LanguageModelEmbedding(nn.Module):
             dtype=dtype,
         )
 
+        # BLOOM: a norm of the word embedding (Megatron-DeepSpeed's word_embeddings.norm under --embed-layernorm),
+        # whole on every TP rank
+        if spec.embedding_norm:
+            self.word_embeddings.norm = replicated_norm(spec, parallel, dtype)
+        self.embedding_norm = spec.embedding_norm
         # Gemma: the embedding's output times sqrt(hidden_size), that factor rounded to the weights' dtype first
         self.scale = spec.hidden_size ** 0.5 if spec.scaled_embedding else None
         # learned absolute positions (Megatron's position_embeddings; OPT's rows start `offset` before position 0):
@@ -216,6 +221,8 @@ class LanguageModelEmbedding(nn.Module):
         """Token ids [b, s] (and with learned positions their position_ids [b, s]) -> [s, b, h], this rank's
         sequence shard under SP."""
         embedded = self.word_embeddings(input_ids)
+        if self.embedding_norm:
+            embedded = self.word_embeddings.norm(embedded)
         if self.position_embeddings is not None:
             if position_ids is None:
                 raise ValueError("learned positions need the tokens' position_ids")
@@ -398,7 +405,8 @@ class GPTModel(nn.Module):
         positions = self.positions.layer_inputs(position_ids, x.dtype)
         inputs = attention_inputs(local_tokens=local_tokens, batch=x.shape[1], windows=self.windows,
                                   parallel=self.parallel, segment_ids=segment_ids, cache=cache,
-                                  attention_mask=attention_mask, documents=documents)
+                                  attention_mask=attention_mask, documents=documents,
+                                  positional=self.spec.position == "alibi")
         hidden = self.decoder(x, positions, inputs, routes)
         if mtp_tokens is None or self.mtp is None:
             return hidden

@@ -228,6 +228,14 @@ class ModelLayout:
         return self._family_names(TensorLayout(POSITION_EMBEDDING, (rows, self.spec.hidden_size), REPLICATED,
                                                (Segment(0, rows, "model.embed_positions.weight"),)))
 
+    def embedding_norms(self) -> list[tuple[str, TensorLayout]]:
+        """(name, tensor) of the norm after the word embedding (BLOOM's; Megatron-DeepSpeed's
+        `embedding.word_embeddings.norm.<tensor>`), none without one."""
+        if not self.spec.embedding_norm:
+            return []
+        return [(tensor.name, self._family_names(tensor))
+                for _, tensor in _norm_entries(self.spec, "embedding.", "word_embeddings.norm", "model.embed_norm")]
+
     def _family_names(self, tensor: TensorLayout | None) -> TensorLayout | None:
         """`tensor` with its segments' HF names in the family's own spelling (families.hf_name)."""
         if tensor is None or not FAMILIES[self.spec.model_type].hf_names:
@@ -343,7 +351,8 @@ class ModelLayout:
     @cached_property
     def global_tensors(self) -> list[TensorLayout]:
         """Every distinct global tensor once (the output layer only when it is not tied)."""
-        tensors = [self.embedding(), *filter(None, [self.position_embedding()])]
+        tensors = [self.embedding(), *(tensor for _, tensor in self.embedding_norms()),
+                   *filter(None, [self.position_embedding()])]
         for layer in range(self.spec.num_layers):
             tensors += self.layer_tensors(layer)
         tensors += [tensor for _, tensor in self.final_norms()]
@@ -385,6 +394,8 @@ class ModelLayout:
         first, last = self.is_first(pp_rank, chunk), self.is_last(pp_rank, chunk)
         if first or (last and self.spec.mtp_num_layers):  # multi-token prediction embeds on the last stage too
             entries.append(("embedding.word_embeddings.weight", self.embedding()))
+        if first:
+            entries += self.embedding_norms()
         if first and self.position_embedding() is not None:
             entries.append((POSITION_EMBEDDING, self.position_embedding()))
         for local, layer in enumerate(self.chunk_layers(pp_rank, chunk)):

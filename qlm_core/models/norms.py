@@ -27,6 +27,8 @@ class NormKind:
     init: float
     saved_bytes: Callable[[int, int, str], float]
     zero_centered: bool = False  # the weight is an offset from 1 (Megatron's apply_layernorm_1p / zero-centred gamma)
+    # a LayerNorm without its bias (MPT's): Megatron has none, qlm's args say qlm_layernorm_no_bias
+    bias_free: bool = False
 
 
 def _rms_norm_saved(dtype_bytes: int, size: int, device: str) -> float:
@@ -36,6 +38,10 @@ def _rms_norm_saved(dtype_bytes: int, size: int, device: str) -> float:
 
 def _layer_norm(size: int, eps: float, dtype: torch.dtype) -> nn.Module:
     return nn.LayerNorm(size, eps=eps, dtype=dtype)
+
+
+def _layer_norm_no_bias(size: int, eps: float, dtype: torch.dtype) -> nn.Module:
+    return nn.LayerNorm(size, eps=eps, bias=False, dtype=dtype)
 
 
 def _layer_norm_saved(dtype_bytes: int, size: int, device: str) -> float:
@@ -50,6 +56,9 @@ NORM_KINDS: dict[str, NormKind] = {
     "gemma_rmsnorm": NormKind(ZeroCenteredRMSNorm, ("weight",), "RMSNorm", 0.0, _rms_norm_saved, zero_centered=True),
     # LayerNorm with its bias (OPT): torch's own kernel
     "layernorm": NormKind(_layer_norm, ("weight", "bias"), "LayerNorm", 1.0, _layer_norm_saved),
+    # ... without its bias (MPT): torch's kernel keeps what it keeps with one
+    "layernorm_no_bias": NormKind(_layer_norm_no_bias, ("weight",), "LayerNorm", 1.0, _layer_norm_saved,
+                                  bias_free=True),
 }
 
 

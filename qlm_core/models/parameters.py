@@ -49,7 +49,7 @@ def num_parameters(spec: ModelSpec, active: bool = False) -> int:
     routed experts counted top-k times instead of num_experts."""
     head = 0 if spec.tie_word_embeddings else spec.head_outputs * spec.hidden_size  # a score head: one row
     embed = spec.vocab_size * spec.hidden_size + head + position_parameters(spec)
-    final_norm = len(norm_kind(spec).tensors) * spec.hidden_size
+    final_norm = (2 if spec.embedding_norm else 1) * len(norm_kind(spec).tensors) * spec.hidden_size  # BLOOM's too
     return sum(layer_parameters(spec, i, active) for i in range(spec.num_layers)) + embed + final_norm
 
 

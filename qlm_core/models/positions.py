@@ -49,6 +49,17 @@ class LearnedPositions:
         return None
 
 
+class AlibiPositions:
+    """ALiBi (BLOOM's, MPT's): a bias by distance in each head's scores, which the attention module adds from its
+    heads' slopes (kernels/alibi.py); the layers get nothing, and the embedding adds nothing."""
+
+    def __init__(self, spec: ModelSpec):
+        pass
+
+    def layer_inputs(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        return None
+
+
 @dataclass(frozen=True)
 class PositionKind:
     """scheme(spec) -> an object whose layer_inputs(position_ids [b, s], dtype) is every layer's `positions`;
@@ -64,6 +75,10 @@ POSITION_KINDS: dict[str, PositionKind] = {
         ("use_rotary_position_embeddings", True))),
     "learned_absolute": PositionKind(LearnedPositions, (
         ("position_embedding_type", "learned_absolute"), ("add_position_embedding", True),
+        ("use_rotary_position_embeddings", False))),
+    # Megatron-Core has no ALiBi; Megatron-DeepSpeed (which trained BLOOM) names it so
+    "alibi": PositionKind(AlibiPositions, (
+        ("position_embedding_type", "alibi"), ("add_position_embedding", False),
         ("use_rotary_position_embeddings", False))),
 }
 

@@ -110,6 +110,25 @@ def _gpt_oss(layers: int, experts: int) -> ModelSpec:
     )
 
 
+def _bloom(hidden: int, layers: int, heads: int) -> ModelSpec:
+    return ModelSpec(
+        model_type="bloom", vocab_size=250880, hidden_size=hidden, ffn_hidden_size=4 * hidden, num_layers=layers,
+        num_attention_heads=heads, num_query_groups=heads, kv_channels=hidden // heads, max_position_embeddings=2048,
+        rope_theta=10000.0, norm_epsilon=1e-5, qkv_bias=True, tie_word_embeddings=True, linear_bias=True,
+        embedding_norm=True, bos_token_id=1, eos_token_id=2,
+    )
+
+
+
+def _mpt(hidden: int, layers: int, heads: int, context: int) -> ModelSpec:
+    return ModelSpec(
+        model_type="mpt", vocab_size=50432, hidden_size=hidden, ffn_hidden_size=4 * hidden, num_layers=layers,
+        num_attention_heads=heads, num_query_groups=heads, kv_channels=hidden // heads,
+        max_position_embeddings=context, rope_theta=10000.0, norm_epsilon=1e-5, qkv_bias=False,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+    )
+
+
 PRESETS: dict[str, ModelSpec] = {
     "qwen2-0.5b": _qwen2(896, 4864, 24, 14, 2, 151936, tied=True),
     "qwen2-1.5b": _qwen2(1536, 8960, 28, 12, 2, 151936, tied=True),
@@ -205,6 +224,15 @@ PRESETS: dict[str, ModelSpec] = {
         rope_theta=10000.0, norm_epsilon=1e-5, qkv_bias=True, tie_word_embeddings=True, linear_bias=True,
         bos_token_id=2, eos_token_id=2,
     ),
+    # BLOOM-560M (559,214,592), BLOOM-7B1 (7,069,016,064) and BLOOM (176,247,271,424): ALiBi, LayerNorms with biases
+    # (one after the embedding), biases on every linear, a tanh-GELU MLP of 4 h, multi-head attention, tied
+    "bloom-560m": _bloom(1024, 24, 16),
+    "bloom-7b1": _bloom(4096, 30, 32),
+    "bloom-176b": _bloom(14336, 70, 112),
+    # MPT-7B (6,649,286,656) and MPT-30B (29,957,200,896): ALiBi, LayerNorms without biases, no linear biases, an
+    # exact-GELU MLP of 4 h, multi-head attention, tied embeddings
+    "mpt-7b": _mpt(4096, 32, 32, 2048),
+    "mpt-30b": _mpt(7168, 48, 64, 8192),
     # Gemma-3-1B (text, 999,885,952): 26 layers, every 6th global (RoPE base 1e6), the rest windowed to 512 tokens
     # (base 10000); one 256-wide key/value head for 4 query heads; tied embeddings scaled by sqrt(1152)
     "gemma-3-1b": ModelSpec(

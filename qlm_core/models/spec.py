@@ -124,6 +124,7 @@ class ModelSpec:
     rotary_interleaved: bool = False  # RoPE's pairs are (x0, x1), (x2, x3), ... (GLM's; Megatron's same-named flag)
     post_norms: bool = False  # a norm after the attention and one after the MLP, before each residual add (GLM-4)
     scaled_embedding: bool = False  # the embedding's output times sqrt(hidden_size) (Gemma)
+    embedding_norm: bool = False  # a norm of the spec's kind after the embedding (BLOOM's word_embeddings_layernorm)
     linear_bias: bool = False  # biases on linear_proj, linear_fc1 and linear_fc2 too (OPT; Megatron's add_bias_linear)
     softmax_scale: float | None = None  # softmax scale (None: kv_channels^-0.5); Gemma: query_pre_attn_scalar^-0.5
     # a learned logit per head in every softmax, with no value (gpt-oss's sinks; Megatron's softmax_type "learnable")
@@ -322,6 +323,7 @@ class ModelSpec:
             rotary_interleaved=family.rotary_interleaved,
             post_norms=family.post_norms is not None,
             scaled_embedding=family.scaled_embedding,
+            embedding_norm=family.embedding_norm,
             linear_bias=linear_bias,
             attention_sinks=family.sinks,
             activation=named[act],
@@ -434,6 +436,9 @@ class ModelSpec:
                                f"Face config ({self.model_type}'s is {' or '.join(map(repr, values))})",
                                "keep it in a Megatron format")
         fixed = {"scaled_embedding": self.scaled_embedding != family.scaled_embedding,
+                      "embedding_norm": self.embedding_norm != family.embedding_norm,
+                      "MLP width": family.ffn_ratio is not None
+                      and self.ffn_hidden_size != family.ffn_ratio * self.hidden_size,
                       "softmax_scale": self.softmax_scale is not None and not family.gemma_attention,
                       "local_rope_theta": self.local_rope_theta is not None and not family.gemma_attention,
                       "linear rope scaling": isinstance(self.rope_scaling, LinearRopeScaling)
@@ -602,6 +607,11 @@ def _family_config(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         if key in config and config[key] != value:
             raise QlmError(f"config.json ({model_type}): {key} is {config[key]!r}; qlm builds {model_type} with "
                            f"{key} = {value!r}", f"use a {model_type} model with {key} = {value!r}")
+    for section, key, value in family.fixed_nested:  # MPT's attn_config: what transformers' MPT runs
+        held = config.get(section) if isinstance(config.get(section), dict) else {}
+        if held.get(key, value) != value:
+            raise QlmError(f"config.json ({model_type}): {section}.{key} is {held[key]!r}; qlm builds {model_type} "
+                           f"with {section}.{key} = {value!r}", f"use a {model_type} model with {key} = {value!r}")
     width = family.embedding_width_key
     if width and config.get(width, config.get("hidden_size")) != config.get("hidden_size"):
         raise QlmError(f"config.json ({model_type}): {width} {config[width]} differs from hidden_size "
@@ -611,7 +621,10 @@ def _family_config(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     config = {**config, **aliased}
     # keys the family's config class never reads (a config.json built with them keeps them as plain attributes):
     # OPT is multi-head attention of hidden_size / heads, whatever other keys its config.json holds
-    return {key: value for key, value in config.items() if key not in family.unread_config}
+    config = {key: value for key, value in config.items() if key not in family.unread_config}
+    if family.ffn_ratio is not None and isinstance(config.get("hidden_size"), int):  # BLOOM's MLP: 4 h
+        config["intermediate_size"] = family.ffn_ratio * config["hidden_size"]
+    return config
 
 
 def _check_optional_numbers(config: dict[str, Any], model_type: str):

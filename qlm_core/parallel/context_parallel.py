@@ -26,6 +26,7 @@ from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
 from qlm_core.config import CpCommType, choices
+from qlm_core.kernels.alibi import tiles
 from qlm_core.kernels.attention import accumulation_dtype
 from qlm_core.kernels.pieces import Documents, Piece, Span, band_pieces, coalesce, self_attention_pieces
 from qlm_core.kernels.piecewise import (
@@ -124,7 +125,7 @@ def _documents_of(docs: Documents | None, seq_len: int):
     return list(enumerate(docs.rows))
 
 
-def _cross_pieces(docs, seq_len, queries: list[Span], keys: list[Span], window) -> list[Piece]:
+def _cross_pieces(docs, seq_len, queries: list[Span], keys: list[Span], window, positional: bool) -> list[Piece]:
     pieces = []
     for row, documents in _documents_of(docs, seq_len):
         for start, end in documents:
@@ -136,13 +137,15 @@ def _cross_pieces(docs, seq_len, queries: list[Span], keys: list[Span], window) 
                     k_doc = k.clip(start, end)
                     if k_doc is not None:
                         pieces += band_pieces(q_doc, k_doc, window, row)
-    return coalesce(pieces)
+    return pieces if positional else coalesce(pieces)
 
 
-def ring_pieces(docs: Documents | None, seq_len: int, cp: int, rank: int, step: int, window) -> list[Piece]:
-    """This rank's queries against the K/V block that started on rank (rank - step) % cp."""
+def ring_pieces(docs: Documents | None, seq_len: int, cp: int, rank: int, step: int, window,
+                positional: bool = False) -> list[Piece]:
+    """This rank's queries against the K/V block that started on rank (rank - step) % cp (`positional`: every
+    piece at consecutive positions, with its shift, as self_attention_pieces)."""
     chunk = _chunk_len(seq_len, cp)
-    if step == 0 and window is None:
+    if step == 0 and window is None and not positional:
         # Our own tokens, in ascending global order: causal within each document in local indices, since every key
         # of the first chunk precedes every query of the second.
         local = cp_token_indices(seq_len, cp, rank).tolist()
@@ -154,24 +157,29 @@ def ring_pieces(docs: Documents | None, seq_len: int, cp: int, rank: int, step: 
                     pieces += band_pieces(Span(lo, hi, lo), Span(lo, hi, lo), None, row)
         return pieces
     src = (rank - step) % cp
-    return _cross_pieces(docs, seq_len, _chunk_spans(cp, rank, chunk), _chunk_spans(cp, src, chunk), window)
+    return _cross_pieces(docs, seq_len, _chunk_spans(cp, rank, chunk), _chunk_spans(cp, src, chunk), window,
+                         positional)
 
 
-def allgather_pieces(docs: Documents | None, seq_len: int, cp: int, rank: int, window) -> list[Piece]:
+def allgather_pieces(docs: Documents | None, seq_len: int, cp: int, rank: int, window,
+                     positional: bool = False) -> list[Piece]:
     """This rank's queries against the whole sequence in global order."""
     whole = [Span(0, seq_len, 0)]
-    return _cross_pieces(docs, seq_len, _chunk_spans(cp, rank, _chunk_len(seq_len, cp)), whole, window)
+    return _cross_pieces(docs, seq_len, _chunk_spans(cp, rank, _chunk_len(seq_len, cp)), whole, window, positional)
 
 
 def cp_attention_plan(docs: Documents | None, seq_len: int, cp: int, rank: int, comm_type: str,
-                      window: int | None) -> tuple[list[Piece], ...]:
+                      window: int | None, positional: bool = False) -> tuple[list[Piece], ...]:
     """What this rank computes in one attention call: the pieces of each ring step (p2p), of its queries against
-    the gathered sequence (allgather), or of the whole sequence on its heads (a2a)."""
+    the gathered sequence (allgather), or of the whole sequence on its heads (a2a); `positional`: as
+    self_attention_pieces, and cut into ALiBi's tiles (kernels/alibi.py)."""
     if comm_type == "p2p":
-        return tuple(ring_pieces(docs, seq_len, cp, rank, step, window) for step in range(cp))
-    if comm_type == "allgather":
-        return (allgather_pieces(docs, seq_len, cp, rank, window),)
-    return (self_attention_pieces(docs, seq_len, window),)
+        plan = tuple(ring_pieces(docs, seq_len, cp, rank, step, window, positional) for step in range(cp))
+    elif comm_type == "allgather":
+        plan = (allgather_pieces(docs, seq_len, cp, rank, window, positional),)
+    else:
+        plan = (self_attention_pieces(docs, seq_len, window, positional),)
+    return tuple(tiles(pieces) for pieces in plan) if positional else plan
 
 
 # ---- p2p: ring attention ---------------------------------------------------------------------------------------------
@@ -210,7 +218,7 @@ class _Ring:
 
 class _RingAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan, sinks):
+    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan, sinks, slopes):
         cp = group_size(group)
         ring = _Ring(group)
         block_k, block_v = k, v
@@ -218,13 +226,13 @@ class _RingAttention(Function):
         for step in range(cp):
             if step + 1 < cp:
                 pending = ring.start([(block_k, ring.K), (block_v, ring.V)])
-            attend_pieces(q, block_k, block_v, plan[step], scale, out, lse)
+            attend_pieces(q, block_k, block_v, plan[step], scale, out, lse, slopes)
             if step + 1 < cp:
                 block_k, block_v = ring.finish(pending)
         add_sinks(out, lse, sinks)
         out = like_q(q).copy_(out)  # laid out like q: linear_proj reads it as a view
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.group, ctx.scale, ctx.plan = group, scale, plan
+        ctx.group, ctx.scale, ctx.plan, ctx.slopes = group, scale, plan, slopes
         return out
 
     @staticmethod
@@ -243,7 +251,8 @@ class _RingAttention(Function):
             # dK/dV of the block at hand: this rank's share, plus what the ranks it visited before have summed.
             dk = torch.zeros(block_k.shape, dtype=acc, device=q.device)
             dv = torch.zeros(block_v.shape, dtype=acc, device=q.device)
-            attend_pieces_backward(grad_out, q, block_k, block_v, out, lse, ctx.plan[step], ctx.scale, dq, dk, dv)
+            attend_pieces_backward(grad_out, q, block_k, block_v, out, lse, ctx.plan[step], ctx.scale, dq, dk, dv,
+                                   ctx.slopes)
             if grad_pending is not None:
                 visited_k, visited_v = ring.finish(grad_pending)
                 dk += visited_k
@@ -254,7 +263,7 @@ class _RingAttention(Function):
         # After cp hops every block's gradient has visited all ranks and come back to its owner.
         dk, dv = ring.finish(grad_pending)
         dsinks = sinks_grad(grad_out, out, lse, sinks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks, None
 
 
 # ---- allgather -------------------------------------------------------------------------------------------------------
@@ -268,14 +277,14 @@ def _gather_kv(k, v, group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Te
 
 class _AllGatherAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan, sinks):
+    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan, sinks, slopes):
         full_k, full_v = _gather_kv(k, v, group)
         out, lse = empty_result(q)
-        attend_pieces(q, full_k, full_v, plan[0], scale, out, lse)
+        attend_pieces(q, full_k, full_v, plan[0], scale, out, lse, slopes)
         add_sinks(out, lse, sinks)
         out = like_q(q).copy_(out)  # laid out like q: linear_proj reads it as a view
         ctx.save_for_backward(q, k, v, out, lse, sinks)  # not the gathered K/V: backward gathers them again
-        ctx.group, ctx.scale, ctx.plan = group, scale, plan
+        ctx.group, ctx.scale, ctx.plan, ctx.slopes = group, scale, plan, slopes
         return out
 
     @staticmethod
@@ -288,13 +297,13 @@ class _AllGatherAttention(Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(full_k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(full_v.shape, dtype=acc, device=q.device)
-        attend_pieces_backward(grad_out, q, full_k, full_v, out, lse, ctx.plan[0], ctx.scale, dq, dk, dv)
+        attend_pieces_backward(grad_out, q, full_k, full_v, out, lse, ctx.plan[0], ctx.scale, dq, dk, dv, ctx.slopes)
         # Every rank holds partial gradients for all keys: sum them onto the owners (dK and dV in one collective).
         joined = _reorder_chunks(torch.cat((dk, dv), dim=3), cp, 2, to_global=False)
         joined = reduce_scatter_dim0(joined.movedim(2, 0), group).movedim(0, 2)
         dsinks = sinks_grad(grad_out, out, lse, sinks)
         return dq.to(q.dtype), joined[..., :k.shape[3]].to(k.dtype), joined[..., k.shape[3]:].to(v.dtype), None, \
-            None, None, dsinks
+            None, None, dsinks, None
 
 
 # ---- a2a: Ulysses ----------------------------------------------------------------------------------------------------
@@ -326,7 +335,7 @@ def _heads_to_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return _AllToAll.apply(parts, group).movedim(0, 1).flatten(1, 2)
 
 
-def _ulysses_attention(q, k, v, group: ProcessGroup | None, scale, plan, sinks):
+def _ulysses_attention(q, k, v, group: ProcessGroup | None, scale, plan, sinks, slopes):
     cp, hq, hk = group_size(group), q.shape[1], k.shape[1]
     if hq % cp:
         raise ValueError(f"a2a context parallelism needs the query heads per rank ({hq}) divisible by cp ({cp})")
@@ -337,11 +346,12 @@ def _ulysses_attention(q, k, v, group: ProcessGroup | None, scale, plan, sinks):
         # Fewer kv heads than ranks: give each rank a copy of the one kv head its query heads use.
         k, v = k.repeat_interleave(cp // hk, dim=1), v.repeat_interleave(cp // hk, dim=1)
     q, k, v = (_seq_to_heads(t, group) for t in (q, k, v))
+    heads = slice(group_rank(group) * (hq // cp), (group_rank(group) + 1) * (hq // cp))
     if sinks is not None:  # this rank's head group's (the others' gradients stay 0 here: the cp reduce sums them)
-        heads = hq // cp
-        sinks = sinks[group_rank(group) * heads:(group_rank(group) + 1) * heads]
+        sinks = sinks[heads]
     # The sequence is in global order now: plain one-process attention over the documents.
-    return _heads_to_seq(piecewise_attention(q, k, v, plan[0], scale, sinks), group)
+    return _heads_to_seq(piecewise_attention(q, k, v, plan[0], scale, sinks, None if slopes is None else slopes[heads]),
+                         group)
 
 
 # ---- entry point -----------------------------------------------------------------------------------------------------
@@ -359,6 +369,7 @@ def context_parallel_attention(
     window: int | None = None,
     plan: tuple[list[Piece], ...] | None = None,
     sinks: torch.Tensor | None = None,
+    slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries against the whole sequence spread over the CP `group`.
 
@@ -367,7 +378,8 @@ def context_parallel_attention(
     above; `documents` None or the micro-batch's documents in global positions (attention stays within a document);
     `window` Mistral's sliding window (None: unbounded); `plan` cp_attention_plan of these, when the caller has
     it already (the model computes it once per forward); `sinks` [hq] gpt-oss's learned sink logit per head
-    (kernels/sinks.py). Returns [b, hq, s_local, d].
+    (kernels/sinks.py); `slopes` [hq] ALiBi's (kernels/alibi.py), with a `plan` built positional and cut into
+    tiles. Returns [b, hq, s_local, d].
     """
     assert comm_type in CP_COMM_TYPES, f"comm_type {comm_type!r}"  # the recipe's schema checked it (config.py)
     if k.shape[:3] != v.shape[:3] or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1] or q.shape[3] != k.shape[3]:
@@ -376,14 +388,16 @@ def context_parallel_attention(
     if documents is not None and (len(documents.rows) != q.shape[0] or documents.seq_len != q.shape[2] * cp):
         raise ValueError(f"documents describe {len(documents.rows)} rows of {documents.seq_len} tokens, not "
                          f"{q.shape[0]} of {q.shape[2] * cp}")
+    positional = slopes is not None
     if cp == 1:
-        return piecewise_attention(q, k, v, self_attention_pieces(documents, q.shape[2], window), scale, sinks)
+        pieces = self_attention_pieces(documents, q.shape[2], window, positional)
+        return piecewise_attention(q, k, v, tiles(pieces) if positional else pieces, scale, sinks, slopes)
     if q.shape[2] % 2:
         raise ValueError(f"each CP rank holds two equal chunks; its local length {q.shape[2]} is odd")
     if plan is None:
-        plan = cp_attention_plan(documents, q.shape[2] * cp, cp, group_rank(group), comm_type, window)
+        plan = cp_attention_plan(documents, q.shape[2] * cp, cp, group_rank(group), comm_type, window, positional)
     if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, group, scale, plan, sinks)
+        return _RingAttention.apply(q, k, v, group, scale, plan, sinks, slopes)
     if comm_type == "allgather":
-        return _AllGatherAttention.apply(q, k, v, group, scale, plan, sinks)
-    return _ulysses_attention(q, k, v, group, scale, plan, sinks)
+        return _AllGatherAttention.apply(q, k, v, group, scale, plan, sinks, slopes)
+    return _ulysses_attention(q, k, v, group, scale, plan, sinks, slopes)

@@ -233,6 +233,9 @@ def forward_terms(x: ActivationInputs, embedding: bool) -> dict[str, float]:
         terms["embedding ids"] = 8 * T + (T if x.tp > 1 else 0)
         if x.spec.position == "learned_absolute":  # the offset positions the table looks up (SP: the rank's)
             terms["position ids"] = 8 * x.sp_tokens
+        if x.spec.embedding_norm:  # BLOOM's norm of the word embedding keeps its input (SP: the rank's tokens)
+            terms["embedding norm"] = norm_kind(x.spec).saved_bytes(x.dtype_bytes, x.spec.hidden_size,
+                                                                     x.device) * x.sp_tokens
     return terms
 
 

@@ -33,6 +33,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
     ("glm4", dict(tp=2, pp=2)),
     ("gemma3", dict(tp=2, pp=2)),
     ("opt", dict(tp=2, pp=2)),
+    ("bloom", dict(tp=2, pp=2)),
+    ("mpt", dict(tp=2, pp=2)),
 ])
 def test_hf_torch_dist_hf_is_bit_exact(hf_models, tmp_path, kind, layout):
     result = hf_to_mcore(hf_models[kind], tmp_path / "dist", **layout, format="torch_dist", verify=True)

@@ -140,8 +140,11 @@ def test_transformers_aux_loss_and_gradients_equal_transformers(moe_models, kind
         assert torch.allclose(expert.linear_fc1.bias.grad, torch.cat([bias[0::2], bias[1::2]]), atol=1e-6, rtol=1e-4)
         assert torch.allclose(expert.linear_fc2.bias.grad, theirs.experts.down_proj_bias.grad[1], atol=1e-6,
                               rtol=1e-4)
-    assert torch.allclose(expert.linear_fc2.weight.grad, down, atol=1e-6, rtol=1e-4)
-    assert torch.allclose(expert.linear_fc1.weight.grad, gate_up, atol=1e-6, rtol=1e-4)
+    # gpt-oss's experts are scaled x100 (conftest: past the clamp): fp32 sums of its larger terms differ further in
+    # their last bits with the order the CPU's kernels take (seen: 3.3e-6 on entries up to 1.1)
+    atol = 1e-5 if kind == "gpt_oss" else 1e-6
+    assert torch.allclose(expert.linear_fc2.weight.grad, down, atol=atol, rtol=1e-4)
+    assert torch.allclose(expert.linear_fc1.weight.grad, gate_up, atol=atol, rtol=1e-4)
     assert torch.allclose(model.embedding.word_embeddings.weight.grad[:300], ref.model.embed_tokens.weight.grad,
                           atol=1e-6, rtol=1e-4)
 

@@ -68,11 +68,11 @@ def _packed_batch(spec, generator):
     return rows, ids, labels, segments, positions
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen2_swa"])
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen2_swa", "bloom", "mpt"])
 def test_packed_rows_equal_each_document_alone(hf_models, kind):
     """fp32 logits and every parameter gradient of a packed batch equal those of its documents run one by one."""
     model, spec = qlm_from_hf(hf_models[kind])
-    assert kind == "qwen2" or spec.sliding_window < max(max(r) for r in DOCS)
+    assert kind in ("qwen2", "bloom", "mpt") or spec.sliding_window < max(max(r) for r in DOCS)
     docs, ids, labels, segments, positions = _packed_batch(spec, torch.Generator().manual_seed(3))
     params = dict(model.named_parameters())
 
@@ -91,7 +91,7 @@ def test_packed_rows_equal_each_document_alone(hf_models, kind):
         assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item()), name
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen2_swa"])
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen2_swa", "bloom", "mpt"])
 def test_padded_decoding_equals_each_row_alone(hf_models, kind):
     """Left-padded prompts (qlm eval's generation) decoded with a KV cache past mistral's window give each row's
     logits as if it ran alone."""
@@ -141,9 +141,10 @@ def test_decoding_pieces_cover_exactly_what_decoding_sees():
 
 
 def test_single_token_decoding_is_one_piece():
-    """Without padding every row shares one fully visible piece: a single kernel call, nothing to merge."""
+    """Without padding every row shares one fully visible piece: a single kernel call, nothing to merge; its first
+    key lies 9 before its query (ALiBi's shift)."""
     pieces = decoding_pieces(torch.ones(4, 10, dtype=torch.bool), past=9, new=1, window=None)
-    assert pieces == [Piece(None, slice(0, 1), slice(0, 10), FULL)]
+    assert pieces == [Piece(None, slice(0, 1), slice(0, 10), FULL, -9)]
 
 
 def test_bad_decoding_and_packing_inputs_are_errors(hf_models):

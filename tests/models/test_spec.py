@@ -18,7 +18,8 @@ PUBLISHED = {
     "llama3-70b": 70_553_706_496, "mistral-7b": 7_241_732_096,
     # transformers' count of the released configs
     "glm-4-9b": 9_399_951_360, "glm-4-9b-0414": 9_400_279_040, "ernie-4.5-0.3b": 360_748_032,
-    "gemma-3-1b": 999_885_952, "opt-1.3b": 1_315_758_080,
+    "gemma-3-1b": 999_885_952, "opt-1.3b": 1_315_758_080, "bloom-560m": 559_214_592, "bloom-7b1": 7_069_016_064,
+    "bloom-176b": 176_247_271_424, "mpt-7b": 6_649_286_656, "mpt-30b": 29_957_200_896,
 }
 
 
@@ -29,9 +30,11 @@ def test_spec_from_transformers_config_counts_parameters(kind):
     model = transformers.AutoModelForCausalLM.from_config(config)
     spec = ModelSpec.from_hf_config(config.to_dict())
     assert num_parameters(spec) == sum(p.numel() for p in model.parameters())
-    assert spec.qkv_bias == any(name.endswith("q_proj.bias") for name, _ in model.named_parameters())
-    mha = model_type == "opt"  # OPT: multi-head attention whatever num_key_value_heads says
-    assert spec.num_query_groups == (4 if mha else 2) and spec.kv_channels == 16
+    assert spec.qkv_bias == any(name.endswith(("q_proj.bias", "query_key_value.bias"))
+                                for name, _ in model.named_parameters())
+    mha = model_type in ("opt", "bloom", "mpt")  # multi-head attention whatever num_key_value_heads says
+    heads = config.num_attention_heads
+    assert spec.num_query_groups == (heads if mha else 2) and spec.kv_channels == config.hidden_size // heads
 
 
 def test_rope_theta_read_from_4x_and_5x_configs():

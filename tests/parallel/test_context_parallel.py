@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import launch_torchrun
-from workers.cp_worker import CHECKS, SCALE, CpCheck, S, check_inputs
+from workers.cp_worker import CHECKS, SCALE, CpCheck, S, check_inputs, slopes
 
 from qlm_core.kernels.pieces import Documents
 from qlm_core.parallel.context_parallel import (
@@ -67,16 +67,20 @@ def test_no_group_is_plain_attention():
         assert (got - want).abs().max() <= TOL
 
 
-def full_attention(q, k, v, segments, window, sinks=None):
+def full_attention(q, k, v, segments, window, sinks=None, alibi_slopes=None):
     """Causal (+ same-document, + sliding-window) attention over the whole sequence, GQA by repeating k and v;
-    with `sinks`, gpt-oss's eager formula (each head's sink logit joins the softmax and is dropped after it)."""
+    with `sinks`, gpt-oss's eager formula (each head's sink logit joins the softmax and is dropped after it); with
+    `alibi_slopes`, ALiBi's slope * (j - i) added to the scores."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     back = torch.arange(S)[:, None] - torch.arange(S)[None, :]
     allowed = ((back >= 0) & (back < (window or S)))[None, None]
     if segments is not None:
         allowed = allowed & (segments[:, :, None] == segments[:, None, :])[:, None]
-    scores = (q @ k.transpose(-1, -2) * SCALE).masked_fill(~allowed, float("-inf"))
+    scores = q @ k.transpose(-1, -2) * SCALE
+    if alibi_slopes is not None:
+        scores = scores - alibi_slopes.to(scores.dtype).view(1, -1, 1, 1) * back
+    scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is None:
         return torch.softmax(scores, -1) @ v
     sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
@@ -88,7 +92,7 @@ def full_reference(check: CpCheck) -> dict[str, torch.Tensor]:
     q, k, v, grad, segments, sinks = check_inputs(check)
     full = [t.double().requires_grad_() for t in (q, k, v)]
     sinks = None if sinks is None else sinks.double().requires_grad_()
-    out = full_attention(*full, segments, check.window, sinks)
+    out = full_attention(*full, segments, check.window, sinks, slopes(check))
     out.backward(grad.double())
     grads = {n: t.grad for n, t in zip(("dq", "dk", "dv"), full, strict=True)}
     return {"out": out.detach(), **grads, **({} if sinks is None else {"dsinks": sinks.grad})}

@@ -5,7 +5,7 @@ windows change the attention FLOPs the time counts."""
 
 import pytest
 import torch
-from parallel_cases import GEMMA3, GLM4, GPT_OSS, OPT, SPEC
+from parallel_cases import BLOOM, GEMMA3, GLM4, GPT_OSS, MPT, OPT, SPEC
 
 from qlm_core.config import ParallelConfig
 from qlm_core.hardware import gpu_spec
@@ -22,7 +22,8 @@ SEQ, BATCH = 64, 2
 
 
 FAMILIES = {"glm4": GLM4, "gemma3": GEMMA3, "opt": OPT, "opt_gelu": OPT.replace(
-    activation="gelu", linear_bias=False, qkv_bias=False), "gpt_oss": GPT_OSS}
+    activation="gelu", linear_bias=False, qkv_bias=False), "gpt_oss": GPT_OSS, "bloom": BLOOM,
+            "mpt": MPT}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -76,3 +77,17 @@ def test_gemma3_saves_one_rope_pair_per_base():
     held = meter.layer_bytes()
     assert sum(held.values()) == 4 * layer_bytes(x, "none") + forward_terms(x, False)["rope cos/sin"]
     assert held["layer0"] == held["layer3"] > held["layer1"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_bloom_embedding_norm_is_counted(dtype):
+    """BLOOM's norm after the word embedding keeps its input and statistics once per forward: the embedding's saved
+    bytes equal the per-forward terms (ALiBi keeps nothing: its tiles' biases are rebuilt in backward)."""
+    model = GPTModel(BLOOM, dtype=dtype)
+    ids = torch.randint(0, BLOOM.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with SavedTensorMeter(model) as meter:
+        model(ids, labels=ids.roll(-1, 1)).sum()
+    x = ActivationInputs(BLOOM, SEQ, BATCH, dtype_bytes=dtype.itemsize, padded_vocab=model.padded_vocab, device="cpu")
+    terms = forward_terms(x, True)
+    assert terms["embedding norm"] > 0
+    assert meter.first_seen["embedding"] == sum(terms.values())

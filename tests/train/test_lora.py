@@ -92,7 +92,8 @@ def test_adapter_layouts_follow_their_base_weights():
 
 @pytest.mark.parametrize("kind, targets", [("qwen2", ALL_TARGETS), ("qwen2_tied", ["linear_qkv", "linear_fc2"]),
                                            ("glm4", ALL_TARGETS),  # GLM-4: one gate_up_proj adapter
-                                           ("opt", ALL_TARGETS)])  # OPT: out_proj, fc1, fc2
+                                           ("opt", ALL_TARGETS),  # OPT: out_proj, fc1, fc2
+                                           ("bloom", ALL_TARGETS)])  # BLOOM: one query_key_value adapter
 def test_peft_export_gives_qlm_logits(kind, targets, hf_models, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -108,6 +109,9 @@ def test_peft_export_gives_qlm_logits(kind, targets, hf_models, tmp_path):
                         "linear_fc2": ["down_proj"]}
     if kind == "opt":
         expected_modules.update(linear_proj=["out_proj"], linear_fc1=["fc1"], linear_fc2=["fc2"])
+    if kind == "bloom":
+        expected_modules.update(linear_qkv=["query_key_value"], linear_proj=["dense"], linear_fc1=["dense_h_to_4h"],
+                                linear_fc2=["dense_4h_to_h"])
     assert sorted(saved["target_modules"]) == sorted(m for t in targets for m in expected_modules[t])
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_models[kind]), out).eval()
     ids = token_ids(layout.spec.vocab_size)

@@ -41,7 +41,8 @@ def test_groups_share_their_prompt_through_the_first_label_position():
     assert torch.equal(packed.input_ids[0, :10], ids[0, :10])
     assert torch.equal(packed.position_ids[0, 10:13], torch.arange(4, 7))
     pieces = self_attention_pieces(packed.documents, 28, None)
-    assert Piece(0, slice(4, 14), slice(0, 4), FULL) in pieces  # one piece for the prefix's documents
+    # one piece for the prefix's documents (each continues the prompt on its own: the joined piece has no one shift)
+    assert Piece(0, slice(4, 14), slice(0, 4), FULL, None) in pieces
 
 
 def test_rows_that_share_nothing_are_not_packed():

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from qlm_core.kernels import alibi
 from qlm_core.kernels.pieces import Documents
 from qlm_core.parallel.context_parallel import context_parallel_attention, gather_from_cp, split_for_cp
 
@@ -38,6 +39,7 @@ class CpCheck:
     hk: int
     kind: str
     sinks: bool = False  # gpt-oss's learned sink logit per head (kernels/sinks.py)
+    alibi: bool = False  # ALiBi's slopes (kernels/alibi.py), in tiles of ALIBI_TILE
 
     @property
     def packed(self) -> bool:
@@ -52,6 +54,14 @@ CHECKS = {f"cp{cp}-{comm}-hq{hq}-hk{hk}-{kind}": CpCheck(cp, comm, hq, hk, kind)
           for cp, comm, (hq, hk), kind in itertools.product(CP_SIZES, COMM_TYPES, HEADS, KINDS)}
 CHECKS.update({f"cp{cp}-{comm}-hq4-hk2-packed-window-sinks": CpCheck(cp, comm, 4, 2, "packed-window", sinks=True)
                for cp, comm in itertools.product(CP_SIZES, COMM_TYPES)})
+CHECKS.update({f"cp{cp}-{comm}-hq4-hk{hk}-{kind}-alibi": CpCheck(cp, comm, 4, hk, kind, alibi=True)
+               for cp, comm, hk, kind in itertools.product(CP_SIZES, COMM_TYPES, (4, 2), ("plain", "packed-window"))})
+ALIBI_TILE = 3  # tiles smaller than a chunk (4 tokens at cp 4) and than a document, not dividing them
+
+
+def slopes(check: CpCheck) -> torch.Tensor | None:
+    """ALiBi's slopes of the check's heads, steep enough that the bias moves the result."""
+    return alibi.alibi_slopes(check.hq, bias_max=3.0) if check.alibi else None
 
 
 def segment_ids() -> torch.Tensor:
@@ -73,9 +83,11 @@ def run_check(check: CpCheck, group) -> dict:
     q, k, v, grad, segments, sinks = check_inputs(check)
     local = [split_for_cp(t, cp, rank, 2).requires_grad_() for t in (q, k, v)]
     sinks = None if sinks is None else sinks.requires_grad_()
+    alibi.TILE = ALIBI_TILE
     out = context_parallel_attention(
         *local, group=group, comm_type=check.comm, scale=SCALE, window=check.window,
         documents=None if segments is None else Documents.from_segment_ids(segments), sinks=sinks,
+        slopes=slopes(check),
     )
     out.backward(split_for_cp(grad, cp, rank, 2))
     grads = {n: t.grad for n, t in zip(("dq", "dk", "dv"), local, strict=True)}

@@ -59,8 +59,10 @@ def read_config(path: str | Path) -> dict:
         raise QlmError(f"no config.json in {path}", "point at a Hugging Face model directory")
     config = read_json_object(file, CONFIG_FIX)
     if config.get("model_type") in SUPPORTED_MODEL_TYPES:  # (others: ModelSpec names the supported ones)
-        aliases = dict(FAMILIES[config["model_type"]].config_aliases)  # OPT's ffn_dim
-        for key in (aliases.get(size, size) for size in _SIZES):
+        family = FAMILIES[config["model_type"]]
+        aliases = dict(family.config_aliases)  # OPT's ffn_dim
+        sizes = [size for size in _SIZES if size not in family.unread_config]  # BLOOM's MLP width: 4 h, unstated
+        for key in (aliases.get(size, size) for size in sizes):
             value = config.get(key)
             fix = f"set {key} to the model's size (as transformers saves it)"
             if value is None and key in _REQUIRED:

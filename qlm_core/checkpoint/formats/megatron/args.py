@@ -52,6 +52,7 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         untie_embeddings_and_output_weights=not s.tie_word_embeddings,
         apply_layernorm_1p=norm_kind(s).zero_centered,  # Megatron's zero-centred gamma: Gemma's (1 + w)
         normalization=norm_kind(s).megatron_name,
+        qlm_layernorm_no_bias=norm_kind(s).bias_free,  # MPT's LayerNorm: Megatron's always has a bias
         norm_epsilon=s.norm_epsilon,
         apply_query_key_layer_scaling=False,
         attention_dropout=0.0,
@@ -68,6 +69,7 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         else None,
         qlm_local_rope_theta=s.local_rope_theta,
         qlm_scaled_embedding=s.scaled_embedding,
+        embed_layernorm=s.embedding_norm,  # BLOOM's: Megatron-DeepSpeed's --embed-layernorm (word_embeddings.norm)
         sequence_parallel=False,
         transformer_impl="local",
         ckpt_format=ckpt_format,
@@ -349,8 +351,9 @@ def spec_from_args(args) -> ModelSpec:
                            f"build (it has {value!r})", f"convert a model with {key} {value!r}")
     normalization = getattr(args, "normalization", "LayerNorm")
     zero_centered = bool(getattr(args, "apply_layernorm_1p", False))
-    norm = next((name for name, kind in NORM_KINDS.items()
-                 if kind.megatron_name == normalization and kind.zero_centered == zero_centered), None)
+    bias_free = bool(getattr(args, "qlm_layernorm_no_bias", False))
+    norm = next((name for name, kind in NORM_KINDS.items() if kind.megatron_name == normalization
+                 and kind.zero_centered == zero_centered and kind.bias_free == bias_free), None)
     if norm is None:
         raise QlmError(f"{model} uses {normalization}",
                        f"qlm builds {', '.join(kind.megatron_name for kind in NORM_KINDS.values())}")
@@ -388,6 +391,7 @@ def spec_from_args(args) -> ModelSpec:
         rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)) and mla is None,
         post_norms=_post_norms_from_args(args),
         scaled_embedding=bool(getattr(args, "qlm_scaled_embedding", False)),
+        embedding_norm=bool(getattr(args, "embed_layernorm", False)),
         softmax_scale=getattr(args, "softmax_scale", None),
         attention_sinks=_sinks_from_args(args),
         local_rope_theta=getattr(args, "qlm_local_rope_theta", None),

@@ -1,0 +1,148 @@
+"""BLOOM (`bloom`) and MPT (`mpt`), the ALiBi families, through the verbs besides the shared family tests
+(test_model.py, test_packed_attention.py, test_convert.py, test_torch_dist.py, test_eval.py, test_deepspeed.py):
+greedy decoding, Megatron's names and args, and what qlm refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_hf_model
+from helpers import assert_greedy_generate_equals_transformers
+
+from qlm_core.errors import QlmError
+from qlm_core.models.layout import ModelLayout
+from qlm_core.models.spec import ModelSpec
+
+
+@pytest.mark.parametrize("kind", ["bloom", "mpt"])
+def test_greedy_generate_equals_transformers(tmp_path, kind):
+    """`qlm generate` of a left-padded batch (ALiBi over a KV cache: the decoding key mask's bias) as transformers'
+    generate (BLOOM's ALiBi counts positions from each row's first real token, MPT's from the cache's first)."""
+    path = tmp_path / "model"
+    model = make_hf_model(path, kind, initializer_range=0.2)  # not one token repeated
+    assert_greedy_generate_equals_transformers(path, model, max_new_tokens=12)
+
+
+def test_megatron_names_and_args_round_trip(hf_models):
+    """The embedding's norm is Megatron-DeepSpeed's `embedding.word_embeddings.norm`, query_key_value is linear_qkv
+    as it lies (head by head), and the args say ALiBi, --openai-gelu, --embed-layernorm, LayerNorm and biases; read
+    back they give the same spec."""
+    from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
+    from qlm_core.checkpoint.formats.megatron.args import make_args, spec_from_args
+
+    spec = HFCheckpoint(hf_models["bloom"]).spec
+    layout = ModelLayout(spec, tp=2)
+    names = [name for name, _ in layout.shard_entries(0)]
+    assert names[:3] == ["embedding.word_embeddings.weight", "embedding.word_embeddings.norm.weight",
+                         "embedding.word_embeddings.norm.bias"]
+    qkv = next(t for n, t in layout.shard_entries(0) if n == "decoder.layers.0.self_attention.linear_qkv.weight")
+    assert [(s.start, s.stop, s.hf_name, s.hf_start) for s in qkv.segments] == [
+        (0, 288, "transformer.h.0.self_attention.query_key_value.weight", 0)]
+    args = make_args(layout, torch.float32)
+    assert (args.position_embedding_type, args.openai_gelu, args.embed_layernorm, args.normalization,
+            args.add_bias_linear) == ("alibi", True, True, "LayerNorm", True)
+    assert spec_from_args(args) == spec.replace(bos_token_id=None, eos_token_id=None)  # the tokenizer's, not args'
+
+
+def test_configs_bloom_cannot_hold_are_refused(hf_models):
+    """An MLP other than 4 h wide, or no embedding norm, has no BLOOM config.json; a config.json with the residual
+    after the norm (apply_residual_connection_post_layernorm) is refused in one line."""
+    from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint, read_config
+
+    spec = HFCheckpoint(hf_models["bloom"]).spec
+    with pytest.raises(QlmError, match="MLP width"):
+        spec.replace(ffn_hidden_size=100).to_hf_config()
+    with pytest.raises(QlmError, match="embedding_norm"):
+        spec.replace(embedding_norm=False).to_hf_config()
+    config = read_config(hf_models["bloom"])
+    with pytest.raises(QlmError, match="apply_residual_connection_post_layernorm"):
+        ModelSpec.from_hf_config({**config, "apply_residual_connection_post_layernorm": True})
+
+
+def test_mpt_names_args_and_refusals(hf_models):
+    """MPT's Wqkv is [every q; every k; every v] (each Megatron head's rows come from three places), its LayerNorms
+    have no bias (qlm's arg qlm_layernorm_no_bias: Megatron's LayerNorm always has one), and the args read back to
+    the same spec; attn_config values transformers' MPT does not run (clip_qkv) are refused in one line."""
+    from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint, read_config
+    from qlm_core.checkpoint.formats.megatron.args import make_args, spec_from_args
+
+    spec = HFCheckpoint(hf_models["mpt"]).spec
+    layout = ModelLayout(spec, tp=2)
+    qkv = next(t for n, t in layout.shard_entries(0) if n == "decoder.layers.0.self_attention.linear_qkv.weight")
+    assert [(s.start, s.hf_start) for s in qkv.segments[:6]] == [(0, 0), (16, 64), (32, 128), (48, 16), (64, 80),
+                                                                 (80, 144)]
+    assert {s.hf_name for s in qkv.segments} == {"transformer.blocks.0.attn.Wqkv.weight"}
+    names = [name for name, _ in layout.shard_entries(0)]
+    assert "decoder.layers.0.input_layernorm.weight" in names and "decoder.layers.0.input_layernorm.bias" not in names
+    args = make_args(layout, torch.float32)
+    assert (args.normalization, args.qlm_layernorm_no_bias, args.position_embedding_type) == ("LayerNorm", True,
+                                                                                              "alibi")
+    assert spec_from_args(args) == spec.replace(bos_token_id=None, eos_token_id=None)
+    config = read_config(hf_models["mpt"])
+    with pytest.raises(QlmError, match="attn_config.clip_qkv"):
+        ModelSpec.from_hf_config({**config, "attn_config": {**config["attn_config"], "clip_qkv": 6.0}})
+    with pytest.raises(QlmError, match="expansion_ratio"):
+        ModelSpec.from_hf_config({**config, "expansion_ratio": 2})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["bloom", "mpt"])
+def test_qlm_train_sft_then_lora_and_export(tmp_path, kind):
+    """`qlm train`: SFT of a tiny BLOOM / MPT on packed documents (its loss falls), DPO from that run on the demo's
+    preference pairs (its loss falls), LoRA on its fused q/k/v and its output projection from the SFT run, and the
+    merged export loads in transformers with qlm's logits."""
+    import json
+
+    import transformers
+    from conftest import call_qlm, make_chat_hf_model
+    from helpers import qlm_from_hf
+
+    from qlm_core.checkpoint.convert.hf_megatron import mcore_to_hf
+
+    demo = make_chat_hf_model(tmp_path / "hf", tmp_path / "demo", kind=kind)
+    common = f"""
+[data]
+kind = "sft"
+train = [{json.dumps(str(demo.train))}]
+seq_length = 64
+cache_dir = {json.dumps(str(tmp_path / "cache"))}
+[train]
+micro_batch_size = 4
+global_batch_size = 8
+train_iters = 6
+[optim]
+lr = 3e-3
+weight_decay = 0.0
+[schedule]
+lr_schedule = "constant"
+[logging]
+tensorboard = false
+plot = false
+"""
+    sft = tmp_path / "sft.toml"
+    sft.write_text(f'[model]\nload = {json.dumps(str(tmp_path / "hf"))}\ndtype = "fp32"\n' + common)
+    code, out, err = call_qlm("train", sft, "--output", tmp_path / "sft")
+    assert code == 0, out[-2000:] + err[-2000:]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "sft/metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert losses[-1] < losses[0]
+    dpo = tmp_path / "dpo.toml"
+    dpo.write_text(f'[model]\nload = {json.dumps(str(tmp_path / "sft"))}\ndtype = "fp32"\n'
+                   + common.replace('kind = "sft"', 'kind = "preference"\npacking = false').replace(
+                       json.dumps(str(demo.train)), json.dumps(str(demo.preference))).replace("lr = 3e-3", "lr = 1e-3"))
+    code, out, err = call_qlm("train", dpo, "--output", tmp_path / "dpo")
+    assert code == 0, out[-2000:] + err[-2000:]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "dpo/metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert losses[-1] < losses[0]
+    lora = tmp_path / "lora.toml"
+    lora.write_text(f'[model]\nload = {json.dumps(str(tmp_path / "sft"))}\ndtype = "fp32"\n' + common
+                    + '[lora]\nrank = 4\nalpha = 8.0\ntarget_modules = ["linear_qkv", "linear_proj"]\n')
+    code, out, err = call_qlm("train", lora, "--output", tmp_path / "lora")
+    assert code == 0, out[-2000:] + err[-2000:]
+    mcore_to_hf(tmp_path / "lora/checkpoints", tmp_path / "merged", verify=True)
+    model, spec = qlm_from_hf(tmp_path / "merged")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model(ids) - reference(ids).logits).abs().max().item() <= 1e-5
