@@ -1,9 +1,9 @@
 """Core attention kernels: softmax(q k^T * scale) v, causal or fully visible, with grouped-query heads.
 
 Tensors are [batch, heads, seq, head_dim]; k and v carry num_query_groups heads. No kernel here but a decoding step's
-(one query a row, masked_attention) takes a mask:
-documents, sliding windows and context-parallel blocks are cut into mask-free pieces (kernels/pieces.py,
-kernels/piecewise.py). flash-attn is used on CUDA when installed; else torch's own fused kernels.
+(one query a row, masked_attention) takes a mask: documents, sliding windows and context-parallel blocks are cut into
+mask-free pieces (kernels/pieces.py, kernels/piecewise.py); ALiBi's tiles hand their bias by distance as an additive
+mask (kernels/alibi.py). flash-attn is used on CUDA when installed; else torch's own fused kernels.
 """
 
 from __future__ import annotations
@@ -223,13 +223,15 @@ def _uses_flash_attn(q) -> bool:
 
 def _padded_bias(bias, q, heads: int):
     """The memory-efficient kernel's bias: q's dtype, every query head, rows 16-element aligned (a padded buffer's
-    view, as SDPA hands it)."""
+    view, as SDPA hands it). In bf16 / fp16 ALiBi's values round as transformers' BLOOM rounds its own (an entry's
+    weight moves by ~|b| 2^-9 e^b of its row's softmax, at most ~7e-4); fp16 clamps what it cannot hold, so a far
+    tile's row stays finite (its weight is 0 either way)."""
     if bias is None:
         return None
     b, _, n, m = bias.shape
     padded = torch.empty(b, heads, n, -(-m // 16) * 16, dtype=q.dtype, device=q.device)
     view = padded[..., :m]
-    view.copy_(bias.expand(b, heads, n, m))
+    view.copy_(bias.expand(b, heads, n, m).clamp(min=torch.finfo(q.dtype).min / 2))
     return view.expand(q.shape[0], heads, n, m)
 
 

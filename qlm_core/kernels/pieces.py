@@ -31,7 +31,7 @@ class Piece(NamedTuple):
     kind: str  # FULL | CAUSAL | UPPER
     # the position of its first key minus its first query's, queries and keys each at consecutive positions: what a
     # bias by distance (ALiBi, kernels/alibi.py) needs; None where coalesce joined pieces that are not
-    shift: int | None = 0
+    shift: int | None = None
 
 
 class Span(NamedTuple):

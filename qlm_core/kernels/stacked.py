@@ -11,6 +11,7 @@ another order (stacked groups first), which changes the last bits of the merged 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -21,33 +22,50 @@ from qlm_core.kernels.pieces import FULL, UPPER, Piece
 
 @dataclass(frozen=True)
 class Group:
-    """Pieces of one kind and shape: `count` of them, `n` queries and `m` keys each; the (row, position) of every
-    query and key they read, [count * n] and [count * m], in the kernel's order."""
+    """Pieces of one kind and shape: `count` of them, `n` queries and `m` keys each; the row and first query / key
+    index of each piece ([count] tensors on the device), from which the (row, position) of every query and key they
+    read, [count * n] and [count * m] in the kernel's order, are built when a kernel needs them (a long row's
+    ALiBi tiles are many: kept as starts, the cache holds O(pieces), not O(tokens x pieces))."""
 
     indices: tuple[int, ...]
     kind: str
     n: int
     m: int
-    q_rows: torch.Tensor
-    q_positions: torch.Tensor
-    k_rows: torch.Tensor
-    k_positions: torch.Tensor
+    rows: torch.Tensor
+    q_starts: torch.Tensor
+    k_starts: torch.Tensor
     disjoint_queries: bool  # no query in two of the pieces (then a merge can gather, merge and put back at once)
 
     @property
     def count(self) -> int:
         return len(self.indices)
 
+    def _positions(self, starts: torch.Tensor, length: int) -> torch.Tensor:
+        step = torch.arange(length, device=starts.device)
+        offsets = step.flip(0) if self.kind == UPPER else step  # an UPPER piece is read back to front
+        return (starts[:, None] + offsets).flatten()
 
-def _positions(index: slice, kind: str) -> range:
-    return range(index.stop - 1, index.start - 1, -1) if kind == UPPER else range(index.start, index.stop)
+    @property
+    def q_rows(self) -> torch.Tensor:
+        return self.rows.repeat_interleave(self.n)
+
+    @property
+    def q_positions(self) -> torch.Tensor:
+        return self._positions(self.q_starts, self.n)
+
+    @property
+    def k_rows(self) -> torch.Tensor:
+        return self.rows.repeat_interleave(self.m)
+
+    @property
+    def k_positions(self) -> torch.Tensor:
+        return self._positions(self.k_starts, self.m)
 
 
 def groups(pieces: list[Piece], device, by_shift: bool = False) -> tuple[Group, ...]:
     """The pieces of one row each, by (kind, query length, key length) and with `by_shift` their shift (one ALiBi
     bias for the group), where two or more share one. Every layer of a forward and its backward hand the same
-    pieces: their groups (Python lists as long as the tokens, and index tensors on the device) are worked out once
-    and kept in a small cache."""
+    pieces: their groups are worked out once and kept in a small cache."""
     key = tuple((p.row, p.q.start, p.q.stop, p.k.start, p.k.stop, p.kind, p.shift if by_shift else 0)
                 for p in pieces)
     return _groups(key, torch.device(device))
@@ -64,13 +82,11 @@ def _groups(key: tuple, device: torch.device) -> tuple[Group, ...]:
         if len(indices) < 2:
             continue
         chosen = [key[i] for i in indices]
-        q_rows = [row for row, *_ in chosen for _ in range(n)]
-        q_positions = [j for _, q_start, q_stop, *_ in chosen for j in _positions(slice(q_start, q_stop), kind)]
-        k_rows = [row for row, *_ in chosen for _ in range(m)]
-        k_positions = [j for *_, k_start, k_stop, _, _ in chosen for j in _positions(slice(k_start, k_stop), kind)]
-        disjoint = len(set(zip(q_rows, q_positions, strict=True))) == len(q_rows)
-        out.append(Group(tuple(indices), kind, n, m, *(torch.tensor(t, dtype=torch.long, device=device) for t in
-                                                       (q_rows, q_positions, k_rows, k_positions)), disjoint))
+        spans = sorted((row, q_start) for row, q_start, *_ in chosen)
+        disjoint = all(a[0] != b[0] or b[1] >= a[1] + n for a, b in itertools.pairwise(spans))
+        rows, q_starts, k_starts = (torch.tensor([piece[column] for piece in chosen], dtype=torch.long, device=device)
+                                    for column in (0, 1, 3))
+        out.append(Group(tuple(indices), kind, n, m, rows, q_starts, k_starts, disjoint))
     return tuple(out)
 
 

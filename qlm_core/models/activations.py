@@ -63,12 +63,16 @@ class ActivationKind:
         return 3 if self.gated else 2
 
 
-_SWITCHES = ("swiglu", "squared_relu", "qlm_geglu", "qlm_relu", "quick_geglu", "openai_gelu")
+_SWITCHES = ("swiglu", "squared_relu", "qlm_geglu", "qlm_relu", "quick_geglu")
+# --openai-gelu only picks which GELU a GELU MLP runs (Megatron-LM's legacy models and Megatron-DeepSpeed read it; a
+# gated unit's switch wins over it): only the GELU kinds state it
 
 
 def _switches(on: str | None) -> tuple[tuple[str, bool], ...]:
-    """Megatron-LM's activation switches with `on` alone set (None: its default GELU)."""
-    return tuple((switch, switch == on) for switch in _SWITCHES)
+    """Megatron-LM's activation switches with `on` alone set (None: its default GELU, "openai_gelu": GELU's tanh
+    approximation)."""
+    gelu = (("openai_gelu", on == "openai_gelu"),) if on in (None, "openai_gelu") else ()
+    return tuple((switch, switch == on) for switch in _SWITCHES) + gelu
 
 
 _GELU_TANH = functools.partial(F.gelu, approximate="tanh")

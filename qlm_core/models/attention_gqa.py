@@ -64,7 +64,8 @@ class GroupedQueryAttention(nn.Module):
         if spec.position not in ("rope", "learned_absolute", "alibi"):
             raise QlmError(f"grouped-query attention takes RoPE, learned or ALiBi positions, not {spec.position!r}",
                            "pair another position scheme with an attention kind that takes it")
-        self.slopes = None
+        self.slopes = None  # ALiBi's, of this rank's heads (fp32, kept per device: not a buffer that .to(dtype) casts)
+        self._slopes_on: dict[torch.device, torch.Tensor] = {}
         if spec.position == "alibi":
             heads = spec.num_attention_heads // tp
             self.slopes = alibi_slopes(spec.num_attention_heads)[group_rank(tp_group) * heads:][:heads]
@@ -104,7 +105,11 @@ class GroupedQueryAttention(nn.Module):
     def _core_attention(self, q, k, v, inputs: AttentionInputs) -> torch.Tensor:
         scale = self.spec.softmax_scale or 1.0 / math.sqrt(self.spec.kv_channels)  # Gemma: query_pre_attn_scalar
         sinks = None if self.core_attention is None else self.core_attention.softmax_offset
-        slopes = None if self.slopes is None else self.slopes.to(q.device)
+        slopes = None
+        if self.slopes is not None:
+            slopes = self._slopes_on.get(q.device)
+            if slopes is None:
+                slopes = self._slopes_on[q.device] = self.slopes.to(q.device)
         if group_size(self.parallel.cp_group) > 1:
             return context_parallel_attention(
                 q, k, v, group=self.parallel.cp_group, comm_type=self.parallel.cp_comm_type, scale=scale,

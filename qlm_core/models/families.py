@@ -119,6 +119,11 @@ class Family:
     # config.json's key for ModelSpec's size keys where the family names them otherwise (OPT's ffn_dim)
     config_aliases: tuple[tuple[str, str], ...] = ()
     norm_epsilon: float | None = None  # a fixed norm epsilon config.json does not state (OPT's nn.LayerNorm 1e-5)
+    norm_epsilon_default: float = 1e-6  # the norm epsilon when config.json leaves it out (the config class's default)
+    max_positions_default: int = 4096  # max_position_embeddings when config.json has none (BLOOM's trained 2048)
+    # (ours, theirs): an older spelling of one of ModelSpec's size keys, read where the current key is absent and
+    # never written (BLOOM-176B's n_embed, which BloomConfig still reads as hidden_size)
+    read_aliases: tuple[tuple[str, str], ...] = ()
     other_activations: tuple[str, ...] = ()  # activations config.json may name besides `activation` (OPT: gelu)
     # learned positions: the embedding's rows before position 0 (OPT's offset of 2; HF keeps and stores them)
     position_offset: int = 0
@@ -214,6 +219,7 @@ FAMILIES: dict[str, Family] = {
     "bloom": Family("BloomForCausalLM", qkv_bias="always", linear_bias=True, hf_names=BLOOM_HF_NAMES,
                     config_aliases=(("num_hidden_layers", "n_layer"), ("num_attention_heads", "n_head"),
                                     ("rms_norm_eps", "layer_norm_epsilon")),
+                    read_aliases=(("hidden_size", "n_embed"),), norm_epsilon_default=1e-5, max_positions_default=2048,
                     norm="layernorm", activation="gelu_tanh", position="alibi", tied_default=True, ffn_ratio=4,
                     embedding_norm=True, qkv_files="per_head", plain_heads=True,
                     fixed_config=(("apply_residual_connection_post_layernorm", False),),
@@ -225,9 +231,13 @@ FAMILIES: dict[str, Family] = {
                                   ("num_hidden_layers", "n_layers"), ("max_position_embeddings", "max_seq_len"),
                                   ("rms_norm_eps", "layer_norm_epsilon")),
                   norm="layernorm_no_bias", activation="gelu", position="alibi", tied_default=True, ffn_ratio=4,
-                  qkv_files="stacked", plain_heads=True, fixed_config=(("expansion_ratio", 4), ("no_bias", True)),
-                  fixed_nested=(("attn_config", "alibi", True), ("attn_config", "clip_qkv", None),
-                                ("attn_config", "softmax_scale", None)),
+                  norm_epsilon_default=1e-5, max_positions_default=2048, qkv_files="stacked", plain_heads=True,
+                  fixed_config=(("expansion_ratio", 4), ("no_bias", True), ("logit_scale", None)),
+                  # what transformers' MPT runs whatever attn_config says (multi-head, ALiBi of bias_max 8, no q/k
+                  # norms, no clipping, 1/sqrt(head_dim)): another value would be a model it does not build
+                  fixed_nested=(("attn_config", "attn_type", "multihead_attention"), ("attn_config", "alibi", True),
+                                ("attn_config", "alibi_bias_max", 8), ("attn_config", "qk_ln", False),
+                                ("attn_config", "clip_qkv", None), ("attn_config", "softmax_scale", None)),
                   unread_config=(*NO_ROPE_CONFIG, "hidden_act", "intermediate_size")),
     # GLM-4.7-Flash: DeepSeek-V3's layer, its dense and MoE layers listed in mlp_layer_types
     "glm4_moe_lite": Family("Glm4MoeLiteForCausalLM", declares_no_bias=True, moe=True,

@@ -308,9 +308,9 @@ class ModelSpec:
             # multi-latent attention: every head its own keys and values, of its own sizes
             num_query_groups=heads if mla else config.get("num_key_value_heads") or heads,
             kv_channels=mla.q_head_dim if mla else config.get("head_dim") or config["hidden_size"] // heads,
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            max_position_embeddings=config.get("max_position_embeddings", family.max_positions_default),
             rope_theta=theta,
-            norm_epsilon=family.norm_epsilon or config.get("rms_norm_eps", 1e-6),
+            norm_epsilon=family.norm_epsilon or config.get("rms_norm_eps", family.norm_epsilon_default),
             qkv_bias=qkv_bias,
             tie_word_embeddings=head == "lm" and bool(config.get("tie_word_embeddings", family.tied_default)),
             rope_scaling=scaling,
@@ -619,6 +619,9 @@ def _family_config(config: dict[str, Any], model_type: str) -> dict[str, Any]:
                        "use a model whose embedding is hidden_size wide (every OPT but 350M)")
     aliased = {ours: config[theirs] for ours, theirs in family.config_aliases if theirs in config}
     config = {**config, **aliased}
+    for ours, theirs in family.read_aliases:  # older spellings, read where the current key is absent (BLOOM's n_embed)
+        if ours not in config and theirs in config:
+            config[ours] = config[theirs]
     # keys the family's config class never reads (a config.json built with them keeps them as plain attributes):
     # OPT is multi-head attention of hidden_size / heads, whatever other keys its config.json holds
     config = {key: value for key, value in config.items() if key not in family.unread_config}

@@ -153,8 +153,9 @@ def ring_pieces(docs: Documents | None, seq_len: int, cp: int, rank: int, step: 
         for row, documents in _documents_of(docs, seq_len):
             for start, end in documents:
                 lo, hi = bisect.bisect_left(local, start), bisect.bisect_left(local, end)
-                if lo < hi:
-                    pieces += band_pieces(Span(lo, hi, lo), Span(lo, hi, lo), None, row)
+                if lo < hi:  # in local indices: the two chunks' positions do not run on (no shift)
+                    pieces += [piece._replace(shift=None)
+                               for piece in band_pieces(Span(lo, hi, lo), Span(lo, hi, lo), None, row)]
         return pieces
     src = (rank - step) % cp
     return _cross_pieces(docs, seq_len, _chunk_spans(cp, rank, chunk), _chunk_spans(cp, src, chunk), window,

@@ -126,7 +126,8 @@ def run_warnings(recipe: Recipe, steps: int, spec: ModelSpec | None = None) -> l
             "an export's config.json will say the shorter context"
         found.append(f"warning: data.seq_length = {recipe.data.seq_length} is longer than the model's "
                      f"max_position_embeddings = {spec.max_position_embeddings}: {what} (RoPE extrapolates past "
-                     "the trained context poorly); lower data.seq_length, or use a model whose context covers it")
+                     "the trained context poorly; transformers' MPT cannot run past max_seq_len at all); lower "
+                     "data.seq_length, or use a model whose context covers it")
     warmup = recipe.schedule.warmup_iters
     if warmup >= steps:
         found.append(f"warning: schedule.warmup_iters = {warmup} >= the run's {steps} steps: the learning rate "

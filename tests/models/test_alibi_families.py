@@ -59,6 +59,26 @@ def test_configs_bloom_cannot_hold_are_refused(hf_models):
         ModelSpec.from_hf_config({**config, "apply_residual_connection_post_layernorm": True})
 
 
+def test_released_bloom_and_mpt_configs_read_as_transformers_reads_them(tmp_path):
+    """BLOOM-176B's config.json spells the width n_embed; MosaicML's MPT configs leave layer_norm_epsilon out
+    (transformers' default 1e-5, not qlm's RMSNorm default) and BLOOM's have no context length (its trained 2048)."""
+    import json
+
+    import transformers
+
+    from qlm_core.checkpoint.formats.hf.checkpoint import read_config
+
+    bloom = {"model_type": "bloom", "vocab_size": 300, "n_embed": 96, "n_layer": 2, "num_attention_heads": 12}
+    (tmp_path / "config.json").write_text(json.dumps(bloom))
+    spec = ModelSpec.from_hf_config(read_config(tmp_path))
+    theirs = transformers.BloomConfig(**{k: v for k, v in bloom.items() if k != "model_type"})
+    assert (spec.hidden_size, spec.ffn_hidden_size, spec.norm_epsilon, spec.max_position_embeddings) == (
+        theirs.hidden_size, 4 * theirs.hidden_size, theirs.layer_norm_epsilon, 2048)
+    mpt = {"model_type": "mpt", "vocab_size": 300, "d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 512}
+    spec = ModelSpec.from_hf_config(mpt)
+    assert (spec.norm_epsilon, spec.max_position_embeddings) == (transformers.MptConfig().layer_norm_epsilon, 512)
+
+
 def test_mpt_names_args_and_refusals(hf_models):
     """MPT's Wqkv is [every q; every k; every v] (each Megatron head's rows come from three places), its LayerNorms
     have no bias (qlm's arg qlm_layernorm_no_bias: Megatron's LayerNorm always has one), and the args read back to
@@ -83,6 +103,9 @@ def test_mpt_names_args_and_refusals(hf_models):
         ModelSpec.from_hf_config({**config, "attn_config": {**config["attn_config"], "clip_qkv": 6.0}})
     with pytest.raises(QlmError, match="expansion_ratio"):
         ModelSpec.from_hf_config({**config, "expansion_ratio": 2})
+    for key, value in (("qk_ln", True), ("alibi_bias_max", 16), ("attn_type", "multiquery_attention")):
+        with pytest.raises(QlmError, match=f"attn_config.{key}"):
+            ModelSpec.from_hf_config({**config, "attn_config": {**config["attn_config"], key: value}})
 
 
 @pytest.mark.slow

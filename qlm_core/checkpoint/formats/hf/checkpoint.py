@@ -62,8 +62,9 @@ def read_config(path: str | Path) -> dict:
         family = FAMILIES[config["model_type"]]
         aliases = dict(family.config_aliases)  # OPT's ffn_dim
         sizes = [size for size in _SIZES if size not in family.unread_config]  # BLOOM's MLP width: 4 h, unstated
+        older = dict(family.read_aliases)  # BLOOM-176B's n_embed
         for key in (aliases.get(size, size) for size in sizes):
-            value = config.get(key)
+            value = config.get(key, config.get(older.get(key, key)))
             fix = f"set {key} to the model's size (as transformers saves it)"
             if value is None and key in _REQUIRED:
                 raise QlmError(f"{file} lacks {key}", fix)

@@ -356,7 +356,7 @@ def spec_from_args(args) -> ModelSpec:
                  and kind.zero_centered == zero_centered and kind.bias_free == bias_free), None)
     if norm is None:
         raise QlmError(f"{model} uses {normalization}",
-                       f"qlm builds {', '.join(kind.megatron_name for kind in NORM_KINDS.values())}")
+                       f"qlm builds {', '.join(dict.fromkeys(k.megatron_name for k in NORM_KINDS.values()))}")
     moe = moe_from_args(args, need_arg(args, "num_layers"))
     model_type = getattr(args, "qlm_model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
