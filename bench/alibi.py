@@ -4,6 +4,7 @@ without a bias (the RoPE models' path), in the same process; and the largest ten
 
     python bench/alibi.py                            # s = 8192 in 3 documents, 8 heads (4 kv groups), bf16
     python bench/alibi.py --seq 16384 --dtype fp32 --tiles 128 256 512
+    python bench/alibi.py --whole                    # one document: the row's tiles are the batch's, not stacked
 
 Printed per tile edge: seconds per forward + backward, the ratio to the bias-free pieces, and the largest tensor in
 elements (as a share of s^2)."""
@@ -59,6 +60,7 @@ def main():
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--tiles", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--whole", action="store_true", help="one document per row, not three packed")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     g = torch.Generator().manual_seed(0)
@@ -67,6 +69,8 @@ def main():
     third = args.seq // 8
     lengths = torch.tensor([third, args.seq - 3 * third, 2 * third])
     docs = Documents.from_segment_ids(torch.repeat_interleave(torch.arange(3), lengths)[None])
+    if args.whole:
+        docs, lengths = None, torch.tensor([args.seq])
     plain_pieces = self_attention_pieces(docs, args.seq, None)
     base, base_largest = run(q, k, v, plain_pieces, None, args.repeats)
     s2 = args.seq ** 2

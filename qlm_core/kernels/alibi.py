@@ -17,8 +17,8 @@ import torch
 from qlm_core.kernels.pieces import CAUSAL, FULL, UPPER, Piece
 
 # A tile's edge: its bias is heads x TILE^2 fp32 (32 MiB for 32 heads a rank). bench/alibi.py, s = 8192 packed, bf16,
-# 8 heads, 2 threads: forward + backward 4.7x the bias-free pieces' time with tiles of 128, 2.4x with 256, 1.6-1.9x
-# with 512, 1.5x with 1024 (whose bias is 4x larger), 2.0x with 2048.
+# 8 heads, 2 threads: forward + backward 4.7x the bias-free pieces' time with tiles of 128, 2.2-2.4x with 256,
+# 1.6-1.9x with 512, 1.3-1.5x with 1024 (whose bias is 4x larger), 2.0x with 2048; one whole row: 1.65x with 512.
 TILE = 512
 
 

@@ -45,12 +45,24 @@ def disjoint(pieces: list[Piece]) -> bool:
     return True
 
 
+def _bias_key(piece: Piece) -> tuple:
+    return piece.q.stop - piece.q.start, piece.k.stop - piece.k.start, piece.shift, piece.kind
+
+
+# The last bias built and what it was built for: tiles of one shape and shift (a diagonal of a long row's tiles) run
+# one after another (_rest orders them so) and share it, one tile's bias alive at a time.
+_LAST_BIAS: dict[str, object] = {"slopes": None, "key": None, "bias": None}
+
+
 def _bias(piece: Piece, slopes: torch.Tensor | None) -> torch.Tensor | None:
     """The piece's ALiBi bias as its kernel reads it (None without slopes)."""
     if slopes is None:
         return None
     assert piece.shift is not None, "ALiBi needs pieces built positional"
-    return tile_bias(slopes, piece.q.stop - piece.q.start, piece.k.stop - piece.k.start, piece.shift, piece.kind)
+    key = _bias_key(piece)
+    if _LAST_BIAS["slopes"] is not slopes or _LAST_BIAS["key"] != key:
+        _LAST_BIAS.update(slopes=slopes, key=key, bias=tile_bias(slopes, *key))
+    return _LAST_BIAS["bias"]
 
 
 def _piece_forward(q, k, v, piece: Piece, scale, slopes=None):
@@ -85,9 +97,11 @@ def _group_bias(group: stacked.Group, pieces: list[Piece], slopes) -> torch.Tens
     return None if slopes is None else _bias(pieces[group.indices[0]], slopes)
 
 
-def _rest(pieces: list[Piece], groups: tuple[stacked.Group, ...]) -> list[Piece]:
+def _rest(pieces: list[Piece], groups: tuple[stacked.Group, ...], slopes=None) -> list[Piece]:
+    """The pieces no group runs (with ALiBi, those of one bias one after another)."""
     grouped = {index for group in groups for index in group.indices}
-    return [piece for index, piece in enumerate(pieces) if index not in grouped]
+    rest = [piece for index, piece in enumerate(pieces) if index not in grouped]
+    return rest if slopes is None else sorted(rest, key=lambda piece: (repr(_bias_key(piece)), piece.q.start))
 
 
 def _piece_backward(grad_out, q, k, v, out, lse, piece: Piece, scale, slopes=None):
@@ -140,7 +154,7 @@ def attend_pieces(q, k, v, pieces: list[Piece], scale: float, out: torch.Tensor,
     for group in groups:
         _merge_group(out, lse, pieces, group,
                      *stacked.forward(q, k, v, group, scale, _group_bias(group, pieces, slopes)))
-    for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups), scale, slopes):
+    for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups, slopes), scale, slopes):
         merge(_put(out, piece.row, piece.q), _put(lse, piece.row, piece.q), blk_out, blk_lse)
 
 
@@ -152,7 +166,7 @@ def attend_pieces_backward(grad_out, q, k, v, out, lse, pieces: list[Piece], sca
         stacked.put(dq, group.q_rows, group.q_positions, bq, accumulate=True)
         stacked.put(dk, group.k_rows, group.k_positions, bk, accumulate=True)
         stacked.put(dv, group.k_rows, group.k_positions, bv, accumulate=True)
-    rest = _rest(pieces, groups)
+    rest = _rest(pieces, groups, slopes)
     batched = varlen.backward(grad_out, q, k, v, out, lse, rest, scale) if _varlen(q, slopes) else {}
     for index, piece in enumerate(rest):
         bq, bk, bv = (batched[index] if index in batched
@@ -181,7 +195,7 @@ class _PiecewiseAttention(Function):
                 blk_out, blk_lse = stacked.forward(q, k, v, group, scale, _group_bias(group, pieces, slopes))
                 stacked.put(out, group.q_rows, group.q_positions, blk_out)
                 stacked.put(lse, group.q_rows, group.q_positions, blk_lse)
-            for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups), scale, slopes):
+            for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups, slopes), scale, slopes):
                 _put(out, piece.row, piece.q).copy_(blk_out)
                 _put(lse, piece.row, piece.q).copy_(blk_lse)
         else:
