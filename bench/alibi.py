@@ -20,21 +20,7 @@ import torch
 from qlm_core.kernels import alibi
 from qlm_core.kernels.pieces import Documents, self_attention_pieces
 from qlm_core.kernels.piecewise import piecewise_attention
-
-
-class Largest(torch.utils._python_dispatch.TorchDispatchMode):
-    """The most elements of any tensor an op returns while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
+from qlm_core.profile.measure import LargestTensor
 
 
 def run(q, k, v, pieces, slopes, repeats: int) -> tuple[float, int]:
@@ -45,7 +31,7 @@ def run(q, k, v, pieces, slopes, repeats: int) -> tuple[float, int]:
         start = time.perf_counter()
         piecewise_attention(*leaves, pieces, q.shape[-1] ** -0.5, slopes=slopes).float().sum().backward()
         times.append(time.perf_counter() - start)
-    with Largest() as seen:
+    with LargestTensor() as seen:
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         piecewise_attention(*leaves, pieces, q.shape[-1] ** -0.5, slopes=slopes).float().sum().backward()
     return statistics.median(times[1:]), seen.largest

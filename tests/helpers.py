@@ -91,3 +91,65 @@ def assert_greedy_generate_equals_transformers(path, model, max_new_tokens: int 
                                   pad_token_id=eos)[0, ids.shape[1]:].tolist()
         expected = expected[: next((i for i, t in enumerate(expected) if t == eos), len(expected))]
         assert len(set(expected)) > 2 and row["token_ids"] == expected
+
+
+def tiny_recipe(demo_data: Path, cache: Path, kind: str = "sft", lr: float = 3e-3) -> str:
+    """A recipe's text past [model] for a few steps on one of the demo's data sets (`kind`: its data.kind)."""
+    packing = "packing = false\n" if kind == "preference" else ""
+    return f"""
+[data]
+kind = "{kind}"
+{packing}train = [{json.dumps(str(demo_data))}]
+seq_length = 64
+cache_dir = {json.dumps(str(cache))}
+[train]
+micro_batch_size = 4
+global_batch_size = 8
+train_iters = 6
+[optim]
+lr = {lr}
+weight_decay = 0.0
+[schedule]
+lr_schedule = "constant"
+[logging]
+tensorboard = false
+plot = false
+"""
+
+
+def train_from(load: Path, out: Path, recipe: str) -> list[float]:
+    """`qlm train` of `recipe` (tiny_recipe's text, plus any tables) from `load` in fp32 into `out`; its losses."""
+    from conftest import call_qlm
+
+    path = out.parent / f"{out.name}.toml"
+    path.write_text(f'[model]\nload = {json.dumps(str(load))}\ndtype = "fp32"\n' + recipe)
+    code, stdout, stderr = call_qlm("train", path, "--output", out)
+    assert code == 0, stdout[-2000:] + stderr[-2000:]
+    return [line["loss"] for line in metrics(out) if "loss" in line]
+
+
+def assert_sft_then_lora_export_equals_transformers(tmp_path: Path, kind: str, dpo: bool = False):
+    """`qlm train` of a tiny `kind` model: SFT (its loss falls), with `dpo` DPO from that run on the demo's
+    preference pairs (its loss falls), LoRA on linear_qkv and linear_proj from the SFT run, and the merged export
+    loads in transformers with qlm's logits."""
+    import transformers
+    from conftest import make_chat_hf_model
+
+    from qlm_core.checkpoint.convert.hf_megatron import mcore_to_hf
+
+    demo = make_chat_hf_model(tmp_path / "hf", tmp_path / "demo", kind=kind)
+    sft = train_from(tmp_path / "hf", tmp_path / "sft", tiny_recipe(demo.train, tmp_path / "cache"))
+    assert sft[-1] < sft[0]
+    if dpo:
+        preference = tiny_recipe(demo.preference, tmp_path / "cache", kind="preference", lr=1e-3)
+        trained = train_from(tmp_path / "sft", tmp_path / "dpo", preference)
+        assert trained[-1] < trained[0]
+    lora = tiny_recipe(demo.train, tmp_path / "cache") + \
+        '[lora]\nrank = 4\nalpha = 8.0\ntarget_modules = ["linear_qkv", "linear_proj"]\n'
+    train_from(tmp_path / "sft", tmp_path / "lora", lora)
+    mcore_to_hf(tmp_path / "lora/checkpoints", tmp_path / "merged", verify=True)
+    model, spec = qlm_from_hf(tmp_path / "merged")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model(ids) - reference(ids).logits).abs().max().item() <= 1e-5

@@ -12,7 +12,7 @@ prediction's layers) and `head` (final norm, output layer, loss: every depth's).
 AllocationMeter measures everything else too (receive buffers, gradients, transients): the peak bytes of tensors
 allocated on a device while it is entered, beyond what was allocated when it was entered. CUDA:
 torch.cuda.max_memory_allocated(); CPU: the allocation and free events of torch's profiler (profile_memory), summed
-in time order.
+in time order. LargestTensor: the most elements of any one tensor an op returns (nothing of s^2 on a long row).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -319,3 +320,18 @@ def model_state_tensors(engine) -> dict[str, list[torch.Tensor]]:
 
 def measure_model_states(engine) -> dict[str, int]:
     return {key: unique_bytes(tensors) for key, tensors in model_state_tensors(engine).items()}
+
+
+class LargestTensor(TorchDispatchMode):
+    """Use as a context manager: `largest` is the most elements of any tensor an op returned while it was entered."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.numel())
+        return out

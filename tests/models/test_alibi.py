@@ -11,6 +11,7 @@ from qlm_core.kernels.alibi import alibi_slopes, tiles
 from qlm_core.kernels.attention import masked_attention
 from qlm_core.kernels.pieces import CAUSAL, FULL, UPPER, Documents, self_attention_pieces
 from qlm_core.kernels.piecewise import piecewise_attention
+from qlm_core.profile.measure import LargestTensor
 from tests.models.test_attention_kernels import document_mask, make
 
 TOL = 1e-5
@@ -109,21 +110,6 @@ def test_decoding_step_with_alibi():
     assert (out.double() - reference(q, k, v, slopes, 0.25, key_mask)).abs().max() <= TOL
 
 
-class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
-    """The most elements of any tensor an op returns while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.slow
 def test_long_packed_alibi_row_builds_nothing_of_s_squared():
     """s = 8192 in three documents, forward and backward: no tensor of s^2 / 4 elements or more (a bias or mask of
@@ -132,7 +118,7 @@ def test_long_packed_alibi_row_builds_nothing_of_s_squared():
     segment_ids = torch.repeat_interleave(torch.arange(3), torch.tensor([1000, 5192, 2000]))[None]
     q, k, v = (t.requires_grad_() for t in make(1, heads, heads, s, s, 8, seed=1))
     pieces = tiles(self_attention_pieces(Documents.from_segment_ids(segment_ids), s, None, positional=True))
-    with _Largest() as seen:
+    with LargestTensor() as seen:
         piecewise_attention(q, k, v, pieces, 0.3, slopes=alibi_slopes(heads)).sum().backward()
     assert seen.largest < s * s // 4, seen.largest
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_hf_model
-from helpers import assert_greedy_generate_equals_transformers
+from helpers import assert_greedy_generate_equals_transformers, assert_sft_then_lora_export_equals_transformers
 
 from qlm_core.errors import QlmError
 from qlm_core.models.layout import ModelLayout
@@ -110,62 +110,8 @@ def test_mpt_names_args_and_refusals(hf_models):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bloom", "mpt"])
-def test_qlm_train_sft_then_lora_and_export(tmp_path, kind):
+def test_qlm_train_sft_dpo_then_lora_and_export(tmp_path, kind):
     """`qlm train`: SFT of a tiny BLOOM / MPT on packed documents (its loss falls), DPO from that run on the demo's
     preference pairs (its loss falls), LoRA on its fused q/k/v and its output projection from the SFT run, and the
     merged export loads in transformers with qlm's logits."""
-    import json
-
-    import transformers
-    from conftest import call_qlm, make_chat_hf_model
-    from helpers import qlm_from_hf
-
-    from qlm_core.checkpoint.convert.hf_megatron import mcore_to_hf
-
-    demo = make_chat_hf_model(tmp_path / "hf", tmp_path / "demo", kind=kind)
-    common = f"""
-[data]
-kind = "sft"
-train = [{json.dumps(str(demo.train))}]
-seq_length = 64
-cache_dir = {json.dumps(str(tmp_path / "cache"))}
-[train]
-micro_batch_size = 4
-global_batch_size = 8
-train_iters = 6
-[optim]
-lr = 3e-3
-weight_decay = 0.0
-[schedule]
-lr_schedule = "constant"
-[logging]
-tensorboard = false
-plot = false
-"""
-    sft = tmp_path / "sft.toml"
-    sft.write_text(f'[model]\nload = {json.dumps(str(tmp_path / "hf"))}\ndtype = "fp32"\n' + common)
-    code, out, err = call_qlm("train", sft, "--output", tmp_path / "sft")
-    assert code == 0, out[-2000:] + err[-2000:]
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "sft/metrics.jsonl").read_text().splitlines()
-              if "loss" in json.loads(line)]
-    assert losses[-1] < losses[0]
-    dpo = tmp_path / "dpo.toml"
-    dpo.write_text(f'[model]\nload = {json.dumps(str(tmp_path / "sft"))}\ndtype = "fp32"\n'
-                   + common.replace('kind = "sft"', 'kind = "preference"\npacking = false').replace(
-                       json.dumps(str(demo.train)), json.dumps(str(demo.preference))).replace("lr = 3e-3", "lr = 1e-3"))
-    code, out, err = call_qlm("train", dpo, "--output", tmp_path / "dpo")
-    assert code == 0, out[-2000:] + err[-2000:]
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "dpo/metrics.jsonl").read_text().splitlines()
-              if "loss" in json.loads(line)]
-    assert losses[-1] < losses[0]
-    lora = tmp_path / "lora.toml"
-    lora.write_text(f'[model]\nload = {json.dumps(str(tmp_path / "sft"))}\ndtype = "fp32"\n' + common
-                    + '[lora]\nrank = 4\nalpha = 8.0\ntarget_modules = ["linear_qkv", "linear_proj"]\n')
-    code, out, err = call_qlm("train", lora, "--output", tmp_path / "lora")
-    assert code == 0, out[-2000:] + err[-2000:]
-    mcore_to_hf(tmp_path / "lora/checkpoints", tmp_path / "merged", verify=True)
-    model, spec = qlm_from_hf(tmp_path / "merged")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert (model(ids) - reference(ids).logits).abs().max().item() <= 1e-5
+    assert_sft_then_lora_export_equals_transformers(tmp_path, kind, dpo=True)

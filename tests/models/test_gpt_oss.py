@@ -13,8 +13,13 @@ import shutil
 import pytest
 import torch
 import transformers
-from conftest import call_qlm, make_hf_model
-from helpers import assert_greedy_generate_equals_transformers, assert_same_hf, qlm_from_hf
+from conftest import make_hf_model
+from helpers import (
+    assert_greedy_generate_equals_transformers,
+    assert_same_hf,
+    assert_sft_then_lora_export_equals_transformers,
+    qlm_from_hf,
+)
 from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -241,48 +246,7 @@ def test_a_megatron_bridge_gpt_oss_run_config_reads_as_gpt_oss(tmp_path):
 def test_qlm_train_sft_then_lora_on_gpt_oss_and_export(tmp_path):
     """`qlm train`: SFT of a tiny gpt-oss (its loss falls), LoRA on its attention from that run, and the merged
     export loads in transformers with qlm's logits."""
-    from conftest import make_chat_hf_model
-
-    from qlm_core.checkpoint.convert.hf_megatron import mcore_to_hf as export
-
-    demo = make_chat_hf_model(tmp_path / "hf", tmp_path / "demo", kind="gpt_oss")
-    common = f"""
-[data]
-kind = "sft"
-train = [{json.dumps(str(demo.train))}]
-seq_length = 64
-cache_dir = {json.dumps(str(tmp_path / "cache"))}
-[train]
-micro_batch_size = 4
-global_batch_size = 8
-train_iters = 6
-[optim]
-lr = 3e-3
-weight_decay = 0.0
-[schedule]
-lr_schedule = "constant"
-[logging]
-tensorboard = false
-plot = false
-"""
-    sft = tmp_path / "sft.toml"
-    sft.write_text(f'[model]\nload = {json.dumps(str(tmp_path / "hf"))}\ndtype = "fp32"\n' + common)
-    code, out, err = call_qlm("train", sft, "--output", tmp_path / "sft")
-    assert code == 0, out[-2000:] + err[-2000:]
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "sft/metrics.jsonl").read_text().splitlines()
-              if "loss" in json.loads(line)]
-    assert losses[-1] < losses[0]
-    lora = tmp_path / "lora.toml"
-    lora.write_text(f'[model]\nload = {json.dumps(str(tmp_path / "sft"))}\ndtype = "fp32"\n' + common
-                    + '[lora]\nrank = 4\nalpha = 8.0\ntarget_modules = ["linear_qkv", "linear_proj"]\n')
-    code, out, err = call_qlm("train", lora, "--output", tmp_path / "lora")
-    assert code == 0, out[-2000:] + err[-2000:]
-    export(tmp_path / "lora/checkpoints", tmp_path / "merged", verify=True)
-    model, spec = qlm_from_hf(tmp_path / "merged")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert (model(ids) - reference(ids).logits).abs().max().item() <= 1e-5
+    assert_sft_then_lora_export_equals_transformers(tmp_path, "gpt_oss")
 
 
 def test_checkpoint_edge_cases_are_named_and_packed_tensors_read_once(gpt_oss, tmp_path):
