@@ -231,7 +231,7 @@ def _padded_bias(bias, q, heads: int):
     b, _, n, m = bias.shape
     padded = torch.empty(b, heads, n, -(-m // 16) * 16, dtype=q.dtype, device=q.device)
     view = padded[..., :m]
-    view.copy_(bias.expand(b, heads, n, m).clamp(min=torch.finfo(q.dtype).min / 2))
+    view.copy_(bias.expand(b, heads, n, m)).clamp_(min=torch.finfo(q.dtype).min / 2)
     return view.expand(q.shape[0], heads, n, m)
 
 

@@ -49,26 +49,29 @@ def _bias_key(piece: Piece) -> tuple:
     return piece.q.stop - piece.q.start, piece.k.stop - piece.k.start, piece.shift, piece.kind
 
 
-# The last bias built and what it was built for: tiles of one shape and shift (a diagonal of a long row's tiles) run
-# one after another (_rest orders them so) and share it, one tile's bias alive at a time.
-_LAST_BIAS: dict[str, object] = {"slopes": None, "key": None, "bias": None}
+class _Biases:
+    """ALiBi's bias of each piece as its kernel reads it (no slopes: None), for one pass over the pieces: the last
+    one built is kept, so tiles of one shape and shift (a diagonal of a long row's tiles), which run one after another
+    (_rest orders them so), share it, one tile's bias alive at a time."""
+
+    def __init__(self, slopes: torch.Tensor | None):
+        self.slopes, self.key, self.bias = slopes, None, None
+
+    def __call__(self, piece: Piece) -> torch.Tensor | None:
+        if self.slopes is None:
+            return None
+        assert piece.shift is not None, "ALiBi needs pieces built positional"
+        key = _bias_key(piece)
+        if key != self.key:
+            self.key, self.bias = None, None  # the old one freed before the new one is built
+            self.key, self.bias = key, tile_bias(self.slopes, *key)
+        return self.bias
 
 
-def _bias(piece: Piece, slopes: torch.Tensor | None) -> torch.Tensor | None:
-    """The piece's ALiBi bias as its kernel reads it (None without slopes)."""
-    if slopes is None:
-        return None
-    assert piece.shift is not None, "ALiBi needs pieces built positional"
-    key = _bias_key(piece)
-    if _LAST_BIAS["slopes"] is not slopes or _LAST_BIAS["key"] != key:
-        _LAST_BIAS.update(slopes=slopes, key=key, bias=tile_bias(slopes, *key))
-    return _LAST_BIAS["bias"]
-
-
-def _piece_forward(q, k, v, piece: Piece, scale, slopes=None):
+def _piece_forward(q, k, v, piece: Piece, scale, biases: _Biases):
     out, lse = attention_forward_with_lse(
         _take(q, piece.row, piece.q, piece.kind), _take(k, piece.row, piece.k, piece.kind),
-        _take(v, piece.row, piece.k, piece.kind), scale=scale, causal=piece.kind != FULL, bias=_bias(piece, slopes),
+        _take(v, piece.row, piece.k, piece.kind), scale=scale, causal=piece.kind != FULL, bias=biases(piece),
     )
     if piece.kind == UPPER:
         out, lse = out.flip(2), lse.flip(2)
@@ -79,12 +82,12 @@ def _varlen(q, slopes) -> bool:
     return slopes is None and varlen.available(q)
 
 
-def _forward_all(q, k, v, pieces: list[Piece], scale, slopes=None):
+def _forward_all(q, k, v, pieces: list[Piece], scale, biases: _Biases):
     """(piece, out, lse) for every piece: one varlen call per kind where flash-attn can, else one call a piece (the
     callers run the groups of kernels/stacked.py first and hand this the rest)."""
-    batched = varlen.forward(q, k, v, pieces, scale) if _varlen(q, slopes) else {}
+    batched = varlen.forward(q, k, v, pieces, scale) if _varlen(q, biases.slopes) else {}
     for index, piece in enumerate(pieces):
-        yield (piece, *(batched[index] if index in batched else _piece_forward(q, k, v, piece, scale, slopes)))
+        yield (piece, *(batched[index] if index in batched else _piece_forward(q, k, v, piece, scale, biases)))
 
 
 def _stacked_groups(q, pieces: list[Piece], slopes=None) -> tuple[stacked.Group, ...]:
@@ -93,8 +96,8 @@ def _stacked_groups(q, pieces: list[Piece], slopes=None) -> tuple[stacked.Group,
     return () if _varlen(q, slopes) else stacked.groups(pieces, q.device, by_shift=slopes is not None)
 
 
-def _group_bias(group: stacked.Group, pieces: list[Piece], slopes) -> torch.Tensor | None:
-    return None if slopes is None else _bias(pieces[group.indices[0]], slopes)
+def _group_bias(group: stacked.Group, pieces: list[Piece], biases: _Biases) -> torch.Tensor | None:
+    return biases(pieces[group.indices[0]])
 
 
 def _rest(pieces: list[Piece], groups: tuple[stacked.Group, ...], slopes=None) -> list[Piece]:
@@ -104,12 +107,12 @@ def _rest(pieces: list[Piece], groups: tuple[stacked.Group, ...], slopes=None) -
     return rest if slopes is None else sorted(rest, key=lambda piece: (repr(_bias_key(piece)), piece.q.start))
 
 
-def _piece_backward(grad_out, q, k, v, out, lse, piece: Piece, scale, slopes=None):
+def _piece_backward(grad_out, q, k, v, out, lse, piece: Piece, scale, biases: _Biases):
     row, kind = piece.row, piece.kind
     grads = attention_backward(
         _take(grad_out, row, piece.q, kind), _take(q, row, piece.q, kind), _take(k, row, piece.k, kind),
         _take(v, row, piece.k, kind), _take(out, row, piece.q, kind), _take(lse, row, piece.q, kind),
-        scale=scale, causal=kind != FULL, bias=_bias(piece, slopes),
+        scale=scale, causal=kind != FULL, bias=biases(piece),
     )
     return tuple(g.flip(2) for g in grads) if kind == UPPER else grads
 
@@ -150,19 +153,19 @@ def _merge_group(out: torch.Tensor, lse: torch.Tensor, pieces: list[Piece], grou
 def attend_pieces(q, k, v, pieces: list[Piece], scale: float, out: torch.Tensor, lse: torch.Tensor, slopes=None):
     """Merge every piece's attention into the accumulators (out, lse) from empty_result (`slopes` [hq]: ALiBi's,
     over pieces built positional)."""
-    groups = _stacked_groups(q, pieces, slopes)
+    groups, biases = _stacked_groups(q, pieces, slopes), _Biases(slopes)
     for group in groups:
         _merge_group(out, lse, pieces, group,
-                     *stacked.forward(q, k, v, group, scale, _group_bias(group, pieces, slopes)))
-    for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups, slopes), scale, slopes):
+                     *stacked.forward(q, k, v, group, scale, _group_bias(group, pieces, biases)))
+    for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups, slopes), scale, biases):
         merge(_put(out, piece.row, piece.q), _put(lse, piece.row, piece.q), blk_out, blk_lse)
 
 
 def attend_pieces_backward(grad_out, q, k, v, out, lse, pieces: list[Piece], scale: float, dq, dk, dv, slopes=None):
     """Add each piece's gradients (against the final out and lse) into dq, dk, dv."""
-    groups = _stacked_groups(q, pieces, slopes)
+    groups, biases = _stacked_groups(q, pieces, slopes), _Biases(slopes)
     for group in groups:
-        bq, bk, bv = stacked.backward(grad_out, q, k, v, out, lse, group, scale, _group_bias(group, pieces, slopes))
+        bq, bk, bv = stacked.backward(grad_out, q, k, v, out, lse, group, scale, _group_bias(group, pieces, biases))
         stacked.put(dq, group.q_rows, group.q_positions, bq, accumulate=True)
         stacked.put(dk, group.k_rows, group.k_positions, bk, accumulate=True)
         stacked.put(dv, group.k_rows, group.k_positions, bv, accumulate=True)
@@ -170,7 +173,7 @@ def attend_pieces_backward(grad_out, q, k, v, out, lse, pieces: list[Piece], sca
     batched = varlen.backward(grad_out, q, k, v, out, lse, rest, scale) if _varlen(q, slopes) else {}
     for index, piece in enumerate(rest):
         bq, bk, bv = (batched[index] if index in batched
-                      else _piece_backward(grad_out, q, k, v, out, lse, piece, scale, slopes))
+                      else _piece_backward(grad_out, q, k, v, out, lse, piece, scale, biases))
         _put(dq, piece.row, piece.q).add_(bq)
         _put(dk, piece.row, piece.k).add_(bk)
         _put(dv, piece.row, piece.k).add_(bv)
@@ -190,12 +193,12 @@ class _PiecewiseAttention(Function):
         if alone:  # every query in exactly one piece: write the kernels' results straight into place
             out = like_q(q).zero_()
             lse = torch.full(q.shape[:3], float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
-            groups = _stacked_groups(q, pieces, slopes)
+            groups, biases = _stacked_groups(q, pieces, slopes), _Biases(slopes)
             for group in groups:
-                blk_out, blk_lse = stacked.forward(q, k, v, group, scale, _group_bias(group, pieces, slopes))
+                blk_out, blk_lse = stacked.forward(q, k, v, group, scale, _group_bias(group, pieces, biases))
                 stacked.put(out, group.q_rows, group.q_positions, blk_out)
                 stacked.put(lse, group.q_rows, group.q_positions, blk_lse)
-            for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups, slopes), scale, slopes):
+            for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups, slopes), scale, biases):
                 _put(out, piece.row, piece.q).copy_(blk_out)
                 _put(lse, piece.row, piece.q).copy_(blk_lse)
         else:

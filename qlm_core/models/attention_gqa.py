@@ -64,8 +64,8 @@ class GroupedQueryAttention(nn.Module):
         if spec.position not in ("rope", "learned_absolute", "alibi"):
             raise QlmError(f"grouped-query attention takes RoPE, learned or ALiBi positions, not {spec.position!r}",
                            "pair another position scheme with an attention kind that takes it")
-        self.slopes = None  # ALiBi's, of this rank's heads (fp32, kept per device: not a buffer that .to(dtype) casts)
         self._slopes_on: dict[torch.device, torch.Tensor] = {}
+        self.slopes = None
         if spec.position == "alibi":
             heads = spec.num_attention_heads // tp
             self.slopes = alibi_slopes(spec.num_attention_heads)[group_rank(tp_group) * heads:][:heads]
@@ -75,6 +75,17 @@ class GroupedQueryAttention(nn.Module):
             self.k_layernorm = build_norm(spec, spec.kv_channels, dtype)
             for tensor in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
                 mark(tensor, sequence_parallel=group_size(tp_group) > 1)
+
+    @property
+    def slopes(self) -> torch.Tensor | None:
+        """ALiBi's slopes of this rank's heads (fp32; None without ALiBi), copied to each device once, not a buffer
+        that .to(dtype) would cast."""
+        return self._slopes
+
+    @slopes.setter
+    def slopes(self, value: torch.Tensor | None) -> None:
+        self._slopes = value
+        self._slopes_on.clear()
 
     def _split_qkv(self, mixed: torch.Tensor):
         """mixed [s, b, local qkv rows] -> q [s, b, local heads, d], k and v [s, b, local groups, d]."""
