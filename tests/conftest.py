@@ -53,6 +53,11 @@ MODEL_KINDS = {
     "bloom": ("bloom", dict(hidden_size=96, num_attention_heads=12)),
     # MPT: ALiBi over 4 heads, LayerNorms without biases, no linear biases, Wqkv as [q; k; v], an exact-GELU MLP of 4 h
     "mpt": ("mpt", dict(d_model=64, n_heads=4, n_layers=4, max_seq_len=256)),
+    # Gemma 2: windowed (8) and global layers in turn, attention scores soft-capped at 0.02 and logits at 3 (caps
+    # that bind on a tiny random model, whose scores are ~0.01: without them its logits move by ~1e-2), a
+    # query_pre_attn_scalar other than head_dim, GeGLU, (1 + w) norms, tied
+    "gemma2": ("gemma2", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0, eos_token_id=1,
+                              bos_token_id=2, attn_logit_softcapping=0.02, final_logit_softcapping=3.0)),
     # Gemma 3 (text): windowed layers 0-2 (window 8, RoPE base 10000), a global layer 3 (base 1e6, linear x8), a
     # query_pre_attn_scalar other than head_dim, GeGLU, (1 + w) norms, four a layer, tied embeddings
     "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0,

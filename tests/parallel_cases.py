@@ -77,20 +77,25 @@ BLOOM = SPEC.replace(model_type="bloom", num_query_groups=4, ffn_hidden_size=256
 # An MPT: ALiBi, LayerNorms without biases, no linear biases, exact GELU of 4 h, multi-head, tied, on packed documents
 MPT = BLOOM.replace(model_type="mpt", linear_bias=False, qkv_bias=False, norm="layernorm_no_bias", activation="gelu",
                     embedding_norm=False)
+# A Gemma 2: Gemma 3's layer without q/k norms, one RoPE base, windowed (6) and global layers in turn, attention scores
+# soft-capped at 0.05 and logits at 3 (both bind on this tiny model), on packed documents
+GEMMA2 = GEMMA3.replace(model_type="gemma2", qk_layernorm=False, rope_scaling=None, local_rope_theta=None,
+                        rope_theta=10000.0, window_layers=(True, False, True, False), attention_softcap=0.05,
+                        logit_softcap=3.0)
 # window: packed documents and the windowed model; moe: MOE; mla: MLA (mla_packed: with packed documents)
 # mla_mtp_off: MLA trained with the multi-token prediction weight at 0 (its layers frozen and not run); glm4: GLM4;
 # gemma3: GEMMA3 on packed documents; ernie_moe: ERNIE_MOE; opt / opt_gelu: OPT / OPT_GELU on packed documents
 # (their learned positions restart with each document); gpt_oss: GPT_OSS on packed documents; bloom / mpt: BLOOM /
-# MPT on packed documents
+# MPT on packed documents; gemma2: GEMMA2 on packed documents
 DATA_KINDS = ("plain", "packed", "window", "moe", "moe_seq", "moe_global", "mla", "mla_packed", "mla_mtp_off",
-              "glm4", "gemma3", "ernie_moe", "opt", "opt_gelu", "gpt_oss", "bloom", "mpt")
+              "glm4", "gemma3", "ernie_moe", "opt", "opt_gelu", "gpt_oss", "bloom", "mpt", "gemma2")
 
 
 def case_spec(data: str) -> ModelSpec:
     return {"window": WINDOWED, "moe": MOE, "moe_seq": MOE, "moe_global": MOE, "mla": MLA,
             "mla_packed": MLA, "mla_mtp_off": MLA, "glm4": GLM4, "gemma3": GEMMA3,
             "ernie_moe": ERNIE_MOE, "opt": OPT, "opt_gelu": OPT_GELU, "gpt_oss": GPT_OSS,
-            "bloom": BLOOM, "mpt": MPT}.get(data, SPEC)
+            "bloom": BLOOM, "mpt": MPT, "gemma2": GEMMA2}.get(data, SPEC)
 
 
 def case_moe(data: str) -> MoeConfig | None:
@@ -190,6 +195,10 @@ CASES = {
     "bloom_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), data="bloom"),
     "mpt_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="mpt"),
     "mpt_cp2_allgather": LayoutCase(2, dict(cp=2, cp_comm_type="allgather"), data="mpt"),
+    "gemma2_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="gemma2"),
+    "gemma2_pp2": LayoutCase(2, dict(pp=2), data="gemma2"),
+    "gemma2_cp2_p2p": LayoutCase(2, dict(cp=2, cp_comm_type="p2p"), data="gemma2"),
+    "gemma2_dp2_zero1": LayoutCase(2, dict(zero_stage=1, overlap_grad_reduce=True), data="gemma2"),
     "moe_tp2": LayoutCase(2, dict(tp=2), data="moe"),
     "moe_tp2_sp": LayoutCase(2, dict(tp=2, sp=True), data="moe"),
     "moe_pp2": LayoutCase(2, dict(pp=2), data="moe"),
@@ -244,9 +253,10 @@ COMPILED_CASES = {
 
 def make_batch(packed: bool | str):
     """Global batch: input_ids, labels (-100 across document boundaries), position_ids and segment_ids (packed, or
-    data kind "packed" / "window" / "mla_packed" / "gemma3" / "opt" / "opt_gelu" / "gpt_oss" / "bloom" / "mpt")."""
+    data kind "packed" / "window" / "mla_packed" / "gemma3" / "opt" / "opt_gelu" / "gpt_oss" / "bloom" / "mpt" /
+    "gemma2")."""
     packed = packed in (True, "packed", "window", "mla_packed", "gemma3", "opt", "opt_gelu", "gpt_oss", "bloom",
-                        "mpt")
+                        "mpt", "gemma2")
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, SPEC.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=generator)
     input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()

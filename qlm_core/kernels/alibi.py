@@ -65,5 +65,6 @@ def tiles(pieces: list[Piece], edge: int | None = None) -> list[Piece]:
                     kind = FULL
                 else:
                     continue
-                out.append(Piece(piece.row, slice(q_lo, q_hi), slice(k_lo, k_hi), kind, piece.shift + dk - dq))
+                shift = None if piece.shift is None else piece.shift + dk - dq
+                out.append(Piece(piece.row, slice(q_lo, q_hi), slice(k_lo, k_hi), kind, shift))
     return out

@@ -29,37 +29,42 @@ def flash_attn_runs(q: torch.Tensor) -> bool:
 
 def core_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, softmax_scale: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain (unpacked, unwindowed) attention over whole rows: one fused kernel call, no log-sum-exp kept by qlm.
-    `alibi_slopes` [hq] (fp32): ALiBi's, through flash-attn's own (callers check flash_attn_runs first)."""
+    `alibi_slopes` [hq] (fp32): ALiBi's, `softcap`: Gemma 2's, through flash-attn's own (callers check
+    flash_attn_runs first)."""
     if flash_attn_runs(q):
         extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes.float()}
+        extra.update({} if softcap is None else {"softcap": softcap})
         out = _flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                softmax_scale=softmax_scale, causal=causal, **extra)
         return out.transpose(1, 2)
-    assert alibi_slopes is None, "ALiBi without flash-attn runs piecewise (kernels/alibi.py)"
+    assert alibi_slopes is None and softcap is None, "ALiBi and soft-capping without flash-attn run piecewise"
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
                      scale: float, sinks: torch.Tensor | None = None,
-                     slopes: torch.Tensor | None = None) -> torch.Tensor:
+                     slopes: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Decoding: q [b, hq, 1, d] against every key key_mask [b, 1, 1, sk] allows (the mask is one row per sequence,
     never s x s). With one query a row, a group's query heads are laid along the query dimension against their
     shared kv head ([b, groups, hq/groups, d]): no GQA, which CUDA's masked kernels lack (they would repeat K/V per
     head). CUDA: one fused kernel call; CPU: the scores are only [b, hq, sk], and two batched matmuls with the scores
     and softmax in fp32 (as the fused kernels keep them) beat the CPU's masked SDPA ~3x. `sinks` [hq]: a learned
     logit per head in each softmax (kernels/sinks.py; the matmul path on CUDA too, which SDPA lacks). `slopes` [hq]:
-    ALiBi's bias slope * (j - i), the query being the last key (the matmul path too)."""
+    ALiBi's bias slope * (j - i), the query being the last key; `softcap`: Gemma 2's cap · tanh(scores / cap) (the
+    matmul path too)."""
     b, hq, _, d = q.shape
     groups = k.shape[1]
     grouped = q.reshape(b, groups, hq // groups, d)
-    if q.is_cuda and sinks is None and slopes is None:
+    if q.is_cuda and sinks is None and slopes is None and softcap is None:
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=key_mask, scale=scale)
     else:
         scores = torch.matmul(grouped.float(), k.float().transpose(-1, -2)).mul_(scale)
+        if softcap is not None:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
         if slopes is not None:
             distance = torch.arange(1 - k.shape[2], 1, device=q.device, dtype=torch.float32)
             scores += slopes.float().view(1, groups, hq // groups, 1) * distance
@@ -84,11 +89,18 @@ _CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_fo
 
 def attention_forward_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool, bias: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`bias`: [1 or b, hq, sq, sk] fp32 added to the scaled scores (a small tile's ALiBi: kernels/alibi.py)."""
+    """`bias`: [1 or b, hq, sq, sk] fp32 added to the scaled scores (a small tile's ALiBi: kernels/alibi.py).
+    `softcap`: Gemma 2's cap · tanh(scores / cap) before any bias and mask: flash-attn's own on CUDA, else the
+    plain math over this (small: a tile's) piece, which no fused CPU kernel computes."""
     _check_shapes(q, k, causal)
+    if softcap is not None and not _flash_softcaps(q, k, bias):
+        return _math_forward(q, k, v, scale, causal, bias, softcap)
     if q.shape[2] == 0 or k.shape[2] == 0:  # the CPU op dies with SIGFPE on an empty sequence
         return _math_forward(q, k, v, scale, causal, bias)
+    if softcap is not None:
+        return _cuda_forward(q, k, v, scale, causal, None, softcap)
     if q.is_cuda:
         return _cuda_forward(q, k, v, scale, causal, bias)
     if q.device.type == "cpu" and _CPU_FLASH is not None:
@@ -98,15 +110,19 @@ def attention_forward_with_lse(
 
 def attention_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    *, scale: float, causal: bool, bias: torch.Tensor | None = None,
+    *, scale: float, causal: bool, bias: torch.Tensor | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention given the final `out` and `lse` of these query rows; those may come from a merge over
     more keys than k/v hold, which makes this the per-piece backward of blockwise (ring, document) attention.
-    `bias`: forward's (it has no gradient)."""
+    `bias`, `softcap`: forward's (the bias has no gradient)."""
     _check_shapes(q, k, causal)
     grad_out, out = grad_out.to(q.dtype), out.to(q.dtype)
     # Rows with lse = -inf attend nothing; any finite lse gives them p = exp(-inf - lse) = 0 (-inf would give NaN).
     lse = lse.masked_fill(torch.isneginf(lse), 0.0)
+    if softcap is not None:
+        if _flash_softcaps(q, k, bias):
+            return _cuda_backward(grad_out, q, k, v, out, lse, scale, causal, None, softcap)
+        return _math_backward(grad_out, q, k, v, out, lse, scale, causal, bias, softcap)
     if q.shape[2] == 0 or k.shape[2] == 0:
         return _math_backward(grad_out, q, k, v, out, lse, scale, causal, bias)
     if q.is_cuda:
@@ -163,33 +179,41 @@ def _cpu_backward(grad_out, q, k, v, out, lse, scale, causal, bias=None):
 # ---- any device: plain math (float32 or wider) -----------------------------------------------------------------------
 
 
-def _math_scores(q, k, scale, causal, bias=None):
-    """Scores of a whole (small) piece: only for devices without a fused kernel, and empty pieces."""
+def _math_scores(q, k, scale, causal, bias=None, softcap=None):
+    """Scores of a whole (small) piece, and with `softcap` tanh(raw / cap) (its derivative's term): for devices
+    without a fused kernel, empty pieces and soft-capped tiles."""
     dtype = accumulation_dtype(q.dtype)
     kx = _expand_kv(k, q.shape[1] // k.shape[1])
     s = torch.matmul(q.to(dtype), kx.to(dtype).transpose(-1, -2)) * scale
+    capped = None
+    if softcap is not None:
+        capped = torch.tanh(s / softcap)
+        s = capped * softcap
     if bias is not None:
         s = s + bias.to(dtype)
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return s
+    return s, capped
 
 
-def _math_forward(q, k, v, scale, causal, bias=None):
-    s = _math_scores(q, k, scale, causal, bias)
+def _math_forward(q, k, v, scale, causal, bias=None, softcap=None):
+    s, _ = _math_scores(q, k, scale, causal, bias, softcap)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
     out = torch.matmul(p, _expand_kv(v, q.shape[1] // k.shape[1]).to(p.dtype))
     return out.to(q.dtype), lse
 
 
-def _math_backward(grad_out, q, k, v, out, lse, scale, causal, bias=None):
+def _math_backward(grad_out, q, k, v, out, lse, scale, causal, bias=None, softcap=None):
     groups = q.shape[1] // k.shape[1]
-    p = torch.exp(_math_scores(q, k, scale, causal, bias) - lse.to(accumulation_dtype(q.dtype))[..., None])
+    s, capped = _math_scores(q, k, scale, causal, bias, softcap)
+    p = torch.exp(s - lse.to(accumulation_dtype(q.dtype))[..., None])
     g = grad_out.to(p.dtype)
     dv = torch.matmul(p.transpose(-1, -2), g)
     dp = torch.matmul(g, _expand_kv(v, groups).to(p.dtype).transpose(-1, -2))
     ds = p * (dp - (g * out.to(p.dtype)).sum(-1, keepdim=True))
+    if capped is not None:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
+        ds = ds * (1 - capped * capped)
     dq = torch.matmul(ds, _expand_kv(k, groups).to(p.dtype)) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.to(p.dtype)) * scale
     return dq.to(q.dtype), _sum_groups(dk, groups).to(k.dtype), _sum_groups(dv, groups).to(v.dtype)
@@ -221,6 +245,13 @@ def _uses_flash_attn(q) -> bool:
     return _flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16)
 
 
+def _flash_softcaps(q, k, bias) -> bool:
+    """Whether flash-attn soft-caps this piece itself (CUDA, fp16/bf16, no bias, not empty, a flash-attn of 2.6 or
+    later, whose functions take softcap); else the plain math does."""
+    return (q.is_cuda and _uses_flash_attn(q) and bias is None and q.shape[2] > 0 and k.shape[2] > 0
+            and "softcap" in inspect.signature(_flash_attn_func).parameters)
+
+
 def _padded_bias(bias, q, heads: int):
     """The memory-efficient kernel's bias: q's dtype, every query head, rows 16-element aligned (a padded buffer's
     view, as SDPA hands it). In bf16 / fp16 ALiBi's values round as transformers' BLOOM rounds its own (an entry's
@@ -235,11 +266,12 @@ def _padded_bias(bias, q, heads: int):
     return view.expand(q.shape[0], heads, n, m)
 
 
-def _cuda_forward(q, k, v, scale, causal, bias=None):
+def _cuda_forward(q, k, v, scale, causal, bias=None, softcap=None):
     if _uses_flash_attn(q) and bias is None:
+        extra = {} if softcap is None else {"softcap": softcap}
         out, lse, _ = _flash_attn_func(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=causal,
-            return_attn_probs=True,
+            return_attn_probs=True, **extra,
         )
         return out.transpose(1, 2), lse
     # The memory-efficient kernel wants equal head counts: K/V of this piece are repeated per query head.
@@ -251,10 +283,12 @@ def _cuda_forward(q, k, v, scale, causal, bias=None):
     return out, lse[..., : q.shape[2]]
 
 
-def _cuda_backward(grad_out, q, k, v, out, lse, scale, causal, bias=None):
+def _cuda_backward(grad_out, q, k, v, out, lse, scale, causal, bias=None, softcap=None):
     flash_bwd = flash_attn_internal("_flash_attn_backward")
+    if softcap is not None and flash_bwd is None:  # flash-attn's forward without its backward: the plain math
+        return _math_backward(grad_out, q, k, v, out, lse, scale, causal, None, softcap)
     if flash_bwd is not None and _uses_flash_attn(q) and bias is None:
-        return _flash_attn_backward(flash_bwd, grad_out, q, k, v, out, lse, scale, causal)
+        return _flash_attn_backward(flash_bwd, grad_out, q, k, v, out, lse, scale, causal, softcap)
     groups = q.shape[1] // k.shape[1]
     b, h, sq = lse.shape
     # The kernel stores lse padded to a multiple of 32 rows (not on ROCm) and reads it back with that stride.
@@ -274,10 +308,11 @@ FLASH_BACKWARD_DEFAULTS = dict(dropout_p=0.0, window_size=(-1, -1), window_size_
                                softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
 
 
-def _flash_attn_backward(internal, grad_out, q, k, v, out, lse, scale, causal):
+def _flash_attn_backward(internal, grad_out, q, k, v, out, lse, scale, causal, softcap=None):
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
+    extra = {} if softcap is None else {"softcap": softcap}
     call_declared(internal, dout=grad_out.transpose(1, 2).contiguous(), q=qt, k=kt, v=vt,
                   out=out.transpose(1, 2).contiguous(), softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv,
-                  softmax_scale=scale, causal=causal, **FLASH_BACKWARD_DEFAULTS)
+                  softmax_scale=scale, causal=causal, **{**FLASH_BACKWARD_DEFAULTS, **extra})
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

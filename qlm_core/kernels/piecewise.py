@@ -50,12 +50,17 @@ def _bias_key(piece: Piece) -> tuple:
 
 
 class _Biases:
-    """ALiBi's bias of each piece as its kernel reads it (no slopes: None), for one pass over the pieces: the last
-    one built is kept, so tiles of one shape and shift (a diagonal of a long row's tiles), which run one after another
-    (_rest orders them so), share it, one tile's bias alive at a time."""
+    """What changes every piece's scores, for one pass over the pieces: Gemma 2's `softcap`, and ALiBi's bias of
+    each piece as its kernel reads it (no slopes: None). The last bias built is kept, so tiles of one shape and shift
+    (a diagonal of a long row's tiles), which run one after another (_rest orders them so), share it, one tile's
+    bias alive at a time."""
 
-    def __init__(self, slopes: torch.Tensor | None):
-        self.slopes, self.key, self.bias = slopes, None, None
+    def __init__(self, slopes: torch.Tensor | None, softcap: float | None = None):
+        self.slopes, self.softcap, self.key, self.bias = slopes, softcap, None, None
+
+    @property
+    def any(self) -> bool:
+        return self.slopes is not None or self.softcap is not None
 
     def __call__(self, piece: Piece) -> torch.Tensor | None:
         if self.slopes is None:
@@ -72,28 +77,31 @@ def _piece_forward(q, k, v, piece: Piece, scale, biases: _Biases):
     out, lse = attention_forward_with_lse(
         _take(q, piece.row, piece.q, piece.kind), _take(k, piece.row, piece.k, piece.kind),
         _take(v, piece.row, piece.k, piece.kind), scale=scale, causal=piece.kind != FULL, bias=biases(piece),
+        softcap=biases.softcap,
     )
     if piece.kind == UPPER:
         out, lse = out.flip(2), lse.flip(2)
     return out, lse
 
 
-def _varlen(q, slopes) -> bool:
-    return slopes is None and varlen.available(q)
+def _varlen(q, biases: _Biases) -> bool:
+    return not biases.any and varlen.available(q)
 
 
 def _forward_all(q, k, v, pieces: list[Piece], scale, biases: _Biases):
     """(piece, out, lse) for every piece: one varlen call per kind where flash-attn can, else one call a piece (the
     callers run the groups of kernels/stacked.py first and hand this the rest)."""
-    batched = varlen.forward(q, k, v, pieces, scale) if _varlen(q, biases.slopes) else {}
+    batched = varlen.forward(q, k, v, pieces, scale) if _varlen(q, biases) else {}
     for index, piece in enumerate(pieces):
         yield (piece, *(batched[index] if index in batched else _piece_forward(q, k, v, piece, scale, biases)))
 
 
-def _stacked_groups(q, pieces: list[Piece], slopes=None) -> tuple[stacked.Group, ...]:
+def _stacked_groups(q, pieces: list[Piece], biases: _Biases) -> tuple[stacked.Group, ...]:
     """The groups of pieces that share a shape (and with ALiBi a shift), run by one kernel call each (not where
-    flash-attn's varlen runs)."""
-    return () if _varlen(q, slopes) else stacked.groups(pieces, q.device, by_shift=slopes is not None)
+    flash-attn's varlen runs, nor soft-capped tiles: their plain math holds a group's scores at once)."""
+    if _varlen(q, biases) or biases.softcap is not None:
+        return ()
+    return stacked.groups(pieces, q.device, by_shift=biases.slopes is not None)
 
 
 def _group_bias(group: stacked.Group, pieces: list[Piece], biases: _Biases) -> torch.Tensor | None:
@@ -112,7 +120,7 @@ def _piece_backward(grad_out, q, k, v, out, lse, piece: Piece, scale, biases: _B
     grads = attention_backward(
         _take(grad_out, row, piece.q, kind), _take(q, row, piece.q, kind), _take(k, row, piece.k, kind),
         _take(v, row, piece.k, kind), _take(out, row, piece.q, kind), _take(lse, row, piece.q, kind),
-        scale=scale, causal=kind != FULL, bias=biases(piece),
+        scale=scale, causal=kind != FULL, bias=biases(piece), softcap=biases.softcap,
     )
     return tuple(g.flip(2) for g in grads) if kind == UPPER else grads
 
@@ -150,27 +158,32 @@ def _merge_group(out: torch.Tensor, lse: torch.Tensor, pieces: list[Piece], grou
         merge(_put(out, piece.row, piece.q), _put(lse, piece.row, piece.q), one_out, one_lse)
 
 
-def attend_pieces(q, k, v, pieces: list[Piece], scale: float, out: torch.Tensor, lse: torch.Tensor, slopes=None):
+def attend_pieces(q, k, v, pieces: list[Piece], scale: float, out: torch.Tensor, lse: torch.Tensor, slopes=None,
+                  softcap=None):
     """Merge every piece's attention into the accumulators (out, lse) from empty_result (`slopes` [hq]: ALiBi's,
-    over pieces built positional)."""
-    groups, biases = _stacked_groups(q, pieces, slopes), _Biases(slopes)
+    over pieces built positional; `softcap`: Gemma 2's, over pieces cut into tiles)."""
+    biases = _Biases(slopes, softcap)
+    groups = _stacked_groups(q, pieces, biases)
     for group in groups:
         _merge_group(out, lse, pieces, group,
-                     *stacked.forward(q, k, v, group, scale, _group_bias(group, pieces, biases)))
+                     *stacked.forward(q, k, v, group, scale, _group_bias(group, pieces, biases), softcap))
     for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups, slopes), scale, biases):
         merge(_put(out, piece.row, piece.q), _put(lse, piece.row, piece.q), blk_out, blk_lse)
 
 
-def attend_pieces_backward(grad_out, q, k, v, out, lse, pieces: list[Piece], scale: float, dq, dk, dv, slopes=None):
+def attend_pieces_backward(grad_out, q, k, v, out, lse, pieces: list[Piece], scale: float, dq, dk, dv, slopes=None,
+                           softcap=None):
     """Add each piece's gradients (against the final out and lse) into dq, dk, dv."""
-    groups, biases = _stacked_groups(q, pieces, slopes), _Biases(slopes)
+    biases = _Biases(slopes, softcap)
+    groups = _stacked_groups(q, pieces, biases)
     for group in groups:
-        bq, bk, bv = stacked.backward(grad_out, q, k, v, out, lse, group, scale, _group_bias(group, pieces, biases))
+        bq, bk, bv = stacked.backward(grad_out, q, k, v, out, lse, group, scale, _group_bias(group, pieces, biases),
+                                      softcap)
         stacked.put(dq, group.q_rows, group.q_positions, bq, accumulate=True)
         stacked.put(dk, group.k_rows, group.k_positions, bk, accumulate=True)
         stacked.put(dv, group.k_rows, group.k_positions, bv, accumulate=True)
     rest = _rest(pieces, groups, slopes)
-    batched = varlen.backward(grad_out, q, k, v, out, lse, rest, scale) if _varlen(q, slopes) else {}
+    batched = varlen.backward(grad_out, q, k, v, out, lse, rest, scale) if _varlen(q, biases) else {}
     for index, piece in enumerate(rest):
         bq, bk, bv = (batched[index] if index in batched
                       else _piece_backward(grad_out, q, k, v, out, lse, piece, scale, biases))
@@ -188,14 +201,15 @@ def like_q(q: torch.Tensor, dtype=None) -> torch.Tensor:
 
 class _PiecewiseAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, pieces, scale, sinks, slopes):
+    def forward(ctx, q, k, v, pieces, scale, sinks, slopes, softcap):
         alone = sinks is None and disjoint(pieces)  # sinks rescale the fp32 accumulator before its one rounding
         if alone:  # every query in exactly one piece: write the kernels' results straight into place
             out = like_q(q).zero_()
             lse = torch.full(q.shape[:3], float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
-            groups, biases = _stacked_groups(q, pieces, slopes), _Biases(slopes)
+            biases = _Biases(slopes, softcap)
+            groups = _stacked_groups(q, pieces, biases)
             for group in groups:
-                blk_out, blk_lse = stacked.forward(q, k, v, group, scale, _group_bias(group, pieces, biases))
+                blk_out, blk_lse = stacked.forward(q, k, v, group, scale, _group_bias(group, pieces, biases), softcap)
                 stacked.put(out, group.q_rows, group.q_positions, blk_out)
                 stacked.put(lse, group.q_rows, group.q_positions, blk_lse)
             for piece, blk_out, blk_lse in _forward_all(q, k, v, _rest(pieces, groups, slopes), scale, biases):
@@ -203,12 +217,12 @@ class _PiecewiseAttention(Function):
                 _put(lse, piece.row, piece.q).copy_(blk_lse)
         else:
             acc, lse = empty_result(q)
-            attend_pieces(q, k, v, pieces, scale, acc, lse, slopes)
+            attend_pieces(q, k, v, pieces, scale, acc, lse, slopes, softcap)
             add_sinks(acc, lse, sinks)
             out = like_q(q).copy_(acc)
             del acc
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.pieces, ctx.scale, ctx.alone, ctx.slopes = pieces, scale, alone, slopes
+        ctx.pieces, ctx.scale, ctx.alone, ctx.slopes, ctx.softcap = pieces, scale, alone, slopes, softcap
         return out
 
     @staticmethod
@@ -216,15 +230,15 @@ class _PiecewiseAttention(Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         dtype = q.dtype if ctx.alone else accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
-        attend_pieces_backward(grad_out, q, k, v, out, lse, ctx.pieces, ctx.scale, dq, dk, dv, ctx.slopes)
+        attend_pieces_backward(grad_out, q, k, v, out, lse, ctx.pieces, ctx.scale, dq, dk, dv, ctx.slopes, ctx.softcap)
         dsinks = sinks_grad(grad_out, out, lse, sinks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, dsinks, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, dsinks, None, None
 
 
 def piecewise_attention(q, k, v, pieces: list[Piece], scale: float, sinks: torch.Tensor | None = None,
-                        slopes: torch.Tensor | None = None) -> torch.Tensor:
+                        slopes: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Differentiable attention of q [b, hq, sq, d] against k, v [b, hk, sk, d] over `pieces` (local indices);
     a query in no piece gets 0 (and, with `sinks` [hq], a learned logit per head in every softmax:
     kernels/sinks.py; with `slopes` [hq], ALiBi's bias by distance over pieces built positional and cut into
-    tiles: kernels/alibi.py)."""
-    return _PiecewiseAttention.apply(q, k, v, pieces, scale, sinks, slopes)
+    tiles: kernels/alibi.py; with `softcap`, Gemma 2's cap · tanh(scores / cap), over pieces cut into tiles)."""
+    return _PiecewiseAttention.apply(q, k, v, pieces, scale, sinks, slopes, softcap)

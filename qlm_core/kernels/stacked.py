@@ -110,19 +110,20 @@ def put(t: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, values: to
     t.permute(0, 2, 1, 3).index_put_((rows, positions), flat, accumulate=accumulate)
 
 
-def forward(q, k, v, group: Group, scale: float, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q, k, v, group: Group, scale: float, bias=None, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [count, h, n, d], lse [count, h, n]) of the group, positions in the group's order (`bias`: the one
     [1, h, n, m] of every piece, kernels/alibi.py)."""
     qs = (group.q_rows, group.q_positions, group.count)
     ks = (group.k_rows, group.k_positions, group.count)
     return attention_forward_with_lse(gather(q, *qs), gather(k, *ks), gather(v, *ks), scale=scale,
-                                      causal=group.kind != FULL, bias=bias)
+                                      causal=group.kind != FULL, bias=bias, softcap=softcap)
 
 
 def backward(grad_out, q, k, v, out, lse, group: Group, scale: float,
-             bias=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             bias=None, softcap=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the group against the final out and lse, positions in the group's order."""
     qs = (group.q_rows, group.q_positions, group.count)
     ks = (group.k_rows, group.k_positions, group.count)
     return attention_backward(gather(grad_out, *qs), gather(q, *qs), gather(k, *ks), gather(v, *ks),
-                              gather(out, *qs), gather(lse, *qs), scale=scale, causal=group.kind != FULL, bias=bias)
+                              gather(out, *qs), gather(lse, *qs), scale=scale, causal=group.kind != FULL, bias=bias,
+                              softcap=softcap)

@@ -118,12 +118,14 @@ class KVCache:
 def attention_inputs(*, local_tokens: int, batch: int, windows: tuple[int | None, ...], parallel: ParallelOptions,
                      segment_ids: torch.Tensor | None, cache: KVCache | None,
                      attention_mask: torch.Tensor | None, documents: Documents | None = None,
-                     positional: bool = False) -> AttentionInputs:
+                     positional: bool = False, tiled: bool | None = None) -> AttentionInputs:
     """Describe the micro-batch's attention once for every layer: its documents (under context parallelism from the
     whole sequence, gathered once; or `documents` as the caller describes them) and the pieces this rank computes,
     for packed rows, a sliding window shorter than the row, decoding with a cache, or context parallelism; for each
     of `windows` (the layers' sliding windows, None: full attention), the first's inputs holding the others'.
-    `positional`: a bias by distance (ALiBi): pieces that keep their shift, cut into tiles (kernels/alibi.py)."""
+    `positional`: a bias by distance (ALiBi): pieces that keep their shift; `tiled` (default `positional`): cut into
+    tiles (kernels/alibi.py: ALiBi's biases, Gemma 2's soft-capped math)."""
+    tiled = positional if tiled is None else tiled
     cp_group = parallel.cp_group
     cp = group_size(cp_group)
     valid = None
@@ -144,14 +146,15 @@ def attention_inputs(*, local_tokens: int, batch: int, windows: tuple[int | None
         if cp > 1:
             segment_ids = gather_sequence(segment_ids, cp_group, dim=1)
         documents = Documents.from_segment_ids(segment_ids)
-    first, *rest = [_window_inputs(window, local_tokens, parallel, documents, cache, valid, positional)
+    first, *rest = [_window_inputs(window, local_tokens, parallel, documents, cache, valid, positional, tiled)
                     for window in windows]
     first.others = {inputs.window: inputs for inputs in rest}
     return first
 
 
 def _window_inputs(window: int | None, local_tokens: int, parallel: ParallelOptions, documents: Documents | None,
-                   cache: KVCache | None, valid: torch.Tensor | None, positional: bool) -> AttentionInputs:
+                   cache: KVCache | None, valid: torch.Tensor | None, positional: bool,
+                   tiled: bool) -> AttentionInputs:
     """attention_inputs for the layers of one sliding window."""
     if valid is not None:  # decoding
         past = 0 if cache is None else cache.length
@@ -162,15 +165,15 @@ def _window_inputs(window: int | None, local_tokens: int, parallel: ParallelOpti
                 keys[:, :max(past + 1 - window, 0)] = False
             return AttentionInputs(cache=cache, key_mask=keys[:, None, None, :], window=window)
         pieces = decoding_pieces(valid, past, local_tokens, window, positional)
-        return AttentionInputs(cache=cache, pieces=tiles(pieces) if positional else pieces, window=window)
+        return AttentionInputs(cache=cache, pieces=tiles(pieces) if tiled else pieces, window=window)
     cp_group = parallel.cp_group
     cp = group_size(cp_group)
     if cp > 1:
         plan = cp_attention_plan(documents, local_tokens * cp, cp, group_rank(cp_group), parallel.cp_comm_type,
-                                 window, positional)
+                                 window, positional, tiled)
         return AttentionInputs(documents=documents, cp_plan=plan, window=window)
     pieces = None
     if documents is not None or (window is not None and local_tokens > window):
         pieces = self_attention_pieces(documents, local_tokens, window, positional)
-        pieces = tiles(pieces) if positional else pieces
+        pieces = tiles(pieces) if tiled else pieces
     return AttentionInputs(documents=documents, pieces=pieces, window=window)

@@ -121,21 +121,25 @@ class GroupedQueryAttention(nn.Module):
             slopes = self._slopes_on.get(q.device)
             if slopes is None:
                 slopes = self._slopes_on[q.device] = self.slopes.to(q.device)
+        softcap = self.spec.attention_softcap
         if group_size(self.parallel.cp_group) > 1:
             return context_parallel_attention(
                 q, k, v, group=self.parallel.cp_group, comm_type=self.parallel.cp_comm_type, scale=scale,
                 documents=inputs.documents, window=self.window, plan=inputs.cp_plan, sinks=sinks, slopes=slopes,
+                softcap=softcap,
             )
         if inputs.pieces is not None:
-            return piecewise_attention(q, k, v, inputs.pieces, scale, sinks, slopes)
+            return piecewise_attention(q, k, v, inputs.pieces, scale, sinks, slopes, softcap)
         if inputs.key_mask is not None:
-            return masked_attention(q, k, v, inputs.key_mask, scale, sinks, slopes)
-        if slopes is not None and sinks is None and flash_attn_runs(q):
-            return core_attention(q, k, v, causal=True, softmax_scale=scale, alibi_slopes=slopes)
-        if sinks is not None or slopes is not None:
-            # the fused kernels keep no log-sum-exp to add the sinks to, and take no ALiBi: one causal piece a row
-            # (ALiBi's cut into tiles)
-            return piecewise_attention(q, k, v, _causal_pieces(q.shape[2], slopes is not None), scale, sinks, slopes)
+            return masked_attention(q, k, v, inputs.key_mask, scale, sinks, slopes, softcap)
+        if (slopes is not None or softcap is not None) and sinks is None and flash_attn_runs(q):
+            return core_attention(q, k, v, causal=True, softmax_scale=scale, alibi_slopes=slopes, softcap=softcap)
+        if sinks is not None or slopes is not None or softcap is not None:
+            # the fused kernels keep no log-sum-exp to add the sinks to, and take no ALiBi or soft-capping: one causal
+            # piece a row (ALiBi's and the soft-capped math's cut into tiles)
+            tiled = slopes is not None or softcap is not None
+            return piecewise_attention(q, k, v, _causal_pieces(q.shape[2], slopes is not None, tiled), scale, sinks,
+                                       slopes, softcap)
         return core_attention(q, k, v, causal=True, softmax_scale=scale)
 
     def _recomputed_attention(self, q, k, v, inputs: AttentionInputs) -> torch.Tensor:
@@ -155,7 +159,7 @@ class GroupedQueryAttention(nn.Module):
         if inputs.cache is not None:
             k, v = inputs.cache.extend(self.layer_index, k, v)
         plain = inputs.pieces is None and inputs.cp_plan is None and group_size(self.parallel.cp_group) == 1 \
-            and self.core_attention is None and self.slopes is None
+            and self.core_attention is None and self.slopes is None and self.spec.attention_softcap is None
         if self.parallel.recomputes("core_attn"):
             out = outside_compile(self._recomputed_attention, q, k, v, inputs)
         elif plain:
@@ -167,10 +171,10 @@ class GroupedQueryAttention(nn.Module):
 
 
 @functools.lru_cache(maxsize=8)
-def _causal_pieces(seq_len: int, positional: bool) -> list[Piece]:
-    """One causal piece over each whole row (`positional`: cut into ALiBi's tiles)."""
+def _causal_pieces(seq_len: int, positional: bool, tiled: bool) -> list[Piece]:
+    """One causal piece over each whole row (`positional`: keeping its shift; `tiled`: cut into tiles)."""
     pieces = self_attention_pieces(None, seq_len, None, positional)
-    return tiles(pieces) if positional else pieces
+    return tiles(pieces) if tiled else pieces
 
 
 class CoreAttentionSinks(nn.Module):

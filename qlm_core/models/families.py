@@ -147,6 +147,9 @@ class Family:
     # the softmax scale is query_pre_attn_scalar^-0.5, not head_dim^-0.5, and windowed layers have their own RoPE
     # base (Gemma 3's rope_parameters per layer type)
     gemma_attention: bool = False
+    # Gemma 2: the softmax scale is query_pre_attn_scalar^-0.5 and config.json's attn_logit_softcapping /
+    # final_logit_softcapping soft-cap the attention scores and the output logits
+    softcapping: bool = False
     # biases on the attention's output projection, the router and the routed experts' linears whatever config.json
     # says (gpt-oss; Megatron's add_bias_linear)
     linear_bias: bool = False
@@ -195,6 +198,12 @@ FAMILIES: dict[str, Family] = {
                           post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
                           activation_key="hidden_activation", scaled_embedding=True, gemma_attention=True,
                           norm="gemma_rmsnorm", activation="geglu", tied_default=True),
+    # Gemma 2: Gemma 3's layer without q/k norms, one RoPE base, windowed and global layers in turn, the attention
+    # scores and the output logits soft-capped (cap · tanh(x / cap))
+    "gemma2": Family("Gemma2ForCausalLM", sliding_window="layers", pre_mlp_norm="pre_feedforward_layernorm",
+                     post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+                     activation_key="hidden_activation", scaled_embedding=True, softcapping=True,
+                     norm="gemma_rmsnorm", activation="geglu", tied_default=True),
     # ERNIE 4.5 (dense): Llama's layer with RoPE over the whole head in interleaved pairs (GLM's layout), tied
     # embeddings by default; config.json's use_bias would put biases on every linear
     "ernie4_5": Family("Ernie4_5ForCausalLM", rotary_interleaved=True, tied_default=True),

@@ -36,7 +36,7 @@ from qlm_core.parallel.context_parallel import (
     CP_COMM_TYPES,
     cp_token_indices,
 )
-from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, OutputLayer, loss_is_chunked
+from qlm_core.parallel.cross_entropy import DEFAULT_CHUNK_TOKENS, OutputLayer, loss_is_chunked, soft_cap
 from qlm_core.parallel.param_meta import mark
 from qlm_core.parallel.tensor import (
     VocabParallelEmbedding,
@@ -406,7 +406,8 @@ class GPTModel(nn.Module):
         inputs = attention_inputs(local_tokens=local_tokens, batch=x.shape[1], windows=self.windows,
                                   parallel=self.parallel, segment_ids=segment_ids, cache=cache,
                                   attention_mask=attention_mask, documents=documents,
-                                  positional=self.spec.position == "alibi")
+                                  positional=self.spec.position == "alibi",
+                                  tiled=self.spec.position == "alibi" or self.spec.attention_softcap is not None)
         hidden = self.decoder(x, positions, inputs, routes)
         if mtp_tokens is None or self.mtp is None:
             return hidden
@@ -418,7 +419,8 @@ class GPTModel(nn.Module):
         if self.spec.head == "score":
             return self.output_layer(hidden)[..., None]
         logits = self.output_layer(hidden, self.output_weight())
-        return gather_last_dim(logits, self.tp_group)[..., : self.spec.vocab_size].transpose(0, 1)
+        logits = gather_last_dim(logits, self.tp_group)[..., : self.spec.vocab_size].transpose(0, 1)
+        return logits if self.spec.logit_softcap is None else soft_cap(logits, self.spec.logit_softcap)
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss head: the final norm's output [s, b, h] (this rank's sequence shard under SP), labels [b, s] ->
@@ -429,8 +431,12 @@ class GPTModel(nn.Module):
         if self.spec.head == "score":
             return self.output_layer(hidden) * (labels >= 0)
         if loss_is_chunked(self.loss_chunk_tokens, labels.numel()):
-            return self.output_layer(hidden, self.output_weight(), labels=labels, chunk_tokens=self.loss_chunk_tokens)
-        return self.token_loss(self.output_layer(hidden, self.output_weight()), labels)
+            return self.output_layer(hidden, self.output_weight(), labels=labels, chunk_tokens=self.loss_chunk_tokens,
+                                     softcap=self.spec.logit_softcap)
+        logits = self.output_layer(hidden, self.output_weight())
+        if self.spec.logit_softcap is not None:  # Gemma 2's final soft-capping, on each TP rank's columns, in fp32
+            logits = soft_cap(logits.float(), self.spec.logit_softcap)  # as the chunked loss (the loss is fp32)
+        return self.token_loss(logits, labels)
 
     def token_loss(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel cross entropy: local logits [s, b, V_padded/tp], labels [b, s] -> loss [b, s] (fp32),

@@ -129,6 +129,18 @@ def _mpt(hidden: int, layers: int, heads: int, context: int) -> ModelSpec:
     )
 
 
+
+def _gemma2(hidden: int, ffn: int, layers: int, heads: int, groups: int, head_dim: int, scalar: int) -> ModelSpec:
+    return ModelSpec(
+        model_type="gemma2", vocab_size=256000, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
+        num_attention_heads=heads, num_query_groups=groups, kv_channels=head_dim, max_position_embeddings=8192,
+        rope_theta=10000.0, norm_epsilon=1e-6, qkv_bias=False, tie_word_embeddings=True, post_norms=True,
+        scaled_embedding=True, softmax_scale=scalar ** -0.5, sliding_window=4096,
+        window_layers=tuple(layer % 2 == 0 for layer in range(layers)), attention_softcap=50.0, logit_softcap=30.0,
+        bos_token_id=2, eos_token_id=1,
+    )
+
+
 PRESETS: dict[str, ModelSpec] = {
     "qwen2-0.5b": _qwen2(896, 4864, 24, 14, 2, 151936, tied=True),
     "qwen2-1.5b": _qwen2(1536, 8960, 28, 12, 2, 151936, tied=True),
@@ -233,6 +245,11 @@ PRESETS: dict[str, ModelSpec] = {
     # exact-GELU MLP of 4 h, multi-head attention, tied embeddings
     "mpt-7b": _mpt(4096, 32, 32, 2048),
     "mpt-30b": _mpt(7168, 48, 64, 8192),
+    # Gemma-2-2B (2,614,341,888), 9B (9,241,705,984) and 27B (27,227,128,320): windowed (4096) and global layers in
+    # turn, attention scores soft-capped at 50 and logits at 30, query_pre_attn_scalar (27B: 144), tied
+    "gemma-2-2b": _gemma2(2304, 9216, 26, 8, 4, 256, 256),
+    "gemma-2-9b": _gemma2(3584, 14336, 42, 16, 8, 256, 256),
+    "gemma-2-27b": _gemma2(4608, 36864, 46, 32, 16, 128, 144),
     # Gemma-3-1B (text, 999,885,952): 26 layers, every 6th global (RoPE base 1e6), the rest windowed to 512 tokens
     # (base 10000); one 256-wide key/value head for 4 query heads; tied embeddings scaled by sqrt(1152)
     "gemma-3-1b": ModelSpec(

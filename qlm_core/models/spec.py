@@ -129,6 +129,9 @@ class ModelSpec:
     softmax_scale: float | None = None  # softmax scale (None: kv_channels^-0.5); Gemma: query_pre_attn_scalar^-0.5
     # a learned logit per head in every softmax, with no value (gpt-oss's sinks; Megatron's softmax_type "learnable")
     attention_sinks: bool = False
+    # Gemma 2's soft-capping: cap · tanh(x / cap) on each attention score (before its mask) and on each output logit
+    attention_softcap: float | None = None
+    logit_softcap: float | None = None
     local_rope_theta: float | None = None  # the RoPE base of the windowed layers, unscaled (Gemma 3); None: rope_theta
     moe: MoeSpec | None = None  # Mixture of Experts (None: every layer a dense MLP of ffn_hidden_size)
     mla: MlaSpec | None = None  # multi-latent attention's sizes (attention "mla"); kv_channels is then its q/k head
@@ -161,6 +164,13 @@ class ModelSpec:
         if self.linear_bias and self.moe is not None and self.moe.shared_expert_hidden_size:
             raise QlmError("biases on the linears of an MoE model with shared experts (qlm's shared experts have "
                            "none)", "drop the biases (add_bias_linear) or the shared experts")
+        for name in ("attention_softcap", "logit_softcap"):
+            cap = getattr(self, name)
+            if cap is not None and not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
+                raise QlmError(f"{name} {cap!r} is not a positive number", f"set {name} > 0, or None (off)")
+        if self.attention_softcap is not None and self.attention != "gqa":
+            raise QlmError(f"attention soft-capping with {self.attention!r} attention",
+                           "soft-capping goes with grouped-query attention")
         if self.attention_sinks and self.attention != "gqa":
             raise QlmError(f"attention sinks with {self.attention!r} attention",
                            "sinks go with grouped-query attention")
@@ -280,7 +290,8 @@ class ModelSpec:
         heads = config["num_attention_heads"]
         theta, scaling = _read_rope(config)
         gemma = _read_gemma(config, model_type) if family.gemma_attention else {}
-        if gemma:
+        gemma.update(_read_softcaps(config, model_type) if family.softcapping else {})
+        if "rope" in gemma:  # Gemma 3's per layer type
             theta, scaling = gemma.pop("rope")
         sliding, window_layers = _read_windows(config, model_type)
         linear_bias = family.linear_bias or (family.qkv_bias == "enable_bias" and bool(config.get("enable_bias", True)))
@@ -408,6 +419,9 @@ class ModelSpec:
             config.pop("rope_theta", None)
             config.pop("rope_scaling", None)
             config.update(_gemma_to_hf(self))
+        if family.softcapping:  # Gemma 2
+            config.update(query_pre_attn_scalar=_pre_attn_scalar(self), attn_logit_softcapping=self.attention_softcap,
+                          final_logit_softcapping=self.logit_softcap)
         config.update(family.fixed_config)
         for ours, theirs in family.config_aliases:
             config[theirs] = config.pop(ours)
@@ -439,7 +453,10 @@ class ModelSpec:
                       "embedding_norm": self.embedding_norm != family.embedding_norm,
                       "MLP width": family.ffn_ratio is not None
                       and self.ffn_hidden_size != family.ffn_ratio * self.hidden_size,
-                      "softmax_scale": self.softmax_scale is not None and not family.gemma_attention,
+                      "softmax_scale": self.softmax_scale is not None
+                      and not (family.gemma_attention or family.softcapping),
+                      "soft-capping": (self.attention_softcap is not None or self.logit_softcap is not None)
+                      and not family.softcapping,
                       "local_rope_theta": self.local_rope_theta is not None and not family.gemma_attention,
                       "linear rope scaling": isinstance(self.rope_scaling, LinearRopeScaling)
                       and not family.gemma_attention,
@@ -529,6 +546,8 @@ def _windows_to_hf(spec: ModelSpec) -> dict[str, Any]:
     """config.json's keys for the spec's windows, as _read_windows reads them back."""
     family = FAMILIES[spec.model_type]
     if spec.sliding_window is None:
+        if family.sliding_window == "layers":  # Gemma 2 / 3, gpt-oss: their config classes window by layer_types
+            return {"sliding_window": None, "layer_types": ["full_attention"] * spec.num_layers}
         return {"sliding_window": None} if family.sliding_window == "applied" else (
             {} if family.sliding_window == "none" else {"use_sliding_window": False})
     per_layer_families = ("gated_layers", "layers")
@@ -585,6 +604,30 @@ def _read_gemma(config: dict[str, Any], model_type: str) -> dict[str, Any]:
             "local_rope_theta": _positive_theta(local["rope_theta"])}
 
 
+def _read_softcaps(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Gemma 2's query_pre_attn_scalar (its softmax scale) and its two soft-caps (each a positive number or null)."""
+    out = {}
+    for key, field in (("attn_logit_softcapping", "attention_softcap"), ("final_logit_softcapping", "logit_softcap")):
+        cap = config.get(key)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
+                                or cap <= 0):
+            raise QlmError(f"config.json ({model_type}): {key} is {cap!r}", "set a positive number, or null (off)")
+        out[field] = None if cap is None else float(cap)
+    scalar = config.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise QlmError(f"config.json ({model_type}): query_pre_attn_scalar is {scalar!r}", "set a positive number")
+    if config.get("use_bidirectional_attention"):
+        raise QlmError(f"config.json ({model_type}): use_bidirectional_attention = true (an encoder)",
+                       "qlm builds causal decoders")
+    return {**out, "softmax_scale": scalar ** -0.5}
+
+
+def _pre_attn_scalar(spec: ModelSpec) -> float:
+    """query_pre_attn_scalar of the spec's softmax scale (an integer where it is one)."""
+    scalar = (spec.softmax_scale or spec.kv_channels ** -0.5) ** -2
+    return round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar
+
+
 def _gemma_to_hf(spec: ModelSpec) -> dict[str, Any]:
     scalar = (spec.softmax_scale or spec.kv_channels ** -0.5) ** -2
     full = {"rope_type": "default", "rope_theta": spec.rope_theta}
@@ -607,6 +650,13 @@ def _family_config(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         if key in config and config[key] != value:
             raise QlmError(f"config.json ({model_type}): {key} is {config[key]!r}; qlm builds {model_type} with "
                            f"{key} = {value!r}", f"use a {model_type} model with {key} = {value!r}")
+    if family.softcapping:  # Gemma 2: keys config.json leaves out take Gemma2Config's defaults (a window, both caps)
+        from transformers import AutoConfig  # only here: transformers' own defaults
+
+        defaults = AutoConfig.for_model(**config)
+        config = {**config, **{key: getattr(defaults, key) for key in (
+            "sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
+            if key not in config}}
     for section, key, value in family.fixed_nested:  # MPT's attn_config: what transformers' MPT runs
         held = config.get(section) if isinstance(config.get(section), dict) else {}
         if held.get(key, value) != value:

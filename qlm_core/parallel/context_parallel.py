@@ -170,17 +170,19 @@ def allgather_pieces(docs: Documents | None, seq_len: int, cp: int, rank: int, w
 
 
 def cp_attention_plan(docs: Documents | None, seq_len: int, cp: int, rank: int, comm_type: str,
-                      window: int | None, positional: bool = False) -> tuple[list[Piece], ...]:
+                      window: int | None, positional: bool = False,
+                      tiled: bool | None = None) -> tuple[list[Piece], ...]:
     """What this rank computes in one attention call: the pieces of each ring step (p2p), of its queries against
     the gathered sequence (allgather), or of the whole sequence on its heads (a2a); `positional`: as
-    self_attention_pieces, and cut into ALiBi's tiles (kernels/alibi.py)."""
+    self_attention_pieces; `tiled` (default: `positional`): cut into the tiles of kernels/alibi.py (ALiBi's, and the
+    soft-capped math's of Gemma 2)."""
     if comm_type == "p2p":
         plan = tuple(ring_pieces(docs, seq_len, cp, rank, step, window, positional) for step in range(cp))
     elif comm_type == "allgather":
         plan = (allgather_pieces(docs, seq_len, cp, rank, window, positional),)
     else:
         plan = (self_attention_pieces(docs, seq_len, window, positional),)
-    return tuple(tiles(pieces) for pieces in plan) if positional else plan
+    return tuple(tiles(pieces) for pieces in plan) if (positional if tiled is None else tiled) else plan
 
 
 # ---- p2p: ring attention ---------------------------------------------------------------------------------------------
@@ -219,7 +221,7 @@ class _Ring:
 
 class _RingAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan, sinks, slopes):
+    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan, sinks, slopes, softcap):
         cp = group_size(group)
         ring = _Ring(group)
         block_k, block_v = k, v
@@ -227,13 +229,13 @@ class _RingAttention(Function):
         for step in range(cp):
             if step + 1 < cp:
                 pending = ring.start([(block_k, ring.K), (block_v, ring.V)])
-            attend_pieces(q, block_k, block_v, plan[step], scale, out, lse, slopes)
+            attend_pieces(q, block_k, block_v, plan[step], scale, out, lse, slopes, softcap)
             if step + 1 < cp:
                 block_k, block_v = ring.finish(pending)
         add_sinks(out, lse, sinks)
         out = like_q(q).copy_(out)  # laid out like q: linear_proj reads it as a view
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.group, ctx.scale, ctx.plan, ctx.slopes = group, scale, plan, slopes
+        ctx.group, ctx.scale, ctx.plan, ctx.slopes, ctx.softcap = group, scale, plan, slopes, softcap
         return out
 
     @staticmethod
@@ -253,7 +255,7 @@ class _RingAttention(Function):
             dk = torch.zeros(block_k.shape, dtype=acc, device=q.device)
             dv = torch.zeros(block_v.shape, dtype=acc, device=q.device)
             attend_pieces_backward(grad_out, q, block_k, block_v, out, lse, ctx.plan[step], ctx.scale, dq, dk, dv,
-                                   ctx.slopes)
+                                   ctx.slopes, ctx.softcap)
             if grad_pending is not None:
                 visited_k, visited_v = ring.finish(grad_pending)
                 dk += visited_k
@@ -264,7 +266,7 @@ class _RingAttention(Function):
         # After cp hops every block's gradient has visited all ranks and come back to its owner.
         dk, dv = ring.finish(grad_pending)
         dsinks = sinks_grad(grad_out, out, lse, sinks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks, None, None
 
 
 # ---- allgather -------------------------------------------------------------------------------------------------------
@@ -278,14 +280,14 @@ def _gather_kv(k, v, group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Te
 
 class _AllGatherAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan, sinks, slopes):
+    def forward(ctx, q, k, v, group: ProcessGroup | None, scale, plan, sinks, slopes, softcap):
         full_k, full_v = _gather_kv(k, v, group)
         out, lse = empty_result(q)
-        attend_pieces(q, full_k, full_v, plan[0], scale, out, lse, slopes)
+        attend_pieces(q, full_k, full_v, plan[0], scale, out, lse, slopes, softcap)
         add_sinks(out, lse, sinks)
         out = like_q(q).copy_(out)  # laid out like q: linear_proj reads it as a view
         ctx.save_for_backward(q, k, v, out, lse, sinks)  # not the gathered K/V: backward gathers them again
-        ctx.group, ctx.scale, ctx.plan, ctx.slopes = group, scale, plan, slopes
+        ctx.group, ctx.scale, ctx.plan, ctx.slopes, ctx.softcap = group, scale, plan, slopes, softcap
         return out
 
     @staticmethod
@@ -298,13 +300,14 @@ class _AllGatherAttention(Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(full_k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(full_v.shape, dtype=acc, device=q.device)
-        attend_pieces_backward(grad_out, q, full_k, full_v, out, lse, ctx.plan[0], ctx.scale, dq, dk, dv, ctx.slopes)
+        attend_pieces_backward(grad_out, q, full_k, full_v, out, lse, ctx.plan[0], ctx.scale, dq, dk, dv, ctx.slopes,
+                               ctx.softcap)
         # Every rank holds partial gradients for all keys: sum them onto the owners (dK and dV in one collective).
         joined = _reorder_chunks(torch.cat((dk, dv), dim=3), cp, 2, to_global=False)
         joined = reduce_scatter_dim0(joined.movedim(2, 0), group).movedim(0, 2)
         dsinks = sinks_grad(grad_out, out, lse, sinks)
         return dq.to(q.dtype), joined[..., :k.shape[3]].to(k.dtype), joined[..., k.shape[3]:].to(v.dtype), None, \
-            None, None, dsinks, None
+            None, None, dsinks, None, None
 
 
 # ---- a2a: Ulysses ----------------------------------------------------------------------------------------------------
@@ -336,7 +339,7 @@ def _heads_to_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return _AllToAll.apply(parts, group).movedim(0, 1).flatten(1, 2)
 
 
-def _ulysses_attention(q, k, v, group: ProcessGroup | None, scale, plan, sinks, slopes):
+def _ulysses_attention(q, k, v, group: ProcessGroup | None, scale, plan, sinks, slopes, softcap):
     cp, hq, hk = group_size(group), q.shape[1], k.shape[1]
     if hq % cp:
         raise ValueError(f"a2a context parallelism needs the query heads per rank ({hq}) divisible by cp ({cp})")
@@ -351,8 +354,8 @@ def _ulysses_attention(q, k, v, group: ProcessGroup | None, scale, plan, sinks, 
     if sinks is not None:  # this rank's head group's (the others' gradients stay 0 here: the cp reduce sums them)
         sinks = sinks[heads]
     # The sequence is in global order now: plain one-process attention over the documents.
-    return _heads_to_seq(piecewise_attention(q, k, v, plan[0], scale, sinks, None if slopes is None else slopes[heads]),
-                         group)
+    slopes = None if slopes is None else slopes[heads]
+    return _heads_to_seq(piecewise_attention(q, k, v, plan[0], scale, sinks, slopes, softcap), group)
 
 
 # ---- entry point -----------------------------------------------------------------------------------------------------
@@ -371,6 +374,7 @@ def context_parallel_attention(
     plan: tuple[list[Piece], ...] | None = None,
     sinks: torch.Tensor | None = None,
     slopes: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries against the whole sequence spread over the CP `group`.
 
@@ -380,7 +384,7 @@ def context_parallel_attention(
     `window` Mistral's sliding window (None: unbounded); `plan` cp_attention_plan of these, when the caller has
     it already (the model computes it once per forward); `sinks` [hq] gpt-oss's learned sink logit per head
     (kernels/sinks.py); `slopes` [hq] ALiBi's (kernels/alibi.py), with a `plan` built positional and cut into
-    tiles. Returns [b, hq, s_local, d].
+    tiles; `softcap` Gemma 2's attention soft-capping, with a plan cut into tiles. Returns [b, hq, s_local, d].
     """
     assert comm_type in CP_COMM_TYPES, f"comm_type {comm_type!r}"  # the recipe's schema checked it (config.py)
     if k.shape[:3] != v.shape[:3] or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1] or q.shape[3] != k.shape[3]:
@@ -389,16 +393,17 @@ def context_parallel_attention(
     if documents is not None and (len(documents.rows) != q.shape[0] or documents.seq_len != q.shape[2] * cp):
         raise ValueError(f"documents describe {len(documents.rows)} rows of {documents.seq_len} tokens, not "
                          f"{q.shape[0]} of {q.shape[2] * cp}")
-    positional = slopes is not None
+    positional, tiled = slopes is not None, slopes is not None or softcap is not None
     if cp == 1:
         pieces = self_attention_pieces(documents, q.shape[2], window, positional)
-        return piecewise_attention(q, k, v, tiles(pieces) if positional else pieces, scale, sinks, slopes)
+        return piecewise_attention(q, k, v, tiles(pieces) if tiled else pieces, scale, sinks, slopes, softcap)
     if q.shape[2] % 2:
         raise ValueError(f"each CP rank holds two equal chunks; its local length {q.shape[2]} is odd")
     if plan is None:
-        plan = cp_attention_plan(documents, q.shape[2] * cp, cp, group_rank(group), comm_type, window, positional)
+        plan = cp_attention_plan(documents, q.shape[2] * cp, cp, group_rank(group), comm_type, window, positional,
+                                 tiled)
     if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, group, scale, plan, sinks, slopes)
+        return _RingAttention.apply(q, k, v, group, scale, plan, sinks, slopes, softcap)
     if comm_type == "allgather":
-        return _AllGatherAttention.apply(q, k, v, group, scale, plan, sinks, slopes)
-    return _ulysses_attention(q, k, v, group, scale, plan, sinks, slopes)
+        return _AllGatherAttention.apply(q, k, v, group, scale, plan, sinks, slopes, softcap)
+    return _ulysses_attention(q, k, v, group, scale, plan, sinks, slopes, softcap)

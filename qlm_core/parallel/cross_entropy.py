@@ -51,13 +51,26 @@ def _engine_wants(ctx, index: int) -> bool:
         return True
 
 
-def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, padding_from: int | None) -> torch.Tensor:
-    """fp32 logits [c, V_padded/tp] of the tokens x [c, h]; padding columns at -inf. Only the fp32 copy outlives
-    this call (the compute-dtype product is freed on return)."""
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's cap · tanh(logits / cap) (differentiable)."""
+    return torch.tanh(logits / cap) * cap
+
+
+def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, padding_from: int | None, softcap: float | None = None,
+                  keep_tanh: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 logits [c, V_padded/tp] of the tokens x [c, h], soft-capped with `softcap` (in place; with `keep_tanh`
+    also tanh(raw / cap), its derivative's term, a second fp32 copy; else None); padding columns at -inf. Only the
+    fp32 copies outlive this call (the compute-dtype product is freed on return)."""
     logits = torch.mm(x, weight.t()).float()
+    capped = None
+    if softcap is not None:
+        logits.div_(softcap).tanh_()
+        if keep_tanh:
+            capped = logits.clone()
+        logits.mul_(softcap)
     if padding_from is not None:
         logits[:, padding_from:] = float("-inf")
-    return logits
+    return logits, capped
 
 
 def _vocab_slice(target: torch.Tensor, part: int, group: ProcessGroup | None, vocab_size: int):
@@ -72,7 +85,8 @@ def _vocab_slice(target: torch.Tensor, part: int, group: ProcessGroup | None, vo
 
 class _ChunkedVocabParallelCrossEntropy(Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, group: ProcessGroup | None, vocab_size, chunk_tokens, sequence_parallel):
+    def forward(ctx, hidden, weight, target, group: ProcessGroup | None, vocab_size, chunk_tokens, sequence_parallel,
+                softcap):
         full = all_gather_dim0(hidden, group) if sequence_parallel else hidden
         x = full.reshape(-1, full.shape[-1])
         padding_from, local_target, here = _vocab_slice(target, weight.shape[0], group, vocab_size)
@@ -81,7 +95,7 @@ class _ChunkedVocabParallelCrossEntropy(Function):
         lse = torch.empty_like(loss)
         for first in range(0, tokens, chunk_tokens):
             rows = slice(first, first + chunk_tokens)
-            logits = _chunk_logits(x[rows], weight, padding_from)
+            logits, _ = _chunk_logits(x[rows], weight, padding_from, softcap)
             logits_max = all_reduce(logits.max(dim=-1).values, group, op=torch.distributed.ReduceOp.MAX)
             logits.sub_(logits_max[:, None])
             target_logit = logits.gather(-1, local_target[rows, None]).squeeze(-1).masked_fill(~here[rows], 0.0)
@@ -91,7 +105,7 @@ class _ChunkedVocabParallelCrossEntropy(Function):
             loss[rows] = log_sum_exp - sums[0]
             lse[rows] = logits_max + log_sum_exp
         loss.masked_fill_(target < 0, 0.0)
-        ctx.group, ctx.vocab_size, ctx.chunk_tokens = group, vocab_size, chunk_tokens
+        ctx.group, ctx.vocab_size, ctx.chunk_tokens, ctx.softcap = group, vocab_size, chunk_tokens, softcap
         ctx.sequence_parallel = sequence_parallel
         ctx.save_for_backward(hidden, weight, lse, target)
         return loss
@@ -102,7 +116,7 @@ class _ChunkedVocabParallelCrossEntropy(Function):
         group, chunk_tokens = ctx.group, ctx.chunk_tokens
         want_input, want_weight = _engine_wants(ctx, 0), _engine_wants(ctx, 1)
         if not (want_input or want_weight):
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         full = all_gather_dim0(hidden, group) if ctx.sequence_parallel else hidden
         x = full.reshape(-1, full.shape[-1])
         padding_from, local_target, here = _vocab_slice(target, weight.shape[0], group, ctx.vocab_size)
@@ -112,10 +126,13 @@ class _ChunkedVocabParallelCrossEntropy(Function):
         grad_weight = None
         for first in range(0, tokens, chunk_tokens):
             rows = slice(first, first + chunk_tokens)
-            grad = _chunk_logits(x[rows], weight, padding_from)
+            grad, capped = _chunk_logits(x[rows], weight, padding_from, ctx.softcap, keep_tanh=True)
             grad.sub_(lse[rows, None]).exp_()  # the softmax
             grad.scatter_add_(-1, local_target[rows, None], -here[rows, None].to(grad.dtype))
             grad.mul_(scale[rows, None])
+            if capped is not None:  # through the soft-cap: d(cap tanh(x / cap)) / dx = 1 - tanh^2
+                grad.mul_(capped.square_().neg_().add_(1))
+            del capped
             grad = grad.to(x.dtype)
             if want_input:
                 torch.mm(grad, weight, out=grad_x[rows])
@@ -131,22 +148,23 @@ class _ChunkedVocabParallelCrossEntropy(Function):
             grad_x = grad_x.view(full.shape)
             if ctx.sequence_parallel:
                 grad_x = reduce_scatter_dim0(grad_x, group)
-        return grad_x, grad_weight, None, None, None, None, None
+        return grad_x, grad_weight, None, None, None, None, None, None
 
 
 def chunked_vocab_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                          tp_group: ProcessGroup | None, vocab_size: int, chunk_tokens: int,
-                                         sequence_parallel: bool = False) -> torch.Tensor:
+                                         sequence_parallel: bool = False, softcap: float | None = None) -> torch.Tensor:
     """hidden [s, b, h] (this rank's sequence shard under SP), this TP rank's output weight W [V_padded/tp, h], labels
     [b, s] -> per-token loss [b, s] in fp32, zero where the label is negative (ignored). Columns at or past
-    `vocab_size` are padding. Same loss and gradients as the output layer + vocab_parallel_cross_entropy."""
+    `vocab_size` are padding. Same loss and gradients as the output layer (soft-capped with `softcap`, Gemma 2's) +
+    vocab_parallel_cross_entropy."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, not {chunk_tokens}")
     target = labels.transpose(0, 1).reshape(-1).clone()  # [s, b] order, as the hidden states; its own storage
     if not sequence_parallel:
         hidden = copy_to_tp(hidden, tp_group)
     loss = _ChunkedVocabParallelCrossEntropy.apply(hidden, weight, target, tp_group, vocab_size, chunk_tokens,
-                                                   sequence_parallel)
+                                                   sequence_parallel, softcap)
     return loss.view(labels.shape[1], labels.shape[0]).transpose(0, 1)
 
 
@@ -161,12 +179,12 @@ class OutputLayer(ColumnParallelLinear):
         self.vocab_size = vocab_size
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+                chunk_tokens: int = DEFAULT_CHUNK_TOKENS, softcap: float | None = None) -> torch.Tensor:
         if labels is None:
             return super().forward(x, weight)
         if self.bias is not None or self.gather_output:
             raise ValueError("the chunked loss takes an output layer without bias or gathered output")
         return chunked_vocab_parallel_cross_entropy(
             x, self.weight if weight is None else weight, labels, self.tp_group, self.vocab_size, chunk_tokens,
-            self.sequence_parallel,
+            self.sequence_parallel, softcap,
         )

@@ -264,6 +264,8 @@ def head_terms(x: ActivationInputs) -> dict[str, float]:
         "softmax (fp32)": 4 * vocab_per_rank(x) * T,
         "targets and masks": 8 * T + 2 * T,
     })
+    if x.spec.logit_softcap is not None and x.spec.head == "lm":  # Gemma 2: the soft-cap's tanh keeps its (fp32) output
+        terms["soft-capped logits (tanh output, fp32)"] = 4 * vocab_per_rank(x) * T
     return terms
 
 
@@ -274,6 +276,8 @@ def logits_transient(x: ActivationInputs) -> float:
     if not x.chunked_loss:
         return 0.0 if e == 4 else e * V * x.tokens
     chunk_logits = (4 if e == 4 else e + 4) * V * x.loss_chunk_tokens
+    if x.spec.logit_softcap is not None:  # Gemma 2: backward keeps the chunk's tanh beside its logits (fp32)
+        chunk_logits += 4 * V * x.loss_chunk_tokens
     h, T = x.spec.hidden_size, x.tokens
     gathered = e * h * T if x.sp and x.tp > 1 else 0.0
     weight_gradient = 0.0 if x.frozen else e * V * h  # dW, accumulated in the weight's dtype (addmm_)

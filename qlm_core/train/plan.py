@@ -26,6 +26,7 @@ from qlm_core.train.validate import (
     validate_recipe,
     validate_reward_model,
     validate_rl,
+    validate_rl_model,
 )
 
 
@@ -170,6 +171,7 @@ def plan_run(recipe: Recipe, world: int, check_files: bool = True, start_over: b
         from qlm_core.train.rollout_batches import recipe_rewards
 
         validate_rl(recipe, sizes.dp)
+        validate_rl_model(source.spec, recipe.rl.temperature)
         recipe_rewards(recipe)
     layout = recipe_layout(source.spec, p)
     validate_layout(source.spec, p, sizes, recipe.data.seq_length, t.micro_batch_size, t.global_batch_size)

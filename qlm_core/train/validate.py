@@ -148,6 +148,15 @@ def validate_rl(recipe: Recipe, dp: int | None = None):
                        "and its adapters apart", "set lora.rank = 0 (RL trains every weight)")
 
 
+def validate_rl_model(spec: ModelSpec, temperature: float):
+    """The trainer scales the final norm's output by 1 / temperature (logits are linear in it), which a logit
+    soft-cap (Gemma 2's) does not commute with: its rollouts would sample from other log-probs than it trains on."""
+    if spec.logit_softcap is not None and temperature != 1.0:
+        raise QlmError(f"rl.temperature = {temperature} on a model whose logits are soft-capped (Gemma 2's "
+                       "final_logit_softcapping): the trainer's log-probs would not be the rollout's",
+                       "set rl.temperature = 1.0")
+
+
 def validate_preference_model(spec: ModelSpec):
     """Preference training takes dense models."""
     if spec.moe is not None:

@@ -24,7 +24,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["qwen2", "qwen2_tied", "llama3", "mistral", "qwen2_swa", "glm", "glm4",
-                                  "ernie4_5", "gemma3", "opt", "opt_gelu", "bloom", "mpt"])
+                                  "ernie4_5", "gemma3", "opt", "opt_gelu", "bloom", "mpt", "gemma2"])
 def test_hf_mcore_hf_is_bit_exact(hf_models, tmp_path, kind, layout):
     src = hf_models[kind]
     result = hf_to_mcore(src, tmp_path / "mcore", **LAYOUTS[layout], verify=True)

@@ -241,8 +241,8 @@ def test_tied_opt_round_trips_through_deepspeed(hf_models, tmp_path):
     assert_same_hf(tmp_path / "hf", load_safetensors_dir(src))
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "opt", "gemma3", "glm", "bloom", "mpt", "qwen3_moe", "mixtral", "gpt_oss",
-                                  "ernie4_5_moe", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["qwen2", "opt", "gemma3", "glm", "bloom", "mpt", "gemma2", "qwen3_moe", "mixtral",
+                                  "gpt_oss", "ernie4_5_moe", "deepseek_v3", "glm4_moe"])
 def test_the_module_is_transformers_state_dict_in_its_order_and_converts_back(hf_models, moe_models, mla_models, kind,
                                                                               tmp_path):
     """DeepSpeed saves the engine's module: transformers' state_dict, whose parameters' order its flat fp32

@@ -35,6 +35,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
     ("opt", dict(tp=2, pp=2)),
     ("bloom", dict(tp=2, pp=2)),
     ("mpt", dict(tp=2, pp=2)),
+    ("gemma2", dict(tp=2, pp=2)),
 ])
 def test_hf_torch_dist_hf_is_bit_exact(hf_models, tmp_path, kind, layout):
     result = hf_to_mcore(hf_models[kind], tmp_path / "dist", **layout, format="torch_dist", verify=True)

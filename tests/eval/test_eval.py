@@ -88,7 +88,7 @@ def test_qlm_backend_equals_lm_eval_hf_backend(hf_model, tmp_path):
 
 @pytest.mark.slow
 # GLM-4-0414; a Qwen2 windowed on its last two layers; ERNIE 4.5
-@pytest.mark.parametrize("kind", ["glm4", "qwen2_swa", "ernie4_5", "gemma3", "opt", "bloom", "mpt"])
+@pytest.mark.parametrize("kind", ["glm4", "qwen2_swa", "ernie4_5", "gemma3", "opt", "bloom", "mpt", "gemma2"])
 def test_qlm_backend_equals_lm_eval_hf_backend_on_another_family(hf_models, kind, tmp_path):
     assert_same(evaluate(hf_models[kind], "qlm", tmp_path), evaluate(hf_models[kind], "hf", tmp_path))
 

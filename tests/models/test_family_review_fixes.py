@@ -16,7 +16,8 @@ from qlm_core.models.presets import PRESETS
 from qlm_core.models.spec import ModelSpec
 
 
-@pytest.mark.parametrize("preset", ["opt-1.3b", "gemma-3-1b", "ernie-4.5-21b-a3b", "ernie-4.5-0.3b", "bloom-560m"])
+@pytest.mark.parametrize("preset", ["opt-1.3b", "gemma-3-1b", "ernie-4.5-21b-a3b", "ernie-4.5-0.3b", "bloom-560m",
+                                    "gemma-2-2b"])
 def test_a_config_without_tie_word_embeddings_ties_as_transformers_does(preset):
     config = PRESETS[preset].to_hf_config()
     del config["tie_word_embeddings"]  # transformers 4.x leaves a default out of a saved config.json

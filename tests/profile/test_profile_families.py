@@ -5,7 +5,7 @@ windows change the attention FLOPs the time counts."""
 
 import pytest
 import torch
-from parallel_cases import BLOOM, GEMMA3, GLM4, GPT_OSS, MPT, OPT, SPEC
+from parallel_cases import BLOOM, GEMMA2, GEMMA3, GLM4, GPT_OSS, MPT, OPT, SPEC
 
 from qlm_core.config import ParallelConfig
 from qlm_core.hardware import gpu_spec
@@ -23,7 +23,7 @@ SEQ, BATCH = 64, 2
 
 FAMILIES = {"glm4": GLM4, "gemma3": GEMMA3, "opt": OPT, "opt_gelu": OPT.replace(
     activation="gelu", linear_bias=False, qkv_bias=False), "gpt_oss": GPT_OSS, "bloom": BLOOM,
-            "mpt": MPT}
+            "mpt": MPT, "gemma2": GEMMA2}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -63,6 +63,9 @@ def make_args(layout: ModelLayout, dtype: torch.dtype, ckpt_format: str = "torch
         qlm_sliding_window=s.sliding_window,
         softmax_scale=s.softmax_scale,
         softmax_type="learnable" if s.attention_sinks else "vanilla",  # gpt-oss's sinks: core_attention.softmax_offset
+        # Gemma 2's soft-caps: Megatron-LM has none; Megatron-Bridge's Gemma 2 provider names them so
+        attn_logit_softcapping=s.attention_softcap,
+        final_logit_softcapping=s.logit_softcap,
         # Gemma 3's global layers: linear RoPE scaling (Megatron's position interpolation); its windowed layers' own
         # base and its embedding scale have no Megatron-LM argument (Megatron-Bridge's rotary_base_local)
         rotary_seq_len_interpolation_factor=s.rope_scaling.factor if isinstance(s.rope_scaling, LinearRopeScaling)
@@ -394,6 +397,8 @@ def spec_from_args(args) -> ModelSpec:
         embedding_norm=bool(getattr(args, "embed_layernorm", False)),
         softmax_scale=getattr(args, "softmax_scale", None),
         attention_sinks=_sinks_from_args(args),
+        attention_softcap=getattr(args, "attn_logit_softcapping", None),
+        logit_softcap=getattr(args, "final_logit_softcapping", None),
         local_rope_theta=getattr(args, "qlm_local_rope_theta", None),
         moe=moe,
         mla=mla,
