@@ -153,3 +153,14 @@ def assert_sft_then_lora_export_equals_transformers(tmp_path: Path, kind: str, d
     ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (model(ids) - reference(ids).logits).abs().max().item() <= 1e-5
+
+
+def cached_logits(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
+    """The model's logits of `ids` [b, s] decoded with a KV cache: `prefix` tokens at once, then one at a time."""
+    from qlm_core.models.attention import KVCache
+
+    cache = KVCache.empty(len(model.decoder.layers))
+    steps = [model(ids[:, :prefix], cache=cache)]
+    steps += [model(ids[:, t:t + 1], torch.full((ids.shape[0], 1), t), cache=cache)
+              for t in range(prefix, ids.shape[1])]
+    return torch.cat(steps, dim=1)

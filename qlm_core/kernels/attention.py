@@ -245,11 +245,15 @@ def _uses_flash_attn(q) -> bool:
     return _flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16)
 
 
+# flash-attn 2.6 and later soft-cap (their functions take softcap)
+_FLASH_SOFTCAPS = _flash_attn_func is not None and "softcap" in inspect.signature(_flash_attn_func).parameters
+
+
 def _flash_softcaps(q, k, bias) -> bool:
-    """Whether flash-attn soft-caps this piece itself (CUDA, fp16/bf16, no bias, not empty, a flash-attn of 2.6 or
-    later, whose functions take softcap); else the plain math does."""
-    return (q.is_cuda and _uses_flash_attn(q) and bias is None and q.shape[2] > 0 and k.shape[2] > 0
-            and "softcap" in inspect.signature(_flash_attn_func).parameters)
+    """Whether flash-attn soft-caps this piece itself (CUDA, fp16/bf16, no bias, not empty, a flash-attn that takes
+    softcap); else the plain math does."""
+    return _FLASH_SOFTCAPS and q.is_cuda and _uses_flash_attn(q) and bias is None and q.shape[2] > 0 \
+        and k.shape[2] > 0
 
 
 def _padded_bias(bias, q, heads: int):

@@ -112,7 +112,7 @@ def _rest(pieces: list[Piece], groups: tuple[stacked.Group, ...], slopes=None) -
     """The pieces no group runs (with ALiBi, those of one bias one after another)."""
     grouped = {index for group in groups for index in group.indices}
     rest = [piece for index, piece in enumerate(pieces) if index not in grouped]
-    return rest if slopes is None else sorted(rest, key=lambda piece: (repr(_bias_key(piece)), piece.q.start))
+    return rest if slopes is None else sorted(rest, key=lambda piece: (*_bias_key(piece), piece.q.start))
 
 
 def _piece_backward(grad_out, q, k, v, out, lse, piece: Piece, scale, biases: _Biases):

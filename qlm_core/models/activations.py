@@ -63,7 +63,7 @@ class ActivationKind:
         return 3 if self.gated else 2
 
 
-_SWITCHES = ("swiglu", "squared_relu", "qlm_geglu", "qlm_relu", "quick_geglu")
+MEGATRON_SWITCHES = ("swiglu", "squared_relu", "qlm_geglu", "qlm_relu", "quick_geglu")  # each kind's own switch
 # --openai-gelu only picks which GELU a GELU MLP runs (Megatron-LM's legacy models and Megatron-DeepSpeed read it; a
 # gated unit's switch wins over it): only the GELU kinds state it
 
@@ -72,7 +72,7 @@ def _switches(on: str | None) -> tuple[tuple[str, bool], ...]:
     """Megatron-LM's activation switches with `on` alone set (None: its default GELU, "openai_gelu": GELU's tanh
     approximation)."""
     gelu = (("openai_gelu", on == "openai_gelu"),) if on in (None, "openai_gelu") else ()
-    return tuple((switch, switch == on) for switch in _SWITCHES) + gelu
+    return tuple((switch, switch == on) for switch in MEGATRON_SWITCHES) + gelu
 
 
 _GELU_TANH = functools.partial(F.gelu, approximate="tanh")

@@ -597,10 +597,8 @@ def _read_gemma(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         raise QlmError(f"config.json ({model_type}): rope_type {kind!r} on the global layers",
                        "qlm reads Gemma 3's default and linear RoPE")
     scaling = LinearRopeScaling(float(full["factor"])) if kind == "linear" else None
-    scalar = config.get("query_pre_attn_scalar", 256)
-    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
-        raise QlmError(f"config.json ({model_type}): query_pre_attn_scalar is {scalar!r}", "set a positive number")
-    return {"rope": (_positive_theta(full["rope_theta"]), scaling), "softmax_scale": scalar ** -0.5,
+    return {"rope": (_positive_theta(full["rope_theta"]), scaling),
+            "softmax_scale": _read_pre_attn_scalar(config, model_type) ** -0.5,
             "local_rope_theta": _positive_theta(local["rope_theta"])}
 
 
@@ -613,13 +611,18 @@ def _read_softcaps(config: dict[str, Any], model_type: str) -> dict[str, Any]:
                                 or cap <= 0):
             raise QlmError(f"config.json ({model_type}): {key} is {cap!r}", "set a positive number, or null (off)")
         out[field] = None if cap is None else float(cap)
-    scalar = config.get("query_pre_attn_scalar", 256)
-    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
-        raise QlmError(f"config.json ({model_type}): query_pre_attn_scalar is {scalar!r}", "set a positive number")
     if config.get("use_bidirectional_attention"):
         raise QlmError(f"config.json ({model_type}): use_bidirectional_attention = true (an encoder)",
                        "qlm builds causal decoders")
-    return {**out, "softmax_scale": scalar ** -0.5}
+    return {**out, "softmax_scale": _read_pre_attn_scalar(config, model_type) ** -0.5}
+
+
+def _read_pre_attn_scalar(config: dict[str, Any], model_type: str) -> float:
+    """Gemma's query_pre_attn_scalar (default 256), whose -1/2 power is the softmax scale."""
+    scalar = config.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise QlmError(f"config.json ({model_type}): query_pre_attn_scalar is {scalar!r}", "set a positive number")
+    return scalar
 
 
 def _pre_attn_scalar(spec: ModelSpec) -> float:
@@ -629,7 +632,6 @@ def _pre_attn_scalar(spec: ModelSpec) -> float:
 
 
 def _gemma_to_hf(spec: ModelSpec) -> dict[str, Any]:
-    scalar = (spec.softmax_scale or spec.kv_channels ** -0.5) ** -2
     full = {"rope_type": "default", "rope_theta": spec.rope_theta}
     if isinstance(spec.rope_scaling, LinearRopeScaling):
         full.update(rope_type="linear", factor=spec.rope_scaling.factor)
@@ -637,7 +639,7 @@ def _gemma_to_hf(spec: ModelSpec) -> dict[str, Any]:
         raise QlmError(f"a {spec.model_type} model with {type(spec.rope_scaling).__name__} has no Hugging Face config",
                        "Gemma 3's global layers take default or linear RoPE")
     local = {"rope_type": "default", "rope_theta": spec.local_rope_theta or spec.rope_theta}
-    return {"query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+    return {"query_pre_attn_scalar": _pre_attn_scalar(spec),
             "rope_parameters": {"full_attention": full, "sliding_attention": local},
             "attn_logit_softcapping": None, "final_logit_softcapping": None}
 

@@ -127,9 +127,11 @@ def test_an_alibi_model_runs_packed_and_decodes_as_it_runs_whole():
     """A model with ALiBi positions: packed documents give each document's own logits (ALiBi needs no position ids:
     a document's tokens are as far apart packed as alone), and a KV cache's prefill and steps (the decoding key
     mask) give the whole row's; the slopes move the logits (a model that dropped them would not)."""
+    from helpers import cached_logits
+
     from qlm_core.kernels import alibi
     from qlm_core.models import load_model_spec
-    from qlm_core.models.gpt import GPTModel, KVCache
+    from qlm_core.models.gpt import GPTModel
 
     spec = load_model_spec("qlm-tiny").replace(position="alibi")
     torch.manual_seed(0)
@@ -141,10 +143,7 @@ def test_an_alibi_model_runs_packed_and_decodes_as_it_runs_whole():
         packed = model(ids, segment_ids=segments)
         assert (packed[:, :10] - whole[:, :10]).abs().max() <= TOL
         assert (packed[:, 10:] - model(ids[:, 10:])).abs().max() <= TOL
-        cache = KVCache.empty(spec.num_layers)
-        prefix = model(ids[:, :16], cache=cache)
-        steps = [model(ids[:, t:t + 1], torch.full((2, 1), t), cache=cache) for t in range(16, 24)]
-        assert (torch.cat([prefix, *steps], dim=1) - whole).abs().max() <= TOL
+        assert (cached_logits(model, ids, 16) - whole).abs().max() <= TOL
         old, alibi.TILE = alibi.TILE, 5  # tiles smaller than the row: the same logits
         try:
             from qlm_core.models import attention_gqa

@@ -82,8 +82,10 @@ def test_a_model_with_sinks_decodes_as_it_runs_whole():
     """The plain row (one causal piece), packed documents and a KV cache's prefill and steps (the decoding key mask)
     give the same logits; the sink logits are Megatron's core_attention.softmax_offset, one per head, and move the
     logits (a model that ignored them would give its sink-free logits)."""
+    from helpers import cached_logits
+
     from qlm_core.models import load_model_spec
-    from qlm_core.models.gpt import GPTModel, KVCache
+    from qlm_core.models.gpt import GPTModel
 
     spec = load_model_spec("qlm-tiny").replace(attention_sinks=True)
     torch.manual_seed(0)
@@ -96,10 +98,7 @@ def test_a_model_with_sinks_decodes_as_it_runs_whole():
         ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
         whole = model(ids)
         assert (model(ids, segment_ids=torch.zeros_like(ids)) - whole).abs().max() <= TOL
-        cache = KVCache.empty(spec.num_layers)
-        prefix = model(ids[:, :16], cache=cache)
-        steps = [model(ids[:, t:t + 1], torch.full((2, 1), t), cache=cache) for t in range(16, 24)]
-        assert (torch.cat([prefix, *steps], dim=1) - whole).abs().max() <= TOL
+        assert (cached_logits(model, ids, 16) - whole).abs().max() <= TOL
         for layer in model.decoder.layers:
             layer.self_attention.core_attention.softmax_offset.fill_(-1e4)  # sinks that take nothing
         plain = GPTModel(spec.replace(attention_sinks=False)).eval()

@@ -18,6 +18,7 @@ from helpers import (
     assert_greedy_generate_equals_transformers,
     assert_same_hf,
     assert_sft_then_lora_export_equals_transformers,
+    cached_logits,
     qlm_from_hf,
 )
 from safetensors.torch import load_file, save_file
@@ -28,7 +29,6 @@ from qlm_core.checkpoint.convert.hf_megatron import hf_to_mcore, mcore_to_hf
 from qlm_core.checkpoint.formats.hf.checkpoint import HFCheckpoint
 from qlm_core.errors import QlmError
 from qlm_core.kernels.clamped_swiglu import LIMIT, ClampedSwiGLUFunction, clamped_swiglu_reference
-from qlm_core.models.gpt import KVCache
 from qlm_core.models.layout import ModelLayout
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -91,10 +91,7 @@ def test_packed_documents_and_the_kv_cache_equal_transformers_past_the_window(gp
         packed = model(ids, positions, segment_ids=segments)
         alone = torch.cat([reference(ids[:, :17]).logits, reference(ids[:, 17:]).logits], dim=1)
         assert (packed - alone).abs().max().item() <= 1e-5
-        cache = KVCache.empty(spec.num_layers)
-        prefix = model(ids[:, :30], cache=cache)
-        steps = [model(ids[:, t: t + 1], torch.full((2, 1), t), cache=cache) for t in range(30, 40)]
-        assert (torch.cat([prefix, *steps], dim=1) - expected).abs().max().item() <= 1e-5
+        assert (cached_logits(model, ids, 30) - expected).abs().max().item() <= 1e-5
 
 
 def test_greedy_generate_equals_transformers(tmp_path):

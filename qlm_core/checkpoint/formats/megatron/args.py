@@ -123,15 +123,15 @@ def moe_args(spec: ModelSpec) -> dict:
 
 
 def mla_args(spec: ModelSpec) -> dict:
-    """Megatron-LM's multi-latent attention arguments (its MLATransformerConfig) and YaRN's; `qlm_mla` keeps how HF
-    laid out the rotary rows."""
+    """Megatron-LM's multi-latent attention arguments (its MLATransformerConfig) and its YaRN's (grouped-query
+    attention's: yarn_gqa_args); `qlm_mla` keeps how HF laid out the rotary rows."""
     mla, yarn = spec.mla, spec.rope_scaling if isinstance(spec.rope_scaling, YarnScaling) else None
     args = {"multi_latent_attention": mla is not None}
     if mla is not None:
         args.update(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_nope_head_dim,
                     qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
                     qlm_mla=vars(mla).copy())
-    if yarn is not None:
+    if yarn is not None and mla is not None:
         args.update(rope_type="yarn", rotary_scaling_factor=yarn.factor,
                     original_max_position_embeddings=yarn.original_max_position_embeddings,
                     beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow, mscale=yarn.mscale or 1.0,

@@ -24,6 +24,7 @@ import math
 from pathlib import Path
 
 from qlm_core.errors import QlmError
+from qlm_core.models.activations import MEGATRON_SWITCHES
 
 RUN_CONFIG_FILE = "run_config.yaml"
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
@@ -207,7 +208,7 @@ def _activation_flags(gated: bool, activation: str | None, path) -> dict:
     (gated silu, the default when gated), gpt-oss's gated quick GELU, GeGLU (gated tanh GELU), ReLU, or Megatron's
     default GELU; others refused."""
     name = (activation or ("silu" if gated else "gelu")).lower()
-    flags = {"swiglu": False, "squared_relu": False, "qlm_geglu": False, "qlm_relu": False, "quick_geglu": False}
+    flags = dict.fromkeys(MEGATRON_SWITCHES, False)
     if gated and "quick_gelu" in name:  # gpt-oss's, with glu_linear_offset and activation_func_clamp_value
         flags["quick_geglu"] = True
     elif gated and "silu" in name:
